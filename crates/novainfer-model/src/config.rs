@@ -1,0 +1,341 @@
+//! Qwen2 hyper-parameters, read from an HF `config.json` or from GGUF metadata.
+//!
+//! Both sources end in the same [`Qwen2Config`], validated once: a config that
+//! passes [`Qwen2Config::validate`] can build a model whose shapes are consistent.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::error::{ModelError, Result};
+
+/// Weight storage types a checkpoint may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl WeightDtype {
+    /// Parses the spellings used by transformers (`float32`, `bfloat16`, ...) and by us (`f32`, ...).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" | "float32" | "float" => Some(Self::F32),
+            "bf16" | "bfloat16" => Some(Self::Bf16),
+            "f16" | "float16" | "half" => Some(Self::F16),
+            _ => None,
+        }
+    }
+
+    pub fn candle(self) -> candle_core::DType {
+        match self {
+            Self::F32 => candle_core::DType::F32,
+            Self::Bf16 => candle_core::DType::BF16,
+            Self::F16 => candle_core::DType::F16,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Qwen2Config {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub max_position_embeddings: usize,
+    pub rope_theta: f64,
+    pub rms_norm_eps: f64,
+    pub tie_word_embeddings: bool,
+    /// The checkpoint's own storage type; `None` for GGUF (per-tensor types).
+    pub torch_dtype: Option<WeightDtype>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl Qwen2Config {
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_attention_heads
+    }
+
+    /// Query heads served by each KV head (grouped-query attention).
+    pub fn num_queries_per_kv(&self) -> usize {
+        self.num_attention_heads / self.num_key_value_heads
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ];
+        for (field, value) in positive {
+            if value == 0 {
+                return Err(ModelError::config(field, "must be positive"));
+            }
+        }
+        if self.hidden_size % self.num_attention_heads != 0 {
+            return Err(ModelError::config(
+                "hidden_size",
+                format!(
+                    "{} is not divisible by num_attention_heads {}",
+                    self.hidden_size, self.num_attention_heads
+                ),
+            ));
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return Err(ModelError::config(
+                "num_key_value_heads",
+                format!(
+                    "num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                    self.num_attention_heads, self.num_key_value_heads
+                ),
+            ));
+        }
+        if self.head_dim() % 2 != 0 {
+            return Err(ModelError::config(
+                "hidden_size",
+                "head_dim must be even for rotary embeddings",
+            ));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err(ModelError::config(
+                "rope_theta",
+                format!("must be positive, got {}", self.rope_theta),
+            ));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return Err(ModelError::config(
+                "rms_norm_eps",
+                format!("must be positive, got {}", self.rms_norm_eps),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Reads `config.json` and, when present, `generation_config.json` from an HF directory.
+    pub fn from_hf_dir(dir: &Path) -> Result<Self> {
+        let raw: HfConfig = read_json(&dir.join("config.json"))?;
+        let generation: Option<GenerationConfig> = match dir.join("generation_config.json") {
+            p if p.exists() => Some(read_json(&p)?),
+            _ => None,
+        };
+        let cfg = raw.into_config(generation)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+pub(crate) fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| ModelError::Corrupt {
+        path: path.to_owned(),
+        detail: e.to_string(),
+    })
+}
+
+/// One id or several: `eos_token_id` is spelled both ways in the wild.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl OneOrMany {
+    fn into_vec(self) -> Vec<u32> {
+        match self {
+            OneOrMany::One(id) => vec![id],
+            OneOrMany::Many(ids) => ids,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct RopeParameters {
+    rope_theta: Option<f64>,
+}
+
+/// `config.json` as transformers writes it; newer versions moved some fields.
+#[derive(Debug, Deserialize)]
+struct HfConfig {
+    #[serde(default)]
+    architectures: Vec<String>,
+    model_type: Option<String>,
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    #[serde(default = "default_max_positions")]
+    max_position_embeddings: usize,
+    rope_theta: Option<f64>,
+    rope_parameters: Option<RopeParameters>,
+    #[serde(default = "default_rms_norm_eps")]
+    rms_norm_eps: f64,
+    #[serde(default)]
+    tie_word_embeddings: bool,
+    torch_dtype: Option<String>,
+    dtype: Option<String>,
+    bos_token_id: Option<u32>,
+    eos_token_id: Option<OneOrMany>,
+    hidden_act: Option<String>,
+}
+
+fn default_max_positions() -> usize {
+    32768
+}
+
+fn default_rms_norm_eps() -> f64 {
+    1e-6
+}
+
+#[derive(Debug, Deserialize)]
+struct GenerationConfig {
+    bos_token_id: Option<u32>,
+    eos_token_id: Option<OneOrMany>,
+}
+
+const QWEN2_ARCH: &str = "Qwen2ForCausalLM";
+
+impl HfConfig {
+    fn into_config(self, generation: Option<GenerationConfig>) -> Result<Qwen2Config> {
+        let is_qwen2 = self.architectures.iter().any(|a| a == QWEN2_ARCH)
+            || (self.architectures.is_empty() && self.model_type.as_deref() == Some("qwen2"));
+        if !is_qwen2 {
+            let found = self
+                .architectures
+                .first()
+                .cloned()
+                .or(self.model_type)
+                .unwrap_or_default();
+            return Err(ModelError::UnsupportedArchitecture {
+                found,
+                expected: QWEN2_ARCH,
+            });
+        }
+        if let Some(act) = self.hidden_act.as_deref().filter(|a| *a != "silu") {
+            return Err(ModelError::config(
+                "hidden_act",
+                format!("only silu is supported, got {act:?}"),
+            ));
+        }
+        let rope_theta = self
+            .rope_theta
+            .or(self.rope_parameters.and_then(|p| p.rope_theta))
+            .unwrap_or(10_000.0);
+        let torch_dtype = match self.torch_dtype.or(self.dtype) {
+            None => None,
+            Some(s) => Some(WeightDtype::parse(&s).ok_or_else(|| {
+                ModelError::config("torch_dtype", format!("unknown dtype {s:?}"))
+            })?),
+        };
+        // generation_config.json is what generate() honours, so its eos list wins.
+        let (gen_bos, gen_eos) = generation
+            .map(|g| (g.bos_token_id, g.eos_token_id))
+            .unwrap_or((None, None));
+        let eos_token_ids = gen_eos
+            .or(self.eos_token_id)
+            .map(OneOrMany::into_vec)
+            .unwrap_or_default();
+        Ok(Qwen2Config {
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            num_hidden_layers: self.num_hidden_layers,
+            num_attention_heads: self.num_attention_heads,
+            num_key_value_heads: self.num_key_value_heads.unwrap_or(self.num_attention_heads),
+            max_position_embeddings: self.max_position_embeddings,
+            rope_theta,
+            rms_norm_eps: self.rms_norm_eps,
+            tie_word_embeddings: self.tie_word_embeddings,
+            torch_dtype,
+            bos_token_id: gen_bos.or(self.bos_token_id),
+            eos_token_ids,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(dir: &Path, name: &str, text: &str) {
+        std::fs::write(dir.join(name), text).expect("write test file");
+    }
+
+    const BASE: &str = r#"{"architectures": ["Qwen2ForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 512, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+        "eos_token_id": 299}"#;
+
+    #[test]
+    fn generation_config_eos_list_wins() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        write(dir.path(), "config.json", BASE);
+        write(
+            dir.path(),
+            "generation_config.json",
+            r#"{"eos_token_id": [297, 298]}"#,
+        );
+        let cfg = Qwen2Config::from_hf_dir(dir.path()).expect("valid config");
+        assert_eq!(cfg.eos_token_ids, vec![297, 298]);
+        assert_eq!(cfg.head_dim(), 16);
+        assert_eq!(cfg.num_queries_per_kv(), 2);
+        assert_eq!(cfg.torch_dtype, Some(WeightDtype::Bf16));
+    }
+
+    #[test]
+    fn newer_transformers_spellings_are_accepted() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let text = BASE
+            .replace(
+                r#""rope_theta": 10000.0"#,
+                r#""rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}"#,
+            )
+            .replace("torch_dtype", "dtype");
+        write(dir.path(), "config.json", &text);
+        let cfg = Qwen2Config::from_hf_dir(dir.path()).expect("valid config");
+        assert_eq!(cfg.rope_theta, 1e6);
+        assert_eq!(cfg.eos_token_ids, vec![299]);
+    }
+
+    #[test]
+    fn other_architectures_are_rejected_by_name() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        write(
+            dir.path(),
+            "config.json",
+            &BASE.replace("Qwen2ForCausalLM", "LlamaForCausalLM"),
+        );
+        let err = Qwen2Config::from_hf_dir(dir.path()).expect_err("llama is not qwen2");
+        assert!(err.to_string().contains("LlamaForCausalLM"), "{err}");
+    }
+
+    #[test]
+    fn inconsistent_heads_name_the_field() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        write(
+            dir.path(),
+            "config.json",
+            &BASE.replace(r#""num_key_value_heads": 2"#, r#""num_key_value_heads": 3"#),
+        );
+        let err = Qwen2Config::from_hf_dir(dir.path()).expect_err("4 heads over 3 kv heads");
+        assert!(err.to_string().contains("num_key_value_heads"), "{err}");
+    }
+
+    #[test]
+    fn missing_config_is_not_found() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let err = Qwen2Config::from_hf_dir(dir.path()).expect_err("no config.json");
+        assert!(matches!(err, ModelError::NotFound(_)), "{err}");
+    }
+}

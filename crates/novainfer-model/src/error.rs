@@ -1,0 +1,74 @@
+//! Errors of model loading and execution.
+//!
+//! Every variant names the file, field or tensor at fault, so a user can act on
+//! the message without reading our code.
+
+use std::path::PathBuf;
+
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ModelError {
+    #[error("model path does not exist: {0}")]
+    NotFound(PathBuf),
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "{path} is neither a Hugging Face model directory (with config.json) nor a .gguf file"
+    )]
+    UnknownFormat { path: PathBuf },
+    #[error("unsupported architecture {found:?}: NovaInfer runs Qwen2-family models ({expected})")]
+    UnsupportedArchitecture {
+        found: String,
+        expected: &'static str,
+    },
+    #[error("invalid model config field `{field}`: {reason}")]
+    InvalidConfig { field: String, reason: String },
+    #[error("tensor `{name}` is missing from the checkpoint")]
+    MissingTensor { name: String },
+    #[error(
+        "unexpected tensor `{name}` in the checkpoint (not part of a Qwen2 model with this config)"
+    )]
+    UnexpectedTensor { name: String },
+    #[error("tensor `{name}` has shape {found:?} but the config implies {expected:?}")]
+    ShapeMismatch {
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    #[error("tensor `{name}` has unsupported dtype {dtype}")]
+    UnsupportedDtype { name: String, dtype: String },
+    #[error("{path} is truncated or corrupt: {detail}")]
+    Corrupt { path: PathBuf, detail: String },
+    #[error("unsupported dtype override {0:?}: expected one of auto, f32, bf16, f16")]
+    InvalidDtype(String),
+    #[error("sequence of {needed} tokens exceeds the KV cache capacity of {capacity} tokens")]
+    ContextOverflow { needed: usize, capacity: usize },
+    #[error("token id {id} is out of range for a vocabulary of {vocab_size}")]
+    TokenOutOfRange { id: u32, vocab_size: usize },
+    #[error("tensor computation failed: {0}")]
+    Compute(#[from] candle_core::Error),
+}
+
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;
+
+impl ModelError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        let path = path.into();
+        if source.kind() == std::io::ErrorKind::NotFound {
+            ModelError::NotFound(path)
+        } else {
+            ModelError::Io { path, source }
+        }
+    }
+
+    pub(crate) fn config(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        ModelError::InvalidConfig {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+}

@@ -1,0 +1,99 @@
+//! Matmul weights (`y = x Wᵀ + b`) and token embeddings, dense or GGUF-quantized.
+
+use std::sync::Arc;
+
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+
+use crate::error::Result;
+
+enum Weight {
+    /// `[out, in]` in the storage dtype; activations are cast to it for the matmul.
+    Dense(Tensor),
+    Quantized(QMatMul),
+}
+
+pub struct Linear {
+    weight: Weight,
+    bias: Option<Vec<f32>>,
+    out_features: usize,
+    in_features: usize,
+}
+
+impl Linear {
+    pub fn dense(weight: Tensor, bias: Option<Vec<f32>>) -> Result<Self> {
+        let (out_features, in_features) = weight.dims2()?;
+        Ok(Self {
+            weight: Weight::Dense(weight),
+            bias,
+            out_features,
+            in_features,
+        })
+    }
+
+    pub fn quantized(weight: Arc<QTensor>, bias: Option<Vec<f32>>) -> Result<Self> {
+        let (out_features, in_features) = weight.shape().dims2()?;
+        Ok(Self {
+            weight: Weight::Quantized(QMatMul::from_arc(weight)?),
+            bias,
+            out_features,
+            in_features,
+        })
+    }
+
+    pub fn out_features(&self) -> usize {
+        self.out_features
+    }
+
+    /// `x`: `[rows, in]` → `[rows, out]`.
+    pub fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        debug_assert_eq!(
+            x.len(),
+            rows * self.in_features,
+            "linear input shape: this is a bug"
+        );
+        let xt = Tensor::from_slice(x, (rows, self.in_features), &Device::Cpu)?;
+        let y = match &self.weight {
+            Weight::Quantized(w) => w.forward(&xt)?,
+            Weight::Dense(w) if w.dtype() == DType::F32 => xt.matmul(&w.t()?)?,
+            Weight::Dense(w) => xt
+                .to_dtype(w.dtype())?
+                .matmul(&w.t()?)?
+                .to_dtype(DType::F32)?,
+        };
+        let mut y = y.flatten_all()?.to_vec1::<f32>()?;
+        if let Some(bias) = &self.bias {
+            for row in y.chunks_exact_mut(self.out_features) {
+                row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+            }
+        }
+        Ok(y)
+    }
+}
+
+/// The token embedding table; its rows are looked up, never multiplied in full.
+#[derive(Clone)]
+pub enum Embedding {
+    Dense(Tensor),
+    Quantized(Arc<QTensor>),
+}
+
+impl Embedding {
+    /// `ids` → `[ids.len(), hidden]` in f32.
+    pub fn forward(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        let ids = Tensor::from_slice(ids, ids.len(), &Device::Cpu)?;
+        let rows = match self {
+            Embedding::Dense(table) => table.index_select(&ids, 0)?,
+            Embedding::Quantized(table) => table.embedding(&ids)?,
+        };
+        Ok(rows.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+    }
+
+    /// The same table as an output projection (tied embeddings).
+    pub fn as_linear(&self) -> Result<Linear> {
+        match self {
+            Embedding::Dense(table) => Linear::dense(table.clone(), None),
+            Embedding::Quantized(table) => Linear::quantized(table.clone(), None),
+        }
+    }
+}

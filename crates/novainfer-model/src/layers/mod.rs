@@ -1,0 +1,12 @@
+//! Building blocks of the Qwen2 forward pass on CPU.
+//!
+//! Activations are row-major `f32` slices `[rows, features]`; candle is used
+//! where it is strong (dense and quantized matmuls), plain loops where we want
+//! exact control over the arithmetic (norms, RoPE, attention).
+
+pub mod attention;
+pub mod linear;
+pub mod ops;
+
+pub use attention::{attention, AttentionShape, KvView};
+pub use linear::{Embedding, Linear};

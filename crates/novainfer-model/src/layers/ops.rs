@@ -1,0 +1,133 @@
+//! Element-wise and row-wise ops on `[rows, features]` f32 slices.
+
+/// `x · rsqrt(mean(x²) + eps) · w` per row, accumulated in f64 so the result does
+/// not depend on how the row is split for SIMD.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f64) -> Vec<f32> {
+    let dim = weight.len();
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(dim) {
+        let mean_sq = row
+            .iter()
+            .map(|&v| f64::from(v) * f64::from(v))
+            .sum::<f64>()
+            / dim as f64;
+        let scale = (1.0 / (mean_sq + eps).sqrt()) as f32;
+        out.extend(row.iter().zip(weight).map(|(&v, &w)| v * scale * w));
+    }
+    out
+}
+
+/// `silu(gate) · up`, the SwiGLU activation.
+pub fn silu_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
+    gate.iter()
+        .zip(up)
+        .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+        .collect()
+}
+
+pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
+    acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
+}
+
+/// Rotary position embedding, "neox" style as Qwen2 uses it: dimension `i` is
+/// rotated together with `i + head_dim/2` (not with its neighbour).
+#[derive(Debug, Clone)]
+pub struct Rope {
+    inv_freq: Vec<f64>,
+}
+
+impl Rope {
+    pub fn new(head_dim: usize, theta: f64) -> Self {
+        let inv_freq = (0..head_dim / 2)
+            .map(|i| theta.powf(-2.0 * i as f64 / head_dim as f64))
+            .collect();
+        Self { inv_freq }
+    }
+
+    /// Rotates every head of every row in place; row `r` sits at `positions[r]`.
+    pub fn apply(&self, x: &mut [f32], positions: &[usize], head_dim: usize) {
+        let half = head_dim / 2;
+        let row_len = x.len() / positions.len().max(1);
+        let mut cos = vec![0f32; half];
+        let mut sin = vec![0f32; half];
+        for (row, &pos) in x.chunks_exact_mut(row_len).zip(positions) {
+            for (i, f) in self.inv_freq.iter().enumerate() {
+                let angle = pos as f64 * f;
+                cos[i] = angle.cos() as f32;
+                sin[i] = angle.sin() as f32;
+            }
+            for head in row.chunks_exact_mut(head_dim) {
+                let (lo, hi) = head.split_at_mut(half);
+                for i in 0..half {
+                    let (a, b) = (lo[i], hi[i]);
+                    lo[i] = a * cos[i] - b * sin[i];
+                    hi[i] = b * cos[i] + a * sin[i];
+                }
+            }
+        }
+    }
+}
+
+/// Dot product with eight independent accumulators, so the compiler vectorises it
+/// and the summation order is fixed (independent of batch composition).
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (a8, a_rest) = a.split_at(a.len() / 8 * 8);
+    let (b8, b_rest) = b.split_at(a8.len());
+    for (x, y) in a8.chunks_exact(8).zip(b8.chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let tail: f32 = a_rest.iter().zip(b_rest).map(|(x, y)| x * y).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_matches_definition() {
+        let x = [1.0f32, -2.0, 3.0, 0.5];
+        let w = [1.0f32, 2.0, 0.5, -1.0];
+        let ms = (1.0 + 4.0 + 9.0 + 0.25) / 4.0f64;
+        let s = 1.0 / (ms + 1e-6).sqrt();
+        let out = rms_norm(&x, &w, 1e-6);
+        for i in 0..4 {
+            assert!((f64::from(out[i]) - f64::from(x[i]) * s * f64::from(w[i])).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn rope_rotates_pairs_half_a_head_apart() {
+        let rope = Rope::new(4, 10_000.0);
+        // One head of 4: pairs are (0, 2) with freq 1 and (1, 3) with freq 1/100.
+        let mut x = vec![1.0f32, 0.0, 0.0, 1.0];
+        rope.apply(&mut x, &[1], 4);
+        let (c0, s0) = (1f64.cos() as f32, 1f64.sin() as f32);
+        let (c1, s1) = (0.01f64.cos() as f32, 0.01f64.sin() as f32);
+        let expected = [c0, -s1, s0, c1];
+        for (a, e) in x.iter().zip(expected) {
+            assert!((a - e).abs() < 1e-6, "{x:?} vs {expected:?}");
+        }
+        let mut at_zero = vec![0.3f32, -0.7, 1.1, 2.0];
+        rope.apply(&mut at_zero, &[0], 4);
+        assert_eq!(at_zero, vec![0.3, -0.7, 1.1, 2.0]);
+    }
+
+    #[test]
+    fn dot_handles_tails() {
+        let a: Vec<f32> = (0..19).map(|i| i as f32).collect();
+        let b = vec![2.0f32; 19];
+        assert_eq!(dot(&a, &b), 2.0 * (0..19).sum::<i32>() as f32);
+    }
+
+    #[test]
+    fn silu_mul_is_swiglu() {
+        let out = silu_mul(&[0.0, 2.0], &[5.0, 3.0]);
+        assert_eq!(out[0], 0.0);
+        assert!((out[1] - 2.0 / (1.0 + (-2.0f32).exp()) * 3.0).abs() < 1e-6);
+    }
+}

@@ -1,0 +1,128 @@
+//! Reading checkpoints into the tensors a Qwen2 model is built from.
+//!
+//! Every format exposes its tensors under the Hugging Face names
+//! (`model.layers.0.self_attn.q_proj.weight`, shapes `[out, in]`), so the model
+//! builder is written once. [`CheckedSource`] wraps a format and enforces the
+//! contract: each tensor the model asks for exists with the expected shape, and
+//! after building, no tensor is left over.
+
+mod gguf;
+mod hf;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::QTensor;
+use candle_core::Tensor;
+
+pub use gguf::GgufCheckpoint;
+pub use hf::HfCheckpoint;
+
+use crate::error::{ModelError, Result};
+
+/// A tensor as stored: dense (any float dtype) or in a GGUF quantized format.
+pub enum RawTensor {
+    Dense(Tensor),
+    Quantized(QTensor),
+}
+
+/// One checkpoint format.
+pub trait TensorSource {
+    /// Every tensor in the checkpoint, by canonical (HF) name.
+    fn names(&self) -> Vec<String>;
+    /// The logical shape (`[out, in]` for matrices) of a tensor, if present.
+    fn shape(&self, name: &str) -> Option<Vec<usize>>;
+    /// Loads a tensor; quantized tensors stay quantized.
+    fn load(&mut self, name: &str) -> Result<RawTensor>;
+}
+
+/// Which kind of model file a path holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelFormat {
+    HfDir(PathBuf),
+    Gguf(PathBuf),
+}
+
+impl ModelFormat {
+    pub fn detect(path: &Path) -> Result<Self> {
+        if !path.exists() {
+            return Err(ModelError::NotFound(path.to_owned()));
+        }
+        if path.is_dir() {
+            if path.join("config.json").is_file() {
+                return Ok(ModelFormat::HfDir(path.to_owned()));
+            }
+            return Err(ModelError::UnknownFormat {
+                path: path.to_owned(),
+            });
+        }
+        let mut magic = [0u8; 4];
+        let read = std::fs::File::open(path)
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+            .map_err(|e| ModelError::io(path, e));
+        match read {
+            Ok(()) if &magic == b"GGUF" => Ok(ModelFormat::Gguf(path.to_owned())),
+            Ok(()) => Err(ModelError::UnknownFormat {
+                path: path.to_owned(),
+            }),
+            Err(ModelError::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::UnexpectedEof =>
+            {
+                Err(ModelError::Corrupt {
+                    path: path.to_owned(),
+                    detail: "file is shorter than a GGUF header".into(),
+                })
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// A [`TensorSource`] that checks shapes and remembers what was taken.
+pub struct CheckedSource<S> {
+    source: S,
+    unused: BTreeSet<String>,
+}
+
+impl<S: TensorSource> CheckedSource<S> {
+    pub fn new(source: S) -> Self {
+        let unused = source.names().into_iter().collect();
+        Self { source, unused }
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.source.shape(name).is_some()
+    }
+
+    /// Loads `name`, which must have exactly `expected` as its shape.
+    pub fn take(&mut self, name: &str, expected: &[usize]) -> Result<RawTensor> {
+        let found = self
+            .source
+            .shape(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_owned(),
+            })?;
+        if found != expected {
+            return Err(ModelError::ShapeMismatch {
+                name: name.to_owned(),
+                expected: expected.to_vec(),
+                found,
+            });
+        }
+        self.unused.remove(name);
+        self.source.load(name)
+    }
+
+    /// Marks a tensor as deliberately ignored (e.g. an `lm_head` duplicate of tied embeddings).
+    pub fn skip(&mut self, name: &str) {
+        self.unused.remove(name);
+    }
+
+    /// Fails on the first tensor nobody asked for: a sign of a wrong config or architecture.
+    pub fn finish(self) -> Result<()> {
+        match self.unused.into_iter().next() {
+            Some(name) => Err(ModelError::UnexpectedTensor { name }),
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,309 @@
+//! The Qwen2 decoder: embedding → N × block → norm → lm_head.
+//!
+//! Each block is `h += o_proj(attn(rope(q), rope(k), v))` on the RMS-normed
+//! input, then `h += down(silu(gate(x)) · up(x))` on the RMS-normed result.
+//! Q, K and V carry biases (Qwen2's one departure from Llama); o_proj and the
+//! MLP do not.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::{DType, Tensor};
+
+use crate::config::{Qwen2Config, WeightDtype};
+use crate::error::{ModelError, Result};
+use crate::kv_cache::SequenceKvCache;
+use crate::layers::ops::{add_in_place, rms_norm, silu_mul, Rope};
+use crate::layers::{attention, AttentionShape, Embedding, Linear};
+use crate::loader::{
+    CheckedSource, GgufCheckpoint, HfCheckpoint, ModelFormat, RawTensor, TensorSource,
+};
+use crate::quant;
+
+/// How dense (safetensors) weights are stored in memory. GGUF tensors keep their own types.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DtypeChoice {
+    /// f32 on CPU: exact for f32/bf16/f16 checkpoints and the fastest CPU matmul.
+    #[default]
+    Auto,
+    Fixed(WeightDtype),
+}
+
+impl DtypeChoice {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            other => WeightDtype::parse(other)
+                .map(Self::Fixed)
+                .ok_or_else(|| ModelError::InvalidDtype(s.to_owned())),
+        }
+    }
+
+    fn storage(self) -> DType {
+        match self {
+            Self::Auto => DType::F32,
+            Self::Fixed(d) => d.candle(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct LoadOptions {
+    pub dtype: DtypeChoice,
+    /// Re-encode Q5_0 GGUF tensors as Q8_0 (exact). Off by default: it speeds up prefill
+    /// but slows decode on candle 0.11 (docs/benchmarks.md has the numbers).
+    pub requantize_q5_0: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            dtype: DtypeChoice::Auto,
+            requantize_q5_0: false,
+        }
+    }
+}
+
+/// Which positions of a forward pass need logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsFor {
+    /// Only the last token: what generation needs, and far cheaper for long prompts.
+    LastToken,
+    AllTokens,
+}
+
+struct DecoderLayer {
+    input_layernorm: Vec<f32>,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    post_attention_layernorm: Vec<f32>,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+pub struct Qwen2Model {
+    cfg: Qwen2Config,
+    embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: Vec<f32>,
+    lm_head: Linear,
+    rope: Rope,
+}
+
+/// A loaded model plus what the engine needs from its files (tokenizer, templates).
+pub struct LoadedModel {
+    pub model: Qwen2Model,
+    pub format: ModelFormat,
+    /// GGUF metadata (tokenizer, chat template) when the model came from a GGUF file.
+    pub gguf_metadata:
+        Option<std::collections::HashMap<String, candle_core::quantized::gguf_file::Value>>,
+}
+
+impl Qwen2Model {
+    /// Loads an HF directory or a GGUF file, whichever `path` is.
+    pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
+        let format = ModelFormat::detect(path)?;
+        match &format {
+            ModelFormat::HfDir(dir) => {
+                let cfg = Qwen2Config::from_hf_dir(dir)?;
+                let model = Self::build(cfg, HfCheckpoint::open(dir)?, opts)?;
+                Ok(LoadedModel {
+                    model,
+                    format,
+                    gguf_metadata: None,
+                })
+            }
+            ModelFormat::Gguf(file) => {
+                let ckpt = GgufCheckpoint::open(file)?;
+                let cfg = ckpt.config()?;
+                let metadata = ckpt.metadata().clone();
+                let model = Self::build(cfg, ckpt, opts)?;
+                Ok(LoadedModel {
+                    model,
+                    format,
+                    gguf_metadata: Some(metadata),
+                })
+            }
+        }
+    }
+
+    /// Builds the model from any checkpoint, checking every name and shape.
+    pub fn build<S: TensorSource>(cfg: Qwen2Config, source: S, opts: &LoadOptions) -> Result<Self> {
+        let mut b = Builder {
+            src: CheckedSource::new(source),
+            opts: *opts,
+        };
+        let (h, kv, ffn) = (
+            cfg.hidden_size,
+            cfg.num_key_value_heads * cfg.head_dim(),
+            cfg.intermediate_size,
+        );
+        let embed_tokens = b.embedding("model.embed_tokens.weight", cfg.vocab_size, h)?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            layers.push(DecoderLayer {
+                input_layernorm: b.vector(&format!("{p}.input_layernorm.weight"), h)?,
+                q_proj: b.linear(&format!("{p}.self_attn.q_proj"), h, h, true)?,
+                k_proj: b.linear(&format!("{p}.self_attn.k_proj"), kv, h, true)?,
+                v_proj: b.linear(&format!("{p}.self_attn.v_proj"), kv, h, true)?,
+                o_proj: b.linear(&format!("{p}.self_attn.o_proj"), h, h, false)?,
+                post_attention_layernorm: b
+                    .vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
+                gate_proj: b.linear(&format!("{p}.mlp.gate_proj"), ffn, h, false)?,
+                up_proj: b.linear(&format!("{p}.mlp.up_proj"), ffn, h, false)?,
+                down_proj: b.linear(&format!("{p}.mlp.down_proj"), h, ffn, false)?,
+            });
+        }
+        let norm = b.vector("model.norm.weight", h)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            // Some tied checkpoints still ship a copy of the table; it must not be used.
+            b.src.skip("lm_head.weight");
+            embed_tokens.as_linear()?
+        } else {
+            b.linear("lm_head", cfg.vocab_size, h, false)?
+        };
+        b.src.finish()?;
+        let rope = Rope::new(cfg.head_dim(), cfg.rope_theta);
+        Ok(Self {
+            cfg,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope,
+        })
+    }
+
+    pub fn config(&self) -> &Qwen2Config {
+        &self.cfg
+    }
+
+    /// A fresh cache for one sequence of up to `capacity` tokens.
+    pub fn new_cache(&self, capacity: usize) -> SequenceKvCache {
+        SequenceKvCache::new(&self.cfg, capacity)
+    }
+
+    /// Runs `tokens` at positions `cache.len()..` and appends their K/V to `cache`.
+    /// Returns logits `[rows, vocab]`, with one row (`LastToken`) or one per token.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut SequenceKvCache,
+        which: LogitsFor,
+    ) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Ok(Vec::new());
+        }
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            return Err(ModelError::TokenOutOfRange {
+                id,
+                vocab_size: self.cfg.vocab_size,
+            });
+        }
+        cache.reserve(tokens.len())?;
+        let rows = tokens.len();
+        let positions: Vec<usize> = (cache.len()..cache.len() + rows).collect();
+        let mut hidden = self.embed_tokens.forward(tokens)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            self.block(i, layer, &mut hidden, &positions, cache)?;
+        }
+        cache.advance(rows);
+        let h = self.cfg.hidden_size;
+        let (last, rows) = match which {
+            LogitsFor::LastToken => (&hidden[(rows - 1) * h..], 1),
+            LogitsFor::AllTokens => (&hidden[..], rows),
+        };
+        let normed = rms_norm(last, &self.norm, self.cfg.rms_norm_eps);
+        self.lm_head.forward(&normed, rows)
+    }
+
+    fn block(
+        &self,
+        index: usize,
+        layer: &DecoderLayer,
+        hidden: &mut [f32],
+        positions: &[usize],
+        cache: &mut SequenceKvCache,
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let rows = positions.len();
+        let eps = cfg.rms_norm_eps;
+        let x = rms_norm(hidden, &layer.input_layernorm, eps);
+        let mut q = layer.q_proj.forward(&x, rows)?;
+        let mut k = layer.k_proj.forward(&x, rows)?;
+        let v = layer.v_proj.forward(&x, rows)?;
+        self.rope.apply(&mut q, positions, cfg.head_dim());
+        self.rope.apply(&mut k, positions, cfg.head_dim());
+        cache.write(index, &k, &v);
+        let shape = AttentionShape {
+            num_heads: cfg.num_attention_heads,
+            num_kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim(),
+        };
+        let attn = attention(&q, positions, &cache.view(index), shape);
+        add_in_place(hidden, &layer.o_proj.forward(&attn, rows)?);
+
+        let x = rms_norm(hidden, &layer.post_attention_layernorm, eps);
+        let gate = layer.gate_proj.forward(&x, rows)?;
+        let up = layer.up_proj.forward(&x, rows)?;
+        add_in_place(
+            hidden,
+            &layer.down_proj.forward(&silu_mul(&gate, &up), rows)?,
+        );
+        Ok(())
+    }
+}
+
+struct Builder<S> {
+    src: CheckedSource<S>,
+    opts: LoadOptions,
+}
+
+impl<S: TensorSource> Builder<S> {
+    fn vector(&mut self, name: &str, len: usize) -> Result<Vec<f32>> {
+        match self.src.take(name, &[len])? {
+            RawTensor::Dense(t) => Ok(t.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+            RawTensor::Quantized(q) => {
+                Ok(q.dequantize(&candle_core::Device::Cpu)?.to_vec1::<f32>()?)
+            }
+        }
+    }
+
+    fn dense(&self, t: Tensor) -> Result<Tensor> {
+        Ok(t.to_dtype(self.opts.dtype.storage())?)
+    }
+
+    fn linear(&mut self, prefix: &str, out: usize, inp: usize, bias: bool) -> Result<Linear> {
+        let bias = if bias {
+            Some(self.vector(&format!("{prefix}.bias"), out)?)
+        } else {
+            None
+        };
+        match self.src.take(&format!("{prefix}.weight"), &[out, inp])? {
+            RawTensor::Dense(t) => Linear::dense(self.dense(t)?, bias),
+            RawTensor::Quantized(q) => Linear::quantized(Arc::new(self.requantize(q)?), bias),
+        }
+    }
+
+    fn embedding(&mut self, name: &str, vocab: usize, hidden: usize) -> Result<Embedding> {
+        Ok(match self.src.take(name, &[vocab, hidden])? {
+            RawTensor::Dense(t) => Embedding::Dense(self.dense(t)?),
+            RawTensor::Quantized(q) => Embedding::Quantized(Arc::new(self.requantize(q)?)),
+        })
+    }
+
+    fn requantize(
+        &self,
+        q: candle_core::quantized::QTensor,
+    ) -> Result<candle_core::quantized::QTensor> {
+        if self.opts.requantize_q5_0 {
+            quant::to_fast_format(q)
+        } else {
+            Ok(q)
+        }
+    }
+}

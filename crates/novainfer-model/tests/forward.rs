@@ -1,0 +1,212 @@
+//! Model-level tests on a tiny random Qwen2 held in memory.
+
+use std::collections::HashMap;
+
+use candle_core::{Device, Tensor};
+use novainfer_model::loader::{RawTensor, TensorSource};
+use novainfer_model::{LoadOptions, LogitsFor, ModelError, Qwen2Config, Qwen2Model};
+
+struct MemorySource(HashMap<String, Tensor>);
+
+impl TensorSource for MemorySource {
+    fn names(&self) -> Vec<String> {
+        self.0.keys().cloned().collect()
+    }
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.0.get(name).map(|t| t.dims().to_vec())
+    }
+    fn load(&mut self, name: &str) -> novainfer_model::Result<RawTensor> {
+        Ok(RawTensor::Dense(self.0[name].clone()))
+    }
+}
+
+fn config(tie: bool) -> Qwen2Config {
+    Qwen2Config {
+        vocab_size: 50,
+        hidden_size: 32,
+        intermediate_size: 48,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        max_position_embeddings: 64,
+        rope_theta: 10_000.0,
+        rms_norm_eps: 1e-6,
+        tie_word_embeddings: tie,
+        torch_dtype: None,
+        bos_token_id: None,
+        eos_token_ids: vec![49],
+    }
+}
+
+/// Deterministic pseudo-random weights (no RNG crate needed for a fixture).
+fn tensor(shape: &[usize], seed: usize, scale: f32) -> Tensor {
+    let n: usize = shape.iter().product();
+    let data: Vec<f32> = (0..n)
+        .map(|i| {
+            let x = ((i * 2654435761 + seed * 40503) % 10007) as f32 / 10007.0;
+            (x - 0.5) * 2.0 * scale
+        })
+        .collect();
+    Tensor::from_vec(data, shape, &Device::Cpu).expect("tensor")
+}
+
+fn weights(cfg: &Qwen2Config) -> HashMap<String, Tensor> {
+    let (h, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let kv = cfg.num_key_value_heads * cfg.head_dim();
+    let mut w = HashMap::new();
+    let mut seed = 0;
+    let mut put = |name: String, shape: &[usize], scale: f32| {
+        seed += 1;
+        w.insert(name, tensor(shape, seed, scale));
+    };
+    put("model.embed_tokens.weight".into(), &[v, h], 1.0);
+    for i in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{i}");
+        put(format!("{p}.input_layernorm.weight"), &[h], 1.5);
+        put(format!("{p}.post_attention_layernorm.weight"), &[h], 1.5);
+        for (m, out) in [("q_proj", h), ("k_proj", kv), ("v_proj", kv)] {
+            put(format!("{p}.self_attn.{m}.weight"), &[out, h], 0.4);
+            put(format!("{p}.self_attn.{m}.bias"), &[out], 0.2);
+        }
+        put(format!("{p}.self_attn.o_proj.weight"), &[h, h], 0.3);
+        put(format!("{p}.mlp.gate_proj.weight"), &[f, h], 0.3);
+        put(format!("{p}.mlp.up_proj.weight"), &[f, h], 0.3);
+        put(format!("{p}.mlp.down_proj.weight"), &[h, f], 0.3);
+    }
+    put("model.norm.weight".into(), &[h], 1.0);
+    if !cfg.tie_word_embeddings {
+        put("lm_head.weight".into(), &[v, h], 0.5);
+    }
+    w
+}
+
+fn build(cfg: Qwen2Config, w: HashMap<String, Tensor>) -> Result<Qwen2Model, ModelError> {
+    Qwen2Model::build(cfg, MemorySource(w), &LoadOptions::default())
+}
+
+#[test]
+fn prefill_equals_step_by_step_decode() {
+    for tie in [false, true] {
+        let cfg = config(tie);
+        let model = build(cfg.clone(), weights(&cfg)).expect("valid tiny model");
+        let tokens = [3u32, 17, 42, 8, 8, 0, 31];
+        let mut cache = model.new_cache(64);
+        let all = model
+            .forward(&tokens, &mut cache, LogitsFor::AllTokens)
+            .expect("prefill");
+        assert_eq!(cache.len(), tokens.len());
+        let mut step_cache = model.new_cache(64);
+        for (i, &t) in tokens.iter().enumerate() {
+            let row = model
+                .forward(&[t], &mut step_cache, LogitsFor::LastToken)
+                .expect("decode");
+            let expected = &all[i * cfg.vocab_size..(i + 1) * cfg.vocab_size];
+            let diff = row
+                .iter()
+                .zip(expected)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(diff < 1e-5, "tie={tie} position {i}: max diff {diff}");
+        }
+        let spread = all.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+            - all.iter().copied().fold(f32::INFINITY, f32::min);
+        assert!(
+            spread > 0.5,
+            "logits are degenerate ({spread}); the comparison would prove nothing"
+        );
+    }
+}
+
+#[test]
+fn chunked_prefill_equals_one_prefill() {
+    let cfg = config(false);
+    let model = build(cfg.clone(), weights(&cfg)).expect("valid tiny model");
+    let tokens = [1u32, 2, 3, 4, 5, 6, 7, 8, 9];
+    let mut one = model.new_cache(64);
+    let full = model
+        .forward(&tokens, &mut one, LogitsFor::LastToken)
+        .expect("prefill");
+    let mut chunked = model.new_cache(64);
+    model
+        .forward(&tokens[..4], &mut chunked, LogitsFor::LastToken)
+        .expect("chunk 1");
+    let last = model
+        .forward(&tokens[4..], &mut chunked, LogitsFor::LastToken)
+        .expect("chunk 2");
+    let diff = full
+        .iter()
+        .zip(&last)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(diff < 1e-5, "max diff {diff}");
+}
+
+#[test]
+fn missing_tensor_is_named() {
+    let cfg = config(false);
+    let mut w = weights(&cfg);
+    w.remove("model.layers.1.mlp.up_proj.weight");
+    match build(cfg, w) {
+        Err(ModelError::MissingTensor { name }) => {
+            assert_eq!(name, "model.layers.1.mlp.up_proj.weight")
+        }
+        other => panic!("expected MissingTensor, got {:?}", other.err()),
+    }
+}
+
+#[test]
+fn misshaped_tensor_names_both_shapes() {
+    let cfg = config(false);
+    let mut w = weights(&cfg);
+    w.insert(
+        "model.layers.0.self_attn.k_proj.weight".into(),
+        tensor(&[32, 32], 9, 0.1),
+    );
+    let err = build(cfg, w).err().expect("k_proj has the wrong shape");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("model.layers.0.self_attn.k_proj.weight")
+            && msg.contains("[32, 32]")
+            && msg.contains("[16, 32]"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn unexpected_tensor_is_named() {
+    let cfg = config(false);
+    let mut w = weights(&cfg);
+    w.insert(
+        "model.layers.2.mlp.up_proj.weight".into(),
+        tensor(&[48, 32], 9, 0.1),
+    );
+    match build(cfg, w) {
+        Err(ModelError::UnexpectedTensor { name }) => {
+            assert_eq!(name, "model.layers.2.mlp.up_proj.weight")
+        }
+        other => panic!("expected UnexpectedTensor, got {:?}", other.err()),
+    }
+}
+
+#[test]
+fn out_of_range_token_and_overflow_are_errors() {
+    let cfg = config(false);
+    let model = build(cfg.clone(), weights(&cfg)).expect("valid tiny model");
+    let mut cache = model.new_cache(4);
+    assert!(matches!(
+        model.forward(&[50], &mut cache, LogitsFor::LastToken),
+        Err(ModelError::TokenOutOfRange { id: 50, .. })
+    ));
+    assert!(matches!(
+        model.forward(&[1, 2, 3, 4, 5], &mut cache, LogitsFor::LastToken),
+        Err(ModelError::ContextOverflow {
+            needed: 5,
+            capacity: 4
+        })
+    ));
+    assert_eq!(
+        cache.len(),
+        0,
+        "a rejected forward must not change the cache"
+    );
+}
