@@ -164,7 +164,8 @@ impl Default for SamplingParamsBuilder {
 }
 
 macro_rules! setter {
-    ($name:ident: $ty:ty) => {
+    ($(#[$doc:meta])* $name:ident: $ty:ty) => {
+        $(#[$doc])*
         pub fn $name(mut self, value: $ty) -> Self {
             self.$name = value;
             self
@@ -174,16 +175,20 @@ macro_rules! setter {
 
 impl SamplingParamsBuilder {
     setter!(temperature: f32);
-    /// `0` or `-1` disables top-k, as in vLLM.
-    setter!(top_k: i64);
+    setter!(
+        /// `0` or `-1` disables top-k, as in vLLM.
+        top_k: i64
+    );
     setter!(top_p: f32);
     setter!(min_p: f32);
     setter!(repetition_penalty: f32);
     setter!(presence_penalty: f32);
     setter!(frequency_penalty: f32);
     setter!(seed: Option<u64>);
-    /// `None` means "until the context is full".
-    setter!(max_tokens: Option<i64>);
+    setter!(
+        /// `None` means "until the context is full".
+        max_tokens: Option<i64>
+    );
     setter!(stop: Vec<String>);
     setter!(stop_token_ids: Vec<u32>);
     setter!(ignore_eos: bool);

@@ -426,7 +426,10 @@ mod tests {
     fn whitespace_control_matches_transformers_jinja2() {
         assert_eq!(render_with("hi\n\n", json!({})), "hi\n");
         assert_eq!(render_with("{{ \"a\" }}\n", json!({})), "a");
-        assert_eq!(render_with("  {% if true %}\nx\n  {% endif %}\ny", json!({})), "x\ny");
+        assert_eq!(
+            render_with("  {% if true %}\nx\n  {% endif %}\ny", json!({})),
+            "x\ny"
+        );
     }
 
     #[test]

@@ -1,0 +1,55 @@
+//! The engine's error type: everything a request or a model load can fail with.
+
+use novainfer_core::ParamError;
+use novainfer_model::ModelError;
+use thiserror::Error;
+
+use crate::chat_template::ChatTemplateError;
+use crate::tokenizer::TokenizerError;
+
+#[derive(Debug, Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error("chat template: {0}")]
+    ChatTemplate(#[from] ChatTemplateError),
+    #[error(transparent)]
+    InvalidParameter(#[from] ParamError),
+    #[error(
+        "this model's maximum context length is {max_model_len} tokens, but the request needs \
+         {prompt_tokens} prompt tokens + {max_tokens} max_tokens = {} tokens",
+        prompt_tokens + max_tokens
+    )]
+    PromptTooLong {
+        prompt_tokens: usize,
+        max_tokens: usize,
+        max_model_len: usize,
+    },
+    #[error("the prompt is empty: at least one token is needed")]
+    EmptyPrompt,
+    #[error(
+        "the model has no chat template; pass a template or use generate() with a plain prompt"
+    )]
+    NoChatTemplate,
+    #[error("token id {id} in the prompt is out of range for the vocabulary of {vocab_size}")]
+    PromptTokenOutOfRange { id: u32, vocab_size: usize },
+    #[error("the engine thread has stopped")]
+    EngineStopped,
+}
+
+impl EngineError {
+    /// The user-facing parameter at fault, for errors caused by one.
+    pub fn param(&self) -> Option<&str> {
+        match self {
+            EngineError::InvalidParameter(e) => Some(e.param),
+            EngineError::PromptTooLong { .. } => Some("max_tokens"),
+            EngineError::EmptyPrompt | EngineError::PromptTokenOutOfRange { .. } => Some("prompt"),
+            EngineError::Model(ModelError::InvalidDtype(_)) => Some("dtype"),
+            _ => None,
+        }
+    }
+}
+
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;

@@ -1,0 +1,69 @@
+//! What goes into and comes out of a generation request.
+
+use novainfer_core::FinishReason;
+
+/// A prompt as text (tokenized by the engine) or as token ids.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    TokenIds(Vec<u32>),
+}
+
+/// Log-probabilities of one generated token: the chosen one and the top alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token_id: u32,
+    pub logprob: f32,
+    /// The `logprobs` most likely tokens, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What one step added to a request's output.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Delta {
+    /// New text, safe to display: whole UTF-8 characters, no part of a stop string.
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    pub logprobs: Vec<TokenLogprob>,
+    /// Set on the last delta of a request.
+    pub finish_reason: Option<FinishReason>,
+}
+
+/// A finished request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestOutput {
+    pub prompt_token_ids: Vec<u32>,
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    /// Present when the request asked for logprobs.
+    pub logprobs: Option<Vec<TokenLogprob>>,
+    pub finish_reason: FinishReason,
+}
+
+impl RequestOutput {
+    /// Folds a request's deltas into its final output.
+    pub fn from_deltas(
+        prompt_token_ids: Vec<u32>,
+        wants_logprobs: bool,
+        deltas: impl IntoIterator<Item = Delta>,
+    ) -> Self {
+        let mut out = RequestOutput {
+            prompt_token_ids,
+            text: String::new(),
+            token_ids: Vec::new(),
+            logprobs: wants_logprobs.then(Vec::new),
+            finish_reason: FinishReason::Abort,
+        };
+        for d in deltas {
+            out.text.push_str(&d.text);
+            out.token_ids.extend(d.token_ids);
+            if let Some(lp) = out.logprobs.as_mut() {
+                lp.extend(d.logprobs);
+            }
+            if let Some(reason) = d.finish_reason {
+                out.finish_reason = reason;
+            }
+        }
+        out
+    }
+}

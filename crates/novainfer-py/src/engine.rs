@@ -1,0 +1,259 @@
+//! `Engine` and `TokenStream` for Python: thin wrappers over `EngineHandle`.
+//!
+//! Every call that may wait on the engine releases the GIL (`Python::detach`),
+//! so other Python threads run while tokens are generated.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use novainfer_engine::{
+    ChatMessage, Delta, EngineConfig, EngineHandle, Prompt, RequestOutput, RequestStream,
+    TokenLogprob,
+};
+use novainfer_model::DtypeChoice;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::errors::{engine_error, invalid};
+use crate::sampling_params::PySamplingParams;
+
+/// Per generated token: the chosen token's and the top alternatives' logprobs.
+type PyLogprobs = Vec<HashMap<u32, f32>>;
+/// `(text, token_ids, finish_reason, logprobs)`; `finish_reason` is None until the last delta.
+type PyDelta = (String, Vec<u32>, Option<&'static str>, Option<PyLogprobs>);
+
+fn logprobs_to_py(logprobs: Vec<TokenLogprob>) -> PyLogprobs {
+    logprobs
+        .into_iter()
+        .map(|lp| {
+            let mut entry: HashMap<u32, f32> = lp.top.into_iter().collect();
+            entry.insert(lp.token_id, lp.logprob);
+            entry
+        })
+        .collect()
+}
+
+/// A loaded model running on its own engine thread.
+#[pyclass(name = "Engine", module = "novainfer._native", frozen)]
+pub struct PyEngine {
+    handle: EngineHandle,
+}
+
+#[pymethods]
+impl PyEngine {
+    #[new]
+    #[pyo3(signature = (model, *, dtype="auto", max_model_len=None, seed=0, requantize_q5_0=false))]
+    fn new(
+        py: Python<'_>,
+        model: PathBuf,
+        dtype: &str,
+        max_model_len: Option<usize>,
+        seed: u64,
+        requantize_q5_0: bool,
+    ) -> PyResult<Self> {
+        let dtype = DtypeChoice::parse(dtype).map_err(|_| {
+            invalid(
+                "dtype",
+                format!("dtype must be one of auto, f32, bf16, f16; got {dtype:?}"),
+            )
+        })?;
+        let cfg = EngineConfig {
+            model,
+            dtype,
+            max_model_len,
+            seed,
+            requantize_q5_0,
+        };
+        let handle = py
+            .detach(|| EngineHandle::spawn(&cfg))
+            .map_err(engine_error)?;
+        Ok(Self { handle })
+    }
+
+    #[getter]
+    fn vocab_size(&self) -> usize {
+        self.handle.frontend().tokenizer().vocab_size()
+    }
+
+    #[getter]
+    fn max_model_len(&self) -> usize {
+        self.handle.frontend().max_model_len()
+    }
+
+    #[getter]
+    fn eos_token_ids(&self) -> Vec<u32> {
+        self.handle.frontend().tokenizer().eos_token_ids().to_vec()
+    }
+
+    #[pyo3(signature = (text, add_special_tokens=true))]
+    fn encode(&self, py: Python<'_>, text: &str, add_special_tokens: bool) -> PyResult<Vec<u32>> {
+        let tokenizer = self.handle.frontend().tokenizer();
+        py.detach(|| tokenizer.encode(text, add_special_tokens))
+            .map_err(|e| engine_error(e.into()))
+    }
+
+    #[pyo3(signature = (token_ids, skip_special_tokens=true))]
+    fn decode(
+        &self,
+        py: Python<'_>,
+        token_ids: Vec<u32>,
+        skip_special_tokens: bool,
+    ) -> PyResult<String> {
+        let tokenizer = self.handle.frontend().tokenizer();
+        py.detach(|| tokenizer.decode(&token_ids, skip_special_tokens))
+            .map_err(|e| engine_error(e.into()))
+    }
+
+    /// `messages` as `(role, content)` pairs.
+    #[pyo3(signature = (messages, add_generation_prompt=true))]
+    fn apply_chat_template(
+        &self,
+        messages: Vec<(String, String)>,
+        add_generation_prompt: bool,
+    ) -> PyResult<String> {
+        let messages: Vec<ChatMessage> = messages
+            .into_iter()
+            .map(|(r, c)| ChatMessage::new(r, c))
+            .collect();
+        self.handle
+            .frontend()
+            .apply_chat_template(&messages, add_generation_prompt)
+            .map_err(engine_error)
+    }
+
+    /// Runs every prompt to completion; returns `(text, token_ids, finish_reason, logprobs)` per prompt.
+    fn generate(
+        &self,
+        py: Python<'_>,
+        prompts: Vec<Vec<u32>>,
+        params: Vec<PyRef<'_, PySamplingParams>>,
+    ) -> PyResult<Vec<(String, Vec<u32>, &'static str, Option<PyLogprobs>)>> {
+        if prompts.len() != params.len() {
+            return Err(invalid(
+                "sampling_params",
+                format!(
+                    "got {} prompts but {} sampling params",
+                    prompts.len(),
+                    params.len()
+                ),
+            ));
+        }
+        let params: Vec<_> = params.iter().map(|p| p.inner.clone()).collect();
+        let frontend = self.handle.frontend();
+        py.detach(|| {
+            // Check every request before starting any, so a bad one costs no work.
+            let prompts: Vec<Vec<u32>> = prompts
+                .into_iter()
+                .map(|p| frontend.prompt_token_ids(&Prompt::TokenIds(p)))
+                .collect::<Result<_, _>>()?;
+            for (prompt, p) in prompts.iter().zip(&params) {
+                frontend.max_new_tokens(prompt.len(), p)?;
+            }
+            let streams: Vec<RequestStream> = prompts
+                .iter()
+                .zip(&params)
+                .map(|(prompt, p)| self.handle.submit(prompt.clone(), p.clone()))
+                .collect::<Result<_, _>>()?;
+            streams
+                .into_iter()
+                .zip(prompts)
+                .zip(&params)
+                .map(|((stream, prompt), p)| {
+                    let deltas: Vec<Delta> = stream.collect::<Result<_, _>>()?;
+                    let out = RequestOutput::from_deltas(prompt, p.logprobs().is_some(), deltas);
+                    Ok((
+                        out.text,
+                        out.token_ids,
+                        out.finish_reason.as_str(),
+                        out.logprobs.map(logprobs_to_py),
+                    ))
+                })
+                .collect::<Result<Vec<_>, novainfer_engine::EngineError>>()
+        })
+        .map_err(engine_error)
+    }
+
+    /// Starts one request and returns an iterator over its deltas.
+    fn stream(
+        &self,
+        py: Python<'_>,
+        prompt: Vec<u32>,
+        params: PyRef<'_, PySamplingParams>,
+    ) -> PyResult<PyTokenStream> {
+        let params = params.inner.clone();
+        let frontend = self.handle.frontend();
+        let stream = py
+            .detach(|| {
+                let prompt = frontend.prompt_token_ids(&Prompt::TokenIds(prompt))?;
+                self.handle.submit(prompt, params)
+            })
+            .map_err(engine_error)?;
+        Ok(PyTokenStream {
+            stream: Mutex::new(Some(stream)),
+        })
+    }
+
+    /// Logits for every prompt position as little-endian f32 bytes, with `(rows, vocab)`.
+    fn prompt_logits(
+        &self,
+        py: Python<'_>,
+        prompt: Vec<u32>,
+    ) -> PyResult<(Py<PyBytes>, usize, usize)> {
+        let frontend = self.handle.frontend();
+        let rows = prompt.len();
+        let logits = py
+            .detach(|| {
+                let prompt = frontend.prompt_token_ids(&Prompt::TokenIds(prompt))?;
+                self.handle.prompt_logits(prompt)
+            })
+            .map_err(engine_error)?;
+        let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Ok((
+            PyBytes::new(py, &bytes).unbind(),
+            rows,
+            logits.len() / rows.max(1),
+        ))
+    }
+}
+
+/// The deltas of one streaming request; closing or dropping it aborts the request.
+#[pyclass(name = "TokenStream", module = "novainfer._native")]
+pub struct PyTokenStream {
+    stream: Mutex<Option<RequestStream>>,
+}
+
+#[pymethods]
+impl PyTokenStream {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<PyDelta>> {
+        let next = py.detach(|| {
+            let mut guard = self
+                .stream
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            guard.as_mut().and_then(Iterator::next)
+        });
+        match next {
+            None => Ok(None),
+            Some(Err(e)) => Err(engine_error(e)),
+            Some(Ok(d)) => Ok(Some((
+                d.text,
+                d.token_ids,
+                d.finish_reason.map(|r| r.as_str()),
+                (!d.logprobs.is_empty()).then(|| logprobs_to_py(d.logprobs)),
+            ))),
+        }
+    }
+
+    /// Aborts the request now; the iterator then ends.
+    fn close(&self) {
+        self.stream
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take();
+    }
+}

@@ -1,0 +1,43 @@
+"""NovaInfer: fast, exact inference for Qwen2-family LLMs.
+
+    from novainfer import LLM, SamplingParams
+    llm = LLM("qwen2.5-coder-0.5b")
+    print(llm.chat([{"role": "user", "content": "Hi!"}])[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+from ._native import SamplingParams, __version__
+from .errors import (
+    ChatTemplateError,
+    ChecksumMismatchError,
+    EngineError,
+    FetchError,
+    InvalidParameterError,
+    ModelLoadError,
+    ModelNotFoundError,
+    NovaInferError,
+    PromptTooLongError,
+    TokenizerError,
+)
+from .llm import LLM
+from .outputs import CompletionOutput, RequestOutput, StreamDelta
+
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "StreamDelta",
+    "NovaInferError",
+    "InvalidParameterError",
+    "PromptTooLongError",
+    "ModelLoadError",
+    "ModelNotFoundError",
+    "TokenizerError",
+    "ChatTemplateError",
+    "FetchError",
+    "ChecksumMismatchError",
+    "EngineError",
+    "__version__",
+]

@@ -1,0 +1,92 @@
+"""Type stubs for the Rust extension `novainfer._native` (checked by mypy stubtest in the test suite)."""
+
+from collections.abc import Iterator
+from os import PathLike
+
+__version__: str
+
+class SamplingParams:
+    """Parameters that control how tokens are picked and when generation stops.
+
+    Invalid values raise ``InvalidParameterError`` naming the parameter.
+    """
+
+    def __new__(
+        cls,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        seed: int | None = None,
+        max_tokens: int | None = 16,
+        stop: str | list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+        logprobs: int | None = None,
+    ) -> SamplingParams: ...
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def min_p(self) -> float: ...
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def seed(self) -> int | None: ...
+    @property
+    def max_tokens(self) -> int | None: ...
+    @property
+    def stop(self) -> list[str]: ...
+    @property
+    def stop_token_ids(self) -> list[int]: ...
+    @property
+    def ignore_eos(self) -> bool: ...
+    @property
+    def logprobs(self) -> int | None: ...
+
+_Logprobs = list[dict[int, float]]
+
+class Engine:
+    """A loaded model running on its own engine thread."""
+
+    def __new__(
+        cls,
+        model: str | PathLike[str],
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        requantize_q5_0: bool = False,
+    ) -> Engine: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[tuple[str, str]], add_generation_prompt: bool = True) -> str: ...
+    def generate(
+        self, prompts: list[list[int]], params: list[SamplingParams]
+    ) -> list[tuple[str, list[int], str, _Logprobs | None]]: ...
+    def stream(self, prompt: list[int], params: SamplingParams) -> TokenStream: ...
+    def prompt_logits(self, prompt: list[int]) -> tuple[bytes, int, int]: ...
+
+class TokenStream(Iterator[tuple[str, list[int], str | None, _Logprobs | None]]):
+    """The deltas of one streaming request; closing or dropping it aborts the request."""
+
+    def __iter__(self) -> TokenStream: ...
+    def __next__(self) -> tuple[str, list[int], str | None, _Logprobs | None]: ...
+    def close(self) -> None: ...

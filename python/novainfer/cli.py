@@ -1,0 +1,162 @@
+"""The `novainfer` command: fetch, generate, chat and bench.
+
+Each subcommand is a thin layer over the Python API; errors from the library are printed as one line and
+give exit status 1 (2 for bad command-line usage, as argparse does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from .errors import NovaInferError
+
+__all__ = ["main"]
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default="qwen2.5-coder-0.5b",
+                   help="HF directory, .gguf file or demo-model name (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", help="weight dtype for safetensors models: auto, f32, bf16, f16")
+    p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
+    p.add_argument("--seed", type=int, default=0, help="seed for requests without their own")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, *, temperature: float, max_tokens: int) -> None:
+    p.add_argument("--temperature", type=float, default=temperature)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="novainfer", description="Fast, exact inference for Qwen2-family LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    fetch = sub.add_parser("fetch", help="download, verify and cache a demo model")
+    fetch.add_argument("names", nargs="*", help="demo-model names (see --list)")
+    fetch.add_argument("--verify", action="store_true", help="re-hash a cached file")
+    fetch.add_argument("--list", action="store_true", help="list the demo models")
+
+    gen = sub.add_parser("generate", help="complete a prompt and stream the text")
+    _add_model_args(gen)
+    _add_sampling_args(gen, temperature=0.0, max_tokens=256)
+    gen.add_argument("prompt", help="prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user turn")
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    _add_model_args(chat)
+    _add_sampling_args(chat, temperature=0.7, max_tokens=1024)
+    chat.add_argument("--system", default=None, help="system prompt (default: the template's own)")
+
+    bench = sub.add_parser("bench", help="measure prefill and decode tokens/s")
+    _add_model_args(bench)
+    bench.add_argument("--prompt-tokens", type=int, default=512)
+    bench.add_argument("--decode-tokens", type=int, default=128)
+    bench.add_argument("--repeat", type=int, default=3, help="runs; the best is reported")
+    bench.add_argument("--requantize-q5-0", action="store_true", help="re-encode Q5_0 GGUF tensors as Q8_0")
+    return parser
+
+
+def _llm(args: argparse.Namespace, **extra: object):  # noqa: ANN202 - returns novainfer.LLM
+    if args.threads is not None:
+        # candle reads this once, when its thread pool starts: before the model loads.
+        os.environ["RAYON_NUM_THREADS"] = str(args.threads)
+    from .llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, **extra)
+
+
+def _sampling(args: argparse.Namespace):  # noqa: ANN202 - returns novainfer.SamplingParams
+    from ._native import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens, stop=args.stop,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    llm = _llm(args)
+    params = _sampling(args)
+    if args.chat:
+        deltas = llm.chat_stream([{"role": "user", "content": args.prompt}], params)
+    else:
+        deltas = llm.generate_stream(args.prompt, params)
+    for d in deltas:
+        print(d.text, end="", flush=True)
+    print()
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    llm = _llm(args)
+    params = _sampling(args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict[str, str]] = []
+    print(f"NovaInfer chat with {llm.model_path.name}. /reset clears the conversation, /exit quits.")
+    while True:
+        try:
+            line = input("\n> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        text = line.strip()
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            history.clear()
+            print("(conversation cleared)")
+            continue
+        if not text:
+            continue
+        history.append({"role": "user", "content": line})
+        reply = []
+        try:
+            for d in llm.chat_stream(system + history, params):
+                print(d.text, end="", flush=True)
+                reply.append(d.text)
+        except KeyboardInterrupt:
+            print(" [interrupted]", end="")
+        except NovaInferError as e:
+            # The conversation outgrew the context, say: keep the session, drop the turn.
+            history.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from . import fetch
+
+    argv = list(args.names) + (["--verify"] if args.verify else []) + (["--list"] if args.list else [])
+    return fetch.main(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `novainfer` command."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "fetch":
+            return _fetch(args)
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "chat":
+            return _chat(args)
+        from .bench import run_bench
+
+        return run_bench(_llm(args, requantize_q5_0=args.requantize_q5_0), args)
+    except NovaInferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""`LLM`: the offline entry point, modelled on vLLM's `LLM` class.
+
+Python only shapes arguments and results here; tokenizing, templating and generation run in Rust with the
+GIL released.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Union
+
+from . import _native
+from .errors import InvalidParameterError
+from .fetch import resolve_model
+from .outputs import CompletionOutput, RequestOutput, StreamDelta
+
+__all__ = ["LLM", "ChatMessage", "PromptInput"]
+
+SamplingParams = _native.SamplingParams
+
+#: A chat message: ``{"role": "user", "content": "..."}``.
+ChatMessage = Mapping[str, str]
+#: A prompt: text, or token ids the model consumes as they are.
+PromptInput = Union[str, Sequence[int]]
+
+_request_ids = itertools.count()
+
+
+def _as_list(value: object, what: str) -> list:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise InvalidParameterError(f"{what} must be a list, got {type(value).__name__}", what)
+    return list(value)
+
+
+def _message_pairs(messages: object) -> list[tuple[str, str]]:
+    pairs = []
+    for i, message in enumerate(_as_list(messages, "messages")):
+        if not isinstance(message, Mapping):
+            raise InvalidParameterError(f"messages[{i}] must be a dict with 'role' and 'content'", "messages")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise InvalidParameterError(
+                f"messages[{i}] needs string 'role' and 'content', got {dict(message)!r}", "messages"
+            )
+        pairs.append((role, content))
+    return pairs
+
+
+class LLM:
+    """A Qwen2-family model loaded for offline generation.
+
+    `model` is a local HF directory, a local ``.gguf`` file, or a demo-model name such as
+    ``"qwen2.5-coder-0.5b"`` (fetched and cached on first use). `dtype` chooses how safetensors weights are
+    held (``"auto"`` keeps f32 on CPU; GGUF tensors keep their own types). `max_model_len` caps prompt +
+    output tokens (default: the model's context length). `seed` seeds requests that bring no seed of their own.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        requantize_q5_0: bool = False,
+    ) -> None:
+        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
+            raise InvalidParameterError(f"max_model_len must be a positive int, got {max_model_len!r}", "max_model_len")
+        if not isinstance(seed, int) or seed < 0:
+            raise InvalidParameterError(f"seed must be a non-negative int, got {seed!r}", "seed")
+        self.model_path = resolve_model(model)
+        self._engine = _native.Engine(
+            str(self.model_path),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            requantize_q5_0=requantize_q5_0,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + output, in tokens."""
+        return self._engine.max_model_len
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`."""
+        return self._engine.encode(text, add_special_tokens)
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids`."""
+        return self._engine.decode(list(token_ids), skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> str:
+        """The prompt text the model's chat template makes of `messages` (as transformers renders it)."""
+        return self._engine.apply_chat_template(_message_pairs(messages), add_generation_prompt)
+
+    def _token_ids(self, prompt: object) -> list[int]:
+        if isinstance(prompt, str):
+            return self._engine.encode(prompt, True)
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if any(t < 0 for t in prompt):
+                raise InvalidParameterError("prompt token ids must be non-negative", "prompt")
+            return list(prompt)
+        raise InvalidParameterError(
+            f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt"
+        )
+
+    def _params_for(self, n: int, sampling_params: object) -> list[_native.SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = _as_list(sampling_params, "sampling_params")
+        if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
+            raise InvalidParameterError(
+                f"sampling_params must be one SamplingParams or a list of {n} of them", "sampling_params"
+            )
+        return params
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: _native.SamplingParams | Sequence[_native.SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Completes each prompt; returns one `RequestOutput` per prompt, in order.
+
+        `prompts` is one prompt or a list of them; a prompt is text or a list of token ids. `sampling_params`
+        is one `SamplingParams` for all prompts or a list with one per prompt (default: `SamplingParams()`).
+        """
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = _as_list(prompts, "prompts")
+        token_ids = [self._token_ids(p) for p in prompt_list]
+        params = self._params_for(len(token_ids), sampling_params)
+        results = self._engine.generate(token_ids, params)
+        return [
+            RequestOutput(
+                request_id=str(next(_request_ids)),
+                prompt=p if isinstance(p, str) else None,
+                prompt_token_ids=ids,
+                outputs=[CompletionOutput(0, text, out_ids, reason, logprobs)],
+            )
+            for p, ids, (text, out_ids, reason, logprobs) in zip(prompt_list, token_ids, results)
+        ]
+
+    def chat(
+        self,
+        messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
+        sampling_params: _native.SamplingParams | Sequence[_native.SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Replies to one conversation (a list of messages) or to several (a list of such lists).
+
+        Each conversation is rendered with the model's chat template, ending with the assistant's turn.
+        """
+        conversations = _as_list(messages, "messages")
+        if conversations and isinstance(conversations[0], Mapping):
+            conversations = [conversations]
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        # The template already wrote the special tokens; encoding must not add more.
+        token_ids = [self._engine.encode(p, False) for p in prompts]
+        params = self._params_for(len(token_ids), sampling_params)
+        results = self._engine.generate(token_ids, params)
+        return [
+            RequestOutput(
+                request_id=str(next(_request_ids)),
+                prompt=prompt,
+                prompt_token_ids=ids,
+                outputs=[CompletionOutput(0, text, out_ids, reason, logprobs)],
+            )
+            for prompt, ids, (text, out_ids, reason, logprobs) in zip(prompts, token_ids, results)
+        ]
+
+    def generate_stream(
+        self, prompt: PromptInput, sampling_params: _native.SamplingParams | None = None
+    ) -> Iterator[StreamDelta]:
+        """Yields `StreamDelta`s for one prompt as tokens are generated.
+
+        Stopping the iteration early (``break``, or closing the generator) aborts the request.
+        """
+        return self._stream(self._token_ids(prompt), sampling_params)
+
+    def chat_stream(
+        self, messages: Sequence[ChatMessage], sampling_params: _native.SamplingParams | None = None
+    ) -> Iterator[StreamDelta]:
+        """Like `chat` for one conversation, yielding `StreamDelta`s as tokens are generated."""
+        prompt = self.apply_chat_template(messages)
+        return self._stream(self._engine.encode(prompt, False), sampling_params)
+
+    def _stream(self, token_ids: list[int], sampling_params: _native.SamplingParams | None) -> Iterator[StreamDelta]:
+        (params,) = self._params_for(1, sampling_params)
+        stream = self._engine.stream(token_ids, params)
+
+        def deltas() -> Iterator[StreamDelta]:
+            try:
+                for text, ids, reason, logprobs in stream:
+                    yield StreamDelta(text, ids, reason, logprobs)
+            finally:
+                stream.close()
+
+        return deltas()
+
+    def prompt_logits(self, token_ids: Sequence[int]) -> tuple[bytes, int, int]:
+        """Next-token logits at every position of `token_ids`: little-endian f32 bytes, rows, vocab size.
+
+        Meant for checking the model against a reference (``numpy.frombuffer(b, "<f4").reshape(rows, vocab)``).
+        """
+        return self._engine.prompt_logits(self._token_ids(token_ids))
