@@ -2,9 +2,12 @@
 
 from collections.abc import Iterator
 from os import PathLike
+from typing import final
 
+__all__ = ["Engine", "SamplingParams", "TokenStream", "__version__"]
 __version__: str
 
+@final
 class SamplingParams:
     """Parameters that control how tokens are picked and when generation stops.
 
@@ -57,6 +60,7 @@ class SamplingParams:
 
 _Logprobs = list[dict[int, float]]
 
+@final
 class Engine:
     """A loaded model running on its own engine thread."""
 
@@ -82,8 +86,9 @@ class Engine:
         self, prompts: list[list[int]], params: list[SamplingParams]
     ) -> list[tuple[str, list[int], str, _Logprobs | None]]: ...
     def stream(self, prompt: list[int], params: SamplingParams) -> TokenStream: ...
-    def prompt_logits(self, prompt: list[int]) -> tuple[bytes, int, int]: ...
+    def prompt_logits(self, prompt: list[int], step_by_step: bool = False) -> tuple[bytes, int, int]: ...
 
+@final
 class TokenStream(Iterator[tuple[str, list[int], str | None, _Logprobs | None]]):
     """The deltas of one streaming request; closing or dropping it aborts the request."""
 

@@ -203,9 +203,11 @@ class LLM:
 
         return deltas()
 
-    def prompt_logits(self, token_ids: Sequence[int]) -> tuple[bytes, int, int]:
+    def prompt_logits(self, token_ids: Sequence[int], *, step_by_step: bool = False) -> tuple[bytes, int, int]:
         """Next-token logits at every position of `token_ids`: little-endian f32 bytes, rows, vocab size.
 
-        Meant for checking the model against a reference (``numpy.frombuffer(b, "<f4").reshape(rows, vocab)``).
+        With `step_by_step` the tokens go through the KV cache one at a time, as in decoding; otherwise in
+        one prefill. Meant for checking the model against a reference
+        (``numpy.frombuffer(b, "<f4").reshape(rows, vocab)``).
         """
-        return self._engine.prompt_logits(self._token_ids(token_ids))
+        return self._engine.prompt_logits(self._token_ids(token_ids), step_by_step)

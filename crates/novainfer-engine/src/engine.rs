@@ -217,11 +217,22 @@ impl Engine {
         }
     }
 
-    /// Next-token logits at every prompt position (for checking the model against a reference).
-    pub fn prompt_logits(&self, prompt_ids: &[u32]) -> Result<Vec<f32>> {
+    /// Next-token logits at every prompt position (for checking the model against a
+    /// reference): from one prefill, or `step_by_step` through the KV cache like decode.
+    pub fn prompt_logits(&self, prompt_ids: &[u32], step_by_step: bool) -> Result<Vec<f32>> {
         let mut cache = self.model.new_cache(prompt_ids.len());
-        Ok(self
-            .model
-            .forward(prompt_ids, &mut cache, LogitsFor::AllTokens)?)
+        if !step_by_step {
+            return Ok(self
+                .model
+                .forward(prompt_ids, &mut cache, LogitsFor::AllTokens)?);
+        }
+        let mut logits = Vec::with_capacity(prompt_ids.len() * self.config().vocab_size);
+        for &id in prompt_ids {
+            logits.extend(
+                self.model
+                    .forward(&[id], &mut cache, LogitsFor::LastToken)?,
+            );
+        }
+        Ok(logits)
     }
 }

@@ -22,6 +22,7 @@ enum Command {
     },
     PromptLogits {
         prompt_ids: Vec<u32>,
+        step_by_step: bool,
         reply: mpsc::Sender<Result<Vec<f32>>>,
     },
 }
@@ -76,9 +77,13 @@ impl EngineHandle {
         })
     }
 
-    pub fn prompt_logits(&self, prompt_ids: Vec<u32>) -> Result<Vec<f32>> {
+    pub fn prompt_logits(&self, prompt_ids: Vec<u32>, step_by_step: bool) -> Result<Vec<f32>> {
         let (reply, rx) = mpsc::channel();
-        self.send(Command::PromptLogits { prompt_ids, reply })?;
+        self.send(Command::PromptLogits {
+            prompt_ids,
+            step_by_step,
+            reply,
+        })?;
         rx.recv().map_err(|_| EngineError::EngineStopped)?
     }
 }
@@ -107,8 +112,12 @@ fn run(mut engine: Engine, inbox: mpsc::Receiver<Command>) {
                     let _ = deltas.send(Err(e));
                 }
             }
-            Command::PromptLogits { prompt_ids, reply } => {
-                let _ = reply.send(engine.prompt_logits(&prompt_ids));
+            Command::PromptLogits {
+                prompt_ids,
+                step_by_step,
+                reply,
+            } => {
+                let _ = reply.send(engine.prompt_logits(&prompt_ids, step_by_step));
             }
         }
     }

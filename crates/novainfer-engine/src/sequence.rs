@@ -96,3 +96,86 @@ impl SequenceOutput {
         Ok(delta)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf_tokenizer::test_support::tiny_byte_level_tokenizer;
+    use novainfer_core::FinishReason;
+
+    const EOS: u32 = 258;
+
+    fn token(id: u32) -> SampledToken {
+        SampledToken {
+            token_id: id,
+            logprob: -0.5,
+            top_logprobs: vec![],
+        }
+    }
+
+    /// Feeds `ids` until a delta finishes; returns the text, the tokens taken and the reason.
+    fn run(
+        params: &SamplingParams,
+        ids: &[u32],
+        max_new: usize,
+    ) -> (String, usize, Option<FinishReason>) {
+        let mut seq = SequenceOutput::new(
+            Arc::new(tiny_byte_level_tokenizer()),
+            params,
+            &[EOS],
+            max_new,
+        );
+        let mut text = String::new();
+        for (i, &id) in ids.iter().enumerate() {
+            let delta = seq.push(token(id)).expect("push");
+            text.push_str(&delta.text);
+            if delta.finish_reason.is_some() {
+                return (text, i + 1, delta.finish_reason);
+            }
+        }
+        (text, ids.len(), None)
+    }
+
+    #[test]
+    fn eos_stops_without_text_unless_ignored() {
+        let ids = [b'h' as u32, b'i' as u32, EOS, b'!' as u32];
+        assert_eq!(
+            run(&SamplingParams::greedy(), &ids, 10),
+            ("hi".into(), 3, Some(FinishReason::Stop))
+        );
+        let ignore = SamplingParams::builder()
+            .ignore_eos(true)
+            .build()
+            .expect("valid");
+        let (text, taken, reason) = run(&ignore, &ids, 4);
+        assert_eq!((taken, reason), (4, Some(FinishReason::Length)));
+        assert!(text.starts_with("hi") && text.ends_with('!'), "{text:?}");
+    }
+
+    #[test]
+    fn stop_string_held_back_is_released_at_the_length_limit() {
+        let params = SamplingParams::builder()
+            .stop(vec!["i!".into()])
+            .build()
+            .expect("valid");
+        // "hi" ends with a possible start of "i!": held back, then released when max_new is reached.
+        assert_eq!(
+            run(&params, &[b'h' as u32, b'i' as u32], 2),
+            ("hi".into(), 2, Some(FinishReason::Length))
+        );
+        assert_eq!(
+            run(&params, &[b'h' as u32, b'i' as u32, b'!' as u32], 5),
+            ("h".into(), 3, Some(FinishReason::Stop))
+        );
+    }
+
+    #[test]
+    fn a_split_utf8_character_is_completed_at_the_length_limit() {
+        // "é" is two byte tokens; a limit after the first must not emit half a character.
+        let (text, _, reason) = run(&SamplingParams::greedy(), &[0xC3], 1);
+        assert_eq!(reason, Some(FinishReason::Length));
+        assert!(!text.contains('é'));
+        let (text, _, _) = run(&SamplingParams::greedy(), &[0xC3, 0xA9], 2);
+        assert_eq!(text, "é");
+    }
+}

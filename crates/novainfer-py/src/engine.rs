@@ -194,18 +194,21 @@ impl PyEngine {
         })
     }
 
-    /// Logits for every prompt position as little-endian f32 bytes, with `(rows, vocab)`.
+    /// Logits for every prompt position as little-endian f32 bytes, with `(rows, vocab)`;
+    /// `step_by_step` feeds the prompt one token at a time through the KV cache.
+    #[pyo3(signature = (prompt, step_by_step=false))]
     fn prompt_logits(
         &self,
         py: Python<'_>,
         prompt: Vec<u32>,
+        step_by_step: bool,
     ) -> PyResult<(Py<PyBytes>, usize, usize)> {
         let frontend = self.handle.frontend();
         let rows = prompt.len();
         let logits = py
             .detach(|| {
                 let prompt = frontend.prompt_token_ids(&Prompt::TokenIds(prompt))?;
-                self.handle.prompt_logits(prompt)
+                self.handle.prompt_logits(prompt, step_by_step)
             })
             .map_err(engine_error)?;
         let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();

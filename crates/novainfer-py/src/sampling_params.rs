@@ -32,7 +32,11 @@ impl PySamplingParams {
     #[new]
     #[pyo3(signature = (*, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
         presence_penalty=0.0, frequency_penalty=0.0, seed=None, max_tokens=Some(16), stop=None,
-        stop_token_ids=None, ignore_eos=false, logprobs=None))]
+        stop_token_ids=None, ignore_eos=false, logprobs=None),
+        // `Some(16)` would render as `...` in the generated signature.
+        text_signature = "(*, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, \
+            presence_penalty=0.0, frequency_penalty=0.0, seed=None, max_tokens=16, stop=None, \
+            stop_token_ids=None, ignore_eos=False, logprobs=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         temperature: f64,

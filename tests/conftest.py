@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random Qwen2 models generated once per session, in every on-disk form we load.
+
+The tests run against the installed `novainfer` package (built by scripts/test), never the source tree's
+`python/` folder, so they exercise the compiled extension exactly as users get it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tiny_qwen2 import write_tiny_gguf, write_tiny_model
+
+# Ordinary (non-special) token ids of the tiny vocabulary, as a fixed multi-token prompt.
+PROMPT = [72, 101, 108, 108, 111, 32, 300, 301, 5, 260, 17, 99]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Name → path of each tiny-model variant (HF dirs and GGUF files of the same weights)."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    f32 = write_tiny_model(root / "f32")
+    return {
+        "f32": f32,
+        "bf16": write_tiny_model(root / "bf16", dtype="bf16"),
+        "f16": write_tiny_model(root / "f16", dtype="f16"),
+        "sharded": write_tiny_model(root / "sharded", sharded=True),
+        "tied": write_tiny_model(root / "tied", tie_word_embeddings=True),
+        "gguf": write_tiny_gguf(root / "tiny-f32.gguf", hf_dir=f32),
+        "gguf_q8_0": write_tiny_gguf(root / "tiny-q8_0.gguf", hf_dir=f32, qtype="q8_0"),
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_models: dict[str, Path]):  # noqa: ANN201 - novainfer.LLM
+    from novainfer import LLM
+
+    return LLM(tiny_models["f32"])
+
+
+def logits_of(llm, token_ids: list[int], *, step_by_step: bool = False) -> np.ndarray:
+    """The engine's next-token logits at every position, as a (rows, vocab) array."""
+    raw, rows, vocab = llm.prompt_logits(token_ids, step_by_step=step_by_step)
+    return np.frombuffer(raw, dtype="<f4").reshape(rows, vocab)

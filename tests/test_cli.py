@@ -1,0 +1,57 @@
+"""The `novainfer` command line, run as a user would."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("novainfer")
+    cmd = [exe] if exe else [sys.executable, "-m", "novainfer.cli"]
+    return subprocess.run([*cmd, *args], input=stdin, capture_output=True, text=True, timeout=120)
+
+
+def test_generate_streams_a_completion(tiny_models, tiny_llm):
+    res = _cli("generate", "--model", str(tiny_models["f32"]), "--max-tokens", "8", "hello")
+    assert res.returncode == 0, res.stderr
+    expected = tiny_llm.generate("hello", _greedy(8))[0].outputs[0].text
+    assert res.stdout == expected + "\n"
+
+
+def _greedy(n: int):
+    from novainfer import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n)
+
+
+def test_chat_keeps_the_conversation(tiny_models):
+    res = _cli(
+        "chat", "--model", str(tiny_models["f32"]), "--temperature", "0", "--max-tokens", "4",
+        stdin="hello\nand again\n/reset\nhi\n/exit\n",
+    )
+    assert res.returncode == 0, res.stderr
+    assert "conversation cleared" in res.stdout
+    assert res.stdout.count("> ") >= 4
+
+
+def test_fetch_lists_demo_models():
+    res = _cli("fetch", "--list")
+    assert res.returncode == 0, res.stderr
+    assert "qwen2.5-coder-0.5b" in res.stdout and "qwen2.5-coder-1.5b" in res.stdout
+
+
+@pytest.mark.parametrize("args", [("generate", "--model", "/no/such/model", "hi"), ("generate", "--model", "qwen9", "hi")])
+def test_errors_are_one_line_and_exit_1(args):
+    res = _cli(*args)
+    assert res.returncode == 1
+    assert res.stderr.startswith("error:") and "Traceback" not in res.stderr
+
+
+def test_bench_reports_prefill_and_decode(tiny_models):
+    res = _cli("bench", "--model", str(tiny_models["f32"]), "--prompt-tokens", "32", "--decode-tokens", "8", "--repeat", "1")
+    assert res.returncode == 0, res.stderr
+    assert "prefill=" in res.stdout and "decode=" in res.stdout

@@ -1,0 +1,54 @@
+"""The Rust forward pass against the independent NumPy reference (tests/numpy_qwen2.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import PROMPT, logits_of
+from novainfer import LLM, SamplingParams
+from numpy_qwen2 import Qwen2Reference, greedy_generate
+from tiny_qwen2 import special_token_ids
+
+
+def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.abs(a.astype(np.float64) - b).max())
+
+
+@pytest.mark.parametrize("variant", ["f32", "bf16", "f16", "sharded", "tied"])
+def test_prefill_logits_match_reference(tiny_models, variant):
+    ref = Qwen2Reference.from_hf_dir(tiny_models[variant]).forward(PROMPT)
+    assert ref.std() > 0.5, "degenerate logits would make the comparison meaningless"
+    got = logits_of(LLM(tiny_models[variant]), PROMPT)
+    assert _max_diff(got, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("variant", ["f32", "tied"])
+def test_step_by_step_decode_matches_reference(tiny_models, variant):
+    ref_model = Qwen2Reference.from_hf_dir(tiny_models[variant])
+    cache = ref_model.new_cache()
+    ref = np.concatenate([ref_model.forward([t], cache) for t in PROMPT])
+    got = logits_of(LLM(tiny_models[variant]), PROMPT, step_by_step=True)
+    assert _max_diff(got, ref) <= 1e-4
+
+
+def test_gguf_f32_matches_reference(tiny_models):
+    ref = Qwen2Reference.from_hf_dir(tiny_models["f32"]).forward(PROMPT)
+    got = logits_of(LLM(tiny_models["gguf"]), PROMPT)
+    assert _max_diff(got, ref) <= 1e-4
+
+
+def test_gguf_q8_0_stays_close_to_reference(tiny_models):
+    # Quantized weights and Q8_0 activations cannot be exact; they must stay close and agree on argmax.
+    ref = Qwen2Reference.from_hf_dir(tiny_models["f32"]).forward(PROMPT)
+    got = logits_of(LLM(tiny_models["gguf_q8_0"]), PROMPT)
+    assert _max_diff(got, ref) <= 0.25
+    assert (got.argmax(axis=1) == ref.argmax(axis=1)).mean() >= 0.9
+
+
+def test_greedy_generation_matches_reference(tiny_models):
+    eos = set(special_token_ids().values())
+    expected = greedy_generate(Qwen2Reference.from_hf_dir(tiny_models["f32"]), PROMPT, 24, stop_ids=eos)
+    out = LLM(tiny_models["f32"]).generate(PROMPT, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert out.token_ids == expected

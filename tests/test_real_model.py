@@ -1,0 +1,87 @@
+"""The 0.5B demo model (Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M mix), fetched and cached by novainfer.fetch.
+
+Kept few and short: CI runs them on 2 cores. The f32 checkpoint is made by tools/gguf_to_hf.py, which
+dequantizes with the `gguf` package (independently of our Rust loader), and cached between runs.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import logits_of
+from novainfer import LLM, SamplingParams
+from novainfer.fetch import cache_dir, fetch_model
+from numpy_qwen2 import Qwen2Reference
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from gguf_to_hf import convert  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def demo_gguf() -> Path:
+    return fetch_model("qwen2.5-coder-0.5b", progress=False)
+
+
+@pytest.fixture(scope="module")
+def demo_llm(demo_gguf: Path) -> LLM:
+    return LLM(demo_gguf)
+
+
+@pytest.fixture(scope="module")
+def demo_f32_dir(demo_gguf: Path) -> Path:
+    out = cache_dir() / "test-artifacts" / "qwen2.5-coder-0.5b-f32"
+    if not (out / "model.safetensors").exists():
+        partial = out.with_name(out.name + f".partial-{os.getpid()}")
+        convert(demo_gguf, partial)
+        partial.rename(out)
+    return out
+
+
+def test_chat_answers_paris(demo_llm):
+    out = demo_llm.chat([{"role": "user", "content": QUESTION}], SamplingParams(temperature=0, max_tokens=32))
+    assert "Paris" in out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason == "stop"
+
+
+def test_multi_turn_template_text(demo_llm):
+    messages = [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name a prime."},
+        {"role": "assistant", "content": "7"},
+        {"role": "user", "content": "Another one?"},
+    ]
+    assert demo_llm.apply_chat_template(messages) == (
+        "<|im_start|>system\nYou are a terse assistant.<|im_end|>\n"
+        "<|im_start|>user\nName a prime.<|im_end|>\n"
+        "<|im_start|>assistant\n7<|im_end|>\n"
+        "<|im_start|>user\nAnother one?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert demo_llm.encode("Hello world") == [9707, 1879]
+
+
+def test_f32_logits_match_numpy_reference(demo_llm, demo_f32_dir):
+    prompt = demo_llm.encode(QUESTION)
+    got = logits_of(LLM(demo_f32_dir), prompt)
+    gc.collect()
+    ref = Qwen2Reference.from_hf_dir(demo_f32_dir).forward(prompt)
+    assert got.shape == ref.shape
+    assert float(np.abs(got - ref).max()) <= 1e-3
+
+
+def test_gguf_and_f32_greedy_tokens_agree(demo_llm, demo_f32_dir):
+    params = SamplingParams(temperature=0, max_tokens=8)
+    quantized = demo_llm.generate(QUESTION, params)[0].outputs[0].token_ids
+    exact = LLM(demo_f32_dir).generate(QUESTION, params)[0].outputs[0].token_ids
+    assert quantized[:6] == exact[:6]
+    assert "Paris" in demo_llm.decode(quantized)
