@@ -52,3 +52,14 @@ def test_greedy_generation_matches_reference(tiny_models):
     expected = greedy_generate(Qwen2Reference.from_hf_dir(tiny_models["f32"]), PROMPT, 24, stop_ids=eos)
     out = LLM(tiny_models["f32"]).generate(PROMPT, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
     assert out.token_ids == expected
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_dtype_override_runs_in_that_precision(tiny_models, dtype):
+    # Weights (and matmul inputs) held in 16 bits: close to the f32 reference, but not equal to it.
+    ref = Qwen2Reference.from_hf_dir(tiny_models["f32"]).forward(PROMPT)
+    got = logits_of(LLM(tiny_models["f32"], dtype=dtype), PROMPT)
+    assert 1e-4 < _max_diff(got, ref) <= 0.1
+    assert (got.argmax(axis=1) == ref.argmax(axis=1)).mean() >= 0.9
+    exact = logits_of(LLM(tiny_models["f32"], dtype="f32"), PROMPT)
+    assert _max_diff(exact, ref) <= 1e-4
