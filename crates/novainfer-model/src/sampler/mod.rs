@@ -1,0 +1,137 @@
+//! The per-sequence sampler: raw logits row in, one token (with its logprobs) out.
+//!
+//! One [`Sampler`] per sequence owns that sequence's RNG and penalty history, so a request's
+//! tokens depend only on its own logits and seed, never on what else shares the batch.
+//! Semantics follow vLLM:
+//!
+//! 1. logprobs come from `log_softmax` of the RAW row (vLLM's default `raw_logprobs`);
+//! 2. repetition, frequency and presence penalties change the row ([`penalties`]);
+//! 3. greedy (temperature 0, below vLLM's 1e-5 sampling epsilon, or top-k 1) takes the
+//!    argmax, lowest id on ties, and leaves the RNG untouched;
+//! 4. otherwise temperature, top-k, top-p, min-p, then one draw from a ChaCha8 stream seeded
+//!    with the request's seed or the engine's fallback ([`truncation`]).
+//!
+//! NaN logits count as `-inf` and `+inf` as `f32::MAX`; nothing here panics on any row.
+
+mod penalties;
+mod row_math;
+mod truncation;
+
+use novainfer_core::SamplingParams;
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use penalties::{Penalties, PenaltyState};
+use row_math::BlockMaxima;
+use truncation::Truncation;
+
+/// vLLM's `_SAMPLING_EPS`: temperatures below it sample greedily, which also keeps
+/// `1 / temperature` finite.
+const MIN_SAMPLING_TEMPERATURE: f32 = 1e-5;
+
+/// One sampled token with its raw logprob and, when asked for, the top alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampledToken {
+    pub token_id: u32,
+    /// `log_softmax(raw logits)[token_id]`.
+    pub logprob: f32,
+    /// The `logprobs` most likely tokens of the raw row as `(id, logprob)`, by logprob
+    /// descending then id ascending; empty when the request asked for none.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// Sampling state of one sequence.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    greedy: bool,
+    truncation: Truncation,
+    num_top_logprobs: Option<usize>,
+    rng: ChaCha8Rng,
+    penalties: PenaltyState,
+    scratch: Scratch,
+}
+
+impl Sampler {
+    /// `prompt_ids` feed the repetition penalty; `fallback_seed` seeds the RNG when the
+    /// request has no seed (the engine derives it from its own seed and a request counter).
+    pub fn new(params: &SamplingParams, prompt_ids: &[u32], fallback_seed: u64) -> Self {
+        let temperature = params.temperature();
+        let greedy = params.is_greedy() || temperature < MIN_SAMPLING_TEMPERATURE;
+        Self {
+            greedy,
+            truncation: Truncation {
+                inv_temperature: if greedy { 1.0 } else { 1.0 / temperature },
+                top_k: params.top_k(),
+                top_p: params.top_p(),
+                min_p: params.min_p(),
+            },
+            num_top_logprobs: params.logprobs(),
+            rng: ChaCha8Rng::seed_from_u64(params.seed().unwrap_or(fallback_seed)),
+            penalties: PenaltyState::new(Penalties::from_params(params), prompt_ids),
+            scratch: Scratch::default(),
+        }
+    }
+
+    /// Picks the next token from one row of raw logits (`len == vocab`) and records it for
+    /// the penalties of later steps. On return `logits` holds the raw row again, except that
+    /// NaN became `-inf` and `+inf` became `f32::MAX`.
+    pub fn sample(&mut self, logits: &mut [f32]) -> SampledToken {
+        let maxima = &mut self.scratch.maxima;
+        if !maxima.scan(logits) {
+            row_math::sanitize(logits);
+            maxima.scan(logits);
+        }
+        let raw_max = maxima.max();
+        // The cache is keyed by (max, scale) only; a new row must never reuse the last one's.
+        self.scratch.draw.sums.invalidate();
+        // The same pass doubles as the untruncated draw's normaliser at temperature 1.
+        let raw_log_total = self.scratch.draw.sums.total(logits, raw_max, 1.0).ln();
+        let log_softmax = |x: f32| -> f32 {
+            if raw_max == f32::NEG_INFINITY {
+                f32::NEG_INFINITY
+            } else {
+                (f64::from(x) - f64::from(raw_max) - raw_log_total) as f32
+            }
+        };
+        let top_logprobs = match self.num_top_logprobs {
+            Some(n) => row_math::top_n(logits, &self.scratch.maxima, n)
+                .into_iter()
+                .map(|(id, x)| (id, log_softmax(x)))
+                .collect(),
+            None => Vec::new(),
+        };
+
+        if self.penalties.apply(logits) {
+            self.scratch.draw.sums.invalidate();
+            self.scratch.maxima.scan(logits);
+        }
+        let token_id = if self.greedy {
+            row_math::first_index_of_max(logits, &self.scratch.maxima) as u32
+        } else {
+            let u: f64 = self.rng.random();
+            let Scratch { maxima, draw } = &mut self.scratch;
+            truncation::draw(logits, maxima, &self.truncation, u, draw)
+        };
+        self.penalties.restore(logits);
+        self.penalties.record(token_id);
+
+        let logprob = logits
+            .get(token_id as usize)
+            .map_or(f32::NEG_INFINITY, |&x| log_softmax(x));
+        SampledToken {
+            token_id,
+            logprob,
+            top_logprobs,
+        }
+    }
+}
+
+/// Buffers reused from step to step so that sampling allocates nothing once warm.
+#[derive(Debug, Clone, Default)]
+struct Scratch {
+    maxima: BlockMaxima,
+    draw: truncation::Scratch,
+}
+
+#[cfg(test)]
+mod tests;

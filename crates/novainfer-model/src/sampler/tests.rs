@@ -1,0 +1,444 @@
+//! Behaviour of the whole sampler: greedy, seeding, distributions (chi-square), penalties
+//! through `sample`, raw logprobs, hostile rows.
+
+use std::collections::BTreeSet;
+
+use novainfer_core::{SamplingParams, SamplingParamsBuilder};
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::*;
+
+const QWEN2_VOCAB: usize = 151_936;
+
+fn params(b: SamplingParamsBuilder) -> SamplingParams {
+    b.build().expect("test parameters are valid")
+}
+
+/// Logits shaped like a language model's: a broad normal bulk and a handful of clear leaders.
+fn lm_like_row(vocab: usize, seed: u64) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut row: Vec<f32> = (0..vocab)
+        .map(|_| {
+            // Box–Muller, σ = 2.5.
+            let (u1, u2): (f64, f64) = (rng.random::<f64>().max(1e-300), rng.random());
+            (2.5 * (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+        })
+        .collect();
+    for k in 0..8 {
+        let id = rng.random_range(0..vocab);
+        row[id] = 18.0 - k as f32;
+    }
+    row
+}
+
+/// `log_softmax(row)` in f64, the oracle for logprobs.
+fn reference_log_softmax(row: &[f32]) -> Vec<f64> {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max
+        + row
+            .iter()
+            .map(|&x| (x as f64 - max).exp())
+            .sum::<f64>()
+            .ln();
+    row.iter().map(|&x| x as f64 - lse).collect()
+}
+
+fn argmax_lowest_id(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn draw_many(p: &SamplingParams, row: &[f32], n: usize, seed: u64) -> Vec<u32> {
+    let mut s = Sampler::new(p, &[], seed);
+    (0..n)
+        .map(|_| s.sample(&mut row.to_vec()).token_id)
+        .collect()
+}
+
+#[test]
+fn greedy_is_argmax_and_top_k_one_matches_it() {
+    for seed in 0..5 {
+        let row = lm_like_row(5000, seed);
+        let want = argmax_lowest_id(&row);
+        let greedy = Sampler::new(&SamplingParams::greedy(), &[], 7).sample(&mut row.clone());
+        assert_eq!(greedy.token_id, want);
+        let top1 = params(SamplingParams::builder().temperature(1.0).top_k(1));
+        assert_eq!(
+            Sampler::new(&top1, &[], 7)
+                .sample(&mut row.clone())
+                .token_id,
+            want
+        );
+    }
+}
+
+#[test]
+fn greedy_ties_pick_the_lowest_id() {
+    let mut row = vec![0.0, 3.0, 1.0, 3.0, 3.0, f32::NAN];
+    assert_eq!(
+        Sampler::new(&SamplingParams::greedy(), &[], 0)
+            .sample(&mut row)
+            .token_id,
+        1
+    );
+    // A temperature below vLLM's sampling epsilon is greedy as well.
+    let tiny = params(SamplingParams::builder().temperature(1e-7));
+    assert_eq!(Sampler::new(&tiny, &[], 0).sample(&mut row).token_id, 1);
+}
+
+#[test]
+fn same_seed_same_tokens_and_different_seeds_differ() {
+    let row = lm_like_row(1000, 1)
+        .iter()
+        .map(|x| x / 6.0)
+        .collect::<Vec<_>>();
+    let seeded = |seed| params(SamplingParams::builder().temperature(1.0).seed(Some(seed)));
+    let a = draw_many(&seeded(42), &row, 50, 0);
+    assert_eq!(
+        a,
+        draw_many(&seeded(42), &row, 50, 999),
+        "the request seed must override the fallback"
+    );
+    assert_ne!(a, draw_many(&seeded(43), &row, 50, 0));
+    assert!(
+        a.iter().collect::<BTreeSet<_>>().len() > 5,
+        "50 draws from a flat row should vary: {a:?}"
+    );
+    let unseeded = params(SamplingParams::builder().temperature(1.0));
+    assert_eq!(
+        draw_many(&unseeded, &row, 50, 42),
+        a,
+        "without a request seed the fallback seeds the RNG"
+    );
+    assert_ne!(draw_many(&unseeded, &row, 50, 5), a);
+}
+
+// ---- chi-square goodness of fit -------------------------------------------------------
+
+/// Upper 0.1% points of the chi-square distribution, indexed by degrees of freedom
+/// (standard tables, e.g. NIST/SEMATECH e-Handbook §1.3.6.7.4).
+const CHI2_CRIT_P001: [f64; 8] = [
+    f64::NAN,
+    10.828,
+    13.816,
+    16.266,
+    18.467,
+    20.515,
+    22.458,
+    24.322,
+];
+
+const FIT_LOGITS: [f32; 8] = [1.2, 2.0, -0.3, 0.9, -1.5, 0.4, 1.6, -0.8];
+const FIT_TEMPERATURE: f32 = 0.7;
+const FIT_DRAWS: usize = 20_000;
+
+/// softmax(FIT_LOGITS / T) restricted to `kept` and renormalised.
+fn expected(kept: &[u32]) -> Vec<f64> {
+    let w: Vec<f64> = FIT_LOGITS
+        .iter()
+        .enumerate()
+        .map(|(i, &x)| {
+            if kept.contains(&(i as u32)) {
+                (x as f64 / FIT_TEMPERATURE as f64).exp()
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let z: f64 = w.iter().sum();
+    w.iter().map(|x| x / z).collect()
+}
+
+/// Draws FIT_DRAWS tokens, checks nothing outside the support appears, and that the
+/// chi-square statistic stays below the p = 0.001 critical value.
+fn assert_fits(b: SamplingParamsBuilder, kept: &[u32]) {
+    let p = params(b.temperature(FIT_TEMPERATURE).seed(Some(2024)));
+    let probs = expected(kept);
+    let mut counts = [0usize; 8];
+    for id in draw_many(&p, &FIT_LOGITS, FIT_DRAWS, 0) {
+        counts[id as usize] += 1;
+    }
+    let mut chi2 = 0.0;
+    for (id, (&c, &q)) in counts.iter().zip(&probs).enumerate() {
+        if q == 0.0 {
+            assert_eq!(
+                c, 0,
+                "token {id} lies outside the kept set {kept:?} but was drawn {c} times"
+            );
+        } else {
+            let e = q * FIT_DRAWS as f64;
+            chi2 += (c as f64 - e).powi(2) / e;
+        }
+    }
+    let crit = CHI2_CRIT_P001[kept.len() - 1];
+    assert!(
+        chi2 < crit,
+        "chi2 = {chi2:.2} >= {crit} for {kept:?}; counts {counts:?}, expected {probs:?}"
+    );
+}
+
+#[test]
+fn temperature_draws_fit_the_softmax() {
+    assert_fits(SamplingParams::builder(), &[0, 1, 2, 3, 4, 5, 6, 7]);
+}
+
+#[test]
+fn top_p_draws_fit_the_renormalised_nucleus() {
+    // Sorted masses at T = 0.7: 0.443 (id 1), 0.250 (6), 0.141 (0), ... so 0.8 needs three.
+    assert_fits(SamplingParams::builder().top_p(0.8), &[1, 6, 0]);
+}
+
+#[test]
+fn top_k_draws_fit_the_top_three() {
+    assert_fits(SamplingParams::builder().top_k(3), &[1, 6, 0]);
+}
+
+#[test]
+fn min_p_draws_fit_the_tokens_above_the_ratio() {
+    // Probability ratios to the top token: 1, 0.565, 0.319, 0.208, then 0.102.
+    assert_fits(SamplingParams::builder().min_p(0.15), &[1, 6, 0, 3]);
+}
+
+#[test]
+fn top_p_applies_to_the_top_k_distribution() {
+    // Top-2 renormalised gives id 1 mass 0.639 >= 0.6, so it stands alone; over the full
+    // softmax its mass 0.443 would have needed id 6 too.
+    let p = params(
+        SamplingParams::builder()
+            .temperature(FIT_TEMPERATURE)
+            .top_k(2)
+            .top_p(0.6)
+            .seed(Some(3)),
+    );
+    assert!(draw_many(&p, &FIT_LOGITS, 500, 0).iter().all(|&id| id == 1));
+}
+
+// ---- penalties through `sample` -------------------------------------------------------
+
+#[test]
+fn presence_penalty_steers_later_greedy_steps() {
+    let p = params(
+        SamplingParams::builder()
+            .temperature(0.0)
+            .presence_penalty(0.5),
+    );
+    let mut s = Sampler::new(&p, &[], 0);
+    let row = [1.0, 0.9, -3.0];
+    // 1.0 wins; then 0.5 < 0.9; then both penalised once: 0.5 > 0.4.
+    let ids: Vec<u32> = (0..3)
+        .map(|_| s.sample(&mut row.to_vec()).token_id)
+        .collect();
+    assert_eq!(ids, [0, 1, 0]);
+}
+
+#[test]
+fn repetition_penalty_reads_the_prompt_and_logprobs_stay_raw() {
+    let p = params(
+        SamplingParams::builder()
+            .temperature(0.0)
+            .repetition_penalty(2.0)
+            .logprobs(Some(2)),
+    );
+    let mut row = vec![1.0, 0.9, -3.0];
+    let out = Sampler::new(&p, &[0, 0], 0).sample(&mut row);
+    assert_eq!(out.token_id, 1, "prompt token 0 is penalised to 0.5");
+    let reference = reference_log_softmax(&[1.0, 0.9, -3.0]);
+    assert!((out.logprob as f64 - reference[1]).abs() < 1e-6);
+    assert_eq!(
+        out.top_logprobs.iter().map(|t| t.0).collect::<Vec<_>>(),
+        [0, 1]
+    );
+    assert_eq!(row, [1.0, 0.9, -3.0], "the caller gets its raw row back");
+}
+
+// ---- full-vocabulary rows --------------------------------------------------------------
+
+/// Rank of every token (0 = most likely), by logit descending then id ascending.
+fn ranks(row: &[f32]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..row.len()).collect();
+    order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    let mut rank = vec![0; row.len()];
+    for (r, &id) in order.iter().enumerate() {
+        rank[id] = r;
+    }
+    rank
+}
+
+/// Size of the nucleus of softmax(row / temperature) for `top_p`, by a full f64 sort.
+fn nucleus_size(row: &[f32], temperature: f64, top_p: f64) -> usize {
+    let mut x: Vec<f64> = row.iter().map(|&v| f64::from(v) / temperature).collect();
+    x.sort_by(|a, b| b.total_cmp(a));
+    let w: Vec<f64> = x.iter().map(|v| (v - x[0]).exp()).collect();
+    let target = top_p * w.iter().sum::<f64>();
+    let mut mass = 0.0;
+    1 + w
+        .iter()
+        .position(|v| {
+            mass += v;
+            mass >= target
+        })
+        .expect("the whole row reaches any top_p <= 1")
+}
+
+#[test]
+fn truncation_on_a_qwen2_sized_row_matches_a_full_sort() {
+    let row = lm_like_row(QWEN2_VOCAB, 3);
+    let rank = ranks(&row);
+    // (temperature, top_k, top_p): a confident nucleus (found in the first window), a wide
+    // one (needs the provable window), and top-k at a temperature that spreads its 50.
+    for (temperature, top_k, top_p) in [(1.0, 0, 0.9), (1.5, 0, 0.95), (3.0, 50, 1.0)] {
+        let p = params(
+            SamplingParams::builder()
+                .temperature(temperature)
+                .top_k(top_k)
+                .top_p(top_p)
+                .seed(Some(5)),
+        );
+        let kept = if top_k > 0 {
+            top_k as usize
+        } else {
+            nucleus_size(&row, f64::from(temperature), f64::from(top_p))
+        };
+        let draws = draw_many(&p, &row, 300, 0);
+        // One token of slack at the top-p boundary, where f32 and f64 sums may disagree.
+        let slack = usize::from(top_k == 0);
+        let worst = draws.iter().map(|&id| rank[id as usize]).max().unwrap_or(0);
+        assert!(
+            worst < kept + slack,
+            "rank {worst} drawn, kept {kept} ({temperature}, {top_k}, {top_p})"
+        );
+        let distinct = draws.iter().collect::<BTreeSet<_>>().len();
+        assert!(
+            distinct >= kept.min(30) / 3,
+            "{distinct} distinct of {kept} kept"
+        );
+    }
+}
+
+// ---- logprobs -------------------------------------------------------------------------
+
+#[test]
+fn logprobs_are_the_raw_log_softmax_sorted_and_complete() {
+    let row = lm_like_row(QWEN2_VOCAB, 11);
+    let reference = reference_log_softmax(&row);
+    let p = params(
+        SamplingParams::builder()
+            .temperature(0.8)
+            .top_p(0.95)
+            .frequency_penalty(1.0)
+            .logprobs(Some(5))
+            .seed(Some(1)),
+    );
+    let mut s = Sampler::new(&p, &[], 0);
+    for _ in 0..4 {
+        let out = s.sample(&mut row.clone());
+        assert!((out.logprob as f64 - reference[out.token_id as usize]).abs() <= 1e-5);
+        assert_eq!(out.top_logprobs.len(), 5);
+        let mut want: Vec<(u32, f64)> = reference
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, l))
+            .collect();
+        want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        for (got, want) in out.top_logprobs.iter().zip(&want) {
+            assert_eq!(got.0, want.0);
+            assert!((got.1 as f64 - want.1).abs() <= 1e-5);
+        }
+    }
+    let none = params(SamplingParams::builder().temperature(0.8));
+    assert!(Sampler::new(&none, &[], 0)
+        .sample(&mut row.clone())
+        .top_logprobs
+        .is_empty());
+}
+
+// ---- hostile rows ---------------------------------------------------------------------
+
+#[test]
+fn nan_and_infinite_rows_never_panic_nor_pick_nan() {
+    let configs = [
+        SamplingParams::greedy(),
+        params(SamplingParams::builder()),
+        params(
+            SamplingParams::builder()
+                .top_k(3)
+                .top_p(0.5)
+                .min_p(0.1)
+                .logprobs(Some(20)),
+        ),
+        params(SamplingParams::builder().top_p(0.9).repetition_penalty(1.3)),
+    ];
+    for p in &configs {
+        let mut s = Sampler::new(p, &[0, 1, 5000], 9);
+        let mut row = vec![f32::NAN, 0.5, f32::NAN, -1.0, f32::NEG_INFINITY];
+        for _ in 0..20 {
+            let out = s.sample(&mut row.clone());
+            assert!([1, 3].contains(&out.token_id), "{out:?}");
+        }
+        s.sample(&mut row);
+        assert_eq!(
+            row[..2],
+            [f32::NEG_INFINITY, 0.5],
+            "NaN is rewritten as -inf, the rest stays raw"
+        );
+        assert_eq!(s.sample(&mut [f32::NAN; 6]).token_id, 0);
+        assert_eq!(s.sample(&mut [0.0, f32::INFINITY, 1.0]).token_id, 1);
+        assert_eq!(s.sample(&mut []).token_id, 0);
+    }
+}
+
+/// Ad-hoc timing on a Qwen2-sized row; prints, asserts nothing. Run with
+/// `cargo test --release -p novainfer-model sampler::tests::timing -- --ignored --nocapture`.
+#[test]
+#[ignore = "timing report, not a check"]
+fn timing() {
+    let row = lm_like_row(QWEN2_VOCAB, 5);
+    let b = SamplingParams::builder;
+    let configs = [
+        ("greedy", b().temperature(0.0)),
+        ("T 0.7", b().temperature(0.7)),
+        ("T 1", b().temperature(1.0)),
+        ("T 0.7, top_k 50", b().temperature(0.7).top_k(50)),
+        ("T 0.7, top_p 0.9", b().temperature(0.7).top_p(0.9)),
+        (
+            "T 0.7, top_k 50, top_p 0.9",
+            b().temperature(0.7).top_k(50).top_p(0.9),
+        ),
+        ("T 0.7, min_p 0.05", b().temperature(0.7).min_p(0.05)),
+        ("T 1, top_p 0.9", b().top_p(0.9)),
+        (
+            "T 1, top_p 0.9, logprobs 20",
+            b().top_p(0.9).logprobs(Some(20)),
+        ),
+        (
+            "T 1, top_p 0.9, penalties",
+            b().top_p(0.9).repetition_penalty(1.1).presence_penalty(0.5),
+        ),
+        (
+            "T 1.5, top_p 0.95 (wide nucleus)",
+            b().temperature(1.5).top_p(0.95),
+        ),
+    ];
+    for (name, builder) in configs {
+        let mut s = Sampler::new(&params(builder), &(0..200).collect::<Vec<u32>>(), 0);
+        let mut buf = row.clone();
+        // The best of several batches: other processes on the machine only ever add time.
+        let best = (0..5)
+            .map(|_| {
+                let start = std::time::Instant::now();
+                for _ in 0..50 {
+                    buf.copy_from_slice(&row);
+                    std::hint::black_box(s.sample(&mut buf));
+                }
+                start.elapsed().as_secs_f64() / 50.0
+            })
+            .fold(f64::INFINITY, f64::min);
+        println!("{name:>34}: {:>7.1} µs/token", best * 1e6);
+    }
+}
