@@ -6,10 +6,14 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 
 use crate::error::Result;
+use crate::layers::qmatmul::PackedMatrix;
 
 enum Weight {
     /// `[out, in]` in the storage dtype; activations are cast to it for the matmul.
     Dense(Tensor),
+    /// Quant types with our own kernels (see `qmatmul`).
+    Packed(PackedMatrix),
+    /// Every other quant type, through candle.
     Quantized(QMatMul),
 }
 
@@ -33,8 +37,12 @@ impl Linear {
 
     pub fn quantized(weight: Arc<QTensor>, bias: Option<Vec<f32>>) -> Result<Self> {
         let (out_features, in_features) = weight.shape().dims2()?;
+        let weight = match PackedMatrix::from_qtensor(&weight)? {
+            Some(packed) => Weight::Packed(packed),
+            None => Weight::Quantized(QMatMul::from_arc(weight)?),
+        };
         Ok(Self {
-            weight: Weight::Quantized(QMatMul::from_arc(weight)?),
+            weight,
             bias,
             out_features,
             in_features,
@@ -52,23 +60,33 @@ impl Linear {
             rows * self.in_features,
             "linear input shape: this is a bug"
         );
-        let xt = Tensor::from_slice(x, (rows, self.in_features), &Device::Cpu)?;
-        let y = match &self.weight {
-            Weight::Quantized(w) => w.forward(&xt)?,
-            Weight::Dense(w) if w.dtype() == DType::F32 => xt.matmul(&w.t()?)?,
-            Weight::Dense(w) => xt
-                .to_dtype(w.dtype())?
-                .matmul(&w.t()?)?
-                .to_dtype(DType::F32)?,
+        let xt = || Tensor::from_slice(x, (rows, self.in_features), &Device::Cpu);
+        let mut y = match &self.weight {
+            Weight::Packed(w) => w.matmul(x, rows),
+            Weight::Quantized(w) => to_vec(w.forward(&xt()?)?)?,
+            Weight::Dense(w) if w.dtype() == DType::F32 => to_vec(xt()?.matmul(&w.t()?)?)?,
+            Weight::Dense(w) => to_vec(
+                xt()?
+                    .to_dtype(w.dtype())?
+                    .matmul(&w.t()?)?
+                    .to_dtype(DType::F32)?,
+            )?,
         };
-        let mut y = y.flatten_all()?.to_vec1::<f32>()?;
+        self.add_bias(&mut y);
+        Ok(y)
+    }
+
+    fn add_bias(&self, y: &mut [f32]) {
         if let Some(bias) = &self.bias {
             for row in y.chunks_exact_mut(self.out_features) {
                 row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
             }
         }
-        Ok(y)
     }
+}
+
+fn to_vec(t: Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_vec1::<f32>()?)
 }
 
 /// The token embedding table; its rows are looked up, never multiplied in full.

@@ -7,6 +7,11 @@
 pub mod attention;
 pub mod linear;
 pub mod ops;
+#[cfg(target_arch = "x86_64")]
+pub mod qmatmul;
+#[cfg(not(target_arch = "x86_64"))]
+#[path = "qmatmul_stub.rs"]
+pub mod qmatmul;
 
 pub use attention::{attention, AttentionShape, KvView};
 pub use linear::{Embedding, Linear};

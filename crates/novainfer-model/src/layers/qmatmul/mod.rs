@@ -1,0 +1,282 @@
+//! Our own CPU matmuls for the GGUF quant types that dominate the demo models
+//! (Q5_0, Q8_0, Q4_K, Q6_K): `y[m, n] = x[m, k] · Wᵀ` with `W` packed at load time.
+//!
+//! Shape of the computation:
+//! * activations are quantized per row to int8 blocks exactly as ggml/candle do
+//!   ([`activation`]), so results match candle's `QMatMul` up to f32 summation order;
+//! * weights are repacked into groups of 8 output columns with the 8 columns
+//!   interleaved 4 bytes at a time, so one 256-bit register holds 4 k-values of 8
+//!   columns and a broadcast of 4 activation bytes feeds one `vpdpbusd` (or
+//!   `maddubs`+`madd` on AVX2) per (row, 4 k-values, 8 columns);
+//! * a kernel computes a tile of `R` rows × 8 columns over the whole of k, each
+//!   weight block reused across the `R` rows (GEMM for prefill; `R = 1` is the
+//!   decode GEMV, which only streams the weights once);
+//! * work items are (row chunk, column group) pairs handed to candle's barrier pool.
+//!
+//! Batch invariance: every output element is produced by one thread, over all of
+//! k, with the same sequence of f32 operations whatever `m`, the tile height, the
+//! thread or the ISA (int sums are exact). So row r of an m-row product equals the
+//! product of row r alone, bit for bit.
+
+mod activation;
+mod isa;
+mod q4_k;
+mod q5_0;
+mod q6_k;
+mod q8_0;
+#[cfg(test)]
+mod tests;
+
+use std::arch::x86_64::*;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+
+use crate::error::Result;
+use activation::{ActKind, QuantizedActs};
+use isa::{Avx2, Isa, IsaChoice, Vnni};
+
+/// Output columns per packed group (one f32 lane each in a 256-bit register).
+const GROUP: usize = 8;
+/// Rows per GEMM tile: each unpacked weight chunk feeds this many dot products.
+const ROW_TILE: usize = 4;
+/// Activation bytes per row chunk: one chunk's quantized rows should stay in L2
+/// while every column group streams past them.
+const ROW_CHUNK_BYTES: usize = 256 * 1024;
+
+/// One quant format's packing and micro-kernel.
+trait Kernel {
+    const ACT: ActKind;
+    /// Weights per quant block along k.
+    const BLOCK_K: usize;
+    /// Bytes of one ggml block of one row.
+    const RAW_BLOCK_BYTES: usize;
+    /// Bytes of one packed block of one 8-column group.
+    const GROUP_BLOCK_BYTES: usize;
+
+    /// Packs the same block index of up to 8 rows of `W` (`None`: padding column,
+    /// left zero) into `out` (`GROUP_BLOCK_BYTES`, zero-initialised).
+    fn pack_block(cols: &[Option<&[u8]>; GROUP], out: &mut [u8]);
+
+    /// Rows `row0..row0+R` of `acts` times the 8 columns at `group`; lane j of
+    /// result r is output (row0 + r, column j of the group).
+    ///
+    /// # Safety
+    /// `group` must point at `acts.nb` packed blocks; the rows must exist in `acts`;
+    /// the CPU must support `I`.
+    unsafe fn tile<I: Isa, const R: usize>(
+        group: *const u8,
+        acts: &QuantizedActs,
+        row0: usize,
+    ) -> [__m256; R];
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Format {
+    Q5_0,
+    Q8_0,
+    Q4K,
+    Q6K,
+}
+
+/// A quantized `[n, k]` weight in our packed layout.
+pub struct PackedMatrix {
+    format: Format,
+    isa: IsaChoice,
+    n: usize,
+    k: usize,
+    group_bytes: usize,
+    data: Vec<u8>,
+}
+
+impl PackedMatrix {
+    /// Packs `t` (`[n, k]`) when its type has a kernel here and the CPU has AVX2+FMA;
+    /// `None` means "use candle's QMatMul".
+    pub fn from_qtensor(t: &QTensor) -> Result<Option<Self>> {
+        let Some(isa) = isa::detect() else {
+            return Ok(None);
+        };
+        let format = match t.dtype() {
+            GgmlDType::Q5_0 => Format::Q5_0,
+            GgmlDType::Q8_0 => Format::Q8_0,
+            GgmlDType::Q4K => Format::Q4K,
+            GgmlDType::Q6K => Format::Q6K,
+            _ => return Ok(None),
+        };
+        let (n, k) = t.shape().dims2()?;
+        let raw = t.data()?;
+        let (group_bytes, data) = match format {
+            Format::Q5_0 => pack::<q5_0::Q5_0>(&raw, n, k),
+            Format::Q8_0 => pack::<q8_0::Q8_0>(&raw, n, k),
+            Format::Q4K => pack::<q4_k::Q4K>(&raw, n, k),
+            Format::Q6K => pack::<q6_k::Q6K>(&raw, n, k),
+        };
+        Ok(Some(Self {
+            format,
+            isa,
+            n,
+            k,
+            group_bytes,
+            data,
+        }))
+    }
+
+    pub fn out_features(&self) -> usize {
+        self.n
+    }
+
+    pub fn in_features(&self) -> usize {
+        self.k
+    }
+
+    /// `x`: `[m, k]` → `[m, n]`.
+    pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
+        assert_eq!(
+            x.len(),
+            m * self.k,
+            "packed matmul input shape: this is a bug"
+        );
+        let mut out = vec![0f32; m * self.n];
+        match self.format {
+            Format::Q5_0 => self.run::<q5_0::Q5_0>(x, m, &mut out),
+            Format::Q8_0 => self.run::<q8_0::Q8_0>(x, m, &mut out),
+            Format::Q4K => self.run::<q4_k::Q4K>(x, m, &mut out),
+            Format::Q6K => self.run::<q6_k::Q6K>(x, m, &mut out),
+        }
+        out
+    }
+
+    fn run<F: Kernel>(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        let acts = QuantizedActs::new(F::ACT, x, m, self.k);
+        let groups = self.n.div_ceil(GROUP);
+        let rows_per_chunk = (ROW_CHUNK_BYTES / self.k).max(ROW_TILE);
+        let row_chunks = m.div_ceil(rows_per_chunk);
+        let dst = SharedOut(out.as_mut_ptr());
+        let job = GroupJob {
+            acts: &acts,
+            n: self.n,
+            dst,
+        };
+        candle_core::utils::barrier_pool().execute_chunked(row_chunks * groups, |items| {
+            for item in items {
+                let (chunk, g) = (item / groups, item % groups);
+                let rows = chunk * rows_per_chunk..m.min((chunk + 1) * rows_per_chunk);
+                let group = self.data[g * self.group_bytes..].as_ptr();
+                // SAFETY: `group` starts a packed group of `acts.nb` blocks (see `pack`),
+                // `rows` lie inside `acts`, `isa` was detected on this CPU, and each
+                // (row, column) of `out` is written by exactly one work item.
+                unsafe {
+                    match self.isa {
+                        IsaChoice::Vnni => job.rows_vnni::<F>(group, g, rows),
+                        IsaChoice::Avx2 => job.rows_avx2::<F>(group, g, rows),
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// Reorders ggml rows into 8-column groups, `[group][block][GROUP_BLOCK_BYTES]`.
+fn pack<F: Kernel>(raw: &[u8], n: usize, k: usize) -> (usize, Vec<u8>) {
+    let nb = k / F::BLOCK_K;
+    let row_bytes = nb * F::RAW_BLOCK_BYTES;
+    let group_bytes = nb * F::GROUP_BLOCK_BYTES;
+    let groups = n.div_ceil(GROUP);
+    let mut data = vec![0u8; groups * group_bytes];
+    for (g, dst) in data.chunks_exact_mut(group_bytes).enumerate() {
+        for (b, out) in dst.chunks_exact_mut(F::GROUP_BLOCK_BYTES).enumerate() {
+            let cols: [Option<&[u8]>; GROUP] = std::array::from_fn(|j| {
+                let row = g * GROUP + j;
+                (row < n).then(|| {
+                    let start = row * row_bytes + b * F::RAW_BLOCK_BYTES;
+                    &raw[start..start + F::RAW_BLOCK_BYTES]
+                })
+            });
+            F::pack_block(&cols, out);
+        }
+    }
+    (group_bytes, data)
+}
+
+/// What every work item shares: the quantized rows and where results go.
+struct GroupJob<'a> {
+    acts: &'a QuantizedActs,
+    n: usize,
+    dst: SharedOut,
+}
+
+impl GroupJob<'_> {
+    #[target_feature(enable = "avx2,fma,avxvnni")]
+    unsafe fn rows_vnni<F: Kernel>(
+        &self,
+        group: *const u8,
+        g: usize,
+        rows: std::ops::Range<usize>,
+    ) {
+        // SAFETY: forwarded contract of `run`; VNNI was detected.
+        unsafe { self.rows::<F, Vnni>(group, g, rows) }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn rows_avx2<F: Kernel>(
+        &self,
+        group: *const u8,
+        g: usize,
+        rows: std::ops::Range<usize>,
+    ) {
+        // SAFETY: forwarded contract of `run`; AVX2+FMA were detected.
+        unsafe { self.rows::<F, Avx2>(group, g, rows) }
+    }
+
+    /// Full tiles of `ROW_TILE` rows, then single rows; both run the same per-element
+    /// sequence, so where a row falls does not change its bits.
+    #[inline(always)]
+    unsafe fn rows<F: Kernel, I: Isa>(
+        &self,
+        group: *const u8,
+        g: usize,
+        rows: std::ops::Range<usize>,
+    ) {
+        let mut r = rows.start;
+        // SAFETY: forwarded contract of `run`.
+        unsafe {
+            while r + ROW_TILE <= rows.end {
+                self.store(F::tile::<I, ROW_TILE>(group, self.acts, r), r, g);
+                r += ROW_TILE;
+            }
+            while r < rows.end {
+                self.store(F::tile::<I, 1>(group, self.acts, r), r, g);
+                r += 1;
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn store<const R: usize>(&self, tile: [__m256; R], row0: usize, g: usize) {
+        let col0 = g * GROUP;
+        let cols = GROUP.min(self.n - col0);
+        for (r, v) in tile.into_iter().enumerate() {
+            let mut lanes = [0f32; GROUP];
+            // SAFETY: `lanes` holds 8 f32; the destination row segment
+            // `(row0 + r)·n + col0 .. + cols` lies in `out` and belongs to this item only.
+            unsafe {
+                _mm256_storeu_ps(lanes.as_mut_ptr(), v);
+                let dst = self.dst.get().add((row0 + r) * self.n + col0);
+                std::ptr::copy_nonoverlapping(lanes.as_ptr(), dst, cols);
+            }
+        }
+    }
+}
+
+/// The output buffer's base pointer, shared with the pool's threads.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+
+impl SharedOut {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+// SAFETY: threads only write through it to disjoint (row, column) ranges (see `run`).
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}

@@ -1,0 +1,18 @@
+//! Stand-in for `qmatmul` off x86-64: no packed kernels, so every quantized
+//! weight goes through candle's `QMatMul`.
+
+use candle_core::quantized::QTensor;
+
+use crate::error::Result;
+
+pub enum PackedMatrix {}
+
+impl PackedMatrix {
+    pub fn from_qtensor(_t: &QTensor) -> Result<Option<Self>> {
+        Ok(None)
+    }
+
+    pub fn matmul(&self, _x: &[f32], _m: usize) -> Vec<f32> {
+        match *self {}
+    }
+}
