@@ -11,6 +11,8 @@ pub enum FinishReason {
     Length,
     /// The caller aborted the request.
     Abort,
+    /// The prompt can never fit (`max_model_len` or the KV pool); nothing was generated.
+    Ignored,
 }
 
 impl FinishReason {
@@ -20,6 +22,7 @@ impl FinishReason {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
             FinishReason::Abort => "abort",
+            FinishReason::Ignored => "ignored",
         }
     }
 }

@@ -1,11 +1,30 @@
-//! Pure bookkeeping for NovaInfer: request parameters and outcomes.
+//! Pure bookkeeping for NovaInfer: request parameters and outcomes, the paged
+//! KV block pool with its prefix cache, and the continuous-batching scheduler.
 //!
 //! Nothing here touches a tensor, a thread or a device, so every rule in this
-//! crate is testable in microseconds. The paged KV block manager and the
-//! scheduler will live here too (see DESIGN.md §2–§3).
+//! crate is testable in microseconds (see DESIGN.md §2–§3).
 
+#![cfg_attr(test, allow(clippy::unwrap_used))]
+
+pub mod block_pool;
 pub mod finish;
+pub mod ids;
+pub mod kv_cache_manager;
+pub mod prefix_hash;
+pub mod request;
 pub mod sampling_params;
+pub mod scheduler;
+pub mod slot_mapping;
 
+pub use block_pool::BlockPool;
 pub use finish::FinishReason;
+pub use ids::{BlockId, RequestId};
+pub use kv_cache_manager::{BlockCopy, KvCacheManager, KvCacheStats, NewBlocks, PrefixHit};
+pub use prefix_hash::{BlockHash, BlockKey, PrefixIndex};
+pub use request::{Request, RequestStatus};
 pub use sampling_params::{ParamError, SamplingParams, SamplingParamsBuilder, StopCondition};
+pub use scheduler::{
+    FinishedRequest, RequestUpdate, ScheduledRequest, Scheduler, SchedulerConfig,
+    SchedulerConfigBuilder, SchedulerOutput,
+};
+pub use slot_mapping::slot_mapping;

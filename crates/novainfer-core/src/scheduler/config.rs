@@ -1,0 +1,177 @@
+//! Scheduler limits, valid by construction.
+//!
+//! Beyond per-field ranges, one cross-field rule: one request of `max_model_len`
+//! tokens must fit the pool on its own. That is what guarantees progress: the
+//! oldest running request can always preempt everyone else and still grow.
+
+use crate::sampling_params::ParamError;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    max_num_batched_tokens: usize,
+    max_num_seqs: usize,
+    max_model_len: usize,
+    block_size: usize,
+    num_blocks: usize,
+    enable_prefix_caching: bool,
+    long_prefill_token_threshold: Option<usize>,
+}
+
+impl SchedulerConfig {
+    pub fn builder() -> SchedulerConfigBuilder {
+        SchedulerConfigBuilder::default()
+    }
+    /// Token budget of one step (all chunks and decodes together).
+    pub fn max_num_batched_tokens(&self) -> usize {
+        self.max_num_batched_tokens
+    }
+    /// Most requests running at once.
+    pub fn max_num_seqs(&self) -> usize {
+        self.max_num_seqs
+    }
+    /// Prompt + output limit of one request.
+    pub fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+    pub fn enable_prefix_caching(&self) -> bool {
+        self.enable_prefix_caching
+    }
+    /// Most tokens one request may compute in a step (caps prefill chunks), if set.
+    pub fn long_prefill_token_threshold(&self) -> Option<usize> {
+        self.long_prefill_token_threshold
+    }
+}
+
+/// Raw values with vLLM-like defaults; [`build`](Self::build) checks them.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfigBuilder {
+    max_num_batched_tokens: usize,
+    max_num_seqs: usize,
+    max_model_len: usize,
+    block_size: usize,
+    num_blocks: usize,
+    enable_prefix_caching: bool,
+    long_prefill_token_threshold: Option<usize>,
+}
+
+impl Default for SchedulerConfigBuilder {
+    fn default() -> Self {
+        Self {
+            max_num_batched_tokens: 2048,
+            max_num_seqs: 256,
+            max_model_len: 4096,
+            block_size: 16,
+            num_blocks: 1024,
+            enable_prefix_caching: true,
+            long_prefill_token_threshold: None,
+        }
+    }
+}
+
+macro_rules! setter {
+    ($name:ident: $ty:ty) => {
+        pub fn $name(mut self, value: $ty) -> Self {
+            self.$name = value;
+            self
+        }
+    };
+}
+
+impl SchedulerConfigBuilder {
+    setter!(max_num_batched_tokens: usize);
+    setter!(max_num_seqs: usize);
+    setter!(max_model_len: usize);
+    setter!(block_size: usize);
+    setter!(num_blocks: usize);
+    setter!(enable_prefix_caching: bool);
+    setter!(long_prefill_token_threshold: Option<usize>);
+
+    pub fn build(self) -> Result<SchedulerConfig, ParamError> {
+        let at_least = |param: &'static str, value: usize, min: usize| {
+            if value < min {
+                Err(ParamError::new(
+                    param,
+                    format!("must be >= {min}, got {value}"),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)?;
+        at_least("max_num_seqs", self.max_num_seqs, 1)?;
+        // A prompt needs at least one token and room for one output token.
+        at_least("max_model_len", self.max_model_len, 2)?;
+        at_least("block_size", self.block_size, 1)?;
+        at_least("num_blocks", self.num_blocks, 1)?;
+        if let Some(t) = self.long_prefill_token_threshold {
+            at_least("long_prefill_token_threshold", t, 1)?;
+        }
+        if self.num_blocks >= u32::MAX as usize {
+            return Err(ParamError::new(
+                "num_blocks",
+                format!("must be < {}, got {}", u32::MAX, self.num_blocks),
+            ));
+        }
+        let needed = self.max_model_len.div_ceil(self.block_size);
+        if self.num_blocks < needed {
+            return Err(ParamError::new(
+                "num_blocks",
+                format!(
+                    "one max_model_len={} sequence needs {needed} blocks of {} tokens, got {}",
+                    self.max_model_len, self.block_size, self.num_blocks
+                ),
+            ));
+        }
+        Ok(SchedulerConfig {
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            max_model_len: self.max_model_len,
+            block_size: self.block_size,
+            num_blocks: self.num_blocks,
+            enable_prefix_caching: self.enable_prefix_caching,
+            long_prefill_token_threshold: self.long_prefill_token_threshold,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_bad_value_names_its_field() {
+        let b = SchedulerConfig::builder;
+        let param = |b: SchedulerConfigBuilder| b.build().expect_err("accepted a bad value").param;
+        assert_eq!(
+            param(b().max_num_batched_tokens(0)),
+            "max_num_batched_tokens"
+        );
+        assert_eq!(param(b().max_num_seqs(0)), "max_num_seqs");
+        assert_eq!(param(b().max_model_len(1)), "max_model_len");
+        assert_eq!(param(b().block_size(0)), "block_size");
+        assert_eq!(
+            param(b().long_prefill_token_threshold(Some(0))),
+            "long_prefill_token_threshold"
+        );
+        let err = b()
+            .max_model_len(100)
+            .block_size(16)
+            .num_blocks(6)
+            .build()
+            .unwrap_err();
+        assert_eq!(err.param, "num_blocks");
+        assert!(err.to_string().contains("needs 7 blocks"), "{err}");
+        assert!(b()
+            .max_model_len(96)
+            .block_size(16)
+            .num_blocks(6)
+            .build()
+            .is_ok());
+    }
+}

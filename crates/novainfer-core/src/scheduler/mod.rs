@@ -1,0 +1,346 @@
+//! Continuous batching on the one-counter model (vLLM v1).
+//!
+//! Each step fills a token budget. Running requests go first, in order: each gets
+//! `min(uncomputed tokens, budget left, long_prefill_token_threshold)` new tokens, so
+//! decodes and unfinished prefill chunks share one path. If a running request cannot
+//! get blocks, the newest running request is preempted (recompute: blocks freed,
+//! counter back to 0, output kept, front of the waiting queue) until it fits; if
+//! it is itself the newest, it waits. Then waiting requests are admitted FCFS after
+//! a prefix lookup, while budget, seq slots and blocks last; the first one that does
+//! not fit stops admission, so nobody is overtaken (no starvation).
+//!
+//! Progress: `SchedulerConfig` guarantees one `max_model_len` request fits the pool
+//! alone, so the oldest running request can always grow.
+//!
+//! Protocol: call [`Scheduler::schedule`], run the model, then [`Scheduler::update`]
+//! with that output before the next `schedule`: counters advance in `update`.
+
+mod config;
+mod output;
+
+use std::collections::{HashMap, VecDeque};
+
+pub use config::{SchedulerConfig, SchedulerConfigBuilder};
+pub use output::{FinishedRequest, RequestUpdate, ScheduledRequest, SchedulerOutput};
+
+use crate::finish::FinishReason;
+use crate::ids::RequestId;
+use crate::kv_cache_manager::{KvCacheManager, KvCacheStats, PrefixHit};
+use crate::request::{Request, RequestStatus};
+
+#[derive(Debug, Clone)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    kv: KvCacheManager,
+    requests: HashMap<RequestId, Request>,
+    waiting: VecDeque<RequestId>,
+    running: Vec<RequestId>,
+    finished_since_last_step: Vec<FinishedRequest>,
+    next_arrival_seq: u64,
+    num_preemptions: u64,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Self {
+        let kv = KvCacheManager::new(
+            config.num_blocks(),
+            config.block_size(),
+            config.enable_prefix_caching(),
+        );
+        Self {
+            config,
+            kv,
+            requests: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            finished_since_last_step: Vec::new(),
+            next_arrival_seq: 0,
+            num_preemptions: 0,
+        }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+    pub fn kv_cache_manager(&self) -> &KvCacheManager {
+        &self.kv
+    }
+    pub fn kv_stats(&self) -> KvCacheStats {
+        self.kv.stats()
+    }
+    /// An unfinished request (finished ones are handed back and forgotten).
+    pub fn request(&self, id: RequestId) -> Option<&Request> {
+        self.requests.get(&id)
+    }
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+    /// The waiting queue, front (next to admit) first.
+    pub fn waiting_ids(&self) -> impl Iterator<Item = RequestId> + '_ {
+        self.waiting.iter().copied()
+    }
+    /// Running requests, oldest admission first (the newest is preempted first).
+    pub fn running_ids(&self) -> &[RequestId] {
+        &self.running
+    }
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+    pub fn num_preemptions(&self) -> u64 {
+        self.num_preemptions
+    }
+    /// True while any request is queued, running, or finished but not yet reported.
+    pub fn has_work(&self) -> bool {
+        !self.requests.is_empty() || !self.finished_since_last_step.is_empty()
+    }
+    /// Forgets every cached prefix; refused (false) while any block is in use.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.kv.reset_prefix_cache()
+    }
+
+    /// Queues a new request, or finishes it as `Ignored` (reported by the next
+    /// `schedule`) if its prompt can never fit. Panics on a duplicate id (a bug).
+    pub fn add_request(&mut self, mut request: Request) {
+        assert!(
+            !self.requests.contains_key(&request.id),
+            "add_request: duplicate {}: this is a bug",
+            request.id
+        );
+        request.arrival_seq = self.next_arrival_seq;
+        self.next_arrival_seq += 1;
+        if let Some(detail) = self.why_never_fits(&request) {
+            request.finish(FinishReason::Ignored);
+            self.finished_since_last_step.push(FinishedRequest {
+                request_id: request.id,
+                reason: FinishReason::Ignored,
+                detail: Some(detail),
+            });
+            return;
+        }
+        self.waiting.push_back(request.id);
+        self.requests.insert(request.id, request);
+    }
+
+    /// Finishes a queued or running request as `Abort`, freeing its blocks now.
+    pub fn abort_request(&mut self, id: RequestId) -> bool {
+        self.finish_request(id, FinishReason::Abort)
+    }
+
+    /// Finishes a request for a reason found outside the scheduler (a stop string).
+    /// False if it is unknown or already finished.
+    pub fn finish_request(&mut self, id: RequestId, reason: FinishReason) -> bool {
+        let Some(mut request) = self.requests.remove(&id) else {
+            return false;
+        };
+        if let Some(i) = self.running.iter().position(|&r| r == id) {
+            self.running.remove(i);
+        } else if let Some(i) = self.waiting.iter().position(|&r| r == id) {
+            self.waiting.remove(i);
+        }
+        self.kv.free(id);
+        request.finish(reason);
+        self.finished_since_last_step.push(FinishedRequest {
+            request_id: id,
+            reason,
+            detail: None,
+        });
+        true
+    }
+
+    /// Picks this step's requests and token counts and allocates their blocks.
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        let mut out = SchedulerOutput {
+            finished: std::mem::take(&mut self.finished_since_last_step),
+            ..SchedulerOutput::default()
+        };
+        let mut budget = self.config.max_num_batched_tokens();
+        self.schedule_running(&mut budget, &mut out);
+        // A preemption means the pool is tight: admitting now would only thrash.
+        if out.preempted.is_empty() {
+            self.schedule_waiting(&mut budget, &mut out);
+        }
+        out
+    }
+
+    /// Applies one executed step: advances counters, appends `sampled` tokens to
+    /// requests that were sampled, finishes those that hit a stop token or a length
+    /// limit, and publishes newly computed full blocks to the prefix cache.
+    pub fn update(
+        &mut self,
+        output: &SchedulerOutput,
+        sampled: &[(RequestId, Vec<u32>)],
+    ) -> Vec<RequestUpdate> {
+        let sampled: HashMap<RequestId, &[u32]> =
+            sampled.iter().map(|(id, t)| (*id, t.as_slice())).collect();
+        let max_model_len = self.config.max_model_len();
+        let mut updates = Vec::with_capacity(output.scheduled.len());
+        for s in &output.scheduled {
+            // Aborted or stopped by the engine since `schedule`: nothing to update.
+            let Some(request) = self.requests.get_mut(&s.request_id) else {
+                continue;
+            };
+            request.num_computed_tokens += s.token_ids.len();
+            let mut update = RequestUpdate {
+                request_id: s.request_id,
+                new_token_ids: Vec::new(),
+                finish_reason: None,
+                num_cached_tokens: request.num_cached_tokens,
+            };
+            if s.sample {
+                let tokens = sampled.get(&s.request_id).unwrap_or_else(|| {
+                    panic!(
+                        "update: {} was to be sampled but got no token: this is a bug",
+                        s.request_id
+                    )
+                });
+                for &token in tokens.iter() {
+                    request.output_token_ids.push(token);
+                    update.new_token_ids.push(token);
+                    update.finish_reason = request.stop_reason(max_model_len);
+                    if update.finish_reason.is_some() {
+                        break;
+                    }
+                }
+            }
+            // Publish before a finish frees the blocks: the prefix stays reusable.
+            self.kv.cache_full_blocks(request);
+            if let Some(reason) = update.finish_reason {
+                self.finish_request(s.request_id, reason);
+            }
+            updates.push(update);
+        }
+        updates
+    }
+
+    fn schedule_running(&mut self, budget: &mut usize, out: &mut SchedulerOutput) {
+        let mut i = 0;
+        while i < self.running.len() && *budget > 0 {
+            let id = self.running[i];
+            let num_new = self.chunk_len(self.requests[&id].num_uncomputed_tokens(), *budget);
+            if num_new == 0 {
+                i += 1;
+                continue;
+            }
+            if !self.allocate_or_preempt(id, num_new, out) {
+                break; // it was the newest running request: nothing after it
+            }
+            self.push_scheduled(id, num_new, false, out);
+            *budget -= num_new;
+            i += 1;
+        }
+    }
+
+    fn schedule_waiting(&mut self, budget: &mut usize, out: &mut SchedulerOutput) {
+        while let Some(&id) = self.waiting.front() {
+            if *budget == 0 || self.running.len() >= self.config.max_num_seqs() {
+                break;
+            }
+            let request = &self.requests[&id];
+            let hit = self.kv.lookup_prefix(request);
+            let num_new = self.chunk_len(request.num_tokens() - hit.num_tokens, *budget);
+            if self.kv.allocate_slots(request, num_new, &hit).is_none() {
+                break; // FCFS: later requests do not overtake this one
+            }
+            self.waiting.pop_front();
+            let request = self
+                .requests
+                .get_mut(&id)
+                .expect("waiting request without state: this is a bug");
+            let resumed = request.status() == RequestStatus::Preempted;
+            request.num_computed_tokens = hit.num_tokens;
+            if !resumed {
+                request.num_cached_tokens = hit.num_tokens;
+            }
+            request.start_running();
+            self.running.push(id);
+            self.push_scheduled(id, num_new, resumed, out);
+            *budget -= num_new;
+        }
+    }
+
+    /// Allocates for running request `id`, preempting the newest running requests
+    /// until it fits. False if `id` itself had to be preempted.
+    fn allocate_or_preempt(
+        &mut self,
+        id: RequestId,
+        num_new: usize,
+        out: &mut SchedulerOutput,
+    ) -> bool {
+        loop {
+            if self
+                .kv
+                .allocate_slots(&self.requests[&id], num_new, &PrefixHit::none())
+                .is_some()
+            {
+                return true;
+            }
+            let victim = self
+                .running
+                .pop()
+                .expect("a running request is missing from `running`: this is a bug");
+            self.preempt(victim);
+            out.preempted.push(victim);
+            if victim == id {
+                return false;
+            }
+        }
+    }
+
+    fn preempt(&mut self, id: RequestId) {
+        self.kv.free(id);
+        self.requests
+            .get_mut(&id)
+            .expect("preempting an unknown request: this is a bug")
+            .preempt();
+        self.waiting.push_front(id);
+        self.num_preemptions += 1;
+    }
+
+    fn chunk_len(&self, num_uncomputed: usize, budget: usize) -> usize {
+        let cap = self
+            .config
+            .long_prefill_token_threshold()
+            .unwrap_or(usize::MAX);
+        num_uncomputed.min(budget).min(cap)
+    }
+
+    fn push_scheduled(
+        &self,
+        id: RequestId,
+        num_new: usize,
+        resumed: bool,
+        out: &mut SchedulerOutput,
+    ) {
+        let request = &self.requests[&id];
+        let start = request.num_computed_tokens;
+        out.scheduled.push(ScheduledRequest {
+            request_id: id,
+            token_ids: request.token_ids(start..start + num_new),
+            start_position: start,
+            block_table: self.kv.block_table(id).to_vec(),
+            sample: start + num_new == request.num_tokens(),
+            is_resumed_from_preemption: resumed,
+        });
+        out.num_batched_tokens += num_new;
+    }
+
+    /// Why `request` could never be scheduled, if so. The pool needs no check of
+    /// its own: the config guarantees a `max_model_len` request fits it.
+    fn why_never_fits(&self, request: &Request) -> Option<String> {
+        let num_prompt = request.num_prompt_tokens();
+        let max_model_len = self.config.max_model_len();
+        if num_prompt == 0 {
+            return Some("the prompt is empty".to_owned());
+        }
+        if num_prompt + 1 > max_model_len {
+            return Some(format!(
+                "the prompt has {num_prompt} tokens; with one output token that exceeds \
+                 max_model_len={max_model_len}"
+            ));
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests;

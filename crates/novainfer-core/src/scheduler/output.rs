@@ -1,0 +1,55 @@
+//! What one scheduling step hands to the model runner, and what `update` hands back.
+
+use crate::finish::FinishReason;
+use crate::ids::{BlockId, RequestId};
+
+/// One request's share of a step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScheduledRequest {
+    pub request_id: RequestId,
+    /// Exactly the tokens to compute: prompt ++ output at `start_position..`.
+    pub token_ids: Vec<u32>,
+    /// The request's `num_computed_tokens` before this step: position of `token_ids[0]`.
+    pub start_position: usize,
+    /// The request's whole table after this step's allocation; covers every position
+    /// up to `start_position + token_ids.len()` (see [`slot_mapping`](crate::slot_mapping::slot_mapping)).
+    pub block_table: Vec<BlockId>,
+    /// True iff this chunk reaches the last known token: logits are needed and
+    /// `update` expects a sampled token for this request.
+    pub sample: bool,
+    /// The request was preempted and is recomputed from token 0 (drop its model-side state).
+    pub is_resumed_from_preemption: bool,
+}
+
+/// A request that left the scheduler since the previous step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FinishedRequest {
+    pub request_id: RequestId,
+    pub reason: FinishReason,
+    /// Why, for `Ignored` (the prompt can never fit).
+    pub detail: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SchedulerOutput {
+    /// Running requests first (in running order), then newly admitted ones (FCFS).
+    pub scheduled: Vec<ScheduledRequest>,
+    /// Sum of `token_ids.len()`; at most `max_num_batched_tokens`.
+    pub num_batched_tokens: usize,
+    /// Requests preempted this step, newest first; they are back in the waiting queue.
+    pub preempted: Vec<RequestId>,
+    /// Every request finished since the last step (by `update`, abort, stop string
+    /// or `Ignored` at admission), so the runner can drop its per-request state.
+    pub finished: Vec<FinishedRequest>,
+}
+
+/// What one step produced for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestUpdate {
+    pub request_id: RequestId,
+    /// Sampled tokens appended this step (up to and including a stop token).
+    pub new_token_ids: Vec<u32>,
+    pub finish_reason: Option<FinishReason>,
+    /// Prompt tokens served by the prefix cache (for usage reports).
+    pub num_cached_tokens: usize,
+}

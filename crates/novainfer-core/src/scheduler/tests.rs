@@ -1,0 +1,287 @@
+use super::*;
+use crate::ids::BlockId;
+
+fn config(batched: usize, seqs: usize, block_size: usize, num_blocks: usize) -> SchedulerConfig {
+    SchedulerConfig::builder()
+        .max_num_batched_tokens(batched)
+        .max_num_seqs(seqs)
+        .max_model_len(num_blocks * block_size)
+        .block_size(block_size)
+        .num_blocks(num_blocks)
+        .build()
+        .expect("valid test config")
+}
+
+fn req(id: u64, prompt: Vec<u32>, max_tokens: usize) -> Request {
+    Request::new(RequestId(id), prompt, max_tokens)
+}
+
+/// Runs one step, sampling `token` for every request that needs it.
+fn step(s: &mut Scheduler, token: u32) -> (SchedulerOutput, Vec<RequestUpdate>) {
+    let out = s.schedule();
+    let sampled: Vec<_> = out
+        .scheduled
+        .iter()
+        .filter(|r| r.sample)
+        .map(|r| (r.request_id, vec![token]))
+        .collect();
+    let updates = s.update(&out, &sampled);
+    (out, updates)
+}
+
+fn shape(out: &SchedulerOutput) -> Vec<(u64, usize, usize, bool)> {
+    out.scheduled
+        .iter()
+        .map(|r| {
+            (
+                r.request_id.0,
+                r.start_position,
+                r.token_ids.len(),
+                r.sample,
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_long_prompt_is_chunked_and_sampled_only_at_its_end() {
+    let mut s = Scheduler::new(config(4, 4, 4, 8));
+    s.add_request(req(1, (0..10).collect(), 2));
+    let (out, _) = step(&mut s, 50);
+    assert_eq!(shape(&out), vec![(1, 0, 4, false)]);
+    assert_eq!(out.scheduled[0].token_ids, vec![0, 1, 2, 3]);
+    assert_eq!(out.scheduled[0].block_table, vec![BlockId(0)]);
+    let (out, _) = step(&mut s, 50);
+    assert_eq!(shape(&out), vec![(1, 4, 4, false)]);
+    let (out, updates) = step(&mut s, 50);
+    assert_eq!(shape(&out), vec![(1, 8, 2, true)]);
+    assert_eq!(updates[0].new_token_ids, vec![50]);
+    let (out, updates) = step(&mut s, 51);
+    assert_eq!(shape(&out), vec![(1, 10, 1, true)]);
+    assert_eq!(out.scheduled[0].token_ids, vec![50]);
+    assert_eq!(updates[0].finish_reason, Some(FinishReason::Length));
+    assert_eq!(s.kv_stats().num_used_blocks, 0);
+    let out = s.schedule();
+    assert_eq!(out.finished[0].request_id, RequestId(1));
+    assert!(!s.has_work());
+}
+
+#[test]
+fn running_requests_go_first_then_waiting_ones_fill_the_budget() {
+    let mut s = Scheduler::new(config(6, 4, 4, 16));
+    s.add_request(req(1, vec![1, 2], 8));
+    step(&mut s, 9);
+    s.add_request(req(2, (0..20).collect(), 8));
+    s.add_request(req(3, vec![5], 8));
+    let (out, _) = step(&mut s, 9);
+    assert_eq!(shape(&out), vec![(1, 2, 1, true), (2, 0, 5, false)]);
+    assert_eq!(out.num_batched_tokens, 6);
+    let (out, _) = step(&mut s, 9);
+    assert_eq!(shape(&out), vec![(1, 3, 1, true), (2, 5, 5, false)]);
+}
+
+#[test]
+fn long_prefill_threshold_caps_each_chunk() {
+    let cfg = SchedulerConfig::builder()
+        .max_num_batched_tokens(100)
+        .max_model_len(64)
+        .block_size(4)
+        .num_blocks(16)
+        .long_prefill_token_threshold(Some(3))
+        .build()
+        .unwrap();
+    let mut s = Scheduler::new(cfg);
+    s.add_request(req(1, (0..7).collect(), 2));
+    s.add_request(req(2, (0..2).collect(), 2));
+    let (out, _) = step(&mut s, 9);
+    assert_eq!(shape(&out), vec![(1, 0, 3, false), (2, 0, 2, true)]);
+}
+
+#[test]
+fn out_of_blocks_preempts_the_newest_and_resumes_it_with_its_output() {
+    // 4 blocks of 2 tokens; both requests fill 2 blocks after one decode each.
+    let mut s = Scheduler::new(config(16, 4, 2, 4));
+    s.add_request(req(1, vec![1, 2, 3], 8));
+    s.add_request(req(2, vec![4, 5, 6], 8));
+    let (out, _) = step(&mut s, 7);
+    assert_eq!(shape(&out), vec![(1, 0, 3, true), (2, 0, 3, true)]);
+    // Step 2: each needs no new block for position 3.
+    let (out, _) = step(&mut s, 8);
+    assert_eq!(shape(&out), vec![(1, 3, 1, true), (2, 3, 1, true)]);
+    // Step 3: request 1 needs a third block; none free: request 2 is preempted.
+    let (out, _) = step(&mut s, 9);
+    assert_eq!(shape(&out), vec![(1, 4, 1, true)]);
+    assert_eq!(out.preempted, vec![RequestId(2)]);
+    assert_eq!(s.num_preemptions(), 1);
+    let r2 = s.request(RequestId(2)).unwrap();
+    assert_eq!(
+        (r2.status(), r2.num_computed_tokens),
+        (RequestStatus::Preempted, 0)
+    );
+    assert_eq!(r2.output_token_ids, vec![7, 8]);
+    // Abort request 1: request 2 resumes, recomputing prompt + its output, except
+    // its first block [4, 5], which stayed in the prefix cache while free.
+    assert!(s.abort_request(RequestId(1)));
+    assert_eq!(s.kv_stats().num_used_blocks, 0);
+    let (out, _) = step(&mut s, 10);
+    assert_eq!(shape(&out), vec![(2, 2, 3, true)]);
+    assert_eq!(out.scheduled[0].token_ids, vec![6, 7, 8]);
+    assert!(out.scheduled[0].is_resumed_from_preemption);
+    assert_eq!(out.finished[0].reason, FinishReason::Abort);
+}
+
+#[test]
+fn a_request_that_would_preempt_itself_waits() {
+    let mut s = Scheduler::new(config(16, 4, 2, 4));
+    s.add_request(req(1, vec![1, 2, 3, 4, 5], 8)); // 3 blocks
+    s.add_request(req(2, vec![6], 8)); // 1 block
+    step(&mut s, 7);
+    let (out, _) = step(&mut s, 7);
+    assert_eq!(shape(&out), vec![(1, 5, 1, true), (2, 1, 1, true)]);
+    // Request 1 needs a 4th block: it preempts request 2 and proceeds.
+    let (out, _) = step(&mut s, 7);
+    assert_eq!(out.preempted, vec![RequestId(2)]);
+    assert_eq!(shape(&out), vec![(1, 6, 1, true)]);
+}
+
+#[test]
+fn a_waiting_request_that_does_not_fit_blocks_later_ones() {
+    let mut s = Scheduler::new(config(64, 8, 2, 8));
+    s.add_request(req(1, (0..10).collect(), 8)); // 5 blocks (+1 for its first decode)
+    step(&mut s, 1);
+    s.add_request(req(2, (0..8).map(|t| t + 100).collect(), 8)); // needs 4, only 2 left
+    s.add_request(req(3, vec![1], 8)); // would fit, but must not overtake
+    let (out, _) = step(&mut s, 1);
+    assert_eq!(shape(&out), vec![(1, 10, 1, true)]);
+    assert_eq!(s.num_waiting(), 2);
+}
+
+#[test]
+fn max_num_seqs_limits_admission() {
+    let mut s = Scheduler::new(config(64, 2, 4, 16));
+    for id in 1..=3 {
+        s.add_request(req(id, vec![id as u32], 8));
+    }
+    let (out, _) = step(&mut s, 1);
+    assert_eq!(out.scheduled.len(), 2);
+    assert_eq!(s.num_running(), 2);
+}
+
+#[test]
+fn a_prompt_that_can_never_fit_is_ignored_and_reported() {
+    let mut s = Scheduler::new(config(64, 2, 4, 4)); // max_model_len 16
+    s.add_request(req(1, (0..16).collect(), 8));
+    s.add_request(req(2, vec![], 8));
+    assert!(s.has_work());
+    let out = s.schedule();
+    assert!(out.scheduled.is_empty());
+    let reasons: Vec<_> = out
+        .finished
+        .iter()
+        .map(|f| (f.request_id.0, f.reason))
+        .collect();
+    assert_eq!(
+        reasons,
+        vec![(1, FinishReason::Ignored), (2, FinishReason::Ignored)]
+    );
+    let detail = out.finished[0].detail.as_deref().unwrap();
+    assert!(
+        detail.contains("16 tokens") && detail.contains("max_model_len=16"),
+        "{detail}"
+    );
+    assert!(!s.has_work());
+}
+
+#[test]
+fn stop_tokens_eos_and_ignore_eos() {
+    let mut s = Scheduler::new(config(64, 4, 4, 16));
+    s.add_request(req(1, vec![1], 8).with_eos_token_ids(vec![0]));
+    s.add_request(
+        req(2, vec![1], 8)
+            .with_eos_token_ids(vec![0])
+            .with_ignore_eos(true),
+    );
+    s.add_request(req(3, vec![1], 8).with_stop_token_ids(vec![0]));
+    let (_, updates) = step(&mut s, 0);
+    let reasons: Vec<_> = updates.iter().map(|u| u.finish_reason).collect();
+    assert_eq!(
+        reasons,
+        vec![Some(FinishReason::Stop), None, Some(FinishReason::Stop)]
+    );
+    assert_eq!(s.num_running(), 1);
+    assert!(s.finish_request(RequestId(2), FinishReason::Stop));
+    assert!(!s.finish_request(RequestId(2), FinishReason::Stop));
+    assert_eq!(s.kv_stats().num_used_blocks, 0);
+}
+
+#[test]
+fn a_prefix_hit_skips_cached_tokens_and_is_reported() {
+    let mut s = Scheduler::new(config(64, 4, 4, 16));
+    s.add_request(req(1, (0..10).collect(), 1));
+    step(&mut s, 99);
+    s.add_request(req(2, (0..9).collect(), 1));
+    let (out, updates) = step(&mut s, 99);
+    assert_eq!(shape(&out), vec![(2, 8, 1, true)]);
+    assert_eq!(
+        out.scheduled[0].block_table,
+        vec![BlockId(0), BlockId(1), BlockId(3)]
+    );
+    assert_eq!(updates[0].num_cached_tokens, 8);
+}
+
+#[test]
+fn aborting_a_waiting_request_removes_it() {
+    let mut s = Scheduler::new(config(64, 4, 4, 16));
+    s.add_request(req(1, vec![1], 8));
+    assert!(s.abort_request(RequestId(1)));
+    assert!(!s.abort_request(RequestId(1)));
+    let out = s.schedule();
+    assert!(out.scheduled.is_empty());
+    assert_eq!(out.finished.len(), 1);
+}
+
+#[test]
+fn without_prefix_caching_a_preempted_request_recomputes_everything() {
+    let cfg = SchedulerConfig::builder()
+        .max_num_batched_tokens(16)
+        .max_model_len(8)
+        .block_size(2)
+        .num_blocks(4)
+        .enable_prefix_caching(false)
+        .build()
+        .unwrap();
+    let mut s = Scheduler::new(cfg);
+    s.add_request(req(1, vec![1, 2, 3], 8));
+    s.add_request(req(2, vec![4, 5, 6], 8));
+    step(&mut s, 7);
+    step(&mut s, 8);
+    let (out, _) = step(&mut s, 9);
+    assert_eq!(out.preempted, vec![RequestId(2)]);
+    s.abort_request(RequestId(1));
+    let (out, _) = step(&mut s, 10);
+    assert_eq!(shape(&out), vec![(2, 0, 5, true)]);
+    assert_eq!(out.scheduled[0].token_ids, vec![4, 5, 6, 7, 8]);
+    assert!(out.scheduled[0].is_resumed_from_preemption);
+}
+
+#[test]
+fn a_self_preempting_request_is_not_scheduled_this_step() {
+    let mut s = Scheduler::new(config(16, 4, 2, 4));
+    s.add_request(req(1, vec![1, 2, 3], 8)); // blocks 0, 1 (room for position 3)
+    s.add_request(req(2, vec![4, 5, 6, 7], 8)); // blocks 2, 3 (full)
+    step(&mut s, 9);
+    s.add_request(req(3, vec![1], 8));
+    let (out, _) = step(&mut s, 9);
+    // Request 2, the newest, needs a block for position 4: it preempts itself.
+    assert_eq!(shape(&out), vec![(1, 3, 1, true)]);
+    assert_eq!(out.preempted, vec![RequestId(2)]);
+    // No admission in a step that preempted; request 2 is ahead of request 3.
+    assert_eq!(
+        s.waiting_ids().collect::<Vec<_>>(),
+        vec![RequestId(2), RequestId(3)]
+    );
+    assert_eq!(
+        s.request(RequestId(2)).unwrap().status(),
+        RequestStatus::Preempted
+    );
+}

@@ -1,0 +1,299 @@
+//! Random workloads through `schedule()`/`update()` with a fake model whose KV is
+//! simulated slot by slot: the "KV" at position p is a rolling hash of the KV at
+//! p - 1 (read back through the block table) and token p, so a wrong block, a
+//! stale prefix hit or a bad slot mapping changes the sampled tokens. Outputs must
+//! equal what the same model gives a request run alone with no cache at all.
+
+use std::collections::HashMap;
+
+use novainfer_core::{
+    slot_mapping, BlockId, FinishReason, Request, RequestId, Scheduler, SchedulerConfig,
+    SchedulerOutput,
+};
+use proptest::prelude::*;
+
+const VOCAB: u64 = 24;
+const EOS: u32 = 0;
+
+fn mix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// KV of position `pos` given the KV of `pos - 1` (or a seed at 0).
+fn kv_at(prev: u64, token: u32, pos: usize) -> u64 {
+    mix(prev ^ (u64::from(token) << 24) ^ pos as u64)
+}
+
+fn next_token(kv: u64) -> u32 {
+    (mix(kv ^ 0xabcd) % VOCAB) as u32
+}
+
+#[derive(Debug, Clone)]
+struct Arrival {
+    step: usize,
+    prefix: usize,
+    prefix_len: usize,
+    tail: Vec<u32>,
+    max_tokens: usize,
+    ignore_eos: bool,
+    abort_after: Option<usize>,
+}
+
+#[derive(Debug, Clone)]
+struct Workload {
+    block_size: usize,
+    num_blocks: usize,
+    max_model_len: usize,
+    max_num_batched_tokens: usize,
+    max_num_seqs: usize,
+    prefix_caching: bool,
+    threshold: Option<usize>,
+    prefixes: Vec<Vec<u32>>,
+    arrivals: Vec<Arrival>,
+}
+
+impl Workload {
+    fn prompt(&self, a: &Arrival) -> Vec<u32> {
+        let prefix = &self.prefixes[a.prefix];
+        [&prefix[..a.prefix_len.min(prefix.len())], &a.tail[..]].concat()
+    }
+}
+
+fn workload() -> impl Strategy<Value = Workload> {
+    (1usize..=16, 4usize..=32)
+        .prop_flat_map(|(block_size, num_blocks)| {
+            let capacity = block_size * num_blocks;
+            (
+                Just(block_size),
+                Just(num_blocks),
+                (capacity.min(96) / 2).max(2)..=capacity.min(96),
+                1usize..=64,
+                1usize..=8,
+                any::<bool>(),
+                proptest::option::of(1usize..=16),
+                proptest::collection::vec(proptest::collection::vec(0u32..VOCAB as u32, 40), 3),
+                proptest::collection::vec(arrival(), 1..=16),
+            )
+        })
+        .prop_map(
+            |(bs, nb, mml, mnbt, mns, pc, th, prefixes, arrivals)| Workload {
+                block_size: bs,
+                num_blocks: nb,
+                max_model_len: mml,
+                max_num_batched_tokens: mnbt,
+                max_num_seqs: mns,
+                prefix_caching: pc,
+                threshold: th,
+                prefixes,
+                arrivals,
+            },
+        )
+}
+
+fn arrival() -> impl Strategy<Value = Arrival> {
+    (
+        0usize..40,
+        0usize..3,
+        0usize..=32,
+        proptest::collection::vec(0u32..VOCAB as u32, 0..=8),
+        1usize..=24,
+        any::<bool>(),
+        proptest::option::weighted(0.2, 0usize..30),
+    )
+        .prop_map(
+            |(step, prefix, prefix_len, tail, max_tokens, ignore_eos, abort_after)| Arrival {
+                step,
+                prefix,
+                prefix_len,
+                tail,
+                max_tokens,
+                ignore_eos,
+                abort_after,
+            },
+        )
+}
+
+/// What the model gives `prompt` alone: (output tokens, finish reason).
+fn oracle(prompt: &[u32], a: &Arrival, max_model_len: usize) -> (Vec<u32>, FinishReason) {
+    if prompt.is_empty() || prompt.len() + 1 > max_model_len {
+        return (Vec::new(), FinishReason::Ignored);
+    }
+    let mut tokens = prompt.to_vec();
+    let mut kv = 0;
+    let mut computed = 0;
+    loop {
+        for (pos, &t) in tokens.iter().enumerate().skip(computed) {
+            kv = kv_at(kv, t, pos);
+        }
+        computed = tokens.len();
+        let t = next_token(kv);
+        tokens.push(t);
+        let output = &tokens[prompt.len()..];
+        if !a.ignore_eos && t == EOS {
+            return (output.to_vec(), FinishReason::Stop);
+        }
+        if output.len() >= a.max_tokens || tokens.len() >= max_model_len {
+            return (output.to_vec(), FinishReason::Length);
+        }
+    }
+}
+
+/// Simulated physical KV: one value per slot, tagged with its position.
+struct FakeModel {
+    slots: Vec<Option<(usize, u64)>>,
+    block_size: usize,
+}
+
+impl FakeModel {
+    fn execute(&mut self, out: &SchedulerOutput, sched: &Scheduler) -> Vec<(RequestId, Vec<u32>)> {
+        let pool = sched.kv_cache_manager().pool();
+        let mut sampled = Vec::new();
+        for s in &out.scheduled {
+            let bs = self.block_size;
+            let slots = slot_mapping(&s.block_table, s.start_position, s.token_ids.len(), bs);
+            let mut prev = match s.start_position {
+                0 => 0,
+                p => {
+                    let slot = s.block_table[(p - 1) / bs].index() * bs + (p - 1) % bs;
+                    let (pos, kv) = self.slots[slot].expect("reading a slot never written");
+                    assert_eq!(pos, p - 1, "slot holds another position");
+                    kv
+                }
+            };
+            for (i, (&t, &slot)) in s.token_ids.iter().zip(&slots).enumerate() {
+                let pos = s.start_position + i;
+                let block = BlockId((slot / bs) as u32);
+                assert_eq!(
+                    pool.ref_count(block),
+                    1,
+                    "writing into a shared block {block}"
+                );
+                prev = kv_at(prev, t, pos);
+                self.slots[slot] = Some((pos, prev));
+            }
+            if s.sample {
+                sampled.push((s.request_id, vec![next_token(prev)]));
+            }
+        }
+        sampled
+    }
+}
+
+fn check_blocks(sched: &Scheduler) {
+    let kv = sched.kv_cache_manager();
+    let pool = kv.pool();
+    assert_eq!(
+        pool.num_free_blocks() + pool.num_used_blocks(),
+        pool.num_blocks()
+    );
+    let mut holders = vec![0u32; pool.num_blocks()];
+    for (id, table) in kv.block_tables() {
+        let r = sched.request(id).expect("a table for an unknown request");
+        assert!(r.num_computed_tokens <= table.len() * kv.block_size());
+        for b in table {
+            holders[b.index()] += 1;
+        }
+    }
+    for (b, &n) in holders.iter().enumerate() {
+        assert_eq!(
+            pool.ref_count(BlockId(b as u32)),
+            n,
+            "refcount of block {b}"
+        );
+    }
+    let free = pool.free_queue();
+    assert_eq!(free.len(), pool.num_free_blocks());
+    assert!(free.iter().all(|&b| pool.ref_count(b) == 0));
+}
+
+fn run(w: &Workload) -> Result<(), TestCaseError> {
+    let cfg = SchedulerConfig::builder()
+        .block_size(w.block_size)
+        .num_blocks(w.num_blocks)
+        .max_model_len(w.max_model_len)
+        .max_num_batched_tokens(w.max_num_batched_tokens)
+        .max_num_seqs(w.max_num_seqs)
+        .enable_prefix_caching(w.prefix_caching)
+        .long_prefill_token_threshold(w.threshold)
+        .build()
+        .expect("the strategy only makes valid configs");
+    let mut sched = Scheduler::new(cfg);
+    let mut model = FakeModel {
+        slots: vec![None; w.num_blocks * w.block_size],
+        block_size: w.block_size,
+    };
+    let prompts: Vec<Vec<u32>> = w.arrivals.iter().map(|a| w.prompt(a)).collect();
+    let mut history: Vec<Vec<u32>> = prompts.clone();
+    let mut finished: HashMap<usize, FinishReason> = HashMap::new();
+    let last_arrival = w.arrivals.iter().map(|a| a.step).max().unwrap_or(0);
+    let max_steps = 20_000;
+    for step in 0..max_steps {
+        for (i, a) in w.arrivals.iter().enumerate() {
+            if a.step == step {
+                let r = Request::new(RequestId(i as u64), prompts[i].clone(), a.max_tokens)
+                    .with_eos_token_ids(vec![EOS])
+                    .with_ignore_eos(a.ignore_eos);
+                sched.add_request(r);
+            }
+            if a.abort_after.map(|d| a.step + d) == Some(step) {
+                sched.abort_request(RequestId(i as u64));
+            }
+        }
+        let out = sched.schedule();
+        prop_assert!(out.num_batched_tokens <= w.max_num_batched_tokens);
+        prop_assert_eq!(
+            out.num_batched_tokens,
+            out.scheduled
+                .iter()
+                .map(|s| s.token_ids.len())
+                .sum::<usize>()
+        );
+        prop_assert!(sched.num_running() <= w.max_num_seqs);
+        for s in &out.scheduled {
+            let h = &history[s.request_id.0 as usize];
+            let end = s.start_position + s.token_ids.len();
+            prop_assert!(!s.token_ids.is_empty() && end <= h.len());
+            prop_assert_eq!(&s.token_ids[..], &h[s.start_position..end]);
+            prop_assert_eq!(s.sample, end == h.len());
+        }
+        for f in &out.finished {
+            prop_assert!(finished.insert(f.request_id.0 as usize, f.reason).is_none());
+        }
+        check_blocks(&sched);
+        let sampled = model.execute(&out, &sched);
+        for u in sched.update(&out, &sampled) {
+            history[u.request_id.0 as usize].extend(&u.new_token_ids);
+        }
+        check_blocks(&sched);
+        if step > last_arrival && !sched.has_work() {
+            prop_assert_eq!(sched.kv_stats().num_used_blocks, 0, "a block leaked");
+            prop_assert_eq!(finished.len(), w.arrivals.len(), "a request vanished");
+            for (i, a) in w.arrivals.iter().enumerate() {
+                let (want, want_reason) = oracle(&prompts[i], a, w.max_model_len);
+                let got = &history[i][prompts[i].len()..];
+                if finished[&i] == FinishReason::Abort {
+                    prop_assert!(want.starts_with(got), "aborted {i}: not a prefix");
+                } else {
+                    prop_assert_eq!(got, &want[..], "request {}", i);
+                    prop_assert_eq!(finished[&i], want_reason);
+                }
+            }
+            return Ok(());
+        }
+    }
+    Err(TestCaseError::fail(format!(
+        "not finished after {max_steps} steps"
+    )))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1000))]
+
+    #[test]
+    fn random_workloads_keep_invariants_and_outputs(w in workload()) {
+        run(&w)?;
+    }
+}
