@@ -19,6 +19,7 @@
 //!   itself verified when it was looked up, a whole chain of hits is verified.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -82,17 +83,36 @@ impl StoredKey {
     }
 }
 
+/// Keys are already xxh3 outputs: hashing them again (SipHash) only costs time.
+#[derive(Debug, Default, Clone, Copy)]
+struct PassThrough(u64);
+
+impl Hasher for PassThrough {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `write_u64` is expected; fold anything else in so it stays correct.
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
 /// Hash → block for full blocks whose KV is computed. Knows nothing about refcounts.
 #[derive(Debug, Clone)]
 pub struct PrefixIndex {
-    by_hash: HashMap<BlockHash, BlockId>,
+    by_hash: HashMap<BlockHash, BlockId, BuildHasherDefault<PassThrough>>,
     by_block: Vec<Option<StoredKey>>,
 }
 
 impl PrefixIndex {
     pub fn new(num_blocks: usize) -> Self {
         Self {
-            by_hash: HashMap::new(),
+            by_hash: HashMap::default(),
             by_block: vec![None; num_blocks],
         }
     }
