@@ -1,58 +1,23 @@
-//! A contiguous per-sequence KV cache: the simple layout used for one sequence
-//! at a time. Rows are `[pos][kv_head][head_dim]`, one buffer per layer for keys
-//! and one for values; positions `0..len` are valid.
+//! A per-sequence KV cache for running one sequence on its own (tests, the
+//! reference checks, the probe). It is the paged pool with a single block as
+//! large as the sequence may grow, so there is one forward path for both.
 
 use crate::config::Qwen2Config;
 use crate::error::{ModelError, Result};
-use crate::layers::KvView;
+use crate::paged_kv::PagedKvCache;
 
 pub struct SequenceKvCache {
-    layers: Vec<LayerKv>,
+    pub(crate) pool: PagedKvCache,
     len: usize,
-    capacity: usize,
-    row: usize,
-    head_dim: usize,
-}
-
-struct LayerKv {
-    k: Vec<f32>,
-    v: Vec<f32>,
-}
-
-pub struct LayerView<'a> {
-    kv: &'a LayerKv,
-    row: usize,
-    head_dim: usize,
-}
-
-impl KvView for LayerView<'_> {
-    fn key(&self, pos: usize, kv_head: usize) -> &[f32] {
-        let start = pos * self.row + kv_head * self.head_dim;
-        &self.kv.k[start..start + self.head_dim]
-    }
-
-    fn value(&self, pos: usize, kv_head: usize) -> &[f32] {
-        let start = pos * self.row + kv_head * self.head_dim;
-        &self.kv.v[start..start + self.head_dim]
-    }
 }
 
 impl SequenceKvCache {
-    /// An empty cache that can hold up to `capacity` tokens; memory grows as tokens arrive.
+    /// An empty cache for up to `capacity` tokens. The buffers are zero-initialised
+    /// allocations, so untouched capacity costs address space, not memory.
     pub fn new(cfg: &Qwen2Config, capacity: usize) -> Self {
-        let layers = (0..cfg.num_hidden_layers)
-            .map(|_| LayerKv {
-                k: Vec::new(),
-                v: Vec::new(),
-            })
-            .collect();
-        let head_dim = cfg.head_dim();
         Self {
-            layers,
+            pool: PagedKvCache::new(cfg, 1, capacity.max(1)),
             len: 0,
-            capacity,
-            row: cfg.num_key_value_heads * head_dim,
-            head_dim,
         }
     }
 
@@ -66,37 +31,19 @@ impl SequenceKvCache {
     }
 
     pub fn capacity(&self) -> usize {
-        self.capacity
+        self.pool.block_size()
     }
 
     /// Fails before any work when `new_tokens` more would not fit.
     pub fn reserve(&self, new_tokens: usize) -> Result<()> {
         let needed = self.len + new_tokens;
-        if needed > self.capacity {
+        if needed > self.capacity() {
             return Err(ModelError::ContextOverflow {
                 needed,
-                capacity: self.capacity,
+                capacity: self.capacity(),
             });
         }
         Ok(())
-    }
-
-    /// Stores keys and values `[rows, kv_heads·head_dim]` for positions `len..len+rows` of `layer`.
-    pub(crate) fn write(&mut self, layer: usize, k: &[f32], v: &[f32]) {
-        let kv = &mut self.layers[layer];
-        let start = self.len * self.row;
-        kv.k.truncate(start);
-        kv.v.truncate(start);
-        kv.k.extend_from_slice(k);
-        kv.v.extend_from_slice(v);
-    }
-
-    pub(crate) fn view(&self, layer: usize) -> LayerView<'_> {
-        LayerView {
-            kv: &self.layers[layer],
-            row: self.row,
-            head_dim: self.head_dim,
-        }
     }
 
     /// Makes the `rows` tokens written by the last forward part of the history.

@@ -12,12 +12,14 @@ use candle_core::{DType, Tensor};
 
 use crate::config::{Qwen2Config, WeightDtype};
 use crate::error::{ModelError, Result};
+use crate::forward_batch::ForwardBatch;
 use crate::kv_cache::SequenceKvCache;
 use crate::layers::ops::{add_in_place, rms_norm, silu_mul, Rope};
-use crate::layers::{attention, AttentionShape, Embedding, Linear};
+use crate::layers::{attention, AttentionShape, Embedding, Linear, QueryRow};
 use crate::loader::{
     CheckedSource, GgufCheckpoint, HfCheckpoint, ModelFormat, RawTensor, TensorSource,
 };
+use crate::paged_kv::PagedKvCache;
 use crate::quant;
 
 /// How dense (safetensors) weights are stored in memory. GGUF tensors keep their own types.
@@ -198,27 +200,61 @@ impl Qwen2Model {
         if tokens.is_empty() {
             return Ok(Vec::new());
         }
-        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
-            return Err(ModelError::TokenOutOfRange {
-                id,
-                vocab_size: self.cfg.vocab_size,
-            });
-        }
         cache.reserve(tokens.len())?;
-        let rows = tokens.len();
-        let positions: Vec<usize> = (cache.len()..cache.len() + rows).collect();
-        let mut hidden = self.embed_tokens.forward(tokens)?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            self.block(i, layer, &mut hidden, &positions, cache)?;
+        let start = cache.len();
+        let mut batch = ForwardBatch::default();
+        // The whole sequence lives in block 0, so slot = position.
+        batch.push(
+            tokens,
+            start,
+            (start..start + tokens.len()).collect(),
+            vec![0],
+            true,
+        );
+        let logits = self.forward_batch(&batch, &mut cache.pool, which)?;
+        cache.advance(tokens.len());
+        Ok(logits)
+    }
+
+    /// One step over many sequences: writes every token's K/V at its slot and returns
+    /// logits `[rows, vocab]` for the last token of each sampled sequence (`LastToken`,
+    /// in `batch.seqs` order) or for every token (`AllTokens`).
+    pub fn forward_batch(
+        &self,
+        batch: &ForwardBatch,
+        kv: &mut PagedKvCache,
+        which: LogitsFor,
+    ) -> Result<Vec<f32>> {
+        if batch.num_tokens() == 0 {
+            return Ok(Vec::new());
         }
-        cache.advance(rows);
+        let vocab_size = self.cfg.vocab_size;
+        if let Some(&id) = batch.token_ids.iter().find(|&&t| t as usize >= vocab_size) {
+            return Err(ModelError::TokenOutOfRange { id, vocab_size });
+        }
+        batch.validate(kv.block_size())?;
+        kv.check_slots(&batch.slot_mapping)?;
+        let rows: Vec<QueryRow> = batch
+            .positions
+            .iter()
+            .zip(batch.seq_of_token())
+            .map(|(&position, seq)| QueryRow { position, seq })
+            .collect();
+        let mut hidden = self.embed_tokens.forward(&batch.token_ids)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            self.block(i, layer, &mut hidden, batch, &rows, kv)?;
+        }
         let h = self.cfg.hidden_size;
-        let (last, rows) = match which {
-            LogitsFor::LastToken => (&hidden[(rows - 1) * h..], 1),
-            LogitsFor::AllTokens => (&hidden[..], rows),
+        let selected: Vec<f32> = match which {
+            LogitsFor::AllTokens => hidden,
+            LogitsFor::LastToken => batch
+                .logits_indices()
+                .iter()
+                .flat_map(|&r| hidden[r * h..(r + 1) * h].iter().copied())
+                .collect(),
         };
-        let normed = rms_norm(last, &self.norm, self.cfg.rms_norm_eps);
-        self.lm_head.forward(&normed, rows)
+        let normed = rms_norm(&selected, &self.norm, self.cfg.rms_norm_eps);
+        self.lm_head.forward(&normed, selected.len() / h)
     }
 
     fn block(
@@ -226,34 +262,37 @@ impl Qwen2Model {
         index: usize,
         layer: &DecoderLayer,
         hidden: &mut [f32],
-        positions: &[usize],
-        cache: &mut SequenceKvCache,
+        batch: &ForwardBatch,
+        rows: &[QueryRow],
+        kv: &mut PagedKvCache,
     ) -> Result<()> {
         let cfg = &self.cfg;
-        let rows = positions.len();
+        let n = rows.len();
         let eps = cfg.rms_norm_eps;
         let x = rms_norm(hidden, &layer.input_layernorm, eps);
-        let mut q = layer.q_proj.forward(&x, rows)?;
-        let mut k = layer.k_proj.forward(&x, rows)?;
-        let v = layer.v_proj.forward(&x, rows)?;
-        self.rope.apply(&mut q, positions, cfg.head_dim());
-        self.rope.apply(&mut k, positions, cfg.head_dim());
-        cache.write(index, &k, &v);
+        let mut q = layer.q_proj.forward(&x, n)?;
+        let mut k = layer.k_proj.forward(&x, n)?;
+        let v = layer.v_proj.forward(&x, n)?;
+        self.rope.apply(&mut q, &batch.positions, cfg.head_dim());
+        self.rope.apply(&mut k, &batch.positions, cfg.head_dim());
+        kv.write(index, &batch.slot_mapping, &k, &v);
         let shape = AttentionShape {
             num_heads: cfg.num_attention_heads,
             num_kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim(),
         };
-        let attn = attention(&q, positions, &cache.view(index), shape);
-        add_in_place(hidden, &layer.o_proj.forward(&attn, rows)?);
+        let views: Vec<_> = batch
+            .seqs
+            .iter()
+            .map(|s| kv.view(index, &s.block_table))
+            .collect();
+        let attn = attention(&q, rows, &views, shape);
+        add_in_place(hidden, &layer.o_proj.forward(&attn, n)?);
 
         let x = rms_norm(hidden, &layer.post_attention_layernorm, eps);
-        let gate = layer.gate_proj.forward(&x, rows)?;
-        let up = layer.up_proj.forward(&x, rows)?;
-        add_in_place(
-            hidden,
-            &layer.down_proj.forward(&silu_mul(&gate, &up), rows)?,
-        );
+        let gate = layer.gate_proj.forward(&x, n)?;
+        let up = layer.up_proj.forward(&x, n)?;
+        add_in_place(hidden, &layer.down_proj.forward(&silu_mul(&gate, &up), n)?);
         Ok(())
     }
 }

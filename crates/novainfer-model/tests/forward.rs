@@ -210,3 +210,70 @@ fn out_of_range_token_and_overflow_are_errors() {
         "a rejected forward must not change the cache"
     );
 }
+
+/// Slots for `positions` of a sequence stored in `table` (blocks of `bs` tokens).
+fn slots(table: &[u32], positions: std::ops::Range<usize>, bs: usize) -> Vec<usize> {
+    positions
+        .map(|p| table[p / bs] as usize * bs + p % bs)
+        .collect()
+}
+
+#[test]
+fn mixed_batch_rows_equal_each_sequence_alone_bit_for_bit() {
+    use novainfer_model::{ForwardBatch, PagedKvCache};
+    let cfg = config(false);
+    let model = build(cfg.clone(), weights(&cfg)).expect("valid tiny model");
+    let bs = 4;
+    let a: Vec<u32> = vec![3, 17, 42, 8, 8, 0, 31, 5, 9];
+    let b: Vec<u32> = vec![11, 12, 13, 14, 15, 16];
+    let c: Vec<u32> = vec![7, 7, 2];
+    let (ta, tb, tc) = (vec![5u32, 1, 8], vec![0u32, 6], vec![3u32]);
+    let mut kv = PagedKvCache::new(&cfg, 10, bs);
+
+    // Step 1: a's first 5 tokens and b's first 5 (prefill chunks); nothing of c yet.
+    let mut step1 = ForwardBatch::default();
+    step1.push(&a[..5], 0, slots(&ta, 0..5, bs), ta.clone(), false);
+    step1.push(&b[..5], 0, slots(&tb, 0..5, bs), tb.clone(), true);
+    model
+        .forward_batch(&step1, &mut kv, LogitsFor::LastToken)
+        .expect("step 1");
+    // Step 2: the rest of a (chunk), one decode token of b, and all of c.
+    let mut step2 = ForwardBatch::default();
+    step2.push(&a[5..], 5, slots(&ta, 5..9, bs), ta.clone(), true);
+    step2.push(&b[5..], 5, slots(&tb, 5..6, bs), tb.clone(), true);
+    step2.push(&c, 0, slots(&tc, 0..3, bs), tc.clone(), true);
+    let batched = model
+        .forward_batch(&step2, &mut kv, LogitsFor::LastToken)
+        .expect("step 2");
+
+    let v = cfg.vocab_size;
+    for (i, seq) in [&a, &b, &c].into_iter().enumerate() {
+        let mut alone = model.new_cache(16);
+        let expected = model
+            .forward(seq, &mut alone, LogitsFor::LastToken)
+            .expect("alone");
+        assert_eq!(
+            batched[i * v..(i + 1) * v],
+            expected[..],
+            "sequence {i} differs when batched"
+        );
+    }
+}
+
+#[test]
+fn a_batch_beyond_its_block_table_is_an_error_not_a_panic() {
+    use novainfer_model::{ForwardBatch, PagedKvCache};
+    let cfg = config(false);
+    let model = build(cfg.clone(), weights(&cfg)).expect("valid tiny model");
+    let mut kv = PagedKvCache::new(&cfg, 2, 4);
+    let mut batch = ForwardBatch::default();
+    batch.push(&[1, 2, 3, 4, 5], 0, vec![0, 1, 2, 3, 4], vec![0], true);
+    assert!(model
+        .forward_batch(&batch, &mut kv, LogitsFor::LastToken)
+        .is_err());
+    let mut batch = ForwardBatch::default();
+    batch.push(&[1], 0, vec![99], vec![0], true);
+    assert!(model
+        .forward_batch(&batch, &mut kv, LogitsFor::LastToken)
+        .is_err());
+}

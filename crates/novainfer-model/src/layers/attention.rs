@@ -8,6 +8,7 @@
 //! against candle's on a 2-core machine and cost more than attention itself.
 
 use super::ops::dot;
+use super::parallel::SharedOut;
 
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionShape {
@@ -23,12 +24,20 @@ pub trait KvView: Sync {
     fn value(&self, pos: usize, kv_head: usize) -> &[f32];
 }
 
-/// `q`: `[rows, num_heads·head_dim]` (already rotated); row `r` attends to cached
-/// positions `0..=positions[r]`. Returns `[rows, num_heads·head_dim]`.
-pub fn attention(
+/// Where a query row sits: its absolute position and the sequence whose history it reads.
+#[derive(Debug, Clone, Copy)]
+pub struct QueryRow {
+    pub position: usize,
+    pub seq: usize,
+}
+
+/// `q`: `[rows, num_heads·head_dim]` (already rotated); row `r` attends to positions
+/// `0..=rows[r].position` of sequence `rows[r].seq`, read through `views[seq]`.
+/// Returns `[rows, num_heads·head_dim]`.
+pub fn attention<V: KvView>(
     q: &[f32],
-    positions: &[usize],
-    kv: &impl KvView,
+    rows: &[QueryRow],
+    views: &[V],
     shape: AttentionShape,
 ) -> Vec<f32> {
     let AttentionShape {
@@ -39,20 +48,18 @@ pub fn attention(
     let group = num_heads / num_kv_heads;
     let scale = 1.0 / (head_dim as f32).sqrt();
     let mut out = vec![0f32; q.len()];
-    let out_ptr = SharedOut(out.as_mut_ptr());
+    let out_ptr = SharedOut::new(&mut out);
     candle_core::utils::barrier_pool().execute_chunked(q.len() / head_dim, |items| {
         for i in items {
             // SAFETY: `execute_chunked` hands out disjoint ranges of items, and item `i`
             // owns exactly `out[i·head_dim..(i+1)·head_dim]`, which lies inside `out`.
-            let out_head = unsafe {
-                std::slice::from_raw_parts_mut(out_ptr.get().add(i * head_dim), head_dim)
-            };
-            let (row, head) = (i / num_heads, i % num_heads);
+            let out_head = unsafe { out_ptr.range(i * head_dim, head_dim) };
+            let (row, head) = (rows[i / num_heads], i % num_heads);
             let q_head = &q[i * head_dim..(i + 1) * head_dim];
             attend(
                 q_head,
-                positions[row] + 1,
-                kv,
+                row.position + 1,
+                &views[row.seq],
                 head / group,
                 scale,
                 out_head,
@@ -88,18 +95,3 @@ fn attend(
             .for_each(|(o, v)| *o += w * v);
     }
 }
-
-/// The output buffer's base pointer, shared with the pool's threads.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-
-impl SharedOut {
-    // A method (not field access) so closures capture the whole Sync wrapper.
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
-// SAFETY: threads only write through it to disjoint ranges (see `attention`).
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}

@@ -64,7 +64,14 @@ impl Linear {
         let mut y = match &self.weight {
             Weight::Packed(w) => w.matmul(x, rows),
             Weight::Quantized(w) => to_vec(w.forward(&xt()?)?)?,
-            Weight::Dense(w) if w.dtype() == DType::F32 => to_vec(xt()?.matmul(&w.t()?)?)?,
+            Weight::Dense(w) if w.dtype() == DType::F32 && w.is_contiguous() => {
+                let (storage, layout) = w.storage_and_layout();
+                let candle_core::Storage::Cpu(cpu) = &*storage else {
+                    unreachable!("weights are loaded on the CPU: this is a bug")
+                };
+                let data = &cpu.as_slice::<f32>()?[layout.start_offset()..];
+                super::dense::matmul_f32(x, rows, data, self.out_features, self.in_features)
+            }
             Weight::Dense(w) => to_vec(
                 xt()?
                     .to_dtype(w.dtype())?

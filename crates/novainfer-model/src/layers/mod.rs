@@ -5,13 +5,15 @@
 //! exact control over the arithmetic (norms, RoPE, attention).
 
 pub mod attention;
+pub mod dense;
 pub mod linear;
 pub mod ops;
+pub(crate) mod parallel;
 #[cfg(target_arch = "x86_64")]
 pub mod qmatmul;
 #[cfg(not(target_arch = "x86_64"))]
 #[path = "qmatmul_stub.rs"]
 pub mod qmatmul;
 
-pub use attention::{attention, AttentionShape, KvView};
+pub use attention::{attention, AttentionShape, KvView, QueryRow};
 pub use linear::{Embedding, Linear};

@@ -68,20 +68,31 @@ impl Rope {
     }
 }
 
-/// Dot product with eight independent accumulators, so the compiler vectorises it
-/// and the summation order is fixed (independent of batch composition).
+/// Dot product with 32 independent accumulators (four AVX registers, enough to
+/// hide FMA latency), so the compiler vectorises it and the summation order is
+/// fixed: the result never depends on batch composition.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (a8, a_rest) = a.split_at(a.len() / 8 * 8);
-    let (b8, b_rest) = b.split_at(a8.len());
-    for (x, y) in a8.chunks_exact(8).zip(b8.chunks_exact(8)) {
-        for l in 0..8 {
+    const LANES: usize = 32;
+    let mut acc = [0f32; LANES];
+    let split = a.len() / LANES * LANES;
+    let (a_main, a_rest) = a.split_at(split);
+    let (b_main, b_rest) = b[..a.len()].split_at(split);
+    for (x, y) in a_main.chunks_exact(LANES).zip(b_main.chunks_exact(LANES)) {
+        for l in 0..LANES {
             acc[l] += x[l] * y[l];
         }
     }
     let tail: f32 = a_rest.iter().zip(b_rest).map(|(x, y)| x * y).sum();
-    acc.iter().sum::<f32>() + tail
+    // Pairwise reduction of the lanes, in a fixed order.
+    let mut width = LANES / 2;
+    while width > 0 {
+        for l in 0..width {
+            acc[l] += acc[l + width];
+        }
+        width /= 2;
+    }
+    acc[0] + tail
 }
 
 #[cfg(test)]
@@ -119,9 +130,11 @@ mod tests {
 
     #[test]
     fn dot_handles_tails() {
-        let a: Vec<f32> = (0..19).map(|i| i as f32).collect();
-        let b = vec![2.0f32; 19];
-        assert_eq!(dot(&a, &b), 2.0 * (0..19).sum::<i32>() as f32);
+        for len in [19, 32, 75] {
+            let a: Vec<f32> = (0..len).map(|i| i as f32).collect();
+            let b = vec![2.0f32; len];
+            assert_eq!(dot(&a, &b), 2.0 * (0..len as i32).sum::<i32>() as f32);
+        }
     }
 
     #[test]
