@@ -54,7 +54,13 @@ class LLM:
     `model` is a local HF directory, a local ``.gguf`` file, or a demo-model name such as
     ``"qwen2.5-coder-0.5b"`` (fetched and cached on first use). `dtype` chooses how safetensors weights are
     held (``"auto"`` keeps f32 on CPU; GGUF tensors keep their own types). `max_model_len` caps prompt +
-    output tokens (default: the model's context length). `seed` seeds requests that bring no seed of their own.
+    output tokens (default: the model's context length, or what the KV cache holds if that is less). `seed`
+    seeds requests that bring no seed of their own.
+
+    Requests are served by continuous batching: `kv_cache_bytes` (default 2 GiB) is split into blocks of
+    `block_size` tokens; each step runs at most `max_num_seqs` requests and `max_num_batched_tokens` tokens
+    (decodes plus chunks of prompts); with `enable_prefix_caching`, prompts that share a prefix with earlier
+    ones reuse its KV instead of recomputing it. A request's output never depends on what else is batched.
     """
 
     def __init__(
@@ -65,7 +71,20 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
         requantize_q5_0: bool = False,
+        block_size: int = 16,
+        kv_cache_bytes: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
     ) -> None:
+        for name, value in (
+            ("block_size", block_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("kv_cache_bytes", 1 if kv_cache_bytes is None else kv_cache_bytes),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidParameterError(f"{name} must be a positive int, got {value!r}", name)
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
             raise InvalidParameterError(f"max_model_len must be a positive int, got {max_model_len!r}", "max_model_len")
         if not isinstance(seed, int) or seed < 0:
@@ -77,12 +96,27 @@ class LLM:
             max_model_len=max_model_len,
             seed=seed,
             requantize_q5_0=requantize_q5_0,
+            block_size=block_size,
+            kv_cache_bytes=kv_cache_bytes,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
         )
 
     @property
     def max_model_len(self) -> int:
         """The longest prompt + output, in tokens."""
         return self._engine.max_model_len
+
+    def stats(self) -> dict[str, float]:
+        """Engine counters: running/waiting requests, preemptions, KV blocks used/free and their high-water
+        mark, prefix-cache queries and hit tokens, prompt tokens computed, tokens generated, steps, and
+        seconds spent stepping."""
+        return self._engine.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; returns False (and changes nothing) while requests are running."""
+        return self._engine.reset_prefix_cache()
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`."""
@@ -143,8 +177,9 @@ class LLM:
                 prompt=p if isinstance(p, str) else None,
                 prompt_token_ids=ids,
                 outputs=[CompletionOutput(0, text, out_ids, reason, logprobs)],
+                num_cached_tokens=cached,
             )
-            for p, ids, (text, out_ids, reason, logprobs) in zip(prompt_list, token_ids, results)
+            for p, ids, (text, out_ids, reason, logprobs, cached) in zip(prompt_list, token_ids, results)
         ]
 
     def chat(
@@ -170,8 +205,9 @@ class LLM:
                 prompt=prompt,
                 prompt_token_ids=ids,
                 outputs=[CompletionOutput(0, text, out_ids, reason, logprobs)],
+                num_cached_tokens=cached,
             )
-            for prompt, ids, (text, out_ids, reason, logprobs) in zip(prompts, token_ids, results)
+            for prompt, ids, (text, out_ids, reason, logprobs, cached) in zip(prompts, token_ids, results)
         ]
 
     def generate_stream(
@@ -196,7 +232,7 @@ class LLM:
 
         def deltas() -> Iterator[StreamDelta]:
             try:
-                for text, ids, reason, logprobs in stream:
+                for text, ids, reason, logprobs, _cached in stream:
                     yield StreamDelta(text, ids, reason, logprobs)
             finally:
                 stream.close()

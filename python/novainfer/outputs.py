@@ -16,8 +16,8 @@ class CompletionOutput:
 
     `logprobs`, when requested, has one dict per generated token mapping token id to log-probability: the
     chosen token and the top `SamplingParams.logprobs` alternatives, from the model's raw distribution.
-    `finish_reason` is ``"stop"`` (EOS, stop token or stop string) or ``"length"`` (`max_tokens` or the
-    context limit).
+    `finish_reason` is ``"stop"`` (EOS, stop token or stop string), ``"length"`` (`max_tokens` or the
+    context limit) or ``"abort"``.
     """
 
     index: int
@@ -36,13 +36,15 @@ class CompletionOutput:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """The result of one prompt: the prompt as the model saw it and its completion(s)."""
+    """The result of one prompt: the prompt as the model saw it, its completion(s), and how many prompt
+    tokens were served from the prefix cache instead of being computed (`num_cached_tokens`)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

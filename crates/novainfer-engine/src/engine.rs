@@ -1,18 +1,15 @@
-//! The engine: a model, its tokenizer and chat template, and the generation
-//! loop for one sequence at a time (continuous batching replaces this loop in
-//! the engine-core work; the request/delta types stay).
+//! Loading an engine: the model, its tokenizer and chat template (the
+//! [`Frontend`]), and the sizing of the KV cache and scheduler.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use novainfer_core::SamplingParams;
-use novainfer_model::sampler::Sampler;
-use novainfer_model::{DtypeChoice, LoadOptions, LogitsFor, Qwen2Config, Qwen2Model};
+use novainfer_core::{ParamError, SamplingParams, SchedulerConfig};
+use novainfer_model::{DtypeChoice, LoadOptions, PagedKvCache, Qwen2Config, Qwen2Model};
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
 use crate::error::{EngineError, Result};
-use crate::request::{Delta, Prompt};
-use crate::sequence::SequenceOutput;
+use crate::request::Prompt;
 use crate::tokenizer::Tokenizer;
 
 /// How to load and run a model.
@@ -20,12 +17,24 @@ use crate::tokenizer::Tokenizer;
 pub struct EngineConfig {
     pub model: PathBuf,
     pub dtype: DtypeChoice,
-    /// Longest prompt + output; defaults to the model's `max_position_embeddings`.
+    /// Longest prompt + output. Defaults to the model's context length, lowered
+    /// to what the KV cache can hold when that is less.
     pub max_model_len: Option<usize>,
     /// Seeds requests that bring no seed of their own (request `i` gets `seed + i`).
     pub seed: u64,
     pub requantize_q5_0: bool,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Memory for the KV cache, in bytes.
+    pub kv_cache_bytes: usize,
+    pub max_num_seqs: usize,
+    /// Token budget of one step (decodes + prefill chunks).
+    pub max_num_batched_tokens: usize,
+    pub enable_prefix_caching: bool,
 }
+
+/// 2 GiB holds 87k tokens of the 0.5B demo model (f32 K/V) or 37k of a 1.5B one.
+pub const DEFAULT_KV_CACHE_BYTES: usize = 2 << 30;
 
 impl EngineConfig {
     pub fn new(model: impl Into<PathBuf>) -> Self {
@@ -35,6 +44,11 @@ impl EngineConfig {
             max_model_len: None,
             seed: 0,
             requantize_q5_0: false,
+            block_size: 16,
+            kv_cache_bytes: DEFAULT_KV_CACHE_BYTES,
+            max_num_seqs: 64,
+            max_num_batched_tokens: 2048,
+            enable_prefix_caching: true,
         }
     }
 }
@@ -43,11 +57,13 @@ impl EngineConfig {
 /// HF checkpoints name them in `generation_config.json`, GGUF files do not.
 const END_OF_GENERATION_TOKENS: &[&str] = &["<|endoftext|>", "<|im_end|>", "<｜end▁of▁sentence｜>"];
 
-pub struct Engine {
-    model: Qwen2Model,
-    frontend: Frontend,
-    seed: u64,
-    num_requests: u64,
+/// Everything `EngineCore` runs on, loaded and sized.
+pub struct LoadedEngine {
+    pub model: Qwen2Model,
+    pub frontend: Frontend,
+    pub kv: PagedKvCache,
+    pub scheduler: SchedulerConfig,
+    pub seed: u64,
 }
 
 /// The text side of the engine: tokenizer, chat template and prompt checks.
@@ -113,7 +129,7 @@ impl Frontend {
     }
 }
 
-impl Engine {
+impl LoadedEngine {
     pub fn load(cfg: &EngineConfig) -> Result<Self> {
         let opts = LoadOptions {
             dtype: cfg.dtype,
@@ -141,98 +157,78 @@ impl Engine {
             )?)),
             None => None,
         };
-        let model_max = loaded.model.config().max_position_embeddings;
-        let max_model_len = match cfg.max_model_len {
-            Some(0) => {
-                return Err(
-                    novainfer_core::ParamError::new("max_model_len", "must be >= 1, got 0").into(),
-                )
-            }
-            Some(n) if n > model_max => {
-                return Err(novainfer_core::ParamError::new(
-                    "max_model_len",
-                    format!("{n} exceeds the model's max_position_embeddings of {model_max}"),
-                )
-                .into())
-            }
-            Some(n) => n,
-            None => model_max,
-        };
+        let model_cfg = loaded.model.config();
+        let (num_blocks, max_model_len) = size_kv_cache(cfg, model_cfg)?;
+        let scheduler = SchedulerConfig::builder()
+            .max_num_batched_tokens(cfg.max_num_batched_tokens)
+            .max_num_seqs(cfg.max_num_seqs)
+            .max_model_len(max_model_len)
+            .block_size(cfg.block_size)
+            .num_blocks(num_blocks)
+            .enable_prefix_caching(cfg.enable_prefix_caching)
+            .build()?;
+        let kv = PagedKvCache::new(model_cfg, num_blocks, cfg.block_size);
         let frontend = Frontend {
             tokenizer: Arc::new(tokenizer),
             chat_template,
-            vocab_size: loaded.model.config().vocab_size,
+            vocab_size: model_cfg.vocab_size,
             max_model_len,
         };
         Ok(Self {
             model: loaded.model,
             frontend,
+            kv,
+            scheduler,
             seed: cfg.seed,
-            num_requests: 0,
         })
     }
+}
 
-    pub fn config(&self) -> &Qwen2Config {
-        self.model.config()
+/// Blocks that fit in the KV budget, and the `max_model_len` they allow: an
+/// explicit `max_model_len` that cannot fit is an error naming both numbers; the
+/// default (the model's context length) is lowered to what fits.
+fn size_kv_cache(cfg: &EngineConfig, model: &Qwen2Config) -> Result<(usize, usize)> {
+    if cfg.block_size == 0 {
+        return Err(ParamError::new("block_size", "must be >= 1, got 0").into());
     }
-
-    pub fn frontend(&self) -> &Frontend {
-        &self.frontend
-    }
-
-    /// Generates for one prompt, calling `on_delta` after every token. Returning
-    /// `false` from `on_delta` aborts the request (its delta is already delivered).
-    pub fn generate(
-        &mut self,
-        prompt_ids: &[u32],
-        params: &SamplingParams,
-        mut on_delta: impl FnMut(Delta) -> bool,
-    ) -> Result<()> {
-        let max_new = self.frontend.max_new_tokens(prompt_ids.len(), params)?;
-        let fallback_seed = self.seed.wrapping_add(self.num_requests);
-        self.num_requests += 1;
-        let mut sampler = Sampler::new(params, prompt_ids, fallback_seed);
-        let tokenizer = &self.frontend.tokenizer;
-        let mut output = SequenceOutput::new(
-            tokenizer.clone(),
-            params,
-            tokenizer.eos_token_ids(),
-            max_new,
-        );
-        let mut cache = self.model.new_cache(prompt_ids.len() + max_new);
-        let mut logits = self
-            .model
-            .forward(prompt_ids, &mut cache, LogitsFor::LastToken)?;
-        loop {
-            let sampled = sampler.sample(&mut logits);
-            let token = sampled.token_id;
-            let delta = output.push(sampled)?;
-            let finished = delta.finish_reason.is_some();
-            if !on_delta(delta) || finished {
-                return Ok(());
-            }
-            logits = self
-                .model
-                .forward(&[token], &mut cache, LogitsFor::LastToken)?;
+    let per_block = PagedKvCache::bytes_per_block(model, cfg.block_size);
+    let num_blocks = cfg.kv_cache_bytes / per_block;
+    let capacity = num_blocks * cfg.block_size;
+    let model_max = model.max_position_embeddings;
+    let max_model_len = match cfg.max_model_len {
+        Some(n) if n < 2 => {
+            return Err(ParamError::new("max_model_len", format!("must be >= 2, got {n}")).into())
         }
-    }
-
-    /// Next-token logits at every prompt position (for checking the model against a
-    /// reference): from one prefill, or `step_by_step` through the KV cache like decode.
-    pub fn prompt_logits(&self, prompt_ids: &[u32], step_by_step: bool) -> Result<Vec<f32>> {
-        let mut cache = self.model.new_cache(prompt_ids.len());
-        if !step_by_step {
-            return Ok(self
-                .model
-                .forward(prompt_ids, &mut cache, LogitsFor::AllTokens)?);
+        Some(n) if n > model_max => {
+            return Err(ParamError::new(
+                "max_model_len",
+                format!("{n} exceeds the model's max_position_embeddings of {model_max}"),
+            )
+            .into())
         }
-        let mut logits = Vec::with_capacity(prompt_ids.len() * self.config().vocab_size);
-        for &id in prompt_ids {
-            logits.extend(
-                self.model
-                    .forward(&[id], &mut cache, LogitsFor::LastToken)?,
-            );
+        Some(n) if n > capacity => {
+            return Err(ParamError::new(
+                "kv_cache_bytes",
+                format!(
+                    "a KV cache of {} bytes holds {capacity} tokens ({num_blocks} blocks of {}), \
+                     less than max_model_len {n}; raise the budget or lower max_model_len",
+                    cfg.kv_cache_bytes, cfg.block_size
+                ),
+            )
+            .into())
         }
-        Ok(logits)
+        Some(n) => n,
+        None => model_max.min(capacity),
+    };
+    if max_model_len < 2 {
+        return Err(ParamError::new(
+            "kv_cache_bytes",
+            format!(
+                "{} bytes hold no full KV block of {per_block} bytes",
+                cfg.kv_cache_bytes
+            ),
+        )
+        .into());
     }
+    Ok((num_blocks, max_model_len))
 }

@@ -37,6 +37,10 @@ pub enum EngineError {
     PromptTokenOutOfRange { id: u32, vocab_size: usize },
     #[error("the engine thread has stopped")]
     EngineStopped,
+    #[error("request ignored: {detail}")]
+    Ignored { detail: String },
+    #[error("the engine step running this request failed: {message}")]
+    StepFailed { message: String },
 }
 
 impl EngineError {
@@ -45,7 +49,9 @@ impl EngineError {
         match self {
             EngineError::InvalidParameter(e) => Some(e.param),
             EngineError::PromptTooLong { .. } => Some("max_tokens"),
-            EngineError::EmptyPrompt | EngineError::PromptTokenOutOfRange { .. } => Some("prompt"),
+            EngineError::EmptyPrompt
+            | EngineError::PromptTokenOutOfRange { .. }
+            | EngineError::Ignored { .. } => Some("prompt"),
             EngineError::Model(ModelError::InvalidDtype(_)) => Some("dtype"),
             _ => None,
         }

@@ -1,10 +1,11 @@
-//! The NovaInfer engine: tokenizer and chat templates, the generation loop,
+//! The NovaInfer engine: tokenizer and chat templates, continuous batching,
 //! streaming text (incremental detokenization, stop strings), and the handle
 //! through which other threads submit requests.
 
 pub mod chat_template;
 pub mod detokenizer;
 pub mod engine;
+pub mod engine_core;
 pub mod error;
 pub mod gguf_tokenizer;
 pub mod handle;
@@ -14,7 +15,8 @@ pub mod stop;
 pub mod tokenizer;
 
 pub use chat_template::ChatMessage;
-pub use engine::{Engine, EngineConfig, Frontend};
+pub use engine::{EngineConfig, Frontend, LoadedEngine, DEFAULT_KV_CACHE_BYTES};
+pub use engine_core::{EngineCore, EngineStats};
 pub use error::{EngineError, Result};
 pub use handle::{EngineHandle, RequestStream};
 pub use request::{Delta, Prompt, RequestOutput, TokenLogprob};

@@ -27,6 +27,8 @@ pub struct Delta {
     pub logprobs: Vec<TokenLogprob>,
     /// Set on the last delta of a request.
     pub finish_reason: Option<FinishReason>,
+    /// Prompt tokens whose KV came from the prefix cache instead of being computed.
+    pub num_cached_tokens: usize,
 }
 
 /// A finished request.
@@ -38,6 +40,8 @@ pub struct RequestOutput {
     /// Present when the request asked for logprobs.
     pub logprobs: Option<Vec<TokenLogprob>>,
     pub finish_reason: FinishReason,
+    /// Prompt tokens served from the prefix cache.
+    pub num_cached_tokens: usize,
 }
 
 impl RequestOutput {
@@ -53,6 +57,7 @@ impl RequestOutput {
             token_ids: Vec::new(),
             logprobs: wants_logprobs.then(Vec::new),
             finish_reason: FinishReason::Abort,
+            num_cached_tokens: 0,
         };
         for d in deltas {
             out.text.push_str(&d.text);
@@ -63,6 +68,7 @@ impl RequestOutput {
             if let Some(reason) = d.finish_reason {
                 out.finish_reason = reason;
             }
+            out.num_cached_tokens = d.num_cached_tokens;
         }
         out
     }

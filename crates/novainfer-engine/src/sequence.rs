@@ -1,12 +1,12 @@
-//! One sequence's output side: turns sampled tokens into deltas and decides
-//! when the sequence is finished.
+//! One sequence's output side: turns sampled tokens into text deltas.
 //!
-//! Order of checks for each token (as in vLLM): the token is appended; an EOS
-//! (unless `ignore_eos`) or a stop token id finishes with `stop` and adds no
-//! text; otherwise its text passes the detokenizer and the stop-string matcher,
-//! which may finish with `stop`; finally the length limit finishes with `length`.
+//! The scheduler decides stops by token id (EOS unless `ignore_eos`, stop token
+//! ids) and by length, because it must free the sequence's blocks; this type
+//! handles what needs text: incremental detokenization and stop strings. A stop
+//! string found here is reported in the delta, and the engine tells the scheduler.
+//! As in vLLM, a stop token's own text is never shown, and text held back for a
+//! possible stop string is released when the sequence ends for another reason.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 
 use novainfer_core::{FinishReason, SamplingParams};
@@ -21,39 +21,23 @@ use crate::tokenizer::Tokenizer;
 pub struct SequenceOutput {
     detokenizer: IncrementalDetokenizer,
     stop_strings: StopStringMatcher,
-    stop_token_ids: HashSet<u32>,
     wants_logprobs: bool,
-    max_new_tokens: usize,
-    num_generated: usize,
 }
 
 impl SequenceOutput {
-    /// `eos_token_ids` are the model's; they are ignored with `ignore_eos`.
-    pub fn new(
-        tokenizer: Arc<Tokenizer>,
-        params: &SamplingParams,
-        eos_token_ids: &[u32],
-        max_new_tokens: usize,
-    ) -> Self {
-        let stop = params.stop();
-        let mut stop_token_ids: HashSet<u32> = stop.stop_token_ids.iter().copied().collect();
-        if !stop.ignore_eos {
-            stop_token_ids.extend(eos_token_ids);
-        }
+    pub fn new(tokenizer: Arc<Tokenizer>, params: &SamplingParams) -> Self {
         Self {
             detokenizer: IncrementalDetokenizer::new(tokenizer, true),
-            stop_strings: StopStringMatcher::new(&stop.stop),
-            stop_token_ids,
+            stop_strings: StopStringMatcher::new(&params.stop().stop),
             wants_logprobs: params.logprobs().is_some(),
-            max_new_tokens,
-            num_generated: 0,
         }
     }
 
-    /// Accounts for one sampled token; the returned delta says whether the sequence is done.
-    pub fn push(&mut self, sampled: SampledToken) -> Result<Delta> {
+    /// Accounts for one sampled token. `finish` is the scheduler's verdict on it
+    /// (`Stop` for a stop/EOS token id, `Length` for a length limit); the returned
+    /// delta's `finish_reason` also covers a stop string found in its text.
+    pub fn push(&mut self, sampled: SampledToken, finish: Option<FinishReason>) -> Result<Delta> {
         let token = sampled.token_id;
-        self.num_generated += 1;
         let mut delta = Delta {
             token_ids: vec![token],
             ..Delta::default()
@@ -65,9 +49,9 @@ impl SequenceOutput {
                 top: sampled.top_logprobs,
             });
         }
-        if self.stop_token_ids.contains(&token) {
+        if finish == Some(FinishReason::Stop) {
             delta.text = self.stop_strings.flush();
-            delta.finish_reason = Some(FinishReason::Stop);
+            delta.finish_reason = finish;
             return Ok(delta);
         }
         if let Some(text) = self.detokenizer.step(token)? {
@@ -78,22 +62,27 @@ impl SequenceOutput {
                 return Ok(delta);
             }
         }
-        if self.num_generated >= self.max_new_tokens {
-            // Characters the detokenizer still holds (an incomplete UTF-8 tail) and
-            // text held back for a possible stop string are released now.
-            let tail = self.detokenizer.finish()?;
-            let out = self.stop_strings.push(&tail);
-            delta.text.push_str(&out.emit);
-            if !out.stopped {
-                delta.text.push_str(&self.stop_strings.flush());
-            }
-            delta.finish_reason = Some(if out.stopped {
+        if let Some(reason) = finish {
+            delta.text.push_str(&self.finish_text()?);
+            delta.finish_reason = Some(if self.stop_strings.is_stopped() {
                 FinishReason::Stop
             } else {
-                FinishReason::Length
+                reason
             });
         }
         Ok(delta)
+    }
+
+    /// Releases what is held back when the sequence ends without a stop string:
+    /// an incomplete UTF-8 tail and text that might have begun a stop string.
+    fn finish_text(&mut self) -> Result<String> {
+        let tail = self.detokenizer.finish()?;
+        let out = self.stop_strings.push(&tail);
+        let mut text = out.emit;
+        if !out.stopped {
+            text.push_str(&self.stop_strings.flush());
+        }
+        Ok(text)
     }
 }
 
@@ -114,20 +103,24 @@ mod tests {
     }
 
     /// Feeds `ids` until a delta finishes; returns the text, the tokens taken and the reason.
+    /// Feeds `ids` until a delta finishes, with the scheduler's verdicts for an EOS-stopping,
+    /// `max_new`-limited request; returns the text, the tokens taken and the reason.
     fn run(
         params: &SamplingParams,
         ids: &[u32],
         max_new: usize,
     ) -> (String, usize, Option<FinishReason>) {
-        let mut seq = SequenceOutput::new(
-            Arc::new(tiny_byte_level_tokenizer()),
-            params,
-            &[EOS],
-            max_new,
-        );
+        let mut seq = SequenceOutput::new(Arc::new(tiny_byte_level_tokenizer()), params);
         let mut text = String::new();
         for (i, &id) in ids.iter().enumerate() {
-            let delta = seq.push(token(id)).expect("push");
+            let verdict = if id == EOS && !params.stop().ignore_eos {
+                Some(FinishReason::Stop)
+            } else if i + 1 == max_new {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            let delta = seq.push(token(id), verdict).expect("push");
             text.push_str(&delta.text);
             if delta.finish_reason.is_some() {
                 return (text, i + 1, delta.finish_reason);
@@ -137,7 +130,7 @@ mod tests {
     }
 
     #[test]
-    fn eos_stops_without_text_unless_ignored() {
+    fn a_stop_token_adds_no_text_and_ignore_eos_reads_on() {
         let ids = [b'h' as u32, b'i' as u32, EOS, b'!' as u32];
         assert_eq!(
             run(&SamplingParams::greedy(), &ids, 10),

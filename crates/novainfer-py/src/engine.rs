@@ -9,7 +9,7 @@ use std::sync::Mutex;
 
 use novainfer_engine::{
     ChatMessage, Delta, EngineConfig, EngineHandle, Prompt, RequestOutput, RequestStream,
-    TokenLogprob,
+    TokenLogprob, DEFAULT_KV_CACHE_BYTES,
 };
 use novainfer_model::DtypeChoice;
 use pyo3::prelude::*;
@@ -20,8 +20,17 @@ use crate::sampling_params::PySamplingParams;
 
 /// Per generated token: the chosen token's and the top alternatives' logprobs.
 type PyLogprobs = Vec<HashMap<u32, f32>>;
-/// `(text, token_ids, finish_reason, logprobs)`; `finish_reason` is None until the last delta.
-type PyDelta = (String, Vec<u32>, Option<&'static str>, Option<PyLogprobs>);
+/// `(text, token_ids, finish_reason, logprobs, num_cached_tokens)`; `finish_reason` is None
+/// until the last delta.
+type PyDelta = (
+    String,
+    Vec<u32>,
+    Option<&'static str>,
+    Option<PyLogprobs>,
+    usize,
+);
+/// `(text, token_ids, finish_reason, logprobs, num_cached_tokens)` of a finished request.
+type PyOutput = (String, Vec<u32>, &'static str, Option<PyLogprobs>, usize);
 
 fn logprobs_to_py(logprobs: Vec<TokenLogprob>) -> PyLogprobs {
     logprobs
@@ -43,7 +52,10 @@ pub struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model, *, dtype="auto", max_model_len=None, seed=0, requantize_q5_0=false))]
+    #[pyo3(signature = (model, *, dtype="auto", max_model_len=None, seed=0, requantize_q5_0=false,
+        block_size=16, kv_cache_bytes=None, max_num_seqs=64, max_num_batched_tokens=2048,
+        enable_prefix_caching=true))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         model: PathBuf,
@@ -51,6 +63,11 @@ impl PyEngine {
         max_model_len: Option<usize>,
         seed: u64,
         requantize_q5_0: bool,
+        block_size: usize,
+        kv_cache_bytes: Option<usize>,
+        max_num_seqs: usize,
+        max_num_batched_tokens: usize,
+        enable_prefix_caching: bool,
     ) -> PyResult<Self> {
         let dtype = DtypeChoice::parse(dtype).map_err(|_| {
             invalid(
@@ -64,11 +81,49 @@ impl PyEngine {
             max_model_len,
             seed,
             requantize_q5_0,
+            block_size,
+            kv_cache_bytes: kv_cache_bytes.unwrap_or(DEFAULT_KV_CACHE_BYTES),
+            max_num_seqs,
+            max_num_batched_tokens,
+            enable_prefix_caching,
         };
         let handle = py
             .detach(|| EngineHandle::spawn(&cfg))
             .map_err(engine_error)?;
         Ok(Self { handle })
+    }
+
+    /// Engine counters: requests, preemptions, KV blocks, prefix-cache hits, tokens.
+    fn stats(&self, py: Python<'_>) -> PyResult<HashMap<&'static str, f64>> {
+        let s = py.detach(|| self.handle.stats()).map_err(engine_error)?;
+        let kv = &s.kv;
+        Ok(HashMap::from([
+            ("num_running", s.num_running as f64),
+            ("num_waiting", s.num_waiting as f64),
+            ("num_preemptions", s.num_preemptions as f64),
+            ("kv_num_blocks", kv.num_blocks as f64),
+            ("kv_used_blocks", kv.num_used_blocks as f64),
+            ("kv_free_blocks", kv.num_free_blocks as f64),
+            ("kv_watermark_blocks", kv.watermark_blocks as f64),
+            ("kv_cached_blocks", kv.num_cached_blocks as f64),
+            ("prefix_cache_queries", kv.num_queries as f64),
+            ("prefix_cache_query_tokens", kv.num_query_tokens as f64),
+            ("prefix_cache_hit_tokens", kv.num_hit_tokens as f64),
+            ("prefix_cache_evictions", kv.num_evictions as f64),
+            (
+                "num_prompt_tokens_computed",
+                s.num_prompt_tokens_computed as f64,
+            ),
+            ("num_generated_tokens", s.num_generated_tokens as f64),
+            ("num_steps", s.num_steps as f64),
+            ("busy_seconds", s.busy_seconds),
+        ]))
+    }
+
+    /// Drops every cached prefix block; False (and nothing changes) while requests run.
+    fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<bool> {
+        py.detach(|| self.handle.reset_prefix_cache())
+            .map_err(engine_error)
     }
 
     #[getter]
@@ -128,7 +183,7 @@ impl PyEngine {
         py: Python<'_>,
         prompts: Vec<Vec<u32>>,
         params: Vec<PyRef<'_, PySamplingParams>>,
-    ) -> PyResult<Vec<(String, Vec<u32>, &'static str, Option<PyLogprobs>)>> {
+    ) -> PyResult<Vec<PyOutput>> {
         if prompts.len() != params.len() {
             return Err(invalid(
                 "sampling_params",
@@ -167,6 +222,7 @@ impl PyEngine {
                         out.token_ids,
                         out.finish_reason.as_str(),
                         out.logprobs.map(logprobs_to_py),
+                        out.num_cached_tokens,
                     ))
                 })
                 .collect::<Result<Vec<_>, novainfer_engine::EngineError>>()
@@ -248,6 +304,7 @@ impl PyTokenStream {
                 d.token_ids,
                 d.finish_reason.map(|r| r.as_str()),
                 (!d.logprobs.is_empty()).then(|| logprobs_to_py(d.logprobs)),
+                d.num_cached_tokens,
             ))),
         }
     }

@@ -44,7 +44,8 @@ pub fn engine_error(e: EngineError) -> PyErr {
     let class = match &e {
         EngineError::InvalidParameter(_)
         | EngineError::EmptyPrompt
-        | EngineError::PromptTokenOutOfRange { .. } => "InvalidParameterError",
+        | EngineError::PromptTokenOutOfRange { .. }
+        | EngineError::Ignored { .. } => "InvalidParameterError",
         EngineError::PromptTooLong { .. } => "PromptTooLongError",
         EngineError::Model(ModelError::NotFound(_)) => "ModelNotFoundError",
         EngineError::Model(ModelError::InvalidDtype(_)) => "InvalidParameterError",
@@ -58,7 +59,7 @@ pub fn engine_error(e: EngineError) -> PyErr {
         }
         EngineError::Tokenizer(_) => "TokenizerError",
         EngineError::ChatTemplate(_) | EngineError::NoChatTemplate => "ChatTemplateError",
-        EngineError::EngineStopped => "EngineError",
+        EngineError::EngineStopped | EngineError::StepFailed { .. } => "EngineError",
     };
     raise(class, message, param.as_deref())
 }

@@ -1,0 +1,117 @@
+"""Continuous batching on the tiny model: outputs independent of the batch, preemption, prefix cache, abort.
+
+Block arithmetic of the tiny model (2 layers, 2 KV heads of 16, f32): one 16-token block of K and V takes
+2 · 2 · 16 · 2 · 16 · 4 = 8192 bytes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from novainfer import LLM, SamplingParams
+
+BLOCK_BYTES = 8192
+
+
+def _prompts(n: int = 32, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 445) for _ in range(rng.randrange(3, 60))] for _ in range(n)]
+
+
+def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_models) -> list[list[int]]:
+    """Each prompt's greedy tokens when it runs by itself."""
+    llm = LLM(tiny_models["f32"], enable_prefix_caching=False)
+    return [_tokens(llm, [p], GREEDY)[0] for p in _prompts()]
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {},
+        {"max_num_batched_tokens": 7},
+        {"max_num_batched_tokens": 16},
+        {"max_num_batched_tokens": 64, "max_num_seqs": 5},
+        {"enable_prefix_caching": False},
+        {"block_size": 1},
+    ],
+)
+def test_greedy_outputs_do_not_depend_on_the_batch(tiny_models, alone, engine_args):
+    llm = LLM(tiny_models["f32"], **engine_args)
+    assert _tokens(llm, _prompts(), GREEDY) == alone
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_models):
+    prompts = _prompts(12, seed=1)
+    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, ignore_eos=True, seed=i) for i in range(12)]
+    one_by_one = LLM(tiny_models["f32"])
+    alone = [_tokens(one_by_one, [p], [sp])[0] for p, sp in zip(prompts, params)]
+    together = _tokens(LLM(tiny_models["f32"], max_num_batched_tokens=13), prompts, params)
+    assert together == alone
+
+
+def test_quantized_model_is_batch_invariant_too(tiny_models):
+    llm = LLM(tiny_models["gguf_q8_0"])
+    prompts = _prompts(8, seed=2)
+    alone = [_tokens(llm, [p], GREEDY)[0] for p in prompts]
+    assert _tokens(llm, prompts, GREEDY) == alone
+
+
+def test_preemption_under_a_tiny_pool_keeps_outputs(tiny_models, alone):
+    prompts = _prompts(8)
+    tight = LLM(tiny_models["f32"], kv_cache_bytes=12 * BLOCK_BYTES, max_model_len=160)
+    assert _tokens(tight, prompts, GREEDY) == alone[:8]
+    stats = tight.stats()
+    assert stats["num_preemptions"] > 0, "the pool was meant to be too small for all requests at once"
+    assert stats["kv_used_blocks"] == 0 and stats["kv_watermark_blocks"] <= 12
+
+
+def test_a_shared_prefix_is_served_from_the_cache(tiny_models):
+    llm = LLM(tiny_models["f32"])
+    prefix = _prompts(1, seed=3)[0] * 3  # long enough for several full blocks
+    prefix = (prefix + prefix)[:80]
+    first = llm.generate(prefix + [5, 6, 7], GREEDY)[0]
+    computed_before = llm.stats()["num_prompt_tokens_computed"]
+    second = llm.generate(prefix + [9, 10], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 80  # five full 16-token blocks of the shared prefix
+    assert llm.stats()["num_prompt_tokens_computed"] - computed_before == len(prefix) + 2 - 80
+    assert llm.stats()["prefix_cache_hit_tokens"] >= 80
+    # Cached or not, the answer is the same.
+    cold = LLM(tiny_models["f32"], enable_prefix_caching=False).generate(prefix + [9, 10], GREEDY)[0]
+    assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == second.outputs[0].token_ids
+
+
+def test_reset_prefix_cache_forgets_cached_blocks(tiny_models):
+    llm = LLM(tiny_models["f32"])
+    prompt = _prompts(1, seed=4)[0] * 4
+    llm.generate(prompt, GREEDY)
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate(prompt, GREEDY)[0].num_cached_tokens == 0
+
+
+def test_closing_a_stream_frees_its_blocks_at_once(tiny_models):
+    llm = LLM(tiny_models["f32"])
+    stream = llm.generate_stream(_prompts(1)[0], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    next(stream)
+    assert llm.stats()["kv_used_blocks"] > 0
+    stream.close()
+    stats = llm.stats()  # handled after the abort: commands reach the engine in order
+    assert stats["kv_used_blocks"] == 0 and stats["num_running"] == 0
+
+
+def test_many_requests_with_different_lengths_all_finish(tiny_models):
+    llm = LLM(tiny_models["f32"], max_num_seqs=4, max_num_batched_tokens=32)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in range(1, 21)]
+    outs = llm.generate(_prompts(20, seed=5), params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 21))
+    assert llm.stats()["kv_used_blocks"] == 0
