@@ -55,3 +55,12 @@ def test_bench_reports_prefill_and_decode(tiny_models):
     res = _cli("bench", "--model", str(tiny_models["f32"]), "--prompt-tokens", "32", "--decode-tokens", "8", "--repeat", "1")
     assert res.returncode == 0, res.stderr
     assert "prefill=" in res.stdout and "decode=" in res.stdout
+
+
+def test_bench_throughput_compares_batched_and_serial(tiny_models):
+    res = _cli(
+        "bench", "throughput", "--model", str(tiny_models["f32"]), "--num-requests", "4",
+        "--prompt-range", "4", "8", "--output-range", "2", "4",
+    )
+    assert res.returncode == 0, res.stderr
+    assert "batched: output=" in res.stdout and "one-by-one" in res.stdout and "speed-up" in res.stdout

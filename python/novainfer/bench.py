@@ -1,34 +1,42 @@
-"""`novainfer bench`: single-stream prefill and decode speed.
+"""`novainfer bench`: speed measurements (benchmarks, never tests).
 
-Prefill speed is the prompt length over the time to the first token; decode speed is the remaining tokens
-over the time after it. The prompt is fixed pseudo-random token ids, so runs are comparable; EOS is ignored
-so every run decodes the same number of tokens. The best of `--repeat` runs is reported.
+- ``latency``: one stream; prefill speed is the prompt length over the time to the first token, decode speed
+  the remaining tokens over the time after it. EOS is ignored so every run decodes the same count.
+- ``throughput``: many requests of mixed lengths, all submitted at once (continuous batching) and then one
+  after another, reporting output and total tokens/s of each and the speed-up.
+
+Prompts are fixed pseudo-random token ids (a seeded LCG), so runs are comparable across machines.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import time
 
 from ._native import SamplingParams
 from .llm import LLM
 
-__all__ = ["run_bench", "bench_once"]
+__all__ = ["add_bench_args", "run_bench", "bench_latency", "bench_throughput"]
 
 
-def _prompt(n: int, vocab: int) -> list[int]:
-    # A fixed LCG keeps the prompt identical across runs and machines.
-    state, ids = 12345, []
+def _prompt(n: int, vocab: int, seed: int = 12345) -> list[int]:
+    state, ids = seed, []
     for _ in range(n):
         state = (state * 1103515245 + 12345) % 2**31
         ids.append(state % vocab)
     return ids
 
 
-def bench_once(llm: LLM, prompt_tokens: int, decode_tokens: int) -> tuple[float, float]:
+def _vocab(llm: LLM) -> int:
+    # Stay below the special tokens at the end of Qwen2 vocabularies.
+    return min(llm._engine.vocab_size, 150_000)
+
+
+def bench_latency(llm: LLM, prompt_tokens: int, decode_tokens: int) -> tuple[float, float]:
     """Returns (prefill tok/s, decode tok/s) for one run."""
-    prompt = _prompt(prompt_tokens, min(llm._engine.vocab_size, 150_000))
+    prompt = _prompt(prompt_tokens, _vocab(llm))
     params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
     start = time.perf_counter()
     first = None
@@ -39,17 +47,69 @@ def bench_once(llm: LLM, prompt_tokens: int, decode_tokens: int) -> tuple[float,
             first = time.perf_counter()
     end = time.perf_counter()
     assert first is not None and count == decode_tokens, "bench run ended early: this is a bug"
-    return prompt_tokens / (first - start), (count - 1) / (end - first)
+    return prompt_tokens / (first - start), (count - 1) / max(end - first, 1e-9)
+
+
+def bench_throughput(
+    llm: LLM, num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int
+) -> dict[str, float]:
+    """Runs the same workload batched and one by one; returns tokens/s of each."""
+    rng = random.Random(seed)
+    prompts = [_prompt(rng.randint(*prompt_range), _vocab(llm), seed + i) for i in range(num_requests)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=rng.randint(*output_range), ignore_eos=True) for _ in prompts
+    ]
+    out_tokens = sum(p.max_tokens or 0 for p in params)
+    all_tokens = out_tokens + sum(len(p) for p in prompts)
+    llm.reset_prefix_cache()
+    start = time.perf_counter()
+    llm.generate(prompts, params)
+    batched = time.perf_counter() - start
+    llm.reset_prefix_cache()
+    start = time.perf_counter()
+    for p, sp in zip(prompts, params):
+        llm.generate([p], sp)
+    serial = time.perf_counter() - start
+    return {
+        "batched_output_tok_s": out_tokens / batched,
+        "batched_total_tok_s": all_tokens / batched,
+        "serial_output_tok_s": out_tokens / serial,
+        "serial_total_tok_s": all_tokens / serial,
+        "speedup": serial / batched,
+    }
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """The `novainfer bench` options (the model options are added by the CLI)."""
+    p.add_argument("mode", nargs="?", choices=["latency", "throughput"], default="latency")
+    p.add_argument("--prompt-tokens", type=int, default=512, help="latency: prompt length")
+    p.add_argument("--decode-tokens", type=int, default=128, help="latency: tokens to decode")
+    p.add_argument("--repeat", type=int, default=3, help="latency: runs; the best is reported")
+    p.add_argument("--num-requests", type=int, default=16, help="throughput: requests")
+    p.add_argument("--prompt-range", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
+    p.add_argument("--output-range", type=int, nargs=2, default=(32, 128), metavar=("MIN", "MAX"))
+    p.add_argument("--bench-seed", type=int, default=0, help="throughput: workload seed")
+    p.add_argument("--requantize-q5-0", action="store_true", help="re-encode Q5_0 GGUF tensors as Q8_0")
 
 
 def run_bench(llm: LLM, args: argparse.Namespace) -> int:
     """Runs the benchmark the CLI describes and prints one summary line."""
-    results = [bench_once(llm, args.prompt_tokens, args.decode_tokens) for _ in range(args.repeat)]
-    prefill = max(r[0] for r in results)
-    decode = max(r[1] for r in results)
     threads = os.environ.get("RAYON_NUM_THREADS", str(os.cpu_count()))
+    head = f"model={llm.model_path.name} threads={threads}"
+    if args.mode == "latency":
+        results = [bench_latency(llm, args.prompt_tokens, args.decode_tokens) for _ in range(args.repeat)]
+        prefill = max(r[0] for r in results)
+        decode = max(r[1] for r in results)
+        print(
+            f"{head} prompt={args.prompt_tokens} prefill={prefill:.1f} tok/s "
+            f"decode={decode:.1f} tok/s (best of {args.repeat})"
+        )
+        return 0
+    r = bench_throughput(llm, args.num_requests, tuple(args.prompt_range), tuple(args.output_range), args.bench_seed)
     print(
-        f"model={llm.model_path.name} threads={threads} prompt={args.prompt_tokens} "
-        f"prefill={prefill:.1f} tok/s decode={decode:.1f} tok/s (best of {args.repeat})"
+        f"{head} requests={args.num_requests} prompts={args.prompt_range} outputs={args.output_range} "
+        f"batched: output={r['batched_output_tok_s']:.1f} total={r['batched_total_tok_s']:.1f} tok/s | "
+        f"one-by-one: output={r['serial_output_tok_s']:.1f} total={r['serial_total_tok_s']:.1f} tok/s | "
+        f"speed-up {r['speedup']:.2f}x"
     )
     return 0

@@ -55,12 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, temperature=0.7, max_tokens=1024)
     chat.add_argument("--system", default=None, help="system prompt (default: the template's own)")
 
-    bench = sub.add_parser("bench", help="measure prefill and decode tokens/s")
+    bench = sub.add_parser("bench", help="measure speed: latency (one stream) or throughput (many requests)")
     _add_model_args(bench)
-    bench.add_argument("--prompt-tokens", type=int, default=512)
-    bench.add_argument("--decode-tokens", type=int, default=128)
-    bench.add_argument("--repeat", type=int, default=3, help="runs; the best is reported")
-    bench.add_argument("--requantize-q5-0", action="store_true", help="re-encode Q5_0 GGUF tensors as Q8_0")
+    from .bench import add_bench_args
+
+    add_bench_args(bench)
     return parser
 
 
