@@ -20,11 +20,13 @@ from .errors import (
     PromptTooLongError,
     TokenizerError,
 )
+from .async_llm import AsyncLLM
 from .llm import LLM
 from .outputs import CompletionOutput, RequestOutput, StreamDelta
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "SamplingParams",
     "RequestOutput",
     "CompletionOutput",
