@@ -4,12 +4,12 @@
 //! Shape of the computation:
 //! * activations are quantized per row to int8 blocks exactly as ggml/candle do
 //!   ([`activation`]), so results match candle's `QMatMul` up to f32 summation order;
-//! * weights are repacked into groups of 8 output columns with the 8 columns
-//!   interleaved 4 bytes at a time, so one 256-bit register holds 4 k-values of 8
-//!   columns and a broadcast of 4 activation bytes feeds one `vpdpbusd` (or
-//!   `maddubs`+`madd` on AVX2) per (row, 4 k-values, 8 columns);
-//! * a kernel computes a tile of `R` rows × 8 columns over the whole of k, each
-//!   weight block reused across the `R` rows (GEMM for prefill; `R = 1` is the
+//! * weights are repacked into groups of 16 output columns interleaved 4 bytes at
+//!   a time, so one 512-bit register (or each half of the group in a 256-bit one)
+//!   holds 4 k-values of every column and a broadcast of 4 activation bytes feeds
+//!   one `vpdpbusd` (or `maddubs`+`madd` on AVX2) per (row, 4 k-values, columns);
+//! * a kernel computes a tile of `R` rows × `LANES` columns over the whole of k,
+//!   each weight block reused across the `R` rows (GEMM for prefill; `R = 1` is the
 //!   decode GEMV, which only streams the weights once);
 //! * work items are (row chunk, column group) pairs handed to candle's barrier pool.
 //!
@@ -19,26 +19,24 @@
 //! product of row r alone, bit for bit.
 
 mod activation;
-mod isa;
 mod q4_k;
 mod q5_0;
 mod q6_k;
 mod q8_0;
+mod simd;
 #[cfg(test)]
 mod tests;
 
-use std::arch::x86_64::*;
+use std::ops::Range;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 
 use crate::error::Result;
 use activation::{ActKind, QuantizedActs};
-use isa::{Avx2, Isa, IsaChoice, Vnni};
+use simd::{Avx2, Avx512, IsaChoice, Simd, Vnni256};
 
-/// Output columns per packed group (one f32 lane each in a 256-bit register).
-const GROUP: usize = 8;
-/// Rows per GEMM tile: each unpacked weight chunk feeds this many dot products.
-const ROW_TILE: usize = 4;
+/// Output columns per packed group (one f32 lane each in a 512-bit register).
+const GROUP: usize = 16;
 /// Activation bytes per row chunk: one chunk's quantized rows should stay in L2
 /// while every column group streams past them.
 const ROW_CHUNK_BYTES: usize = 256 * 1024;
@@ -50,24 +48,28 @@ trait Kernel {
     const BLOCK_K: usize;
     /// Bytes of one ggml block of one row.
     const RAW_BLOCK_BYTES: usize;
-    /// Bytes of one packed block of one 8-column group.
+    /// Bytes of one packed block of one 16-column group.
     const GROUP_BLOCK_BYTES: usize;
+    /// Rows per AVX-512 tile: more rows reuse each unpacked weight chunk more, but
+    /// past this the accumulators spill (measured per format on Zen 5).
+    const WIDE_TILE: usize;
 
-    /// Packs the same block index of up to 8 rows of `W` (`None`: padding column,
+    /// Packs the same block index of up to 16 rows of `W` (`None`: padding column,
     /// left zero) into `out` (`GROUP_BLOCK_BYTES`, zero-initialised).
     fn pack_block(cols: &[Option<&[u8]>; GROUP], out: &mut [u8]);
 
-    /// Rows `row0..row0+R` of `acts` times the 8 columns at `group`; lane j of
-    /// result r is output (row0 + r, column j of the group).
+    /// Rows `row0..row0+R` of `acts` times columns `col_off..col_off+S::LANES` of
+    /// the group at `group`; lane l of result r is output (row0 + r, col_off + l).
     ///
     /// # Safety
-    /// `group` must point at `acts.nb` packed blocks; the rows must exist in `acts`;
-    /// the CPU must support `I`.
-    unsafe fn tile<I: Isa, const R: usize>(
+    /// `group` must point at `acts.nb` packed blocks; `col_off + S::LANES ≤ GROUP`;
+    /// the rows must exist in `acts`; the CPU must support `S`.
+    unsafe fn tile<S: Simd, const R: usize>(
         group: *const u8,
+        col_off: usize,
         acts: &QuantizedActs,
         row0: usize,
-    ) -> [__m256; R];
+    ) -> [S::F; R];
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,7 +94,7 @@ impl PackedMatrix {
     /// Packs `t` (`[n, k]`) when its type has a kernel here and the CPU has AVX2+FMA;
     /// `None` means "use candle's QMatMul".
     pub fn from_qtensor(t: &QTensor) -> Result<Option<Self>> {
-        let Some(isa) = isa::detect() else {
+        let Some(isa) = simd::detect() else {
             return Ok(None);
         };
         let format = match t.dtype() {
@@ -148,7 +150,7 @@ impl PackedMatrix {
     fn run<F: Kernel>(&self, x: &[f32], m: usize, out: &mut [f32]) {
         let acts = QuantizedActs::new(F::ACT, x, m, self.k);
         let groups = self.n.div_ceil(GROUP);
-        let rows_per_chunk = (ROW_CHUNK_BYTES / self.k).max(ROW_TILE);
+        let rows_per_chunk = (ROW_CHUNK_BYTES / self.k).max(8);
         let row_chunks = m.div_ceil(rows_per_chunk);
         let dst = SharedOut(out.as_mut_ptr());
         let job = GroupJob {
@@ -166,7 +168,8 @@ impl PackedMatrix {
                 // (row, column) of `out` is written by exactly one work item.
                 unsafe {
                     match self.isa {
-                        IsaChoice::Vnni => job.rows_vnni::<F>(group, g, rows),
+                        IsaChoice::Avx512 => job.rows_avx512::<F>(group, g, rows),
+                        IsaChoice::Vnni256 => job.rows_vnni256::<F>(group, g, rows),
                         IsaChoice::Avx2 => job.rows_avx2::<F>(group, g, rows),
                     }
                 }
@@ -205,61 +208,71 @@ struct GroupJob<'a> {
 }
 
 impl GroupJob<'_> {
-    #[target_feature(enable = "avx2,fma,avxvnni")]
-    unsafe fn rows_vnni<F: Kernel>(
-        &self,
-        group: *const u8,
-        g: usize,
-        rows: std::ops::Range<usize>,
-    ) {
-        // SAFETY: forwarded contract of `run`; VNNI was detected.
-        unsafe { self.rows::<F, Vnni>(group, g, rows) }
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn rows_avx2<F: Kernel>(
-        &self,
-        group: *const u8,
-        g: usize,
-        rows: std::ops::Range<usize>,
-    ) {
-        // SAFETY: forwarded contract of `run`; AVX2+FMA were detected.
-        unsafe { self.rows::<F, Avx2>(group, g, rows) }
-    }
-
-    /// Full tiles of `ROW_TILE` rows, then single rows; both run the same per-element
-    /// sequence, so where a row falls does not change its bits.
-    #[inline(always)]
-    unsafe fn rows<F: Kernel, I: Isa>(
-        &self,
-        group: *const u8,
-        g: usize,
-        rows: std::ops::Range<usize>,
-    ) {
-        let mut r = rows.start;
-        // SAFETY: forwarded contract of `run`.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vnni")]
+    unsafe fn rows_avx512<F: Kernel>(&self, group: *const u8, g: usize, rows: Range<usize>) {
+        // SAFETY: forwarded contract of `run`; these features were detected.
         unsafe {
-            while r + ROW_TILE <= rows.end {
-                self.store(F::tile::<I, ROW_TILE>(group, self.acts, r), r, g);
-                r += ROW_TILE;
-            }
-            while r < rows.end {
-                self.store(F::tile::<I, 1>(group, self.acts, r), r, g);
-                r += 1;
+            match F::WIDE_TILE {
+                4 => self.rows::<F, Avx512, 4>(group, g, rows),
+                6 => self.rows::<F, Avx512, 6>(group, g, rows),
+                _ => self.rows::<F, Avx512, 8>(group, g, rows),
             }
         }
     }
 
+    #[target_feature(enable = "avx2,fma,avxvnni")]
+    unsafe fn rows_vnni256<F: Kernel>(&self, group: *const u8, g: usize, rows: Range<usize>) {
+        // SAFETY: forwarded contract of `run`; these features were detected.
+        unsafe { self.rows::<F, Vnni256, 4>(group, g, rows) }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn rows_avx2<F: Kernel>(&self, group: *const u8, g: usize, rows: Range<usize>) {
+        // SAFETY: forwarded contract of `run`; these features were detected.
+        unsafe { self.rows::<F, Avx2, 4>(group, g, rows) }
+    }
+
+    /// Full tiles of `TILE` rows, then single rows, for each `S::LANES`-wide slice of
+    /// the group; every path runs the same per-element sequence, so where a row
+    /// falls does not change its bits.
     #[inline(always)]
-    unsafe fn store<const R: usize>(&self, tile: [__m256; R], row0: usize, g: usize) {
-        let col0 = g * GROUP;
-        let cols = GROUP.min(self.n - col0);
+    unsafe fn rows<F: Kernel, S: Simd, const TILE: usize>(
+        &self,
+        group: *const u8,
+        g: usize,
+        rows: Range<usize>,
+    ) {
+        for col_off in (0..GROUP).step_by(S::LANES) {
+            if g * GROUP + col_off >= self.n {
+                break;
+            }
+            let mut r = rows.start;
+            // SAFETY: forwarded contract of `run`; `col_off + LANES ≤ GROUP`.
+            unsafe {
+                while r + TILE <= rows.end {
+                    let tile = F::tile::<S, TILE>(group, col_off, self.acts, r);
+                    self.store::<S, TILE>(tile, r, g * GROUP + col_off);
+                    r += TILE;
+                }
+                while r < rows.end {
+                    let tile = F::tile::<S, 1>(group, col_off, self.acts, r);
+                    self.store::<S, 1>(tile, r, g * GROUP + col_off);
+                    r += 1;
+                }
+            }
+        }
+    }
+
+    /// Writes the lanes that are real columns (`col0 + l < n`).
+    #[inline(always)]
+    unsafe fn store<S: Simd, const R: usize>(&self, tile: [S::F; R], row0: usize, col0: usize) {
+        let cols = S::LANES.min(self.n - col0);
         for (r, v) in tile.into_iter().enumerate() {
             let mut lanes = [0f32; GROUP];
-            // SAFETY: `lanes` holds 8 f32; the destination row segment
+            // SAFETY: `lanes` holds ≥ LANES f32; the destination row segment
             // `(row0 + r)·n + col0 .. + cols` lies in `out` and belongs to this item only.
             unsafe {
-                _mm256_storeu_ps(lanes.as_mut_ptr(), v);
+                S::store(lanes.as_mut_ptr(), v);
                 let dst = self.dst.get().add((row0 + r) * self.n + col0);
                 std::ptr::copy_nonoverlapping(lanes.as_ptr(), dst, cols);
             }

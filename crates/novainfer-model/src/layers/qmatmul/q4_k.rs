@@ -2,25 +2,27 @@
 //!
 //! A ggml Q4_K block covers 256 values in 8 sub-blocks of 32, each with a 6-bit
 //! scale `sc` and min `m`: `w = d·sc·q - dmin·m`, `q` in 0..=15. Packed layout,
-//! per 8-column group and block (1216 bytes):
+//! per 16-column group and block (2432 bytes; `[..][col]`, column innermost):
 //! ```text
-//! [ d: f32 × 8 ][ dmin: f32 × 8 ][ sc: [8 sub][8 col] u8 ][ m: [4 t][8 col][2] u8 ][ qs: [4 p][8 i] × 32 B ]
-//!   qs[p][i], lane j = column j's ggml qs[32p+4i..+4]: low nibbles are chunk i of
+//! [ d: f32 × 16 ][ dmin: f32 × 16 ][ sc: [8 sub][16 col] u8 ][ m: [4 t][16 col][2] u8 ]
+//! [ qs: [4 p][8 i][16 col] × 4 B ]
+//!   qs[p][i][j] = column j's ggml qs[32p+4i..+4]: low nibbles are chunk i of
 //!   sub-block 2p, high nibbles chunk i of sub-block 2p+1
 //! ```
 //! Per (row, column): `isum = Σ_s sc_s·Σ q·a` and `imin = Σ_s m_s·Σa_s` are exact
-//! i32; then `acc = fma(f32(isum), dw·da, acc); acc = fnmadd(f32(imin), dmin·da, acc)`
-//! per block in order, independent of the tile height.
-
-use std::arch::x86_64::*;
+//! i32; then `acc = fma(f32(isum), dw·da, acc); acc = fnma(f32(imin), dmin·da, acc)`
+//! per block in order, independent of the tile height and vector width.
 
 use super::activation::{ActKind, QuantizedActs, K_SUMS, QK_K};
-use super::isa::{bcast4, Isa};
-use super::Kernel;
+use super::simd::Simd;
+use super::{Kernel, GROUP};
 
 pub(super) struct Q4K;
 
-const QS: usize = 192;
+const DMIN: usize = 4 * GROUP;
+const SC: usize = DMIN + 4 * GROUP;
+const MINS: usize = SC + 8 * GROUP;
+const QS: usize = MINS + 4 * 2 * GROUP;
 
 /// ggml's `get_scale_min_k4`: the 6-bit (scale, min) of sub-block `j`.
 fn scale_min(j: usize, q: &[u8]) -> (u8, u8) {
@@ -38,85 +40,78 @@ impl Kernel for Q4K {
     const ACT: ActKind = ActKind::Q8K;
     const BLOCK_K: usize = QK_K;
     const RAW_BLOCK_BYTES: usize = 144;
-    const GROUP_BLOCK_BYTES: usize = 64 + 64 + 64 + 1024;
+    const GROUP_BLOCK_BYTES: usize = QS + 32 * 4 * GROUP;
+    const WIDE_TILE: usize = 6;
 
-    fn pack_block(cols: &[Option<&[u8]>; 8], out: &mut [u8]) {
+    fn pack_block(cols: &[Option<&[u8]>; GROUP], out: &mut [u8]) {
         for (j, raw) in cols.iter().enumerate() {
             let Some(raw) = raw else { continue };
             let d = half::f16::from_le_bytes([raw[0], raw[1]]).to_f32();
             let dmin = half::f16::from_le_bytes([raw[2], raw[3]]).to_f32();
             out[4 * j..4 * j + 4].copy_from_slice(&d.to_le_bytes());
-            out[32 + 4 * j..36 + 4 * j].copy_from_slice(&dmin.to_le_bytes());
+            out[DMIN + 4 * j..DMIN + 4 * j + 4].copy_from_slice(&dmin.to_le_bytes());
             let scales = &raw[4..16];
             for s in 0..8 {
                 let (sc, m) = scale_min(s, scales);
-                out[64 + 8 * s + j] = sc;
-                out[128 + 16 * (s / 2) + 2 * j + s % 2] = m;
+                out[SC + GROUP * s + j] = sc;
+                out[MINS + 2 * GROUP * (s / 2) + 2 * j + s % 2] = m;
             }
             let qs = &raw[16..144];
             for p in 0..4 {
                 for i in 0..8 {
-                    let dst = QS + 32 * (8 * p + i) + 4 * j;
-                    out[dst..dst + 4].copy_from_slice(&qs[32 * p + 4 * i..32 * p + 4 * i + 4]);
+                    let dst = QS + 4 * GROUP * (8 * p + i) + 4 * j;
+                    let src = 32 * p + 4 * i;
+                    out[dst..dst + 4].copy_from_slice(&qs[src..src + 4]);
                 }
             }
         }
     }
 
     #[inline(always)]
-    unsafe fn tile<I: Isa, const R: usize>(
+    unsafe fn tile<S: Simd, const R: usize>(
         group: *const u8,
+        col_off: usize,
         acts: &QuantizedActs,
         row0: usize,
-    ) -> [__m256; R] {
-        // SAFETY: `group` points at `acts.nb` packed blocks of this layout and rows
-        // `row0..row0+R` exist in `acts` (the driver's contract); all loads are unaligned.
+    ) -> [S::F; R] {
+        // SAFETY: `group` points at `acts.nb` packed blocks of this layout, columns
+        // `col_off..col_off+LANES` lie in the group and rows `row0..row0+R` exist in
+        // `acts` (the driver's contract); the CPU supports `S`.
         unsafe {
-            let low4 = _mm256_set1_epi8(0x0F);
-            let mut facc = [_mm256_setzero_ps(); R];
+            let low4 = S::splat8(0x0F);
+            let mut facc = [S::zerof(); R];
             for b in 0..acts.nb {
                 let blk = group.add(b * Self::GROUP_BLOCK_BYTES);
-                let mut isum = [_mm256_setzero_si256(); R];
+                let mut isum = [S::zero(); R];
                 for s in 0..8 {
-                    let mut acc = [_mm256_setzero_si256(); R];
+                    let mut acc = [S::zero(); R];
                     for i in 0..8 {
-                        let v = _mm256_loadu_si256(
-                            blk.add(QS + 32 * (8 * (s / 2) + i)) as *const __m256i
-                        );
-                        let nib = if s % 2 == 0 {
-                            v
-                        } else {
-                            _mm256_srli_epi16::<4>(v)
-                        };
-                        let u = _mm256_and_si256(nib, low4);
+                        let v = S::load(blk.add(QS + 4 * GROUP * (8 * (s / 2) + i) + 4 * col_off));
+                        let nib = if s % 2 == 0 { v } else { S::shr16::<4>(v) };
+                        let u = S::and(nib, low4);
                         for (r, a) in acc.iter_mut().enumerate() {
                             let at = (row0 + r) * acts.k + b * QK_K + 32 * s + 4 * i;
-                            *a = I::dot_u6(*a, u, bcast4(acts.qs.as_ptr().add(at)));
+                            *a = S::dot_u6(*a, u, S::bcast4(acts.qs.as_ptr().add(at)));
                         }
                     }
-                    let sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                        blk.add(64 + 8 * s) as *const __m128i
-                    ));
+                    let sc = S::u8_i32(blk.add(SC + GROUP * s + col_off));
                     for (t, a) in isum.iter_mut().zip(acc) {
-                        *t = _mm256_add_epi32(*t, _mm256_mullo_epi32(a, sc));
+                        *t = S::add32(*t, S::mullo32(a, sc));
                     }
                 }
-                let dw = _mm256_loadu_ps(blk as *const f32);
-                let dmin = _mm256_loadu_ps(blk.add(32) as *const f32);
+                let dw = S::loadf(blk.add(4 * col_off));
+                let dmin = S::loadf(blk.add(DMIN + 4 * col_off));
                 for (r, (f, t)) in facc.iter_mut().zip(isum).enumerate() {
                     let i = (row0 + r) * acts.nb + b;
                     let sums = &acts.sums[i * K_SUMS + 16..i * K_SUMS + 20];
-                    let mut imin = _mm256_setzero_si256();
+                    let mut imin = S::zero();
                     for (p, &pair) in sums.iter().enumerate() {
-                        let m = _mm256_cvtepu8_epi16(_mm_loadu_si128(
-                            blk.add(128 + 16 * p) as *const __m128i
-                        ));
-                        imin =
-                            _mm256_add_epi32(imin, _mm256_madd_epi16(m, _mm256_set1_epi32(pair)));
+                        let m = S::u8_i16(blk.add(MINS + 2 * GROUP * p + 2 * col_off));
+                        imin = S::add32(imin, S::madd16(m, S::splat32(pair)));
                     }
-                    let da = _mm256_set1_ps(acts.d[i]);
-                    *f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dw, da), *f);
-                    *f = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(dmin, da), *f);
+                    let da = S::splatf(acts.d[i]);
+                    *f = S::fma(S::cvt(t), S::mul(dw, da), *f);
+                    *f = S::fnma(S::cvt(imin), S::mul(dmin, da), *f);
                 }
             }
             facc

@@ -13,7 +13,7 @@ use candle_core::{Device, Module, Tensor};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::isa::IsaChoice;
+use super::simd::IsaChoice;
 use super::PackedMatrix;
 
 fn random(len: usize, seed: u64) -> Vec<f32> {
@@ -116,7 +116,7 @@ fn q6_k_matches_candle() {
 }
 
 /// Row r of an m-row product equals the product of row r alone, bit for bit, and
-/// the AVX2 and VNNI paths agree bit for bit.
+/// the AVX2, AVX-VNNI and AVX-512 paths agree bit for bit.
 #[test]
 fn rows_are_batch_invariant_and_isa_independent() {
     for (dtype, k) in [
@@ -140,15 +140,31 @@ fn rows_are_batch_invariant_and_isa_independent() {
                 "{dtype:?}: row {r} differs between m={m} and m=1"
             );
         }
-        if super::isa::detect() == Some(IsaChoice::Vnni) {
-            c.packed.isa = IsaChoice::Avx2;
-            let avx2 = c.packed.matmul(&x, m);
+        for isa in [IsaChoice::Avx2, IsaChoice::Vnni256, IsaChoice::Avx512] {
+            if !supports(isa) {
+                continue;
+            }
+            c.packed.isa = isa;
+            let other = c.packed.matmul(&x, m);
             assert!(
-                avx2.iter()
+                other
+                    .iter()
                     .zip(&batch)
                     .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{dtype:?}: AVX2 and VNNI differ"
+                "{dtype:?}: {isa:?} differs from the detected ISA"
             );
+        }
+    }
+}
+
+fn supports(isa: IsaChoice) -> bool {
+    match isa {
+        IsaChoice::Avx2 => true,
+        IsaChoice::Vnni256 => is_x86_feature_detected!("avxvnni"),
+        IsaChoice::Avx512 => {
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni")
         }
     }
 }
