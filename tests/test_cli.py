@@ -64,3 +64,14 @@ def test_bench_throughput_compares_batched_and_serial(tiny_models):
     )
     assert res.returncode == 0, res.stderr
     assert "batched: output=" in res.stdout and "one-by-one" in res.stdout and "speed-up" in res.stdout
+
+
+def test_bench_prefix_shows_the_cache_saving_work(tiny_models):
+    res = _cli(
+        "bench", "prefix", "--model", str(tiny_models["f32"]), "--num-requests", "3",
+        "--shared-tokens", "64", "--own-tokens", "4", "--output-tokens", "2",
+    )
+    assert res.returncode == 0, res.stderr
+    # With the cache, the 2nd and 3rd requests reuse the 64 shared tokens (4 full blocks); without, nothing.
+    assert "cache on: " in res.stdout and "computed 76/204 prompt tokens, hits 128" in res.stdout
+    assert "cache off: " in res.stdout and "computed 204/204 prompt tokens, hits 0" in res.stdout

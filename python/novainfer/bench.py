@@ -4,6 +4,8 @@
   the remaining tokens over the time after it. EOS is ignored so every run decodes the same count.
 - ``throughput``: many requests of mixed lengths, all submitted at once (continuous batching) and then one
   after another, reporting output and total tokens/s of each and the speed-up.
+- ``prefix``: conversations that share a long system prompt, with the prefix cache on and then off (two
+  engines), reporting time, prompt tokens actually computed, and cache hits.
 
 Prompts are fixed pseudo-random token ids (a seeded LCG), so runs are comparable across machines.
 """
@@ -14,11 +16,12 @@ import argparse
 import os
 import random
 import time
+from collections.abc import Callable
 
 from ._native import SamplingParams
 from .llm import LLM
 
-__all__ = ["add_bench_args", "run_bench", "bench_latency", "bench_throughput"]
+__all__ = ["add_bench_args", "run_bench", "bench_latency", "bench_throughput", "bench_prefix"]
 
 
 def _prompt(n: int, vocab: int, seed: int = 12345) -> list[int]:
@@ -79,9 +82,28 @@ def bench_throughput(
     }
 
 
+def bench_prefix(llm: LLM, num_requests: int, shared_tokens: int, own_tokens: int, output_tokens: int) -> dict[str, float]:
+    """Requests = one shared prefix + their own suffix; returns seconds, computed prompt tokens, cache hits."""
+    vocab = _vocab(llm)
+    shared = _prompt(shared_tokens, vocab, seed=7)
+    prompts = [shared + _prompt(own_tokens, vocab, seed=100 + i) for i in range(num_requests)]
+    params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+    before = llm.stats()
+    start = time.perf_counter()
+    llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    after = llm.stats()
+    return {
+        "seconds": seconds,
+        "prompt_tokens": float(sum(len(p) for p in prompts)),
+        "computed_prompt_tokens": after["num_prompt_tokens_computed"] - before["num_prompt_tokens_computed"],
+        "hit_tokens": after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"],
+    }
+
+
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """The `novainfer bench` options (the model options are added by the CLI)."""
-    p.add_argument("mode", nargs="?", choices=["latency", "throughput"], default="latency")
+    p.add_argument("mode", nargs="?", choices=["latency", "throughput", "prefix"], default="latency")
     p.add_argument("--prompt-tokens", type=int, default=512, help="latency: prompt length")
     p.add_argument("--decode-tokens", type=int, default=128, help="latency: tokens to decode")
     p.add_argument("--repeat", type=int, default=3, help="latency: runs; the best is reported")
@@ -89,11 +111,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-range", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     p.add_argument("--output-range", type=int, nargs=2, default=(32, 128), metavar=("MIN", "MAX"))
     p.add_argument("--bench-seed", type=int, default=0, help="throughput: workload seed")
+    p.add_argument("--shared-tokens", type=int, default=512, help="prefix: shared system-prompt length")
+    p.add_argument("--own-tokens", type=int, default=32, help="prefix: each request's own suffix length")
+    p.add_argument("--output-tokens", type=int, default=16, help="prefix: tokens generated per request")
     p.add_argument("--requantize-q5-0", action="store_true", help="re-encode Q5_0 GGUF tensors as Q8_0")
 
 
-def run_bench(llm: LLM, args: argparse.Namespace) -> int:
-    """Runs the benchmark the CLI describes and prints one summary line."""
+def run_bench(llm: LLM, args: argparse.Namespace, make_llm: Callable[..., LLM] | None = None) -> int:
+    """Runs the benchmark the CLI describes and prints one summary line. `make_llm(**engine_args)` builds
+    the second engine the prefix benchmark needs (caching off)."""
     threads = os.environ.get("RAYON_NUM_THREADS", str(os.cpu_count()))
     head = f"model={llm.model_path.name} threads={threads}"
     if args.mode == "latency":
@@ -104,6 +130,19 @@ def run_bench(llm: LLM, args: argparse.Namespace) -> int:
             f"{head} prompt={args.prompt_tokens} prefill={prefill:.1f} tok/s "
             f"decode={decode:.1f} tok/s (best of {args.repeat})"
         )
+        return 0
+    if args.mode == "prefix":
+        engines = {"on": llm, "off": make_llm(enable_prefix_caching=False) if make_llm else None}
+        parts = []
+        for name, engine in engines.items():
+            if engine is None:
+                continue
+            r = bench_prefix(engine, args.num_requests, args.shared_tokens, args.own_tokens, args.output_tokens)
+            parts.append(
+                f"cache {name}: {r['seconds']:.1f}s, computed {r['computed_prompt_tokens']:.0f}/"
+                f"{r['prompt_tokens']:.0f} prompt tokens, hits {r['hit_tokens']:.0f}"
+            )
+        print(f"{head} requests={args.num_requests} shared={args.shared_tokens} own={args.own_tokens} | " + " | ".join(parts))
         return 0
     r = bench_throughput(llm, args.num_requests, tuple(args.prompt_range), tuple(args.output_range), args.bench_seed)
     print(

@@ -151,7 +151,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _chat(args)
         from .bench import run_bench
 
-        return run_bench(_llm(args, requantize_q5_0=args.requantize_q5_0), args)
+        return run_bench(
+            _llm(args, requantize_q5_0=args.requantize_q5_0),
+            args,
+            make_llm=lambda **extra: _llm(args, requantize_q5_0=args.requantize_q5_0, **extra),
+        )
     except NovaInferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
