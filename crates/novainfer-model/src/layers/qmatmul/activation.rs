@@ -54,13 +54,10 @@ impl QuantizedActs {
             let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
             let scale = amax / 127.0;
             let inv = if scale != 0.0 { 1.0 / scale } else { 0.0 };
-            let mut sum = 0i32;
-            for (q, &v) in qb.iter_mut().zip(xb) {
-                *q = (v * inv).round() as i8;
-                sum += i32::from(*q);
-            }
+            // SAFETY: both slices hold exactly one 32-value block; AVX2 was detected
+            // before any packed matrix (the only caller) was built.
+            sums.push(unsafe { round_block_avx2(xb, inv, qb) });
             d.push(f16::from_f32(scale).to_f32());
-            sums.push(sum);
         }
         Self { k, nb, qs, d, sums }
     }
@@ -101,5 +98,70 @@ impl QuantizedActs {
             }
         }
         Self { k, nb, qs, d, sums }
+    }
+}
+
+/// `q = round(x·inv)` (ties away from zero, like `f32::round`) for one 32-value
+/// block; returns `Σq`. Bit-identical to the scalar loop: `x·inv` is the same
+/// IEEE product and `x·inv - trunc(x·inv)` is exact, so the tie test is exact.
+///
+/// # Safety
+/// The CPU must support AVX2; `x` and `q` must hold 32 values.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn round_block_avx2(x: &[f32], inv: f32, q: &mut [i8]) -> i32 {
+    use std::arch::x86_64::*;
+    debug_assert!(x.len() == QK8_0 && q.len() == QK8_0);
+    // SAFETY: the caller guarantees AVX2 and 32 readable/writable values.
+    unsafe {
+        let inv = _mm256_set1_ps(inv);
+        let sign = _mm256_set1_ps(-0.0);
+        let half = _mm256_set1_ps(0.5);
+        let one = _mm256_set1_ps(1.0);
+        let mut ints = [_mm256_setzero_si256(); 4];
+        for (i, out) in ints.iter_mut().enumerate() {
+            let v = _mm256_mul_ps(_mm256_loadu_ps(x.as_ptr().add(8 * i)), inv);
+            let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(v);
+            let frac = _mm256_andnot_ps(sign, _mm256_sub_ps(v, t));
+            let up = _mm256_cmp_ps::<_CMP_GE_OQ>(frac, half);
+            let step = _mm256_or_ps(_mm256_and_ps(v, sign), one);
+            *out = _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_and_ps(up, step)));
+        }
+        let w16a = _mm256_packs_epi32(ints[0], ints[1]);
+        let w16b = _mm256_packs_epi32(ints[2], ints[3]);
+        let w8 = _mm256_packs_epi16(w16a, w16b);
+        // packs work per 128-bit lane; this restores the k order.
+        let ordered = _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, ordered);
+        let total = _mm256_add_epi32(
+            _mm256_add_epi32(ints[0], ints[1]),
+            _mm256_add_epi32(ints[2], ints[3]),
+        );
+        let lanes: [i32; 8] = std::mem::transmute(total);
+        lanes.iter().sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The SIMD rounding must give the integers of the scalar definition, ties included.
+    #[test]
+    fn q8_0_rounding_matches_scalar_round() {
+        let mut x: Vec<f32> = (0..4096)
+            .map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 77.0)
+            .collect();
+        // Exact ties after scaling (amax 127 → inv 1): ±0.5, ±1.5, ±126.5.
+        x[..8].copy_from_slice(&[127.0, 0.5, -0.5, 1.5, -1.5, 126.5, -126.5, 2.4999998]);
+        let acts = QuantizedActs::new(ActKind::Q8_0, &x, 1, x.len());
+        for (b, (xb, qb)) in x.chunks_exact(32).zip(acts.qs.chunks_exact(32)).enumerate() {
+            let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let scale = amax / 127.0;
+            let inv = if scale != 0.0 { 1.0 / scale } else { 0.0 };
+            let want: Vec<i8> = xb.iter().map(|&v| (v * inv).round() as i8).collect();
+            assert_eq!(qb, &want[..], "block {b}");
+            let sum: i32 = want.iter().map(|&q| i32::from(q)).sum();
+            assert_eq!(acts.sums[b], sum, "block {b}");
+        }
     }
 }
