@@ -3,9 +3,10 @@
 //! candle has SIMD (and repacked VNNI) kernels for Q8_0 but only a generic path
 //! for Q5_0. Q5_0 and Q8_0 share the 32-value block and the f16 scale, and Q5_0's
 //! integers (-16..=15) fit in an i8, so re-encoding Q5_0 as Q8_0 is exact: the
-//! dequantized weights are bit-identical while matmuls take candle's AVX2 Q8_0
-//! path. It costs 34/22 of the bytes for those tensors; whether it pays depends
-//! on prefill vs decode (docs/benchmarks.md has the measured trade).
+//! dequantized weights are bit-identical while matmuls take candle's Q8_0 path.
+//! It costs 34/22 of the bytes for those tensors. On x86-64 our own kernels
+//! (`layers::qmatmul`) handle Q5_0 natively, so this matters only for the
+//! candle fallback.
 
 use std::borrow::Cow;
 

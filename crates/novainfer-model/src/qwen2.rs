@@ -52,8 +52,9 @@ impl DtypeChoice {
 #[derive(Debug, Clone, Copy)]
 pub struct LoadOptions {
     pub dtype: DtypeChoice,
-    /// Re-encode Q5_0 GGUF tensors as Q8_0 (exact). Off by default: it speeds up prefill
-    /// but slows decode on candle 0.11 (docs/benchmarks.md has the numbers).
+    /// Re-encode Q5_0 GGUF tensors as Q8_0 (exact). Off by default: on x86-64 both
+    /// formats have native kernels (`layers::qmatmul`), where this only costs memory
+    /// (34/22 of the bytes; speed within noise); it can still help candle's fallback.
     pub requantize_q5_0: bool,
 }
 
