@@ -1,5 +1,6 @@
 //! Ad-hoc probe: load a model, greedy-decode a few tokens, time prefill and decode.
-//! `cargo run --release -p novainfer-model --example probe -- MODEL [--no-requant]`
+//! `cargo run --release -p novainfer-model --example probe -- MODEL [--requant]`
+//! (`--requant` re-encodes Q5_0 as Q8_0; the engine's default keeps Q5_0)
 use std::time::Instant;
 
 use novainfer_model::{LoadOptions, LogitsFor, Qwen2Model};
@@ -17,7 +18,7 @@ fn argmax(v: &[f32]) -> u32 {
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let opts = LoadOptions {
-        requantize_q5_0: !args.iter().any(|a| a == "--no-requant"),
+        requantize_q5_0: args.iter().any(|a| a == "--requant"),
         ..Default::default()
     };
     let t = Instant::now();
