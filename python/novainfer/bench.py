@@ -38,8 +38,10 @@ def _vocab(llm: LLM) -> int:
 
 
 def bench_latency(llm: LLM, prompt_tokens: int, decode_tokens: int) -> tuple[float, float]:
-    """Returns (prefill tok/s, decode tok/s) for one run."""
+    """Returns (prefill tok/s, decode tok/s) for one run; the prompt is always computed in full."""
     prompt = _prompt(prompt_tokens, _vocab(llm))
+    # Without this a repeated run would find its prompt in the prefix cache and measure nothing.
+    llm.reset_prefix_cache()
     params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
     start = time.perf_counter()
     first = None
