@@ -14,6 +14,7 @@ pub mod prefix_hash;
 pub mod request;
 pub mod sampling_params;
 pub mod scheduler;
+pub mod slot_cells;
 pub mod slot_mapping;
 
 pub use block_pool::BlockPool;
@@ -27,4 +28,5 @@ pub use scheduler::{
     FinishedRequest, RequestUpdate, ScheduledRequest, Scheduler, SchedulerConfig,
     SchedulerConfigBuilder, SchedulerOutput,
 };
+pub use slot_cells::{CellShift, SeqId, SlotCells, SlotError, SlotStats};
 pub use slot_mapping::slot_mapping;
