@@ -115,3 +115,10 @@ def test_many_requests_with_different_lengths_all_finish(tiny_models):
     outs = llm.generate(_prompts(20, seed=5), params)
     assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 21))
     assert llm.stats()["kv_used_blocks"] == 0
+
+
+def test_kv_budget_as_a_fraction_of_available_memory(tiny_models):
+    llm = LLM(tiny_models["f32"], kv_cache_fraction=0.001)
+    blocks = llm.stats()["kv_num_blocks"]
+    assert blocks > 0 and llm.max_model_len == min(512, blocks * 16)
+    assert llm.generate([1, 2, 3], GREEDY)[0].outputs[0].finish_reason == "length"

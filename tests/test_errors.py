@@ -187,7 +187,17 @@ def test_missing_chat_template_is_a_chat_template_error(tiny_models, tmp_path):
 
 @pytest.mark.parametrize(
     ("kwargs", "param"),
-    [({"dtype": "int8"}, "dtype"), ({"max_model_len": 100_000}, "max_model_len"), ({"max_model_len": 0}, "max_model_len"), ({"seed": -1}, "seed")],
+    [
+        ({"dtype": "int8"}, "dtype"),
+        ({"max_model_len": 100_000}, "max_model_len"),
+        ({"max_model_len": 0}, "max_model_len"),
+        ({"seed": -1}, "seed"),
+        ({"kv_cache_bytes": 4 * 8192, "max_model_len": 128}, "kv_cache_bytes"),
+        ({"kv_cache_fraction": 1.5}, "kv_cache_fraction"),
+        ({"kv_cache_fraction": 0.5, "kv_cache_bytes": 1 << 20}, "kv_cache_fraction"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"block_size": 0}, "block_size"),
+    ],
 )
 def test_bad_engine_arguments_name_the_parameter(tiny_models, kwargs, param):
     with pytest.raises(InvalidParameterError) as info:

@@ -74,6 +74,7 @@ class Engine:
         requantize_q5_0: bool = False,
         block_size: int = 16,
         kv_cache_bytes: int | None = None,
+        kv_cache_fraction: float | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,

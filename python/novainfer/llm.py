@@ -57,7 +57,8 @@ class LLM:
     output tokens (default: the model's context length, or what the KV cache holds if that is less). `seed`
     seeds requests that bring no seed of their own.
 
-    Requests are served by continuous batching: `kv_cache_bytes` (default 2 GiB) is split into blocks of
+    Requests are served by continuous batching: the KV cache — `kv_cache_bytes` (default 2 GiB), or
+    `kv_cache_fraction` of the memory available once the model is loaded — is split into blocks of
     `block_size` tokens; each step runs at most `max_num_seqs` requests and `max_num_batched_tokens` tokens
     (decodes plus chunks of prompts); with `enable_prefix_caching`, prompts that share a prefix with earlier
     ones reuse its KV instead of recomputing it. A request's output never depends on what else is batched.
@@ -73,6 +74,7 @@ class LLM:
         requantize_q5_0: bool = False,
         block_size: int = 16,
         kv_cache_bytes: int | None = None,
+        kv_cache_fraction: float | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
@@ -98,6 +100,7 @@ class LLM:
             requantize_q5_0=requantize_q5_0,
             block_size=block_size,
             kv_cache_bytes=kv_cache_bytes,
+            kv_cache_fraction=kv_cache_fraction,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,

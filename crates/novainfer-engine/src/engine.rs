@@ -25,8 +25,8 @@ pub struct EngineConfig {
     pub requantize_q5_0: bool,
     /// Tokens per KV block.
     pub block_size: usize,
-    /// Memory for the KV cache, in bytes.
-    pub kv_cache_bytes: usize,
+    /// Memory for the KV cache.
+    pub kv_cache: KvBudget,
     pub max_num_seqs: usize,
     /// Token budget of one step (decodes + prefill chunks).
     pub max_num_batched_tokens: usize,
@@ -35,6 +35,57 @@ pub struct EngineConfig {
 
 /// 2 GiB holds 87k tokens of the 0.5B demo model (f32 K/V) or 37k of a 1.5B one.
 pub const DEFAULT_KV_CACHE_BYTES: usize = 2 << 30;
+
+/// How much memory the KV cache may take.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum KvBudget {
+    Bytes(usize),
+    /// A fraction in (0, 1] of the memory available once the model is loaded
+    /// (`MemAvailable` in /proc/meminfo).
+    FractionOfAvailable(f64),
+}
+
+impl KvBudget {
+    /// The user-facing parameter that set this budget, for error messages.
+    fn param(self) -> &'static str {
+        match self {
+            KvBudget::Bytes(_) => "kv_cache_bytes",
+            KvBudget::FractionOfAvailable(_) => "kv_cache_fraction",
+        }
+    }
+
+    fn bytes(self) -> Result<usize> {
+        match self {
+            KvBudget::Bytes(n) => Ok(n),
+            KvBudget::FractionOfAvailable(f) if f > 0.0 && f <= 1.0 => {
+                Ok((available_memory()? as f64 * f) as usize)
+            }
+            KvBudget::FractionOfAvailable(f) => Err(ParamError::new(
+                "kv_cache_fraction",
+                format!("must be in (0, 1], got {f}"),
+            )
+            .into()),
+        }
+    }
+}
+
+/// Bytes the OS could give us now without swapping.
+fn available_memory() -> Result<usize> {
+    let unreadable = |why: String| {
+        ParamError::new(
+            "kv_cache_fraction",
+            format!("cannot read available memory: {why}"),
+        )
+    };
+    let meminfo =
+        std::fs::read_to_string("/proc/meminfo").map_err(|e| unreadable(e.to_string()))?;
+    let kib = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
+        .ok_or_else(|| unreadable("no MemAvailable line in /proc/meminfo".into()))?;
+    Ok(kib * 1024)
+}
 
 impl EngineConfig {
     pub fn new(model: impl Into<PathBuf>) -> Self {
@@ -45,7 +96,7 @@ impl EngineConfig {
             seed: 0,
             requantize_q5_0: false,
             block_size: 16,
-            kv_cache_bytes: DEFAULT_KV_CACHE_BYTES,
+            kv_cache: KvBudget::Bytes(DEFAULT_KV_CACHE_BYTES),
             max_num_seqs: 64,
             max_num_batched_tokens: 2048,
             enable_prefix_caching: true,
@@ -192,7 +243,8 @@ fn size_kv_cache(cfg: &EngineConfig, model: &Qwen2Config) -> Result<(usize, usiz
         return Err(ParamError::new("block_size", "must be >= 1, got 0").into());
     }
     let per_block = PagedKvCache::bytes_per_block(model, cfg.block_size);
-    let num_blocks = cfg.kv_cache_bytes / per_block;
+    let budget = cfg.kv_cache.bytes()?;
+    let num_blocks = budget / per_block;
     let capacity = num_blocks * cfg.block_size;
     let model_max = model.max_position_embeddings;
     let max_model_len = match cfg.max_model_len {
@@ -208,11 +260,11 @@ fn size_kv_cache(cfg: &EngineConfig, model: &Qwen2Config) -> Result<(usize, usiz
         }
         Some(n) if n > capacity => {
             return Err(ParamError::new(
-                "kv_cache_bytes",
+                cfg.kv_cache.param(),
                 format!(
                     "a KV cache of {} bytes holds {capacity} tokens ({num_blocks} blocks of {}), \
                      less than max_model_len {n}; raise the budget or lower max_model_len",
-                    cfg.kv_cache_bytes, cfg.block_size
+                    budget, cfg.block_size
                 ),
             )
             .into())
@@ -222,10 +274,10 @@ fn size_kv_cache(cfg: &EngineConfig, model: &Qwen2Config) -> Result<(usize, usiz
     };
     if max_model_len < 2 {
         return Err(ParamError::new(
-            "kv_cache_bytes",
+            cfg.kv_cache.param(),
             format!(
                 "{} bytes hold no full KV block of {per_block} bytes",
-                cfg.kv_cache_bytes
+                budget
             ),
         )
         .into());

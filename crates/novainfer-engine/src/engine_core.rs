@@ -10,14 +10,14 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use novainfer_core::{
-    slot_mapping, FinishReason, KvCacheStats, Request, RequestId, SamplingParams, Scheduler,
-    SchedulerOutput,
+    FinishReason, KvCacheStats, Request, RequestId, SamplingParams, Scheduler, SchedulerOutput,
 };
 use novainfer_model::sampler::{SampledToken, Sampler};
-use novainfer_model::{ForwardBatch, LogitsFor, PagedKvCache, Qwen2Model};
+use novainfer_model::LogitsFor;
 
 use crate::engine::{Frontend, LoadedEngine};
 use crate::error::{EngineError, Result};
+use crate::model_runner::ModelRunner;
 use crate::request::Delta;
 use crate::sequence::SequenceOutput;
 
@@ -45,8 +45,7 @@ pub struct EngineStats {
 }
 
 pub struct EngineCore {
-    model: Qwen2Model,
-    kv: PagedKvCache,
+    runner: ModelRunner,
     scheduler: Scheduler,
     frontend: Frontend,
     active: HashMap<RequestId, ActiveRequest>,
@@ -57,8 +56,7 @@ pub struct EngineCore {
 impl EngineCore {
     pub fn new(loaded: LoadedEngine) -> Self {
         Self {
-            model: loaded.model,
-            kv: loaded.kv,
+            runner: ModelRunner::new(loaded.model, loaded.kv),
             scheduler: Scheduler::new(loaded.scheduler),
             frontend: loaded.frontend,
             active: HashMap::new(),
@@ -159,25 +157,13 @@ impl EngineCore {
 
     /// Runs the model over the scheduled chunks and samples each request that needs it.
     fn execute(&mut self, out: &SchedulerOutput) -> Result<Vec<(RequestId, SampledToken)>> {
-        let block_size = self.kv.block_size();
-        let mut batch = ForwardBatch::default();
         for s in &out.scheduled {
-            let slots = slot_mapping(
-                &s.block_table,
-                s.start_position,
-                s.token_ids.len(),
-                block_size,
-            );
-            let table = s.block_table.iter().map(|b| b.0).collect();
-            batch.push(&s.token_ids, s.start_position, slots, table, s.sample);
             if s.start_position < self.prompt_len(s.request_id) {
                 self.stats.num_prompt_tokens_computed += s.token_ids.len() as u64;
             }
         }
-        let mut logits = self
-            .model
-            .forward_batch(&batch, &mut self.kv, LogitsFor::LastToken)?;
-        let vocab = self.model.config().vocab_size;
+        let mut logits = self.runner.execute(out)?;
+        let vocab = self.runner.model().config().vocab_size;
         let mut rows = logits.chunks_exact_mut(vocab);
         let mut sampled = Vec::new();
         for s in out.scheduled.iter().filter(|s| s.sample) {
@@ -254,18 +240,14 @@ impl EngineCore {
     /// Next-token logits at every prompt position, computed apart from the paged pool
     /// (for checking the model against a reference): one prefill, or token by token.
     pub fn prompt_logits(&self, prompt_ids: &[u32], step_by_step: bool) -> Result<Vec<f32>> {
-        let mut cache = self.model.new_cache(prompt_ids.len());
+        let model = self.runner.model();
+        let mut cache = model.new_cache(prompt_ids.len());
         if !step_by_step {
-            return Ok(self
-                .model
-                .forward(prompt_ids, &mut cache, LogitsFor::AllTokens)?);
+            return Ok(model.forward(prompt_ids, &mut cache, LogitsFor::AllTokens)?);
         }
-        let mut logits = Vec::with_capacity(prompt_ids.len() * self.model.config().vocab_size);
+        let mut logits = Vec::with_capacity(prompt_ids.len() * model.config().vocab_size);
         for &id in prompt_ids {
-            logits.extend(
-                self.model
-                    .forward(&[id], &mut cache, LogitsFor::LastToken)?,
-            );
+            logits.extend(model.forward(&[id], &mut cache, LogitsFor::LastToken)?);
         }
         Ok(logits)
     }

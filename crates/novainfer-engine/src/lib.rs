@@ -9,13 +9,14 @@ pub mod engine_core;
 pub mod error;
 pub mod gguf_tokenizer;
 pub mod handle;
+pub mod model_runner;
 pub mod request;
 pub mod sequence;
 pub mod stop;
 pub mod tokenizer;
 
 pub use chat_template::ChatMessage;
-pub use engine::{EngineConfig, Frontend, LoadedEngine, DEFAULT_KV_CACHE_BYTES};
+pub use engine::{EngineConfig, Frontend, KvBudget, LoadedEngine, DEFAULT_KV_CACHE_BYTES};
 pub use engine_core::{EngineCore, EngineStats};
 pub use error::{EngineError, Result};
 pub use handle::{EngineHandle, RequestStream};

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use novainfer_engine::{
-    ChatMessage, Delta, EngineConfig, EngineHandle, Prompt, RequestOutput, RequestStream,
+    ChatMessage, Delta, EngineConfig, EngineHandle, KvBudget, Prompt, RequestOutput, RequestStream,
     TokenLogprob, DEFAULT_KV_CACHE_BYTES,
 };
 use novainfer_model::DtypeChoice;
@@ -53,8 +53,8 @@ pub struct PyEngine {
 impl PyEngine {
     #[new]
     #[pyo3(signature = (model, *, dtype="auto", max_model_len=None, seed=0, requantize_q5_0=false,
-        block_size=16, kv_cache_bytes=None, max_num_seqs=64, max_num_batched_tokens=2048,
-        enable_prefix_caching=true))]
+        block_size=16, kv_cache_bytes=None, kv_cache_fraction=None, max_num_seqs=64,
+        max_num_batched_tokens=2048, enable_prefix_caching=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -65,6 +65,7 @@ impl PyEngine {
         requantize_q5_0: bool,
         block_size: usize,
         kv_cache_bytes: Option<usize>,
+        kv_cache_fraction: Option<f64>,
         max_num_seqs: usize,
         max_num_batched_tokens: usize,
         enable_prefix_caching: bool,
@@ -82,7 +83,17 @@ impl PyEngine {
             seed,
             requantize_q5_0,
             block_size,
-            kv_cache_bytes: kv_cache_bytes.unwrap_or(DEFAULT_KV_CACHE_BYTES),
+            kv_cache: match (kv_cache_bytes, kv_cache_fraction) {
+                (Some(_), Some(_)) => {
+                    return Err(invalid(
+                        "kv_cache_fraction",
+                        "give kv_cache_bytes or kv_cache_fraction, not both".into(),
+                    ))
+                }
+                (Some(bytes), None) => KvBudget::Bytes(bytes),
+                (None, Some(fraction)) => KvBudget::FractionOfAvailable(fraction),
+                (None, None) => KvBudget::Bytes(DEFAULT_KV_CACHE_BYTES),
+            },
             max_num_seqs,
             max_num_batched_tokens,
             enable_prefix_caching,
