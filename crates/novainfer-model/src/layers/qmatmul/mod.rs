@@ -32,6 +32,7 @@ use std::ops::Range;
 use candle_core::quantized::{GgmlDType, QTensor};
 
 use crate::error::Result;
+use crate::layers::parallel::SharedOut;
 use activation::{ActKind, QuantizedActs};
 use simd::{Avx2, Avx512, IsaChoice, Simd, Vnni256};
 
@@ -152,7 +153,7 @@ impl PackedMatrix {
         let groups = self.n.div_ceil(GROUP);
         let rows_per_chunk = (ROW_CHUNK_BYTES / self.k).max(8);
         let row_chunks = m.div_ceil(rows_per_chunk);
-        let dst = SharedOut(out.as_mut_ptr());
+        let dst = SharedOut::new(out);
         let job = GroupJob {
             acts: &acts,
             n: self.n,
@@ -273,23 +274,9 @@ impl GroupJob<'_> {
             // `(row0 + r)·n + col0 .. + cols` lies in `out` and belongs to this item only.
             unsafe {
                 S::store(lanes.as_mut_ptr(), v);
-                let dst = self.dst.get().add((row0 + r) * self.n + col0);
-                std::ptr::copy_nonoverlapping(lanes.as_ptr(), dst, cols);
+                let dst = self.dst.range((row0 + r) * self.n + col0, cols);
+                dst.copy_from_slice(&lanes[..cols]);
             }
         }
     }
 }
-
-/// The output buffer's base pointer, shared with the pool's threads.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-
-impl SharedOut {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
-// SAFETY: threads only write through it to disjoint (row, column) ranges (see `run`).
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
