@@ -182,7 +182,10 @@ mod tests {
         assert_eq!(kv.seq_of(a.id), Some(SeqId(0)));
         assert_eq!(kv.cells().pos(3), Some(3));
         let s = kv.stats();
-        assert_eq!((s.num_blocks, s.num_used_blocks, s.num_free_blocks), (8, 4, 4));
+        assert_eq!(
+            (s.num_blocks, s.num_used_blocks, s.num_free_blocks),
+            (8, 4, 4)
+        );
     }
 
     #[test]

@@ -7,11 +7,11 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
+use novainfer_core::KvLayout;
 use novainfer_engine::{
     ChatMessage, Delta, EngineConfig, EngineHandle, KvBudget, Prompt, RequestOutput, RequestStream,
     TokenLogprob, DEFAULT_KV_CACHE_BYTES,
 };
-use novainfer_core::KvLayout;
 use novainfer_model::DtypeChoice;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;

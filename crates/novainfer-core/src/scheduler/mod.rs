@@ -32,8 +32,8 @@ use crate::finish::FinishReason;
 use crate::ids::RequestId;
 use crate::kv_cache_manager::{KvCacheManager, KvCacheStats, PrefixHit};
 use crate::kv_manager::{AnyKv, KvLayout, KvManager};
-use crate::slot_kv_manager::SlotKvManager;
 use crate::request::{Request, RequestStatus};
+use crate::slot_kv_manager::SlotKvManager;
 
 #[derive(Debug, Clone)]
 pub struct Scheduler {
