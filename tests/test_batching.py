@@ -1,7 +1,8 @@
-"""Continuous batching on the tiny model: outputs independent of the batch, preemption, prefix cache, abort.
+"""Continuous batching on the tiny model: outputs independent of the batch and of the KV layout, preemption,
+prefix cache, abort.
 
 Block arithmetic of the tiny model (2 layers, 2 KV heads of 16, f32): one 16-token block of K and V takes
-2 · 2 · 16 · 2 · 16 · 4 = 8192 bytes.
+2 · 2 · 16 · 2 · 16 · 4 = 8192 bytes; one SLOT cell (one token) takes 512.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import random
 import pytest
 
 from novainfer import LLM, SamplingParams
+from novainfer.errors import InvalidParameterError
 
 BLOCK_BYTES = 8192
+CELL_BYTES = BLOCK_BYTES // 16
 
 
 def _prompts(n: int = 32, seed: int = 0) -> list[list[int]]:
@@ -73,6 +76,37 @@ def test_preemption_under_a_tiny_pool_keeps_outputs(tiny_models, alone):
     stats = tight.stats()
     assert stats["num_preemptions"] > 0, "the pool was meant to be too small for all requests at once"
     assert stats["kv_used_blocks"] == 0 and stats["kv_watermark_blocks"] <= 12
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 7}, {"max_num_seqs": 5}])
+def test_slot_layout_gives_the_block_layouts_tokens(tiny_models, alone, engine_args):
+    prompts = _prompts(16)
+    block = _tokens(LLM(tiny_models["f32"], kv_layout="block", **engine_args), prompts, GREEDY)
+    slot_llm = LLM(tiny_models["f32"], kv_layout="slot", **engine_args)
+    slot = _tokens(slot_llm, prompts, GREEDY)
+    assert slot == block == alone[:16]
+    stats = slot_llm.stats()
+    assert stats["kv_bytes_per_block"] == CELL_BYTES, "a SLOT pool entry is one token's cell"
+    assert stats["kv_used_blocks"] == 0 and stats["kv_watermark_blocks"] > 0
+    assert stats["prefix_cache_hit_tokens"] == 0, "the SLOT layout has no prefix cache"
+
+
+def test_slot_layout_preempts_under_a_tiny_pool_and_keeps_outputs(tiny_models, alone):
+    prompts = _prompts(12)
+    cells = 192  # the 12 blocks of 16 the BLOCK preemption test uses, as cells
+    tight = LLM(tiny_models["f32"], kv_layout="slot", kv_cache_bytes=cells * CELL_BYTES, max_model_len=160)
+    assert _tokens(tight, prompts, GREEDY) == alone[:12]
+    stats = tight.stats()
+    assert stats["num_preemptions"] > 0, "the pool was meant to be too small for all requests at once"
+    assert stats["kv_num_blocks"] == cells and stats["kv_pool_bytes"] == cells * CELL_BYTES
+    assert stats["kv_used_blocks"] == 0 and stats["kv_watermark_blocks"] <= cells
+
+
+@pytest.mark.parametrize("bad", ["paged", "SLOT", "", 3])
+def test_a_bad_kv_layout_names_the_parameter(tiny_models, bad):
+    with pytest.raises(InvalidParameterError) as info:
+        LLM(tiny_models["f32"], kv_layout=bad)
+    assert info.value.param == "kv_layout"
 
 
 def test_a_shared_prefix_is_served_from_the_cache(tiny_models):

@@ -75,3 +75,14 @@ def test_bench_prefix_shows_the_cache_saving_work(tiny_models):
     # With the cache, the 2nd and 3rd requests reuse the 64 shared tokens (4 full blocks); without, nothing.
     assert "cache on: " in res.stdout and "computed 76/204 prompt tokens, hits 128" in res.stdout
     assert "cache off: " in res.stdout and "computed 204/204 prompt tokens, hits 0" in res.stdout
+
+
+def test_bench_kv_layout_runs_both_layouts_with_the_same_outputs(tiny_models):
+    res = _cli(
+        "bench", "kv-layout", "--model", str(tiny_models["f32"]), "--num-requests", "4",
+        "--prompt-range", "4", "8", "--output-range", "2", "4",
+    )
+    assert res.returncode == 0, res.stderr
+    assert "block: output=" in res.stdout and "slot: output=" in res.stdout, res.stdout
+    assert "blocks = " in res.stdout and "cells = " in res.stdout, res.stdout
+    assert "identical outputs: yes" in res.stdout, res.stdout

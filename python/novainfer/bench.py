@@ -8,6 +8,9 @@
   engines), reporting time, prompt tokens actually computed, and cache hits. The first conversation runs
   alone, the rest together: conversations arrive over time, and requests admitted in the same step cannot
   share blocks that none of them has computed yet.
+- ``kv-layout``: the throughput workload (all at once) on the BLOCK and the SLOT KV layout (two engines, same KV
+  budget), reporting tokens/s, the pool's bytes, the KV watermark (most blocks/cells in use, and their bytes),
+  and whether the two produced the same tokens.
 
 Prompts are fixed pseudo-random token ids (a seeded LCG), so runs are comparable across machines.
 """
@@ -23,7 +26,7 @@ from collections.abc import Callable
 from ._native import SamplingParams
 from .llm import LLM
 
-__all__ = ["add_bench_args", "run_bench", "bench_latency", "bench_throughput", "bench_prefix"]
+__all__ = ["add_bench_args", "run_bench", "bench_latency", "bench_throughput", "bench_prefix", "bench_kv_layout"]
 
 
 def _prompt(n: int, vocab: int, seed: int = 12345) -> list[int]:
@@ -57,15 +60,22 @@ def bench_latency(llm: LLM, prompt_tokens: int, decode_tokens: int) -> tuple[flo
     return prompt_tokens / (first - start), (count - 1) / max(end - first, 1e-9)
 
 
-def bench_throughput(
+def _workload(
     llm: LLM, num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int
-) -> dict[str, float]:
-    """Runs the same workload batched and one by one; returns tokens/s of each."""
+) -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(seed)
     prompts = [_prompt(rng.randint(*prompt_range), _vocab(llm), seed + i) for i in range(num_requests)]
     params = [
         SamplingParams(temperature=0, max_tokens=rng.randint(*output_range), ignore_eos=True) for _ in prompts
     ]
+    return prompts, params
+
+
+def bench_throughput(
+    llm: LLM, num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int
+) -> dict[str, float]:
+    """Runs the same workload batched and one by one; returns tokens/s of each."""
+    prompts, params = _workload(llm, num_requests, prompt_range, output_range, seed)
     out_tokens = sum(p.max_tokens or 0 for p in params)
     all_tokens = out_tokens + sum(len(p) for p in prompts)
     llm.reset_prefix_cache()
@@ -106,9 +116,30 @@ def bench_prefix(llm: LLM, num_requests: int, shared_tokens: int, own_tokens: in
     }
 
 
+def bench_kv_layout(
+    llm: LLM, num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int
+) -> tuple[dict[str, float], list[list[int]]]:
+    """Runs the throughput workload once, all at once, on `llm`; returns tokens/s, the KV pool's bytes and
+    watermark (the engine should be fresh, so the watermark is this workload's), and the output tokens."""
+    prompts, params = _workload(llm, num_requests, prompt_range, output_range, seed)
+    out_tokens = sum(p.max_tokens or 0 for p in params)
+    all_tokens = out_tokens + sum(len(p) for p in prompts)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    s = llm.stats()
+    return {
+        "output_tok_s": out_tokens / seconds,
+        "total_tok_s": all_tokens / seconds,
+        "pool_bytes": s["kv_pool_bytes"],
+        "watermark_blocks": s["kv_watermark_blocks"],
+        "watermark_bytes": s["kv_watermark_blocks"] * s["kv_bytes_per_block"],
+    }, [o.outputs[0].token_ids for o in outputs]
+
+
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """The `novainfer bench` options (the model options are added by the CLI)."""
-    p.add_argument("mode", nargs="?", choices=["latency", "throughput", "prefix"], default="latency")
+    p.add_argument("mode", nargs="?", choices=["latency", "throughput", "prefix", "kv-layout"], default="latency")
     p.add_argument("--prompt-tokens", type=int, default=512, help="latency: prompt length")
     p.add_argument("--decode-tokens", type=int, default=128, help="latency: tokens to decode")
     p.add_argument("--repeat", type=int, default=3, help="latency: runs; the best is reported")
@@ -124,7 +155,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 def run_bench(llm: LLM, args: argparse.Namespace, make_llm: Callable[..., LLM] | None = None) -> int:
     """Runs the benchmark the CLI describes and prints one summary line. `make_llm(**engine_args)` builds
-    the second engine the prefix benchmark needs (caching off)."""
+    the second engine the prefix (caching off) and kv-layout (the other layout) benchmarks need."""
     threads = os.environ.get("RAYON_NUM_THREADS", str(os.cpu_count()))
     head = f"model={llm.model_path.name} threads={threads}"
     if args.mode == "latency":
@@ -148,6 +179,31 @@ def run_bench(llm: LLM, args: argparse.Namespace, make_llm: Callable[..., LLM] |
                 f"{r['prompt_tokens']:.0f} prompt tokens, hits {r['hit_tokens']:.0f}"
             )
         print(f"{head} requests={args.num_requests} shared={args.shared_tokens} own={args.own_tokens} | " + " | ".join(parts))
+        return 0
+    if args.mode == "kv-layout":
+        if make_llm is None:
+            raise ValueError("bench kv-layout needs make_llm to build the second engine")
+        engines = {
+            "block": llm if llm.kv_layout == "block" else make_llm(kv_layout="block"),
+            "slot": llm if llm.kv_layout == "slot" else make_llm(kv_layout="slot"),
+        }
+        parts, tokens = [], []
+        for name, engine in engines.items():
+            r, t = bench_kv_layout(
+                engine, args.num_requests, tuple(args.prompt_range), tuple(args.output_range), args.bench_seed
+            )
+            tokens.append(t)
+            parts.append(
+                f"{name}: output={r['output_tok_s']:.1f} total={r['total_tok_s']:.1f} tok/s, "
+                f"pool={r['pool_bytes'] / 2**20:.0f} MiB, watermark={r['watermark_blocks']:.0f} "
+                f"{'blocks' if name == 'block' else 'cells'} = {r['watermark_bytes'] / 2**20:.2f} MiB"
+            )
+        same = "yes" if tokens[0] == tokens[1] else "NO"
+        print(
+            f"{head} requests={args.num_requests} prompts={args.prompt_range} outputs={args.output_range} | "
+            + " | ".join(parts)
+            + f" | identical outputs: {same}"
+        )
         return 0
     r = bench_throughput(llm, args.num_requests, tuple(args.prompt_range), tuple(args.output_range), args.bench_seed)
     print(

@@ -23,6 +23,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
     p.add_argument("--seed", type=int, default=0, help="seed for requests without their own")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--kv-layout", choices=["block", "slot"], default="block",
+                   help="KV cache layout: paged blocks with prefix caching, or llama.cpp-style cells (CPU)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, *, temperature: float, max_tokens: int) -> None:
@@ -69,6 +71,7 @@ def _llm(args: argparse.Namespace, **extra: object):  # noqa: ANN202 - returns n
         os.environ["RAYON_NUM_THREADS"] = str(args.threads)
     from .llm import LLM
 
+    extra.setdefault("kv_layout", args.kv_layout)
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, **extra)
 
 

@@ -62,6 +62,8 @@ class LLM:
     `block_size` tokens; each step runs at most `max_num_seqs` requests and `max_num_batched_tokens` tokens
     (decodes plus chunks of prompts); with `enable_prefix_caching`, prompts that share a prefix with earlier
     ones reuse its KV instead of recomputing it. A request's output never depends on what else is batched.
+    `kv_layout` is ``"block"`` (the above) or ``"slot"``: llama.cpp-style cells of one token each (CPU only;
+    `block_size` is ignored and there is no prefix caching), giving the same outputs.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
+        kv_layout: str = "block",
     ) -> None:
         for name, value in (
             ("block_size", block_size),
@@ -91,6 +94,9 @@ class LLM:
             raise InvalidParameterError(f"max_model_len must be a positive int, got {max_model_len!r}", "max_model_len")
         if not isinstance(seed, int) or seed < 0:
             raise InvalidParameterError(f"seed must be a non-negative int, got {seed!r}", "seed")
+        if not isinstance(kv_layout, str):
+            raise InvalidParameterError(f'kv_layout must be "block" or "slot", got {kv_layout!r}', "kv_layout")
+        self.kv_layout = kv_layout
         self.model_path = resolve_model(model)
         self._engine = _native.Engine(
             str(self.model_path),
@@ -104,6 +110,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
+            kv_layout=kv_layout,
         )
 
     @property
@@ -113,8 +120,8 @@ class LLM:
 
     def stats(self) -> dict[str, float]:
         """Engine counters: running/waiting requests, preemptions, KV blocks used/free and their high-water
-        mark, prefix-cache queries and hit tokens, prompt tokens computed, tokens generated, steps, and
-        seconds spent stepping."""
+        mark, the pool's size in bytes (`kv_pool_bytes`, `kv_bytes_per_block`), prefix-cache queries and hit
+        tokens, prompt tokens computed, tokens generated, steps, and seconds spent stepping."""
         return self._engine.stats()
 
     def reset_prefix_cache(self) -> bool:

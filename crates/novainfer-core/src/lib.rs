@@ -1,5 +1,6 @@
 //! Pure bookkeeping for NovaInfer: request parameters and outcomes, the paged
-//! KV block pool with its prefix cache, and the continuous-batching scheduler.
+//! KV block pool with its prefix cache, the SLOT layout's cells, and the
+//! continuous-batching scheduler over either layout.
 //!
 //! Nothing here touches a tensor, a thread or a device, so every rule in this
 //! crate is testable in microseconds (see DESIGN.md §2–§3).
@@ -10,17 +11,20 @@ pub mod block_pool;
 pub mod finish;
 pub mod ids;
 pub mod kv_cache_manager;
+pub mod kv_manager;
 pub mod prefix_hash;
 pub mod request;
 pub mod sampling_params;
 pub mod scheduler;
 pub mod slot_cells;
+pub mod slot_kv_manager;
 pub mod slot_mapping;
 
 pub use block_pool::BlockPool;
 pub use finish::FinishReason;
 pub use ids::{BlockId, RequestId};
 pub use kv_cache_manager::{BlockCopy, KvCacheManager, KvCacheStats, NewBlocks, PrefixHit};
+pub use kv_manager::{AnyKv, KvLayout, KvManager};
 pub use prefix_hash::{BlockHash, BlockKey, PrefixIndex};
 pub use request::{Request, RequestStatus};
 pub use sampling_params::{ParamError, SamplingParams, SamplingParamsBuilder, StopCondition};
@@ -29,4 +33,5 @@ pub use scheduler::{
     SchedulerConfigBuilder, SchedulerOutput,
 };
 pub use slot_cells::{CellShift, SeqId, SlotCells, SlotError, SlotStats};
+pub use slot_kv_manager::SlotKvManager;
 pub use slot_mapping::slot_mapping;

@@ -3,12 +3,13 @@
 //! p - 1 (read back through the block table) and token p, so a wrong block, a
 //! stale prefix hit or a bad slot mapping changes the sampled tokens. Outputs must
 //! equal what the same model gives a request run alone with no cache at all.
+//! Every workload runs on the BLOCK layout or the SLOT layout (block size 1).
 
 use std::collections::HashMap;
 
 use novainfer_core::{
-    slot_mapping, BlockId, FinishReason, Request, RequestId, Scheduler, SchedulerConfig,
-    SchedulerOutput,
+    slot_mapping, BlockId, FinishReason, KvLayout, KvManager, Request, RequestId, Scheduler,
+    SchedulerConfig, SchedulerOutput,
 };
 use proptest::prelude::*;
 
@@ -44,6 +45,7 @@ struct Arrival {
 
 #[derive(Debug, Clone)]
 struct Workload {
+    kv_layout: KvLayout,
     block_size: usize,
     num_blocks: usize,
     max_model_len: usize,
@@ -63,10 +65,16 @@ impl Workload {
 }
 
 fn workload() -> impl Strategy<Value = Workload> {
-    (1usize..=16, 4usize..=32)
-        .prop_flat_map(|(block_size, num_blocks)| {
+    // SLOT: one cell per token, so block size 1 and the pool counted in cells.
+    let layout = prop_oneof![
+        (Just(KvLayout::Block), 1usize..=16, 4usize..=32),
+        (Just(KvLayout::Slot), Just(1usize), 4usize..=160),
+    ];
+    layout
+        .prop_flat_map(|(kv_layout, block_size, num_blocks)| {
             let capacity = block_size * num_blocks;
             (
+                Just(kv_layout),
                 Just(block_size),
                 Just(num_blocks),
                 (capacity.min(96) / 2).max(2)..=capacity.min(96),
@@ -79,7 +87,8 @@ fn workload() -> impl Strategy<Value = Workload> {
             )
         })
         .prop_map(
-            |(bs, nb, mml, mnbt, mns, pc, th, prefixes, arrivals)| Workload {
+            |(layout, bs, nb, mml, mnbt, mns, pc, th, prefixes, arrivals)| Workload {
+                kv_layout: layout,
                 block_size: bs,
                 num_blocks: nb,
                 max_model_len: mml,
@@ -149,7 +158,7 @@ struct FakeModel {
 
 impl FakeModel {
     fn execute(&mut self, out: &SchedulerOutput, sched: &Scheduler) -> Vec<(RequestId, Vec<u32>)> {
-        let pool = sched.kv_cache_manager().pool();
+        let kv = sched.kv();
         let mut sampled = Vec::new();
         for s in &out.scheduled {
             let bs = self.block_size;
@@ -167,7 +176,7 @@ impl FakeModel {
                 let pos = s.start_position + i;
                 let block = BlockId((slot / bs) as u32);
                 assert_eq!(
-                    pool.ref_count(block),
+                    kv.ref_count(block),
                     1,
                     "writing into a shared block {block}"
                 );
@@ -183,13 +192,13 @@ impl FakeModel {
 }
 
 fn check_blocks(sched: &Scheduler) {
-    let kv = sched.kv_cache_manager();
-    let pool = kv.pool();
+    let kv = sched.kv();
+    let stats = kv.stats();
     assert_eq!(
-        pool.num_free_blocks() + pool.num_used_blocks(),
-        pool.num_blocks()
+        stats.num_free_blocks + stats.num_used_blocks,
+        stats.num_blocks
     );
-    let mut holders = vec![0u32; pool.num_blocks()];
+    let mut holders = vec![0u32; stats.num_blocks];
     for (id, table) in kv.block_tables() {
         let r = sched.request(id).expect("a table for an unknown request");
         assert!(r.num_computed_tokens <= table.len() * kv.block_size());
@@ -198,12 +207,16 @@ fn check_blocks(sched: &Scheduler) {
         }
     }
     for (b, &n) in holders.iter().enumerate() {
-        assert_eq!(
-            pool.ref_count(BlockId(b as u32)),
-            n,
-            "refcount of block {b}"
-        );
+        assert_eq!(kv.ref_count(BlockId(b as u32)), n, "refcount of block {b}");
     }
+    let Some(block) = kv.as_block() else {
+        // SLOT: no cached cells, so a cell is used iff a table holds it.
+        let used = holders.iter().filter(|&&n| n > 0).count();
+        assert_eq!(used, stats.num_used_blocks, "a used cell no table holds");
+        assert!(holders.iter().all(|&n| n <= 1), "a shared cell");
+        return;
+    };
+    let pool = block.pool();
     let free = pool.free_queue();
     assert_eq!(free.len(), pool.num_free_blocks());
     assert!(free.iter().all(|&b| pool.ref_count(b) == 0));
@@ -211,6 +224,7 @@ fn check_blocks(sched: &Scheduler) {
 
 fn run(w: &Workload) -> Result<(), TestCaseError> {
     let cfg = SchedulerConfig::builder()
+        .kv_layout(w.kv_layout)
         .block_size(w.block_size)
         .num_blocks(w.num_blocks)
         .max_model_len(w.max_model_len)

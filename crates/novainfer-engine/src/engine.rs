@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use novainfer_core::{ParamError, SamplingParams, SchedulerConfig};
+use novainfer_core::{KvLayout, ParamError, SamplingParams, SchedulerConfig};
 use novainfer_model::{DtypeChoice, LoadOptions, PagedKvCache, Qwen2Config, Qwen2Model};
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
@@ -23,8 +23,11 @@ pub struct EngineConfig {
     /// Seeds requests that bring no seed of their own (request `i` gets `seed + i`).
     pub seed: u64,
     pub requantize_q5_0: bool,
-    /// Tokens per KV block.
+    /// Tokens per KV block (BLOCK layout; the SLOT layout always uses 1).
     pub block_size: usize,
+    /// BLOCK (paged blocks, prefix caching) or SLOT (one cell per token, no
+    /// prefix caching; CPU only). Same outputs either way.
+    pub kv_layout: KvLayout,
     /// Memory for the KV cache.
     pub kv_cache: KvBudget,
     pub max_num_seqs: usize,
@@ -88,6 +91,15 @@ fn available_memory() -> Result<usize> {
 }
 
 impl EngineConfig {
+    /// Tokens per pool entry: `block_size`, or 1 for the SLOT layout, whose
+    /// cells are one-token blocks (a table is then the sequence's cells).
+    pub fn effective_block_size(&self) -> usize {
+        match self.kv_layout {
+            KvLayout::Block => self.block_size,
+            KvLayout::Slot => 1,
+        }
+    }
+
     pub fn new(model: impl Into<PathBuf>) -> Self {
         Self {
             model: model.into(),
@@ -96,6 +108,7 @@ impl EngineConfig {
             seed: 0,
             requantize_q5_0: false,
             block_size: 16,
+            kv_layout: KvLayout::Block,
             kv_cache: KvBudget::Bytes(DEFAULT_KV_CACHE_BYTES),
             max_num_seqs: 64,
             max_num_batched_tokens: 2048,
@@ -210,15 +223,17 @@ impl LoadedEngine {
         };
         let model_cfg = loaded.model.config();
         let (num_blocks, max_model_len) = size_kv_cache(cfg, model_cfg)?;
+        let block_size = cfg.effective_block_size();
         let scheduler = SchedulerConfig::builder()
+            .kv_layout(cfg.kv_layout)
             .max_num_batched_tokens(cfg.max_num_batched_tokens)
             .max_num_seqs(cfg.max_num_seqs)
             .max_model_len(max_model_len)
-            .block_size(cfg.block_size)
+            .block_size(block_size)
             .num_blocks(num_blocks)
             .enable_prefix_caching(cfg.enable_prefix_caching)
             .build()?;
-        let kv = PagedKvCache::new(model_cfg, num_blocks, cfg.block_size);
+        let kv = PagedKvCache::new(model_cfg, num_blocks, block_size);
         let frontend = Frontend {
             tokenizer: Arc::new(tokenizer),
             chat_template,
@@ -242,10 +257,11 @@ fn size_kv_cache(cfg: &EngineConfig, model: &Qwen2Config) -> Result<(usize, usiz
     if cfg.block_size == 0 {
         return Err(ParamError::new("block_size", "must be >= 1, got 0").into());
     }
-    let per_block = PagedKvCache::bytes_per_block(model, cfg.block_size);
+    let block_size = cfg.effective_block_size();
+    let per_block = PagedKvCache::bytes_per_block(model, block_size);
     let budget = cfg.kv_cache.bytes()?;
     let num_blocks = budget / per_block;
-    let capacity = num_blocks * cfg.block_size;
+    let capacity = num_blocks * block_size;
     let model_max = model.max_position_embeddings;
     let max_model_len = match cfg.max_model_len {
         Some(n) if n < 2 => {
@@ -264,7 +280,7 @@ fn size_kv_cache(cfg: &EngineConfig, model: &Qwen2Config) -> Result<(usize, usiz
                 format!(
                     "a KV cache of {} bytes holds {capacity} tokens ({num_blocks} blocks of {}), \
                      less than max_model_len {n}; raise the budget or lower max_model_len",
-                    budget, cfg.block_size
+                    budget, block_size
                 ),
             )
             .into())

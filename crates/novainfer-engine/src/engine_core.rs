@@ -37,6 +37,9 @@ pub struct EngineStats {
     pub num_waiting: usize,
     pub num_preemptions: u64,
     pub kv: KvCacheStats,
+    /// Bytes of the KV pool, and of one of its blocks (cells in the SLOT layout).
+    pub kv_pool_bytes: usize,
+    pub kv_bytes_per_block: usize,
     pub num_prompt_tokens_computed: u64,
     pub num_generated_tokens: u64,
     pub num_steps: u64,
@@ -55,13 +58,19 @@ pub struct EngineCore {
 
 impl EngineCore {
     pub fn new(loaded: LoadedEngine) -> Self {
+        let runner = ModelRunner::new(loaded.model, loaded.kv);
+        let stats = EngineStats {
+            kv_pool_bytes: runner.kv_pool_bytes(),
+            kv_bytes_per_block: runner.kv_bytes_per_block(),
+            ..EngineStats::default()
+        };
         Self {
-            runner: ModelRunner::new(loaded.model, loaded.kv),
+            runner,
             scheduler: Scheduler::new(loaded.scheduler),
             frontend: loaded.frontend,
             active: HashMap::new(),
             seed: loaded.seed,
-            stats: EngineStats::default(),
+            stats,
         }
     }
 

@@ -21,6 +21,16 @@ impl ModelRunner {
         &self.model
     }
 
+    /// Bytes of one pool entry (a block, or a cell in the SLOT layout).
+    pub fn kv_bytes_per_block(&self) -> usize {
+        PagedKvCache::bytes_per_block(self.model.config(), self.kv.block_size())
+    }
+
+    /// Bytes of the whole KV pool.
+    pub fn kv_pool_bytes(&self) -> usize {
+        self.kv.num_blocks() * self.kv_bytes_per_block()
+    }
+
     /// Runs every scheduled chunk in one forward pass; returns logits `[rows, vocab]`,
     /// one row per request with `sample`, in `out.scheduled` order.
     pub fn execute(&mut self, out: &SchedulerOutput) -> Result<Vec<f32>> {

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
+use novainfer_core::KvLayout;
 use novainfer_engine::{
     ChatMessage, Delta, EngineConfig, EngineHandle, KvBudget, Prompt, RequestOutput, RequestStream,
     TokenLogprob, DEFAULT_KV_CACHE_BYTES,
@@ -15,7 +16,7 @@ use novainfer_model::DtypeChoice;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::errors::{engine_error, invalid};
+use crate::errors::{engine_error, invalid, param_error};
 use crate::sampling_params::PySamplingParams;
 
 /// Per generated token: the chosen token's and the top alternatives' logprobs.
@@ -54,7 +55,7 @@ impl PyEngine {
     #[new]
     #[pyo3(signature = (model, *, dtype="auto", max_model_len=None, seed=0, requantize_q5_0=false,
         block_size=16, kv_cache_bytes=None, kv_cache_fraction=None, max_num_seqs=64,
-        max_num_batched_tokens=2048, enable_prefix_caching=true))]
+        max_num_batched_tokens=2048, enable_prefix_caching=true, kv_layout="block"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -69,7 +70,9 @@ impl PyEngine {
         max_num_seqs: usize,
         max_num_batched_tokens: usize,
         enable_prefix_caching: bool,
+        kv_layout: &str,
     ) -> PyResult<Self> {
+        let kv_layout: KvLayout = kv_layout.parse().map_err(param_error)?;
         let dtype = DtypeChoice::parse(dtype).map_err(|_| {
             invalid(
                 "dtype",
@@ -83,6 +86,7 @@ impl PyEngine {
             seed,
             requantize_q5_0,
             block_size,
+            kv_layout,
             kv_cache: match (kv_cache_bytes, kv_cache_fraction) {
                 (Some(_), Some(_)) => {
                     return Err(invalid(
@@ -117,6 +121,8 @@ impl PyEngine {
             ("kv_free_blocks", kv.num_free_blocks as f64),
             ("kv_watermark_blocks", kv.watermark_blocks as f64),
             ("kv_cached_blocks", kv.num_cached_blocks as f64),
+            ("kv_pool_bytes", s.kv_pool_bytes as f64),
+            ("kv_bytes_per_block", s.kv_bytes_per_block as f64),
             ("prefix_cache_queries", kv.num_queries as f64),
             ("prefix_cache_query_tokens", kv.num_query_tokens as f64),
             ("prefix_cache_hit_tokens", kv.num_hit_tokens as f64),

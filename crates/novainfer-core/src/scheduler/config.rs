@@ -4,6 +4,7 @@
 //! tokens must fit the pool on its own. That is what guarantees progress: the
 //! oldest running request can always preempt everyone else and still grow.
 
+use crate::kv_manager::KvLayout;
 use crate::sampling_params::ParamError;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -15,6 +16,7 @@ pub struct SchedulerConfig {
     num_blocks: usize,
     enable_prefix_caching: bool,
     long_prefill_token_threshold: Option<usize>,
+    kv_layout: KvLayout,
 }
 
 impl SchedulerConfig {
@@ -46,6 +48,10 @@ impl SchedulerConfig {
     pub fn long_prefill_token_threshold(&self) -> Option<usize> {
         self.long_prefill_token_threshold
     }
+    /// BLOCK (blocks of `block_size`) or SLOT (cells: `block_size` is 1).
+    pub fn kv_layout(&self) -> KvLayout {
+        self.kv_layout
+    }
 }
 
 /// Raw values with vLLM-like defaults; [`build`](Self::build) checks them.
@@ -58,6 +64,7 @@ pub struct SchedulerConfigBuilder {
     num_blocks: usize,
     enable_prefix_caching: bool,
     long_prefill_token_threshold: Option<usize>,
+    kv_layout: KvLayout,
 }
 
 impl Default for SchedulerConfigBuilder {
@@ -70,6 +77,7 @@ impl Default for SchedulerConfigBuilder {
             num_blocks: 1024,
             enable_prefix_caching: true,
             long_prefill_token_threshold: None,
+            kv_layout: KvLayout::Block,
         }
     }
 }
@@ -91,6 +99,7 @@ impl SchedulerConfigBuilder {
     setter!(num_blocks: usize);
     setter!(enable_prefix_caching: bool);
     setter!(long_prefill_token_threshold: Option<usize>);
+    setter!(kv_layout: KvLayout);
 
     pub fn build(self) -> Result<SchedulerConfig, ParamError> {
         let at_least = |param: &'static str, value: usize, min: usize| {
@@ -118,6 +127,15 @@ impl SchedulerConfigBuilder {
                 format!("must be < {}, got {}", u32::MAX, self.num_blocks),
             ));
         }
+        if self.kv_layout == KvLayout::Slot && self.block_size != 1 {
+            return Err(ParamError::new(
+                "block_size",
+                format!(
+                    "kv_layout=slot stores one token per cell: block_size must be 1, got {}",
+                    self.block_size
+                ),
+            ));
+        }
         let needed = self.max_model_len.div_ceil(self.block_size);
         if self.num_blocks < needed {
             return Err(ParamError::new(
@@ -136,6 +154,7 @@ impl SchedulerConfigBuilder {
             num_blocks: self.num_blocks,
             enable_prefix_caching: self.enable_prefix_caching,
             long_prefill_token_threshold: self.long_prefill_token_threshold,
+            kv_layout: self.kv_layout,
         })
     }
 }
@@ -167,6 +186,13 @@ mod tests {
             .unwrap_err();
         assert_eq!(err.param, "num_blocks");
         assert!(err.to_string().contains("needs 7 blocks"), "{err}");
+        assert_eq!(param(b().kv_layout(KvLayout::Slot)), "block_size");
+        assert!(b()
+            .kv_layout(KvLayout::Slot)
+            .block_size(1)
+            .num_blocks(4096)
+            .build()
+            .is_ok());
         assert!(b()
             .max_model_len(96)
             .block_size(16)

@@ -12,6 +12,11 @@
 //! Progress: `SchedulerConfig` guarantees one `max_model_len` request fits the pool
 //! alone, so the oldest running request can always grow.
 //!
+//! KV layouts: the scheduler talks to its KV through [`KvManager`]; the config's
+//! `kv_layout` picks BLOCK ([`KvCacheManager`], prefix caching) or SLOT
+//! ([`SlotKvManager`](crate::slot_kv_manager::SlotKvManager), one cell per token).
+//! Everything above is layout-blind.
+//!
 //! Protocol: call [`Scheduler::schedule`], run the model, then [`Scheduler::update`]
 //! with that output before the next `schedule`: counters advance in `update`.
 
@@ -26,12 +31,14 @@ pub use output::{FinishedRequest, RequestUpdate, ScheduledRequest, SchedulerOutp
 use crate::finish::FinishReason;
 use crate::ids::RequestId;
 use crate::kv_cache_manager::{KvCacheManager, KvCacheStats, PrefixHit};
+use crate::kv_manager::{AnyKv, KvLayout, KvManager};
 use crate::request::{Request, RequestStatus};
+use crate::slot_kv_manager::SlotKvManager;
 
 #[derive(Debug, Clone)]
 pub struct Scheduler {
     config: SchedulerConfig,
-    kv: KvCacheManager,
+    kv: AnyKv,
     requests: HashMap<RequestId, Request>,
     waiting: VecDeque<RequestId>,
     running: Vec<RequestId>,
@@ -42,11 +49,18 @@ pub struct Scheduler {
 
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Self {
-        let kv = KvCacheManager::new(
-            config.num_blocks(),
-            config.block_size(),
-            config.enable_prefix_caching(),
-        );
+        let kv = match config.kv_layout() {
+            KvLayout::Block => AnyKv::Block(KvCacheManager::new(
+                config.num_blocks(),
+                config.block_size(),
+                config.enable_prefix_caching(),
+            )),
+            // At most `max_num_seqs` requests run, and only running ones hold KV.
+            KvLayout::Slot => AnyKv::Slot(SlotKvManager::new(
+                config.num_blocks(),
+                config.max_num_seqs(),
+            )),
+        };
         Self {
             config,
             kv,
@@ -62,7 +76,8 @@ impl Scheduler {
     pub fn config(&self) -> &SchedulerConfig {
         &self.config
     }
-    pub fn kv_cache_manager(&self) -> &KvCacheManager {
+    /// The KV bookkeeping of the configured layout.
+    pub fn kv(&self) -> &AnyKv {
         &self.kv
     }
     pub fn kv_stats(&self) -> KvCacheStats {
