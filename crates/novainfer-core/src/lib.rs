@@ -8,6 +8,7 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod block_pool;
+mod builder;
 pub mod finish;
 pub mod ids;
 pub mod kv_cache_manager;

@@ -7,6 +7,8 @@
 
 use thiserror::Error;
 
+use crate::builder::setter;
+
 /// A rejected parameter: which one, and why.
 #[derive(Debug, Clone, PartialEq, Error)]
 #[error("invalid {param}: {reason}")]
@@ -161,16 +163,6 @@ impl Default for SamplingParamsBuilder {
             logprobs: None,
         }
     }
-}
-
-macro_rules! setter {
-    ($(#[$doc:meta])* $name:ident: $ty:ty) => {
-        $(#[$doc])*
-        pub fn $name(mut self, value: $ty) -> Self {
-            self.$name = value;
-            self
-        }
-    };
 }
 
 impl SamplingParamsBuilder {

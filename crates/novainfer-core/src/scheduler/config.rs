@@ -4,6 +4,7 @@
 //! tokens must fit the pool on its own. That is what guarantees progress: the
 //! oldest running request can always preempt everyone else and still grow.
 
+use crate::builder::setter;
 use crate::kv_manager::KvLayout;
 use crate::sampling_params::ParamError;
 
@@ -80,15 +81,6 @@ impl Default for SchedulerConfigBuilder {
             kv_layout: KvLayout::Block,
         }
     }
-}
-
-macro_rules! setter {
-    ($name:ident: $ty:ty) => {
-        pub fn $name(mut self, value: $ty) -> Self {
-            self.$name = value;
-            self
-        }
-    };
 }
 
 impl SchedulerConfigBuilder {
