@@ -113,56 +113,18 @@ impl AnyKv {
             AnyKv::Slot(kv) => Some(kv),
         }
     }
-    fn inner(&self) -> &dyn KvManager {
+    /// The active layout, through the trait the scheduler programs against.
+    pub fn as_dyn(&self) -> &dyn KvManager {
         match self {
             AnyKv::Block(kv) => kv,
             AnyKv::Slot(kv) => kv,
         }
     }
-    fn inner_mut(&mut self) -> &mut dyn KvManager {
+    pub fn as_dyn_mut(&mut self) -> &mut dyn KvManager {
         match self {
             AnyKv::Block(kv) => kv,
             AnyKv::Slot(kv) => kv,
         }
-    }
-}
-
-impl KvManager for AnyKv {
-    fn block_size(&self) -> usize {
-        self.inner().block_size()
-    }
-    fn lookup_prefix(&self, request: &Request) -> PrefixHit {
-        self.inner().lookup_prefix(request)
-    }
-    fn allocate_slots(
-        &mut self,
-        request: &Request,
-        num_new_tokens: usize,
-        prefix_hit: &PrefixHit,
-    ) -> Option<NewBlocks> {
-        self.inner_mut()
-            .allocate_slots(request, num_new_tokens, prefix_hit)
-    }
-    fn cache_full_blocks(&mut self, request: &Request) {
-        self.inner_mut().cache_full_blocks(request)
-    }
-    fn free(&mut self, request_id: RequestId) -> bool {
-        self.inner_mut().free(request_id)
-    }
-    fn block_table(&self, request_id: RequestId) -> &[BlockId] {
-        self.inner().block_table(request_id)
-    }
-    fn block_tables(&self) -> Vec<(RequestId, &[BlockId])> {
-        self.inner().block_tables()
-    }
-    fn ref_count(&self, block: BlockId) -> u32 {
-        self.inner().ref_count(block)
-    }
-    fn stats(&self) -> KvCacheStats {
-        self.inner().stats()
-    }
-    fn reset_prefix_cache(&mut self) -> bool {
-        self.inner_mut().reset_prefix_cache()
     }
 }
 

@@ -8,8 +8,8 @@
 use std::collections::HashMap;
 
 use novainfer_core::{
-    slot_mapping, BlockId, FinishReason, KvLayout, KvManager, Request, RequestId, Scheduler,
-    SchedulerConfig, SchedulerOutput,
+    slot_mapping, BlockId, FinishReason, KvLayout, Request, RequestId, Scheduler, SchedulerConfig,
+    SchedulerOutput,
 };
 use proptest::prelude::*;
 
@@ -158,7 +158,7 @@ struct FakeModel {
 
 impl FakeModel {
     fn execute(&mut self, out: &SchedulerOutput, sched: &Scheduler) -> Vec<(RequestId, Vec<u32>)> {
-        let kv = sched.kv();
+        let kv = sched.kv().as_dyn();
         let mut sampled = Vec::new();
         for s in &out.scheduled {
             let bs = self.block_size;
@@ -192,7 +192,8 @@ impl FakeModel {
 }
 
 fn check_blocks(sched: &Scheduler) {
-    let kv = sched.kv();
+    let layouts = sched.kv();
+    let kv = layouts.as_dyn();
     let stats = kv.stats();
     assert_eq!(
         stats.num_free_blocks + stats.num_used_blocks,
@@ -209,7 +210,7 @@ fn check_blocks(sched: &Scheduler) {
     for (b, &n) in holders.iter().enumerate() {
         assert_eq!(kv.ref_count(BlockId(b as u32)), n, "refcount of block {b}");
     }
-    let Some(block) = kv.as_block() else {
+    let Some(block) = layouts.as_block() else {
         // SLOT: no cached cells, so a cell is used iff a table holds it.
         let used = holders.iter().filter(|&&n| n > 0).count();
         assert_eq!(used, stats.num_used_blocks, "a used cell no table holds");

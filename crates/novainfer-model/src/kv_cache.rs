@@ -50,9 +50,4 @@ impl SequenceKvCache {
     pub(crate) fn advance(&mut self, rows: usize) {
         self.len += rows;
     }
-
-    /// Forgets everything from `len` on (e.g. to re-run a prompt suffix).
-    pub fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
-    }
 }

@@ -31,7 +31,7 @@ pub use output::{FinishedRequest, RequestUpdate, ScheduledRequest, SchedulerOutp
 use crate::finish::FinishReason;
 use crate::ids::RequestId;
 use crate::kv_cache_manager::{KvCacheManager, KvCacheStats, PrefixHit};
-use crate::kv_manager::{AnyKv, KvLayout, KvManager};
+use crate::kv_manager::{AnyKv, KvLayout};
 use crate::request::{Request, RequestStatus};
 use crate::slot_kv_manager::SlotKvManager;
 
@@ -81,7 +81,7 @@ impl Scheduler {
         &self.kv
     }
     pub fn kv_stats(&self) -> KvCacheStats {
-        self.kv.stats()
+        self.kv.as_dyn().stats()
     }
     /// An unfinished request (finished ones are handed back and forgotten).
     pub fn request(&self, id: RequestId) -> Option<&Request> {
@@ -110,7 +110,7 @@ impl Scheduler {
     }
     /// Forgets every cached prefix; refused (false) while any block is in use.
     pub fn reset_prefix_cache(&mut self) -> bool {
-        self.kv.reset_prefix_cache()
+        self.kv.as_dyn_mut().reset_prefix_cache()
     }
 
     /// Queues a new request, or finishes it as `Ignored` (reported by the next
@@ -152,7 +152,7 @@ impl Scheduler {
         } else if let Some(i) = self.waiting.iter().position(|&r| r == id) {
             self.waiting.remove(i);
         }
-        self.kv.free(id);
+        self.kv.as_dyn_mut().free(id);
         request.finish(reason);
         self.finished_since_last_step.push(FinishedRequest {
             request_id: id,
@@ -218,7 +218,7 @@ impl Scheduler {
                 }
             }
             // Publish before a finish frees the blocks: the prefix stays reusable.
-            self.kv.cache_full_blocks(request);
+            self.kv.as_dyn_mut().cache_full_blocks(request);
             if let Some(reason) = update.finish_reason {
                 self.finish_request(s.request_id, reason);
             }
@@ -251,9 +251,14 @@ impl Scheduler {
                 break;
             }
             let request = &self.requests[&id];
-            let hit = self.kv.lookup_prefix(request);
+            let hit = self.kv.as_dyn().lookup_prefix(request);
             let num_new = self.chunk_len(request.num_tokens() - hit.num_tokens, *budget);
-            if self.kv.allocate_slots(request, num_new, &hit).is_none() {
+            if self
+                .kv
+                .as_dyn_mut()
+                .allocate_slots(request, num_new, &hit)
+                .is_none()
+            {
                 break; // FCFS: later requests do not overtake this one
             }
             self.waiting.pop_front();
@@ -284,6 +289,7 @@ impl Scheduler {
         loop {
             if self
                 .kv
+                .as_dyn_mut()
                 .allocate_slots(&self.requests[&id], num_new, &PrefixHit::none())
                 .is_some()
             {
@@ -302,7 +308,7 @@ impl Scheduler {
     }
 
     fn preempt(&mut self, id: RequestId) {
-        self.kv.free(id);
+        self.kv.as_dyn_mut().free(id);
         self.requests
             .get_mut(&id)
             .expect("preempting an unknown request: this is a bug")
@@ -332,7 +338,7 @@ impl Scheduler {
             request_id: id,
             token_ids: request.token_ids(start..start + num_new),
             start_position: start,
-            block_table: self.kv.block_table(id).to_vec(),
+            block_table: self.kv.as_dyn().block_table(id).to_vec(),
             sample: start + num_new == request.num_tokens(),
             is_resumed_from_preemption: resumed,
         });
