@@ -28,7 +28,9 @@ pub use kv_cache_manager::{BlockCopy, KvCacheManager, KvCacheStats, NewBlocks, P
 pub use kv_manager::{AnyKv, KvLayout, KvManager};
 pub use prefix_hash::{BlockHash, BlockKey, PrefixIndex};
 pub use request::{Request, RequestStatus};
-pub use sampling_params::{ParamError, SamplingParams, SamplingParamsBuilder, StopCondition};
+pub use sampling_params::{
+    ParamError, SamplingParams, SamplingParamsBuilder, StopCondition, MAX_LOGPROBS, MAX_N,
+};
 pub use scheduler::{
     FinishedRequest, RequestUpdate, ScheduledRequest, Scheduler, SchedulerConfig,
     SchedulerConfigBuilder, SchedulerOutput,

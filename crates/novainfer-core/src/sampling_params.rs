@@ -56,7 +56,11 @@ pub struct SamplingParams {
     max_tokens: Option<usize>,
     stop: StopCondition,
     logprobs: Option<usize>,
+    n: usize,
 }
+
+/// The most completions one request may ask for: each is a sequence in the batch.
+pub const MAX_N: usize = 128;
 
 /// The most top-n logprobs a request may ask for; it bounds per-token work.
 pub const MAX_LOGPROBS: usize = 20;
@@ -116,6 +120,10 @@ impl SamplingParams {
     pub fn logprobs(&self) -> Option<usize> {
         self.logprobs
     }
+    /// Completions to generate from the one prompt (they share its KV blocks).
+    pub fn n(&self) -> usize {
+        self.n
+    }
 }
 
 impl Default for SamplingParams {
@@ -142,6 +150,7 @@ pub struct SamplingParamsBuilder {
     stop_token_ids: Vec<u32>,
     ignore_eos: bool,
     logprobs: Option<i64>,
+    n: i64,
 }
 
 impl Default for SamplingParamsBuilder {
@@ -161,6 +170,7 @@ impl Default for SamplingParamsBuilder {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            n: 1,
         }
     }
 }
@@ -185,6 +195,7 @@ impl SamplingParamsBuilder {
     setter!(stop_token_ids: Vec<u32>);
     setter!(ignore_eos: bool);
     setter!(logprobs: Option<i64>);
+    setter!(n: i64);
 
     pub fn build(self) -> Result<SamplingParams, ParamError> {
         let finite = |param: &'static str, v: f32| {
@@ -275,6 +286,12 @@ impl SamplingParamsBuilder {
                 ))
             }
         };
+        if !(1..=MAX_N as i64).contains(&self.n) {
+            return Err(ParamError::new(
+                "n",
+                format!("must be in [1, {MAX_N}], got {}", self.n),
+            ));
+        }
         Ok(SamplingParams {
             temperature,
             top_k,
@@ -291,6 +308,7 @@ impl SamplingParamsBuilder {
                 ignore_eos: self.ignore_eos,
             },
             logprobs,
+            n: self.n as usize,
         })
     }
 }
@@ -337,6 +355,8 @@ mod tests {
         assert_eq!(rejected(b().max_tokens(Some(0))).param, "max_tokens");
         assert_eq!(rejected(b().stop(vec![String::new()])).param, "stop");
         assert_eq!(rejected(b().logprobs(Some(21))).param, "logprobs");
+        assert_eq!(rejected(b().n(0)).param, "n");
+        assert_eq!(rejected(b().n(MAX_N as i64 + 1)).param, "n");
         let msg = rejected(b().top_p(1.5)).to_string();
         assert!(
             msg.contains("top_p") && msg.contains("(0, 1]") && msg.contains("1.5"),

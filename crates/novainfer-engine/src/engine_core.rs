@@ -246,6 +246,19 @@ impl EngineCore {
         }
     }
 
+    /// Unit-length embedding of a prompt (last token's final hidden state), computed
+    /// apart from the paged pool. The prompt must fit `max_model_len`.
+    pub fn embed(&self, prompt_ids: &[u32]) -> Result<Vec<f32>> {
+        let max_model_len = self.frontend.max_model_len();
+        if prompt_ids.len() > max_model_len {
+            return Err(EngineError::InputTooLong {
+                input_tokens: prompt_ids.len(),
+                max_model_len,
+            });
+        }
+        Ok(self.runner.model().embed(prompt_ids)?)
+    }
+
     /// Next-token logits at every prompt position, computed apart from the paged pool
     /// (for checking the model against a reference): one prefill, or token by token.
     pub fn prompt_logits(&self, prompt_ids: &[u32], step_by_step: bool) -> Result<Vec<f32>> {

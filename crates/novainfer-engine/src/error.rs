@@ -27,6 +27,11 @@ pub enum EngineError {
         max_tokens: usize,
         max_model_len: usize,
     },
+    #[error("input of {input_tokens} tokens exceeds max_model_len ({max_model_len})")]
+    InputTooLong {
+        input_tokens: usize,
+        max_model_len: usize,
+    },
     #[error("the prompt is empty: at least one token is needed")]
     EmptyPrompt,
     #[error(
@@ -50,6 +55,7 @@ impl EngineError {
             EngineError::InvalidParameter(e) => Some(e.param),
             EngineError::PromptTooLong { .. } => Some("max_tokens"),
             EngineError::EmptyPrompt
+            | EngineError::InputTooLong { .. }
             | EngineError::PromptTokenOutOfRange { .. }
             | EngineError::Ignored { .. } => Some("prompt"),
             EngineError::Model(ModelError::InvalidDtype(_)) => Some("dtype"),

@@ -31,6 +31,10 @@ enum Command {
         step_by_step: bool,
         reply: mpsc::Sender<Result<Vec<f32>>>,
     },
+    Embed {
+        prompt_ids: Vec<u32>,
+        reply: mpsc::Sender<Result<Vec<f32>>>,
+    },
     Stats(mpsc::Sender<EngineStats>),
     ResetPrefixCache(mpsc::Sender<bool>),
 }
@@ -104,6 +108,13 @@ impl EngineHandle {
         rx.recv().map_err(|_| EngineError::EngineStopped)?
     }
 
+    /// The prompt's embedding: see [`EngineCore::embed`].
+    pub fn embed(&self, prompt_ids: Vec<u32>) -> Result<Vec<f32>> {
+        let (reply, rx) = mpsc::channel();
+        self.send(Command::Embed { prompt_ids, reply })?;
+        rx.recv().map_err(|_| EngineError::EngineStopped)?
+    }
+
     pub fn stats(&self) -> Result<EngineStats> {
         let (reply, rx) = mpsc::channel();
         self.send(Command::Stats(reply))?;
@@ -167,6 +178,9 @@ fn handle(core: &mut EngineCore, command: Command) {
             reply,
         } => {
             let _ = reply.send(core.prompt_logits(&prompt_ids, step_by_step));
+        }
+        Command::Embed { prompt_ids, reply } => {
+            let _ = reply.send(core.embed(&prompt_ids));
         }
         Command::Stats(reply) => {
             let _ = reply.send(core.stats());

@@ -21,6 +21,8 @@ pub struct TokenLogprob {
 /// What one step added to a request's output.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Delta {
+    /// Which of the request's `n` completions this delta extends (0 when `n == 1`).
+    pub index: usize,
     /// New text, safe to display: whole UTF-8 characters, no part of a stop string.
     pub text: String,
     pub token_ids: Vec<u32>,

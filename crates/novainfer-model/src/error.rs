@@ -47,6 +47,8 @@ pub enum ModelError {
     InvalidDtype(String),
     #[error("sequence of {needed} tokens exceeds the KV cache capacity of {capacity} tokens")]
     ContextOverflow { needed: usize, capacity: usize },
+    #[error("cannot embed an empty input")]
+    EmptyInput,
     #[error("token id {id} is out of range for a vocabulary of {vocab_size}")]
     TokenOutOfRange { id: u32, vocab_size: usize },
     #[error("tensor computation failed: {0}")]

@@ -233,6 +233,57 @@ impl Qwen2Model {
         if let Some(&id) = batch.token_ids.iter().find(|&&t| t as usize >= vocab_size) {
             return Err(ModelError::TokenOutOfRange { id, vocab_size });
         }
+        let hidden = self.run_layers(batch, kv)?;
+        let h = self.cfg.hidden_size;
+        let selected: Vec<f32> = match which {
+            LogitsFor::AllTokens => hidden,
+            LogitsFor::LastToken => batch
+                .logits_indices()
+                .iter()
+                .flat_map(|&r| hidden[r * h..(r + 1) * h].iter().copied())
+                .collect(),
+        };
+        let normed = rms_norm(&selected, &self.norm, self.cfg.rms_norm_eps);
+        self.lm_head.forward(&normed, selected.len() / h)
+    }
+
+    /// Embedding of a whole text: the final (normed) hidden state of its last token,
+    /// scaled to unit L2 norm. A causal model's last position is the only one that has
+    /// seen every token, which is why decoder embedders (gte-Qwen2, vLLM's default for
+    /// decoder models) pool there rather than averaging.
+    pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(ModelError::EmptyInput);
+        }
+        let mut cache = self.new_cache(tokens.len());
+        let mut batch = ForwardBatch::default();
+        batch.push(tokens, 0, (0..tokens.len()).collect(), vec![0], true);
+        let vocab_size = self.cfg.vocab_size;
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab_size) {
+            return Err(ModelError::TokenOutOfRange { id, vocab_size });
+        }
+        let hidden = self.run_layers(&batch, &mut cache.pool)?;
+        let h = self.cfg.hidden_size;
+        let mut v = rms_norm(
+            &hidden[hidden.len() - h..],
+            &self.norm,
+            self.cfg.rms_norm_eps,
+        );
+        let norm = v
+            .iter()
+            .map(|x| f64::from(*x) * f64::from(*x))
+            .sum::<f64>()
+            .sqrt();
+        if norm > 0.0 {
+            v.iter_mut()
+                .for_each(|x| *x = (f64::from(*x) / norm) as f32);
+        }
+        Ok(v)
+    }
+
+    /// Embeds `batch`, writes its K/V and runs every decoder layer; returns the
+    /// residual stream `[tokens, hidden]` before the final norm.
+    fn run_layers(&self, batch: &ForwardBatch, kv: &mut PagedKvCache) -> Result<Vec<f32>> {
         batch.validate(kv.block_size())?;
         kv.check_slots(&batch.slot_mapping)?;
         let rows: Vec<QueryRow> = batch
@@ -245,17 +296,7 @@ impl Qwen2Model {
         for (i, layer) in self.layers.iter().enumerate() {
             self.block(i, layer, &mut hidden, batch, &rows, kv)?;
         }
-        let h = self.cfg.hidden_size;
-        let selected: Vec<f32> = match which {
-            LogitsFor::AllTokens => hidden,
-            LogitsFor::LastToken => batch
-                .logits_indices()
-                .iter()
-                .flat_map(|&r| hidden[r * h..(r + 1) * h].iter().copied())
-                .collect(),
-        };
-        let normed = rms_norm(&selected, &self.norm, self.cfg.rms_norm_eps);
-        self.lm_head.forward(&normed, selected.len() / h)
+        Ok(hidden)
     }
 
     fn block(

@@ -277,3 +277,39 @@ fn a_batch_beyond_its_block_table_is_an_error_not_a_panic() {
         .forward_batch(&batch, &mut kv, LogitsFor::LastToken)
         .is_err());
 }
+
+#[test]
+fn embedding_is_the_unit_final_hidden_state_of_the_last_token() {
+    let cfg = config(true);
+    let w = weights(&cfg);
+    let table: Vec<f32> = w["model.embed_tokens.weight"]
+        .flatten_all()
+        .and_then(|t| t.to_vec1())
+        .expect("embedding table");
+    let model = build(cfg.clone(), w).expect("valid tiny model");
+    let tokens = [3u32, 17, 42, 8];
+    let e = model.embed(&tokens).expect("embed");
+    assert_eq!(e.len(), cfg.hidden_size);
+    let norm: f32 = e.iter().map(|x| x * x).sum::<f32>().sqrt();
+    assert!((norm - 1.0).abs() < 1e-5, "norm {norm}");
+    // With tied weights the logits are table · (final normed hidden state), so they
+    // must be a positive multiple of table · embedding.
+    let logits = model
+        .forward(&tokens, &mut model.new_cache(8), LogitsFor::LastToken)
+        .expect("forward");
+    let projected: Vec<f32> = table
+        .chunks_exact(cfg.hidden_size)
+        .map(|row| row.iter().zip(&e).map(|(a, b)| a * b).sum())
+        .collect();
+    let scale = logits
+        .iter()
+        .zip(&projected)
+        .map(|(a, b)| a * b)
+        .sum::<f32>()
+        / projected.iter().map(|b| b * b).sum::<f32>();
+    assert!(scale > 0.0);
+    for (l, p) in logits.iter().zip(&projected) {
+        assert!((l - scale * p).abs() < 1e-4, "{l} vs {}", scale * p);
+    }
+    assert!(matches!(model.embed(&[]), Err(ModelError::EmptyInput)));
+}

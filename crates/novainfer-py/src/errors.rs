@@ -46,10 +46,14 @@ pub fn engine_error(e: EngineError) -> PyErr {
         | EngineError::EmptyPrompt
         | EngineError::PromptTokenOutOfRange { .. }
         | EngineError::Ignored { .. } => "InvalidParameterError",
-        EngineError::PromptTooLong { .. } => "PromptTooLongError",
+        EngineError::PromptTooLong { .. } | EngineError::InputTooLong { .. } => {
+            "PromptTooLongError"
+        }
         EngineError::Model(ModelError::NotFound(_)) => "ModelNotFoundError",
         EngineError::Model(ModelError::InvalidDtype(_)) => "InvalidParameterError",
-        EngineError::Model(ModelError::Compute(_) | ModelError::ContextOverflow { .. })
+        EngineError::Model(
+            ModelError::Compute(_) | ModelError::ContextOverflow { .. } | ModelError::EmptyInput,
+        )
         | EngineError::Model(ModelError::TokenOutOfRange { .. }) => "EngineError",
         EngineError::Model(_) => "ModelLoadError",
         EngineError::Tokenizer(TokenizerError::Io { source, .. })
