@@ -203,6 +203,30 @@ impl RequestStream {
     pub fn id(&self) -> RequestId {
         self.id
     }
+
+    /// A handle that aborts this request from another thread, e.g. while this
+    /// stream's owner is blocked waiting for a delta of a request still queued.
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle {
+            id: self.id,
+            commands: self.commands.clone(),
+        }
+    }
+}
+
+/// Aborts one request; cheap to clone and send between threads.
+#[derive(Clone)]
+pub struct AbortHandle {
+    id: RequestId,
+    commands: mpsc::Sender<Command>,
+}
+
+impl AbortHandle {
+    /// Finishes the request with `abort` and frees its KV blocks at the next step;
+    /// a no-op once it has finished.
+    pub fn abort(&self) {
+        let _ = self.commands.send(Command::Abort(self.id));
+    }
 }
 
 impl Iterator for RequestStream {

@@ -19,5 +19,5 @@ pub use chat_template::ChatMessage;
 pub use engine::{EngineConfig, Frontend, KvBudget, LoadedEngine, DEFAULT_KV_CACHE_BYTES};
 pub use engine_core::{EngineCore, EngineStats};
 pub use error::{EngineError, Result};
-pub use handle::{EngineHandle, RequestStream};
+pub use handle::{AbortHandle, EngineHandle, RequestStream};
 pub use request::{Delta, Prompt, RequestOutput, TokenLogprob};
