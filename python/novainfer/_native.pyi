@@ -4,7 +4,7 @@ from collections.abc import Iterator
 from os import PathLike
 from typing import final
 
-__all__ = ["Engine", "SamplingParams", "TokenStream", "__version__"]
+__all__ = ["Engine", "SamplingParams", "TokenStream", "__version__", "serve"]
 __version__: str
 
 @final
@@ -104,3 +104,7 @@ class TokenStream(Iterator[tuple[str, list[int], str | None, _Logprobs | None, i
     def __iter__(self) -> TokenStream: ...
     def __next__(self) -> tuple[str, list[int], str | None, _Logprobs | None, int]: ...
     def close(self) -> None: ...
+
+def serve(argv: list[str]) -> None:
+    """Run the OpenAI-compatible HTTP server with `novainfer-server` arguments (without the program name)
+    until SIGINT/SIGTERM, with the GIL released. Bad arguments raise ``InvalidParameterError``."""
