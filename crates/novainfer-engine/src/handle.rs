@@ -285,7 +285,11 @@ impl Iterator for RequestStream {
         match &item {
             Ok(d) if d.finish_reason.is_none() => {}
             Ok(_) => self.unfinished -= 1,
-            Err(_) => self.unfinished = 0,
+            Err(_) => {
+                // An error ends the stream; the request's other completions end with it.
+                self.abort_handle().abort();
+                self.unfinished = 0;
+            }
         }
         Some(item)
     }
