@@ -13,7 +13,7 @@ use axum::Extension;
 use futures_util::StreamExt;
 use novainfer_engine::Prompt;
 
-use super::run::{launch, Event, Launch, Running};
+use super::run::{prepare, stream_after_start, Event, Launch, Pending, Running};
 use super::{JsonBody, LoggedByHandler};
 use crate::accounting::completion_logprobs;
 use crate::error::ApiError;
@@ -68,7 +68,7 @@ pub async fn completions(
     let stream = req.shared.stream.unwrap_or(false);
     let include_usage = req.shared.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
     let n = params.n();
-    let running = launch(
+    let pending = prepare(
         &app,
         &request_id,
         arrival,
@@ -81,8 +81,7 @@ pub async fn completions(
             endpoint: "completions",
             response_id: response_id.clone(),
         },
-    )
-    .await?;
+    )?;
     let shape = Shape {
         id: response_id,
         model: model.name.clone(),
@@ -91,9 +90,9 @@ pub async fn completions(
         n,
     };
     let mut response = if stream {
-        streaming(app, running, shape, include_usage)
+        streaming(app, pending, shape, include_usage)
     } else {
-        whole(running, shape).await?
+        whole(pending.start().await?, shape).await?
     };
     response.extensions_mut().insert(LoggedByHandler);
     Ok(response)
@@ -147,10 +146,11 @@ async fn whole(mut running: Running, shape: Shape) -> Result<Response, ApiError>
     Ok(axum::Json(shape.completion(choices, Some(running.run.usage()))).into_response())
 }
 
-fn streaming(app: Arc<AppState>, mut running: Running, shape: Shape, include_usage: bool) -> Response {
-    let keep_alive = Some(app.keep_alive);
-    let tokenizer = running.model.frontend.tokenizer().clone();
-    let body = async_stream::stream! {
+fn streaming(app: Arc<AppState>, pending: Pending, shape: Shape, include_usage: bool) -> Response {
+    let period = app.keep_alive;
+    let keep_alive = Some(period);
+    let body = stream_after_start(pending, period, move |mut running: Running| async_stream::stream! {
+        let tokenizer = running.model.frontend.tokenizer().clone();
         let mut offsets = vec![0usize; running.run.choices.len()];
         if !shape.echoes.is_empty() {
             for index in 0..offsets.len() {
@@ -193,7 +193,7 @@ fn streaming(app: Arc<AppState>, mut running: Running, shape: Shape, include_usa
             }
         }
         yield sse::done();
-    };
+    });
     sse_response(body)
 }
 
