@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client as http_client
 import json
 import shutil
+import socket
 import threading
 import time
 import urllib.error
@@ -357,6 +358,22 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     assert aborted(server) == before + 1
 
 
+def test_non_streaming_disconnect_aborts_and_frees_blocks(server):
+    before = aborted(server)
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "tiny", "prompt": "Hello", **LONG}).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    deadline = time.monotonic() + 10
+    while server.engine_idle("tiny"):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    sock.close()
+    server.wait_idle("tiny", timeout=5)
+    assert aborted(server) == before + 1
+
+
 def test_cancel_endpoint_aborts_and_frees_blocks(server):
     response = long_stream_request(server)
     chunk = first_data(response)
@@ -534,3 +551,27 @@ def test_reasoning_content_before_think_end(tiny_models, tmp_path):
 def test_root_serves_html(server):
     status, headers, body = http(server, "GET", "/")
     assert status == 200 and headers["Content-Type"].startswith("text/html")
+
+
+# --------------------------------------------------------------------------- entry points and bench
+
+
+def test_novainfer_serve_cli_passes_arguments_to_the_server():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "novainfer.cli", "serve", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--max-concurrent-requests" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "novainfer.cli", "serve", "--model", "x", "--bogus"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--bogus" in bad.stderr
+
+
+def test_bench_serve_runs(tiny_models, capsys):
+    from novainfer.cli import main
+
+    rc = main(["bench", "serve", "--model", str(tiny_models["f32"]), "--num-requests", "6", "--concurrency", "3",
+               "--prompt-range", "60", "80", "--output-range", "5", "5", "--server-arg=--kv-cache-bytes=8388608"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "requests=6 (errors 0)" in out and "30 output tokens" in out and "TTFT p50/p95/p99" in out

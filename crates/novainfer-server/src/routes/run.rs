@@ -240,6 +240,8 @@ where
     F: FnOnce(Running) -> S,
     S: Stream<Item = Bytes>,
 {
+    let model = pending.launch.model.clone();
+    let (request_id, endpoint, arrival) = (pending.request_id.clone(), pending.launch.endpoint, pending.arrival);
     async_stream::stream! {
         let start = pending.start();
         tokio::pin!(start);
@@ -258,6 +260,18 @@ where
                 }
             }
             Err(e) => {
+                // No `Running` ever existed to account for this request: do it here.
+                model.metrics.finished(if e.status == 408 { "timeout" } else { "error" });
+                tracing::info!(
+                    target: "novainfer::request",
+                    request_id = %request_id,
+                    endpoint,
+                    model = %model.name,
+                    status = e.status.as_u16(),
+                    latency_ms = arrival.elapsed().as_secs_f64() * 1e3,
+                    error = %e.message,
+                    "request"
+                );
                 yield crate::sse::data(&e.body());
                 yield crate::sse::done();
             }
