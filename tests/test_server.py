@@ -20,7 +20,7 @@ import numpy as np
 import openai
 import pytest
 
-from conftest import PROMPT
+from conftest import PROMPT, logits_of
 from novainfer import LLM, SamplingParams
 from server_process import ServerProcess
 
@@ -93,6 +93,10 @@ def test_health_version_and_request_ids(server):
     status, headers, body = http(server, "GET", "/no/such/path")
     assert_openai_error(status, body, 404)
     assert headers["X-Request-Id"]
+    status, _, body = post_json(server, "/v1/no-such-endpoint", {})
+    assert_openai_error(status, body, 404)
+    status, _, body = http(server, "GET", "/v1/completions")
+    assert_openai_error(status, body, 405)
 
 
 def test_tokenize_detokenize_roundtrip(server, tiny_llm):
@@ -166,6 +170,21 @@ def test_echo_and_logprobs(client):
     # Greedy: the chosen token is the most likely one.
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert chosen <= 0 and abs(chosen - max(top.values())) < 1e-5
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, tiny_llm):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=1)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(PROMPT) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    logits = logits_of(tiny_llm, PROMPT).astype(np.float64)
+    log_softmax = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) - logits.max(1, keepdims=True)
+    expected = [log_softmax[i, PROMPT[i + 1]] for i in range(len(PROMPT) - 1)]
+    np.testing.assert_allclose(lp.token_logprobs[1:len(PROMPT)], expected, atol=1e-4)
+    assert all(len(t) == 1 for t in lp.top_logprobs[1:])
+    streamed = [c.choices[0] for c in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0,
+                                                                echo=True, logprobs=1, stream=True) if c.choices]
+    assert streamed[0].logprobs.token_logprobs == lp.token_logprobs[: len(PROMPT)]
 
 
 def test_stop_string_ends_text_and_never_leaks(client, tiny_llm):

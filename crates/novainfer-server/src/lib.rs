@@ -10,6 +10,7 @@ pub mod limits;
 pub mod metrics;
 pub mod models;
 pub mod params;
+pub mod prompt_logprobs;
 pub mod protocol;
 pub mod reasoning;
 mod routes;
