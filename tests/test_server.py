@@ -452,6 +452,23 @@ def test_keep_alive_comments_while_waiting(tiny_models):
         assert lines[-1] == "data: [DONE]"
 
 
+def test_cancel_while_queued(tiny_models):
+    with ServerProcess(["--model", str(tiny_models["f32"]), "--served-model-name", "tiny", *KV,
+                        "--max-concurrent-requests", "1", "--keep-alive", "0.05"]) as s:
+        running = long_stream_request(s)
+        first_data(running)
+        queued = long_stream_request(s, n=2)
+        assert queued.readline().decode().startswith(":")  # waiting for a permit
+        request_id = queued.headers["X-Request-Id"]
+        status, _, _ = http(s, "POST", f"/v1/requests/{request_id}/cancel")
+        assert status == 200
+        chunks = [json.loads(line[6:]) for line in (raw.decode().strip() for raw in queued) if line.startswith("data: {")]
+        assert sorted((c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chunks) == [(0, "abort"), (1, "abort")]
+        assert chunks[0]["id"] == f"cmpl-{request_id}"
+        running.close()
+        s.wait_idle("tiny")
+
+
 def test_queue_overflow_is_429_with_retry_after(tiny_models):
     with ServerProcess(["--model", str(tiny_models["f32"]), "--served-model-name", "tiny", *KV,
                         "--max-concurrent-requests", "1", "--max-queued-requests", "1"]) as s:

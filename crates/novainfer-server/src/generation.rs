@@ -6,16 +6,18 @@
 //! engine request through its `AbortHandle` at once, even one still queued that has produced
 //! no delta yet, so its KV blocks are free at the next engine step.
 //!
-//! [`CancelRegistry`] maps request ids to the abort handles of requests in flight, for
-//! `POST /v1/requests/{id}/cancel`; a [`Registration`] removes its entry when dropped.
+//! [`CancelRegistry`] maps request ids to the [`CancelSlot`] of each request in flight, for
+//! `POST /v1/requests/{id}/cancel`: a request is cancellable from arrival, while still
+//! queued for a permit (it then ends without running) as well as in the engine (its engine
+//! requests are aborted). A [`Registration`] removes its entry when dropped.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use novainfer_core::SamplingParams;
 use novainfer_engine::{AbortHandle, Delta, EngineError, EngineHandle};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 
 use crate::error::ApiError;
 
@@ -63,6 +65,16 @@ impl Generation {
         })
     }
 
+    /// A generation that never ran (cancelled while queued): it ends at once.
+    pub fn empty() -> Self {
+        let (_, rx) = mpsc::unbounded_channel();
+        Self {
+            rx,
+            aborts: Vec::new(),
+            ended: false,
+        }
+    }
+
     /// The next delta of any prompt; `None` once every engine request has ended.
     pub async fn next(&mut self) -> Option<Item> {
         let item = self.rx.recv().await;
@@ -89,9 +101,50 @@ impl Drop for Generation {
     }
 }
 
-type Entries = HashMap<String, Vec<(u64, Vec<AbortHandle>)>>;
+/// One request's cancellation state: cancellable from arrival, whether queued or running.
+#[derive(Default)]
+pub struct CancelSlot {
+    aborts: Mutex<Vec<AbortHandle>>,
+    cancelled: AtomicBool,
+    notify: Notify,
+}
 
-/// Request ids of requests in flight → how to abort them.
+impl CancelSlot {
+    fn cancel(&self) {
+        self.cancelled.store(true, Ordering::SeqCst);
+        self.notify.notify_waiters();
+        for a in self.aborts.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            a.abort();
+        }
+    }
+
+    /// Records the engine requests to abort; aborts them at once if cancelled meanwhile.
+    pub fn arm(&self, aborts: Vec<AbortHandle>) {
+        *self.aborts.lock().unwrap_or_else(|e| e.into_inner()) = aborts;
+        if self.is_cancelled() {
+            self.cancel();
+        }
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::SeqCst)
+    }
+
+    /// Resolves once the request is cancelled.
+    pub async fn cancelled(&self) {
+        let notified = self.notify.notified();
+        tokio::pin!(notified);
+        // Registered as a waiter before the check, so a cancel in between is not missed.
+        notified.as_mut().enable();
+        if !self.is_cancelled() {
+            notified.await;
+        }
+    }
+}
+
+type Entries = HashMap<String, Vec<(u64, Arc<CancelSlot>)>>;
+
+/// Request ids of requests in flight → how to cancel them.
 #[derive(Default)]
 pub struct CancelRegistry {
     entries: Mutex<Entries>,
@@ -103,6 +156,13 @@ pub struct Registration {
     registry: Arc<CancelRegistry>,
     keys: Vec<String>,
     token: u64,
+    slot: Arc<CancelSlot>,
+}
+
+impl Registration {
+    pub fn slot(&self) -> &CancelSlot {
+        &self.slot
+    }
 }
 
 impl CancelRegistry {
@@ -110,32 +170,32 @@ impl CancelRegistry {
         self.entries.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Makes the request cancellable under each of `keys` (its response id, its X-Request-Id).
-    pub fn register(self: &Arc<Self>, keys: Vec<String>, aborts: Vec<AbortHandle>) -> Registration {
+    /// Makes a request cancellable under each of `keys` (its response id, its X-Request-Id).
+    pub fn register(self: &Arc<Self>, keys: Vec<String>) -> Registration {
         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
+        let slot = Arc::new(CancelSlot::default());
         let mut entries = self.lock();
         for key in &keys {
             entries
                 .entry(key.clone())
                 .or_default()
-                .push((token, aborts.clone()));
+                .push((token, slot.clone()));
         }
         Registration {
             registry: self.clone(),
             keys,
             token,
+            slot,
         }
     }
 
-    /// Aborts every request in flight under `key`; false if there is none.
+    /// Cancels every request in flight under `key`; false if there is none.
     pub fn cancel(&self, key: &str) -> bool {
         let entries = self.lock();
         match entries.get(key) {
             Some(requests) if !requests.is_empty() => {
-                for (_, aborts) in requests {
-                    for a in aborts {
-                        a.abort();
-                    }
+                for (_, slot) in requests {
+                    slot.cancel();
                 }
                 true
             }
@@ -169,18 +229,41 @@ impl Drop for Registration {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn registration_lives_as_long_as_its_guard() {
         let registry = Arc::new(CancelRegistry::default());
-        let a = registry.register(vec!["cmpl-1".into(), "1".into()], vec![]);
-        let b = registry.register(vec!["1".into()], vec![]);
+        let a = registry.register(vec!["cmpl-1".into(), "1".into()]);
+        let b = registry.register(vec!["1".into()]);
         assert!(registry.cancel("cmpl-1") && registry.cancel("1"));
+        assert!(a.slot().is_cancelled() && b.slot().is_cancelled());
         assert!(!registry.cancel("2"));
         drop(a);
         assert!(!registry.cancel("cmpl-1"));
         assert!(registry.cancel("1"));
         drop(b);
         assert!(registry.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_cancel_wakes_the_waiter_even_before_it_waits() {
+        let registry = Arc::new(CancelRegistry::default());
+        let r = registry.register(vec!["x".into()]);
+        registry.cancel("x");
+        tokio::time::timeout(Duration::from_secs(1), r.slot().cancelled())
+            .await
+            .expect("already cancelled");
+        let r2 = Arc::new(registry.register(vec!["y".into()]));
+        let waiter = {
+            let r2 = r2.clone();
+            tokio::spawn(async move { r2.slot().cancelled().await })
+        };
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        registry.cancel("y");
+        tokio::time::timeout(Duration::from_secs(1), waiter)
+            .await
+            .expect("woken")
+            .expect("joins");
     }
 }

@@ -313,6 +313,10 @@ fn streaming(
                         break;
                     }
                     Event::Ended => {
+                        // Choices that never got their final delta (cancelled while queued) end here.
+                        for (index, _) in running.run.choices.iter().enumerate().filter(|(_, c)| c.finish_reason.is_none()) {
+                            yield sse::data(&shape.chunk(index, ChatMessageOut::default(), None, Some("abort")));
+                        }
                         remember(&app, &running, &shape, turn);
                         if include_usage {
                             yield sse::data(&shape.object("chat.completion.chunk", Vec::new(), Some(running.run.usage())));

@@ -262,6 +262,11 @@ fn streaming(app: Arc<AppState>, pending: Pending, shape: Shape, include_usage: 
                         break;
                     }
                     Event::Ended => {
+                        // Choices that never got their final delta (cancelled while queued) end here.
+                        for (index, _) in running.run.choices.iter().enumerate().filter(|(_, c)| c.finish_reason.is_none()) {
+                            let choice = CompletionChoice { index, text: String::new(), logprobs: None, finish_reason: Some("abort") };
+                            yield sse::data(&shape.completion(vec![choice], None));
+                        }
                         if include_usage {
                             yield sse::data(&shape.completion(Vec::new(), Some(running.run.usage())));
                         }

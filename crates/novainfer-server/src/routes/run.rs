@@ -54,7 +54,8 @@ pub struct Running {
     endpoint: &'static str,
     user: String,
     _registration: Registration,
-    _permit: OwnedSemaphorePermit,
+    /// `None` when cancelled before it got one.
+    _permit: Option<OwnedSemaphorePermit>,
 }
 
 /// Who is charged for the tokens: the `user` field, else one shared "anonymous" user.
@@ -69,6 +70,7 @@ pub struct Pending {
     arrival: Instant,
     launch: Launch,
     ticket: Ticket,
+    registration: Registration,
     deadline: Option<Instant>,
     timeout_secs: f64,
     user: String,
@@ -99,12 +101,16 @@ pub fn prepare(
         .admission
         .reserve()
         .inspect_err(|e| app.metrics.rejected(e.code.unwrap_or_default()))?;
+    let registration = app
+        .cancels
+        .register(vec![l.response_id.clone(), request_id.0.clone()]);
     Ok(Pending {
         app: app.clone(),
         request_id: request_id.0.clone(),
         arrival,
         launch: l,
         ticket,
+        registration,
         deadline: timeout_secs.map(|s| arrival + Duration::from_secs_f64(s)),
         timeout_secs: timeout_secs.unwrap_or_default(),
         user,
@@ -112,21 +118,28 @@ pub fn prepare(
 }
 
 impl Pending {
-    /// Waits for a permit (until the deadline) and submits the prompts to the engine.
+    /// Waits for a permit (until the deadline) and submits the prompts to the engine. A request
+    /// cancelled while queued starts nothing and ends at once, every choice with `abort`.
     pub async fn start(self) -> Result<Running, ApiError> {
-        let permit = match self.deadline {
-            Some(d) => tokio::time::timeout_at(d.into(), self.ticket.wait())
-                .await
-                .map_err(|_| ApiError::timeout(self.timeout_secs))??,
-            None => self.ticket.wait().await?,
+        let wait = async {
+            match self.deadline {
+                Some(d) => tokio::time::timeout_at(d.into(), self.ticket.wait())
+                    .await
+                    .map_err(|_| ApiError::timeout(self.timeout_secs))?,
+                None => self.ticket.wait().await,
+            }
+        };
+        let permit = tokio::select! {
+            permit = wait => Some(permit?),
+            _ = self.registration.slot().cancelled() => None,
         };
         let l = self.launch;
         let prompt_lens = l.prompts.iter().map(Vec::len).collect();
-        let gen = Generation::start(&l.model.handle, l.prompts, &l.params)?;
-        let registration = self.app.cancels.register(
-            vec![l.response_id, self.request_id.clone()],
-            gen.abort_handles(),
-        );
+        let gen = match permit {
+            Some(_) => Generation::start(&l.model.handle, l.prompts, &l.params)?,
+            None => Generation::empty(),
+        };
+        self.registration.slot().arm(gen.abort_handles());
         Ok(Running {
             gen,
             run: RunState::new(self.arrival, prompt_lens, l.params.n()),
@@ -138,7 +151,7 @@ impl Pending {
             request_id: self.request_id,
             endpoint: l.endpoint,
             user: self.user,
-            _registration: registration,
+            _registration: self.registration,
             _permit: permit,
         })
     }
