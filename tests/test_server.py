@@ -618,6 +618,16 @@ def test_novainfer_serve_cli_passes_arguments_to_the_server():
     assert bad.returncode == 2 and "--bogus" in bad.stderr
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_signal_stops_the_in_process_server(tiny_models, sig):
+    import signal
+
+    s = ServerProcess(["--model", str(tiny_models["f32"]), *KV])
+    s.proc.send_signal(getattr(signal, sig))  # at once: no window where the signal is lost
+    assert s.proc.wait(15) == 0
+    s.stop()
+
+
 def test_bench_serve_runs(tiny_models, capsys):
     from novainfer.cli import main
 

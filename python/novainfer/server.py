@@ -53,6 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `novainfer-server` script."""
     try:
         serve(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        # The Rust server already shut down on this SIGINT; Python's own handler saw it too and
+        # raises once the call returns.
+        return 0
     except NovaInferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if getattr(e, "param", None) == "argv" else 1

@@ -107,22 +107,42 @@ fn app_state(args: &ServeArgs, models: Models) -> AppState {
     }
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+/// SIGINT and SIGTERM, registered when created: a signal that arrives before anyone waits
+/// (while models load, say) is kept, not lost to the previous handler (Python's, when the
+/// server runs inside `novainfer serve`, which could not act on it while Rust holds the thread).
+struct Shutdown {
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending().await,
+    signals: [tokio::signal::unix::Signal; 2],
+}
+
+impl Shutdown {
+    /// Must run inside the runtime.
+    fn register() -> std::io::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Ok(Self {
+                signals: [
+                    signal(SignalKind::interrupt())?,
+                    signal(SignalKind::terminate())?,
+                ],
+            })
         }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+        #[cfg(not(unix))]
+        Ok(Self {})
+    }
+
+    async fn recv(self) {
+        #[cfg(unix)]
+        {
+            let [mut int, mut term] = self.signals;
+            tokio::select! { _ = int.recv() => {}, _ = term.recv() => {} }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
 }
 
 /// Runs the server until SIGINT or SIGTERM. Blocks the calling thread.
@@ -133,13 +153,14 @@ pub fn serve(args: ServeArgs) -> Result<(), ServeError> {
         // candle's thread pool reads this once, when it starts: before any model loads.
         std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     }
-    let models = load_models(&args)?;
-    let names = models.names();
-    let state = Arc::new(app_state(&args, models));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("novainfer-http")
         .build()?;
+    let shutdown = runtime.block_on(async { Shutdown::register() })?;
+    let models = load_models(&args)?;
+    let names = models.names();
+    let state = Arc::new(app_state(&args, models));
     runtime.block_on(async move {
         let addr = format!("{}:{}", args.host, args.port);
         let listener = tokio::net::TcpListener::bind(&addr)
@@ -157,7 +178,7 @@ pub fn serve(args: ServeArgs) -> Result<(), ServeError> {
         let server = axum::serve(listener, app).with_graceful_shutdown({
             let stop = stop.clone();
             async move {
-                shutdown_signal().await;
+                shutdown.recv().await;
                 tracing::info!("shutting down");
                 stop.notify_one();
             }
