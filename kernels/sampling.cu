@@ -348,17 +348,17 @@ __device__ void argmax_row(const T* __restrict__ logits, u32* __restrict__ out, 
     }
 }
 
-extern "C" __global__ void argmax_f32(const float* logits, u32* out, int vocab) {
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) argmax_f32(const float* logits, u32* out, int vocab) {
     argmax_row(logits, out, vocab);
 }
-extern "C" __global__ void argmax_bf16(const bf16* logits, u32* out, int vocab) {
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) argmax_bf16(const bf16* logits, u32* out, int vocab) {
     argmax_row(logits, out, vocab);
 }
-extern "C" __global__ void sample_f32(const float* logits, const SampleParams* params,
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_f32(const float* logits, const SampleParams* params,
                                       float* scratch, u32* out, int vocab) {
     sample_row(logits, params, scratch, out, vocab);
 }
-extern "C" __global__ void sample_bf16(const bf16* logits, const SampleParams* params,
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_bf16(const bf16* logits, const SampleParams* params,
                                        float* scratch, u32* out, int vocab) {
     sample_row(logits, params, scratch, out, vocab);
 }
