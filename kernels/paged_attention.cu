@@ -199,7 +199,9 @@ __device__ void decode_merge(const i32* __restrict__ seq_lens, const float* __re
     const int head = blockIdx.x;
     const int seq = blockIdx.y;
     const int ctx = seq_lens[seq];
-    const int num_splits = (ctx + ATTN_SPLIT - 1) / ATTN_SPLIT;
+    // A history longer than the scratch was sized for is the caller's bug (size it for
+    // max_model_len); clamp so it costs accuracy, never an out-of-bounds read.
+    const int num_splits = min((ctx + ATTN_SPLIT - 1) / ATTN_SPLIT, shape.max_splits);
     AttnState<HD> total;
     state_init(total);
     for (int s = 0; s < num_splits; ++s) {
