@@ -32,9 +32,30 @@ pub fn device_count() -> Result<usize> {
             "libcuda not found (no NVIDIA driver installed?)".to_owned(),
         ));
     }
+    check_driver_version()?;
     let count = CudaContext::device_count()
         .map_err(|e| CudaError::NotAvailable(format!("the CUDA driver reports {e:?}")))?;
     Ok(usize::try_from(count).unwrap_or(0))
+}
+
+/// The bindings are cudarc's `cuda-13000` and the CUBINs come from NVRTC 13; an older
+/// driver lacks entry points cudarc would panic on and cannot load the binaries, so it is
+/// refused here, with `cuDriverGetVersion`, which every driver has.
+fn check_driver_version() -> Result<()> {
+    const NEEDED: i32 = 13_000;
+    let mut version = 0;
+    // SAFETY: libcuda is present (checked by the caller); `version` is valid for writes.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(|e| CudaError::NotAvailable(format!("cuDriverGetVersion failed: {e:?}")))?;
+    if version < NEEDED {
+        return Err(CudaError::NotAvailable(format!(
+            "the NVIDIA driver supports CUDA {}.{}, NovaInfer's kernels need a CUDA 13 driver",
+            version / 1000,
+            version % 1000 / 10
+        )));
+    }
+    Ok(())
 }
 
 impl GpuContext {
