@@ -1,0 +1,36 @@
+//! NovaInfer's CUDA backend pieces: a device context, kernels compiled at run time with
+//! NVRTC and cached on disk, and one launcher per kernel (`ops`).
+//!
+//! * `kernels/*.cu` (repository root) are embedded with `include_str!` ([`kernels`]); nothing
+//!   is compiled at build time, so the `cuda` feature builds with no CUDA toolkit, and
+//!   cudarc loads libcuda/libnvrtc at run time (`dynamic-loading`).
+//! * Without the `cuda` feature the crate still has the sources, the cache naming, the CPU
+//!   twins of device-side algorithms ([`reference`]) and a [`GpuContext`] whose constructor
+//!   returns [`CudaError::NotAvailable`]; cudarc is not even built.
+//! * Every kernel is batch invariant: a row's result never depends on what else is in the
+//!   launch (each `.cu` file says how).
+
+pub mod cache;
+pub mod error;
+pub mod kernels;
+pub mod reference;
+pub mod sample_params;
+
+#[cfg(feature = "cuda")]
+mod context;
+#[cfg(feature = "cuda")]
+pub mod nvrtc;
+#[cfg(feature = "cuda")]
+pub mod ops;
+
+#[cfg(feature = "cuda")]
+pub use context::{cached_cubin_with_origin, device_count, GpuContext};
+#[cfg(not(feature = "cuda"))]
+mod no_cuda;
+#[cfg(not(feature = "cuda"))]
+pub use no_cuda::{device_count, GpuContext};
+
+#[cfg(feature = "cuda")]
+pub use cudarc;
+pub use error::{CudaError, Result};
+pub use sample_params::SampleParams;

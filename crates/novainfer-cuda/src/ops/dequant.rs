@@ -1,0 +1,73 @@
+//! Launcher of `kernels/dequant.cu`: GGUF blocks to bf16 (or f32), at load time.
+
+use cudarc::driver::{CudaSlice, PushKernelArg};
+
+use super::{check_len, elementwise, entry, launch, Dtype};
+use crate::context::GpuContext;
+use crate::error::{CudaError, Result};
+use crate::kernels::DEQUANT;
+
+/// The GGUF quant types of the demo models.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantType {
+    Q4K,
+    Q5_0,
+    Q6K,
+    Q8_0,
+}
+
+impl QuantType {
+    pub fn block_bytes(self) -> usize {
+        match self {
+            QuantType::Q4K => 144,
+            QuantType::Q5_0 => 22,
+            QuantType::Q6K => 210,
+            QuantType::Q8_0 => 34,
+        }
+    }
+
+    pub fn block_values(self) -> usize {
+        match self {
+            QuantType::Q4K | QuantType::Q6K => 256,
+            QuantType::Q5_0 | QuantType::Q8_0 => 32,
+        }
+    }
+
+    fn kernel_base(self) -> &'static str {
+        match self {
+            QuantType::Q4K => "dequant_q4_k",
+            QuantType::Q5_0 => "dequant_q5_0",
+            QuantType::Q6K => "dequant_q6_k",
+            QuantType::Q8_0 => "dequant_q8_0",
+        }
+    }
+}
+
+/// `blocks` (raw GGUF bytes, whole blocks) → `out`, `block_values` values per block.
+pub fn dequantize<T: Dtype>(
+    gpu: &GpuContext,
+    qtype: QuantType,
+    blocks: &CudaSlice<u8>, // [num_blocks · block_bytes]
+    out: &mut CudaSlice<T>, // [num_blocks · block_values]
+) -> Result<()> {
+    if !blocks.len().is_multiple_of(qtype.block_bytes()) {
+        return Err(CudaError::invalid(
+            "blocks",
+            format!(
+                "{} bytes is not a whole number of {qtype:?} blocks of {} bytes",
+                blocks.len(),
+                qtype.block_bytes()
+            ),
+        ));
+    }
+    let num_blocks = blocks.len() / qtype.block_bytes();
+    check_len("out", out.len(), num_blocks * qtype.block_values())?;
+    if num_blocks == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(&DEQUANT, &entry::<T>(qtype.kernel_base()))?;
+    let (n, cfg) = (num_blocks as i64, elementwise(out.len()));
+    let mut args = gpu.stream().launch_builder(&f);
+    args.arg(blocks).arg(out).arg(&n);
+    launch(args, cfg)
+}

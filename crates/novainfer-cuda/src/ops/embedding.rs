@@ -1,0 +1,44 @@
+//! Launcher of `kernels/embedding.cu`: token rows gathered from a bf16 table.
+
+use cudarc::driver::{CudaSlice, PushKernelArg};
+use half::bf16;
+
+use super::{check_len, entry, launch, per_row, to_i32, Dtype};
+use crate::context::GpuContext;
+use crate::error::Result;
+use crate::kernels::EMBEDDING;
+
+/// Shape of the embedding table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EmbeddingShape {
+    pub vocab_size: usize,
+    pub hidden: usize,
+}
+
+/// `out[t] = table[token_ids[t]]`; ids outside the vocabulary give zero rows.
+pub fn embedding<T: Dtype>(
+    gpu: &GpuContext,
+    token_ids: &CudaSlice<u32>, // [num_tokens]
+    table: &CudaSlice<bf16>,    // [vocab_size, hidden]
+    shape: EmbeddingShape,
+    out: &mut CudaSlice<T>, // [num_tokens, hidden]
+) -> Result<()> {
+    let num_tokens = token_ids.len();
+    check_len("table", table.len(), shape.vocab_size * shape.hidden)?;
+    check_len("out", out.len(), num_tokens * shape.hidden)?;
+    if num_tokens == 0 {
+        return Ok(());
+    }
+    let (hidden, vocab) = (
+        to_i32("hidden", shape.hidden)?,
+        to_i32("vocab_size", shape.vocab_size)?,
+    );
+    let f = gpu.function(&EMBEDDING, &entry::<T>("embedding_gather"))?;
+    let mut args = gpu.stream().launch_builder(&f);
+    args.arg(token_ids)
+        .arg(table)
+        .arg(out)
+        .arg(&hidden)
+        .arg(&vocab);
+    launch(args, per_row(num_tokens, 256)?)
+}

@@ -1,0 +1,262 @@
+//! Launcher of `kernels/paged_attention.cu`: causal GQA attention over the paged pool.
+//!
+//! Two entry points with the same result bit for bit (see the kernel's header):
+//! * [`paged_attention_decode`] — one query token per sequence; splits of [`ATTN_SPLIT`]
+//!   positions run in parallel and are merged in order by a second kernel. The grid depends
+//!   only on the scratch's capacity, so a CUDA graph captured for a batch bucket stays valid.
+//! * [`paged_attention_prefill`] — any number of query tokens per sequence (prefill, chunked
+//!   prefill, mixed batches), one warp per (token, head).
+
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+
+use super::{check_len, launch, to_i32, to_u32, Dtype};
+use crate::context::{driver, GpuContext};
+use crate::error::{CudaError, Result};
+use crate::kernels::PAGED_ATTENTION;
+
+/// Positions per split; must equal `ATTN_SPLIT` in the kernel (a test checks).
+pub const ATTN_SPLIT: usize = 512;
+/// Warps per block; must equal `ATTN_WARPS` in the kernel.
+const ATTN_WARPS: usize = 4;
+
+/// Head geometry and pool geometry of one layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionConfig {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    /// Row stride of `block_tables`.
+    pub max_blocks_per_seq: usize,
+}
+
+/// The pool and the per-sequence tables a launch reads.
+pub struct PagedKv<'a, T> {
+    pub k_cache: &'a CudaSlice<T>, // [num_blocks, block_size, num_kv_heads, head_dim]
+    pub v_cache: &'a CudaSlice<T>, // [num_blocks, block_size, num_kv_heads, head_dim]
+    pub block_tables: &'a CudaSlice<i32>, // [num_seqs, max_blocks_per_seq]
+    pub seq_lens: &'a CudaSlice<i32>, // [num_seqs]: positions 0..seq_len are in the pool
+}
+
+/// Mirror of the kernel's `AttnShape`, passed by value.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct AttnShape {
+    num_heads: i32,
+    num_kv_heads: i32,
+    block_size: i32,
+    num_blocks: i32,
+    max_blocks_per_seq: i32,
+    max_splits: i32,
+    scale: f32,
+}
+const _: () = assert!(std::mem::size_of::<AttnShape>() == 28);
+// SAFETY: `#[repr(C)]` plain old data with the kernel struct's field order and types.
+unsafe impl DeviceRepr for AttnShape {}
+
+/// f32 partials of the decode splits, sized for a batch bucket.
+pub struct DecodeScratch {
+    part_acc: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
+    max_num_seqs: usize,
+    max_splits: usize,
+}
+
+impl DecodeScratch {
+    /// Room for `max_num_seqs` sequences of up to `max_seq_len` positions.
+    pub fn new(
+        gpu: &GpuContext,
+        cfg: &AttentionConfig,
+        max_num_seqs: usize,
+        max_seq_len: usize,
+    ) -> Result<Self> {
+        let max_splits = max_seq_len.div_ceil(ATTN_SPLIT).max(1);
+        let parts = max_num_seqs * cfg.num_heads * max_splits;
+        let alloc = |n: usize| {
+            gpu.stream()
+                .alloc_zeros::<f32>(n)
+                .map_err(|e| driver("cuMemAlloc", e))
+        };
+        Ok(Self {
+            part_acc: alloc(parts * cfg.head_dim)?,
+            part_ml: alloc(parts * 2)?,
+            max_num_seqs,
+            max_splits,
+        })
+    }
+}
+
+fn check_config<T: Dtype>(
+    cfg: &AttentionConfig,
+    kv: &PagedKv<'_, T>,
+) -> Result<(AttnShape, usize)> {
+    let supported: &[usize] = if T::SUFFIX == "f32" {
+        &[64, 128]
+    } else {
+        &[64, 128, 256]
+    };
+    if !supported.contains(&cfg.head_dim) {
+        return Err(CudaError::invalid(
+            "head_dim",
+            format!(
+                "{} has no {} kernel (have {supported:?})",
+                cfg.head_dim,
+                T::SUFFIX
+            ),
+        ));
+    }
+    if cfg.num_kv_heads == 0 || !cfg.num_heads.is_multiple_of(cfg.num_kv_heads) {
+        return Err(CudaError::invalid(
+            "num_kv_heads",
+            format!(
+                "{} does not divide num_heads {}",
+                cfg.num_kv_heads, cfg.num_heads
+            ),
+        ));
+    }
+    let slot_len = cfg.block_size * cfg.num_kv_heads * cfg.head_dim;
+    if slot_len == 0 || !kv.k_cache.len().is_multiple_of(slot_len) {
+        return Err(CudaError::invalid(
+            "k_cache",
+            format!(
+                "{} values is not a whole number of blocks of {slot_len}",
+                kv.k_cache.len()
+            ),
+        ));
+    }
+    check_len("v_cache", kv.v_cache.len(), kv.k_cache.len())?;
+    let num_seqs = kv.seq_lens.len();
+    check_len(
+        "block_tables",
+        kv.block_tables.len(),
+        num_seqs * cfg.max_blocks_per_seq,
+    )?;
+    let shape = AttnShape {
+        num_heads: to_i32("num_heads", cfg.num_heads)?,
+        num_kv_heads: to_i32("num_kv_heads", cfg.num_kv_heads)?,
+        block_size: to_i32("block_size", cfg.block_size)?,
+        num_blocks: to_i32("k_cache", kv.k_cache.len() / slot_len)?,
+        max_blocks_per_seq: to_i32("max_blocks_per_seq", cfg.max_blocks_per_seq)?,
+        max_splits: 0,
+        scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+    };
+    Ok((shape, num_seqs))
+}
+
+/// One query token per sequence: `q`/`out` are `[num_seqs, num_heads, head_dim]`.
+pub fn paged_attention_decode<T: Dtype>(
+    gpu: &GpuContext,
+    cfg: &AttentionConfig,
+    q: &CudaSlice<T>,
+    kv: PagedKv<'_, T>,
+    scratch: &mut DecodeScratch,
+    out: &mut CudaSlice<T>,
+) -> Result<()> {
+    let (mut shape, num_seqs) = check_config(cfg, &kv)?;
+    let row = cfg.num_heads * cfg.head_dim;
+    check_len("q", q.len(), num_seqs * row)?;
+    check_len("out", out.len(), num_seqs * row)?;
+    if num_seqs > scratch.max_num_seqs {
+        return Err(CudaError::invalid(
+            "seq_lens",
+            format!(
+                "{num_seqs} sequences exceed the scratch's {}",
+                scratch.max_num_seqs
+            ),
+        ));
+    }
+    if num_seqs == 0 {
+        return Ok(());
+    }
+    // Sequences longer than the scratch allows are the caller's bug; the kernel would ignore
+    // their tail splits, so the scratch must be sized for max_model_len.
+    shape.max_splits = to_i32("max_splits", scratch.max_splits)?;
+    let suffix = format!("{}_hd{}", T::SUFFIX, cfg.head_dim);
+    let splits = gpu.function(
+        &PAGED_ATTENTION,
+        &format!("paged_attention_decode_{suffix}"),
+    )?;
+    let merge = gpu.function(&PAGED_ATTENTION, &format!("paged_attention_merge_{suffix}"))?;
+    let seqs = to_u32("seq_lens", num_seqs)?;
+    let mut args = gpu.stream().launch_builder(&splits);
+    args.arg(q)
+        .arg(kv.k_cache)
+        .arg(kv.v_cache)
+        .arg(kv.block_tables)
+        .arg(kv.seq_lens)
+        .arg(&mut scratch.part_acc)
+        .arg(&mut scratch.part_ml)
+        .arg(&shape);
+    let heads_per_block = to_u32("num_heads", cfg.num_heads.div_ceil(ATTN_WARPS))?;
+    launch(
+        args,
+        LaunchConfig {
+            grid_dim: (heads_per_block, seqs, scratch.max_splits as u32),
+            block_dim: ((ATTN_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        },
+    )?;
+    let mut args = gpu.stream().launch_builder(&merge);
+    args.arg(kv.seq_lens)
+        .arg(&scratch.part_acc)
+        .arg(&scratch.part_ml)
+        .arg(out)
+        .arg(&shape);
+    launch(
+        args,
+        LaunchConfig {
+            grid_dim: (to_u32("num_heads", cfg.num_heads)?, seqs, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        },
+    )
+}
+
+/// Flattened query tokens: `q`/`out` are `[num_tokens, num_heads, head_dim]`; sequence s owns
+/// tokens `query_start_loc[s]..query_start_loc[s+1]`; token t attends to `0..=positions[t]`.
+pub fn paged_attention_prefill<T: Dtype>(
+    gpu: &GpuContext,
+    cfg: &AttentionConfig,
+    q: &CudaSlice<T>,
+    kv: PagedKv<'_, T>,
+    query_start_loc: &CudaSlice<i32>, // [num_seqs + 1]
+    positions: &CudaSlice<i32>,       // [num_tokens]
+    out: &mut CudaSlice<T>,
+) -> Result<()> {
+    let (shape, num_seqs) = check_config(cfg, &kv)?;
+    let num_tokens = positions.len();
+    let row = cfg.num_heads * cfg.head_dim;
+    check_len("q", q.len(), num_tokens * row)?;
+    check_len("out", out.len(), num_tokens * row)?;
+    check_len("query_start_loc", query_start_loc.len(), num_seqs + 1)?;
+    if num_tokens == 0 || num_seqs == 0 {
+        return Ok(());
+    }
+    let name = format!("paged_attention_prefill_{}_hd{}", T::SUFFIX, cfg.head_dim);
+    let f = gpu.function(&PAGED_ATTENTION, &name)?;
+    let (tokens, seqs) = (
+        to_i32("positions", num_tokens)?,
+        to_i32("seq_lens", num_seqs)?,
+    );
+    let mut args = gpu.stream().launch_builder(&f);
+    args.arg(q)
+        .arg(kv.k_cache)
+        .arg(kv.v_cache)
+        .arg(kv.block_tables)
+        .arg(kv.seq_lens)
+        .arg(query_start_loc)
+        .arg(positions)
+        .arg(out)
+        .arg(&tokens)
+        .arg(&seqs)
+        .arg(&shape);
+    let rows = num_tokens * cfg.num_heads;
+    launch(
+        args,
+        LaunchConfig {
+            grid_dim: (to_u32("positions", rows.div_ceil(ATTN_WARPS))?, 1, 1),
+            block_dim: ((ATTN_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        },
+    )
+}

@@ -1,0 +1,105 @@
+//! Launcher of `kernels/rope.cu`: neox-style rotary embedding of q and k in place.
+//!
+//! The cos/sin table is built on the host with the CPU's formula (`novainfer-model`'s
+//! `Rope`: angle = pos · θ^(−2i/head_dim) in f64, rounded to f32), so rotations match the
+//! CPU bit for bit in f32.
+
+use cudarc::driver::{CudaSlice, PushKernelArg};
+
+use super::{check_len, entry, launch, per_row, to_i32, Dtype};
+use crate::context::{driver, GpuContext};
+use crate::error::{CudaError, Result};
+use crate::kernels::ROPE;
+
+/// The `[max_positions, head_dim]` cos|sin table on the device.
+pub struct RopeTable {
+    cos_sin: CudaSlice<f32>,
+    head_dim: usize,
+    max_positions: usize,
+}
+
+impl RopeTable {
+    pub fn new(
+        gpu: &GpuContext,
+        head_dim: usize,
+        theta: f64,
+        max_positions: usize,
+    ) -> Result<Self> {
+        let host = host_table(head_dim, theta, max_positions)?;
+        let cos_sin = gpu
+            .stream()
+            .clone_htod(&host)
+            .map_err(|e| driver("cuMemcpyHtoD", e))?;
+        Ok(Self {
+            cos_sin,
+            head_dim,
+            max_positions,
+        })
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+}
+
+/// Row `pos` holds `cos(pos·f_i)` for i < head_dim/2, then `sin(pos·f_i)`.
+pub fn host_table(head_dim: usize, theta: f64, max_positions: usize) -> Result<Vec<f32>> {
+    if head_dim == 0 || !head_dim.is_multiple_of(2) {
+        return Err(CudaError::invalid(
+            "head_dim",
+            format!("{head_dim} must be even and > 0"),
+        ));
+    }
+    let half = head_dim / 2;
+    let inv_freq: Vec<f64> = (0..half)
+        .map(|i| theta.powf(-2.0 * i as f64 / head_dim as f64))
+        .collect();
+    let mut table = Vec::with_capacity(max_positions * head_dim);
+    for pos in 0..max_positions {
+        table.extend(inv_freq.iter().map(|f| (pos as f64 * f).cos() as f32));
+        table.extend(inv_freq.iter().map(|f| (pos as f64 * f).sin() as f32));
+    }
+    Ok(table)
+}
+
+/// Head counts of q and k.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RopeHeads {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+}
+
+/// Rotates every head of q and k; token t sits at `positions[t]` (< the table's length).
+pub fn rope_neox<T: Dtype>(
+    gpu: &GpuContext,
+    table: &RopeTable,
+    q: &mut CudaSlice<T>,       // [num_tokens, num_heads · head_dim]
+    k: &mut CudaSlice<T>,       // [num_tokens, num_kv_heads · head_dim]
+    positions: &CudaSlice<i32>, // [num_tokens]
+    heads: RopeHeads,
+) -> Result<()> {
+    let hd = table.head_dim;
+    let num_tokens = positions.len();
+    check_len("q", q.len(), num_tokens * heads.num_heads * hd)?;
+    check_len("k", k.len(), num_tokens * heads.num_kv_heads * hd)?;
+    if num_tokens == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(&ROPE, &entry::<T>("rope_neox"))?;
+    let (nh, nkv, hd_i, max_pos) = (
+        to_i32("num_heads", heads.num_heads)?,
+        to_i32("num_kv_heads", heads.num_kv_heads)?,
+        to_i32("head_dim", hd)?,
+        to_i32("max_positions", table.max_positions)?,
+    );
+    let mut args = gpu.stream().launch_builder(&f);
+    args.arg(q)
+        .arg(k)
+        .arg(positions)
+        .arg(&table.cos_sin)
+        .arg(&nh)
+        .arg(&nkv)
+        .arg(&hd_i)
+        .arg(&max_pos);
+    launch(args, per_row(num_tokens, 128)?)
+}

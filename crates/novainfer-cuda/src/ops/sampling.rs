@@ -1,0 +1,64 @@
+//! Launcher of `kernels/sampling.cu`: greedy argmax and seeded top-k/top-p/min-p sampling.
+
+use cudarc::driver::{CudaSlice, DeviceRepr, PushKernelArg};
+
+use super::{check_len, check_multiple, entry, launch, per_row, to_i32, Dtype};
+use crate::context::GpuContext;
+use crate::error::Result;
+use crate::kernels::SAMPLING;
+
+/// Threads per row; must equal `SAMPLE_THREADS` in the kernel.
+pub const SAMPLE_THREADS: u32 = 1024;
+
+pub use crate::sample_params::SampleParams;
+
+// SAFETY: `SampleParams` is `#[repr(C)]` plain old data with the kernel struct's field
+// order and types (its size is asserted where it is defined).
+unsafe impl DeviceRepr for SampleParams {}
+
+/// The first index of each row's maximum (lowest id on ties; NaN counts as −inf).
+pub fn argmax<T: Dtype>(
+    gpu: &GpuContext,
+    logits: &CudaSlice<T>, // [rows, vocab]
+    vocab: usize,
+    out: &mut CudaSlice<u32>, // [rows]
+) -> Result<()> {
+    let rows = check_multiple("logits", logits.len(), vocab)?;
+    check_len("out", out.len(), rows)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let vocab = to_i32("vocab", vocab)?;
+    let f = gpu.function(&SAMPLING, &entry::<T>("argmax"))?;
+    let mut args = gpu.stream().launch_builder(&f);
+    args.arg(logits).arg(out).arg(&vocab);
+    launch(args, per_row(rows, SAMPLE_THREADS)?)
+}
+
+/// One token per row under its `params`; `scratch` holds `[rows, vocab]` f32 for the
+/// scaled logits.
+pub fn sample<T: Dtype>(
+    gpu: &GpuContext,
+    logits: &CudaSlice<T>,            // [rows, vocab]
+    params: &CudaSlice<SampleParams>, // [rows]
+    vocab: usize,
+    scratch: &mut CudaSlice<f32>, // [rows, vocab]
+    out: &mut CudaSlice<u32>,     // [rows]
+) -> Result<()> {
+    let rows = check_multiple("logits", logits.len(), vocab)?;
+    check_len("params", params.len(), rows)?;
+    check_len("scratch", scratch.len(), rows * vocab)?;
+    check_len("out", out.len(), rows)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let vocab = to_i32("vocab", vocab)?;
+    let f = gpu.function(&SAMPLING, &entry::<T>("sample"))?;
+    let mut args = gpu.stream().launch_builder(&f);
+    args.arg(logits)
+        .arg(params)
+        .arg(scratch)
+        .arg(out)
+        .arg(&vocab);
+    launch(args, per_row(rows, SAMPLE_THREADS)?)
+}

@@ -1,0 +1,200 @@
+//! CPU twins of the device-side algorithms that have no CPU counterpart in
+//! `novainfer-model`: the Philox4x32-10 generator and the sampling kernel's semantics.
+//! The parity tests compare the GPU against these; norms, RoPE, SwiGLU, attention and
+//! dequantization are compared against `novainfer-model` and candle themselves.
+
+use crate::sample_params::SampleParams;
+
+/// Philox4x32-10 (Salmon, Moraes, Dror, Shaw: "Parallel random numbers: as easy as
+/// 1, 2, 3", SC'11), the same rounds as `philox4x32_10` in `kernels/sampling.cu`.
+pub fn philox4x32_10(mut ctr: [u32; 4], key: [u32; 2]) -> [u32; 4] {
+    const M0: u64 = 0xD251_1F53;
+    const M1: u64 = 0xCD9E_8D57;
+    let [mut k0, mut k1] = key;
+    for round in 0..10 {
+        if round > 0 {
+            k0 = k0.wrapping_add(0x9E37_79B9);
+            k1 = k1.wrapping_add(0xBB67_AE85);
+        }
+        let p0 = M0 * u64::from(ctr[0]);
+        let p1 = M1 * u64::from(ctr[2]);
+        ctr = [
+            (p1 >> 32) as u32 ^ ctr[1] ^ k0,
+            p1 as u32,
+            (p0 >> 32) as u32 ^ ctr[3] ^ k1,
+            p0 as u32,
+        ];
+    }
+    ctr
+}
+
+/// The uniform in `[0, 1)` the kernel draws for `(seed, offset)`: 24 bits of word 0.
+pub fn philox_uniform(seed: u64, offset: u64) -> f32 {
+    let out = philox4x32_10(
+        [offset as u32, (offset >> 32) as u32, 0, 0],
+        [seed as u32, (seed >> 32) as u32],
+    );
+    (out[0] >> 8) as f32 * (1.0 / 16_777_216.0)
+}
+
+/// What the sampling kernel should do with one row: the surviving ids (ascending) and the
+/// drawn token. Sums are in f64 here, so a GPU row may differ only where a boundary is
+/// within f32 rounding of a survivor's cumulative mass.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampleOutcome {
+    pub survivors: Vec<u32>,
+    pub token: u32,
+}
+
+pub fn sample(logits: &[f32], p: &SampleParams) -> SampleOutcome {
+    let x: Vec<f32> = logits
+        .iter()
+        .map(|&v| {
+            if v.is_nan() {
+                f32::NEG_INFINITY
+            } else if v == f32::INFINITY {
+                f32::MAX
+            } else {
+                v
+            }
+        })
+        .collect();
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return SampleOutcome {
+            survivors: Vec::new(),
+            token: 0,
+        };
+    }
+    let d: Vec<f32> = x.iter().map(|&v| (v - max) * p.inv_temperature).collect();
+    // Rank: d descending (|d| ascending), then id ascending.
+    let mut ranked: Vec<u32> = (0..x.len() as u32).collect();
+    ranked.sort_by(|&a, &b| {
+        let (ka, kb) = (d[a as usize].abs().to_bits(), d[b as usize].abs().to_bits());
+        ka.cmp(&kb).then(a.cmp(&b))
+    });
+    if p.top_k > 0 && (p.top_k as usize) < x.len() {
+        ranked.truncate(p.top_k as usize);
+    }
+    if p.top_p < 1.0 {
+        let w = |id: u32| f64::from(d[id as usize]).exp();
+        let total: f64 = ranked.iter().map(|&i| w(i)).sum();
+        let target = f64::from(p.top_p) * total;
+        let mut cum = 0.0;
+        let keep = ranked
+            .iter()
+            .position(|&i| {
+                cum += w(i);
+                cum >= target
+            })
+            .map_or(ranked.len(), |pos| pos + 1);
+        ranked.truncate(keep);
+    }
+    let log_min_p = if p.min_p > 0.0 {
+        p.min_p.ln()
+    } else {
+        f32::NEG_INFINITY
+    };
+    ranked.retain(|&i| d[i as usize] >= log_min_p);
+    ranked.sort_unstable();
+    let weights: Vec<f64> = ranked
+        .iter()
+        .map(|&i| f64::from(d[i as usize]).exp())
+        .collect();
+    let target = f64::from(philox_uniform(p.seed, p.offset)) * weights.iter().sum::<f64>();
+    let mut cum = 0.0;
+    let token = ranked
+        .iter()
+        .zip(&weights)
+        .find(|(_, &w)| {
+            cum += w;
+            cum > target
+        })
+        .map_or_else(|| *ranked.last().unwrap_or(&0), |(&i, _)| i);
+    SampleOutcome {
+        survivors: ranked,
+        token,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Known-answer vectors of Random123's `kat_vectors` for philox4x32_10.
+    #[test]
+    fn philox_matches_random123_known_answers() {
+        assert_eq!(
+            philox4x32_10([0; 4], [0; 2]),
+            [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]
+        );
+        assert_eq!(
+            philox4x32_10([u32::MAX; 4], [u32::MAX; 2]),
+            [0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd]
+        );
+        assert_eq!(
+            philox4x32_10(
+                [0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344],
+                [0xa4093822, 0x299f31d0]
+            ),
+            [0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1]
+        );
+    }
+
+    fn params(top_k: Option<usize>, top_p: f32, min_p: f32, offset: u64) -> SampleParams {
+        SampleParams::new(42, offset, 1.0, top_k, top_p, min_p).expect("valid")
+    }
+
+    #[test]
+    fn top_k_keeps_the_k_best_with_lowest_ids_on_ties() {
+        let logits = [1.0, 3.0, 3.0, 2.0, 3.0];
+        let out = sample(&logits, &params(Some(2), 1.0, 0.0, 0));
+        assert_eq!(out.survivors, vec![1, 2]);
+        assert!(out.survivors.contains(&out.token));
+    }
+
+    #[test]
+    fn top_p_keeps_the_shortest_prefix_holding_the_mass() {
+        // Weights relative to the best: 1, e^-1, e^-2, e^-10.
+        let logits = [10.0, 9.0, 8.0, 0.0];
+        let z = 1.0 + (-1f64).exp() + (-2f64).exp() + (-10f64).exp();
+        let just_two = ((1.0 + (-1f64).exp()) / z) as f32;
+        assert_eq!(
+            sample(&logits, &params(None, just_two - 1e-4, 0.0, 0)).survivors,
+            vec![0, 1]
+        );
+        assert_eq!(
+            sample(&logits, &params(None, just_two + 1e-4, 0.0, 0)).survivors,
+            vec![0, 1, 2]
+        );
+    }
+
+    #[test]
+    fn min_p_drops_tokens_below_the_fraction_of_the_best() {
+        let logits = [0.0, -1.0, -3.0];
+        // e^-1 ≈ 0.37 ≥ 0.2, e^-3 ≈ 0.05 < 0.2.
+        assert_eq!(
+            sample(&logits, &params(None, 1.0, 0.2, 0)).survivors,
+            vec![0, 1]
+        );
+    }
+
+    #[test]
+    fn draws_follow_the_weights_and_the_stream_is_reproducible() {
+        let logits = [0.0, (0.25f32).ln(), f32::NAN, f32::NEG_INFINITY];
+        let mut counts = [0usize; 4];
+        for offset in 0..4000 {
+            let out = sample(&logits, &params(None, 1.0, 0.0, offset));
+            assert_eq!(out, sample(&logits, &params(None, 1.0, 0.0, offset)));
+            counts[out.token as usize] += 1;
+        }
+        assert_eq!(
+            (counts[2], counts[3]),
+            (0, 0),
+            "NaN and -inf are never drawn"
+        );
+        // p(1) = 0.25 / 1.25 = 0.2; 4000 draws put it within ±0.03 with overwhelming odds.
+        let share = counts[1] as f64 / 4000.0;
+        assert!((share - 0.2).abs() < 0.03, "share of token 1: {share}");
+    }
+}

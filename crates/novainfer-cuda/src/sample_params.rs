@@ -1,0 +1,84 @@
+//! Per-row sampling parameters as the sampling kernel reads them (`SampleParams` in
+//! `kernels/sampling.cu`, 32 bytes, same field order). Always compiled: the CPU reference
+//! sampler takes the same struct.
+
+use crate::error::{CudaError, Result};
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampleParams {
+    /// Philox key: the request's seed (or the engine's per-request fallback).
+    pub seed: u64,
+    /// Philox counter: how many tokens this sequence has sampled before, so a sequence's
+    /// draws are one reproducible stream whatever else is in the batch.
+    pub offset: u64,
+    pub inv_temperature: f32,
+    /// `(0, 1]`; 1 turns top-p off.
+    pub top_p: f32,
+    /// `[0, 1]`; 0 turns min-p off.
+    pub min_p: f32,
+    /// `≤ 0` or `≥ vocab` turns top-k off.
+    pub top_k: i32,
+}
+const _: () = assert!(std::mem::size_of::<SampleParams>() == 32);
+
+impl SampleParams {
+    /// Checks the ranges the kernel relies on (a positive finite temperature, p in range).
+    pub fn new(
+        seed: u64,
+        offset: u64,
+        temperature: f32,
+        top_k: Option<usize>,
+        top_p: f32,
+        min_p: f32,
+    ) -> Result<Self> {
+        if !(temperature.is_finite() && temperature > 0.0) {
+            return Err(CudaError::invalid(
+                "temperature",
+                format!("{temperature} must be > 0 and finite (greedy rows use argmax)"),
+            ));
+        }
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(CudaError::invalid(
+                "top_p",
+                format!("{top_p} must lie in (0, 1]"),
+            ));
+        }
+        if !(0.0..=1.0).contains(&min_p) {
+            return Err(CudaError::invalid(
+                "min_p",
+                format!("{min_p} must lie in [0, 1]"),
+            ));
+        }
+        let top_k = top_k.map_or(0, |k| i32::try_from(k).unwrap_or(i32::MAX));
+        Ok(Self {
+            seed,
+            offset,
+            inv_temperature: 1.0 / temperature,
+            top_p,
+            min_p,
+            top_k,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn new_names_the_bad_parameter() {
+        let err = |r: Result<SampleParams>| match r {
+            Err(CudaError::InvalidArgument { param, .. }) => param,
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        };
+        assert_eq!(
+            err(SampleParams::new(1, 0, 0.0, None, 1.0, 0.0)),
+            "temperature"
+        );
+        assert_eq!(err(SampleParams::new(1, 0, 1.0, None, 0.0, 0.0)), "top_p");
+        assert_eq!(err(SampleParams::new(1, 0, 1.0, None, 1.0, 1.5)), "min_p");
+        let ok = SampleParams::new(7, 3, 0.5, Some(40), 0.9, 0.05).expect("valid");
+        assert_eq!((ok.inv_temperature, ok.top_k), (2.0, 40));
+    }
+}

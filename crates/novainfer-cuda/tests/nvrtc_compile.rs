@@ -1,0 +1,140 @@
+//! Every kernel compiles with NVRTC for the architectures we ship (sm_80, sm_90), with no
+//! GPU: CI runs this with the `nvidia-cuda-nvrtc==13.0.88` wheel.
+
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use novainfer_cuda::cache::KernelCache;
+use novainfer_cuda::kernels::{self, KernelSource, KERNELS};
+use novainfer_cuda::{cached_cubin_with_origin, nvrtc};
+
+const ARCHS: [&str; 2] = ["sm_80", "sm_90"];
+
+/// Every entry point a launcher in `src/ops` asks for, per kernel file.
+fn entry_points() -> Vec<(KernelSource, String)> {
+    let mut out = Vec::new();
+    for t in ["f32", "bf16"] {
+        out.push((kernels::EMBEDDING, format!("embedding_gather_{t}")));
+        out.push((kernels::RMS_NORM, format!("rms_norm_{t}")));
+        out.push((kernels::RMS_NORM, format!("add_rms_norm_{t}")));
+        out.push((kernels::ROPE, format!("rope_neox_{t}")));
+        out.push((kernels::RESHAPE_AND_CACHE, format!("reshape_and_cache_{t}")));
+        out.push((kernels::SILU_MUL, format!("silu_mul_{t}")));
+        out.push((kernels::SAMPLING, format!("argmax_{t}")));
+        out.push((kernels::SAMPLING, format!("sample_{t}")));
+        for q in ["q4_k", "q5_0", "q6_k", "q8_0"] {
+            out.push((kernels::DEQUANT, format!("dequant_{q}_{t}")));
+        }
+        let dims: &[usize] = if t == "f32" {
+            &[64, 128]
+        } else {
+            &[64, 128, 256]
+        };
+        for hd in dims {
+            for phase in ["decode", "merge", "prefill"] {
+                out.push((
+                    kernels::PAGED_ATTENTION,
+                    format!("paged_attention_{phase}_{t}_hd{hd}"),
+                ));
+            }
+        }
+    }
+    out
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+#[test]
+fn every_kernel_compiles_for_sm80_and_sm90() {
+    let Some(()) = common::nvrtc_or_skip() else {
+        return;
+    };
+    let version = nvrtc::version().expect("nvrtc version");
+    println!("NVRTC {}.{}", version.major, version.minor);
+    let entries = entry_points();
+    for arch in ARCHS {
+        for kernel in KERNELS {
+            let cubin = nvrtc::compile_cubin(kernel, arch).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(
+                &cubin[..4],
+                b"\x7fELF",
+                "{} for {arch} is not an ELF cubin",
+                kernel.name
+            );
+            for (_, name) in entries.iter().filter(|(k, _)| k == kernel) {
+                // The symbol table holds each entry's name NUL-terminated.
+                let symbol = [name.as_bytes(), b"\0"].concat();
+                assert!(
+                    contains(&cubin, &symbol),
+                    "{arch} {}: no entry `{name}`",
+                    kernel.name
+                );
+            }
+            println!(
+                "compiled kernels/{}.cu for {arch}: {} bytes",
+                kernel.name,
+                cubin.len()
+            );
+        }
+    }
+}
+
+#[test]
+fn the_disk_cache_compiles_once_then_hits() {
+    let Some(()) = common::nvrtc_or_skip() else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cache = KernelCache::new(dir.path());
+    let (first, hit) =
+        cached_cubin_with_origin(&cache, &kernels::SILU_MUL, "sm_80").expect("compile");
+    assert!(!hit, "an empty cache cannot hit");
+    let (second, hit) =
+        cached_cubin_with_origin(&cache, &kernels::SILU_MUL, "sm_80").expect("load");
+    assert!(hit, "the second request must come from disk");
+    assert_eq!(first, second);
+    let (_, hit) = cached_cubin_with_origin(&cache, &kernels::SILU_MUL, "sm_90").expect("compile");
+    assert!(!hit, "another arch is another key");
+    assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 2);
+}
+
+#[test]
+fn a_compile_error_carries_the_nvrtc_log() {
+    let Some(()) = common::nvrtc_or_skip() else {
+        return;
+    };
+    let broken = KernelSource {
+        name: "broken",
+        source: "extern \"C\" __global__ void f() { undeclared_thing(); }",
+    };
+    let err = nvrtc::compile_cubin(&broken, "sm_80").expect_err("must not compile");
+    let text = err.to_string();
+    assert!(
+        text.contains("kernels/broken.cu") && text.contains("undeclared_thing"),
+        "{text}"
+    );
+}
+
+#[test]
+fn split_and_thread_constants_agree_with_the_kernels() {
+    use novainfer_cuda::ops::{
+        paged_attention::ATTN_SPLIT, rms_norm::RMS_THREADS, sampling::SAMPLE_THREADS,
+    };
+    let has =
+        |k: &KernelSource, line: String| assert!(k.source.contains(&line), "{}: {line}", k.name);
+    has(
+        &kernels::PAGED_ATTENTION,
+        format!("#define ATTN_SPLIT {ATTN_SPLIT}\n"),
+    );
+    has(
+        &kernels::RMS_NORM,
+        format!("#define RMS_THREADS {RMS_THREADS}\n"),
+    );
+    has(
+        &kernels::SAMPLING,
+        format!("#define SAMPLE_THREADS {SAMPLE_THREADS}\n"),
+    );
+}

@@ -1,0 +1,607 @@
+//! CPU ↔ CUDA parity: one body per op, the CPU (`novainfer-model`, candle, or this crate's
+//! `reference`) as the oracle, within per-dtype tolerances, plus batch-invariance checks.
+//!
+//! These need a GPU. Without one each test prints "<op>: skipped: no CUDA device (<why>)"
+//! and returns (a runtime skip, so the same `cargo test -p novainfer-cuda --features cuda`
+//! runs them for real on a GPU machine; add `-- --nocapture` to see the skip lines).
+
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use half::bf16;
+use novainfer_cuda::cudarc::driver::{CudaSlice, DeviceRepr};
+use novainfer_cuda::ops::dequant::{dequantize, QuantType};
+use novainfer_cuda::ops::embedding::{embedding, EmbeddingShape};
+use novainfer_cuda::ops::paged_attention::{
+    paged_attention_decode, paged_attention_prefill, AttentionConfig, DecodeScratch, PagedKv,
+};
+use novainfer_cuda::ops::reshape_and_cache::reshape_and_cache;
+use novainfer_cuda::ops::rms_norm::{add_rms_norm, rms_norm};
+use novainfer_cuda::ops::rope::{rope_neox, RopeHeads, RopeTable};
+use novainfer_cuda::ops::sampling::{argmax, sample};
+use novainfer_cuda::ops::silu_mul::{silu_mul, silu_mul_fused};
+use novainfer_cuda::ops::Dtype;
+use novainfer_cuda::{reference, GpuContext, SampleParams};
+use novainfer_model::layers::{self, ops as cpu};
+
+// ---- helpers ---------------------------------------------------------------------------
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// Uniform in [-1, 1).
+    fn f32(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f32() * scale).collect()
+    }
+}
+
+fn up<T: DeviceRepr>(gpu: &GpuContext, host: &[T]) -> CudaSlice<T> {
+    gpu.stream().clone_htod(host).expect("upload")
+}
+
+fn down<T: DeviceRepr + Default + Clone>(gpu: &GpuContext, dev: &CudaSlice<T>) -> Vec<T> {
+    gpu.stream().clone_dtoh(dev).expect("download")
+}
+
+fn zeros<T: DeviceRepr + novainfer_cuda::cudarc::driver::ValidAsZeroBits>(
+    gpu: &GpuContext,
+    n: usize,
+) -> CudaSlice<T> {
+    gpu.stream().alloc_zeros(n).expect("alloc")
+}
+
+/// The test's inputs as T (bf16 rounds them) and back to f32 for the CPU oracle.
+trait TestDtype: Dtype {
+    /// Relative tolerance against the f32 CPU oracle computed on the rounded inputs.
+    const TOL: f32;
+    fn from_f32(v: f32) -> Self;
+    fn to_f32(self) -> f32;
+}
+
+impl TestDtype for f32 {
+    const TOL: f32 = 2e-5;
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl TestDtype for bf16 {
+    // One bf16 rounding of the output (2^-8) plus inputs rounded along the way.
+    const TOL: f32 = 1.6e-2;
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
+
+fn cast<T: TestDtype>(v: &[f32]) -> (Vec<T>, Vec<f32>) {
+    let t: Vec<T> = v.iter().map(|&x| T::from_f32(x)).collect();
+    let back = t.iter().map(|&x| x.to_f32()).collect();
+    (t, back)
+}
+
+fn assert_close<T: TestDtype>(op: &str, gpu: &[T], cpu: &[f32]) {
+    assert_eq!(gpu.len(), cpu.len(), "{op}: length");
+    let scale = cpu.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    for (i, (g, c)) in gpu.iter().zip(cpu).enumerate() {
+        let g = g.to_f32();
+        let err = (g - c).abs();
+        assert!(
+            err <= T::TOL * c.abs().max(scale * 0.05),
+            "{op} [{}]: element {i}: gpu {g} vs cpu {c}",
+            T::SUFFIX
+        );
+    }
+}
+
+// ---- ops -------------------------------------------------------------------------------
+
+fn embedding_body<T: TestDtype>(gpu: &GpuContext) {
+    let (vocab, hidden) = (50, 96);
+    let mut rng = Rng(1);
+    let table_f32: Vec<f32> = rng.vec(vocab * hidden, 2.0);
+    let table: Vec<bf16> = table_f32.iter().map(|&v| bf16::from_f32(v)).collect();
+    let ids = [3u32, 0, 49, 3, 1000];
+    let mut out = zeros::<T>(gpu, ids.len() * hidden);
+    let shape = EmbeddingShape {
+        vocab_size: vocab,
+        hidden,
+    };
+    embedding(gpu, &up(gpu, &ids), &up(gpu, &table), shape, &mut out).expect("launch");
+    let got = down(gpu, &out);
+    let cpu_table = Tensor::from_vec(table.clone(), (vocab, hidden), &Device::Cpu).expect("tensor");
+    let expected = layers::Embedding::Dense(cpu_table)
+        .forward(&ids[..4])
+        .expect("cpu embedding");
+    // bf16 → f32 and bf16 → bf16 are exact: no tolerance.
+    for (i, (g, c)) in got.iter().zip(&expected).enumerate() {
+        assert_eq!(g.to_f32(), *c, "embedding element {i}");
+    }
+    assert!(
+        got[4 * hidden..].iter().all(|v| v.to_f32() == 0.0),
+        "out-of-vocab id gives zeros"
+    );
+}
+
+#[test]
+fn embedding_matches_cpu() {
+    let Some(gpu) = common::gpu_or_skip("embedding") else {
+        return;
+    };
+    embedding_body::<f32>(&gpu);
+    embedding_body::<bf16>(&gpu);
+}
+
+fn rms_norm_body<T: TestDtype>(gpu: &GpuContext) {
+    let (rows, dim, eps) = (5, 896, 1e-6f32);
+    let mut rng = Rng(2);
+    let (x, x32) = cast::<T>(&rng.vec(rows * dim, 3.0));
+    let (res, res32) = cast::<T>(&rng.vec(rows * dim, 3.0));
+    let w = rng.vec(dim, 1.5);
+    let (dx, dw) = (up(gpu, &x), up(gpu, &w));
+    let mut out = zeros::<T>(gpu, rows * dim);
+    rms_norm(gpu, &dx, &dw, eps, &mut out).expect("launch");
+    let got = down(gpu, &out);
+    assert_close("rms_norm", &got, &cpu::rms_norm(&x32, &w, f64::from(eps)));
+
+    // Batch invariance: a row alone gives the same bits as inside the batch.
+    let mut alone = zeros::<T>(gpu, dim);
+    rms_norm(gpu, &up(gpu, &x[2 * dim..3 * dim]), &dw, eps, &mut alone).expect("launch");
+    let alone = down(gpu, &alone);
+    assert!(alone
+        .iter()
+        .zip(&got[2 * dim..])
+        .all(|(a, b)| a.to_f32().to_bits() == b.to_f32().to_bits()));
+
+    let mut dres = up(gpu, &res);
+    add_rms_norm(gpu, &dx, &mut dres, &dw, eps, &mut out).expect("launch");
+    let summed: Vec<T> = x32
+        .iter()
+        .zip(&res32)
+        .map(|(a, b)| T::from_f32(a + b))
+        .collect();
+    let summed32: Vec<f32> = summed.iter().map(|v| v.to_f32()).collect();
+    assert_close("add_rms_norm residual", &down(gpu, &dres), &summed32);
+    assert_close(
+        "add_rms_norm",
+        &down(gpu, &out),
+        &cpu::rms_norm(&summed32, &w, f64::from(eps)),
+    );
+}
+
+#[test]
+fn rms_norm_matches_cpu() {
+    let Some(gpu) = common::gpu_or_skip("rms_norm") else {
+        return;
+    };
+    rms_norm_body::<f32>(&gpu);
+    rms_norm_body::<bf16>(&gpu);
+}
+
+fn rope_body<T: TestDtype>(gpu: &GpuContext) {
+    let (n, nh, nkv, hd, theta) = (6, 14, 2, 64, 1_000_000.0);
+    let positions = [0usize, 1, 7, 100, 4095, 31];
+    let mut rng = Rng(3);
+    let (q, mut q32) = cast::<T>(&rng.vec(n * nh * hd, 2.0));
+    let (k, mut k32) = cast::<T>(&rng.vec(n * nkv * hd, 2.0));
+    let table = RopeTable::new(gpu, hd, theta, 4096).expect("table");
+    let (mut dq, mut dk) = (up(gpu, &q), up(gpu, &k));
+    let pos_i32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+    let heads = RopeHeads {
+        num_heads: nh,
+        num_kv_heads: nkv,
+    };
+    rope_neox(gpu, &table, &mut dq, &mut dk, &up(gpu, &pos_i32), heads).expect("launch");
+    let rope = cpu::Rope::new(hd, theta);
+    rope.apply(&mut q32, &positions, hd);
+    rope.apply(&mut k32, &positions, hd);
+    let (gq, gk) = (down(gpu, &dq), down(gpu, &dk));
+    if T::SUFFIX == "f32" {
+        // Same table, same unfused products: bit for bit.
+        assert!(
+            gq.iter()
+                .zip(&q32)
+                .all(|(g, c)| g.to_f32().to_bits() == c.to_bits()),
+            "rope q"
+        );
+        assert!(
+            gk.iter()
+                .zip(&k32)
+                .all(|(g, c)| g.to_f32().to_bits() == c.to_bits()),
+            "rope k"
+        );
+    } else {
+        assert_close("rope q", &gq, &q32);
+        assert_close("rope k", &gk, &k32);
+    }
+}
+
+#[test]
+fn rope_matches_cpu() {
+    let Some(gpu) = common::gpu_or_skip("rope") else {
+        return;
+    };
+    rope_body::<f32>(&gpu);
+    rope_body::<bf16>(&gpu);
+}
+
+fn silu_mul_body<T: TestDtype>(gpu: &GpuContext) {
+    let (rows, d) = (3, 4864);
+    let mut rng = Rng(4);
+    let (gate, g32) = cast::<T>(&rng.vec(rows * d, 6.0));
+    let (upv, u32_) = cast::<T>(&rng.vec(rows * d, 2.0));
+    let mut out = zeros::<T>(gpu, rows * d);
+    silu_mul(gpu, &up(gpu, &gate), &up(gpu, &upv), d, &mut out).expect("launch");
+    let expected = cpu::silu_mul(&g32, &u32_);
+    assert_close("silu_mul", &down(gpu, &out), &expected);
+    // The fused [rows, 2d] layout gives the same result.
+    let mut fused = Vec::with_capacity(2 * rows * d);
+    for r in 0..rows {
+        fused.extend_from_slice(&gate[r * d..(r + 1) * d]);
+        fused.extend_from_slice(&upv[r * d..(r + 1) * d]);
+    }
+    let mut out2 = zeros::<T>(gpu, rows * d);
+    silu_mul_fused(gpu, &up(gpu, &fused), d, &mut out2).expect("launch");
+    assert_close("silu_mul_fused", &down(gpu, &out2), &expected);
+}
+
+#[test]
+fn silu_mul_matches_cpu() {
+    let Some(gpu) = common::gpu_or_skip("silu_mul") else {
+        return;
+    };
+    silu_mul_body::<f32>(&gpu);
+    silu_mul_body::<bf16>(&gpu);
+}
+
+#[test]
+fn reshape_and_cache_writes_slots_and_skips_padding() {
+    let Some(gpu) = common::gpu_or_skip("reshape_and_cache") else {
+        return;
+    };
+    let (row, num_slots) = (2 * 64, 32);
+    let mut rng = Rng(5);
+    let k = rng.vec(3 * row, 1.0);
+    let v = rng.vec(3 * row, 1.0);
+    let slots = [17i64, -1, 3];
+    let (mut kc, mut vc) = (
+        zeros::<f32>(&gpu, num_slots * row),
+        zeros::<f32>(&gpu, num_slots * row),
+    );
+    reshape_and_cache(
+        &gpu,
+        &up(&gpu, &k),
+        &up(&gpu, &v),
+        &mut kc,
+        &mut vc,
+        &up(&gpu, &slots),
+        row,
+    )
+    .expect("launch");
+    let (kc, vc) = (down(&gpu, &kc), down(&gpu, &vc));
+    let mut expected_k = vec![0f32; num_slots * row];
+    let mut expected_v = vec![0f32; num_slots * row];
+    for (t, &s) in slots.iter().enumerate().filter(|(_, &s)| s >= 0) {
+        let s = s as usize;
+        expected_k[s * row..(s + 1) * row].copy_from_slice(&k[t * row..(t + 1) * row]);
+        expected_v[s * row..(s + 1) * row].copy_from_slice(&v[t * row..(t + 1) * row]);
+    }
+    assert_eq!(kc, expected_k);
+    assert_eq!(vc, expected_v);
+}
+
+/// The CPU attention's view of one sequence in a host copy of the pool.
+struct HostView<'a> {
+    k: &'a [f32],
+    v: &'a [f32],
+    table: &'a [i32],
+    block_size: usize,
+    row: usize,
+    head_dim: usize,
+}
+
+impl HostView<'_> {
+    fn at(&self, pos: usize, kv_head: usize) -> usize {
+        let slot =
+            self.table[pos / self.block_size] as usize * self.block_size + pos % self.block_size;
+        slot * self.row + kv_head * self.head_dim
+    }
+}
+
+impl layers::KvView for HostView<'_> {
+    fn key(&self, pos: usize, kv_head: usize) -> &[f32] {
+        let o = self.at(pos, kv_head);
+        &self.k[o..o + self.head_dim]
+    }
+    fn value(&self, pos: usize, kv_head: usize) -> &[f32] {
+        let o = self.at(pos, kv_head);
+        &self.v[o..o + self.head_dim]
+    }
+}
+
+fn attention_body<T: TestDtype>(gpu: &GpuContext, head_dim: usize) {
+    let (nh, nkv, bs) = (14, 2, 16);
+    // Lengths cover one position, one tile, and several 512-position splits.
+    let seq_lens = [1usize, 37, 1300];
+    let max_blocks = 1300usize.div_ceil(bs);
+    let num_blocks = seq_lens.iter().map(|l| l.div_ceil(bs)).sum::<usize>() + 3;
+    let row = nkv * head_dim;
+    let mut rng = Rng(6);
+    let (kc, kc32) = cast::<T>(&rng.vec(num_blocks * bs * row, 1.0));
+    let (vc, vc32) = cast::<T>(&rng.vec(num_blocks * bs * row, 1.0));
+    // Blocks handed out back to front, so tables are not the identity.
+    let mut next = num_blocks;
+    let mut tables = vec![0i32; seq_lens.len() * max_blocks];
+    for (s, &len) in seq_lens.iter().enumerate() {
+        for b in 0..len.div_ceil(bs) {
+            next -= 1;
+            tables[s * max_blocks + b] = next as i32;
+        }
+    }
+    let cfg = AttentionConfig {
+        num_heads: nh,
+        num_kv_heads: nkv,
+        head_dim,
+        block_size: bs,
+        max_blocks_per_seq: max_blocks,
+    };
+    let (dk, dv, dt) = (up(gpu, &kc), up(gpu, &vc), up(gpu, &tables));
+    let lens_i32: Vec<i32> = seq_lens.iter().map(|&l| l as i32).collect();
+    let dl = up(gpu, &lens_i32);
+    let kv = || PagedKv {
+        k_cache: &dk,
+        v_cache: &dv,
+        block_tables: &dt,
+        seq_lens: &dl,
+    };
+    let views: Vec<HostView> = (0..seq_lens.len())
+        .map(|s| HostView {
+            k: &kc32,
+            v: &vc32,
+            table: &tables[s * max_blocks..(s + 1) * max_blocks],
+            block_size: bs,
+            row,
+            head_dim,
+        })
+        .collect();
+    let shape = layers::AttentionShape {
+        num_heads: nh,
+        num_kv_heads: nkv,
+        head_dim,
+    };
+
+    // Decode: the last position of every sequence.
+    let (q, q32) = cast::<T>(&rng.vec(seq_lens.len() * nh * head_dim, 1.0));
+    let mut scratch = DecodeScratch::new(gpu, &cfg, 8, 2048).expect("scratch");
+    let mut out = zeros::<T>(gpu, q.len());
+    paged_attention_decode(gpu, &cfg, &up(gpu, &q), kv(), &mut scratch, &mut out).expect("decode");
+    let decode = down(gpu, &out);
+    let rows: Vec<layers::QueryRow> = seq_lens
+        .iter()
+        .enumerate()
+        .map(|(s, &l)| layers::QueryRow {
+            position: l - 1,
+            seq: s,
+        })
+        .collect();
+    assert_close(
+        "decode attention",
+        &decode,
+        &layers::attention(&q32, &rows, &views, shape),
+    );
+
+    // Prefill over the same rows as one-token chunks: bit-identical to decode.
+    let qsl = [0i32, 1, 2, 3];
+    let mut out_p = zeros::<T>(gpu, q.len());
+    paged_attention_prefill(
+        gpu,
+        &cfg,
+        &up(gpu, &q),
+        kv(),
+        &up(gpu, &qsl),
+        &up(gpu, &[0i32, 36, 1299]),
+        &mut out_p,
+    )
+    .expect("prefill");
+    let prefill = down(gpu, &out_p);
+    assert!(
+        prefill
+            .iter()
+            .zip(&decode)
+            .all(|(a, b)| a.to_f32().to_bits() == b.to_f32().to_bits()),
+        "decode and prefill kernels must agree bit for bit"
+    );
+
+    // Chunked prefill: seq 1 whole (37 tokens), seq 2 a chunk of 40 ending at its end.
+    let positions: Vec<i32> = (0..37).chain(1260..1300).collect();
+    let qsl = [0i32, 0, 37, 77];
+    let (qc, qc32) = cast::<T>(&rng.vec(positions.len() * nh * head_dim, 1.0));
+    let mut out_c = zeros::<T>(gpu, qc.len());
+    paged_attention_prefill(
+        gpu,
+        &cfg,
+        &up(gpu, &qc),
+        kv(),
+        &up(gpu, &qsl),
+        &up(gpu, &positions),
+        &mut out_c,
+    )
+    .expect("chunked prefill");
+    let rows: Vec<layers::QueryRow> = positions
+        .iter()
+        .enumerate()
+        .map(|(t, &p)| layers::QueryRow {
+            position: p as usize,
+            seq: if t < 37 { 1 } else { 2 },
+        })
+        .collect();
+    assert_close(
+        "chunked prefill attention",
+        &down(gpu, &out_c),
+        &layers::attention(&qc32, &rows, &views, shape),
+    );
+}
+
+#[test]
+fn paged_attention_matches_cpu() {
+    let Some(gpu) = common::gpu_or_skip("paged_attention") else {
+        return;
+    };
+    for hd in [64, 128] {
+        attention_body::<f32>(&gpu, hd);
+        attention_body::<bf16>(&gpu, hd);
+    }
+}
+
+fn dequant_body<T: TestDtype>(gpu: &GpuContext) {
+    let mut rng = Rng(7);
+    let values = rng.vec(8 * 512, 3.0);
+    let t = Tensor::from_vec(values, (8, 512), &Device::Cpu).expect("tensor");
+    for (ggml, qtype) in [
+        (GgmlDType::Q4K, QuantType::Q4K),
+        (GgmlDType::Q5_0, QuantType::Q5_0),
+        (GgmlDType::Q6K, QuantType::Q6K),
+        (GgmlDType::Q8_0, QuantType::Q8_0),
+    ] {
+        let q = QTensor::quantize(&t, ggml).expect("quantize");
+        let raw = q.data().expect("raw blocks").to_vec();
+        let expected: Vec<f32> = q
+            .dequantize(&Device::Cpu)
+            .and_then(|d| d.flatten_all())
+            .and_then(|d| d.to_vec1())
+            .expect("cpu dequantize");
+        let mut out = zeros::<T>(gpu, expected.len());
+        dequantize(gpu, qtype, &up(gpu, &raw), &mut out).expect("launch");
+        let got = down(gpu, &out);
+        // candle's arithmetic, operation for operation: exact in f32, one rounding in bf16.
+        for (i, (g, c)) in got.iter().zip(&expected).enumerate() {
+            assert_eq!(
+                g.to_f32().to_bits(),
+                T::from_f32(*c).to_f32().to_bits(),
+                "{qtype:?} element {i}"
+            );
+        }
+    }
+}
+
+#[test]
+fn dequant_matches_candle() {
+    let Some(gpu) = common::gpu_or_skip("dequant") else {
+        return;
+    };
+    dequant_body::<f32>(&gpu);
+    dequant_body::<bf16>(&gpu);
+}
+
+/// First index of the maximum with NaN as −inf: the CPU sampler's greedy rule.
+fn cpu_argmax(row: &[f32]) -> u32 {
+    let clean = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { v };
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if clean(v) > clean(row[best]) {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[test]
+fn argmax_matches_cpu() {
+    let Some(gpu) = common::gpu_or_skip("argmax") else {
+        return;
+    };
+    let vocab = 151_936;
+    let mut rng = Rng(8);
+    let mut logits = rng.vec(4 * vocab, 10.0);
+    logits[7] = 50.0; // row 0: a clear winner
+    logits[vocab + 10] = 40.0; // row 1: a tie, lowest id wins
+    logits[vocab + 9000] = 40.0;
+    logits[2 * vocab + 3] = f32::NAN; // row 2: NaN never wins
+    logits[3 * vocab..].fill(-1.0); // row 3: all equal → id 0
+    let expected: Vec<u32> = logits.chunks(vocab).map(cpu_argmax).collect();
+    let mut out = zeros::<u32>(&gpu, 4);
+    argmax(&gpu, &up(&gpu, &logits), vocab, &mut out).expect("launch");
+    assert_eq!(down(&gpu, &out), expected);
+    let b: Vec<bf16> = logits.iter().map(|&v| bf16::from_f32(v)).collect();
+    let b32: Vec<f32> = b.iter().map(|v| v.to_f32()).collect();
+    argmax(&gpu, &up(&gpu, &b), vocab, &mut out).expect("launch");
+    assert_eq!(
+        down(&gpu, &out),
+        b32.chunks(vocab).map(cpu_argmax).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn sampling_matches_the_reference_and_is_batch_invariant() {
+    let Some(gpu) = common::gpu_or_skip("sampling") else {
+        return;
+    };
+    let (rows, vocab) = (64, 4096);
+    let mut rng = Rng(9);
+    let logits = rng.vec(rows * vocab, 8.0);
+    let params: Vec<SampleParams> = (0..rows)
+        .map(|r| {
+            let top_k = [None, Some(1), Some(20), Some(vocab)][r % 4];
+            let top_p = [1.0, 0.9, 0.5][r % 3];
+            let min_p = [0.0, 0.05][r % 2];
+            SampleParams::new(1000 + r as u64, r as u64 * 7, 0.7, top_k, top_p, min_p)
+                .expect("valid")
+        })
+        .collect();
+    let mut scratch = zeros::<f32>(&gpu, rows * vocab);
+    let mut out = zeros::<u32>(&gpu, rows);
+    sample(
+        &gpu,
+        &up(&gpu, &logits),
+        &up(&gpu, &params),
+        vocab,
+        &mut scratch,
+        &mut out,
+    )
+    .expect("launch");
+    let got = down(&gpu, &out);
+    let mut agree = 0;
+    for (r, (&tok, row)) in got.iter().zip(logits.chunks(vocab)).enumerate() {
+        let want = reference::sample(row, &params[r]);
+        assert!(
+            want.survivors.contains(&tok),
+            "row {r}: token {tok} is outside the reference's survivors"
+        );
+        agree += usize::from(tok == want.token);
+    }
+    // f32 sums on the GPU vs f64 here may move a draw across a boundary only rarely.
+    assert!(
+        agree >= rows - 2,
+        "only {agree} of {rows} rows drew the reference token"
+    );
+    // A row alone draws what it drew in the batch.
+    let mut one = zeros::<u32>(&gpu, 1);
+    let mut scratch1 = zeros::<f32>(&gpu, vocab);
+    sample(
+        &gpu,
+        &up(&gpu, &logits[5 * vocab..6 * vocab]),
+        &up(&gpu, &params[5..6]),
+        vocab,
+        &mut scratch1,
+        &mut one,
+    )
+    .expect("launch");
+    assert_eq!(down(&gpu, &one)[0], got[5]);
+}

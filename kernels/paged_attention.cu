@@ -1,0 +1,285 @@
+// paged_attention.cu — causal attention over the paged KV pool, for decode and for
+// (chunked) prefill, with grouped-query heads. Launcher: crates/novainfer-cuda/src/ops/paged_attention.rs.
+//
+// K/V of the step's own tokens are written into the pool first (reshape_and_cache), so
+// every query row reads its whole history through its sequence's block table:
+//
+//   query row (token t, head h) at position p attends to positions 0..=p of its sequence
+//   key/value of position j: pool[block_table[j / block_size] · block_size + j % block_size]
+//                                [h / (num_heads / num_kv_heads)][0..head_dim]
+//
+// The canonical computation of one row — the thing that makes results batch invariant
+// and identical between the decode and the prefill kernel — is fixed by absolute positions:
+//
+//   positions 0 … p, cut into splits of ATTN_SPLIT positions:  [0, 512) [512, 1024) … [.., p]
+//   each split, cut into tiles of 32 positions, one key per lane:
+//       scores s_j = (q · k_j) · scale        lanes own dims lane, lane+32, …; xor butterfly
+//       online softmax inside the split       (m, l, acc) rescaled once per tile
+//   splits merged in increasing order         (M, L, ACC) ← merge(M, L, ACC, m_s, l_s, acc_s)
+//   out = ACC / L
+//
+// One warp computes one split of one row with `attend_split`; the decode kernel runs the
+// splits of a row in parallel (one warp each, partials in f32 scratch) and a second kernel
+// merges them in split order; the prefill kernel runs them one after the other in one warp
+// and merges as it goes. Both call the same `attend_split` and `merge` with every rounding
+// spelled out (`__fmaf_rn`, `__fmul_rn`), so a row's bits depend only on q, its history and
+// p — not on the batch, on how its prompt was chunked, or on which kernel ran it.
+#include "common.cuh"
+
+#define ATTN_TILE WARP_SIZE
+#define ATTN_SPLIT 512
+#define ATTN_WARPS 4
+
+template <int HD>
+struct AttnState {
+    float m;             // running max of the scores seen
+    float l;             // Σ exp(s − m)
+    float acc[HD / 32];  // Σ exp(s − m) · v, dims lane + 32·r
+};
+
+template <int HD>
+__device__ __forceinline__ void state_init(AttnState<HD>& st) {
+    st.m = NEG_INF;
+    st.l = 0.0f;
+#pragma unroll
+    for (int r = 0; r < HD / 32; ++r) st.acc[r] = 0.0f;
+}
+
+// `total` ← `total` ⊕ `part`. Starting from the initial state, the first merge is exact.
+template <int HD>
+__device__ __forceinline__ void merge(AttnState<HD>& total, const AttnState<HD>& part) {
+    const float m_new = fmaxf(total.m, part.m);
+    const float a = expf(__fsub_rn(total.m, m_new));
+    const float b = expf(__fsub_rn(part.m, m_new));
+    total.l = __fmaf_rn(total.l, a, __fmul_rn(part.l, b));
+#pragma unroll
+    for (int r = 0; r < HD / 32; ++r) {
+        total.acc[r] = __fmaf_rn(total.acc[r], a, __fmul_rn(part.acc[r], b));
+    }
+    total.m = m_new;
+}
+
+// Slot of position `pos`, or −1 when the block table names a block outside the pool
+// (a runner bug; the key is then masked instead of read out of bounds).
+__device__ __forceinline__ i64 slot_of(const i32* block_table, int pos, int block_size,
+                                       int num_blocks) {
+    const i32 block = block_table[pos / block_size];
+    if (block < 0 || block >= num_blocks) return -1;
+    return (i64)block * block_size + pos % block_size;
+}
+
+struct KvLayout {
+    int block_size;
+    int num_blocks;
+    int kv_row;   // num_kv_heads · head_dim: values per slot
+    int kv_head;  // which KV head this query head reads
+};
+
+// One warp: positions [begin, end) of one row, `q` already in registers (dims lane + 32·r).
+template <typename T, int HD>
+__device__ void attend_split(const float (&q)[HD / 32], const T* __restrict__ k_cache,
+                             const T* __restrict__ v_cache, const i32* __restrict__ block_table,
+                             KvLayout kv, int begin, int end, float scale, AttnState<HD>& st) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    state_init(st);
+    for (int tile = begin; tile < end; tile += ATTN_TILE) {
+        const int n = min(ATTN_TILE, end - tile);
+        float my_score = NEG_INF;
+        for (int j = 0; j < n; ++j) {
+            const i64 slot = slot_of(block_table, tile + j, kv.block_size, kv.num_blocks);
+            float partial = 0.0f;
+            if (slot >= 0) {
+                const T* k = k_cache + slot * kv.kv_row + (i64)kv.kv_head * HD;
+#pragma unroll
+                for (int r = 0; r < HD / 32; ++r) {
+                    partial = __fmaf_rn(q[r], load_f32(k, lane + 32 * r), partial);
+                }
+            }
+            const float s = __fmul_rn(warp_sum(partial), scale);
+            if (lane == j) my_score = slot >= 0 ? s : NEG_INF;
+        }
+        const float m_new = fmaxf(st.m, warp_max(my_score));
+        const float p = lane < n ? expf(__fsub_rn(my_score, m_new)) : 0.0f;
+        const float alpha = expf(__fsub_rn(st.m, m_new));
+        st.l = __fmaf_rn(st.l, alpha, warp_sum(p));
+#pragma unroll
+        for (int r = 0; r < HD / 32; ++r) st.acc[r] = __fmul_rn(st.acc[r], alpha);
+        for (int j = 0; j < n; ++j) {
+            const float pj = __shfl_sync(FULL_MASK, p, j);
+            const i64 slot = slot_of(block_table, tile + j, kv.block_size, kv.num_blocks);
+            if (slot < 0) continue;
+            const T* v = v_cache + slot * kv.kv_row + (i64)kv.kv_head * HD;
+#pragma unroll
+            for (int r = 0; r < HD / 32; ++r) {
+                st.acc[r] = __fmaf_rn(pj, load_f32(v, lane + 32 * r), st.acc[r]);
+            }
+        }
+        st.m = m_new;
+    }
+}
+
+template <typename T, int HD>
+__device__ __forceinline__ void load_q(const T* q_row, float (&q)[HD / 32]) {
+    const int lane = threadIdx.x % WARP_SIZE;
+#pragma unroll
+    for (int r = 0; r < HD / 32; ++r) q[r] = load_f32(q_row, lane + 32 * r);
+}
+
+// Writes ACC / L, or zeros for an empty history (padding sequences of a graph bucket).
+template <typename T, int HD>
+__device__ __forceinline__ void store_out(const AttnState<HD>& st, T* out_row, bool empty) {
+    const int lane = threadIdx.x % WARP_SIZE;
+#pragma unroll
+    for (int r = 0; r < HD / 32; ++r) {
+        store_f32(out_row, lane + 32 * r, empty ? 0.0f : __fdiv_rn(st.acc[r], st.l));
+    }
+}
+
+struct AttnShape {
+    int num_heads;
+    int num_kv_heads;
+    int block_size;
+    int num_blocks;
+    int max_blocks_per_seq;  // row stride of block_tables
+    int max_splits;          // ⌈max seq_len / ATTN_SPLIT⌉: split stride of the scratch
+    float scale;
+};
+
+__device__ __forceinline__ KvLayout kv_layout(const AttnShape& s, int head, int hd) {
+    KvLayout kv;
+    kv.block_size = s.block_size;
+    kv.num_blocks = s.num_blocks;
+    kv.kv_row = s.num_kv_heads * hd;
+    kv.kv_head = head / (s.num_heads / s.num_kv_heads);
+    return kv;
+}
+
+// Decode, phase 1. grid (⌈num_heads / ATTN_WARPS⌉, num_seqs, max_splits), ATTN_WARPS warps;
+// warp w computes split blockIdx.z of head blockIdx.x · ATTN_WARPS + w of sequence blockIdx.y.
+template <typename T, int HD>
+__device__ void decode_splits(
+    const T* __restrict__ q,              // [num_seqs, num_heads, HD]: one token per sequence
+    const T* __restrict__ k_cache,        // [num_blocks, block_size, num_kv_heads, HD]
+    const T* __restrict__ v_cache,        // [num_blocks, block_size, num_kv_heads, HD]
+    const i32* __restrict__ block_tables, // [num_seqs, max_blocks_per_seq]
+    const i32* __restrict__ seq_lens,     // [num_seqs]: history length including this token
+    float* __restrict__ part_acc,         // [num_seqs, num_heads, max_splits, HD]
+    float* __restrict__ part_ml,          // [num_seqs, num_heads, max_splits, 2]: m, l
+    AttnShape shape) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int head = blockIdx.x * ATTN_WARPS + threadIdx.x / WARP_SIZE;
+    const int seq = blockIdx.y;
+    const int split = blockIdx.z;
+    if (head >= shape.num_heads) return;
+    const int ctx = seq_lens[seq];
+    const int begin = split * ATTN_SPLIT;
+    if (begin >= ctx) return;
+    const int end = min(begin + ATTN_SPLIT, ctx);
+    float qr[HD / 32];
+    load_q<T, HD>(q + ((i64)seq * shape.num_heads + head) * HD, qr);
+    AttnState<HD> st;
+    attend_split<T, HD>(qr, k_cache, v_cache, block_tables + (i64)seq * shape.max_blocks_per_seq,
+                        kv_layout(shape, head, HD), begin, end, shape.scale, st);
+    const i64 part = ((i64)seq * shape.num_heads + head) * shape.max_splits + split;
+#pragma unroll
+    for (int r = 0; r < HD / 32; ++r) part_acc[part * HD + lane + 32 * r] = st.acc[r];
+    if (lane == 0) {
+        part_ml[part * 2] = st.m;
+        part_ml[part * 2 + 1] = st.l;
+    }
+}
+
+// Decode, phase 2. grid (num_heads, num_seqs), one warp: merges the splits in order.
+template <typename T, int HD>
+__device__ void decode_merge(const i32* __restrict__ seq_lens, const float* __restrict__ part_acc,
+                             const float* __restrict__ part_ml,
+                             T* __restrict__ out,  // [num_seqs, num_heads, HD]
+                             AttnShape shape) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int head = blockIdx.x;
+    const int seq = blockIdx.y;
+    const int ctx = seq_lens[seq];
+    // A history longer than the scratch was sized for is the caller's bug (size it for
+    // max_model_len); clamp so it costs accuracy, never an out-of-bounds read.
+    const int num_splits = min((ctx + ATTN_SPLIT - 1) / ATTN_SPLIT, shape.max_splits);
+    AttnState<HD> total;
+    state_init(total);
+    for (int s = 0; s < num_splits; ++s) {
+        const i64 part = ((i64)seq * shape.num_heads + head) * shape.max_splits + s;
+        AttnState<HD> p;
+        p.m = part_ml[part * 2];
+        p.l = part_ml[part * 2 + 1];
+#pragma unroll
+        for (int r = 0; r < HD / 32; ++r) p.acc[r] = part_acc[part * HD + lane + 32 * r];
+        merge(total, p);
+    }
+    store_out<T, HD>(total, out + ((i64)seq * shape.num_heads + head) * HD, ctx <= 0);
+}
+
+// Prefill / chunked prefill / mixed batches. grid ⌈num_tokens · num_heads / ATTN_WARPS⌉,
+// ATTN_WARPS warps; warp w takes row blockIdx.x · ATTN_WARPS + w = token · num_heads + head.
+template <typename T, int HD>
+__device__ void prefill(
+    const T* __restrict__ q,                 // [num_tokens, num_heads, HD]
+    const T* __restrict__ k_cache,
+    const T* __restrict__ v_cache,
+    const i32* __restrict__ block_tables,    // [num_seqs, max_blocks_per_seq]
+    const i32* __restrict__ seq_lens,        // [num_seqs]
+    const i32* __restrict__ query_start_loc, // [num_seqs + 1]: sequence s owns tokens [qsl[s], qsl[s+1])
+    const i32* __restrict__ positions,       // [num_tokens]
+    T* __restrict__ out,                     // [num_tokens, num_heads, HD]
+    int num_tokens,
+    int num_seqs,
+    AttnShape shape) {
+    const i64 row = (i64)blockIdx.x * ATTN_WARPS + threadIdx.x / WARP_SIZE;
+    if (row >= (i64)num_tokens * shape.num_heads) return;
+    const int token = (int)(row / shape.num_heads);
+    const int head = (int)(row % shape.num_heads);
+    // The sequence owning `token`: the last s with query_start_loc[s] <= token.
+    int lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (query_start_loc[mid] <= token) lo = mid; else hi = mid - 1;
+    }
+    const int seq = lo;
+    const int ctx = min(positions[token] + 1, seq_lens[seq]);
+    float qr[HD / 32];
+    load_q<T, HD>(q + row * HD, qr);
+    const KvLayout kv = kv_layout(shape, head, HD);
+    const i32* table = block_tables + (i64)seq * shape.max_blocks_per_seq;
+    AttnState<HD> total;
+    state_init(total);
+    for (int begin = 0; begin < ctx; begin += ATTN_SPLIT) {
+        AttnState<HD> part;
+        attend_split<T, HD>(qr, k_cache, v_cache, table, kv, begin, min(begin + ATTN_SPLIT, ctx),
+                            shape.scale, part);
+        merge(total, part);
+    }
+    store_out<T, HD>(total, out + row * HD, ctx <= 0);
+}
+
+#define ATTENTION_KERNELS(T, SUFFIX, HD)                                                       \
+    extern "C" __global__ void paged_attention_decode_##SUFFIX##_hd##HD(                       \
+        const T* q, const T* k_cache, const T* v_cache, const i32* block_tables,               \
+        const i32* seq_lens, float* part_acc, float* part_ml, AttnShape shape) {               \
+        decode_splits<T, HD>(q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_ml,   \
+                             shape);                                                           \
+    }                                                                                          \
+    extern "C" __global__ void paged_attention_merge_##SUFFIX##_hd##HD(                        \
+        const i32* seq_lens, const float* part_acc, const float* part_ml, T* out,              \
+        AttnShape shape) {                                                                     \
+        decode_merge<T, HD>(seq_lens, part_acc, part_ml, out, shape);                          \
+    }                                                                                          \
+    extern "C" __global__ void paged_attention_prefill_##SUFFIX##_hd##HD(                      \
+        const T* q, const T* k_cache, const T* v_cache, const i32* block_tables,               \
+        const i32* seq_lens, const i32* query_start_loc, const i32* positions, T* out,         \
+        int num_tokens, int num_seqs, AttnShape shape) {                                       \
+        prefill<T, HD>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,           \
+                       positions, out, num_tokens, num_seqs, shape);                           \
+    }
+
+ATTENTION_KERNELS(float, f32, 64)
+ATTENTION_KERNELS(float, f32, 128)
+ATTENTION_KERNELS(bf16, bf16, 64)
+ATTENTION_KERNELS(bf16, bf16, 128)
+ATTENTION_KERNELS(bf16, bf16, 256)
