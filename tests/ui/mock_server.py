@@ -1,0 +1,200 @@
+#!/usr/bin/env python3
+"""A stand-in for novainfer-server's chat API, for working on the Web UI without building the server.
+
+    python tests/ui/mock_server.py [--port 8765]     # then open http://127.0.0.1:8765/
+
+It serves crates/novainfer-server/ui/ at `/` and fakes `GET /v1/models`, streamed
+`POST /v1/chat/completions` (OpenAI SSE chunks with reasoning_content, a usage chunk with
+cached_tokens that grow per session, `data: [DONE]`), `POST /v1/requests/{id}/cancel` and a
+`/metrics` gauge of running requests. Magic words in the last user message: `!429`, `!400` (error
+responses), `!drop` (connection lost mid-stream), `!think` (a reasoning block first), `!slow`.
+
+Not used by the test suite, which runs against the real server; a development aid only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mimetypes
+import re
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+UI_DIR = Path(__file__).resolve().parents[2] / "crates" / "novainfer-server" / "ui"
+MODEL = "mock-qwen2"
+
+REPLY = (
+    "Here is a **short** answer with a list:\n\n"
+    "1. Prefix caching reuses KV blocks.\n"
+    "2. Sessions keep `session_id` stable.\n\n"
+    "```python\ndef hello(name: str) -> str:\n    # greet someone\n    return f\"Hello, {name}!\"\n```\n\n"
+    "| turn | cached |\n|---:|:---|\n| 1 | 0 |\n| 2 | most |\n\n"
+    "> Quote with a [link](https://example.com).\n"
+)
+REASONING = "The user asks something. Let me think step by step about the KV cache and sessions."
+
+
+class State:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running: dict[str, threading.Event] = {}
+        self.session_tokens: dict[str, int] = {}
+
+
+STATE = State()
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"\s*\S+|\s+", text)
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt: str, *args: object) -> None:  # quiet
+        pass
+
+    def send_json(self, status: int, body: object, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def error(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        self.send_json(status, {"error": {"message": message, "type": "invalid_request_error",
+                                          "param": None, "code": status}}, headers)
+
+    def do_GET(self) -> None:  # noqa: N802
+        if self.path == "/v1/models":
+            self.send_json(200, {"object": "list", "data": [{"id": MODEL, "object": "model"},
+                                                            {"id": "mock-other", "object": "model"}]})
+            return
+        if self.path == "/metrics":
+            with STATE.lock:
+                n = len(STATE.running)
+            data = f"# TYPE novainfer:num_requests_running gauge\nnovainfer:num_requests_running {n}\n".encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        rel = "index.html" if self.path in ("/", "") else self.path.lstrip("/").split("?")[0]
+        path = (UI_DIR / rel).resolve()
+        if UI_DIR not in path.parents and path != UI_DIR or not path.is_file():
+            self.error(404, "not found")
+            return
+        data = path.read_bytes()
+        ctype = "text/javascript" if path.suffix == ".js" else mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+        self.send_response(200)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self) -> None:  # noqa: N802
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length)
+        m = re.fullmatch(r"/v1/requests/([^/]+)/cancel", self.path)
+        if m:
+            with STATE.lock:
+                event = STATE.running.get(m.group(1))
+            if event:
+                event.set()
+            self.send_json(200 if event else 404, {"cancelled": bool(event)})
+            return
+        if self.path != "/v1/chat/completions":
+            self.error(404, "not found")
+            return
+        try:
+            body = json.loads(raw)
+        except json.JSONDecodeError:
+            self.error(400, "bad JSON")
+            return
+        last = next((m["content"] for m in reversed(body.get("messages", [])) if m["role"] == "user"), "")
+        if "!429" in last:
+            self.error(429, "Too many requests: the server is at --max-concurrent-requests.", {"Retry-After": "3"})
+            return
+        if "!400" in last:
+            self.error(400, "max_tokens (5000) + prompt (12) exceeds max_model_len (512)")
+            return
+        self.stream(body, last)
+
+    def stream(self, body: dict, last: str) -> None:
+        rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
+        cancel = threading.Event()
+        with STATE.lock:
+            STATE.running[rid] = cancel
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        delay = 0.15 if "!slow" in last else 0.03
+        prompt_tokens = sum(len(m["content"].split()) + 4 for m in body["messages"])
+        session = body.get("session_id") or ""
+        with STATE.lock:
+            cached = min(STATE.session_tokens.get(session, 0), prompt_tokens)
+        pieces: list[tuple[str, str]] = []
+        if "!think" in last:
+            pieces += [("reasoning_content", w) for w in words(REASONING)]
+        text = REPLY if "<script>" not in last else "Echo: " + last
+        pieces += [("content", w) for w in words(text)]
+        max_tokens = body.get("max_tokens")
+        if max_tokens:
+            pieces = pieces[:max_tokens]
+
+        def send(obj: object) -> None:
+            self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
+            self.wfile.flush()
+
+        def chunk(delta: dict, finish: str | None = None) -> dict:
+            return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": body["model"],
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+        try:
+            send(chunk({"role": "assistant", "content": ""}))
+            self.wfile.write(b": keep-alive\n\n")
+            for n, (field, piece) in enumerate(pieces):
+                if cancel.is_set():
+                    return
+                if "!drop" in last and n == 5:
+                    self.connection.shutdown(2)
+                    return
+                time.sleep(delay)
+                send(chunk({field: piece}))
+            finish = "length" if max_tokens and len(pieces) >= max_tokens else "stop"
+            send(chunk({}, finish))
+            send({"id": rid, "object": "chat.completion.chunk", "choices": [], "usage": {
+                "prompt_tokens": prompt_tokens, "completion_tokens": len(pieces),
+                "total_tokens": prompt_tokens + len(pieces), "prompt_tokens_details": {"cached_tokens": cached}}})
+            self.wfile.write(b"data: [DONE]\n\n")
+            with STATE.lock:
+                STATE.session_tokens[session] = prompt_tokens + len(pieces)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            pass
+        finally:
+            with STATE.lock:
+                STATE.running.pop(rid, None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=8765)
+    args = parser.parse_args()
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    print(f"mock UI server on http://127.0.0.1:{args.port}/", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
