@@ -124,8 +124,9 @@ class Handler(BaseHTTPRequestHandler):
         if "!429" in last:
             self.error(429, "Too many requests: the server is at --max-concurrent-requests.", {"Retry-After": "3"})
             return
-        if "!400" in last:
-            self.error(400, "max_tokens (5000) + prompt (12) exceeds max_model_len (512)")
+        max_tokens = body.get("max_tokens") or 0
+        if "!400" in last or max_tokens > 500:
+            self.error(400, f"prompt (12 tokens) + max_tokens ({max_tokens}) exceeds max_model_len (512)")
             return
         self.stream(body, last)
 

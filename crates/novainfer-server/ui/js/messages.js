@@ -127,7 +127,8 @@ export class MessageView {
         actions.append(iconButton('regenerate', 'Regenerate reply', () => this.handlers.onRegenerate(msg),
           { disabled: this.busy, class: 'icon-btn regen-btn' }));
       }
-      if (msg.telemetry) actions.append(telemetryLine(msg.telemetry));
+      // A request that failed before any text has nothing worth measuring.
+      if (msg.telemetry && (msg.content || msg.reasoning)) actions.append(telemetryLine(msg.telemetry));
       article.append(actions);
     }
     return article;

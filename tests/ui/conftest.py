@@ -1,0 +1,97 @@
+"""Fixtures for the Web UI tests: a real `novainfer-server` on 127.0.0.1 serving the tiny random
+model, and headless Debian Chromium driven by Playwright for Python.
+
+Invariants:
+- Every test in this folder is marked `browser`; all of them skip, with the reason, when the
+  `playwright` package or a Chromium binary is missing (nothing here downloads a browser).
+- The server binary is found as $NOVAINFER_SERVER_BIN, else `novainfer-server` on PATH (what
+  `pip install .` installs), else the cargo release build; a missing binary is a failure, not a
+  skip, because a broken install must not pass quietly.
+- Each test gets a fresh browser context, so localStorage (the UI's conversations) starts empty;
+  the server is shared by the session and a test leaves no request running on it.
+- Screenshots go to tests/ui/screenshots/ (gitignored), named after the test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from harness import HERE, Server, chromium_path, new_context, start_server
+
+SCREENSHOTS = HERE / "screenshots"
+
+try:
+    from playwright.sync_api import Browser, BrowserContext, Page, sync_playwright
+except ImportError:  # pragma: no cover - exercised only where playwright is absent
+    sync_playwright = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "browser: drives the Web UI in headless Chromium (Playwright)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = None
+    if sync_playwright is None:
+        reason = "playwright is not installed (pip install playwright; scripts/test installs it)"
+    elif chromium_path() is None:
+        reason = "no Chromium binary (apt-get install chromium, or set NOVAINFER_CHROMIUM)"
+    for item in items:
+        if HERE in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.browser)
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+# ------------------------------------------------------------------ the server
+
+
+@pytest.fixture(scope="session")
+def server(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(tiny_models, tmp_path_factory.mktemp("ui-server") / "server.log")
+    yield srv
+    srv.stop()
+
+
+# ------------------------------------------------------------------ the browser
+
+
+@pytest.fixture(scope="session")
+def ui_browser() -> Iterator[Browser]:
+    with sync_playwright() as pw:
+        launched = pw.chromium.launch(executable_path=chromium_path(), args=["--no-sandbox"])
+        yield launched
+        launched.close()
+
+
+@pytest.fixture
+def ui_context(ui_browser: Browser) -> Iterator[BrowserContext]:
+    ctx = new_context(ui_browser)
+    yield ctx
+    ctx.close()
+
+
+@pytest.fixture
+def ui_page(ui_context: BrowserContext, server: Server) -> Iterator[Page]:
+    pg = ui_context.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda err: errors.append(str(err)))
+    pg.goto(server.url + "/")
+    pg.wait_for_selector("#prompt")
+    yield pg
+    assert not errors, f"uncaught errors in the page: {errors}"
+
+
+@pytest.fixture
+def shot(request: pytest.FixtureRequest):  # noqa: ANN201 - a callable
+    """shot(page, name) saves tests/ui/screenshots/<test>-<name>.png."""
+    SCREENSHOTS.mkdir(exist_ok=True)
+
+    def take(pg: Page, name: str, *, full_page: bool = False) -> Path:
+        path = SCREENSHOTS / f"{request.node.name}-{name}.png"
+        pg.screenshot(path=str(path), full_page=full_page)
+        return path
+
+    return take

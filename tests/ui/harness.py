@@ -1,0 +1,154 @@
+"""Helpers shared by the Web UI tests and their fixtures: finding Chromium and the server binary,
+running a novainfer-server (or the development mock) on a free 127.0.0.1 port, reading /metrics,
+and making browser contexts.
+
+Invariants: a Server is healthy when its constructor returns, and stop() always reaps the process;
+nothing here downloads anything.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser, BrowserContext
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+MODEL_NAME = "tiny-qwen2"
+CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "/usr/bin/chromium-browser")
+
+
+def chromium_path() -> str | None:
+    explicit = os.environ.get("NOVAINFER_CHROMIUM")
+    if explicit:
+        return explicit if Path(explicit).is_file() else None
+    return next((p for p in CHROMIUM_CANDIDATES if Path(p).is_file()), None)
+
+
+def server_binary() -> str:
+    explicit = os.environ.get("NOVAINFER_SERVER_BIN")
+    if explicit:
+        return explicit
+    on_path = shutil.which("novainfer-server")
+    if on_path:
+        return on_path
+    target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
+    built = target / "release" / "novainfer-server"
+    if built.is_file():
+        return str(built)
+    pytest.fail("novainfer-server not found: set NOVAINFER_SERVER_BIN, pip install ., or cargo build --release "
+                "-p novainfer-server")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A running novainfer-server process and its base URL."""
+
+    def __init__(self, model_dir: Path, log_path: Path, extra_args: tuple[str, ...] = ()) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        args = [server_binary(), "--model", str(model_dir), "--served-model-name", MODEL_NAME,
+                "--host", "127.0.0.1", "--port", str(self.port), "--kv-cache-bytes", str(64 << 20), *extra_args]
+        self.model = MODEL_NAME
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 120.0, path: str = "/health") -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"novainfer-server exited with {self.proc.returncode}:\n{self.log_text()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}{path}", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"novainfer-server did not become healthy in {timeout} s:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def get(self, path: str) -> str:
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=10) as response:
+            return response.read().decode()
+
+    def metric(self, name: str) -> float:
+        """Sum of a Prometheus series over its labels (e.g. every model's running requests)."""
+        text = self.get("/metrics")
+        values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+        assert values, f"/metrics has no series named {name}:\n{text[:2000]}"
+        return sum(values)
+
+    def wait_metric(self, name: str, value: float, timeout: float = 10.0) -> float:
+        deadline = time.monotonic() + timeout
+        current = self.metric(name)
+        while current != value and time.monotonic() < deadline:
+            time.sleep(0.05)
+            current = self.metric(name)
+        return current
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class MockServer(Server):
+    """tests/ui/mock_server.py in place of the real server: NOVAINFER_UI_TEST_SERVER=mock, for
+    working on the UI before the server builds. Never the default."""
+
+    def __init__(self, log_path: Path) -> None:  # noqa: D107 - pylint: disable=super-init-not-called
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = "mock-qwen2"
+        self.log_path = log_path
+        self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "mock_server.py"), "--port", str(self.port)],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.wait_ready(path="/v1/models")
+
+
+def start_server(tiny_models: dict[str, Path], log_path: Path, extra_args: tuple[str, ...] = ()) -> Server:
+    if os.environ.get("NOVAINFER_UI_TEST_SERVER") == "mock":
+        return MockServer(log_path)
+    return Server(tiny_models["f32"], log_path, extra_args)
+
+
+def new_context(browser: Browser, **overrides: object) -> BrowserContext:
+    # bypass_csp: Playwright evaluates its helpers with eval(), which the page's own CSP forbids.
+    # It also makes the injection test stricter: the renderer must be safe without CSP's help.
+    options: dict[str, object] = {"viewport": {"width": 1280, "height": 860}, "bypass_csp": True,
+                                  "color_scheme": "light"}
+    options.update(overrides)
+    return browser.new_context(**options)
+
+
