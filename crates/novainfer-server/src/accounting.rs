@@ -1,0 +1,167 @@
+//! Per-request bookkeeping shared by completions and chat: each choice's text, tokens,
+//! logprobs and finish reason as deltas arrive, timing into the metrics histograms, usage,
+//! and the conversion of engine logprobs into both OpenAI logprob shapes.
+
+use std::time::Instant;
+
+use novainfer_engine::tokenizer::Tokenizer;
+use novainfer_engine::{Delta, TokenLogprob};
+use serde_json::{Map, Value};
+
+use crate::metrics::ModelMetrics;
+use crate::protocol::response::{ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob, Usage};
+
+#[derive(Debug, Default, Clone)]
+pub struct ChoiceState {
+    pub text: String,
+    pub num_tokens: usize,
+    pub finish_reason: Option<&'static str>,
+    pub logprobs: Vec<TokenLogprob>,
+    last_token: Option<Instant>,
+}
+
+/// Everything a request has produced so far.
+pub struct RunState {
+    pub arrival: Instant,
+    first_token: Option<Instant>,
+    pub choices: Vec<ChoiceState>,
+    n: usize,
+    prompt_lens: Vec<usize>,
+    cached: Vec<usize>,
+}
+
+impl RunState {
+    pub fn new(arrival: Instant, prompt_lens: Vec<usize>, n: usize) -> Self {
+        Self {
+            arrival,
+            first_token: None,
+            choices: vec![ChoiceState::default(); prompt_lens.len() * n],
+            n,
+            cached: vec![0; prompt_lens.len()],
+            prompt_lens,
+        }
+    }
+
+    /// Folds in one delta of prompt `prompt`; returns the OpenAI choice index it belongs to.
+    pub fn record(&mut self, prompt: usize, delta: &Delta, metrics: &ModelMetrics, now: Instant) -> usize {
+        // Choices are numbered prompt-major, as OpenAI numbers them for a list of prompts.
+        let index = prompt * self.n + delta.index.min(self.n - 1);
+        self.cached[prompt] = self.cached[prompt].max(delta.num_cached_tokens);
+        let choice = &mut self.choices[index];
+        let k = delta.token_ids.len();
+        if k > 0 {
+            if self.first_token.is_none() {
+                self.first_token = Some(now);
+                metrics.ttft.observe(now.duration_since(self.arrival).as_secs_f64());
+            }
+            if let Some(last) = choice.last_token {
+                let per_token = now.duration_since(last).as_secs_f64() / k as f64;
+                for _ in 0..k {
+                    metrics.itl.observe(per_token);
+                }
+            }
+            choice.last_token = Some(now);
+        }
+        choice.text.push_str(&delta.text);
+        choice.num_tokens += k;
+        choice.logprobs.extend(delta.logprobs.iter().cloned());
+        if let Some(reason) = delta.finish_reason {
+            choice.finish_reason = Some(reason.as_str());
+        }
+        index
+    }
+
+    pub fn usage(&self) -> Usage {
+        Usage::new(
+            self.prompt_lens.iter().sum(),
+            self.choices.iter().map(|c| c.num_tokens).sum(),
+            self.cached.iter().sum(),
+        )
+    }
+
+    /// The first choice's finish reason, `abort` if it never finished.
+    pub fn finish_reason(&self) -> &'static str {
+        self.choices.first().and_then(|c| c.finish_reason).unwrap_or("abort")
+    }
+
+    pub fn all_finished(&self) -> bool {
+        self.choices.iter().all(|c| c.finish_reason.is_some())
+    }
+}
+
+/// A token's text as the client sees it (special tokens spelled out).
+fn token_text(tokenizer: &Tokenizer, id: u32) -> String {
+    tokenizer.decode(&[id], false).unwrap_or_default()
+}
+
+/// Completions-style logprobs of `logprobs`, whose text starts at `offset` in the choice's text.
+pub fn completion_logprobs(tokenizer: &Tokenizer, logprobs: &[TokenLogprob], mut offset: usize) -> CompletionLogprobs {
+    let mut out = CompletionLogprobs::default();
+    for lp in logprobs {
+        let token = token_text(tokenizer, lp.token_id);
+        out.text_offset.push(offset);
+        offset += token.len();
+        out.tokens.push(token);
+        out.token_logprobs.push(lp.logprob);
+        let top: Map<String, Value> = lp
+            .top
+            .iter()
+            .map(|&(id, logprob)| (token_text(tokenizer, id), Value::from(logprob as f64)))
+            .collect();
+        out.top_logprobs.push(top);
+    }
+    out
+}
+
+pub fn chat_logprobs(tokenizer: &Tokenizer, logprobs: &[TokenLogprob]) -> ChatLogprobs {
+    let entry = |id: u32, logprob: f32| {
+        let token = token_text(tokenizer, id);
+        TopLogprob { bytes: token.as_bytes().to_vec(), token, logprob }
+    };
+    ChatLogprobs {
+        content: logprobs
+            .iter()
+            .map(|lp| {
+                let chosen = entry(lp.token_id, lp.logprob);
+                ChatTokenLogprob {
+                    token: chosen.token,
+                    logprob: chosen.logprob,
+                    bytes: chosen.bytes,
+                    top_logprobs: lp.top.iter().map(|&(id, l)| entry(id, l)).collect(),
+                }
+            })
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use novainfer_core::FinishReason;
+
+    fn delta(index: usize, ids: &[u32], text: &str, finish: Option<FinishReason>, cached: usize) -> Delta {
+        Delta {
+            index,
+            text: text.into(),
+            token_ids: ids.to_vec(),
+            finish_reason: finish,
+            num_cached_tokens: cached,
+            ..Delta::default()
+        }
+    }
+
+    #[test]
+    fn choices_are_prompt_major_and_usage_adds_up() {
+        let metrics = ModelMetrics::default();
+        let t0 = Instant::now();
+        let mut run = RunState::new(t0, vec![5, 7], 2);
+        assert_eq!(run.record(1, &delta(1, &[3], "a", None, 4), &metrics, t0), 3);
+        assert_eq!(run.record(0, &delta(0, &[3, 4], "bc", Some(FinishReason::Stop), 0), &metrics, t0), 0);
+        run.record(1, &delta(1, &[9], "d", Some(FinishReason::Length), 4), &metrics, t0);
+        assert_eq!(run.choices[3].text, "ad");
+        assert_eq!(run.choices[3].finish_reason, Some("length"));
+        assert_eq!(run.finish_reason(), "stop");
+        assert!(!run.all_finished());
+        assert_eq!(run.usage(), Usage::new(12, 4, 4));
+    }
+}

@@ -1,0 +1,207 @@
+//! Command-line arguments of `novainfer-server` (and `novainfer serve`, which passes its
+//! arguments through unchanged). Engine options mirror the Python `LLM(...)` keywords.
+
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use novainfer_core::{KvLayout, ParamError};
+use novainfer_engine::{EngineConfig, KvBudget, DEFAULT_KV_CACHE_BYTES};
+use novainfer_model::DtypeChoice;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ReasoningParser {
+    /// On when the tokenizer knows a `</think>` token.
+    Auto,
+    /// DeepSeek-R1 style `<think>...</think>`.
+    DeepseekR1,
+    None,
+}
+
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "novainfer-server",
+    version,
+    about = "OpenAI-compatible HTTP server (with a Web UI at /) for Qwen2-family models"
+)]
+pub struct ServeArgs {
+    /// HF model directory, .gguf file, or demo-model name (cached by `novainfer fetch`).
+    /// Repeat to serve several models; requests pick one by `model`.
+    #[arg(long, short = 'm', default_value = "qwen2.5-coder-0.5b")]
+    pub model: Vec<String>,
+    /// Name clients use in `model`, one per --model in order (default: the demo name, or the
+    /// file/directory name).
+    #[arg(long)]
+    pub served_model_name: Vec<String>,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// TCP port; 0 picks a free one (the printed URL shows which).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+
+    // Engine options, as in `LLM(...)`.
+    /// Weight dtype for safetensors models: auto, f32, bf16, f16.
+    #[arg(long, default_value = "auto")]
+    pub dtype: String,
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Seed for requests that bring none.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long)]
+    pub requantize_q5_0: bool,
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// KV cache size in bytes (default 2 GiB).
+    #[arg(long, conflicts_with = "kv_cache_fraction")]
+    pub kv_cache_bytes: Option<usize>,
+    /// KV cache as a fraction of the memory available after loading the model.
+    #[arg(long)]
+    pub kv_cache_fraction: Option<f64>,
+    #[arg(long, default_value_t = 64)]
+    pub max_num_seqs: usize,
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
+    /// block (paged, prefix caching) or slot (llama.cpp-style cells).
+    #[arg(long, default_value = "block")]
+    pub kv_layout: String,
+    /// CPU threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+
+    // Serving options.
+    /// Requests in the engine at once; more wait in the queue.
+    #[arg(long, default_value_t = 256)]
+    pub max_concurrent_requests: usize,
+    /// Requests waiting for a slot; past this, 429 with Retry-After.
+    #[arg(long, default_value_t = 1024)]
+    pub max_queued_requests: usize,
+    /// Largest request body in bytes (413 past it).
+    #[arg(long, default_value_t = 4 << 20)]
+    pub max_body_bytes: usize,
+    /// Require `Authorization: Bearer <key>` on the API (repeatable; also NOVAINFER_API_KEY).
+    #[arg(long, env = "NOVAINFER_API_KEY", value_delimiter = ',')]
+    pub api_key: Vec<String>,
+    /// Tokens (prompt + completion) each user may spend per --user-budget-window.
+    #[arg(long)]
+    pub user_token_budget: Option<u64>,
+    #[arg(long, default_value_t = 3600)]
+    pub user_budget_window: u64,
+    /// Allow cross-origin requests from these origins (`*` for any). Off by default.
+    #[arg(long)]
+    pub cors_allow_origin: Vec<String>,
+    /// Longest a request may take in seconds, queueing included (0: no limit). A request's
+    /// own `timeout` field can only lower it.
+    #[arg(long, default_value_t = 600.0)]
+    pub request_timeout: f64,
+    /// Sessions idle this many seconds are forgotten.
+    #[arg(long, default_value_t = 1800)]
+    pub session_ttl: u64,
+    #[arg(long, default_value_t = 10_000)]
+    pub max_sessions: usize,
+    /// Seconds between SSE keep-alive comments.
+    #[arg(long, default_value_t = 15.0)]
+    pub keep_alive: f64,
+    #[arg(long, value_enum, default_value_t = ReasoningParser::Auto)]
+    pub reasoning_parser: ReasoningParser,
+}
+
+/// Argument values clap cannot check on its own.
+#[derive(Debug, thiserror::Error)]
+pub enum ArgsError {
+    #[error("{0}")]
+    Param(#[from] ParamError),
+    #[error("--served-model-name given {names} times for {models} --model values")]
+    NameCount { names: usize, models: usize },
+    #[error("--{flag} must be {what}, got {value}")]
+    Range { flag: &'static str, what: &'static str, value: String },
+}
+
+impl ServeArgs {
+    pub fn check(&self) -> Result<(), ArgsError> {
+        if !self.served_model_name.is_empty() && self.served_model_name.len() != self.model.len() {
+            return Err(ArgsError::NameCount {
+                names: self.served_model_name.len(),
+                models: self.model.len(),
+            });
+        }
+        let positive = |flag, ok: bool, value: String| {
+            if ok {
+                Ok(())
+            } else {
+                Err(ArgsError::Range { flag, what: "positive", value })
+            }
+        };
+        positive("max-concurrent-requests", self.max_concurrent_requests > 0, self.max_concurrent_requests.to_string())?;
+        positive("max-body-bytes", self.max_body_bytes > 0, self.max_body_bytes.to_string())?;
+        positive("keep-alive", self.keep_alive.is_finite() && self.keep_alive > 0.0, self.keep_alive.to_string())?;
+        positive("user-budget-window", self.user_budget_window > 0, self.user_budget_window.to_string())?;
+        if !(self.request_timeout.is_finite() && self.request_timeout >= 0.0) {
+            return Err(ArgsError::Range {
+                flag: "request-timeout",
+                what: "a number of seconds >= 0",
+                value: self.request_timeout.to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    pub fn engine_config(&self, model: std::path::PathBuf) -> Result<EngineConfig, ArgsError> {
+        let dtype = DtypeChoice::parse(&self.dtype).map_err(|_| {
+            ParamError::new("dtype", format!("must be one of auto, f32, bf16, f16; got {:?}", self.dtype))
+        })?;
+        let kv_layout: KvLayout = self.kv_layout.parse()?;
+        let kv_cache = match (self.kv_cache_bytes, self.kv_cache_fraction) {
+            (_, Some(f)) => KvBudget::FractionOfAvailable(f),
+            (Some(b), None) => KvBudget::Bytes(b),
+            (None, None) => KvBudget::Bytes(DEFAULT_KV_CACHE_BYTES),
+        };
+        let mut cfg = EngineConfig::new(model);
+        cfg.dtype = dtype;
+        cfg.max_model_len = self.max_model_len;
+        cfg.seed = self.seed;
+        cfg.requantize_q5_0 = self.requantize_q5_0;
+        cfg.block_size = self.block_size;
+        cfg.kv_layout = kv_layout;
+        cfg.kv_cache = kv_cache;
+        cfg.max_num_seqs = self.max_num_seqs;
+        cfg.max_num_batched_tokens = self.max_num_batched_tokens;
+        cfg.enable_prefix_caching = !self.no_enable_prefix_caching;
+        Ok(cfg)
+    }
+
+    /// The server-wide timeout, if any.
+    pub fn timeout(&self) -> Option<Duration> {
+        (self.request_timeout > 0.0).then(|| Duration::from_secs_f64(self.request_timeout))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> ServeArgs {
+        ServeArgs::try_parse_from(std::iter::once("novainfer-server").chain(args.iter().copied())).expect("parses")
+    }
+
+    #[test]
+    fn defaults_and_engine_config() {
+        let a = parse(&[]);
+        assert_eq!(a.model, vec!["qwen2.5-coder-0.5b"]);
+        assert_eq!((a.host.as_str(), a.port), ("127.0.0.1", 8000));
+        a.check().expect("defaults are valid");
+        let cfg = a.engine_config("/m".into()).expect("valid");
+        assert!(cfg.enable_prefix_caching);
+        assert_eq!(cfg.max_num_seqs, 64);
+    }
+
+    #[test]
+    fn bad_values_are_refused() {
+        assert!(parse(&["--dtype", "f8"]).engine_config("/m".into()).is_err());
+        assert!(parse(&["--kv-layout", "x"]).engine_config("/m".into()).is_err());
+        assert!(parse(&["--model", "a", "--model", "b", "--served-model-name", "x"]).check().is_err());
+        assert!(parse(&["--max-concurrent-requests", "0"]).check().is_err());
+        assert!(ServeArgs::try_parse_from(["s", "--port", "70000"]).is_err());
+    }
+}

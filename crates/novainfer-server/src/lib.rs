@@ -1,0 +1,176 @@
+//! `novainfer-server`: NovaInfer's OpenAI-compatible HTTP server (axum + SSE) with the
+//! embedded Web UI. [`serve`] loads every `--model`, binds, prints the URL and serves until
+//! SIGINT/SIGTERM; the `novainfer-server` binary and Python's `novainfer serve` both call it.
+
+pub mod accounting;
+pub mod args;
+pub mod error;
+pub mod generation;
+pub mod limits;
+pub mod metrics;
+pub mod models;
+pub mod params;
+pub mod protocol;
+pub mod reasoning;
+mod routes;
+pub mod sessions;
+pub mod sse;
+pub mod state;
+mod ui;
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub use args::ServeArgs;
+use novainfer_engine::{EngineError, EngineHandle};
+
+use crate::generation::CancelRegistry;
+use crate::limits::{Admission, ApiKeys, TokenBudget};
+use crate::metrics::ServerMetrics;
+use crate::models::{Models, ServedModel};
+use crate::sessions::SessionStore;
+use crate::state::AppState;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Args(#[from] args::ArgsError),
+    #[error(transparent)]
+    Resolve(#[from] models::ResolveError),
+    #[error("loading model {model}: {source}")]
+    Load { model: String, source: EngineError },
+    #[error("two models are served as {0:?}; give each a distinct --served-model-name")]
+    DuplicateName(String),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: String, source: std::io::Error },
+    #[error("server error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Logs to stderr; `RUST_LOG` overrides the default `info`. A second call is a no-op.
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+fn load_models(args: &ServeArgs) -> Result<Models, ServeError> {
+    let created = protocol::response::unix_now();
+    let mut models: Vec<Arc<ServedModel>> = Vec::new();
+    for (i, spec) in args.model.iter().enumerate() {
+        let (path, default_name) = models::resolve(spec)?;
+        let name = args.served_model_name.get(i).cloned().unwrap_or(default_name);
+        if models.iter().any(|m| m.name == name) {
+            return Err(ServeError::DuplicateName(name));
+        }
+        tracing::info!(model = %name, path = %path.display(), "loading model");
+        let handle = EngineHandle::spawn(&args.engine_config(path.clone())?)
+            .map_err(|source| ServeError::Load { model: spec.clone(), source })?;
+        let served = ServedModel::new(name, path, handle, args.reasoning_parser, created);
+        tracing::info!(model = %served.name, max_model_len = served.frontend.max_model_len(), reasoning = served.reasoning, "model ready");
+        models.push(Arc::new(served));
+    }
+    Ok(Models(models))
+}
+
+fn app_state(args: &ServeArgs, models: Models) -> AppState {
+    AppState {
+        models,
+        admission: Admission::new(args.max_concurrent_requests, args.max_queued_requests),
+        budget: args
+            .user_token_budget
+            .map(|limit| TokenBudget::new(limit, Duration::from_secs(args.user_budget_window))),
+        api_keys: ApiKeys::new(&args.api_key),
+        sessions: SessionStore::new(Duration::from_secs(args.session_ttl), args.max_sessions),
+        cancels: Arc::new(CancelRegistry::default()),
+        metrics: ServerMetrics::default(),
+        timeout: args.timeout(),
+        keep_alive: Duration::from_secs_f64(args.keep_alive),
+        max_body_bytes: args.max_body_bytes,
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}
+
+/// Runs the server until SIGINT or SIGTERM. Blocks the calling thread.
+pub fn serve(args: ServeArgs) -> Result<(), ServeError> {
+    init_tracing();
+    args.check()?;
+    if let Some(threads) = args.threads {
+        // candle's thread pool reads this once, when it starts: before any model loads.
+        std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    }
+    let models = load_models(&args)?;
+    let names = models.names();
+    let state = Arc::new(app_state(&args, models));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("novainfer-http")
+        .build()?;
+    runtime.block_on(async move {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .map_err(|source| ServeError::Bind { addr: addr.clone(), source })?;
+        let local = listener.local_addr()?;
+        let host = if local.is_ipv6() { format!("[{}]", local.ip()) } else { local.ip().to_string() };
+        let url = format!("http://{host}:{}", local.port());
+        // The one line on stdout: scripts and tests read the URL from it.
+        println!("NovaInfer is serving {} at {url} (Web UI: {url}/, OpenAI API: {url}/v1)", names.join(", "));
+        let _ = std::io::stdout().flush();
+        spawn_session_expiry(state.clone());
+        let app = routes::router(state, &args.cors_allow_origin);
+        let stop = Arc::new(tokio::sync::Notify::new());
+        let server = axum::serve(listener, app).with_graceful_shutdown({
+            let stop = stop.clone();
+            async move {
+                shutdown_signal().await;
+                tracing::info!("shutting down");
+                stop.notify_one();
+            }
+        });
+        // Open SSE streams would hold a graceful shutdown forever: give them a few seconds.
+        tokio::select! {
+            r = server => r?,
+            _ = async { stop.notified().await; tokio::time::sleep(Duration::from_secs(3)).await } => {}
+        }
+        Ok::<_, ServeError>(())
+    })
+}
+
+fn spawn_session_expiry(state: Arc<AppState>) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(30));
+        loop {
+            tick.tick().await;
+            state.sessions.expire(Instant::now());
+        }
+    });
+}
+
+/// Parses `argv` (without the program name) the way the binary does. `Err` carries clap's
+/// message, including `--help` and `--version` output (check `use_stderr` to tell them apart).
+pub fn parse_args<I: IntoIterator<Item = String>>(argv: I) -> Result<ServeArgs, clap::Error> {
+    use clap::Parser;
+    ServeArgs::try_parse_from(std::iter::once("novainfer-server".to_owned()).chain(argv))
+}

@@ -1,0 +1,5 @@
+//! The OpenAI wire format: request bodies in, response objects out.
+
+pub mod inputs;
+pub mod request;
+pub mod response;

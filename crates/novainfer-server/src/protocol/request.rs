@@ -1,0 +1,271 @@
+//! Request bodies as OpenAI clients send them, and the one function that parses them.
+//!
+//! Parse, don't validate: a body becomes a typed request or an [`ApiError`] naming the
+//! field at fault. Unknown fields are rejected (a typo such as `max_token` would otherwise
+//! be silently ignored); OpenAI features this server does not implement are rejected by
+//! name. Fields whose JSON type varies (`prompt`, `stop`, `input`, message `content`) are
+//! kept as raw JSON here and converted with precise messages in [`super::inputs`].
+
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use crate::error::ApiError;
+
+/// Fields shared by `/v1/completions` and `/v1/chat/completions`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SharedFields {
+    pub model: Option<String>,
+    pub max_tokens: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub seed: Option<i64>,
+    pub stop: Option<Value>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub ignore_eos: Option<bool>,
+    pub n: Option<i64>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub user: Option<String>,
+    /// Seconds this request may take (capped by the server's `--request-timeout`).
+    pub timeout: Option<f64>,
+}
+
+/// Must list exactly the fields of [`SharedFields`] (checked by a unit test).
+pub const SHARED_FIELDS: &[&str] = &[
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "n",
+    "stream",
+    "stream_options",
+    "user",
+    "timeout",
+];
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+}
+
+/// OpenAI fields we know and deliberately do not implement: named in the error.
+const UNSUPPORTED_FIELDS: &[&str] = &[
+    "best_of",
+    "suffix",
+    "logit_bias",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "response_format",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+];
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompletionFields {
+    pub prompt: Value,
+    pub echo: Option<bool>,
+    pub logprobs: Option<i64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChatFields {
+    pub messages: Value,
+    pub max_completion_tokens: Option<i64>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<i64>,
+    /// Server-kept conversation (also `X-Session-Id`).
+    pub session_id: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EmbeddingRequest {
+    pub model: Option<String>,
+    pub input: Value,
+    pub encoding_format: Option<String>,
+    pub dimensions: Option<i64>,
+    pub user: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizeRequest {
+    pub model: Option<String>,
+    pub prompt: Option<String>,
+    pub messages: Option<Value>,
+    pub add_special_tokens: Option<bool>,
+    pub add_generation_prompt: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DetokenizeRequest {
+    pub model: Option<String>,
+    pub tokens: Vec<u32>,
+}
+
+/// A generation request: the endpoint's own fields plus the shared ones.
+#[derive(Debug)]
+pub struct GenerationBody<T> {
+    pub own: T,
+    pub shared: SharedFields,
+}
+
+pub type CompletionRequest = GenerationBody<CompletionFields>;
+pub type ChatRequest = GenerationBody<ChatFields>;
+
+fn object(bytes: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    let value: Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::invalid(format!("the request body is not valid JSON: {e}")))?;
+    match value {
+        Value::Object(map) => Ok(map),
+        other => Err(ApiError::invalid(format!(
+            "the request body must be a JSON object, got {}",
+            json_type(&other)
+        ))),
+    }
+}
+
+pub fn json_type(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Deserializes `value` into `T`; a type error names the field it is in.
+fn typed<T: DeserializeOwned>(value: Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner().to_string();
+        if path.is_empty() || path == "." {
+            // `unknown field` and `missing field` errors carry the name in the message.
+            ApiError::invalid(inner.clone()).with_param(field_in(&inner).unwrap_or_default())
+        } else {
+            let param = path.split(['.', '[']).next().unwrap_or(&path).to_owned();
+            ApiError::invalid_param(param, format!("{path}: {inner}"))
+        }
+    })
+}
+
+/// The backquoted field name in a serde `unknown field`/`missing field` message.
+fn field_in(message: &str) -> Option<String> {
+    let start = message.find('`')? + 1;
+    let len = message[start..].find('`')?;
+    Some(message[start..start + len].to_owned())
+}
+
+fn reject_unsupported(map: &Map<String, Value>) -> Result<(), ApiError> {
+    match map.keys().find(|k| UNSUPPORTED_FIELDS.contains(&k.as_str())) {
+        Some(k) => Err(ApiError::invalid_param(
+            k.clone(),
+            format!("`{k}` is not supported by this server"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Parses a completions or chat body: shared fields and the endpoint's own fields `T`.
+pub fn parse_generation<T: DeserializeOwned>(bytes: &[u8]) -> Result<GenerationBody<T>, ApiError> {
+    let map = object(bytes)?;
+    reject_unsupported(&map)?;
+    let (shared, own): (Map<_, _>, Map<_, _>) = map
+        .into_iter()
+        .partition(|(k, _)| SHARED_FIELDS.contains(&k.as_str()));
+    Ok(GenerationBody {
+        own: typed(Value::Object(own))?,
+        shared: typed(Value::Object(shared))?,
+    })
+}
+
+/// Parses the body of a non-generating endpoint.
+pub fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let map = object(bytes)?;
+    reject_unsupported(&map)?;
+    typed(Value::Object(map))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: &str) -> Result<ChatRequest, ApiError> {
+        parse_generation(body.as_bytes())
+    }
+
+    #[test]
+    fn splits_shared_and_own_fields() {
+        let r = chat(r#"{"model":"m","messages":[],"max_tokens":5,"session_id":"s","temperature":0}"#)
+            .expect("valid body");
+        assert_eq!(r.shared.model.as_deref(), Some("m"));
+        assert_eq!(r.shared.max_tokens, Some(5));
+        assert_eq!(r.shared.temperature, Some(0.0));
+        assert_eq!(r.own.session_id.as_deref(), Some("s"));
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = chat(r#"{"messages":[],"max_tokens":"five"}"#).expect_err("wrong type");
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        assert_eq!(e.status, 400);
+        let e = chat(r#"{"messages":[],"max_token":5}"#).expect_err("unknown field");
+        assert_eq!(e.param.as_deref(), Some("max_token"));
+        let e = chat(r#"{"max_tokens":5}"#).expect_err("missing field");
+        assert_eq!(e.param.as_deref(), Some("messages"));
+        let e = chat(r#"{"messages":[],"tools":[]}"#).expect_err("unsupported");
+        assert!(e.message.contains("not supported"), "{}", e.message);
+        let e = chat(r#"{"messages":[],"stream_options":{"include_usage":3}}"#).expect_err("nested");
+        assert_eq!(e.param.as_deref(), Some("stream_options"));
+    }
+
+    #[test]
+    fn bad_json_and_non_objects_are_400() {
+        for body in ["{", "[]", "3", "", "null", "\"x\""] {
+            let e = chat(body).expect_err(body);
+            assert_eq!(e.status, 400, "{body}");
+        }
+    }
+
+    #[test]
+    fn shared_field_list_matches_the_struct() {
+        // Every listed field is accepted by the struct (deny_unknown_fields would refuse one
+        // that is not), so a field can neither be listed and missing nor present and unlisted
+        // without one of these two checks failing.
+        let all: Map<String, Value> = SHARED_FIELDS.iter().map(|f| (f.to_string(), Value::Null)).collect();
+        typed::<SharedFields>(Value::Object(all)).expect("every listed field exists");
+        let e = typed::<SharedFields>(serde_json::json!({"nope": 1})).expect_err("unknown");
+        let listed = e.message;
+        for f in SHARED_FIELDS {
+            assert!(listed.contains(&format!("`{f}`")), "{f} missing from {listed}");
+        }
+        assert_eq!(listed.matches('`').count() / 2 - 1, SHARED_FIELDS.len(), "{listed}");
+    }
+}

@@ -1,0 +1,74 @@
+//! `POST /v1/embeddings`: one unit-length vector per input, the final hidden state of the
+//! input's last token (see docs/api.md), as floats or base64 little-endian f32.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
+use serde_json::{json, Value};
+
+use super::JsonBody;
+use crate::error::ApiError;
+use crate::protocol::inputs;
+use crate::protocol::request::{parse, EmbeddingRequest};
+use crate::state::AppState;
+
+pub async fn embeddings(State(app): State<Arc<AppState>>, JsonBody(body): JsonBody) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    let req: EmbeddingRequest = parse(&body)?;
+    let model = app.models.get(req.model.as_deref())?;
+    let base64 = match req.encoding_format.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => {
+            return Err(ApiError::invalid_param(
+                "encoding_format",
+                format!("encoding_format must be \"float\" or \"base64\", got {other:?}"),
+            ))
+        }
+    };
+    if let Some(d) = req.dimensions {
+        return Err(ApiError::invalid_param(
+            "dimensions",
+            format!("dimensions is not supported (embeddings have the model's hidden size); got {d}"),
+        ));
+    }
+    let prompts = inputs::prompts(&req.input, "input")?;
+    let _permit = app.admission.admit().await.inspect_err(|e| app.metrics.rejected(e.code.unwrap_or_default()))?;
+    let handle = model.handle.clone();
+    let (vectors, prompt_tokens) = tokio::task::spawn_blocking(move || {
+        let mut vectors = Vec::with_capacity(prompts.len());
+        let mut prompt_tokens = 0;
+        for p in &prompts {
+            let ids = handle.frontend().prompt_token_ids(p)?;
+            prompt_tokens += ids.len();
+            vectors.push(handle.embed(ids)?);
+        }
+        Ok::<_, ApiError>((vectors, prompt_tokens))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("embedding failed: {e}")))??;
+    let data: Vec<Value> = vectors
+        .into_iter()
+        .enumerate()
+        .map(|(index, v)| {
+            let embedding = if base64 {
+                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                Value::from(base64::engine::general_purpose::STANDARD.encode(bytes))
+            } else {
+                Value::from(v)
+            };
+            json!({"object": "embedding", "index": index, "embedding": embedding})
+        })
+        .collect();
+    tracing::debug!(model = %model.name, inputs = data.len(), elapsed_ms = started.elapsed().as_secs_f64() * 1e3, "embeddings");
+    Ok(axum::Json(json!({
+        "object": "list",
+        "data": data,
+        "model": model.name,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }))
+    .into_response())
+}

@@ -1,0 +1,114 @@
+//! The small endpoints: models, health, version, metrics, tokenize/detokenize, cancel.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use novainfer_engine::Prompt;
+use serde_json::{json, Value};
+
+use super::JsonBody;
+use crate::error::ApiError;
+use crate::metrics::{render, ModelSnapshot};
+use crate::models::ServedModel;
+use crate::protocol::inputs;
+use crate::protocol::request::{parse, DetokenizeRequest, TokenizeRequest};
+use crate::state::AppState;
+
+fn model_card(m: &ServedModel) -> Value {
+    json!({
+        "id": m.name,
+        "object": "model",
+        "created": m.created,
+        "owned_by": "novainfer",
+        "root": m.path.display().to_string(),
+        "max_model_len": m.frontend.max_model_len(),
+    })
+}
+
+pub async fn list_models(State(app): State<Arc<AppState>>) -> Response {
+    let data: Vec<Value> = app.models.0.iter().map(|m| model_card(m)).collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+pub async fn get_model(State(app): State<Arc<AppState>>, Path(model): Path<String>) -> Result<Response, ApiError> {
+    let m = app.models.get(Some(&model))?;
+    Ok(axum::Json(model_card(&m)).into_response())
+}
+
+pub async fn health() -> Response {
+    axum::Json(json!({"status": "ok"})).into_response()
+}
+
+pub async fn version() -> Response {
+    axum::Json(json!({"version": env!("CARGO_PKG_VERSION")})).into_response()
+}
+
+pub async fn metrics(State(app): State<Arc<AppState>>) -> Response {
+    let models: Vec<Arc<ServedModel>> = app.models.0.clone();
+    // Engine stats wait for the engine thread (at most one step): off the async workers.
+    let stats = tokio::task::spawn_blocking(move || models.iter().map(|m| m.handle.stats().ok()).collect::<Vec<_>>())
+        .await
+        .unwrap_or_default();
+    let snapshots: Vec<ModelSnapshot<'_>> = app
+        .models
+        .0
+        .iter()
+        .zip(stats.into_iter().chain(std::iter::repeat(None)))
+        .map(|(m, engine)| ModelSnapshot { name: &m.name, metrics: &m.metrics, engine })
+        .collect();
+    let text = render(&app.metrics, app.admission.num_queued(), app.admission.num_running(), &snapshots);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
+
+pub async fn tokenize(State(app): State<Arc<AppState>>, JsonBody(body): JsonBody) -> Result<Response, ApiError> {
+    let req: TokenizeRequest = parse(&body)?;
+    let model = app.models.get(req.model.as_deref())?;
+    let frontend = model.frontend.clone();
+    let ids = tokio::task::spawn_blocking(move || match (req.prompt, req.messages) {
+        (Some(prompt), None) => Ok(frontend.tokenizer().encode(&prompt, req.add_special_tokens.unwrap_or(true))?),
+        (None, Some(messages)) => {
+            let messages = inputs::messages(&messages)?;
+            let text = frontend.apply_chat_template(&messages, req.add_generation_prompt.unwrap_or(true))?;
+            Ok(frontend.tokenizer().encode(&text, req.add_special_tokens.unwrap_or(false))?)
+        }
+        _ => Err(ApiError::invalid("give exactly one of `prompt` and `messages`")),
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))??;
+    Ok(axum::Json(json!({
+        "count": ids.len(),
+        "max_model_len": model.frontend.max_model_len(),
+        "tokens": ids,
+    }))
+    .into_response())
+}
+
+pub async fn detokenize(State(app): State<Arc<AppState>>, JsonBody(body): JsonBody) -> Result<Response, ApiError> {
+    let req: DetokenizeRequest = parse(&body)?;
+    let model = app.models.get(req.model.as_deref())?;
+    let frontend = model.frontend.clone();
+    let text = tokio::task::spawn_blocking(move || {
+        if req.tokens.is_empty() {
+            return Ok(String::new());
+        }
+        // Range-checks every id against the vocabulary.
+        let ids = frontend
+            .prompt_token_ids(&Prompt::TokenIds(req.tokens))
+            .map_err(|e| ApiError::from(e).with_param("tokens"))?;
+        Ok::<_, ApiError>(frontend.tokenizer().decode(&ids, false)?)
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("detokenizing failed: {e}")))??;
+    Ok(axum::Json(json!({"prompt": text})).into_response())
+}
+
+/// Aborts a request in flight by its response id (`chatcmpl-…`, `cmpl-…`) or X-Request-Id.
+pub async fn cancel(State(app): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Response, ApiError> {
+    if app.cancels.cancel(&id) {
+        Ok(axum::Json(json!({"id": id, "object": "request.cancel", "cancelled": true})).into_response())
+    } else {
+        Err(ApiError::not_found(format!("no request {id:?} is in flight")).with_param("id"))
+    }
+}

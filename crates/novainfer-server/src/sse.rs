@@ -1,0 +1,43 @@
+//! Server-sent events framing, as OpenAI streams them: one `data: <json>` event per chunk,
+//! `: keep-alive` comments while nothing happens, and `data: [DONE]` last.
+//!
+//! Invariant: JSON is serialized without raw newlines (serde_json escapes them inside
+//! strings), so every event is exactly one `data:` line followed by a blank line.
+
+use axum::body::Bytes;
+use serde::Serialize;
+
+pub fn data<T: Serialize>(value: &T) -> Bytes {
+    let json = serde_json::to_string(value).unwrap_or_else(|e| {
+        // Serializing our own response types cannot fail; if it ever does, say so in-band.
+        format!(r#"{{"error":{{"message":"cannot serialize a chunk: {e}","type":"server_error","param":null,"code":null}}}}"#)
+    });
+    Bytes::from(format!("data: {json}\n\n"))
+}
+
+pub fn done() -> Bytes {
+    Bytes::from_static(b"data: [DONE]\n\n")
+}
+
+pub fn keep_alive() -> Bytes {
+    Bytes::from_static(b": keep-alive\n\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_line_per_event_even_with_newlines_in_text() {
+        let event = data(&serde_json::json!({"text": "a\nb\r\n"}));
+        let s = std::str::from_utf8(&event).unwrap();
+        assert_eq!(s, "data: {\"text\":\"a\\nb\\r\\n\"}\n\n");
+        assert_eq!(s.matches('\n').count(), 2);
+    }
+
+    #[test]
+    fn done_and_comments() {
+        assert_eq!(&done()[..], b"data: [DONE]\n\n");
+        assert!(keep_alive().starts_with(b":"));
+    }
+}
