@@ -5,7 +5,7 @@
 
 It serves crates/novainfer-server/ui/ at `/` and fakes `GET /v1/models`, streamed
 `POST /v1/chat/completions` (OpenAI SSE chunks with reasoning_content, a usage chunk with
-cached_tokens that grow per session, `data: [DONE]`), `POST /v1/requests/{id}/cancel` and a
+cached_tokens for message prefixes seen before, `data: [DONE]`), `POST /v1/requests/{id}/cancel` and a
 `/metrics` gauge of running requests. Magic words in the last user message: `!429`, `!400` (error
 responses), `!drop` (connection lost mid-stream), `!think` (a reasoning block first), `!slow`.
 
@@ -42,7 +42,7 @@ class State:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.running: dict[str, threading.Event] = {}
-        self.session_tokens: dict[str, int] = {}
+        self.history: list[list[tuple[str, str]]] = []
 
 
 STATE = State()
@@ -141,10 +141,18 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         delay = 0.15 if "!slow" in last else 0.03
-        prompt_tokens = sum(len(m["content"].split()) + 4 for m in body["messages"])
-        session = body.get("session_id") or ""
+        messages = [(m["role"], m["content"]) for m in body["messages"]]
+        prompt_tokens = sum(len(c.split()) + 4 for _, c in messages)
         with STATE.lock:
-            cached = min(STATE.session_tokens.get(session, 0), prompt_tokens)
+            # Like a prefix cache: the tokens of the longest run of leading messages seen before.
+            cached = 0
+            for seen in STATE.history:
+                common = 0
+                for a, b in zip(seen, messages):
+                    if a != b:
+                        break
+                    common += len(a[1].split()) + 4
+                cached = max(cached, common)
         pieces: list[tuple[str, str]] = []
         if "!think" in last:
             pieces += [("reasoning_content", w) for w in words(REASONING)]
@@ -180,7 +188,7 @@ class Handler(BaseHTTPRequestHandler):
                 "total_tokens": prompt_tokens + len(pieces), "prompt_tokens_details": {"cached_tokens": cached}}})
             self.wfile.write(b"data: [DONE]\n\n")
             with STATE.lock:
-                STATE.session_tokens[session] = prompt_tokens + len(pieces)
+                STATE.history.append([*messages, ("assistant", "".join(p for f, p in pieces if f == "content"))])
         except (BrokenPipeError, ConnectionResetError, OSError):
             pass
         finally:

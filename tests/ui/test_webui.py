@@ -53,6 +53,12 @@ def chat_bodies(page: Page) -> list[dict]:
     return bodies
 
 
+def prompt_tokens(reply) -> tuple[int, int]:  # noqa: ANN001 - a Locator
+    """(cached, prompt) tokens from a reply's telemetry."""
+    cached, prompt = reply.locator(".tele-cache").inner_text().split()[0].split("/")
+    return int(cached), int(prompt)
+
+
 def open_settings(page: Page) -> None:
     page.get_by_role("button", name="Conversation settings").click()
     expect(page.locator("#settings-dialog")).to_be_visible()
@@ -137,9 +143,8 @@ def test_enter_sends_and_reply_streams_with_telemetry(ui_page: Page, server: Ser
     assert bodies[1]["session_id"] == session
     assert [m["role"] for m in bodies[1]["messages"]] == ["user", "assistant", "user"]
     assert bodies[1]["messages"][1]["content"], "the first reply was not sent back as history"
-    cache = assistant(page).locator(".tele-cache")
-    expect(cache).to_have_class("tele tele-cache hit")
-    cached, prompt = (int(x) for x in cache.inner_text().split()[0].split("/"))
+    expect(assistant(page).locator(".tele-cache")).to_have_class("tele tele-cache hit")
+    cached, prompt = prompt_tokens(assistant(page))
     assert 0 < cached <= prompt
     expect(page.locator("#sr-status")).to_have_text("Reply finished")
     shot(page, "two-turns")
@@ -318,6 +323,7 @@ def test_edit_earlier_message_and_regenerate(ui_page: Page, server: Server, shot
     send(page, "later question")
     wait_idle(page)
     expect(page.locator("article.msg")).to_have_count(4)
+    _, prompt_before = prompt_tokens(assistant(page))
 
     first = page.locator("article.msg-user").first
     first.hover()
@@ -333,6 +339,10 @@ def test_edit_earlier_message_and_regenerate(ui_page: Page, server: Server, shot
     expect(page.locator("article.msg-user .msg-body")).to_have_text(["edited question"])
     assert bodies[-1]["messages"] == [{"role": "user", "content": "edited question"}]
     assert assistant(page).locator(".msg-body").inner_text().strip()
+    # The model saw only the edited turn: the server did not merge it into the old session.
+    assert bodies[-1]["session_id"] != bodies[0]["session_id"]
+    _, prompt_after = prompt_tokens(assistant(page))
+    assert prompt_after < prompt_before
 
     # Escape leaves an edit without changing anything.
     page.locator("article.msg-user").first.get_by_role("button", name="Edit message").click()
@@ -351,11 +361,16 @@ def test_regenerate_last_answer_and_copy(ui_page: Page, ui_context, server: Serv
     send(page, "question to regenerate")
     wait_idle(page)
     first_id = assistant(page).get_attribute("data-id")
+    _, prompt_first = prompt_tokens(assistant(page))
     page.get_by_role("button", name="Regenerate reply").click()
     wait_idle(page)
     expect(page.locator("article.msg-assistant")).to_have_count(1)
     assert assistant(page).get_attribute("data-id") == first_id
     assert len(bodies) == 2 and bodies[1]["messages"] == bodies[0]["messages"]
+    # Same prompt again, the old reply not appended by the session, and its KV reused.
+    cached, prompt_again = prompt_tokens(assistant(page))
+    assert prompt_again == prompt_first
+    assert cached > 0
     # Only the last answer offers Regenerate.
     send(page, "another")
     wait_idle(page)

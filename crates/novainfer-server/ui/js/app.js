@@ -5,9 +5,9 @@
 //! fetch (the server cancels on disconnect) and calls the cancel endpoint once the request id is
 //! known; the composer keeps the keyboard focus across sending and stopping.
 
-import { announce } from './dom.js';
+import { announce, randomId } from './dom.js';
 import { cancelRequest, listModels } from './api.js';
-import { buildRequest, generate } from './chat.js';
+import { buildRequest, generate, rememberTurn, sessionFits } from './chat.js';
 import { autoGrow, MessageView } from './messages.js';
 import { SettingsDialog } from './settings.js';
 import { Sidebar } from './sidebar.js';
@@ -171,6 +171,11 @@ async function run(conv, msg) {
   const generation = { controller, requestId: null, msg };
   state.generations.set(conv.id, generation);
   const body = buildRequest(conv, conv.messages.indexOf(msg), state.models);
+  if (!sessionFits(conv, body)) {
+    conv.sessionId = randomId('ui-');
+    conv.sessionHistory = null;
+    body.session_id = conv.sessionId;
+  }
   msg.pending = true;
   touch(conv);
   renderAll({ toEnd: true });
@@ -186,6 +191,9 @@ async function run(conv, msg) {
     },
   });
   state.generations.delete(conv.id);
+  // Deleted while streaming: saving now would bring it back on the next load.
+  if (!find(conv.id)) return;
+  rememberTurn(conv, body, msg);
   touch(conv);
   if (conv.id === state.currentId) {
     renderAll();

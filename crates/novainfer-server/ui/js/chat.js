@@ -28,6 +28,43 @@ export function buildRequest(conv, replyIndex, availableModels) {
 }
 
 /**
+ * Whether the server's session for `conv` can take `body` as is. The server merges a request into
+ * its stored conversation: a request that starts with the stored turns replaces them, any other
+ * request is appended to them. After an edit, a regenerate or a system-prompt change the history
+ * the UI sends no longer starts with what the server stored, and appending would show the model
+ * the old turns as well; so the conversation moves to a fresh session id instead. The KV of the
+ * shared prefix is still reused: the prefix cache is keyed by tokens, not by session.
+ * `conv.sessionHistory` fingerprints what the server stored: {model, count, hash} or null (a
+ * hash rather than a copy, so the conversation is not stored twice in localStorage).
+ */
+export function sessionFits(conv, body) {
+  const stored = conv.sessionHistory;
+  if (!stored) return true;
+  if (stored.model !== body.model || stored.count > body.messages.length) return false;
+  return stored.hash === fingerprint(body.messages.slice(0, stored.count));
+}
+
+/** Records what the server stores after a turn (only a finished reply is stored there). */
+export function rememberTurn(conv, body, msg) {
+  if (msg.error || msg.stopped || !['stop', 'length'].includes(msg.finishReason)) return;
+  const messages = [...body.messages, { role: 'assistant', content: msg.content }];
+  conv.sessionHistory = { model: body.model, count: messages.length, hash: fingerprint(messages) };
+}
+
+/** A 64-bit fingerprint (two FNV-1a-style 32-bit lanes, as hex) of the messages' roles and texts. */
+export function fingerprint(messages) {
+  const text = JSON.stringify(messages.map((m) => [m.role, m.content]));
+  let a = 0x811c9dc5;
+  let b = 0x9e3779b9;
+  for (let k = 0; k < text.length; k += 1) {
+    const c = text.charCodeAt(k);
+    a = Math.imul(a ^ c, 0x01000193);
+    b = Math.imul(b ^ c, 0x5bd1e995);
+  }
+  return (a >>> 0).toString(16).padStart(8, '0') + (b >>> 0).toString(16).padStart(8, '0');
+}
+
+/**
  * Streams the reply for `body` into `msg`. `onRequestId(id)` fires once the server names the
  * request (so Stop can cancel it by id); `onUpdate()` fires after each piece of text.
  */
