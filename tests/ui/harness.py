@@ -96,12 +96,17 @@ class Server:
         with urllib.request.urlopen(f"{self.url}{path}", timeout=10) as response:
             return response.read().decode()
 
-    def metric(self, name: str) -> float:
-        """Sum of a Prometheus series over its labels (e.g. every model's running requests)."""
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of a Prometheus series over the samples whose labels include `labels`."""
         text = self.get("/metrics")
-        values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
-        assert values, f"/metrics has no series named {name}:\n{text[:2000]}"
-        return sum(values)
+        total, found = 0.0, False
+        for m in re.finditer(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
+            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+            if all(have.get(k) == v for k, v in labels.items()):
+                total += float(m.group(2))
+                found = True
+        assert found, f"/metrics has no series {name} with {labels}:\n{text[:2000]}"
+        return total
 
     def wait_metric(self, name: str, value: float, timeout: float = 10.0) -> float:
         deadline = time.monotonic() + timeout

@@ -43,6 +43,7 @@ class State:
         self.lock = threading.Lock()
         self.running: dict[str, threading.Event] = {}
         self.history: list[list[tuple[str, str]]] = []
+        self.aborted = 0
 
 
 STATE = State()
@@ -80,7 +81,10 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/metrics":
             with STATE.lock:
                 n = len(STATE.running)
-            data = f"# TYPE novainfer:num_requests_running gauge\nnovainfer:num_requests_running {n}\n".encode()
+            with STATE.lock:
+                aborted = STATE.aborted
+            data = (f'# TYPE novainfer:num_requests_running gauge\nnovainfer:num_requests_running{{model_name="{MODEL}"}} {n}\n'
+                    f'novainfer:request_success_total{{model_name="{MODEL}",finished_reason="abort"}} {aborted}\n').encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(data)))
@@ -175,6 +179,8 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b": keep-alive\n\n")
             for n, (field, piece) in enumerate(pieces):
                 if cancel.is_set():
+                    with STATE.lock:
+                        STATE.aborted += 1
                     return
                 if "!drop" in last and n == 5:
                     self.connection.shutdown(2)
@@ -190,7 +196,8 @@ class Handler(BaseHTTPRequestHandler):
             with STATE.lock:
                 STATE.history.append([*messages, ("assistant", "".join(p for f, p in pieces if f == "content"))])
         except (BrokenPipeError, ConnectionResetError, OSError):
-            pass
+            with STATE.lock:
+                STATE.aborted += 1
         finally:
             with STATE.lock:
                 STATE.running.pop(rid, None)

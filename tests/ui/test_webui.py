@@ -20,6 +20,7 @@ except ImportError:  # the conftest skips every test here
     pass
 
 RUNNING = "novainfer:num_requests_running"
+ABORTED = "novainfer:request_success_total"
 
 
 # ------------------------------------------------------------------ helpers
@@ -71,6 +72,14 @@ def save_settings(page: Page, **fields: str) -> None:
         page.fill(f"#{field_id}", value)
     page.get_by_role("button", name="Save").click()
     expect(page.locator("#settings-dialog")).to_be_hidden()
+
+
+def wait_aborted(server: Server, count: float) -> float:
+    """The server's count of aborted requests once it reaches `count` (or after 5 s)."""
+    deadline = time.monotonic() + 5
+    while server.metric(ABORTED, finished_reason="abort") < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return server.metric(ABORTED, finished_reason="abort")
 
 
 def sse(*chunks: dict) -> str:
@@ -154,15 +163,17 @@ def test_stop_mid_stream_frees_the_request(ui_page: Page, server: Server, shot) 
     """Stop cancels the streaming reply: the partial text stays, marked stopped, and the server's
     running-request gauge drops to 0 right after."""
     page = ui_page
+    aborted = server.metric(ABORTED, finished_reason="abort")
     save_settings(page, **{"set-max-tokens": "400", "set-temperature": "1"})
     send(page, "Tell me a very long story.")
     reply = assistant(page)
     expect(reply.locator(".msg-body")).not_to_have_text("", timeout=30_000)
-    assert server.metric(RUNNING) == 1
     page.get_by_role("button", name="Stop").click()
     expect(reply.locator(".msg-note")).to_have_text("Stopped.")
     expect(page.locator("#send-btn")).to_be_visible()
     assert server.wait_metric(RUNNING, 0) == 0
+    # The server ended the request as aborted (not finished on its own before the click).
+    assert wait_aborted(server, aborted + 1) == aborted + 1
     # Stopped means cut short: no usage chunk arrived, so the count is the streamed estimate.
     expect(reply.locator(".tele-tokens")).to_contain_text("≈")
     expect(page.locator("#prompt")).to_be_focused()
@@ -172,12 +183,14 @@ def test_stop_mid_stream_frees_the_request(ui_page: Page, server: Server, shot) 
 def test_escape_in_the_composer_stops(ui_page: Page, server: Server) -> None:
     """Esc in the message box stops the reply, like the Stop button."""
     page = ui_page
+    aborted = server.metric(ABORTED, finished_reason="abort")
     save_settings(page, **{"set-max-tokens": "400", "set-temperature": "1"})
     send(page, "Another long story, please.")
     expect(assistant(page).locator(".msg-body")).not_to_have_text("", timeout=30_000)
     page.press("#prompt", "Escape")
     expect(assistant(page).locator(".msg-note")).to_have_text("Stopped.")
     assert server.wait_metric(RUNNING, 0) == 0
+    assert wait_aborted(server, aborted + 1) == aborted + 1
 
 
 def test_server_error_is_inline_with_retry(ui_page: Page, server: Server, shot) -> None:
