@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import HERE, Server, chromium_path, new_context, start_server
+from harness import HERE, MODEL_NAME, Server, chromium_path, new_context, start_server, write_wide_model
 
 SCREENSHOTS = HERE / "screenshots"
 
@@ -50,7 +50,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def server(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tiny_models, tmp_path_factory.mktemp("ui-server") / "server.log")
+    srv = start_server(tiny_models["f32"], tmp_path_factory.mktemp("ui-server") / "server.log")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server whose replies last long enough to stop one by clicking (see write_wide_model)."""
+    model = write_wide_model(tmp_path_factory.mktemp("wide-model"))
+    srv = start_server(model, tmp_path_factory.mktemp("ui-slow-server") / "server.log", MODEL_NAME + "-wide")
     yield srv
     srv.stop()
 
@@ -73,13 +82,27 @@ def ui_context(ui_browser: Browser) -> Iterator[BrowserContext]:
     ctx.close()
 
 
-@pytest.fixture
-def ui_page(ui_context: BrowserContext, server: Server) -> Iterator[Page]:
-    pg = ui_context.new_page()
+def open_page(context: BrowserContext, srv: Server) -> tuple[Page, list[str]]:
+    pg = context.new_page()
     errors: list[str] = []
     pg.on("pageerror", lambda err: errors.append(str(err)))
-    pg.goto(server.url + "/")
+    pg.goto(srv.url + "/")
     pg.wait_for_selector("#prompt")
+    return pg, errors
+
+
+@pytest.fixture
+def ui_page(ui_context: BrowserContext, server: Server) -> Iterator[Page]:
+    """The UI of `server`, freshly loaded; fails the test on any uncaught error in the page."""
+    pg, errors = open_page(ui_context, server)
+    yield pg
+    assert not errors, f"uncaught errors in the page: {errors}"
+
+
+@pytest.fixture
+def slow_page(ui_context: BrowserContext, slow_server: Server) -> Iterator[Page]:
+    """The UI of `slow_server`."""
+    pg, errors = open_page(ui_context, slow_server)
     yield pg
     assert not errors, f"uncaught errors in the page: {errors}"
 

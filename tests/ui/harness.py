@@ -8,6 +8,7 @@ nothing here downloads anything.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -19,6 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
+from unittest import mock
 
 import pytest
 
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 MODEL_NAME = "tiny-qwen2"
+TEST_DEFAULTS = {"maxTokens": 24, "temperature": 0}
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "/usr/bin/chromium-browser")
 
 
@@ -62,14 +65,15 @@ def free_port() -> int:
 class Server:
     """A running novainfer-server process and its base URL."""
 
-    def __init__(self, model_dir: Path, log_path: Path, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, model_dir: Path, log_path: Path, extra_args: tuple[str, ...] = (),
+                 model_name: str = MODEL_NAME) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        args = [server_binary(), "--model", str(model_dir), "--served-model-name", MODEL_NAME,
+        args = [server_binary(), "--model", str(model_dir), "--served-model-name", model_name,
                 "--host", "127.0.0.1", "--port", str(self.port), "--kv-cache-bytes", str(64 << 20), *extra_args]
-        self.model = MODEL_NAME
+        self.model = model_name
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
         self.wait_ready()
 
@@ -142,10 +146,24 @@ class MockServer(Server):
         self.wait_ready(path="/v1/models")
 
 
-def start_server(tiny_models: dict[str, Path], log_path: Path, extra_args: tuple[str, ...] = ()) -> Server:
+def start_server(model_dir: Path, log_path: Path, model_name: str = MODEL_NAME) -> Server:
     if os.environ.get("NOVAINFER_UI_TEST_SERVER") == "mock":
         return MockServer(log_path)
-    return Server(tiny_models["f32"], log_path, extra_args)
+    return Server(model_dir, log_path, model_name=model_name)
+
+
+def write_wide_model(out_dir: Path) -> Path:
+    """The tiny model's generator at 8× the width and 4× the depth (~30M parameters, 120 MB).
+
+    The tiny model streams ~3000 tokens/s here: a whole reply is over before a click can land.
+    This one takes ~2 s for 400 greedy tokens (its greedy replies run to max_tokens), long enough
+    to press Stop mid-stream. Same tokenizer and chat template.
+    """
+    import tiny_qwen2
+
+    with mock.patch.multiple(tiny_qwen2, HIDDEN_SIZE=512, INTERMEDIATE_SIZE=2048, NUM_LAYERS=8, NUM_HEADS=8,
+                             NUM_KV_HEADS=2):
+        return tiny_qwen2.write_tiny_model(out_dir)
 
 
 def new_context(browser: Browser, **overrides: object) -> BrowserContext:
@@ -154,6 +172,10 @@ def new_context(browser: Browser, **overrides: object) -> BrowserContext:
     options: dict[str, object] = {"viewport": {"width": 1280, "height": 860}, "bypass_csp": True,
                                   "color_scheme": "light"}
     options.update(overrides)
-    return browser.new_context(**options)
+    context = browser.new_context(**options)
+    # New chats default to short greedy replies: the random model rambles until max_tokens or
+    # its 512-token context, and multi-turn tests need room for several turns.
+    context.add_init_script(f"localStorage.setItem('novainfer.defaults', '{json.dumps(TEST_DEFAULTS)}')")
+    return context
 
 
