@@ -154,3 +154,22 @@ def test_session_fit_mirrors_the_server_merge_rule(ui_page: Page) -> None:
       return out;
     """)
     assert got == [True, True, False, False, False, False, True]
+
+
+def test_telemetry_rates_and_counts(ui_page: Page) -> None:
+    """Decode rate after the first token when the reply is spread out; the whole request's rate
+    when it came in a burst; counts from the usage chunk, else estimated from pieces (≈)."""
+    spread, burst, stopped = run(ui_page, "chat.js", """
+      const usage = {prompt_tokens: 100, completion_tokens: 11, prompt_tokens_details: {cached_tokens: 64}};
+      return [
+        m.telemetry({start: 0, first: 200, last: 1200, end: 1250, pieces: 9}, usage, 'stop'),
+        m.telemetry({start: 0, first: 200, last: 201, end: 250, pieces: 9}, usage, 'length'),
+        m.telemetry({start: 0, first: 100, last: 600, end: 700, pieces: 6}, null, null),
+      ];
+    """)
+    assert spread == {"ttftMs": 200, "tokensPerSec": 10, "rateOver": "decode", "completionTokens": 11,
+                      "promptTokens": 100, "cachedTokens": 64, "totalMs": 1250, "approx": False,
+                      "finishReason": "stop"}
+    assert (burst["tokensPerSec"], burst["rateOver"], burst["finishReason"]) == (44, "request", "length")
+    assert (stopped["completionTokens"], stopped["approx"], stopped["tokensPerSec"], stopped["cachedTokens"]) \
+        == (6, True, 10, None)

@@ -8,6 +8,9 @@
 
 import { streamChat } from './api.js';
 
+// Below this many milliseconds between the first and the last piece, a decode rate is noise.
+const MIN_DECODE_WINDOW_MS = 50;
+
 /** The request body for generating the reply at `conv.messages[replyIndex]`. */
 export function buildRequest(conv, replyIndex, availableModels) {
   const settings = conv.settings;
@@ -135,16 +138,22 @@ export function telemetry(clock, usage, finishReason) {
   const completionTokens = usage?.completion_tokens ?? clock.pieces;
   const ttftMs = clock.first === null ? null : clock.first - clock.start;
   let tokensPerSec = null;
+  let rateOver = null;
   const decodeMs = clock.last !== null ? clock.last - clock.first : 0;
-  if (completionTokens >= 2 && decodeMs >= 1) {
+  if (completionTokens >= 2 && decodeMs >= MIN_DECODE_WINDOW_MS) {
     // Decode speed: the first token's time belongs to TTFT (prefill), not to the rate.
     tokensPerSec = ((completionTokens - 1) * 1000) / decodeMs;
+    rateOver = 'decode';
   } else if (completionTokens >= 1 && clock.end > clock.start) {
+    // The reply arrived in a burst (a fast model, or buffered by the network): the time between
+    // its first and last piece says nothing, so rate the whole request instead.
     tokensPerSec = (completionTokens * 1000) / (clock.end - clock.start);
+    rateOver = 'request';
   }
   return {
     ttftMs,
     tokensPerSec,
+    rateOver,
     completionTokens,
     promptTokens: usage?.prompt_tokens ?? null,
     cachedTokens: usage?.prompt_tokens_details?.cached_tokens ?? null,

@@ -249,7 +249,8 @@ export function telemetryLine(t) {
     }, icon('bolt'), `${t.cachedTokens}/${t.promptTokens} prompt tokens cached`));
   }
   if (t.tokensPerSec !== null) {
-    items.push(h('span', { class: 'tele tele-speed', title: 'Generation speed (tokens per second)' },
+    const over = t.rateOver === 'request' ? 'over the whole request, TTFT included' : 'after the first token';
+    items.push(h('span', { class: 'tele tele-speed', title: `Generation speed in tokens per second, ${over}` },
       `${t.tokensPerSec >= 100 ? Math.round(t.tokensPerSec) : t.tokensPerSec.toFixed(1)} tok/s`));
   }
   if (t.ttftMs !== null) {
