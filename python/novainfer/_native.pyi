@@ -4,7 +4,7 @@ from collections.abc import Iterator
 from os import PathLike
 from typing import final
 
-__all__ = ["Engine", "SamplingParams", "TokenStream", "__version__"]
+__all__ = ["Engine", "SamplingParams", "TokenStream", "__version__", "serve"]
 __version__: str
 
 @final
@@ -30,6 +30,7 @@ class SamplingParams:
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
         logprobs: int | None = None,
+        n: int = 1,
     ) -> SamplingParams: ...
     @property
     def temperature(self) -> float: ...
@@ -57,6 +58,8 @@ class SamplingParams:
     def ignore_eos(self) -> bool: ...
     @property
     def logprobs(self) -> int | None: ...
+    @property
+    def n(self) -> int: ...
 
 _Logprobs = list[dict[int, float]]
 
@@ -93,14 +96,18 @@ class Engine:
     def apply_chat_template(self, messages: list[tuple[str, str]], add_generation_prompt: bool = True) -> str: ...
     def generate(
         self, prompts: list[list[int]], params: list[SamplingParams]
-    ) -> list[tuple[str, list[int], str, _Logprobs | None, int]]: ...
+    ) -> list[tuple[list[tuple[str, list[int], str, _Logprobs | None]], int]]: ...
     def stream(self, prompt: list[int], params: SamplingParams) -> TokenStream: ...
     def prompt_logits(self, prompt: list[int], step_by_step: bool = False) -> tuple[bytes, int, int]: ...
 
 @final
-class TokenStream(Iterator[tuple[str, list[int], str | None, _Logprobs | None, int]]):
+class TokenStream(Iterator[tuple[str, list[int], str | None, _Logprobs | None, int, int]]):
     """The deltas of one streaming request; closing or dropping it aborts the request."""
 
     def __iter__(self) -> TokenStream: ...
-    def __next__(self) -> tuple[str, list[int], str | None, _Logprobs | None, int]: ...
+    def __next__(self) -> tuple[str, list[int], str | None, _Logprobs | None, int, int]: ...
     def close(self) -> None: ...
+
+def serve(argv: list[str]) -> None:
+    """Run the OpenAI-compatible HTTP server with `novainfer-server` arguments (without the program name)
+    until SIGINT/SIGTERM, with the GIL released. Bad arguments raise ``InvalidParameterError``."""

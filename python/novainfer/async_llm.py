@@ -48,18 +48,24 @@ class AsyncLLM:
     ) -> RequestOutput:
         """Completes one prompt; concurrent calls are batched together by the engine."""
         token_ids = self.llm._token_ids(prompt)
-        text, ids, reason, logprobs = [], [], "abort", None
-        async for d in self.generate_stream(token_ids, sampling_params):
-            text.append(d.text)
-            ids.extend(d.token_ids)
+        (params,) = self.llm._params_for(1, sampling_params)
+        texts: list[list[str]] = [[] for _ in range(params.n)]
+        ids: list[list[int]] = [[] for _ in range(params.n)]
+        reasons = ["abort"] * params.n
+        logprobs: list[list[dict[int, float]] | None] = [None] * params.n
+        async for d in self.generate_stream(token_ids, params):
+            texts[d.index].append(d.text)
+            ids[d.index].extend(d.token_ids)
             if d.logprobs is not None:
-                logprobs = (logprobs or []) + d.logprobs
-            reason = d.finish_reason or reason
+                logprobs[d.index] = (logprobs[d.index] or []) + d.logprobs
+            reasons[d.index] = d.finish_reason or reasons[d.index]
         return RequestOutput(
             request_id="async",
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=token_ids,
-            outputs=[CompletionOutput(0, "".join(text), ids, reason, logprobs)],
+            outputs=[
+                CompletionOutput(i, "".join(texts[i]), ids[i], reasons[i], logprobs[i]) for i in range(params.n)
+            ],
         )
 
 
@@ -70,7 +76,7 @@ async def _deltas(stream: _native.TokenStream) -> AsyncIterator[StreamDelta]:
             item = await loop.run_in_executor(None, next, stream, None)
             if item is None:
                 return
-            text, ids, reason, logprobs, _cached = item
-            yield StreamDelta(text, ids, reason, logprobs)
+            text, ids, reason, logprobs, _cached, index = item
+            yield StreamDelta(text, ids, reason, logprobs, index)
     finally:
         stream.close()

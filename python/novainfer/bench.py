@@ -12,6 +12,8 @@
   budget), reporting tokens/s, the pool's bytes, the KV watermark (most blocks/cells in use, and their bytes),
   and whether the two produced the same tokens.
 
+- ``serve``: the HTTP server under a bounded streaming chat load (see `bench_serve`).
+
 Prompts are fixed pseudo-random token ids (a seeded LCG), so runs are comparable across machines.
 """
 
@@ -139,7 +141,7 @@ def bench_kv_layout(
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """The `novainfer bench` options (the model options are added by the CLI)."""
-    p.add_argument("mode", nargs="?", choices=["latency", "throughput", "prefix", "kv-layout"], default="latency")
+    p.add_argument("mode", nargs="?", choices=["latency", "throughput", "prefix", "kv-layout", "serve"], default="latency")
     p.add_argument("--prompt-tokens", type=int, default=512, help="latency: prompt length")
     p.add_argument("--decode-tokens", type=int, default=128, help="latency: tokens to decode")
     p.add_argument("--repeat", type=int, default=3, help="latency: runs; the best is reported")
@@ -151,6 +153,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--own-tokens", type=int, default=32, help="prefix: each request's own suffix length")
     p.add_argument("--output-tokens", type=int, default=16, help="prefix: tokens generated per request")
     p.add_argument("--requantize-q5-0", action="store_true", help="re-encode Q5_0 GGUF tensors as Q8_0")
+    from .bench_serve import add_serve_args
+
+    add_serve_args(p)
 
 
 def run_bench(llm: LLM, args: argparse.Namespace, make_llm: Callable[..., LLM] | None = None) -> int:

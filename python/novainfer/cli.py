@@ -1,4 +1,4 @@
-"""The `novainfer` command: fetch, generate, chat and bench.
+"""The `novainfer` command: fetch, generate, chat, serve and bench.
 
 Each subcommand is a thin layer over the Python API; errors from the library are printed as one line and
 give exit status 1 (2 for bad command-line usage, as argparse does).
@@ -56,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(chat)
     _add_sampling_args(chat, temperature=0.7, max_tokens=1024)
     chat.add_argument("--system", default=None, help="system prompt (default: the template's own)")
+
+    # `serve` hands its arguments to the Rust server unparsed (see `main`); this entry is for --help.
+    sub.add_parser("serve", add_help=False,
+                   help="OpenAI-compatible HTTP server with a Web UI (novainfer serve --help for options)")
 
     bench = sub.add_parser("bench", help="measure speed: latency (one stream) or throughput (many requests)")
     _add_model_args(bench)
@@ -144,6 +148,12 @@ def _fetch(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `novainfer` command."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        # The server's options are the Rust binary's own (clap); argparse would have to copy them.
+        from .server import main as serve_main
+
+        return serve_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         if args.command == "fetch":
@@ -152,6 +162,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "chat":
             return _chat(args)
+        if args.mode == "serve":
+            from .bench_serve import run_bench_serve
+
+            return run_bench_serve(args)
         from .bench import run_bench
 
         return run_bench(

@@ -34,6 +34,10 @@ def _as_list(value: object, what: str) -> list:
     return list(value)
 
 
+def _completions(raw: list[tuple[str, list[int], str, list[dict[int, float]] | None]]) -> list[CompletionOutput]:
+    return [CompletionOutput(i, text, ids, reason, logprobs) for i, (text, ids, reason, logprobs) in enumerate(raw)]
+
+
 def _message_pairs(messages: object) -> list[tuple[str, str]]:
     pairs = []
     for i, message in enumerate(_as_list(messages, "messages")):
@@ -186,10 +190,10 @@ class LLM:
                 request_id=str(next(_request_ids)),
                 prompt=p if isinstance(p, str) else None,
                 prompt_token_ids=ids,
-                outputs=[CompletionOutput(0, text, out_ids, reason, logprobs)],
+                outputs=_completions(completions),
                 num_cached_tokens=cached,
             )
-            for p, ids, (text, out_ids, reason, logprobs, cached) in zip(prompt_list, token_ids, results)
+            for p, ids, (completions, cached) in zip(prompt_list, token_ids, results)
         ]
 
     def chat(
@@ -214,10 +218,10 @@ class LLM:
                 request_id=str(next(_request_ids)),
                 prompt=prompt,
                 prompt_token_ids=ids,
-                outputs=[CompletionOutput(0, text, out_ids, reason, logprobs)],
+                outputs=_completions(completions),
                 num_cached_tokens=cached,
             )
-            for prompt, ids, (text, out_ids, reason, logprobs, cached) in zip(prompts, token_ids, results)
+            for prompt, ids, (completions, cached) in zip(prompts, token_ids, results)
         ]
 
     def generate_stream(
@@ -242,8 +246,8 @@ class LLM:
 
         def deltas() -> Iterator[StreamDelta]:
             try:
-                for text, ids, reason, logprobs, _cached in stream:
-                    yield StreamDelta(text, ids, reason, logprobs)
+                for text, ids, reason, logprobs, _cached, index in stream:
+                    yield StreamDelta(text, ids, reason, logprobs, index)
             finally:
                 stream.close()
 

@@ -49,10 +49,13 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class StreamDelta:
-    """What one generation step added: new text (whole characters, never part of a stop string), the new
-    token ids, their logprobs if requested, and on the last delta the `finish_reason`."""
+    """What one generation step added to one completion: new text (whole characters, never part of a stop
+    string), the new token ids, their logprobs if requested, and on the completion's last delta the
+    `finish_reason`. `index` says which of the request's `SamplingParams.n` completions it extends; the
+    stream ends once every completion has finished."""
 
     text: str
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    index: int = 0

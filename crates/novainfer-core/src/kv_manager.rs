@@ -14,7 +14,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::ids::{BlockId, RequestId};
-use crate::kv_cache_manager::{KvCacheManager, KvCacheStats, NewBlocks, PrefixHit};
+use crate::kv_cache_manager::{BlockCopy, KvCacheManager, KvCacheStats, NewBlocks, PrefixHit};
 use crate::request::Request;
 use crate::sampling_params::ParamError;
 use crate::slot_kv_manager::SlotKvManager;
@@ -34,6 +34,11 @@ pub trait KvManager {
         prefix_hit: &PrefixHit,
     ) -> Option<NewBlocks>;
     fn cache_full_blocks(&mut self, request: &Request);
+    /// Gives `child` (holding nothing) the KV of `parent`'s first
+    /// `parent.num_computed_tokens` positions, shared where the layout can share
+    /// and otherwise as a [`BlockCopy`] the model must run before its next step.
+    /// `None`, with nothing changed, if out of room.
+    fn fork(&mut self, parent: &Request, child: RequestId) -> Option<Option<BlockCopy>>;
     /// Releases everything the request holds; false if it held nothing.
     fn free(&mut self, request_id: RequestId) -> bool;
     /// The request's table in position order; empty if it holds nothing.
@@ -145,6 +150,9 @@ impl KvManager for KvCacheManager {
     }
     fn cache_full_blocks(&mut self, request: &Request) {
         KvCacheManager::cache_full_blocks(self, request)
+    }
+    fn fork(&mut self, parent: &Request, child: RequestId) -> Option<Option<BlockCopy>> {
+        KvCacheManager::fork(self, parent, child)
     }
     fn free(&mut self, request_id: RequestId) -> bool {
         KvCacheManager::free(self, request_id)

@@ -32,7 +32,7 @@ pub use sampling_params::{
     ParamError, SamplingParams, SamplingParamsBuilder, StopCondition, MAX_LOGPROBS, MAX_N,
 };
 pub use scheduler::{
-    FinishedRequest, RequestUpdate, ScheduledRequest, Scheduler, SchedulerConfig,
+    FinishedRequest, Fork, RequestUpdate, ScheduledRequest, Scheduler, SchedulerConfig,
     SchedulerConfigBuilder, SchedulerOutput,
 };
 pub use slot_cells::{CellShift, SeqId, SlotCells, SlotError, SlotStats};

@@ -124,6 +124,15 @@ impl SamplingParams {
     pub fn n(&self) -> usize {
         self.n
     }
+    /// The parameters of completion `index` of `n`: a given seed becomes
+    /// `seed + index`, so completions differ from each other yet each is
+    /// reproducible, and completion 0 is what `n == 1` would give.
+    pub fn for_completion(&self, index: usize) -> Self {
+        Self {
+            seed: self.seed.map(|s| s.wrapping_add(index as u64)),
+            ..self.clone()
+        }
+    }
 }
 
 impl Default for SamplingParams {

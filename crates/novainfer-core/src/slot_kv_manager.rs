@@ -8,13 +8,15 @@
 //!
 //! Invariants: `tables[r]` equals `cells.cells_of(seq_of[r])` (checked in debug
 //! builds after every allocation); a seq id is either free or owned by exactly
-//! one request. No prefix caching: cells are never shared in this mode, so
-//! `lookup_prefix` is always empty and every cell has at most one holder.
+//! one request. No prefix caching (`lookup_prefix` is always empty); the only
+//! sharing is `fork` (`n > 1`), which is `seq_cp` of the parent's computed
+//! positions: the child's cells are the parent's, held by both seq ids, and a
+//! cell is free again once the last seq holding it is removed.
 
 use std::collections::HashMap;
 
 use crate::ids::{BlockId, RequestId};
-use crate::kv_cache_manager::{KvCacheStats, NewBlocks, PrefixHit};
+use crate::kv_cache_manager::{BlockCopy, KvCacheStats, NewBlocks, PrefixHit};
 use crate::kv_manager::KvManager;
 use crate::request::Request;
 use crate::slot_cells::{SeqId, SlotCells};
@@ -113,6 +115,22 @@ impl KvManager for SlotKvManager {
     }
 
     fn cache_full_blocks(&mut self, _request: &Request) {}
+
+    fn fork(&mut self, parent: &Request, child: RequestId) -> Option<Option<BlockCopy>> {
+        assert!(
+            !self.tables.contains_key(&child),
+            "fork: child {child} already holds cells: this is a bug"
+        );
+        let parent_table = self.tables.get(&parent.id)?;
+        let (parent_seq, num_shared) = (parent_table.seq, parent.num_computed_tokens);
+        let cells = parent_table.cells[..num_shared].to_vec();
+        let seq = self.free_seqs.pop()?;
+        self.cells
+            .seq_cp(parent_seq, seq, 0, Some(num_shared))
+            .expect("slot kv: a fresh seq id holds no position: this is a bug");
+        self.tables.insert(child, SeqTable { seq, cells });
+        Some(None)
+    }
 
     fn free(&mut self, request_id: RequestId) -> bool {
         let Some(table) = self.tables.remove(&request_id) else {

@@ -4,12 +4,15 @@
 //! stale prefix hit or a bad slot mapping changes the sampled tokens. Outputs must
 //! equal what the same model gives a request run alone with no cache at all.
 //! Every workload runs on the BLOCK layout or the SLOT layout (block size 1).
+//! Requests with `n > 1` fork children when their prompt is computed, as the
+//! engine does; child `k` starts from token `parent's + k` so the completions
+//! differ, and each must equal the model run alone on prompt ++ that token.
 
 use std::collections::HashMap;
 
 use novainfer_core::{
-    slot_mapping, BlockId, FinishReason, KvLayout, Request, RequestId, Scheduler, SchedulerConfig,
-    SchedulerOutput,
+    slot_mapping, BlockId, FinishReason, Fork, KvLayout, Request, RequestId, Scheduler,
+    SchedulerConfig, SchedulerOutput,
 };
 use proptest::prelude::*;
 
@@ -41,6 +44,7 @@ struct Arrival {
     max_tokens: usize,
     ignore_eos: bool,
     abort_after: Option<usize>,
+    n: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -111,9 +115,10 @@ fn arrival() -> impl Strategy<Value = Arrival> {
         1usize..=24,
         any::<bool>(),
         proptest::option::weighted(0.2, 0usize..30),
+        prop_oneof![3 => Just(1usize), 1 => 2usize..=3],
     )
         .prop_map(
-            |(step, prefix, prefix_len, tail, max_tokens, ignore_eos, abort_after)| Arrival {
+            |(step, prefix, prefix_len, tail, max_tokens, ignore_eos, abort_after, n)| Arrival {
                 step,
                 prefix,
                 prefix_len,
@@ -121,12 +126,19 @@ fn arrival() -> impl Strategy<Value = Arrival> {
                 max_tokens,
                 ignore_eos,
                 abort_after,
+                n,
             },
         )
 }
 
-/// What the model gives `prompt` alone: (output tokens, finish reason).
-fn oracle(prompt: &[u32], a: &Arrival, max_model_len: usize) -> (Vec<u32>, FinishReason) {
+/// What the model gives `prompt` alone, with the first sampled token replaced by
+/// `first` if given: (output tokens, finish reason).
+fn oracle(
+    prompt: &[u32],
+    a: &Arrival,
+    max_model_len: usize,
+    first: Option<u32>,
+) -> (Vec<u32>, FinishReason) {
     if prompt.is_empty() || prompt.len() + 1 > max_model_len {
         return (Vec::new(), FinishReason::Ignored);
     }
@@ -137,8 +149,11 @@ fn oracle(prompt: &[u32], a: &Arrival, max_model_len: usize) -> (Vec<u32>, Finis
         for (pos, &t) in tokens.iter().enumerate().skip(computed) {
             kv = kv_at(kv, t, pos);
         }
+        let t = match first {
+            Some(t) if computed == 0 => t,
+            _ => next_token(kv),
+        };
         computed = tokens.len();
-        let t = next_token(kv);
         tokens.push(t);
         let output = &tokens[prompt.len()..];
         if !a.ignore_eos && t == EOS {
@@ -159,6 +174,12 @@ struct FakeModel {
 impl FakeModel {
     fn execute(&mut self, out: &SchedulerOutput, sched: &Scheduler) -> Vec<(RequestId, Vec<u32>)> {
         let kv = sched.kv().as_dyn();
+        let bs = self.block_size;
+        for c in &out.block_copies {
+            for j in 0..c.num_tokens {
+                self.slots[c.dst.index() * bs + j] = self.slots[c.src.index() * bs + j];
+            }
+        }
         let mut sampled = Vec::new();
         for s in &out.scheduled {
             let bs = self.block_size;
@@ -211,10 +232,9 @@ fn check_blocks(sched: &Scheduler) {
         assert_eq!(kv.ref_count(BlockId(b as u32)), n, "refcount of block {b}");
     }
     let Some(block) = layouts.as_block() else {
-        // SLOT: no cached cells, so a cell is used iff a table holds it.
+        // SLOT: no cached cells, so a cell is used iff a table holds it (forks share).
         let used = holders.iter().filter(|&&n| n > 0).count();
         assert_eq!(used, stats.num_used_blocks, "a used cell no table holds");
-        assert!(holders.iter().all(|&n| n <= 1), "a shared cell");
         return;
     };
     let pool = block.pool();
@@ -241,20 +261,34 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
         block_size: w.block_size,
     };
     let prompts: Vec<Vec<u32>> = w.arrivals.iter().map(|a| w.prompt(a)).collect();
-    let mut history: Vec<Vec<u32>> = prompts.clone();
-    let mut finished: HashMap<usize, FinishReason> = HashMap::new();
+    // Request id -> (arrival, completion index); children are `CHILD * (k) + arrival`.
+    const CHILD: u64 = 1000;
+    let origin = |id: RequestId| ((id.0 % CHILD) as usize, (id.0 / CHILD) as usize);
+    let mut history: HashMap<RequestId, Vec<u32>> = HashMap::new();
+    let mut finished: HashMap<RequestId, FinishReason> = HashMap::new();
     let last_arrival = w.arrivals.iter().map(|a| a.step).max().unwrap_or(0);
+    let request = |i: usize, k: usize| {
+        let a = &w.arrivals[i];
+        Request::new(
+            RequestId(i as u64 + CHILD * k as u64),
+            prompts[i].clone(),
+            a.max_tokens,
+        )
+        .with_eos_token_ids(vec![EOS])
+        .with_ignore_eos(a.ignore_eos)
+    };
     let max_steps = 20_000;
     for step in 0..max_steps {
         for (i, a) in w.arrivals.iter().enumerate() {
             if a.step == step {
-                let r = Request::new(RequestId(i as u64), prompts[i].clone(), a.max_tokens)
-                    .with_eos_token_ids(vec![EOS])
-                    .with_ignore_eos(a.ignore_eos);
-                sched.add_request(r);
+                history.insert(RequestId(i as u64), prompts[i].clone());
+                sched.add_request(request(i, 0));
             }
             if a.abort_after.map(|d| a.step + d) == Some(step) {
-                sched.abort_request(RequestId(i as u64));
+                // The engine aborts a request's completions together.
+                for k in 0..a.n {
+                    sched.abort_request(RequestId(i as u64 + CHILD * k as u64));
+                }
             }
         }
         let out = sched.schedule();
@@ -268,32 +302,68 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
         );
         prop_assert!(sched.num_running() <= w.max_num_seqs);
         for s in &out.scheduled {
-            let h = &history[s.request_id.0 as usize];
+            let h = &history[&s.request_id];
             let end = s.start_position + s.token_ids.len();
             prop_assert!(!s.token_ids.is_empty() && end <= h.len());
             prop_assert_eq!(&s.token_ids[..], &h[s.start_position..end]);
             prop_assert_eq!(s.sample, end == h.len());
         }
         for f in &out.finished {
-            prop_assert!(finished.insert(f.request_id.0 as usize, f.reason).is_none());
+            prop_assert!(finished.insert(f.request_id, f.reason).is_none());
         }
         check_blocks(&sched);
         let sampled = model.execute(&out, &sched);
-        for u in sched.update(&out, &sampled) {
-            history[u.request_id.0 as usize].extend(&u.new_token_ids);
+        let mut forks = Vec::new();
+        for (id, tokens) in &sampled {
+            let (i, k) = origin(*id);
+            if k == 0 && history[id].len() == prompts[i].len() {
+                for child in 1..w.arrivals[i].n {
+                    let first_token = (tokens[0] + child as u32) % VOCAB as u32;
+                    history.insert(request(i, child).id, prompts[i].clone());
+                    forks.push(Fork {
+                        parent: *id,
+                        child: request(i, child),
+                        first_token,
+                    });
+                }
+            }
+        }
+        for u in sched.update_with_forks(&out, &sampled, forks) {
+            history
+                .get_mut(&u.request_id)
+                .expect("an update for a request never added")
+                .extend(&u.new_token_ids);
         }
         check_blocks(&sched);
         if step > last_arrival && !sched.has_work() {
             prop_assert_eq!(sched.kv_stats().num_used_blocks, 0, "a block leaked");
-            prop_assert_eq!(finished.len(), w.arrivals.len(), "a request vanished");
-            for (i, a) in w.arrivals.iter().enumerate() {
-                let (want, want_reason) = oracle(&prompts[i], a, w.max_model_len);
-                let got = &history[i][prompts[i].len()..];
-                if finished[&i] == FinishReason::Abort {
-                    prop_assert!(want.starts_with(got), "aborted {i}: not a prefix");
+            prop_assert_eq!(finished.len(), history.len(), "a request vanished");
+            for (&id, h) in &history {
+                let (i, k) = origin(id);
+                let a = &w.arrivals[i];
+                let first = (k > 0).then(|| {
+                    let (parent, _) = oracle(&prompts[i], a, w.max_model_len, None);
+                    (parent[0] + k as u32) % VOCAB as u32
+                });
+                let (want, want_reason) = oracle(&prompts[i], a, w.max_model_len, first);
+                let got = &h[prompts[i].len()..];
+                if finished[&id] == FinishReason::Abort {
+                    prop_assert!(want.starts_with(got), "aborted {}: not a prefix", id);
                 } else {
-                    prop_assert_eq!(got, &want[..], "request {}", i);
-                    prop_assert_eq!(finished[&i], want_reason);
+                    prop_assert_eq!(got, &want[..], "request {}", id);
+                    prop_assert_eq!(finished[&id], want_reason);
+                }
+            }
+            // Every completion of a request that was not aborted or ignored was forked.
+            for (i, a) in w.arrivals.iter().enumerate() {
+                if matches!(
+                    finished.get(&RequestId(i as u64)),
+                    Some(FinishReason::Stop | FinishReason::Length)
+                ) {
+                    let forked = (1..a.n)
+                        .filter(|&k| history.contains_key(&RequestId(i as u64 + CHILD * k as u64)))
+                        .count();
+                    prop_assert_eq!(forked, a.n - 1, "request {}: children missing", i);
                 }
             }
             return Ok(());

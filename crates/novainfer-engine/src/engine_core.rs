@@ -1,16 +1,22 @@
 //! `EngineCore`: continuous batching over one model. `step()` is
 //! schedule → execute → update; requests join and leave between steps.
 //!
-//! Each request keeps its own sampler (own seeded RNG, own penalty state) and
-//! its own text state for the whole of its life, across preemptions, so what
-//! it produces never depends on the other requests in the batch.
+//! Each request keeps its own sampler (own seeded RNG, own penalty state) for
+//! the whole of its life, across preemptions, so what it produces never depends
+//! on the other requests in the batch. Text (detokenization, stop strings) is the
+//! output thread's job: the engine only sends it tokens ([`OutputEvent`]).
+//!
+//! `n > 1`: completion 0 runs alone until its prompt is computed; the others
+//! then sample their first tokens from its logits and fork its KV (see
+//! `novainfer_core::Fork`), so the prompt is computed once.
 
 use std::collections::HashMap;
 use std::sync::mpsc;
 use std::time::Instant;
 
 use novainfer_core::{
-    FinishReason, KvCacheStats, Request, RequestId, SamplingParams, Scheduler, SchedulerOutput,
+    FinishReason, Fork, KvCacheStats, Request, RequestId, SamplingParams, Scheduler,
+    SchedulerOutput,
 };
 use novainfer_model::sampler::{SampledToken, Sampler};
 use novainfer_model::LogitsFor;
@@ -18,16 +24,22 @@ use novainfer_model::LogitsFor;
 use crate::engine::{Frontend, LoadedEngine};
 use crate::error::{EngineError, Result};
 use crate::model_runner::ModelRunner;
-use crate::request::Delta;
+use crate::output_processor::{DeltaSink, OutputEvent};
 use crate::sequence::SequenceOutput;
-
-/// Where a request's deltas go; a failed send means the caller is gone.
-pub type DeltaSink = mpsc::Sender<Result<Delta>>;
 
 struct ActiveRequest {
     sampler: Sampler,
-    output: SequenceOutput,
-    sink: DeltaSink,
+    /// `n > 1`: the other completions, held back until this one's prompt is
+    /// computed; then each samples its first token from the same logits.
+    pending_children: Vec<PendingChild>,
+}
+
+/// What one step sampled, per request, and the completions it starts.
+type Sampled = (Vec<(RequestId, SampledToken)>, Vec<Fork>);
+
+struct PendingChild {
+    request: Request,
+    sampler: Sampler,
 }
 
 /// Counters a user can read (`llm.stats()`).
@@ -52,12 +64,15 @@ pub struct EngineCore {
     scheduler: Scheduler,
     frontend: Frontend,
     active: HashMap<RequestId, ActiveRequest>,
+    /// To the output thread, which turns tokens into deltas.
+    outputs: mpsc::Sender<OutputEvent>,
     seed: u64,
     stats: EngineStats,
 }
 
 impl EngineCore {
-    pub fn new(loaded: LoadedEngine) -> Self {
+    /// `outputs` goes to the output thread ([`crate::output_processor::run`]).
+    pub fn new(loaded: LoadedEngine, outputs: mpsc::Sender<OutputEvent>) -> Self {
         let runner = ModelRunner::new(loaded.model, loaded.kv);
         let stats = EngineStats {
             kv_pool_bytes: runner.kv_pool_bytes(),
@@ -69,6 +84,7 @@ impl EngineCore {
             scheduler: Scheduler::new(loaded.scheduler),
             frontend: loaded.frontend,
             active: HashMap::new(),
+            outputs,
             seed: loaded.seed,
             stats,
         }
@@ -82,8 +98,14 @@ impl EngineCore {
         self.scheduler.has_work() || !self.active.is_empty()
     }
 
-    /// Queues request `id` (unique, chosen by the caller); its deltas go to `sink`. The
-    /// prompt must already be checked (`Frontend::prompt_token_ids`).
+    fn emit(&self, event: OutputEvent) {
+        // The output thread outlives the engine loop; a failed send means shutdown.
+        let _ = self.outputs.send(event);
+    }
+
+    /// Queues a request with ids `id .. id + n` (unique, reserved by the caller),
+    /// one per completion; all their deltas go to `sink`. The prompt must already
+    /// be checked (`Frontend::prompt_token_ids`).
     pub fn add_request(
         &mut self,
         id: RequestId,
@@ -92,25 +114,48 @@ impl EngineCore {
         sink: DeltaSink,
     ) -> Result<()> {
         let max_tokens = self.frontend.max_new_tokens(prompt_ids.len(), &params)?;
-        let fallback_seed = self.seed.wrapping_add(id.0);
         let stop = params.stop();
-        let request = Request::new(id, prompt_ids.clone(), max_tokens)
-            .with_eos_token_ids(self.frontend.tokenizer().eos_token_ids().to_vec())
-            .with_stop_token_ids(stop.stop_token_ids.clone())
-            .with_ignore_eos(stop.ignore_eos);
+        let eos = self.frontend.tokenizer().eos_token_ids().to_vec();
+        let mut completions = (0..params.n()).map(|index| {
+            let cid = RequestId(id.0 + index as u64);
+            let completion = params.for_completion(index);
+            self.emit(OutputEvent::Register {
+                id: cid,
+                index,
+                output: Box::new(SequenceOutput::new(
+                    self.frontend.tokenizer().clone(),
+                    &completion,
+                )),
+                sink: sink.clone(),
+            });
+            let request = Request::new(cid, prompt_ids.clone(), max_tokens)
+                .with_eos_token_ids(eos.clone())
+                .with_stop_token_ids(stop.stop_token_ids.clone())
+                .with_ignore_eos(stop.ignore_eos);
+            let sampler = Sampler::new(&completion, &prompt_ids, self.seed.wrapping_add(cid.0));
+            PendingChild { request, sampler }
+        });
+        let parent = completions.next().expect("n >= 1 by validation");
         let active = ActiveRequest {
-            sampler: Sampler::new(&params, &prompt_ids, fallback_seed),
-            output: SequenceOutput::new(self.frontend.tokenizer().clone(), &params),
-            sink,
+            sampler: parent.sampler,
+            pending_children: completions.collect(),
         };
         self.active.insert(id, active);
-        self.scheduler.add_request(request);
+        self.scheduler.add_request(parent.request);
         Ok(())
     }
 
-    /// Finishes a request now and frees its blocks; its stream ends with `abort`.
-    pub fn abort(&mut self, id: RequestId) {
-        self.scheduler.abort_request(id);
+    /// Finishes completions `id .. id + n` now and frees their blocks; their
+    /// streams end with `abort`. Unknown or finished ids are skipped.
+    pub fn abort(&mut self, id: RequestId, n: usize) {
+        for i in 0..n as u64 {
+            self.scheduler.abort_request(RequestId(id.0 + i));
+        }
+    }
+
+    /// Finishes a request for a reason found by the output thread (a stop string).
+    pub fn finish(&mut self, id: RequestId, reason: FinishReason) {
+        self.scheduler.finish_request(id, reason);
     }
 
     pub fn stats(&self) -> EngineStats {
@@ -136,7 +181,7 @@ impl EngineCore {
         self.report_finished(&out);
         if !out.scheduled.is_empty() {
             match self.execute(&out) {
-                Ok(sampled) => self.update(&out, sampled),
+                Ok((sampled, forks)) => self.update(&out, sampled, forks),
                 Err(e) => self.fail(&out, e),
             }
             self.stats.num_steps += 1;
@@ -144,28 +189,36 @@ impl EngineCore {
         self.stats.busy_seconds += started.elapsed().as_secs_f64();
     }
 
-    /// Ends the streams of requests the scheduler finished on its own (ignored, aborted).
+    /// Ends the streams of requests the scheduler finished on its own (ignored,
+    /// aborted), and of completions that were still waiting for them.
     fn report_finished(&mut self, out: &SchedulerOutput) {
         for f in &out.finished {
-            if let Some(active) = self.active.remove(&f.request_id) {
-                let delta = Delta {
-                    finish_reason: Some(f.reason),
-                    ..Delta::default()
-                };
-                let _ = match &f.detail {
-                    Some(detail) if f.reason == FinishReason::Ignored => {
-                        active.sink.send(Err(EngineError::Ignored {
+            let Some(active) = self.active.remove(&f.request_id) else {
+                continue;
+            };
+            let ids = std::iter::once(f.request_id)
+                .chain(active.pending_children.iter().map(|c| c.request.id));
+            for id in ids {
+                self.emit(match &f.detail {
+                    Some(detail) if f.reason == FinishReason::Ignored => OutputEvent::Failed {
+                        id,
+                        error: EngineError::Ignored {
                             detail: detail.clone(),
-                        }))
-                    }
-                    _ => active.sink.send(Ok(delta)),
-                };
+                        },
+                    },
+                    _ => OutputEvent::Finished {
+                        id,
+                        reason: f.reason,
+                    },
+                });
             }
         }
     }
 
-    /// Runs the model over the scheduled chunks and samples each request that needs it.
-    fn execute(&mut self, out: &SchedulerOutput) -> Result<Vec<(RequestId, SampledToken)>> {
+    /// Runs the model over the scheduled chunks and samples each request that
+    /// needs it; a request whose prompt just completed also samples the first
+    /// token of each of its held-back completions (from a copy of the same row).
+    fn execute(&mut self, out: &SchedulerOutput) -> Result<Sampled> {
         for s in &out.scheduled {
             if s.start_position < self.prompt_len(s.request_id) {
                 self.stats.num_prompt_tokens_computed += s.token_ids.len() as u64;
@@ -175,6 +228,7 @@ impl EngineCore {
         let vocab = self.runner.model().config().vocab_size;
         let mut rows = logits.chunks_exact_mut(vocab);
         let mut sampled = Vec::new();
+        let mut forks = Vec::new();
         for s in out.scheduled.iter().filter(|s| s.sample) {
             let row = rows
                 .next()
@@ -183,9 +237,30 @@ impl EngineCore {
                 .active
                 .get_mut(&s.request_id)
                 .expect("scheduled request is active: this is a bug");
+            for mut child in std::mem::take(&mut active.pending_children) {
+                let first = child.sampler.sample(&mut row.to_vec());
+                let id = child.request.id;
+                sampled.push((id, first.clone()));
+                forks.push(Fork {
+                    parent: s.request_id,
+                    child: child.request,
+                    first_token: first.token_id,
+                });
+                self.active.insert(
+                    id,
+                    ActiveRequest {
+                        sampler: child.sampler,
+                        pending_children: Vec::new(),
+                    },
+                );
+            }
+            let active = self
+                .active
+                .get_mut(&s.request_id)
+                .expect("scheduled request is active: this is a bug");
             sampled.push((s.request_id, active.sampler.sample(row)));
         }
-        Ok(sampled)
+        Ok((sampled, forks))
     }
 
     fn prompt_len(&self, id: RequestId) -> usize {
@@ -194,43 +269,34 @@ impl EngineCore {
             .map_or(0, |r| r.num_prompt_tokens())
     }
 
-    fn update(&mut self, out: &SchedulerOutput, sampled: Vec<(RequestId, SampledToken)>) {
+    fn update(
+        &mut self,
+        out: &SchedulerOutput,
+        sampled: Vec<(RequestId, SampledToken)>,
+        forks: Vec<Fork>,
+    ) {
+        let forked: Vec<RequestId> = forks.iter().map(|f| f.child.id).collect();
         let tokens: Vec<(RequestId, Vec<u32>)> = sampled
             .iter()
+            .filter(|(id, _)| !forked.contains(id))
             .map(|(id, t)| (*id, vec![t.token_id]))
             .collect();
-        let updates = self.scheduler.update(out, &tokens);
+        let updates = self.scheduler.update_with_forks(out, &tokens, forks);
         let mut sampled: HashMap<RequestId, SampledToken> = sampled.into_iter().collect();
         for u in updates {
             let Some(token) = sampled.remove(&u.request_id) else {
                 continue;
             };
             self.stats.num_generated_tokens += 1;
-            let active = self
-                .active
-                .get_mut(&u.request_id)
-                .expect("updated request is active: this is a bug");
-            let delta = active.output.push(token, u.finish_reason).map(|mut d| {
-                d.num_cached_tokens = u.num_cached_tokens;
-                d
-            });
-            let finished = match &delta {
-                Ok(d) => d.finish_reason.is_some(),
-                Err(_) => true,
-            };
-            let delivered = active.sink.send(delta).is_ok();
-            if finished || !delivered {
-                // A stop string or a vanished caller ends the request here; a token-id or
-                // length stop was already finished by the scheduler (then this is a no-op).
-                // Either way the next `schedule()` lists it as finished, with no stream left.
-                let reason = if delivered {
-                    FinishReason::Stop
-                } else {
-                    FinishReason::Abort
-                };
-                self.scheduler.finish_request(u.request_id, reason);
+            if u.finish_reason.is_some() {
                 self.active.remove(&u.request_id);
             }
+            self.emit(OutputEvent::Token {
+                id: u.request_id,
+                token,
+                finish: u.finish_reason,
+                num_cached_tokens: u.num_cached_tokens,
+            });
         }
     }
 
@@ -238,9 +304,16 @@ impl EngineCore {
         let message = error.to_string();
         for s in &out.scheduled {
             if let Some(active) = self.active.remove(&s.request_id) {
-                let _ = active.sink.send(Err(EngineError::StepFailed {
-                    message: message.clone(),
-                }));
+                let ids = std::iter::once(s.request_id)
+                    .chain(active.pending_children.iter().map(|c| c.request.id));
+                for id in ids {
+                    self.emit(OutputEvent::Failed {
+                        id,
+                        error: EngineError::StepFailed {
+                            message: message.clone(),
+                        },
+                    });
+                }
             }
             self.scheduler.abort_request(s.request_id);
         }

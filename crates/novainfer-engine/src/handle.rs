@@ -6,6 +6,11 @@
 //! engine thread blocks when idle and otherwise steps continuously, taking new
 //! requests between steps. Dropping a [`RequestStream`] before it ends aborts
 //! the request and frees its KV blocks at once.
+//!
+//! Two threads: the engine thread steps the model; the output thread
+//! ([`crate::output_processor`]) turns sampled tokens into text deltas. A request
+//! of `n` completions has ids `id .. id + n` and one stream carrying all of their
+//! deltas (tagged with `index`); the stream ends when all `n` have finished.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, TryRecvError};
@@ -14,8 +19,11 @@ use std::thread::JoinHandle;
 use novainfer_core::{RequestId, SamplingParams};
 
 use crate::engine::{EngineConfig, Frontend, LoadedEngine};
+use novainfer_core::FinishReason;
+
 use crate::engine_core::{EngineCore, EngineStats};
 use crate::error::{EngineError, Result};
+use crate::output_processor;
 use crate::request::Delta;
 
 enum Command {
@@ -25,7 +33,15 @@ enum Command {
         params: SamplingParams,
         deltas: mpsc::Sender<Result<Delta>>,
     },
-    Abort(RequestId),
+    /// Completions `id .. id + n` of one request.
+    Abort {
+        id: RequestId,
+        n: usize,
+    },
+    /// From the output thread: a stop string ended this completion.
+    Finish(RequestId, FinishReason),
+    /// Ends the engine loop (streams still open then end with `EngineStopped`).
+    Shutdown,
     PromptLogits {
         prompt_ids: Vec<u32>,
         step_by_step: bool,
@@ -43,25 +59,39 @@ pub struct EngineHandle {
     commands: Option<mpsc::Sender<Command>>,
     frontend: Frontend,
     next_id: AtomicU64,
-    worker: Option<JoinHandle<()>>,
+    workers: Vec<JoinHandle<()>>,
 }
 
 impl EngineHandle {
     /// Loads the model on the calling thread (so load errors return here), then
     /// starts the engine thread.
     pub fn spawn(cfg: &EngineConfig) -> Result<Self> {
-        let core = EngineCore::new(LoadedEngine::load(cfg)?);
+        let (events, event_rx) = mpsc::channel();
+        let core = EngineCore::new(LoadedEngine::load(cfg)?, events);
         let frontend = core.frontend().clone();
         let (commands, inbox) = mpsc::channel();
-        let worker = std::thread::Builder::new()
-            .name("novainfer-engine".into())
-            .spawn(move || run(core, inbox))
-            .map_err(|_| EngineError::EngineStopped)?;
+        let feedback = commands.clone();
+        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(f)
+                .map_err(|_| EngineError::EngineStopped)
+        };
+        let outputs = spawn(
+            "novainfer-output",
+            Box::new(move || {
+                output_processor::run(event_rx, |id, reason| {
+                    let _ = feedback.send(Command::Finish(id, reason));
+                })
+            }),
+        )?;
+        let engine = spawn("novainfer-engine", Box::new(move || run(core, inbox)))?;
         Ok(Self {
             commands: Some(commands),
             frontend,
             next_id: AtomicU64::new(0),
-            worker: Some(worker),
+            // The engine first: its exit closes the output thread's channel.
+            workers: vec![engine, outputs],
         })
     }
 
@@ -79,10 +109,12 @@ impl EngineHandle {
             .map_err(|_| EngineError::EngineStopped)
     }
 
-    /// Queues a request after checking it fits; its deltas arrive on the returned stream.
+    /// Queues a request after checking it fits; the deltas of its `n` completions
+    /// arrive on the returned stream.
     pub fn submit(&self, prompt_ids: Vec<u32>, params: SamplingParams) -> Result<RequestStream> {
         self.frontend.max_new_tokens(prompt_ids.len(), &params)?;
-        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let n = params.n();
+        let id = RequestId(self.next_id.fetch_add(n as u64, Ordering::Relaxed));
         let (deltas, rx) = mpsc::channel();
         self.send(Command::Generate {
             id,
@@ -92,8 +124,9 @@ impl EngineHandle {
         })?;
         Ok(RequestStream {
             id,
+            n,
+            unfinished: n,
             rx,
-            finished: false,
             commands: self.sender()?.clone(),
         })
     }
@@ -131,9 +164,10 @@ impl EngineHandle {
 
 impl Drop for EngineHandle {
     fn drop(&mut self) {
-        // Closing the channel ends the engine loop (running requests are dropped).
-        self.commands.take();
-        if let Some(worker) = self.worker.take() {
+        if let Some(commands) = self.commands.take() {
+            let _ = commands.send(Command::Shutdown);
+        }
+        for worker in self.workers.drain(..) {
             let _ = worker.join();
         }
     }
@@ -144,12 +178,13 @@ fn run(mut core: EngineCore, inbox: mpsc::Receiver<Command>) {
         if !core.has_work() {
             // Idle: sleep until something arrives.
             match inbox.recv() {
+                Ok(Command::Shutdown) | Err(_) => return,
                 Ok(command) => handle(&mut core, command),
-                Err(_) => return,
             }
         }
         loop {
             match inbox.try_recv() {
+                Ok(Command::Shutdown) => return,
                 Ok(command) => handle(&mut core, command),
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => return,
@@ -171,7 +206,9 @@ fn handle(core: &mut EngineCore, command: Command) {
                 let _ = deltas.send(Err(e));
             }
         }
-        Command::Abort(id) => core.abort(id),
+        Command::Abort { id, n } => core.abort(id, n),
+        Command::Finish(id, reason) => core.finish(id, reason),
+        Command::Shutdown => {}
         Command::PromptLogits {
             prompt_ids,
             step_by_step,
@@ -191,15 +228,18 @@ fn handle(core: &mut EngineCore, command: Command) {
     }
 }
 
-/// The deltas of one request, ending after the one with a `finish_reason`.
+/// The deltas of one request's `n` completions, ending after the last of them
+/// finishes (or after an error).
 pub struct RequestStream {
     id: RequestId,
+    n: usize,
+    unfinished: usize,
     rx: mpsc::Receiver<Result<Delta>>,
-    finished: bool,
     commands: mpsc::Sender<Command>,
 }
 
 impl RequestStream {
+    /// The id of completion 0; completion `i` is `id + i`.
     pub fn id(&self) -> RequestId {
         self.id
     }
@@ -209,15 +249,17 @@ impl RequestStream {
     pub fn abort_handle(&self) -> AbortHandle {
         AbortHandle {
             id: self.id,
+            n: self.n,
             commands: self.commands.clone(),
         }
     }
 }
 
-/// Aborts one request; cheap to clone and send between threads.
+/// Aborts one request (all its completions); cheap to clone and send between threads.
 #[derive(Clone)]
 pub struct AbortHandle {
     id: RequestId,
+    n: usize,
     commands: mpsc::Sender<Command>,
 }
 
@@ -225,7 +267,10 @@ impl AbortHandle {
     /// Finishes the request with `abort` and frees its KV blocks at the next step;
     /// a no-op once it has finished.
     pub fn abort(&self) {
-        let _ = self.commands.send(Command::Abort(self.id));
+        let _ = self.commands.send(Command::Abort {
+            id: self.id,
+            n: self.n,
+        });
     }
 }
 
@@ -233,19 +278,27 @@ impl Iterator for RequestStream {
     type Item = Result<Delta>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        if self.finished {
+        if self.unfinished == 0 {
             return None;
         }
         let item = self.rx.recv().unwrap_or(Err(EngineError::EngineStopped));
-        self.finished = !matches!(&item, Ok(d) if d.finish_reason.is_none());
+        match &item {
+            Ok(d) if d.finish_reason.is_none() => {}
+            Ok(_) => self.unfinished -= 1,
+            Err(_) => {
+                // An error ends the stream; the request's other completions end with it.
+                self.abort_handle().abort();
+                self.unfinished = 0;
+            }
+        }
         Some(item)
     }
 }
 
 impl Drop for RequestStream {
     fn drop(&mut self) {
-        if !self.finished {
-            let _ = self.commands.send(Command::Abort(self.id));
+        if self.unfinished > 0 {
+            self.abort_handle().abort();
         }
     }
 }

@@ -10,6 +10,7 @@ pub mod error;
 pub mod gguf_tokenizer;
 pub mod handle;
 pub mod model_runner;
+pub mod output_processor;
 pub mod request;
 pub mod sequence;
 pub mod stop;

@@ -31,9 +31,13 @@ impl ModelRunner {
         self.kv.num_blocks() * self.kv_bytes_per_block()
     }
 
-    /// Runs every scheduled chunk in one forward pass; returns logits `[rows, vocab]`,
+    /// Runs the step's block copies, then every scheduled chunk in one forward pass; returns logits `[rows, vocab]`,
     /// one row per request with `sample`, in `out.scheduled` order.
     pub fn execute(&mut self, out: &SchedulerOutput) -> Result<Vec<f32>> {
+        for c in &out.block_copies {
+            self.kv
+                .copy_block(c.src.index(), c.dst.index(), c.num_tokens)?;
+        }
         let batch = self.build_batch(out);
         Ok(self
             .model

@@ -47,7 +47,27 @@ pub struct RequestOutput {
 }
 
 impl RequestOutput {
-    /// Folds a request's deltas into its final output.
+    /// Folds the deltas of a request of `n` completions into one output per
+    /// completion, in `index` order.
+    pub fn per_completion(
+        prompt_token_ids: &[u32],
+        wants_logprobs: bool,
+        n: usize,
+        deltas: impl IntoIterator<Item = Delta>,
+    ) -> Vec<Self> {
+        let mut split: Vec<Vec<Delta>> = (0..n).map(|_| Vec::new()).collect();
+        for d in deltas {
+            if let Some(bucket) = split.get_mut(d.index) {
+                bucket.push(d);
+            }
+        }
+        split
+            .into_iter()
+            .map(|ds| Self::from_deltas(prompt_token_ids.to_vec(), wants_logprobs, ds))
+            .collect()
+    }
+
+    /// Folds the deltas of one completion into its final output.
     pub fn from_deltas(
         prompt_token_ids: Vec<u32>,
         wants_logprobs: bool,

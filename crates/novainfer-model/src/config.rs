@@ -80,7 +80,7 @@ impl Qwen2Config {
                 return Err(ModelError::config(field, "must be positive"));
             }
         }
-        if self.hidden_size % self.num_attention_heads != 0 {
+        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return Err(ModelError::config(
                 "hidden_size",
                 format!(
@@ -89,7 +89,10 @@ impl Qwen2Config {
                 ),
             ));
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return Err(ModelError::config(
                 "num_key_value_heads",
                 format!(
@@ -98,7 +101,7 @@ impl Qwen2Config {
                 ),
             ));
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return Err(ModelError::config(
                 "hidden_size",
                 "head_dim must be even for rotary embeddings",

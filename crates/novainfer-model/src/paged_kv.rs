@@ -80,6 +80,31 @@ impl PagedKvCache {
         }
     }
 
+    /// Copies slots `0..num_tokens` of block `src` into block `dst` in every layer
+    /// (a forked sequence's own copy of a partially filled block).
+    pub fn copy_block(&mut self, src: usize, dst: usize, num_tokens: usize) -> Result<()> {
+        if src.max(dst) >= self.num_blocks || num_tokens > self.block_size {
+            return Err(ModelError::config(
+                "block_copies",
+                format!(
+                    "copy of {num_tokens} slots from block {src} to {dst} outside a pool of {} \
+                     blocks of {}",
+                    self.num_blocks, self.block_size
+                ),
+            ));
+        }
+        let (from, to, len) = (
+            src * self.block_size * self.row,
+            dst * self.block_size * self.row,
+            num_tokens * self.row,
+        );
+        for pool in &mut self.layers {
+            pool.k.copy_within(from..from + len, to);
+            pool.v.copy_within(from..from + len, to);
+        }
+        Ok(())
+    }
+
     /// Stores K and V rows `[slots.len(), row]` of `layer` at `slots`.
     pub(crate) fn write(&mut self, layer: usize, slots: &[usize], k: &[f32], v: &[f32]) {
         let row = self.row;

@@ -21,17 +21,20 @@ use crate::sampling_params::PySamplingParams;
 
 /// Per generated token: the chosen token's and the top alternatives' logprobs.
 type PyLogprobs = Vec<HashMap<u32, f32>>;
-/// `(text, token_ids, finish_reason, logprobs, num_cached_tokens)`; `finish_reason` is None
-/// until the last delta.
+/// `(text, token_ids, finish_reason, logprobs, num_cached_tokens, index)`; `finish_reason` is
+/// None until the completion's last delta; `index` is the completion (0 when `n == 1`).
 type PyDelta = (
     String,
     Vec<u32>,
     Option<&'static str>,
     Option<PyLogprobs>,
     usize,
+    usize,
 );
-/// `(text, token_ids, finish_reason, logprobs, num_cached_tokens)` of a finished request.
-type PyOutput = (String, Vec<u32>, &'static str, Option<PyLogprobs>, usize);
+/// `(text, token_ids, finish_reason, logprobs)` of one finished completion.
+type PyCompletion = (String, Vec<u32>, &'static str, Option<PyLogprobs>);
+/// The `n` completions of a request and its number of cached prompt tokens.
+type PyOutput = (Vec<PyCompletion>, usize);
 
 fn logprobs_to_py(logprobs: Vec<TokenLogprob>) -> PyLogprobs {
     logprobs
@@ -194,7 +197,7 @@ impl PyEngine {
             .map_err(engine_error)
     }
 
-    /// Runs every prompt to completion; returns `(text, token_ids, finish_reason, logprobs)` per prompt.
+    /// Runs every prompt to completion; returns per prompt its completions and cached-token count.
     fn generate(
         &self,
         py: Python<'_>,
@@ -233,14 +236,25 @@ impl PyEngine {
                 .zip(&params)
                 .map(|((stream, prompt), p)| {
                     let deltas: Vec<Delta> = stream.collect::<Result<_, _>>()?;
-                    let out = RequestOutput::from_deltas(prompt, p.logprobs().is_some(), deltas);
-                    Ok((
-                        out.text,
-                        out.token_ids,
-                        out.finish_reason.as_str(),
-                        out.logprobs.map(logprobs_to_py),
-                        out.num_cached_tokens,
-                    ))
+                    let outs = RequestOutput::per_completion(
+                        &prompt,
+                        p.logprobs().is_some(),
+                        p.n(),
+                        deltas,
+                    );
+                    let cached = outs.first().map_or(0, |o| o.num_cached_tokens);
+                    let completions = outs
+                        .into_iter()
+                        .map(|o| {
+                            (
+                                o.text,
+                                o.token_ids,
+                                o.finish_reason.as_str(),
+                                o.logprobs.map(logprobs_to_py),
+                            )
+                        })
+                        .collect();
+                    Ok((completions, cached))
                 })
                 .collect::<Result<Vec<_>, novainfer_engine::EngineError>>()
         })
@@ -322,6 +336,7 @@ impl PyTokenStream {
                 d.finish_reason.map(|r| r.as_str()),
                 (!d.logprobs.is_empty()).then(|| logprobs_to_py(d.logprobs)),
                 d.num_cached_tokens,
+                d.index,
             ))),
         }
     }

@@ -6,6 +6,7 @@
 mod engine;
 mod errors;
 mod sampling_params;
+mod server;
 
 use pyo3::prelude::*;
 
@@ -14,6 +15,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<sampling_params::PySamplingParams>()?;
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<engine::PyTokenStream>()?;
+    m.add_function(wrap_pyfunction!(server::serve, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

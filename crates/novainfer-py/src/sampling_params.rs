@@ -32,11 +32,11 @@ impl PySamplingParams {
     #[new]
     #[pyo3(signature = (*, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
         presence_penalty=0.0, frequency_penalty=0.0, seed=None, max_tokens=Some(16), stop=None,
-        stop_token_ids=None, ignore_eos=false, logprobs=None),
+        stop_token_ids=None, ignore_eos=false, logprobs=None, n=1),
         // `Some(16)` would render as `...` in the generated signature.
         text_signature = "(*, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, \
             presence_penalty=0.0, frequency_penalty=0.0, seed=None, max_tokens=16, stop=None, \
-            stop_token_ids=None, ignore_eos=False, logprobs=None)")]
+            stop_token_ids=None, ignore_eos=False, logprobs=None, n=1)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         temperature: f64,
@@ -52,6 +52,7 @@ impl PySamplingParams {
         stop_token_ids: Option<Vec<u32>>,
         ignore_eos: bool,
         logprobs: Option<i64>,
+        n: i64,
     ) -> PyResult<Self> {
         let inner = SamplingParams::builder()
             .temperature(temperature as f32)
@@ -67,6 +68,7 @@ impl PySamplingParams {
             .stop_token_ids(stop_token_ids.unwrap_or_default())
             .ignore_eos(ignore_eos)
             .logprobs(logprobs)
+            .n(n)
             .build()
             .map_err(param_error)?;
         Ok(Self { inner })
@@ -125,6 +127,11 @@ impl PySamplingParams {
     fn logprobs(&self) -> Option<usize> {
         self.inner.logprobs()
     }
+    /// Completions per prompt; they share the prompt's KV and use seeds ``seed + i``.
+    #[getter]
+    fn n(&self) -> usize {
+        self.inner.n()
+    }
 
     fn __repr__(&self) -> String {
         let p = &self.inner;
@@ -134,7 +141,7 @@ impl PySamplingParams {
         format!(
             "SamplingParams(temperature={}, top_p={}, top_k={}, min_p={}, repetition_penalty={}, \
              presence_penalty={}, frequency_penalty={}, seed={}, max_tokens={}, stop=[{}], \
-             stop_token_ids={:?}, ignore_eos={}, logprobs={})",
+             stop_token_ids={:?}, ignore_eos={}, logprobs={}, n={})",
             p.temperature(),
             p.top_p(),
             p.top_k().unwrap_or(0),
@@ -148,6 +155,7 @@ impl PySamplingParams {
             p.stop().stop_token_ids,
             py_bool(p.stop().ignore_eos),
             py_opt(p.logprobs().map(|n| n.to_string())),
+            p.n(),
         )
     }
 }

@@ -95,22 +95,32 @@ fn token_text(tokenizer: &Tokenizer, id: u32) -> String {
 }
 
 /// Completions-style logprobs of `logprobs`, whose text starts at `offset` in the choice's text.
-pub fn completion_logprobs(tokenizer: &Tokenizer, logprobs: &[TokenLogprob], mut offset: usize) -> CompletionLogprobs {
+pub fn completion_logprobs(tokenizer: &Tokenizer, logprobs: &[TokenLogprob], offset: usize) -> CompletionLogprobs {
     let mut out = CompletionLogprobs::default();
-    for lp in logprobs {
-        let token = token_text(tokenizer, lp.token_id);
+    extend_completion_logprobs(&mut out, tokenizer, logprobs.iter().map(|lp| (lp.token_id, Some(lp))), offset);
+    out
+}
+
+/// Appends `(token id, logprobs if known)` entries; text offsets continue from `offset`.
+pub fn extend_completion_logprobs<'a>(
+    out: &mut CompletionLogprobs,
+    tokenizer: &Tokenizer,
+    entries: impl IntoIterator<Item = (u32, Option<&'a TokenLogprob>)>,
+    mut offset: usize,
+) {
+    for (token_id, lp) in entries {
+        let token = token_text(tokenizer, token_id);
         out.text_offset.push(offset);
         offset += token.len();
         out.tokens.push(token);
-        out.token_logprobs.push(lp.logprob);
-        let top: Map<String, Value> = lp
-            .top
-            .iter()
-            .map(|&(id, logprob)| (token_text(tokenizer, id), Value::from(logprob as f64)))
-            .collect();
-        out.top_logprobs.push(top);
+        out.token_logprobs.push(lp.map(|lp| lp.logprob));
+        out.top_logprobs.push(lp.map(|lp| {
+            lp.top
+                .iter()
+                .map(|&(id, logprob)| (token_text(tokenizer, id), Value::from(logprob as f64)))
+                .collect::<Map<String, Value>>()
+        }));
     }
-    out
 }
 
 pub fn chat_logprobs(tokenizer: &Tokenizer, logprobs: &[TokenLogprob]) -> ChatLogprobs {

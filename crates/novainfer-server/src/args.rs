@@ -13,6 +13,7 @@ pub enum ReasoningParser {
     /// On when the tokenizer knows a `</think>` token.
     Auto,
     /// DeepSeek-R1 style `<think>...</think>`.
+    #[value(name = "deepseek_r1", alias = "deepseek-r1")]
     DeepseekR1,
     None,
 }
@@ -203,5 +204,6 @@ mod tests {
         assert!(parse(&["--model", "a", "--model", "b", "--served-model-name", "x"]).check().is_err());
         assert!(parse(&["--max-concurrent-requests", "0"]).check().is_err());
         assert!(ServeArgs::try_parse_from(["s", "--port", "70000"]).is_err());
+        assert_eq!(parse(&["--reasoning-parser", "deepseek_r1"]).reasoning_parser, ReasoningParser::DeepseekR1);
     }
 }

@@ -10,6 +10,7 @@ pub mod limits;
 pub mod metrics;
 pub mod models;
 pub mod params;
+pub mod prompt_logprobs;
 pub mod protocol;
 pub mod reasoning;
 mod routes;
@@ -55,6 +56,7 @@ pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
 }
 

@@ -20,15 +20,38 @@ pub struct Admission {
     permits: Arc<Semaphore>,
     max_concurrent: usize,
     max_queued: usize,
-    queued: AtomicUsize,
+    queued: Arc<AtomicUsize>,
 }
 
-/// Decrements the queue count however the wait ends (permit, timeout, client gone).
-struct QueuedGuard<'a>(&'a AtomicUsize);
+/// A place in the queue; leaving it (permit granted, timeout, client gone) frees it.
+pub struct QueueSlot(Arc<AtomicUsize>);
 
-impl Drop for QueuedGuard<'_> {
+impl Drop for QueueSlot {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The right to run now, or a place in the bounded queue.
+pub enum Ticket {
+    Ready(OwnedSemaphorePermit),
+    Queued { permits: Arc<Semaphore>, slot: QueueSlot },
+}
+
+impl Ticket {
+    /// Waits (in the queue, if queued) for a permit.
+    pub async fn wait(self) -> Result<OwnedSemaphorePermit, ApiError> {
+        match self {
+            Ticket::Ready(permit) => Ok(permit),
+            Ticket::Queued { permits, slot } => {
+                let permit = permits
+                    .acquire_owned()
+                    .await
+                    .map_err(|_| ApiError::unavailable("the server is shutting down"));
+                drop(slot);
+                permit
+            }
+        }
     }
 }
 
@@ -38,17 +61,18 @@ impl Admission {
             permits: Arc::new(Semaphore::new(max_concurrent)),
             max_concurrent,
             max_queued,
-            queued: AtomicUsize::new(0),
+            queued: Arc::new(AtomicUsize::new(0)),
         }
     }
 
-    /// A permit now, or after waiting in the bounded queue; 429 when the queue is full.
-    pub async fn admit(&self) -> Result<OwnedSemaphorePermit, ApiError> {
+    /// A permit or a queue place at once; 429 when the queue is full. Deciding this before
+    /// answering lets a stream wait for its permit while already sending keep-alives.
+    pub fn reserve(&self) -> Result<Ticket, ApiError> {
         if let Ok(permit) = self.permits.clone().try_acquire_owned() {
-            return Ok(permit);
+            return Ok(Ticket::Ready(permit));
         }
         let queued = self.queued.fetch_add(1, Ordering::SeqCst);
-        let _guard = QueuedGuard(&self.queued);
+        let slot = QueueSlot(self.queued.clone());
         if queued >= self.max_queued {
             return Err(ApiError::too_many_requests(
                 format!(
@@ -59,11 +83,12 @@ impl Admission {
                 1,
             ));
         }
-        self.permits
-            .clone()
-            .acquire_owned()
-            .await
-            .map_err(|_| ApiError::unavailable("the server is shutting down"))
+        Ok(Ticket::Queued { permits: self.permits.clone(), slot })
+    }
+
+    /// A permit now, or after waiting in the bounded queue; 429 when the queue is full.
+    pub async fn admit(&self) -> Result<OwnedSemaphorePermit, ApiError> {
+        self.reserve()?.wait().await
     }
 
     pub fn num_running(&self) -> usize {

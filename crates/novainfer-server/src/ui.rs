@@ -2,8 +2,7 @@
 //! the binary needs nothing beside it. `/` serves `index.html`; other GET paths serve the
 //! file of that name, or a 404 in OpenAI's error shape.
 
-use axum::extract::Path;
-use axum::http::header;
+use axum::http::{header, Method, Uri};
 use axum::response::{Html, IntoResponse, Response};
 use include_dir::{include_dir, Dir};
 
@@ -46,7 +45,10 @@ pub async fn index() -> Response {
     file("index.html").unwrap_or_else(|| Html(PLACEHOLDER).into_response())
 }
 
-pub async fn asset(Path(path): Path<String>) -> Response {
+/// The fallback route: a GET for a UI file, or a 404 in OpenAI's error shape.
+pub async fn asset(method: Method, uri: Uri) -> Response {
+    let path = uri.path().trim_start_matches('/');
     // include_dir paths are relative and never contain `..`: a traversal finds nothing.
-    file(&path).unwrap_or_else(|| ApiError::not_found(format!("no such endpoint or file: /{path}")).into_response())
+    let found = if method == Method::GET { file(path) } else { None };
+    found.unwrap_or_else(|| ApiError::not_found(format!("no such endpoint: {method} /{path}")).into_response())
 }

@@ -21,16 +21,18 @@
 //! with that output before the next `schedule`: counters advance in `update`.
 
 mod config;
+mod fork;
 mod output;
 
 use std::collections::{HashMap, VecDeque};
 
 pub use config::{SchedulerConfig, SchedulerConfigBuilder};
+pub use fork::Fork;
 pub use output::{FinishedRequest, RequestUpdate, ScheduledRequest, SchedulerOutput};
 
 use crate::finish::FinishReason;
 use crate::ids::RequestId;
-use crate::kv_cache_manager::{KvCacheManager, KvCacheStats, PrefixHit};
+use crate::kv_cache_manager::{BlockCopy, KvCacheManager, KvCacheStats, PrefixHit};
 use crate::kv_manager::{AnyKv, KvLayout};
 use crate::request::{Request, RequestStatus};
 use crate::slot_kv_manager::SlotKvManager;
@@ -45,6 +47,8 @@ pub struct Scheduler {
     finished_since_last_step: Vec<FinishedRequest>,
     next_arrival_seq: u64,
     num_preemptions: u64,
+    /// Copies asked for by forks since the last step; the next output carries them.
+    pending_copies: Vec<BlockCopy>,
 }
 
 impl Scheduler {
@@ -70,6 +74,7 @@ impl Scheduler {
             finished_since_last_step: Vec::new(),
             next_arrival_seq: 0,
             num_preemptions: 0,
+            pending_copies: Vec::new(),
         }
     }
 
@@ -166,6 +171,7 @@ impl Scheduler {
     pub fn schedule(&mut self) -> SchedulerOutput {
         let mut out = SchedulerOutput {
             finished: std::mem::take(&mut self.finished_since_last_step),
+            block_copies: std::mem::take(&mut self.pending_copies),
             ..SchedulerOutput::default()
         };
         let mut budget = self.config.max_num_batched_tokens();
@@ -185,6 +191,19 @@ impl Scheduler {
         output: &SchedulerOutput,
         sampled: &[(RequestId, Vec<u32>)],
     ) -> Vec<RequestUpdate> {
+        self.update_with_forks(output, sampled, Vec::new())
+    }
+
+    /// [`update`](Self::update), then starts each fork right after its parent's
+    /// update (before a finish of the parent frees the KV the fork shares). A
+    /// child's update follows its parent's in the returned list.
+    pub fn update_with_forks(
+        &mut self,
+        output: &SchedulerOutput,
+        sampled: &[(RequestId, Vec<u32>)],
+        mut forks: Vec<Fork>,
+    ) -> Vec<RequestUpdate> {
+        let mut queue_pos = 0;
         let sampled: HashMap<RequestId, &[u32]> =
             sampled.iter().map(|(id, t)| (*id, t.as_slice())).collect();
         let max_model_len = self.config.max_model_len();
@@ -219,10 +238,22 @@ impl Scheduler {
             }
             // Publish before a finish frees the blocks: the prefix stays reusable.
             self.kv.as_dyn_mut().cache_full_blocks(request);
-            if let Some(reason) = update.finish_reason {
+            let finish = update.finish_reason;
+            updates.push(update);
+            if s.sample {
+                let (mine, rest): (Vec<Fork>, Vec<Fork>) =
+                    forks.into_iter().partition(|f| f.parent == s.request_id);
+                forks = rest;
+                for fork in mine {
+                    updates.push(self.start_fork(fork, &mut queue_pos));
+                }
+            }
+            if let Some(reason) = finish {
                 self.finish_request(s.request_id, reason);
             }
-            updates.push(update);
+        }
+        for fork in forks {
+            self.drop_fork(fork);
         }
         updates
     }

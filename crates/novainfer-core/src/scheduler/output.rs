@@ -2,6 +2,7 @@
 
 use crate::finish::FinishReason;
 use crate::ids::{BlockId, RequestId};
+use crate::kv_cache_manager::BlockCopy;
 
 /// One request's share of a step.
 #[derive(Debug, Clone, PartialEq)]
@@ -41,6 +42,8 @@ pub struct SchedulerOutput {
     /// Every request finished since the last step (by `update`, abort, stop string
     /// or `Ignored` at admission), so the runner can drop its per-request state.
     pub finished: Vec<FinishedRequest>,
+    /// KV copies (for forks) the model must run before this step's forward pass.
+    pub block_copies: Vec<BlockCopy>,
 }
 
 /// What one step produced for one request.

@@ -285,3 +285,90 @@ fn a_self_preempting_request_is_not_scheduled_this_step() {
         RequestStatus::Preempted
     );
 }
+
+fn fork_of(parent: u64, child: u64, prompt: Vec<u32>, first_token: u32) -> Fork {
+    Fork {
+        parent: RequestId(parent),
+        child: req(child, prompt, 4),
+        first_token,
+    }
+}
+
+#[test]
+fn forks_share_full_blocks_copy_the_partial_one_and_skip_the_prompt() {
+    let mut s = Scheduler::new(config(64, 4, 4, 16));
+    let prompt: Vec<u32> = (0..10).collect();
+    s.add_request(req(1, prompt.clone(), 4));
+    let out = s.schedule();
+    assert_eq!(shape(&out), vec![(1, 0, 10, true)]);
+    let forks = vec![
+        fork_of(1, 2, prompt.clone(), 21),
+        fork_of(1, 3, prompt.clone(), 22),
+    ];
+    let updates = s.update_with_forks(&out, &[(RequestId(1), vec![20])], forks);
+    let firsts: Vec<_> = updates
+        .iter()
+        .map(|u| (u.request_id.0, u.new_token_ids.clone()))
+        .collect();
+    assert_eq!(firsts, vec![(1, vec![20]), (2, vec![21]), (3, vec![22])]);
+    let kv = s.kv().as_block().expect("block layout");
+    let parent = kv.block_table(RequestId(1)).to_vec();
+    for child in [2, 3] {
+        let table = kv.block_table(RequestId(child));
+        assert_eq!(table[..2], parent[..2], "full blocks are shared");
+        assert_ne!(table[2], parent[2], "the partial block is the child's own");
+    }
+    assert_eq!(kv.pool().ref_count(parent[0]), 3);
+    let out = s.schedule();
+    // The prompt is not computed again: one decode token each.
+    assert_eq!(
+        shape(&out),
+        vec![(1, 10, 1, true), (2, 10, 1, true), (3, 10, 1, true)]
+    );
+    let copies: Vec<_> = out
+        .block_copies
+        .iter()
+        .map(|c| (c.src, c.num_tokens))
+        .collect();
+    assert_eq!(copies, vec![(parent[2], 2), (parent[2], 2)]);
+    assert_eq!(out.scheduled[1].token_ids, vec![21]);
+}
+
+#[test]
+fn a_fork_without_a_free_seq_waits_first_in_line_and_recomputes() {
+    let mut s = Scheduler::new(config(64, 1, 4, 16));
+    let prompt: Vec<u32> = (0..6).collect();
+    s.add_request(req(1, prompt.clone(), 2));
+    s.add_request(req(9, vec![7, 7], 2));
+    let out = s.schedule();
+    let updates = s.update_with_forks(
+        &out,
+        &[(RequestId(1), vec![20])],
+        vec![fork_of(1, 2, prompt, 21)],
+    );
+    assert_eq!(updates.len(), 2);
+    assert_eq!(
+        s.waiting_ids().collect::<Vec<_>>(),
+        vec![RequestId(2), RequestId(9)]
+    );
+    step(&mut s, 30); // request 1 finishes (max_tokens 2)
+    let (out, _) = step(&mut s, 31);
+    // Prompt plus its first token, recomputed after the prefix cache's full block.
+    assert_eq!(shape(&out), vec![(2, 4, 3, true)]);
+    assert_eq!(*out.scheduled[0].token_ids.last().unwrap(), 21);
+}
+
+#[test]
+fn a_fork_done_at_its_first_token_never_takes_kv() {
+    let mut s = Scheduler::new(config(64, 4, 4, 16));
+    let prompt: Vec<u32> = (0..6).collect();
+    s.add_request(req(1, prompt.clone(), 4));
+    let out = s.schedule();
+    let mut fork = fork_of(1, 2, prompt, 0);
+    fork.child = fork.child.with_eos_token_ids(vec![0]);
+    let updates = s.update_with_forks(&out, &[(RequestId(1), vec![20])], vec![fork]);
+    assert_eq!(updates[1].finish_reason, Some(FinishReason::Stop));
+    assert!(s.kv().as_dyn().block_table(RequestId(2)).is_empty());
+    assert_eq!(s.num_running(), 1);
+    assert_eq!(s.schedule().finished[0].request_id, RequestId(2));
+}

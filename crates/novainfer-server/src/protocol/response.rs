@@ -34,8 +34,9 @@ impl Usage {
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
-    pub top_logprobs: Vec<serde_json::Map<String, serde_json::Value>>,
+    /// `None` only for the first token of an echoed prompt.
+    pub token_logprobs: Vec<Option<f32>>,
+    pub top_logprobs: Vec<Option<serde_json::Map<String, serde_json::Value>>>,
     pub text_offset: Vec<usize>,
 }
 

@@ -12,7 +12,7 @@ use axum::{extract::State, Extension};
 use novainfer_engine::{ChatMessage, Prompt};
 
 use super::completions::sse_response;
-use super::run::{launch, Event, Launch, Running};
+use super::run::{prepare, stream_after_start, Event, Launch, Pending, Running};
 use super::{JsonBody, LoggedByHandler};
 use crate::accounting::chat_logprobs;
 use crate::error::ApiError;
@@ -96,7 +96,7 @@ pub async fn chat_completions(
     let response_id = format!("chatcmpl-{}", request_id.0);
     let stream = req.shared.stream.unwrap_or(false);
     let include_usage = req.shared.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
-    let running = launch(
+    let pending = prepare(
         &app,
         &request_id,
         arrival,
@@ -109,8 +109,7 @@ pub async fn chat_completions(
             endpoint: "chat",
             response_id: response_id.clone(),
         },
-    )
-    .await?;
+    )?;
     let shape = Shape {
         id: response_id,
         model: model.name.clone(),
@@ -120,9 +119,9 @@ pub async fn chat_completions(
     };
     let turn = session.map(|id| SessionTurn { id, conversation });
     let mut response = if stream {
-        streaming(app, running, shape, include_usage, turn)
+        streaming(app, pending, shape, include_usage, turn)
     } else {
-        whole(app, running, shape, turn).await?
+        whole(app, pending.start().await?, shape, turn).await?
     };
     response.extensions_mut().insert(LoggedByHandler);
     Ok(response)
@@ -205,10 +204,11 @@ async fn whole(app: Arc<AppState>, mut running: Running, shape: Shape, turn: Opt
     Ok(axum::Json(shape.object("chat.completion", choices, Some(usage))).into_response())
 }
 
-fn streaming(app: Arc<AppState>, mut running: Running, shape: Shape, include_usage: bool, turn: Option<SessionTurn>) -> Response {
-    let keep_alive = Some(app.keep_alive);
-    let tokenizer = running.model.frontend.tokenizer().clone();
-    let body = async_stream::stream! {
+fn streaming(app: Arc<AppState>, pending: Pending, shape: Shape, include_usage: bool, turn: Option<SessionTurn>) -> Response {
+    let period = app.keep_alive;
+    let keep_alive = Some(period);
+    let body = stream_after_start(pending, period, move |mut running: Running| async_stream::stream! {
+        let tokenizer = running.model.frontend.tokenizer().clone();
         let num_choices = running.run.choices.len();
         let mut splitters = vec![ReasoningSplitter::new(shape.thinking_opened); num_choices];
         for index in 0..num_choices {
@@ -258,6 +258,6 @@ fn streaming(app: Arc<AppState>, mut running: Running, shape: Shape, include_usa
             }
         }
         yield sse::done();
-    };
+    });
     sse_response(body)
 }

@@ -11,11 +11,14 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use futures_util::StreamExt;
-use novainfer_engine::Prompt;
+use novainfer_engine::tokenizer::Tokenizer;
+use novainfer_engine::{EngineHandle, Prompt, TokenLogprob};
 
-use super::run::{launch, Event, Launch, Running};
+use super::run::{prepare, stream_after_start, Event, Launch, Pending, Running};
 use super::{JsonBody, LoggedByHandler};
-use crate::accounting::completion_logprobs;
+use crate::accounting::{completion_logprobs, extend_completion_logprobs};
+use crate::prompt_logprobs::{prompt_logprobs, MAX_PROMPT_LOGITS};
+use crate::protocol::response::CompletionLogprobs;
 use crate::error::ApiError;
 use crate::params::{request_timeout, sampling_params, EndpointParams};
 use crate::protocol::inputs;
@@ -42,22 +45,23 @@ pub async fn completions(
             logprobs: req.own.logprobs,
         },
     )?;
-    if echo && params.logprobs().is_some() {
-        return Err(ApiError::invalid_param(
-            "echo",
-            "echo with logprobs would need prompt logprobs, which this server does not compute",
-        ));
-    }
-    let frontend = model.frontend.clone();
+    let handle = model.handle.clone();
+    let echo_logprobs = params.logprobs().filter(|_| echo);
     let (prompt_ids, echoes) = tokio::task::spawn_blocking(move || {
+        let frontend = handle.frontend();
         let mut ids = Vec::with_capacity(prompts.len());
         let mut echoes = Vec::with_capacity(prompts.len());
         for p in &prompts {
             let p_ids = frontend.prompt_token_ids(p)?;
-            echoes.push(match p {
+            let text = match p {
                 Prompt::Text(t) => t.clone(),
                 Prompt::TokenIds(t) => frontend.tokenizer().decode(t, false)?,
-            });
+            };
+            let logprobs = match echo_logprobs {
+                Some(k) => Some(echoed_logprobs(&handle, &p_ids, k)?),
+                None => None,
+            };
+            echoes.push(Echo { text, token_ids: p_ids.clone(), logprobs });
             ids.push(p_ids);
         }
         Ok::<_, ApiError>((ids, echoes))
@@ -68,7 +72,7 @@ pub async fn completions(
     let stream = req.shared.stream.unwrap_or(false);
     let include_usage = req.shared.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
     let n = params.n();
-    let running = launch(
+    let pending = prepare(
         &app,
         &request_id,
         arrival,
@@ -81,8 +85,7 @@ pub async fn completions(
             endpoint: "completions",
             response_id: response_id.clone(),
         },
-    )
-    .await?;
+    )?;
     let shape = Shape {
         id: response_id,
         model: model.name.clone(),
@@ -91,20 +94,44 @@ pub async fn completions(
         n,
     };
     let mut response = if stream {
-        streaming(app, running, shape, include_usage)
+        streaming(app, pending, shape, include_usage)
     } else {
-        whole(running, shape).await?
+        whole(pending.start().await?, shape).await?
     };
     response.extensions_mut().insert(LoggedByHandler);
     Ok(response)
+}
+
+/// A prompt to prepend to its choices (`echo`), with its tokens' logprobs if asked for.
+struct Echo {
+    text: String,
+    token_ids: Vec<u32>,
+    logprobs: Option<Vec<Option<TokenLogprob>>>,
+}
+
+/// The prompt's own logprobs, refused (400) when its logits would not fit the cap.
+fn echoed_logprobs(handle: &EngineHandle, prompt_ids: &[u32], k: usize) -> Result<Vec<Option<TokenLogprob>>, ApiError> {
+    let vocab = handle.frontend().tokenizer().vocab_size().max(1);
+    let max_tokens = MAX_PROMPT_LOGITS / vocab;
+    if prompt_ids.len() > max_tokens {
+        return Err(ApiError::invalid_param(
+            "echo",
+            format!(
+                "echo with logprobs scores at most {max_tokens} prompt tokens with this model; the prompt has {}",
+                prompt_ids.len()
+            ),
+        ));
+    }
+    let logits = handle.prompt_logits(prompt_ids.to_vec(), false)?;
+    Ok(prompt_logprobs(&logits, prompt_ids, k))
 }
 
 struct Shape {
     id: String,
     model: String,
     created: u64,
-    /// Prompt texts to prepend (empty unless `echo`).
-    echoes: Vec<String>,
+    /// One per prompt (empty unless `echo`).
+    echoes: Vec<Echo>,
     n: usize,
 }
 
@@ -121,8 +148,21 @@ impl Shape {
         }
     }
 
-    fn echo(&self, index: usize) -> &str {
-        self.echoes.get(index / self.n).map_or("", String::as_str)
+    fn echo(&self, index: usize) -> Option<&Echo> {
+        self.echoes.get(index / self.n)
+    }
+
+    fn echo_text(&self, index: usize) -> &str {
+        self.echo(index).map_or("", |e| e.text.as_str())
+    }
+
+    /// Logprobs of the echoed prompt, when asked for.
+    fn echo_logprobs(&self, tokenizer: &Tokenizer, index: usize) -> Option<CompletionLogprobs> {
+        let echo = self.echo(index)?;
+        let logprobs = echo.logprobs.as_ref()?;
+        let mut out = CompletionLogprobs::default();
+        extend_completion_logprobs(&mut out, tokenizer, echo.token_ids.iter().copied().zip(logprobs.iter().map(Option::as_ref)), 0);
+        Some(out)
     }
 }
 
@@ -135,11 +175,19 @@ async fn whole(mut running: Running, shape: Shape) -> Result<Response, ApiError>
         .iter()
         .enumerate()
         .map(|(index, c)| {
-            let echo = shape.echo(index);
+            let echo = shape.echo_text(index);
+            let logprobs = match shape.echo_logprobs(&tokenizer, index) {
+                Some(mut lp) => {
+                    let generated = c.logprobs.iter().map(|lp| (lp.token_id, Some(lp)));
+                    extend_completion_logprobs(&mut lp, &tokenizer, generated, echo.len());
+                    Some(lp)
+                }
+                None => (!c.logprobs.is_empty()).then(|| completion_logprobs(&tokenizer, &c.logprobs, echo.len())),
+            };
             CompletionChoice {
                 index,
                 text: format!("{echo}{}", c.text),
-                logprobs: (!c.logprobs.is_empty()).then(|| completion_logprobs(&tokenizer, &c.logprobs, echo.len())),
+                logprobs,
                 finish_reason: Some(c.finish_reason.unwrap_or("abort")),
             }
         })
@@ -147,16 +195,18 @@ async fn whole(mut running: Running, shape: Shape) -> Result<Response, ApiError>
     Ok(axum::Json(shape.completion(choices, Some(running.run.usage()))).into_response())
 }
 
-fn streaming(app: Arc<AppState>, mut running: Running, shape: Shape, include_usage: bool) -> Response {
-    let keep_alive = Some(app.keep_alive);
-    let tokenizer = running.model.frontend.tokenizer().clone();
-    let body = async_stream::stream! {
+fn streaming(app: Arc<AppState>, pending: Pending, shape: Shape, include_usage: bool) -> Response {
+    let period = app.keep_alive;
+    let keep_alive = Some(period);
+    let body = stream_after_start(pending, period, move |mut running: Running| async_stream::stream! {
+        let tokenizer = running.model.frontend.tokenizer().clone();
         let mut offsets = vec![0usize; running.run.choices.len()];
         if !shape.echoes.is_empty() {
             for index in 0..offsets.len() {
-                let echo = shape.echo(index).to_owned();
+                let echo = shape.echo_text(index).to_owned();
                 offsets[index] = echo.len();
-                let choice = CompletionChoice { index, text: echo, logprobs: None, finish_reason: None };
+                let logprobs = shape.echo_logprobs(&tokenizer, index);
+                let choice = CompletionChoice { index, text: echo, logprobs, finish_reason: None };
                 yield sse::data(&shape.completion(vec![choice], None));
             }
         }
@@ -193,7 +243,7 @@ fn streaming(app: Arc<AppState>, mut running: Running, shape: Shape, include_usa
             }
         }
         yield sse::done();
-    };
+    });
     sse_response(body)
 }
 

@@ -45,11 +45,11 @@ pub fn router(state: Arc<AppState>, cors_origins: &[String]) -> Router {
         .route("/health", get(misc::health))
         .route("/version", get(misc::version))
         .route("/metrics", get(misc::metrics))
-        .route("/", get(crate::ui::index))
-        .route("/{*path}", get(crate::ui::asset));
+        .route("/", get(crate::ui::index));
     let mut app = api
         .merge(open)
-        .fallback(|| async { ApiError::not_found("no such endpoint") })
+        // Any other GET may be a Web UI file; everything else is an unknown endpoint.
+        .fallback(crate::ui::asset)
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
         .with_state(state);
     if !cors_origins.is_empty() {

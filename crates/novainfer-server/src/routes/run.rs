@@ -1,5 +1,6 @@
 //! Launching a generation and driving it, shared by completions and chat: user budget,
-//! admission (concurrency and queue limits), deadline, cancel registration, the event loop
+//! admission (concurrency and queue limits; a stream waits for its permit already sending
+//! keep-alives), deadline, cancel registration, the event loop
 //! (deltas, keep-alives, timeout) and the accounting done exactly once when the request
 //! ends however it ends (finished, failed, timed out, cancelled, client gone).
 
@@ -8,11 +9,14 @@ use std::time::{Duration, Instant};
 
 use novainfer_core::SamplingParams;
 use novainfer_engine::{Delta, EngineError};
+use axum::body::Bytes;
+use futures_util::{Stream, StreamExt};
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::accounting::RunState;
 use crate::error::ApiError;
 use crate::generation::{Generation, Registration};
+use crate::limits::Ticket;
 use crate::models::ServedModel;
 use crate::state::{AppState, RequestId};
 
@@ -58,8 +62,25 @@ fn user_of(launch_user: Option<String>) -> String {
     launch_user.unwrap_or_else(|| "anonymous".to_owned())
 }
 
-pub async fn launch(app: &Arc<AppState>, request_id: &RequestId, arrival: Instant, l: Launch) -> Result<Running, ApiError> {
-    let user = user_of(l.user);
+/// A request checked and holding its place (permit or queue slot), not yet in the engine.
+pub struct Pending {
+    app: Arc<AppState>,
+    request_id: String,
+    arrival: Instant,
+    launch: Launch,
+    ticket: Ticket,
+    deadline: Option<Instant>,
+    timeout_secs: f64,
+    user: String,
+}
+
+/// Everything that can refuse a request before its response starts: the context length,
+/// the user's budget, a full queue.
+pub fn prepare(app: &Arc<AppState>, request_id: &RequestId, arrival: Instant, l: Launch) -> Result<Pending, ApiError> {
+    for ids in &l.prompts {
+        l.model.frontend.max_new_tokens(ids.len(), &l.params)?;
+    }
+    let user = user_of(l.user.clone());
     if let Some(budget) = &app.budget {
         budget.check(&user, arrival).inspect_err(|e| app.metrics.rejected(e.code.unwrap_or_default()))?;
     }
@@ -67,33 +88,53 @@ pub async fn launch(app: &Arc<AppState>, request_id: &RequestId, arrival: Instan
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     };
-    let deadline = timeout_secs.map(|s| arrival + Duration::from_secs_f64(s));
-    let admitted = match deadline {
-        Some(d) => tokio::time::timeout_at(d.into(), app.admission.admit())
-            .await
-            .map_err(|_| ApiError::timeout(timeout_secs.unwrap_or_default()))?,
-        None => app.admission.admit().await,
-    };
-    let permit = admitted.inspect_err(|e| app.metrics.rejected(e.code.unwrap_or_default()))?;
-    let prompt_lens = l.prompts.iter().map(Vec::len).collect();
-    let gen = Generation::start(&l.model.handle, l.prompts, &l.params)?;
-    let registration = app
-        .cancels
-        .register(vec![l.response_id, request_id.0.clone()], gen.abort_handles());
-    Ok(Running {
-        gen,
-        run: RunState::new(arrival, prompt_lens, l.params.n()),
-        model: l.model,
-        deadline,
-        timeout_secs: timeout_secs.unwrap_or_default(),
-        outcome: None,
+    let ticket = app
+        .admission
+        .reserve()
+        .inspect_err(|e| app.metrics.rejected(e.code.unwrap_or_default()))?;
+    Ok(Pending {
         app: app.clone(),
         request_id: request_id.0.clone(),
-        endpoint: l.endpoint,
+        arrival,
+        launch: l,
+        ticket,
+        deadline: timeout_secs.map(|s| arrival + Duration::from_secs_f64(s)),
+        timeout_secs: timeout_secs.unwrap_or_default(),
         user,
-        _registration: registration,
-        _permit: permit,
     })
+}
+
+impl Pending {
+    /// Waits for a permit (until the deadline) and submits the prompts to the engine.
+    pub async fn start(self) -> Result<Running, ApiError> {
+        let permit = match self.deadline {
+            Some(d) => tokio::time::timeout_at(d.into(), self.ticket.wait())
+                .await
+                .map_err(|_| ApiError::timeout(self.timeout_secs))??,
+            None => self.ticket.wait().await?,
+        };
+        let l = self.launch;
+        let prompt_lens = l.prompts.iter().map(Vec::len).collect();
+        let gen = Generation::start(&l.model.handle, l.prompts, &l.params)?;
+        let registration = self
+            .app
+            .cancels
+            .register(vec![l.response_id, self.request_id.clone()], gen.abort_handles());
+        Ok(Running {
+            gen,
+            run: RunState::new(self.arrival, prompt_lens, l.params.n()),
+            model: l.model,
+            deadline: self.deadline,
+            timeout_secs: self.timeout_secs,
+            outcome: None,
+            app: self.app,
+            request_id: self.request_id,
+            endpoint: l.endpoint,
+            user: self.user,
+            _registration: registration,
+            _permit: permit,
+        })
+    }
 }
 
 async fn sleep_until(deadline: Option<Instant>) {
@@ -188,5 +229,52 @@ impl Drop for Running {
             finish_reason = outcome,
             "request"
         );
+    }
+}
+
+/// A stream that waits for `pending`'s permit, sending an SSE keep-alive comment for every
+/// `period` it waits, then yields what `body` makes of the running request; if it cannot
+/// start (timeout), an error event and `[DONE]`.
+pub fn stream_after_start<F, S>(pending: Pending, period: Duration, body: F) -> impl Stream<Item = Bytes>
+where
+    F: FnOnce(Running) -> S,
+    S: Stream<Item = Bytes>,
+{
+    let model = pending.launch.model.clone();
+    let (request_id, endpoint, arrival) = (pending.request_id.clone(), pending.launch.endpoint, pending.arrival);
+    async_stream::stream! {
+        let start = pending.start();
+        tokio::pin!(start);
+        let started = loop {
+            tokio::select! {
+                r = &mut start => break r,
+                _ = tokio::time::sleep(period) => yield crate::sse::keep_alive(),
+            }
+        };
+        match started {
+            Ok(running) => {
+                let events = body(running);
+                tokio::pin!(events);
+                while let Some(event) = events.next().await {
+                    yield event;
+                }
+            }
+            Err(e) => {
+                // No `Running` ever existed to account for this request: do it here.
+                model.metrics.finished(if e.status == 408 { "timeout" } else { "error" });
+                tracing::info!(
+                    target: "novainfer::request",
+                    request_id = %request_id,
+                    endpoint,
+                    model = %model.name,
+                    status = e.status.as_u16(),
+                    latency_ms = arrival.elapsed().as_secs_f64() * 1e3,
+                    error = %e.message,
+                    "request"
+                );
+                yield crate::sse::data(&e.body());
+                yield crate::sse::done();
+            }
+        }
     }
 }

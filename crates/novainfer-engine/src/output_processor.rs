@@ -1,0 +1,236 @@
+//! The output thread: turns the tokens the engine samples into text deltas.
+//!
+//! Incremental detokenization and stop-string matching cost time for every
+//! token of every request; here they run beside the step loop instead of inside
+//! it. The engine thread registers each completion (its [`SequenceOutput`] and
+//! where its deltas go) before sending any of its tokens, over one FIFO channel,
+//! so events for a completion always arrive in order.
+//!
+//! A stop string is found here, a step or so after its token was sampled (as in
+//! vLLM). The engine is told to finish the request *before* the final delta goes
+//! out, so a caller who reads stats after the last delta sees its KV freed;
+//! tokens the engine produced in between are dropped, since this side has
+//! already forgotten the completion. The same happens when the caller is gone.
+
+use std::collections::HashMap;
+use std::sync::mpsc;
+
+use novainfer_core::{FinishReason, RequestId};
+use novainfer_model::sampler::SampledToken;
+
+use crate::error::{EngineError, Result};
+use crate::request::Delta;
+use crate::sequence::SequenceOutput;
+
+/// Where a request's deltas go; a failed send means the caller is gone.
+pub type DeltaSink = mpsc::Sender<Result<Delta>>;
+
+/// What the engine thread tells the output thread.
+pub enum OutputEvent {
+    /// A completion exists; `index` is its place among the request's `n`.
+    Register {
+        id: RequestId,
+        index: usize,
+        output: Box<SequenceOutput>,
+        sink: DeltaSink,
+    },
+    /// One sampled token with the scheduler's verdict on it (stop token, length).
+    Token {
+        id: RequestId,
+        token: SampledToken,
+        finish: Option<FinishReason>,
+        num_cached_tokens: usize,
+    },
+    /// Ended without a token (abort): the stream gets a final empty delta.
+    Finished { id: RequestId, reason: FinishReason },
+    /// Ended by an error (prompt ignored, failed step): the stream gets the error.
+    Failed { id: RequestId, error: EngineError },
+}
+
+struct Completion {
+    index: usize,
+    output: Box<SequenceOutput>,
+    sink: DeltaSink,
+}
+
+/// Runs until the engine drops its end of `events`. `finish` tells the engine
+/// to finish a request it still thinks is running.
+pub fn run(events: mpsc::Receiver<OutputEvent>, finish: impl Fn(RequestId, FinishReason)) {
+    let mut live: HashMap<RequestId, Completion> = HashMap::new();
+    for event in events {
+        match event {
+            OutputEvent::Register {
+                id,
+                index,
+                output,
+                sink,
+            } => {
+                live.insert(
+                    id,
+                    Completion {
+                        index,
+                        output,
+                        sink,
+                    },
+                );
+            }
+            OutputEvent::Token {
+                id,
+                token,
+                finish: verdict,
+                num_cached_tokens,
+            } => {
+                // Absent: already ended here; the engine has not caught up yet.
+                let Some(c) = live.get_mut(&id) else {
+                    continue;
+                };
+                let delta = c.output.push(token, verdict).map(|mut d| {
+                    d.index = c.index;
+                    d.num_cached_tokens = num_cached_tokens;
+                    d
+                });
+                let ended = match &delta {
+                    Ok(d) => d.finish_reason.is_some(),
+                    Err(_) => true,
+                };
+                if ended && verdict.is_none() {
+                    // A stop string (or a detokenizer error): news to the scheduler.
+                    let reason = match &delta {
+                        Ok(_) => FinishReason::Stop,
+                        Err(_) => FinishReason::Abort,
+                    };
+                    finish(id, reason);
+                }
+                let delivered = c.sink.send(delta).is_ok();
+                if !delivered && !ended {
+                    finish(id, FinishReason::Abort);
+                }
+                if ended || !delivered {
+                    live.remove(&id);
+                }
+            }
+            OutputEvent::Finished { id, reason } => {
+                if let Some(c) = live.remove(&id) {
+                    let _ = c.sink.send(Ok(Delta {
+                        index: c.index,
+                        finish_reason: Some(reason),
+                        ..Delta::default()
+                    }));
+                }
+            }
+            OutputEvent::Failed { id, error } => {
+                if let Some(c) = live.remove(&id) {
+                    let _ = c.sink.send(Err(error));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf_tokenizer::test_support::tiny_byte_level_tokenizer;
+    use novainfer_core::SamplingParams;
+    use std::sync::{Arc, Mutex};
+
+    fn token(id: u8) -> SampledToken {
+        SampledToken {
+            token_id: u32::from(id),
+            logprob: 0.0,
+            top_logprobs: vec![],
+        }
+    }
+
+    fn register(
+        events: &mpsc::Sender<OutputEvent>,
+        id: u64,
+        index: usize,
+        stop: &str,
+    ) -> mpsc::Receiver<Result<Delta>> {
+        let params = SamplingParams::builder()
+            .stop(vec![stop.to_owned()])
+            .build()
+            .expect("valid");
+        let output = SequenceOutput::new(Arc::new(tiny_byte_level_tokenizer()), &params);
+        let (sink, rx) = mpsc::channel();
+        events
+            .send(OutputEvent::Register {
+                id: RequestId(id),
+                index,
+                output: Box::new(output),
+                sink,
+            })
+            .expect("output thread alive");
+        rx
+    }
+
+    fn send_token(events: &mpsc::Sender<OutputEvent>, id: u64, byte: u8) {
+        events
+            .send(OutputEvent::Token {
+                id: RequestId(id),
+                token: token(byte),
+                finish: None,
+                num_cached_tokens: 3,
+            })
+            .expect("output thread alive");
+    }
+
+    #[test]
+    fn a_stop_string_tells_the_engine_first_and_later_tokens_are_dropped() {
+        let (events, rx) = mpsc::channel();
+        let told: Arc<Mutex<Vec<(RequestId, FinishReason)>>> = Arc::default();
+        let seen = told.clone();
+        let worker = std::thread::spawn(move || {
+            run(rx, |id, reason| {
+                seen.lock().expect("lock").push((id, reason))
+            })
+        });
+        let deltas = register(&events, 7, 2, "c");
+        for b in [b'a', b'b', b'c', b'd'] {
+            send_token(&events, 7, b);
+        }
+        drop(events);
+        worker.join().expect("output thread");
+        let got: Vec<Delta> = deltas.iter().map(|d| d.expect("delta")).collect();
+        let text: String = got.iter().map(|d| d.text.as_str()).collect();
+        assert_eq!(text, "ab");
+        assert_eq!(got.len(), 3, "the token after the stop string is dropped");
+        assert!(got.iter().all(|d| d.index == 2 && d.num_cached_tokens == 3));
+        assert_eq!(got[2].finish_reason, Some(FinishReason::Stop));
+        assert_eq!(
+            *told.lock().expect("lock"),
+            vec![(RequestId(7), FinishReason::Stop)]
+        );
+    }
+
+    #[test]
+    fn a_vanished_caller_aborts_and_errors_end_the_stream() {
+        let (events, rx) = mpsc::channel();
+        let told: Arc<Mutex<Vec<(RequestId, FinishReason)>>> = Arc::default();
+        let seen = told.clone();
+        let worker = std::thread::spawn(move || {
+            run(rx, |id, reason| {
+                seen.lock().expect("lock").push((id, reason))
+            })
+        });
+        drop(register(&events, 1, 0, "zz"));
+        send_token(&events, 1, b'a');
+        send_token(&events, 1, b'b');
+        let failed = register(&events, 2, 0, "zz");
+        events
+            .send(OutputEvent::Failed {
+                id: RequestId(2),
+                error: EngineError::EngineStopped,
+            })
+            .expect("alive");
+        drop(events);
+        worker.join().expect("output thread");
+        assert_eq!(
+            *told.lock().expect("lock"),
+            vec![(RequestId(1), FinishReason::Abort)]
+        );
+        assert!(matches!(failed.recv(), Ok(Err(EngineError::EngineStopped))));
+        assert!(failed.recv().is_err(), "nothing after the error");
+    }
+}

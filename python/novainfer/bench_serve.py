@@ -1,0 +1,244 @@
+"""`novainfer bench serve`: a bounded load generator against the OpenAI-compatible server.
+
+It starts ``novainfer-server`` on 127.0.0.1 (or targets ``--url``), builds a fixed, seeded workload of chat
+requests — prompt lengths drawn uniformly from ``--prompt-range`` (whole chat prompt, template included),
+output lengths from ``--output-range`` (EOS ignored so every request generates exactly that many), and an
+optional shared prefix of ``--shared-prefix-tokens`` in the system message — then keeps ``--concurrency``
+streaming requests in flight until ``--num-requests`` have finished. It reports output and total tokens/s
+over the wall time, and TTFT, TPOT (per request: time after the first token over the remaining tokens) and
+ITL (time between successive streamed tokens) at p50/p95/p99.
+
+Only the standard library is used: one thread per in-flight request, ``http.client`` for SSE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import queue
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+__all__ = ["add_serve_args", "run_bench_serve", "RequestResult", "percentile"]
+
+_WORDS = (
+    "the of and to in is that for it as with was on be by at this are from or an have not which but they "
+    "code function value return list string number model server request token cache memory thread python "
+    "rust vector matrix layer batch stream prefix block queue engine sample greedy output input prompt data"
+).split()
+
+
+@dataclass
+class RequestResult:
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def percentile(values: list[float], p: float) -> float:
+    """The p-th percentile (0..100) by linear interpolation; 0 for no values."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = (len(s) - 1) * p / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--concurrency", type=int, default=16, help="serve: requests in flight")
+    p.add_argument("--url", default=None, help="serve: target a running server instead of starting one")
+    p.add_argument("--shared-prefix-tokens", type=int, default=0, help="serve: shared system-prompt tokens")
+    p.add_argument("--server-arg", action="append", default=[], help="serve: extra novainfer-server argument")
+
+
+class _Client:
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+
+    def post(self, path: str, payload: dict) -> dict:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
+        try:
+            conn.request("POST", path, json.dumps(payload), {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            body = r.read()
+            if r.status != 200:
+                raise RuntimeError(f"{path}: HTTP {r.status}: {body[:300]!r}")
+            return json.loads(body)
+        finally:
+            conn.close()
+
+    def stream_chat(self, payload: dict) -> RequestResult:
+        res = RequestResult()
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
+        start = time.perf_counter()
+        last = None
+        try:
+            conn.request("POST", "/v1/chat/completions", json.dumps(payload), {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            if r.status != 200:
+                res.error = f"HTTP {r.status}: {r.read()[:200]!r}"
+                return res
+            for raw in r:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = chunk["error"]["message"]
+                    break
+                if chunk.get("usage"):
+                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices", []):
+                    if choice["delta"].get("content"):
+                        now = time.perf_counter()
+                        if last is None:
+                            res.ttft = now - start
+                        else:
+                            res.itls.append(now - last)
+                        last = now
+            res.e2e = time.perf_counter() - start
+        finally:
+            conn.close()
+        return res
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+def _sized(client: _Client, model: str | None, rng: random.Random, tokens: int) -> str:
+    """Random text of exactly `tokens` tokens (cut at the token level, then detokenized)."""
+    ids = client.post("/tokenize", {"model": model, "prompt": _text(rng, tokens * 2), "add_special_tokens": False})["tokens"]
+    return client.post("/detokenize", {"model": model, "tokens": ids[:max(tokens, 1)]})["prompt"]
+
+
+def build_workload(client: _Client, model: str | None, args: argparse.Namespace) -> list[dict]:
+    rng = random.Random(args.bench_seed)
+    # Template overhead of a conversation, so `--prompt-range` counts whole prompts.
+    probe = [{"role": "system", "content": "x"}, {"role": "user", "content": "x"}]
+    overhead = client.post("/tokenize", {"model": model, "messages": probe})["count"] - 2
+    shared = _sized(client, model, rng, args.shared_prefix_tokens) if args.shared_prefix_tokens else "You are a helpful assistant."
+    shared_len = args.shared_prefix_tokens or 6
+    payloads = []
+    for _ in range(args.num_requests):
+        own = max(rng.randint(*args.prompt_range) - overhead - shared_len, 1)
+        payloads.append({
+            "model": model,
+            "messages": [{"role": "system", "content": shared}, {"role": "user", "content": _sized(client, model, rng, own)}],
+            "max_tokens": rng.randint(*args.output_range),
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        })
+    return payloads
+
+
+def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "novainfer.server", "--host", "127.0.0.1", "--port", "0", "--model", args.model,
+           "--max-num-seqs", str(max(args.concurrency, 1)), "--kv-layout", args.kv_layout, *args.server_arg]
+    if args.max_model_len:
+        cmd += ["--max-model-len", str(args.max_model_len)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        m = re.search(r"http://127\.0\.0\.1:\d+", line)
+        if m:
+            return proc, m.group(0)
+    raise RuntimeError(f"novainfer-server exited with status {proc.wait()} before listening")
+
+
+def run_load(client: _Client, payloads: list[dict], concurrency: int) -> tuple[list[RequestResult], float]:
+    todo: queue.Queue[dict] = queue.Queue()
+    for p in payloads:
+        todo.put(p)
+    results: list[RequestResult] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            try:
+                payload = todo.get_nowait()
+            except queue.Empty:
+                return
+            r = client.stream_chat(payload)
+            with lock:
+                results.append(r)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - start
+
+
+def summarize(results: list[RequestResult], wall: float) -> dict[str, float]:
+    ok = [r for r in results if r.error is None]
+    out_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itls = [x for r in ok for x in r.itls]
+    summary = {
+        "requests": len(ok),
+        "errors": len(results) - len(ok),
+        "seconds": wall,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": out_tokens,
+        "output_tok_s": out_tokens / wall,
+        "total_tok_s": (out_tokens + prompt_tokens) / wall,
+    }
+    for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", tpots), ("itl", itls)):
+        for p in (50, 95, 99):
+            summary[f"{name}_p{p}_ms"] = percentile(values, p) * 1e3
+    return summary
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    proc = None
+    url = args.url
+    if url is None:
+        proc, url = _start_server(args)
+    try:
+        client = _Client(url)
+        model = None  # `model` omitted: a server with one model serves it
+        payloads = build_workload(client, model, args)
+        # Warm-up outside the clock (thread pools, allocator), with a prompt no request shares.
+        client.stream_chat({**payloads[0], "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 4})
+        results, wall = run_load(client, payloads, args.concurrency)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    s = summarize(results, wall)
+    threads = args.threads or os.environ.get("RAYON_NUM_THREADS") or os.cpu_count()
+    print(
+        f"bench serve: model={args.model} threads={threads} requests={s['requests']} (errors {s['errors']}) "
+        f"concurrency={args.concurrency} prompt={args.prompt_range[0]}-{args.prompt_range[1]} "
+        f"output={args.output_range[0]}-{args.output_range[1]} shared_prefix={args.shared_prefix_tokens} "
+        f"seed={args.bench_seed}\n"
+        f"  wall {s['seconds']:.1f} s | output {s['output_tok_s']:.1f} tok/s | total {s['total_tok_s']:.1f} tok/s "
+        f"| {s['prompt_tokens']} prompt + {s['output_tokens']} output tokens\n"
+        f"  TTFT p50/p95/p99 {s['ttft_p50_ms']:.0f}/{s['ttft_p95_ms']:.0f}/{s['ttft_p99_ms']:.0f} ms | "
+        f"TPOT {s['tpot_p50_ms']:.0f}/{s['tpot_p95_ms']:.0f}/{s['tpot_p99_ms']:.0f} ms | "
+        f"ITL {s['itl_p50_ms']:.0f}/{s['itl_p95_ms']:.0f}/{s['itl_p99_ms']:.0f} ms"
+    )
+    return 0 if s["errors"] == 0 else 1

@@ -1,0 +1,74 @@
+"""The server on the 0.5B demo model (fetched and cached by novainfer.fetch): a few short end-to-end checks.
+
+Kept few and short: CI runs them on 2 cores.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from novainfer import LLM, SamplingParams
+from novainfer.fetch import fetch_model
+from server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def demo_gguf():
+    return fetch_model("qwen2.5-coder-0.5b", progress=False)
+
+
+@pytest.fixture(scope="module")
+def server(demo_gguf):
+    # By demo name: the server finds the cached file itself.
+    with ServerProcess(["--model", "qwen2.5-coder-0.5b", "--kv-cache-bytes", str(256 << 20)]) as s:
+        yield s
+
+
+def test_chat_answers_paris_streaming_and_not(server):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == ["qwen2.5-coder-0.5b"]
+    out = client.chat.completions.create(model="qwen2.5-coder-0.5b", messages=QUESTION, max_tokens=24, temperature=0)
+    assert "Paris" in out.choices[0].message.content and out.choices[0].finish_reason == "stop"
+    chunks = client.chat.completions.create(model="qwen2.5-coder-0.5b", messages=QUESTION, max_tokens=24,
+                                            temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == out.choices[0].message.content
+
+
+def test_concurrent_greedy_streams_equal_offline(server, demo_gguf):
+    questions = [[{"role": "user", "content": f"Write the number {i} in words."}] for i in range(6)]
+    llm = LLM(demo_gguf, kv_cache_bytes=64 << 20)
+    expected = [o.outputs[0].text for o in llm.chat(questions, SamplingParams(temperature=0, max_tokens=12))]
+    del llm
+    client = server.client()
+    got: list[str | None] = [None] * len(questions)
+
+    def run(i: int) -> None:
+        stream = client.chat.completions.create(model="qwen2.5-coder-0.5b", messages=questions[i], max_tokens=12,
+                                                temperature=0, stream=True)
+        got[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(questions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert got == expected
+    server.wait_idle("qwen2.5-coder-0.5b")
+
+
+def test_session_follow_up_reuses_the_prefix_cache(server):
+    client = server.client()
+    first = client.chat.completions.create(model="qwen2.5-coder-0.5b", messages=QUESTION, max_tokens=16,
+                                           temperature=0, extra_body={"session_id": "real-1"})
+    second = client.chat.completions.create(model="qwen2.5-coder-0.5b",
+                                            messages=[{"role": "user", "content": "And of Italy?"}], max_tokens=16,
+                                            temperature=0, extra_body={"session_id": "real-1"})
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+    assert "Rome" in second.choices[0].message.content
