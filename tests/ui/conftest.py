@@ -4,9 +4,10 @@ model, and headless Debian Chromium driven by Playwright for Python.
 Invariants:
 - Every test in this folder is marked `browser`; all of them skip, with the reason, when the
   `playwright` package or a Chromium binary is missing (nothing here downloads a browser).
-- The server binary is found as $NOVAINFER_SERVER_BIN, else `novainfer-server` on PATH (what
-  `pip install .` installs), else the cargo release build; a missing binary is a failure, not a
-  skip, because a broken install must not pass quietly.
+- The server is $NOVAINFER_SERVER_BIN, else the installed package's (`python -m
+  novainfer.server`), else `novainfer-server` on PATH, else the cargo release build; a missing
+  server is a failure, not a skip, because a broken install must not pass quietly. The UI files
+  are embedded when the server is compiled: after editing them, rebuild before testing.
 - Each test gets a fresh browser context, so localStorage (the UI's conversations) starts empty;
   the server is shared by the session and a test leaves no request running on it.
 - Screenshots go to tests/ui/screenshots/ (gitignored), named after the test.
@@ -56,10 +57,23 @@ def server(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture(scope="session")
-def slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_wide_model(tmp_path_factory.mktemp("wide-model"))
+
+
+@pytest.fixture(scope="session")
+def slow_server(wide_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server whose replies last long enough to stop one by clicking (see write_wide_model)."""
-    model = write_wide_model(tmp_path_factory.mktemp("wide-model"))
-    srv = start_server(model, tmp_path_factory.mktemp("ui-slow-server") / "server.log", MODEL_NAME + "-wide")
+    srv = start_server(wide_model, tmp_path_factory.mktemp("ui-slow-server") / "server.log", MODEL_NAME + "-wide")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def full_server(wide_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Slow replies and room for one request: a second one at the same time gets a 429."""
+    srv = start_server(wide_model, tmp_path_factory.mktemp("ui-full-server") / "server.log", MODEL_NAME + "-wide",
+                       ("--max-concurrent-requests", "1", "--max-queued-requests", "0"))
     yield srv
     srv.stop()
 
@@ -95,6 +109,14 @@ def open_page(context: BrowserContext, srv: Server) -> tuple[Page, list[str]]:
 def ui_page(ui_context: BrowserContext, server: Server) -> Iterator[Page]:
     """The UI of `server`, freshly loaded; fails the test on any uncaught error in the page."""
     pg, errors = open_page(ui_context, server)
+    yield pg
+    assert not errors, f"uncaught errors in the page: {errors}"
+
+
+@pytest.fixture
+def full_page(ui_context: BrowserContext, full_server: Server) -> Iterator[Page]:
+    """The UI of `full_server`."""
+    pg, errors = open_page(ui_context, full_server)
     yield pg
     assert not errors, f"uncaught errors in the page: {errors}"
 

@@ -8,6 +8,7 @@ nothing here downloads anything.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -41,17 +42,22 @@ def chromium_path() -> str | None:
     return next((p for p in CHROMIUM_CANDIDATES if Path(p).is_file()), None)
 
 
-def server_binary() -> str:
+def server_command() -> list[str]:
+    """How to start the server: $NOVAINFER_SERVER_BIN, else the installed package's in-process
+    server (`python -m novainfer.server`, what scripts/test builds and the server tests use), else
+    `novainfer-server` on PATH, else the cargo release build."""
     explicit = os.environ.get("NOVAINFER_SERVER_BIN")
     if explicit:
-        return explicit
+        return [explicit]
+    if importlib.util.find_spec("novainfer") and importlib.util.find_spec("novainfer.server"):
+        return [sys.executable, "-m", "novainfer.server"]
     on_path = shutil.which("novainfer-server")
     if on_path:
-        return on_path
+        return [on_path]
     target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
     built = target / "release" / "novainfer-server"
     if built.is_file():
-        return str(built)
+        return [str(built)]
     pytest.fail("novainfer-server not found: set NOVAINFER_SERVER_BIN, pip install ., or cargo build --release "
                 "-p novainfer-server")
 
@@ -71,7 +77,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        args = [server_binary(), "--model", str(model_dir), "--served-model-name", model_name,
+        args = [*server_command(), "--model", str(model_dir), "--served-model-name", model_name,
                 "--host", "127.0.0.1", "--port", str(self.port), "--kv-cache-bytes", str(64 << 20), *extra_args]
         self.model = model_name
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
@@ -135,21 +141,22 @@ class MockServer(Server):
     """tests/ui/mock_server.py in place of the real server: NOVAINFER_UI_TEST_SERVER=mock, for
     working on the UI before the server builds. Never the default."""
 
-    def __init__(self, log_path: Path) -> None:  # noqa: D107 - pylint: disable=super-init-not-called
+    def __init__(self, log_path: Path, extra_args: tuple[str, ...] = ()) -> None:  # noqa: D107
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = "mock-qwen2"
         self.log_path = log_path
         self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "mock_server.py"), "--port", str(self.port)],
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "mock_server.py"), "--port", str(self.port), *extra_args],
                                      stdout=self.log, stderr=subprocess.STDOUT)
         self.wait_ready(path="/v1/models")
 
 
-def start_server(model_dir: Path, log_path: Path, model_name: str = MODEL_NAME) -> Server:
+def start_server(model_dir: Path, log_path: Path, model_name: str = MODEL_NAME,
+                 extra_args: tuple[str, ...] = ()) -> Server:
     if os.environ.get("NOVAINFER_UI_TEST_SERVER") == "mock":
-        return MockServer(log_path)
-    return Server(model_dir, log_path, model_name=model_name)
+        return MockServer(log_path, extra_args)
+    return Server(model_dir, log_path, extra_args, model_name=model_name)
 
 
 def write_wide_model(out_dir: Path) -> Path:

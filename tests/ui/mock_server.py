@@ -26,6 +26,7 @@ from pathlib import Path
 
 UI_DIR = Path(__file__).resolve().parents[2] / "crates" / "novainfer-server" / "ui"
 MODEL = "mock-qwen2"
+MAX_CONCURRENT = 1 << 30
 
 REPLY = (
     "Here is a **short** answer with a list:\n\n"
@@ -125,7 +126,9 @@ class Handler(BaseHTTPRequestHandler):
             self.error(400, "bad JSON")
             return
         last = next((m["content"] for m in reversed(body.get("messages", [])) if m["role"] == "user"), "")
-        if "!429" in last:
+        with STATE.lock:
+            full = len(STATE.running) >= MAX_CONCURRENT
+        if "!429" in last or full:
             self.error(429, "Too many requests: the server is at --max-concurrent-requests.", {"Retry-After": "3"})
             return
         max_tokens = body.get("max_tokens") or 0
@@ -206,7 +209,11 @@ class Handler(BaseHTTPRequestHandler):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--max-concurrent-requests", type=int, default=1 << 30)
+    parser.add_argument("--max-queued-requests", type=int, default=0)  # accepted for symmetry; no queue
     args = parser.parse_args()
+    global MAX_CONCURRENT  # noqa: PLW0603 - a development tool's one setting
+    MAX_CONCURRENT = args.max_concurrent_requests
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
     print(f"mock UI server on http://127.0.0.1:{args.port}/", flush=True)
     server.serve_forever()

@@ -9,6 +9,7 @@ what a test needs (a reply containing `<script>`, DeepSeek-R1 reasoning, a Markd
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -215,18 +216,31 @@ def test_server_error_is_inline_with_retry(ui_page: Page, server: Server, shot) 
     expect(page.locator("article.msg-assistant")).to_have_count(1)
 
 
-def test_busy_server_429_shows_retry_after(ui_page: Page, shot) -> None:
-    """A 429 with Retry-After appears inline with the wait and a Retry button.
-    Stubbed with page.route: the shared test server is never at its limits."""
-    page = ui_page
-    stub_chat(page, json.dumps({"error": {"message": "too many requests in flight", "type": "rate_limit_error",
-                                          "param": None, "code": 429}}), status=429, headers={"Retry-After": "7"})
-    send(page, "hello")
+def test_busy_server_429_shows_retry_after(full_page: Page, full_server: Server, shot) -> None:
+    """Two conversations stream at once; on a server with room for one request the second gets
+    429, shown inline with the server's Retry-After and a Retry that works once the first is done.
+    (On a wider-model server started with --max-concurrent-requests 1 --max-queued-requests 0.)"""
+    page, server = full_page, full_server
+    save_settings(page, **{"set-max-tokens": "400"})
+    send(page, "a long first conversation")
+    expect(assistant(page).locator(".msg-body")).not_to_have_text("", timeout=30_000)
+    page.get_by_role("button", name="New chat").click()
+    send(page, "a second conversation at the same time")
     error = assistant(page).locator(".msg-error")
-    expect(error).to_contain_text("429: too many requests in flight")
-    expect(error).to_contain_text("Try again in 7 s")
-    expect(error.get_by_role("button", name="Retry")).to_be_enabled()
+    expect(error).to_contain_text("429:")
+    expect(error).to_contain_text(re.compile(r"Try again in \d+ s\."))
+    retry = error.get_by_role("button", name="Retry")
+    expect(retry).to_be_enabled()
     shot(page, "error-429")
+    # Free the slot: stop the first conversation (a no-op if it has just finished by itself).
+    page.locator("#conv-list .conv-select", has_text="a long first conversation").click()
+    page.evaluate("document.getElementById('stop-btn').click()")
+    assert server.wait_metric(RUNNING, 0) == 0
+    page.locator("#conv-list .conv-select", has_text="a second conversation").click()
+    page.locator(".msg-error").get_by_role("button", name="Retry").click()
+    wait_idle(page)
+    expect(page.locator(".msg-error")).to_have_count(0)
+    assert assistant(page).locator(".msg-body").inner_text().strip()
 
 
 def test_lost_connection_shows_retry_and_retry_works(ui_page: Page, server: Server) -> None:
@@ -658,7 +672,7 @@ def test_no_request_leaves_the_server(ui_page: Page, server: Server) -> None:
 def _nothing_left_running(request: pytest.FixtureRequest) -> None:
     """After each test that used the server, no request of it is still running there."""
     yield
-    for name in ("server", "slow_server"):
+    for name in ("server", "slow_server", "full_server"):
         if name in request.fixturenames:
             srv = request.getfixturevalue(name)
             assert srv.wait_metric(RUNNING, 0) == 0, f"{name} still runs a request after the test"

@@ -152,11 +152,10 @@ export class MessageView {
 
   errorBox(msg) {
     const err = msg.error;
-    let text = err.message;
-    if (err.status) text = `${err.status}: ${text}`;
-    if (err.retryAfter) text += ` Try again in ${err.retryAfter} s.`;
+    const text = err.status ? `${err.status}: ${err.message}` : err.message;
     return h('div', { class: 'msg-error', role: 'alert' },
-      h('span', { class: 'msg-error-text' }, text),
+      h('div', { class: 'msg-error-text' }, text,
+        err.retryAfter ? h('small', { class: 'msg-error-hint' }, `Try again in ${err.retryAfter} s.`) : null),
       h('button', { type: 'button', class: 'btn btn-small retry-btn', disabled: this.busy,
         onclick: () => this.handlers.onRetry(msg) }, icon('regenerate'), 'Retry'));
   }
