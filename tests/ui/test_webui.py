@@ -171,6 +171,7 @@ def test_stop_mid_stream_frees_the_request(slow_page: Page, slow_server: Server,
     send(page, "Tell me a very long story.")
     reply = assistant(page)
     expect(reply.locator(".msg-body")).not_to_have_text("", timeout=30_000)
+    shot(page, "streaming")
     page.get_by_role("button", name="Stop").click()
     expect(reply.locator(".msg-note")).to_have_text("Stopped.")
     expect(page.locator("#send-btn")).to_be_visible()

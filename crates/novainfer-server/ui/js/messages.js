@@ -115,7 +115,14 @@ export class MessageView {
     } else if (msg.pending && !msg.reasoning) {
       body.append(h('span', { class: 'typing', 'aria-label': 'Waiting for the first token' }, h('i'), h('i'), h('i')));
     }
-    if (msg.pending && msg.content) body.append(h('span', { class: 'cursor', 'aria-hidden': 'true' }));
+    if (msg.pending && msg.content) {
+      // The cursor follows the text: inside the last paragraph or list item, not under it.
+      let tail = body;
+      while (tail.lastElementChild && ['P', 'UL', 'OL', 'LI', 'BLOCKQUOTE'].includes(tail.lastElementChild.tagName)) {
+        tail = tail.lastElementChild;
+      }
+      tail.append(h('span', { class: 'cursor', 'aria-hidden': 'true' }));
+    }
     article.append(body);
 
     if (msg.stopped) article.append(h('p', { class: 'msg-note' }, 'Stopped.'));
