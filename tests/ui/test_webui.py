@@ -259,6 +259,20 @@ def test_lost_connection_shows_retry_and_retry_works(ui_page: Page, server: Serv
     assert assistant(page).locator(".msg-body").inner_text().strip()
 
 
+def test_unreachable_server_is_shown_and_asked_again(ui_context, server: Server) -> None:
+    """If /v1/models cannot be reached the page says so, and asks again until the server answers.
+    (The outage is made with a route that aborts /v1/models, then removed.)"""
+    ui_context.route("**/v1/models", lambda route: route.abort("connectionrefused"))
+    page = ui_context.new_page()
+    page.goto(server.url + "/")
+    expect(page.locator("#server-status")).to_have_text("Server unreachable")
+    expect(page.locator(".empty-hint")).to_contain_text("Could not reach the server")
+    ui_context.unroute("**/v1/models")
+    expect(page.locator("#server-status")).to_have_text(re.compile(r"^\d+ models? served$"), timeout=10_000)
+    expect(page.locator("#model-badge")).to_have_text(server.model)
+    expect(page.locator(".empty-hint")).to_have_count(0)
+
+
 # ------------------------------------------------------------------ conversations
 
 

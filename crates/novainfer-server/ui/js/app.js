@@ -245,7 +245,10 @@ function editAndRegenerate(conv, userMsg, text) {
 
 // ------------------------------------------------------------------ models
 
+let modelsRetry = null;
+
 async function loadModels() {
+  clearTimeout(modelsRetry);
   try {
     state.models = await listModels();
     state.modelsError = state.models.length ? null : 'the server lists no models';
@@ -253,6 +256,8 @@ async function loadModels() {
     state.models = [];
     state.modelsError = err.message;
   }
+  // A server that is still starting (or restarting) is asked again until it answers.
+  if (state.modelsError) modelsRetry = setTimeout(loadModels, 5000);
   $('server-status').textContent = state.modelsError ? 'Server unreachable' : `${state.models.length} model${state.models.length === 1 ? '' : 's'} served`;
   $('server-status').classList.toggle('bad', Boolean(state.modelsError));
   renderChat();
