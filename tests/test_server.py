@@ -509,6 +509,21 @@ def test_streaming_session_turns(client):
     assert second.prompt_tokens_details.cached_tokens > 0
 
 
+def test_idle_sessions_expire(tiny_models):
+    with ServerProcess(["--model", str(tiny_models["f32"]), "--served-model-name", "tiny", *KV, "--session-ttl", "1"]) as s:
+        c = s.client()
+
+        def turn(text: str) -> int:
+            out = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=4,
+                                            temperature=0, extra_body={"session_id": "short"})
+            return out.usage.prompt_tokens
+
+        alone = turn("Hello")
+        assert turn("Hello") > alone  # the first turn is remembered ...
+        time.sleep(2.2)
+        assert turn("Hello") == alone  # ... until the session has been idle past its TTL
+
+
 # --------------------------------------------------------------------------- security and budgets
 
 

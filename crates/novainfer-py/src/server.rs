@@ -17,7 +17,9 @@ fn novainfer_error(py: Python<'_>, class: &str, message: String) -> PyErr {
         .and_then(|c| c.cast_into::<PyType>().map_err(PyErr::from))
     {
         Ok(class) => PyErr::from_type(class, (message,)),
-        Err(e) => PyRuntimeError::new_err(format!("{message} (and novainfer.errors is unavailable: {e})")),
+        Err(e) => PyRuntimeError::new_err(format!(
+            "{message} (and novainfer.errors is unavailable: {e})"
+        )),
     }
 }
 
@@ -27,7 +29,9 @@ fn serve_error(py: Python<'_>, e: ServeError) -> PyErr {
         ServeError::Args(e) => invalid("argv", e.to_string()),
         ServeError::DuplicateName(_) => invalid("served_model_name", e.to_string()),
         ServeError::Resolve(e) => novainfer_error(py, "ModelNotFoundError", e.to_string()),
-        ServeError::Bind { .. } | ServeError::Io(_) => novainfer_error(py, "NovaInferError", e.to_string()),
+        ServeError::Bind { .. } | ServeError::Io(_) => {
+            novainfer_error(py, "NovaInferError", e.to_string())
+        }
     }
 }
 
@@ -44,5 +48,6 @@ pub fn serve(py: Python<'_>, argv: Vec<String>) -> PyResult<()> {
         }
         Err(e) => return Err(invalid("argv", e.to_string())),
     };
-    py.detach(|| run_server(args)).map_err(|e| serve_error(py, e))
+    py.detach(|| run_server(args))
+        .map_err(|e| serve_error(py, e))
 }

@@ -9,7 +9,9 @@ use novainfer_engine::{Delta, TokenLogprob};
 use serde_json::{Map, Value};
 
 use crate::metrics::ModelMetrics;
-use crate::protocol::response::{ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob, Usage};
+use crate::protocol::response::{
+    ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob, Usage,
+};
 
 #[derive(Debug, Default, Clone)]
 pub struct ChoiceState {
@@ -43,7 +45,13 @@ impl RunState {
     }
 
     /// Folds in one delta of prompt `prompt`; returns the OpenAI choice index it belongs to.
-    pub fn record(&mut self, prompt: usize, delta: &Delta, metrics: &ModelMetrics, now: Instant) -> usize {
+    pub fn record(
+        &mut self,
+        prompt: usize,
+        delta: &Delta,
+        metrics: &ModelMetrics,
+        now: Instant,
+    ) -> usize {
         // Choices are numbered prompt-major, as OpenAI numbers them for a list of prompts.
         let index = prompt * self.n + delta.index.min(self.n - 1);
         self.cached[prompt] = self.cached[prompt].max(delta.num_cached_tokens);
@@ -52,7 +60,9 @@ impl RunState {
         if k > 0 {
             if self.first_token.is_none() {
                 self.first_token = Some(now);
-                metrics.ttft.observe(now.duration_since(self.arrival).as_secs_f64());
+                metrics
+                    .ttft
+                    .observe(now.duration_since(self.arrival).as_secs_f64());
             }
             if let Some(last) = choice.last_token {
                 let per_token = now.duration_since(last).as_secs_f64() / k as f64;
@@ -81,7 +91,10 @@ impl RunState {
 
     /// The first choice's finish reason, `abort` if it never finished.
     pub fn finish_reason(&self) -> &'static str {
-        self.choices.first().and_then(|c| c.finish_reason).unwrap_or("abort")
+        self.choices
+            .first()
+            .and_then(|c| c.finish_reason)
+            .unwrap_or("abort")
     }
 
     pub fn all_finished(&self) -> bool {
@@ -95,9 +108,18 @@ fn token_text(tokenizer: &Tokenizer, id: u32) -> String {
 }
 
 /// Completions-style logprobs of `logprobs`, whose text starts at `offset` in the choice's text.
-pub fn completion_logprobs(tokenizer: &Tokenizer, logprobs: &[TokenLogprob], offset: usize) -> CompletionLogprobs {
+pub fn completion_logprobs(
+    tokenizer: &Tokenizer,
+    logprobs: &[TokenLogprob],
+    offset: usize,
+) -> CompletionLogprobs {
     let mut out = CompletionLogprobs::default();
-    extend_completion_logprobs(&mut out, tokenizer, logprobs.iter().map(|lp| (lp.token_id, Some(lp))), offset);
+    extend_completion_logprobs(
+        &mut out,
+        tokenizer,
+        logprobs.iter().map(|lp| (lp.token_id, Some(lp))),
+        offset,
+    );
     out
 }
 
@@ -126,7 +148,11 @@ pub fn extend_completion_logprobs<'a>(
 pub fn chat_logprobs(tokenizer: &Tokenizer, logprobs: &[TokenLogprob]) -> ChatLogprobs {
     let entry = |id: u32, logprob: f32| {
         let token = token_text(tokenizer, id);
-        TopLogprob { bytes: token.as_bytes().to_vec(), token, logprob }
+        TopLogprob {
+            bytes: token.as_bytes().to_vec(),
+            token,
+            logprob,
+        }
     };
     ChatLogprobs {
         content: logprobs
@@ -149,7 +175,13 @@ mod tests {
     use super::*;
     use novainfer_core::FinishReason;
 
-    fn delta(index: usize, ids: &[u32], text: &str, finish: Option<FinishReason>, cached: usize) -> Delta {
+    fn delta(
+        index: usize,
+        ids: &[u32],
+        text: &str,
+        finish: Option<FinishReason>,
+        cached: usize,
+    ) -> Delta {
         Delta {
             index,
             text: text.into(),
@@ -165,9 +197,25 @@ mod tests {
         let metrics = ModelMetrics::default();
         let t0 = Instant::now();
         let mut run = RunState::new(t0, vec![5, 7], 2);
-        assert_eq!(run.record(1, &delta(1, &[3], "a", None, 4), &metrics, t0), 3);
-        assert_eq!(run.record(0, &delta(0, &[3, 4], "bc", Some(FinishReason::Stop), 0), &metrics, t0), 0);
-        run.record(1, &delta(1, &[9], "d", Some(FinishReason::Length), 4), &metrics, t0);
+        assert_eq!(
+            run.record(1, &delta(1, &[3], "a", None, 4), &metrics, t0),
+            3
+        );
+        assert_eq!(
+            run.record(
+                0,
+                &delta(0, &[3, 4], "bc", Some(FinishReason::Stop), 0),
+                &metrics,
+                t0
+            ),
+            0
+        );
+        run.record(
+            1,
+            &delta(1, &[9], "d", Some(FinishReason::Length), 4),
+            &metrics,
+            t0,
+        );
         assert_eq!(run.choices[3].text, "ad");
         assert_eq!(run.choices[3].finish_reason, Some("length"));
         assert_eq!(run.finish_reason(), "stop");

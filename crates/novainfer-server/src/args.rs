@@ -116,7 +116,11 @@ pub enum ArgsError {
     #[error("--served-model-name given {names} times for {models} --model values")]
     NameCount { names: usize, models: usize },
     #[error("--{flag} must be {what}, got {value}")]
-    Range { flag: &'static str, what: &'static str, value: String },
+    Range {
+        flag: &'static str,
+        what: &'static str,
+        value: String,
+    },
 }
 
 impl ServeArgs {
@@ -131,13 +135,33 @@ impl ServeArgs {
             if ok {
                 Ok(())
             } else {
-                Err(ArgsError::Range { flag, what: "positive", value })
+                Err(ArgsError::Range {
+                    flag,
+                    what: "positive",
+                    value,
+                })
             }
         };
-        positive("max-concurrent-requests", self.max_concurrent_requests > 0, self.max_concurrent_requests.to_string())?;
-        positive("max-body-bytes", self.max_body_bytes > 0, self.max_body_bytes.to_string())?;
-        positive("keep-alive", self.keep_alive.is_finite() && self.keep_alive > 0.0, self.keep_alive.to_string())?;
-        positive("user-budget-window", self.user_budget_window > 0, self.user_budget_window.to_string())?;
+        positive(
+            "max-concurrent-requests",
+            self.max_concurrent_requests > 0,
+            self.max_concurrent_requests.to_string(),
+        )?;
+        positive(
+            "max-body-bytes",
+            self.max_body_bytes > 0,
+            self.max_body_bytes.to_string(),
+        )?;
+        positive(
+            "keep-alive",
+            self.keep_alive.is_finite() && self.keep_alive > 0.0,
+            self.keep_alive.to_string(),
+        )?;
+        positive(
+            "user-budget-window",
+            self.user_budget_window > 0,
+            self.user_budget_window.to_string(),
+        )?;
         if !(self.request_timeout.is_finite() && self.request_timeout >= 0.0) {
             return Err(ArgsError::Range {
                 flag: "request-timeout",
@@ -150,7 +174,10 @@ impl ServeArgs {
 
     pub fn engine_config(&self, model: std::path::PathBuf) -> Result<EngineConfig, ArgsError> {
         let dtype = DtypeChoice::parse(&self.dtype).map_err(|_| {
-            ParamError::new("dtype", format!("must be one of auto, f32, bf16, f16; got {:?}", self.dtype))
+            ParamError::new(
+                "dtype",
+                format!("must be one of auto, f32, bf16, f16; got {:?}", self.dtype),
+            )
         })?;
         let kv_layout: KvLayout = self.kv_layout.parse()?;
         let kv_cache = match (self.kv_cache_bytes, self.kv_cache_fraction) {
@@ -183,7 +210,8 @@ mod tests {
     use super::*;
 
     fn parse(args: &[&str]) -> ServeArgs {
-        ServeArgs::try_parse_from(std::iter::once("novainfer-server").chain(args.iter().copied())).expect("parses")
+        ServeArgs::try_parse_from(std::iter::once("novainfer-server").chain(args.iter().copied()))
+            .expect("parses")
     }
 
     #[test]
@@ -199,11 +227,22 @@ mod tests {
 
     #[test]
     fn bad_values_are_refused() {
-        assert!(parse(&["--dtype", "f8"]).engine_config("/m".into()).is_err());
-        assert!(parse(&["--kv-layout", "x"]).engine_config("/m".into()).is_err());
-        assert!(parse(&["--model", "a", "--model", "b", "--served-model-name", "x"]).check().is_err());
+        assert!(parse(&["--dtype", "f8"])
+            .engine_config("/m".into())
+            .is_err());
+        assert!(parse(&["--kv-layout", "x"])
+            .engine_config("/m".into())
+            .is_err());
+        assert!(
+            parse(&["--model", "a", "--model", "b", "--served-model-name", "x"])
+                .check()
+                .is_err()
+        );
         assert!(parse(&["--max-concurrent-requests", "0"]).check().is_err());
         assert!(ServeArgs::try_parse_from(["s", "--port", "70000"]).is_err());
-        assert_eq!(parse(&["--reasoning-parser", "deepseek_r1"]).reasoning_parser, ReasoningParser::DeepseekR1);
+        assert_eq!(
+            parse(&["--reasoning-parser", "deepseek_r1"]).reasoning_parser,
+            ReasoningParser::DeepseekR1
+        );
     }
 }

@@ -98,8 +98,13 @@ impl ApiError {
     }
 
     /// 429 with `Retry-After`: the server is full or the caller spent its budget.
-    pub fn too_many_requests(message: impl Into<String>, code: &'static str, retry_after: u64) -> Self {
-        let mut e = Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message).with_code(code);
+    pub fn too_many_requests(
+        message: impl Into<String>,
+        code: &'static str,
+        retry_after: u64,
+    ) -> Self {
+        let mut e =
+            Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message).with_code(code);
         e.retry_after = Some(retry_after);
         e
     }

@@ -30,7 +30,11 @@ pub struct Generation {
 
 impl Generation {
     /// Submits every prompt with the same parameters; nothing runs unless all are accepted.
-    pub fn start(handle: &Arc<EngineHandle>, prompts: Vec<Vec<u32>>, params: &SamplingParams) -> Result<Self, ApiError> {
+    pub fn start(
+        handle: &Arc<EngineHandle>,
+        prompts: Vec<Vec<u32>>,
+        params: &SamplingParams,
+    ) -> Result<Self, ApiError> {
         for ids in &prompts {
             handle.frontend().max_new_tokens(ids.len(), params)?;
         }
@@ -52,7 +56,11 @@ impl Generation {
                 }
             });
         }
-        Ok(Self { rx, aborts, ended: false })
+        Ok(Self {
+            rx,
+            aborts,
+            ended: false,
+        })
     }
 
     /// The next delta of any prompt; `None` once every engine request has ended.
@@ -107,9 +115,16 @@ impl CancelRegistry {
         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
         let mut entries = self.lock();
         for key in &keys {
-            entries.entry(key.clone()).or_default().push((token, aborts.clone()));
+            entries
+                .entry(key.clone())
+                .or_default()
+                .push((token, aborts.clone()));
         }
-        Registration { registry: self.clone(), keys, token }
+        Registration {
+            registry: self.clone(),
+            keys,
+            token,
+        }
     }
 
     /// Aborts every request in flight under `key`; false if there is none.

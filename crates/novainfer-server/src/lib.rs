@@ -44,7 +44,10 @@ pub enum ServeError {
     #[error("two models are served as {0:?}; give each a distinct --served-model-name")]
     DuplicateName(String),
     #[error("cannot listen on {addr}: {source}")]
-    Bind { addr: String, source: std::io::Error },
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
     #[error("server error: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -65,13 +68,21 @@ fn load_models(args: &ServeArgs) -> Result<Models, ServeError> {
     let mut models: Vec<Arc<ServedModel>> = Vec::new();
     for (i, spec) in args.model.iter().enumerate() {
         let (path, default_name) = models::resolve(spec)?;
-        let name = args.served_model_name.get(i).cloned().unwrap_or(default_name);
+        let name = args
+            .served_model_name
+            .get(i)
+            .cloned()
+            .unwrap_or(default_name);
         if models.iter().any(|m| m.name == name) {
             return Err(ServeError::DuplicateName(name));
         }
         tracing::info!(model = %name, path = %path.display(), "loading model");
-        let handle = EngineHandle::spawn(&args.engine_config(path.clone())?)
-            .map_err(|source| ServeError::Load { model: spec.clone(), source })?;
+        let handle = EngineHandle::spawn(&args.engine_config(path.clone())?).map_err(|source| {
+            ServeError::Load {
+                model: spec.clone(),
+                source,
+            }
+        })?;
         let served = ServedModel::new(name, path, handle, args.reasoning_parser, created);
         tracing::info!(model = %served.name, max_model_len = served.frontend.max_model_len(), reasoning = served.reasoning, "model ready");
         models.push(Arc::new(served));

@@ -35,7 +35,10 @@ impl Drop for QueueSlot {
 /// The right to run now, or a place in the bounded queue.
 pub enum Ticket {
     Ready(OwnedSemaphorePermit),
-    Queued { permits: Arc<Semaphore>, slot: QueueSlot },
+    Queued {
+        permits: Arc<Semaphore>,
+        slot: QueueSlot,
+    },
 }
 
 impl Ticket {
@@ -83,7 +86,10 @@ impl Admission {
                 1,
             ));
         }
-        Ok(Ticket::Queued { permits: self.permits.clone(), slot })
+        Ok(Ticket::Queued {
+            permits: self.permits.clone(),
+            slot,
+        })
     }
 
     /// A permit now, or after waiting in the bounded queue; 429 when the queue is full.
@@ -166,7 +172,9 @@ impl ApiKeys {
     pub fn accepts(&self, presented: &[u8]) -> bool {
         self.0
             .iter()
-            .fold(subtle::Choice::from(0), |any, key| any | key.as_slice().ct_eq(presented))
+            .fold(subtle::Choice::from(0), |any, key| {
+                any | key.as_slice().ct_eq(presented)
+            })
             .into()
     }
 }
@@ -200,11 +208,14 @@ mod tests {
         let t0 = Instant::now();
         b.check("u", t0).expect("fresh user");
         b.charge("u", 120, t0);
-        let e = b.check("u", t0 + Duration::from_secs(10)).expect_err("spent");
+        let e = b
+            .check("u", t0 + Duration::from_secs(10))
+            .expect_err("spent");
         assert_eq!(e.status, 429);
         assert_eq!(e.retry_after, Some(50));
         b.check("other", t0).expect("budgets are per user");
-        b.check("u", t0 + Duration::from_secs(61)).expect("new window");
+        b.check("u", t0 + Duration::from_secs(61))
+            .expect("new window");
     }
 
     #[test]

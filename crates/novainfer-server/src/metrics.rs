@@ -11,9 +11,15 @@ use std::sync::Mutex;
 
 use novainfer_engine::EngineStats;
 
-const TTFT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0];
-const ITL_BUCKETS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0];
-const E2E_BUCKETS: &[f64] = &[0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0];
+const TTFT_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+];
+const ITL_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+];
+const E2E_BUCKETS: &[f64] = &[
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
+];
 
 /// A cumulative histogram with fixed upper bounds.
 pub struct Histogram {
@@ -31,7 +37,11 @@ impl Histogram {
     }
 
     pub fn observe(&self, value: f64) {
-        let i = self.bounds.iter().position(|&b| value <= b).unwrap_or(self.bounds.len());
+        let i = self
+            .bounds
+            .iter()
+            .position(|&b| value <= b)
+            .unwrap_or(self.bounds.len());
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         inner.0[i] += 1;
         inner.1 += value;
@@ -114,29 +124,69 @@ fn header(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
-pub fn render(server: &ServerMetrics, queued: usize, in_flight: usize, models: &[ModelSnapshot<'_>]) -> String {
+pub fn render(
+    server: &ServerMetrics,
+    queued: usize,
+    in_flight: usize,
+    models: &[ModelSnapshot<'_>],
+) -> String {
     let mut out = String::new();
     type Gauge = fn(&EngineStats) -> f64;
     let engine_series: &[(&str, &str, &str, Gauge)] = &[
-        ("novainfer:num_requests_running", "gauge", "Requests in the engine's running batch.", |s| s.num_running as f64),
-        ("novainfer:num_requests_waiting", "gauge", "Requests waiting in the engine's queue.", |s| s.num_waiting as f64),
-        ("novainfer:kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (1 = full).", |s| {
-            s.kv.num_used_blocks as f64 / s.kv.num_blocks.max(1) as f64
-        }),
-        ("novainfer:kv_cache_used_blocks", "gauge", "KV blocks held by requests.", |s| s.kv.num_used_blocks as f64),
-        ("novainfer:kv_cache_total_blocks", "gauge", "KV blocks in the pool.", |s| s.kv.num_blocks as f64),
-        ("novainfer:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", |s| {
-            s.kv.num_query_tokens as f64
-        }),
-        ("novainfer:prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.", |s| {
-            s.kv.num_hit_tokens as f64
-        }),
-        ("novainfer:num_preemptions_total", "counter", "Requests preempted (recomputed later) for lack of KV room.", |s| {
-            s.num_preemptions as f64
-        }),
-        ("novainfer:prompt_tokens_computed_total", "counter", "Prompt tokens the engine computed (prefix hits excluded).", |s| {
-            s.num_prompt_tokens_computed as f64
-        }),
+        (
+            "novainfer:num_requests_running",
+            "gauge",
+            "Requests in the engine's running batch.",
+            |s| s.num_running as f64,
+        ),
+        (
+            "novainfer:num_requests_waiting",
+            "gauge",
+            "Requests waiting in the engine's queue.",
+            |s| s.num_waiting as f64,
+        ),
+        (
+            "novainfer:kv_cache_usage_perc",
+            "gauge",
+            "Fraction of KV blocks in use (1 = full).",
+            |s| s.kv.num_used_blocks as f64 / s.kv.num_blocks.max(1) as f64,
+        ),
+        (
+            "novainfer:kv_cache_used_blocks",
+            "gauge",
+            "KV blocks held by requests.",
+            |s| s.kv.num_used_blocks as f64,
+        ),
+        (
+            "novainfer:kv_cache_total_blocks",
+            "gauge",
+            "KV blocks in the pool.",
+            |s| s.kv.num_blocks as f64,
+        ),
+        (
+            "novainfer:prefix_cache_queries_total",
+            "counter",
+            "Prompt tokens looked up in the prefix cache.",
+            |s| s.kv.num_query_tokens as f64,
+        ),
+        (
+            "novainfer:prefix_cache_hits_total",
+            "counter",
+            "Prompt tokens served from the prefix cache.",
+            |s| s.kv.num_hit_tokens as f64,
+        ),
+        (
+            "novainfer:num_preemptions_total",
+            "counter",
+            "Requests preempted (recomputed later) for lack of KV room.",
+            |s| s.num_preemptions as f64,
+        ),
+        (
+            "novainfer:prompt_tokens_computed_total",
+            "counter",
+            "Prompt tokens the engine computed (prefix hits excluded).",
+            |s| s.num_prompt_tokens_computed as f64,
+        ),
     ];
     for (name, kind, help, value) in engine_series {
         header(&mut out, name, kind, help);
@@ -148,20 +198,40 @@ pub fn render(server: &ServerMetrics, queued: usize, in_flight: usize, models: &
     }
     type Counter = fn(&ModelMetrics) -> u64;
     let counters: &[(&str, &str, Counter)] = &[
-        ("novainfer:prompt_tokens_total", "Prompt tokens of finished requests.", |m| m.prompt_tokens.load(Ordering::Relaxed)),
-        ("novainfer:generation_tokens_total", "Tokens generated.", |m| m.generation_tokens.load(Ordering::Relaxed)),
-        ("novainfer:cached_prompt_tokens_total", "Prompt tokens of finished requests served from the prefix cache.", |m| {
-            m.cached_tokens.load(Ordering::Relaxed)
-        }),
+        (
+            "novainfer:prompt_tokens_total",
+            "Prompt tokens of finished requests.",
+            |m| m.prompt_tokens.load(Ordering::Relaxed),
+        ),
+        (
+            "novainfer:generation_tokens_total",
+            "Tokens generated.",
+            |m| m.generation_tokens.load(Ordering::Relaxed),
+        ),
+        (
+            "novainfer:cached_prompt_tokens_total",
+            "Prompt tokens of finished requests served from the prefix cache.",
+            |m| m.cached_tokens.load(Ordering::Relaxed),
+        ),
     ];
     for (name, help, value) in counters {
         header(&mut out, name, "counter", help);
         for m in models {
-            let _ = writeln!(out, "{name}{{model_name=\"{}\"}} {}", m.name, value(m.metrics));
+            let _ = writeln!(
+                out,
+                "{name}{{model_name=\"{}\"}} {}",
+                m.name,
+                value(m.metrics)
+            );
         }
     }
     let name = "novainfer:request_success_total";
-    header(&mut out, name, "counter", "Finished requests by finish reason.");
+    header(
+        &mut out,
+        name,
+        "counter",
+        "Finished requests by finish reason.",
+    );
     for m in models {
         for (reason, count) in FINISH_REASONS.iter().zip(&m.metrics.finished) {
             let _ = writeln!(
@@ -172,10 +242,23 @@ pub fn render(server: &ServerMetrics, queued: usize, in_flight: usize, models: &
             );
         }
     }
-    let histograms: &[(&str, &str, fn(&ModelMetrics) -> &Histogram)] = &[
-        ("novainfer:time_to_first_token_seconds", "Time from arrival to the first token.", |m| &m.ttft),
-        ("novainfer:inter_token_latency_seconds", "Time between successive tokens of a stream.", |m| &m.itl),
-        ("novainfer:e2e_request_latency_seconds", "Time from arrival to the last token.", |m| &m.e2e),
+    type HistogramOf = fn(&ModelMetrics) -> &Histogram;
+    let histograms: &[(&str, &str, HistogramOf)] = &[
+        (
+            "novainfer:time_to_first_token_seconds",
+            "Time from arrival to the first token.",
+            |m| &m.ttft,
+        ),
+        (
+            "novainfer:inter_token_latency_seconds",
+            "Time between successive tokens of a stream.",
+            |m| &m.itl,
+        ),
+        (
+            "novainfer:e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            |m| &m.e2e,
+        ),
     ];
     for (name, help, histogram) in histograms {
         header(&mut out, name, "histogram", help);
@@ -183,14 +266,33 @@ pub fn render(server: &ServerMetrics, queued: usize, in_flight: usize, models: &
             histogram(m.metrics).render(&mut out, name, &format!("model_name=\"{}\"", m.name));
         }
     }
-    header(&mut out, "novainfer:server_requests_in_flight", "gauge", "Requests holding a concurrency permit.");
+    header(
+        &mut out,
+        "novainfer:server_requests_in_flight",
+        "gauge",
+        "Requests holding a concurrency permit.",
+    );
     let _ = writeln!(out, "novainfer:server_requests_in_flight {in_flight}");
-    header(&mut out, "novainfer:server_requests_queued", "gauge", "Requests waiting for a concurrency permit.");
+    header(
+        &mut out,
+        "novainfer:server_requests_queued",
+        "gauge",
+        "Requests waiting for a concurrency permit.",
+    );
     let _ = writeln!(out, "novainfer:server_requests_queued {queued}");
     let name = "novainfer:request_rejections_total";
-    header(&mut out, name, "counter", "Requests refused with 429, by reason.");
+    header(
+        &mut out,
+        name,
+        "counter",
+        "Requests refused with 429, by reason.",
+    );
     for (reason, count) in REJECTIONS.iter().zip(&server.rejected) {
-        let _ = writeln!(out, "{name}{{reason=\"{reason}\"}} {}", count.load(Ordering::Relaxed));
+        let _ = writeln!(
+            out,
+            "{name}{{reason=\"{reason}\"}} {}",
+            count.load(Ordering::Relaxed)
+        );
     }
     out
 }
@@ -225,7 +327,16 @@ mod tests {
         engine.num_running = 2;
         engine.kv.num_blocks = 10;
         engine.kv.num_used_blocks = 5;
-        let text = render(&server, 3, 1, &[ModelSnapshot { name: "m", metrics: &metrics, engine: Some(engine) }]);
+        let text = render(
+            &server,
+            3,
+            1,
+            &[ModelSnapshot {
+                name: "m",
+                metrics: &metrics,
+                engine: Some(engine),
+            }],
+        );
         for line in [
             "novainfer:num_requests_running{model_name=\"m\"} 2",
             "novainfer:kv_cache_usage_perc{model_name=\"m\"} 0.5",
@@ -236,7 +347,10 @@ mod tests {
             "novainfer:request_rejections_total{reason=\"server_overloaded\"} 1",
             "# TYPE novainfer:time_to_first_token_seconds histogram",
         ] {
-            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
         }
     }
 }

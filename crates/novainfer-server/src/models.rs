@@ -13,15 +13,25 @@ use crate::metrics::ModelMetrics;
 /// Demo-model names and their cached file names. `python/novainfer/fetch.py` (which
 /// downloads them) is the source of truth; this copy lets the standalone binary find them.
 pub const DEMO_MODELS: &[(&str, &str)] = &[
-    ("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
-    ("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
+    (
+        "qwen2.5-coder-0.5b",
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    ),
+    (
+        "qwen2.5-coder-1.5b",
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]
 pub enum ResolveError {
-    #[error("demo model {name:?} is not in the cache ({path}); fetch it with `novainfer fetch {name}`")]
+    #[error(
+        "demo model {name:?} is not in the cache ({path}); fetch it with `novainfer fetch {name}`"
+    )]
     NotFetched { name: String, path: PathBuf },
-    #[error("model {spec:?} is neither an existing file or directory nor a demo model name ({known})")]
+    #[error(
+        "model {spec:?} is neither an existing file or directory nor a demo model name ({known})"
+    )]
     Unknown { spec: String, known: String },
 }
 
@@ -53,12 +63,19 @@ pub fn resolve(spec: &str) -> Result<(PathBuf, String), ResolveError> {
             if path.is_file() {
                 Ok((path, (*name).to_owned()))
             } else {
-                Err(ResolveError::NotFetched { name: (*name).to_owned(), path })
+                Err(ResolveError::NotFetched {
+                    name: (*name).to_owned(),
+                    path,
+                })
             }
         }
         None => Err(ResolveError::Unknown {
             spec: spec.to_owned(),
-            known: DEMO_MODELS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
+            known: DEMO_MODELS
+                .iter()
+                .map(|(n, _)| *n)
+                .collect::<Vec<_>>()
+                .join(", "),
         }),
     }
 }
@@ -75,7 +92,13 @@ pub struct ServedModel {
 }
 
 impl ServedModel {
-    pub fn new(name: String, path: PathBuf, handle: EngineHandle, parser: ReasoningParser, created: u64) -> Self {
+    pub fn new(
+        name: String,
+        path: PathBuf,
+        handle: EngineHandle,
+        parser: ReasoningParser,
+        created: u64,
+    ) -> Self {
         let frontend = handle.frontend().clone();
         let reasoning = match parser {
             ReasoningParser::DeepseekR1 => true,
@@ -109,7 +132,10 @@ impl Models {
             None if self.0.len() == 1 => Ok(self.0[0].clone()),
             None => Err(ApiError::invalid_param(
                 "model",
-                format!("`model` is required when several models are served: {}", self.names().join(", ")),
+                format!(
+                    "`model` is required when several models are served: {}",
+                    self.names().join(", ")
+                ),
             )),
         }
     }

@@ -17,9 +17,17 @@ pub struct EndpointParams {
     pub logprobs: Option<i64>,
 }
 
-pub fn sampling_params(shared: &SharedFields, endpoint: EndpointParams) -> Result<SamplingParams, ApiError> {
+pub fn sampling_params(
+    shared: &SharedFields,
+    endpoint: EndpointParams,
+) -> Result<SamplingParams, ApiError> {
     let seed = match shared.seed {
-        Some(s) if s < 0 => return Err(ApiError::invalid_param("seed", format!("seed must be >= 0, got {s}"))),
+        Some(s) if s < 0 => {
+            return Err(ApiError::invalid_param(
+                "seed",
+                format!("seed must be >= 0, got {s}"),
+            ))
+        }
         s => s.map(|s| s as u64),
     };
     let max_tokens = endpoint.max_tokens.or(endpoint.default_max_tokens);
@@ -80,12 +88,48 @@ mod tests {
     #[test]
     fn out_of_range_values_name_their_parameter() {
         let cases: Vec<(SharedFields, &str)> = vec![
-            (SharedFields { temperature: Some(-1.0), ..Default::default() }, "temperature"),
-            (SharedFields { top_p: Some(0.0), ..Default::default() }, "top_p"),
-            (SharedFields { n: Some(0), ..Default::default() }, "n"),
-            (SharedFields { seed: Some(-2), ..Default::default() }, "seed"),
-            (SharedFields { stop: Some(json!([""])), ..Default::default() }, "stop"),
-            (SharedFields { presence_penalty: Some(9.0), ..Default::default() }, "presence_penalty"),
+            (
+                SharedFields {
+                    temperature: Some(-1.0),
+                    ..Default::default()
+                },
+                "temperature",
+            ),
+            (
+                SharedFields {
+                    top_p: Some(0.0),
+                    ..Default::default()
+                },
+                "top_p",
+            ),
+            (
+                SharedFields {
+                    n: Some(0),
+                    ..Default::default()
+                },
+                "n",
+            ),
+            (
+                SharedFields {
+                    seed: Some(-2),
+                    ..Default::default()
+                },
+                "seed",
+            ),
+            (
+                SharedFields {
+                    stop: Some(json!([""])),
+                    ..Default::default()
+                },
+                "stop",
+            ),
+            (
+                SharedFields {
+                    presence_penalty: Some(9.0),
+                    ..Default::default()
+                },
+                "presence_penalty",
+            ),
         ];
         for (shared, param) in cases {
             let e = params(shared).expect_err(param);
@@ -94,7 +138,11 @@ mod tests {
         }
         let e = sampling_params(
             &SharedFields::default(),
-            EndpointParams { max_tokens: Some(0), default_max_tokens: None, logprobs: Some(99) },
+            EndpointParams {
+                max_tokens: Some(0),
+                default_max_tokens: None,
+                logprobs: Some(99),
+            },
         )
         .expect_err("max_tokens 0");
         assert_eq!(e.param.as_deref(), Some("max_tokens"));
@@ -102,7 +150,12 @@ mod tests {
 
     #[test]
     fn timeout_must_be_positive() {
-        let t = |v| request_timeout(&SharedFields { timeout: Some(v), ..Default::default() });
+        let t = |v| {
+            request_timeout(&SharedFields {
+                timeout: Some(v),
+                ..Default::default()
+            })
+        };
         assert_eq!(t(2.5).unwrap(), Some(2.5));
         assert!(t(0.0).is_err() && t(-1.0).is_err() && t(f64::NAN).is_err());
     }

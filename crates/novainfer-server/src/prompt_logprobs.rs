@@ -15,7 +15,10 @@ fn log_sum_exp(row: &[f32]) -> f64 {
     if max == f32::NEG_INFINITY {
         return f64::NEG_INFINITY;
     }
-    let sum: f64 = row.iter().map(|&x| (f64::from(x) - f64::from(max)).exp()).sum();
+    let sum: f64 = row
+        .iter()
+        .map(|&x| (f64::from(x) - f64::from(max)).exp())
+        .sum();
     f64::from(max) + sum.ln()
 }
 
@@ -49,7 +52,10 @@ pub fn prompt_logprobs(logits: &[f32], prompt_ids: &[u32], k: usize) -> Vec<Opti
         out.push(Some(TokenLogprob {
             token_id: next,
             logprob: row.get(next as usize).map_or(f32::NEG_INFINITY, |&x| lp(x)),
-            top: top_k(row, k).into_iter().map(|(id, x)| (id, lp(x))).collect(),
+            top: top_k(row, k)
+                .into_iter()
+                .map(|(id, x)| (id, lp(x)))
+                .collect(),
         }));
     }
     out
@@ -72,12 +78,18 @@ mod tests {
         assert_eq!(first.top[0].0, 1);
         let second = out[2].as_ref().expect("third token");
         assert!((second.logprob - (1.0f32 / 3.0).ln()).abs() < 1e-6);
-        assert_eq!(second.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![0, 1]);
+        assert_eq!(
+            second.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+            vec![0, 1]
+        );
     }
 
     #[test]
     fn top_k_is_sorted_and_stable() {
-        assert_eq!(top_k(&[1.0, 3.0, 3.0, 2.0], 3), vec![(1, 3.0), (2, 3.0), (3, 2.0)]);
+        assert_eq!(
+            top_k(&[1.0, 3.0, 3.0, 2.0], 3),
+            vec![(1, 3.0), (2, 3.0), (3, 2.0)]
+        );
         assert!(top_k(&[1.0], 0).is_empty());
     }
 }

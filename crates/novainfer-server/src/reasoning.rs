@@ -42,14 +42,22 @@ pub fn prompt_opens_thinking(prompt: &str) -> bool {
 fn partial_tag_len(text: &str, tag: &str) -> usize {
     (1..tag.len())
         .rev()
-        .find(|&n| text.len() >= n && text.is_char_boundary(text.len() - n) && tag.starts_with(&text[text.len() - n..]))
+        .find(|&n| {
+            text.len() >= n
+                && text.is_char_boundary(text.len() - n)
+                && tag.starts_with(&text[text.len() - n..])
+        })
         .unwrap_or(0)
 }
 
 impl ReasoningSplitter {
     pub fn new(opened_by_prompt: bool) -> Self {
         Self {
-            state: if opened_by_prompt { State::Reasoning } else { State::Undecided },
+            state: if opened_by_prompt {
+                State::Reasoning
+            } else {
+                State::Undecided
+            },
             pending: String::new(),
         }
     }
@@ -106,9 +114,15 @@ impl ReasoningSplitter {
     pub fn finish(&mut self) -> Split {
         let pending = std::mem::take(&mut self.pending);
         match self.state {
-            State::Reasoning => Split { reasoning: pending, content: String::new() },
+            State::Reasoning => Split {
+                reasoning: pending,
+                content: String::new(),
+            },
             State::ContentStart => Split::default(),
-            State::Undecided | State::Content => Split { reasoning: String::new(), content: pending },
+            State::Undecided | State::Content => Split {
+                reasoning: String::new(),
+                content: pending,
+            },
         }
     }
 
@@ -132,7 +146,10 @@ mod tests {
         let mut all = Split::default();
         for p in pieces {
             let d = s.push(p);
-            assert!(!d.reasoning.contains('<') || !d.reasoning.contains("think>"), "{d:?}");
+            assert!(
+                !d.reasoning.contains('<') || !d.reasoning.contains("think>"),
+                "{d:?}"
+            );
             all.reasoning.push_str(&d.reasoning);
             all.content.push_str(&d.content);
         }
@@ -143,23 +160,35 @@ mod tests {
     }
 
     fn split(r: &str, c: &str) -> Split {
-        Split { reasoning: r.into(), content: c.into() }
+        Split {
+            reasoning: r.into(),
+            content: c.into(),
+        }
     }
 
     #[test]
     fn template_opened_think() {
-        assert_eq!(streamed(true, &["Let me", " think.</think>\n\nParis"]), split("Let me think.", "Paris"));
+        assert_eq!(
+            streamed(true, &["Let me", " think.</think>\n\nParis"]),
+            split("Let me think.", "Paris")
+        );
         // The tag split across deltas, one character at a time.
         let text = "abc</think>\n\nxyz";
         let chars: Vec<String> = text.chars().map(String::from).collect();
         let pieces: Vec<&str> = chars.iter().map(String::as_str).collect();
         assert_eq!(streamed(true, &pieces), split("abc", "xyz"));
-        assert_eq!(ReasoningSplitter::split_all(true, text), split("abc", "xyz"));
+        assert_eq!(
+            ReasoningSplitter::split_all(true, text),
+            split("abc", "xyz")
+        );
     }
 
     #[test]
     fn output_opens_think_itself() {
-        assert_eq!(streamed(false, &["<thi", "nk>\nhm</th", "ink>ok"]), split("\nhm", "ok"));
+        assert_eq!(
+            streamed(false, &["<thi", "nk>\nhm</th", "ink>ok"]),
+            split("\nhm", "ok")
+        );
         assert_eq!(streamed(false, &["\n<think>a</think>b"]), split("a", "b"));
     }
 
@@ -173,7 +202,10 @@ mod tests {
 
     #[test]
     fn unterminated_thinking_is_all_reasoning() {
-        assert_eq!(streamed(true, &["still thinking </thi"]), split("still thinking </thi", ""));
+        assert_eq!(
+            streamed(true, &["still thinking </thi"]),
+            split("still thinking </thi", "")
+        );
     }
 
     #[test]

@@ -54,7 +54,13 @@ impl SessionStore {
     }
 
     /// The whole conversation for this turn: stored history merged with the request's messages.
-    pub fn conversation(&self, model: &str, id: &str, request: Vec<ChatMessage>, now: Instant) -> Vec<ChatMessage> {
+    pub fn conversation(
+        &self,
+        model: &str,
+        id: &str,
+        request: Vec<ChatMessage>,
+        now: Instant,
+    ) -> Vec<ChatMessage> {
         let mut sessions = self.lock();
         let key = (model.to_owned(), id.to_owned());
         match sessions.get_mut(&key) {
@@ -71,7 +77,14 @@ impl SessionStore {
     }
 
     /// Records a finished turn: the conversation that was sent plus the assistant's reply.
-    pub fn store(&self, model: &str, id: &str, mut conversation: Vec<ChatMessage>, reply: String, now: Instant) {
+    pub fn store(
+        &self,
+        model: &str,
+        id: &str,
+        mut conversation: Vec<ChatMessage>,
+        reply: String,
+        now: Instant,
+    ) {
         conversation.push(ChatMessage::new("assistant", reply));
         let mut sessions = self.lock();
         sessions.insert(
@@ -82,7 +95,11 @@ impl SessionStore {
             },
         );
         if sessions.len() > self.max_sessions {
-            if let Some(oldest) = sessions.iter().min_by_key(|(_, s)| s.last_used).map(|(k, _)| k.clone()) {
+            if let Some(oldest) = sessions
+                .iter()
+                .min_by_key(|(_, s)| s.last_used)
+                .map(|(k, _)| k.clone())
+            {
                 sessions.remove(&oldest);
             }
         }
@@ -134,14 +151,30 @@ mod tests {
         let t0 = Instant::now();
         let first = store.conversation("m", "s", vec![m("user", "hi")], t0);
         store.store("m", "s", first, "hello".into(), t0);
-        let second = store.conversation("m", "s", vec![m("user", "more")], t0 + Duration::from_secs(5));
-        assert_eq!(second, vec![m("user", "hi"), m("assistant", "hello"), m("user", "more")]);
+        let second = store.conversation(
+            "m",
+            "s",
+            vec![m("user", "more")],
+            t0 + Duration::from_secs(5),
+        );
+        assert_eq!(
+            second,
+            vec![m("user", "hi"), m("assistant", "hello"), m("user", "more")]
+        );
         // Another model's session of the same id is separate.
-        assert_eq!(store.conversation("other", "s", vec![m("user", "x")], t0).len(), 1);
+        assert_eq!(
+            store
+                .conversation("other", "s", vec![m("user", "x")], t0)
+                .len(),
+            1
+        );
         // Touched at t0+5: still alive at t0+14, gone at t0+16.
         assert_eq!(store.expire(t0 + Duration::from_secs(14)), 1);
         assert_eq!(store.expire(t0 + Duration::from_secs(16)), 0);
-        assert_eq!(store.conversation("m", "s", vec![m("user", "x")], t0).len(), 1);
+        assert_eq!(
+            store.conversation("m", "s", vec![m("user", "x")], t0).len(),
+            1
+        );
     }
 
     #[test]
@@ -149,7 +182,13 @@ mod tests {
         let store = SessionStore::new(Duration::from_secs(100), 2);
         let t0 = Instant::now();
         for (i, id) in ["a", "b", "c"].iter().enumerate() {
-            store.store("m", id, vec![], "r".into(), t0 + Duration::from_secs(i as u64));
+            store.store(
+                "m",
+                id,
+                vec![],
+                "r".into(),
+                t0 + Duration::from_secs(i as u64),
+            );
         }
         assert_eq!(store.len(), 2);
         assert_eq!(store.conversation("m", "a", vec![], t0).len(), 0);

@@ -34,7 +34,10 @@ fn file(path: &str) -> Option<Response> {
     let f = UI.get_file(path)?;
     Some(
         (
-            [(header::CONTENT_TYPE, content_type(path)), (header::CACHE_CONTROL, "no-cache")],
+            [
+                (header::CONTENT_TYPE, content_type(path)),
+                (header::CACHE_CONTROL, "no-cache"),
+            ],
             f.contents(),
         )
             .into_response(),
@@ -49,6 +52,12 @@ pub async fn index() -> Response {
 pub async fn asset(method: Method, uri: Uri) -> Response {
     let path = uri.path().trim_start_matches('/');
     // include_dir paths are relative and never contain `..`: a traversal finds nothing.
-    let found = if method == Method::GET { file(path) } else { None };
-    found.unwrap_or_else(|| ApiError::not_found(format!("no such endpoint: {method} /{path}")).into_response())
+    let found = if method == Method::GET {
+        file(path)
+    } else {
+        None
+    };
+    found.unwrap_or_else(|| {
+        ApiError::not_found(format!("no such endpoint: {method} /{path}")).into_response()
+    })
 }

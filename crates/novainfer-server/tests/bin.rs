@@ -11,7 +11,13 @@ fn help_lists_the_serving_options() {
     let out = server().arg("--help").output().expect("runs");
     assert!(out.status.success());
     let help = String::from_utf8_lossy(&out.stdout);
-    for flag in ["--model", "--served-model-name", "--max-queued-requests", "--api-key", "--kv-cache-bytes"] {
+    for flag in [
+        "--model",
+        "--served-model-name",
+        "--max-queued-requests",
+        "--api-key",
+        "--kv-cache-bytes",
+    ] {
         assert!(help.contains(flag), "{flag} missing from --help:\n{help}");
     }
 }
@@ -31,6 +37,9 @@ fn an_unfetched_demo_model_says_how_to_fetch_it() {
 
 #[test]
 fn bad_arguments_fail_with_usage() {
-    let out = server().args(["--port", "not-a-port"]).output().expect("runs");
+    let out = server()
+        .args(["--port", "not-a-port"])
+        .output()
+        .expect("runs");
     assert_eq!(out.status.code(), Some(2));
 }

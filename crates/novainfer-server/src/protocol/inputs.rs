@@ -19,7 +19,10 @@ fn token_ids(items: &[Value], param: &str) -> Result<Vec<u32>, ApiError> {
             v.as_u64()
                 .and_then(|id| u32::try_from(id).ok())
                 .ok_or_else(|| {
-                    ApiError::invalid_param(param, format!("token ids must be integers in [0, 2^32), got {v}"))
+                    ApiError::invalid_param(
+                        param,
+                        format!("token ids must be integers in [0, 2^32), got {v}"),
+                    )
                 })
         })
         .collect()
@@ -34,15 +37,26 @@ pub fn prompts(value: &Value, param: &str) -> Result<Vec<Prompt>, ApiError> {
     let list = match value {
         Value::String(s) => return Ok(vec![Prompt::Text(s.clone())]),
         Value::Array(items) => items,
-        other => return Err(ApiError::invalid_param(param, format!("{}, got {}", shape(), json_type(other)))),
+        other => {
+            return Err(ApiError::invalid_param(
+                param,
+                format!("{}, got {}", shape(), json_type(other)),
+            ))
+        }
     };
     if list.is_empty() {
-        return Err(ApiError::invalid_param(param, format!("`{param}` must not be empty")));
+        return Err(ApiError::invalid_param(
+            param,
+            format!("`{param}` must not be empty"),
+        ));
     }
     if list.len() > MAX_BATCH {
         return Err(ApiError::invalid_param(
             param,
-            format!("`{param}` has {} elements, more than the limit of {MAX_BATCH}", list.len()),
+            format!(
+                "`{param}` has {} elements, more than the limit of {MAX_BATCH}",
+                list.len()
+            ),
         ));
     }
     match &list[0] {
@@ -52,58 +66,92 @@ pub fn prompts(value: &Value, param: &str) -> Result<Vec<Prompt>, ApiError> {
             .map(|item| match item {
                 Value::String(s) => Ok(Prompt::Text(s.clone())),
                 Value::Array(ids) => Ok(Prompt::TokenIds(token_ids(ids, param)?)),
-                other => Err(ApiError::invalid_param(param, format!("{}, got an element that is {}", shape(), json_type(other)))),
+                other => Err(ApiError::invalid_param(
+                    param,
+                    format!("{}, got an element that is {}", shape(), json_type(other)),
+                )),
             })
             .collect(),
-        other => Err(ApiError::invalid_param(param, format!("{}, got a list of {}", shape(), json_type(other)))),
+        other => Err(ApiError::invalid_param(
+            param,
+            format!("{}, got a list of {}", shape(), json_type(other)),
+        )),
     }
 }
 
 /// `stop`: a string or a list of strings.
 pub fn stop_strings(value: Option<&Value>) -> Result<Vec<String>, ApiError> {
-    let err = |what: &str| ApiError::invalid_param("stop", format!("`stop` must be a string or a list of strings, got {what}"));
+    let err = |what: &str| {
+        ApiError::invalid_param(
+            "stop",
+            format!("`stop` must be a string or a list of strings, got {what}"),
+        )
+    };
     let stops = match value {
         None | Some(Value::Null) => return Ok(Vec::new()),
         Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(items)) => items
             .iter()
-            .map(|v| v.as_str().map(str::to_owned).ok_or_else(|| err(&format!("a list containing {}", json_type(v)))))
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| err(&format!("a list containing {}", json_type(v))))
+            })
             .collect::<Result<_, _>>()?,
         Some(other) => return Err(err(json_type(other))),
     };
     if stops.len() > MAX_STOP {
-        return Err(ApiError::invalid_param("stop", format!("at most {MAX_STOP} stop strings, got {}", stops.len())));
+        return Err(ApiError::invalid_param(
+            "stop",
+            format!("at most {MAX_STOP} stop strings, got {}", stops.len()),
+        ));
     }
     Ok(stops)
 }
 
 /// Text of a message `content`: a string, or a list of `{"type": "text", "text": ...}` parts.
 fn content_text(value: Option<&Value>, i: usize) -> Result<String, ApiError> {
-    let err = |why: String| ApiError::invalid_param("messages", format!("messages[{i}].content {why}"));
+    let err =
+        |why: String| ApiError::invalid_param("messages", format!("messages[{i}].content {why}"));
     match value {
         None | Some(Value::Null) => Ok(String::new()),
         Some(Value::String(s)) => Ok(s.clone()),
         Some(Value::Array(parts)) => {
             let mut text = String::new();
             for part in parts {
-                match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                match (
+                    part.get("type").and_then(Value::as_str),
+                    part.get("text").and_then(Value::as_str),
+                ) {
                     (Some("text"), Some(t)) => text.push_str(t),
                     (Some(kind), _) if kind != "text" => {
-                        return Err(err(format!("has a part of type {kind:?}; only text parts are supported")))
+                        return Err(err(format!(
+                            "has a part of type {kind:?}; only text parts are supported"
+                        )))
                     }
-                    _ => return Err(err("parts must be objects {\"type\": \"text\", \"text\": string}".into())),
+                    _ => {
+                        return Err(err(
+                            "parts must be objects {\"type\": \"text\", \"text\": string}".into(),
+                        ))
+                    }
                 }
             }
             Ok(text)
         }
-        Some(other) => Err(err(format!("must be a string or a list of text parts, got {}", json_type(other)))),
+        Some(other) => Err(err(format!(
+            "must be a string or a list of text parts, got {}",
+            json_type(other)
+        ))),
     }
 }
 
 /// `messages`: a list of `{role, content}` with roles system (or developer), user, assistant.
 pub fn messages(value: &Value) -> Result<Vec<ChatMessage>, ApiError> {
     let Value::Array(items) = value else {
-        return Err(ApiError::invalid_param("messages", format!("`messages` must be a list, got {}", json_type(value))));
+        return Err(ApiError::invalid_param(
+            "messages",
+            format!("`messages` must be a list, got {}", json_type(value)),
+        ));
     };
     items
         .iter()
@@ -138,13 +186,27 @@ mod tests {
 
     #[test]
     fn prompt_shapes() {
-        assert_eq!(prompts(&json!("hi"), "prompt").unwrap(), vec![Prompt::Text("hi".into())]);
-        assert_eq!(prompts(&json!([1, 2]), "prompt").unwrap(), vec![Prompt::TokenIds(vec![1, 2])]);
+        assert_eq!(
+            prompts(&json!("hi"), "prompt").unwrap(),
+            vec![Prompt::Text("hi".into())]
+        );
+        assert_eq!(
+            prompts(&json!([1, 2]), "prompt").unwrap(),
+            vec![Prompt::TokenIds(vec![1, 2])]
+        );
         assert_eq!(
             prompts(&json!(["a", [3]]), "prompt").unwrap(),
             vec![Prompt::Text("a".into()), Prompt::TokenIds(vec![3])]
         );
-        for bad in [json!([]), json!(3), json!([-1]), json!([1.5]), json!([{}]), json!(null), json!([[1, "x"]])] {
+        for bad in [
+            json!([]),
+            json!(3),
+            json!([-1]),
+            json!([1.5]),
+            json!([{}]),
+            json!(null),
+            json!([[1, "x"]]),
+        ] {
             let e = prompts(&bad, "prompt").expect_err(&bad.to_string());
             assert_eq!(e.param.as_deref(), Some("prompt"));
         }
@@ -153,7 +215,10 @@ mod tests {
     #[test]
     fn stop_shapes() {
         assert_eq!(stop_strings(Some(&json!("x"))).unwrap(), vec!["x"]);
-        assert_eq!(stop_strings(Some(&json!(["x", "y"]))).unwrap(), vec!["x", "y"]);
+        assert_eq!(
+            stop_strings(Some(&json!(["x", "y"]))).unwrap(),
+            vec!["x", "y"]
+        );
         assert!(stop_strings(None).unwrap().is_empty());
         assert!(stop_strings(Some(&json!([1]))).is_err());
         assert!(stop_strings(Some(&json!(vec!["a"; 17]))).is_err());

@@ -184,7 +184,10 @@ fn field_in(message: &str) -> Option<String> {
 }
 
 fn reject_unsupported(map: &Map<String, Value>) -> Result<(), ApiError> {
-    match map.keys().find(|k| UNSUPPORTED_FIELDS.contains(&k.as_str())) {
+    match map
+        .keys()
+        .find(|k| UNSUPPORTED_FIELDS.contains(&k.as_str()))
+    {
         Some(k) => Err(ApiError::invalid_param(
             k.clone(),
             format!("`{k}` is not supported by this server"),
@@ -223,8 +226,9 @@ mod tests {
 
     #[test]
     fn splits_shared_and_own_fields() {
-        let r = chat(r#"{"model":"m","messages":[],"max_tokens":5,"session_id":"s","temperature":0}"#)
-            .expect("valid body");
+        let r =
+            chat(r#"{"model":"m","messages":[],"max_tokens":5,"session_id":"s","temperature":0}"#)
+                .expect("valid body");
         assert_eq!(r.shared.model.as_deref(), Some("m"));
         assert_eq!(r.shared.max_tokens, Some(5));
         assert_eq!(r.shared.temperature, Some(0.0));
@@ -242,7 +246,8 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("messages"));
         let e = chat(r#"{"messages":[],"tools":[]}"#).expect_err("unsupported");
         assert!(e.message.contains("not supported"), "{}", e.message);
-        let e = chat(r#"{"messages":[],"stream_options":{"include_usage":3}}"#).expect_err("nested");
+        let e =
+            chat(r#"{"messages":[],"stream_options":{"include_usage":3}}"#).expect_err("nested");
         assert_eq!(e.param.as_deref(), Some("stream_options"));
     }
 
@@ -259,13 +264,23 @@ mod tests {
         // Every listed field is accepted by the struct (deny_unknown_fields would refuse one
         // that is not), so a field can neither be listed and missing nor present and unlisted
         // without one of these two checks failing.
-        let all: Map<String, Value> = SHARED_FIELDS.iter().map(|f| (f.to_string(), Value::Null)).collect();
+        let all: Map<String, Value> = SHARED_FIELDS
+            .iter()
+            .map(|f| (f.to_string(), Value::Null))
+            .collect();
         typed::<SharedFields>(Value::Object(all)).expect("every listed field exists");
         let e = typed::<SharedFields>(serde_json::json!({"nope": 1})).expect_err("unknown");
         let listed = e.message;
         for f in SHARED_FIELDS {
-            assert!(listed.contains(&format!("`{f}`")), "{f} missing from {listed}");
+            assert!(
+                listed.contains(&format!("`{f}`")),
+                "{f} missing from {listed}"
+            );
         }
-        assert_eq!(listed.matches('`').count() / 2 - 1, SHARED_FIELDS.len(), "{listed}");
+        assert_eq!(
+            listed.matches('`').count() / 2 - 1,
+            SHARED_FIELDS.len(),
+            "{listed}"
+        );
     }
 }

@@ -19,7 +19,9 @@ use crate::error::ApiError;
 use crate::params::{request_timeout, sampling_params, EndpointParams};
 use crate::protocol::inputs;
 use crate::protocol::request::{parse_generation, ChatRequest};
-use crate::protocol::response::{unix_now, ChatChoice, ChatCompletion, ChatMessageOut, Usage, SYSTEM_FINGERPRINT};
+use crate::protocol::response::{
+    unix_now, ChatChoice, ChatCompletion, ChatMessageOut, Usage, SYSTEM_FINGERPRINT,
+};
 use crate::reasoning::{prompt_opens_thinking, ReasoningSplitter, Split};
 use crate::sessions::MAX_SESSION_ID_LEN;
 use crate::sse;
@@ -33,9 +35,9 @@ struct SessionTurn {
 
 fn session_id(body: Option<String>, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     let header = headers.get("x-session-id").map(|v| {
-        v.to_str()
-            .map(str::to_owned)
-            .map_err(|_| ApiError::invalid_param("session_id", "X-Session-Id must be visible ASCII"))
+        v.to_str().map(str::to_owned).map_err(|_| {
+            ApiError::invalid_param("session_id", "X-Session-Id must be visible ASCII")
+        })
     });
     let id = match (body, header) {
         (Some(id), _) => Some(id),
@@ -45,7 +47,10 @@ fn session_id(body: Option<String>, headers: &HeaderMap) -> Result<Option<String
     match id {
         Some(id) if id.is_empty() || id.len() > MAX_SESSION_ID_LEN => Err(ApiError::invalid_param(
             "session_id",
-            format!("session_id must have 1 to {MAX_SESSION_ID_LEN} characters, got {}", id.len()),
+            format!(
+                "session_id must have 1 to {MAX_SESSION_ID_LEN} characters, got {}",
+                id.len()
+            ),
         )),
         id => Ok(id),
     }
@@ -64,7 +69,12 @@ pub async fn chat_completions(
     let session = session_id(req.own.session_id.clone(), &headers)?;
     let logprobs = match (req.own.logprobs.unwrap_or(false), req.own.top_logprobs) {
         (true, top) => Some(top.unwrap_or(0)),
-        (false, Some(_)) => return Err(ApiError::invalid_param("top_logprobs", "top_logprobs needs logprobs: true")),
+        (false, Some(_)) => {
+            return Err(ApiError::invalid_param(
+                "top_logprobs",
+                "top_logprobs needs logprobs: true",
+            ))
+        }
         (false, None) => None,
     };
     let params = sampling_params(
@@ -76,11 +86,16 @@ pub async fn chat_completions(
         },
     )?;
     let conversation = match &session {
-        Some(id) => app.sessions.conversation(&model.name, id, messages, arrival),
+        Some(id) => app
+            .sessions
+            .conversation(&model.name, id, messages, arrival),
         None => messages,
     };
     if conversation.is_empty() {
-        return Err(ApiError::invalid_param("messages", "`messages` must not be empty"));
+        return Err(ApiError::invalid_param(
+            "messages",
+            "`messages` must not be empty",
+        ));
     }
     let frontend = model.frontend.clone();
     let rendered = conversation.clone();
@@ -95,7 +110,12 @@ pub async fn chat_completions(
     .map_err(|e| ApiError::internal(format!("rendering the prompt failed: {e}")))??;
     let response_id = format!("chatcmpl-{}", request_id.0);
     let stream = req.shared.stream.unwrap_or(false);
-    let include_usage = req.shared.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+    let include_usage = req
+        .shared
+        .stream_options
+        .as_ref()
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false);
     let pending = prepare(
         &app,
         &request_id,
@@ -136,7 +156,12 @@ struct Shape {
 }
 
 impl Shape {
-    fn object(&self, object: &'static str, choices: Vec<ChatChoice>, usage: Option<Usage>) -> ChatCompletion {
+    fn object(
+        &self,
+        object: &'static str,
+        choices: Vec<ChatChoice>,
+        usage: Option<Usage>,
+    ) -> ChatCompletion {
         ChatCompletion {
             id: self.id.clone(),
             object,
@@ -148,8 +173,20 @@ impl Shape {
         }
     }
 
-    fn chunk(&self, index: usize, delta: ChatMessageOut, logprobs: Option<crate::protocol::response::ChatLogprobs>, finish: Option<&'static str>) -> ChatCompletion {
-        let choice = ChatChoice { index, message: None, delta: Some(delta), logprobs, finish_reason: finish };
+    fn chunk(
+        &self,
+        index: usize,
+        delta: ChatMessageOut,
+        logprobs: Option<crate::protocol::response::ChatLogprobs>,
+        finish: Option<&'static str>,
+    ) -> ChatCompletion {
+        let choice = ChatChoice {
+            index,
+            message: None,
+            delta: Some(delta),
+            logprobs,
+            finish_reason: finish,
+        };
         self.object("chat.completion.chunk", vec![choice], None)
     }
 
@@ -157,7 +194,10 @@ impl Shape {
         if self.reasoning {
             ReasoningSplitter::split_all(self.thinking_opened, text)
         } else {
-            Split { reasoning: String::new(), content: text.to_owned() }
+            Split {
+                reasoning: String::new(),
+                content: text.to_owned(),
+            }
         }
     }
 }
@@ -169,14 +209,27 @@ fn non_empty(s: String) -> Option<String> {
 /// Stores the turn when the first choice finished normally.
 fn remember(app: &AppState, running: &Running, shape: &Shape, turn: Option<SessionTurn>) {
     let Some(turn) = turn else { return };
-    let Some(first) = running.run.choices.first() else { return };
+    let Some(first) = running.run.choices.first() else {
+        return;
+    };
     if matches!(first.finish_reason, Some("stop" | "length")) {
         let reply = shape.split(&first.text).content;
-        app.sessions.store(&running.model.name, &turn.id, turn.conversation, reply, Instant::now());
+        app.sessions.store(
+            &running.model.name,
+            &turn.id,
+            turn.conversation,
+            reply,
+            Instant::now(),
+        );
     }
 }
 
-async fn whole(app: Arc<AppState>, mut running: Running, shape: Shape, turn: Option<SessionTurn>) -> Result<Response, ApiError> {
+async fn whole(
+    app: Arc<AppState>,
+    mut running: Running,
+    shape: Shape,
+    turn: Option<SessionTurn>,
+) -> Result<Response, ApiError> {
     running.collect().await?;
     remember(&app, &running, &shape, turn);
     let tokenizer = running.model.frontend.tokenizer().clone();
@@ -192,7 +245,11 @@ async fn whole(app: Arc<AppState>, mut running: Running, shape: Shape, turn: Opt
                 message: Some(ChatMessageOut {
                     role: Some("assistant"),
                     content: Some(split.content),
-                    reasoning_content: if shape.reasoning { non_empty(split.reasoning) } else { None },
+                    reasoning_content: if shape.reasoning {
+                        non_empty(split.reasoning)
+                    } else {
+                        None
+                    },
                 }),
                 delta: None,
                 logprobs: (!c.logprobs.is_empty()).then(|| chat_logprobs(&tokenizer, &c.logprobs)),
@@ -204,60 +261,68 @@ async fn whole(app: Arc<AppState>, mut running: Running, shape: Shape, turn: Opt
     Ok(axum::Json(shape.object("chat.completion", choices, Some(usage))).into_response())
 }
 
-fn streaming(app: Arc<AppState>, pending: Pending, shape: Shape, include_usage: bool, turn: Option<SessionTurn>) -> Response {
+fn streaming(
+    app: Arc<AppState>,
+    pending: Pending,
+    shape: Shape,
+    include_usage: bool,
+    turn: Option<SessionTurn>,
+) -> Response {
     let period = app.keep_alive;
     let keep_alive = Some(period);
-    let body = stream_after_start(pending, period, move |mut running: Running| async_stream::stream! {
-        let tokenizer = running.model.frontend.tokenizer().clone();
-        let num_choices = running.run.choices.len();
-        let mut splitters = vec![ReasoningSplitter::new(shape.thinking_opened); num_choices];
-        for index in 0..num_choices {
-            let role = ChatMessageOut { role: Some("assistant"), content: Some(String::new()), reasoning_content: None };
-            yield sse::data(&shape.chunk(index, role, None, None));
-        }
-        loop {
-            match running.next_event(keep_alive).await {
-                Event::Delta(prompt, delta) => {
-                    let index = running.record(prompt, &delta);
-                    let mut split = if shape.reasoning {
-                        splitters[index].push(&delta.text)
-                    } else {
-                        Split { reasoning: String::new(), content: delta.text.clone() }
-                    };
-                    if delta.finish_reason.is_some() && shape.reasoning {
-                        let tail = splitters[index].finish();
-                        split.reasoning.push_str(&tail.reasoning);
-                        split.content.push_str(&tail.content);
+    let body = stream_after_start(pending, period, move |mut running: Running| {
+        async_stream::stream! {
+            let tokenizer = running.model.frontend.tokenizer().clone();
+            let num_choices = running.run.choices.len();
+            let mut splitters = vec![ReasoningSplitter::new(shape.thinking_opened); num_choices];
+            for index in 0..num_choices {
+                let role = ChatMessageOut { role: Some("assistant"), content: Some(String::new()), reasoning_content: None };
+                yield sse::data(&shape.chunk(index, role, None, None));
+            }
+            loop {
+                match running.next_event(keep_alive).await {
+                    Event::Delta(prompt, delta) => {
+                        let index = running.record(prompt, &delta);
+                        let mut split = if shape.reasoning {
+                            splitters[index].push(&delta.text)
+                        } else {
+                            Split { reasoning: String::new(), content: delta.text.clone() }
+                        };
+                        if delta.finish_reason.is_some() && shape.reasoning {
+                            let tail = splitters[index].finish();
+                            split.reasoning.push_str(&tail.reasoning);
+                            split.content.push_str(&tail.content);
+                        }
+                        let logprobs = (!delta.logprobs.is_empty()).then(|| chat_logprobs(&tokenizer, &delta.logprobs));
+                        let has_text = !split.content.is_empty() || !split.reasoning.is_empty();
+                        if has_text || logprobs.is_some() {
+                            let out = ChatMessageOut { role: None, content: non_empty(split.content), reasoning_content: non_empty(split.reasoning) };
+                            yield sse::data(&shape.chunk(index, out, logprobs, None));
+                        }
+                        if let Some(reason) = delta.finish_reason {
+                            yield sse::data(&shape.chunk(index, ChatMessageOut::default(), None, Some(reason.as_str())));
+                        }
                     }
-                    let logprobs = (!delta.logprobs.is_empty()).then(|| chat_logprobs(&tokenizer, &delta.logprobs));
-                    let has_text = !split.content.is_empty() || !split.reasoning.is_empty();
-                    if has_text || logprobs.is_some() {
-                        let out = ChatMessageOut { role: None, content: non_empty(split.content), reasoning_content: non_empty(split.reasoning) };
-                        yield sse::data(&shape.chunk(index, out, logprobs, None));
+                    Event::KeepAlive => yield sse::keep_alive(),
+                    Event::Failed(e) => {
+                        yield sse::data(&ApiError::from(e).body());
+                        break;
                     }
-                    if let Some(reason) = delta.finish_reason {
-                        yield sse::data(&shape.chunk(index, ChatMessageOut::default(), None, Some(reason.as_str())));
+                    Event::TimedOut => {
+                        yield sse::data(&running.timeout_error().body());
+                        break;
                     }
-                }
-                Event::KeepAlive => yield sse::keep_alive(),
-                Event::Failed(e) => {
-                    yield sse::data(&ApiError::from(e).body());
-                    break;
-                }
-                Event::TimedOut => {
-                    yield sse::data(&running.timeout_error().body());
-                    break;
-                }
-                Event::Ended => {
-                    remember(&app, &running, &shape, turn);
-                    if include_usage {
-                        yield sse::data(&shape.object("chat.completion.chunk", Vec::new(), Some(running.run.usage())));
+                    Event::Ended => {
+                        remember(&app, &running, &shape, turn);
+                        if include_usage {
+                            yield sse::data(&shape.object("chat.completion.chunk", Vec::new(), Some(running.run.usage())));
+                        }
+                        break;
                     }
-                    break;
                 }
             }
+            yield sse::done();
         }
-        yield sse::done();
     });
     sse_response(body)
 }

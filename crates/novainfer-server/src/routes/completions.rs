@@ -17,12 +17,12 @@ use novainfer_engine::{EngineHandle, Prompt, TokenLogprob};
 use super::run::{prepare, stream_after_start, Event, Launch, Pending, Running};
 use super::{JsonBody, LoggedByHandler};
 use crate::accounting::{completion_logprobs, extend_completion_logprobs};
-use crate::prompt_logprobs::{prompt_logprobs, MAX_PROMPT_LOGITS};
-use crate::protocol::response::CompletionLogprobs;
 use crate::error::ApiError;
 use crate::params::{request_timeout, sampling_params, EndpointParams};
+use crate::prompt_logprobs::{prompt_logprobs, MAX_PROMPT_LOGITS};
 use crate::protocol::inputs;
 use crate::protocol::request::{parse_generation, CompletionRequest};
+use crate::protocol::response::CompletionLogprobs;
 use crate::protocol::response::{unix_now, Completion, CompletionChoice, SYSTEM_FINGERPRINT};
 use crate::sse;
 use crate::state::{AppState, RequestId};
@@ -61,7 +61,11 @@ pub async fn completions(
                 Some(k) => Some(echoed_logprobs(&handle, &p_ids, k)?),
                 None => None,
             };
-            echoes.push(Echo { text, token_ids: p_ids.clone(), logprobs });
+            echoes.push(Echo {
+                text,
+                token_ids: p_ids.clone(),
+                logprobs,
+            });
             ids.push(p_ids);
         }
         Ok::<_, ApiError>((ids, echoes))
@@ -70,7 +74,12 @@ pub async fn completions(
     .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))??;
     let response_id = format!("cmpl-{}", request_id.0);
     let stream = req.shared.stream.unwrap_or(false);
-    let include_usage = req.shared.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+    let include_usage = req
+        .shared
+        .stream_options
+        .as_ref()
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false);
     let n = params.n();
     let pending = prepare(
         &app,
@@ -110,7 +119,11 @@ struct Echo {
 }
 
 /// The prompt's own logprobs, refused (400) when its logits would not fit the cap.
-fn echoed_logprobs(handle: &EngineHandle, prompt_ids: &[u32], k: usize) -> Result<Vec<Option<TokenLogprob>>, ApiError> {
+fn echoed_logprobs(
+    handle: &EngineHandle,
+    prompt_ids: &[u32],
+    k: usize,
+) -> Result<Vec<Option<TokenLogprob>>, ApiError> {
     let vocab = handle.frontend().tokenizer().vocab_size().max(1);
     let max_tokens = MAX_PROMPT_LOGITS / vocab;
     if prompt_ids.len() > max_tokens {
@@ -136,7 +149,11 @@ struct Shape {
 }
 
 impl Shape {
-    fn completion(&self, choices: Vec<CompletionChoice>, usage: Option<crate::protocol::response::Usage>) -> Completion {
+    fn completion(
+        &self,
+        choices: Vec<CompletionChoice>,
+        usage: Option<crate::protocol::response::Usage>,
+    ) -> Completion {
         Completion {
             id: self.id.clone(),
             object: "text_completion",
@@ -161,7 +178,15 @@ impl Shape {
         let echo = self.echo(index)?;
         let logprobs = echo.logprobs.as_ref()?;
         let mut out = CompletionLogprobs::default();
-        extend_completion_logprobs(&mut out, tokenizer, echo.token_ids.iter().copied().zip(logprobs.iter().map(Option::as_ref)), 0);
+        extend_completion_logprobs(
+            &mut out,
+            tokenizer,
+            echo.token_ids
+                .iter()
+                .copied()
+                .zip(logprobs.iter().map(Option::as_ref)),
+            0,
+        );
         Some(out)
     }
 }
@@ -182,7 +207,8 @@ async fn whole(mut running: Running, shape: Shape) -> Result<Response, ApiError>
                     extend_completion_logprobs(&mut lp, &tokenizer, generated, echo.len());
                     Some(lp)
                 }
-                None => (!c.logprobs.is_empty()).then(|| completion_logprobs(&tokenizer, &c.logprobs, echo.len())),
+                None => (!c.logprobs.is_empty())
+                    .then(|| completion_logprobs(&tokenizer, &c.logprobs, echo.len())),
             };
             CompletionChoice {
                 index,
@@ -198,51 +224,53 @@ async fn whole(mut running: Running, shape: Shape) -> Result<Response, ApiError>
 fn streaming(app: Arc<AppState>, pending: Pending, shape: Shape, include_usage: bool) -> Response {
     let period = app.keep_alive;
     let keep_alive = Some(period);
-    let body = stream_after_start(pending, period, move |mut running: Running| async_stream::stream! {
-        let tokenizer = running.model.frontend.tokenizer().clone();
-        let mut offsets = vec![0usize; running.run.choices.len()];
-        if !shape.echoes.is_empty() {
-            for index in 0..offsets.len() {
-                let echo = shape.echo_text(index).to_owned();
-                offsets[index] = echo.len();
-                let logprobs = shape.echo_logprobs(&tokenizer, index);
-                let choice = CompletionChoice { index, text: echo, logprobs, finish_reason: None };
-                yield sse::data(&shape.completion(vec![choice], None));
-            }
-        }
-        loop {
-            match running.next_event(keep_alive).await {
-                Event::Delta(prompt, delta) => {
-                    let index = running.record(prompt, &delta);
-                    let logprobs = (!delta.logprobs.is_empty())
-                        .then(|| completion_logprobs(&tokenizer, &delta.logprobs, offsets[index]));
-                    offsets[index] += delta.text.len();
-                    let choice = CompletionChoice {
-                        index,
-                        text: delta.text,
-                        logprobs,
-                        finish_reason: delta.finish_reason.map(|r| r.as_str()),
-                    };
+    let body = stream_after_start(pending, period, move |mut running: Running| {
+        async_stream::stream! {
+            let tokenizer = running.model.frontend.tokenizer().clone();
+            let mut offsets = vec![0usize; running.run.choices.len()];
+            if !shape.echoes.is_empty() {
+                for (index, offset) in offsets.iter_mut().enumerate() {
+                    let echo = shape.echo_text(index).to_owned();
+                    *offset = echo.len();
+                    let logprobs = shape.echo_logprobs(&tokenizer, index);
+                    let choice = CompletionChoice { index, text: echo, logprobs, finish_reason: None };
                     yield sse::data(&shape.completion(vec![choice], None));
                 }
-                Event::KeepAlive => yield sse::keep_alive(),
-                Event::Failed(e) => {
-                    yield sse::data(&ApiError::from(e).body());
-                    break;
-                }
-                Event::TimedOut => {
-                    yield sse::data(&running.timeout_error().body());
-                    break;
-                }
-                Event::Ended => {
-                    if include_usage {
-                        yield sse::data(&shape.completion(Vec::new(), Some(running.run.usage())));
+            }
+            loop {
+                match running.next_event(keep_alive).await {
+                    Event::Delta(prompt, delta) => {
+                        let index = running.record(prompt, &delta);
+                        let logprobs = (!delta.logprobs.is_empty())
+                            .then(|| completion_logprobs(&tokenizer, &delta.logprobs, offsets[index]));
+                        offsets[index] += delta.text.len();
+                        let choice = CompletionChoice {
+                            index,
+                            text: delta.text,
+                            logprobs,
+                            finish_reason: delta.finish_reason.map(|r| r.as_str()),
+                        };
+                        yield sse::data(&shape.completion(vec![choice], None));
                     }
-                    break;
+                    Event::KeepAlive => yield sse::keep_alive(),
+                    Event::Failed(e) => {
+                        yield sse::data(&ApiError::from(e).body());
+                        break;
+                    }
+                    Event::TimedOut => {
+                        yield sse::data(&running.timeout_error().body());
+                        break;
+                    }
+                    Event::Ended => {
+                        if include_usage {
+                            yield sse::data(&shape.completion(Vec::new(), Some(running.run.usage())));
+                        }
+                        break;
+                    }
                 }
             }
+            yield sse::done();
         }
-        yield sse::done();
     });
     sse_response(body)
 }

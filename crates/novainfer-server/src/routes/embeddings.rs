@@ -15,7 +15,10 @@ use crate::protocol::inputs;
 use crate::protocol::request::{parse, EmbeddingRequest};
 use crate::state::AppState;
 
-pub async fn embeddings(State(app): State<Arc<AppState>>, JsonBody(body): JsonBody) -> Result<Response, ApiError> {
+pub async fn embeddings(
+    State(app): State<Arc<AppState>>,
+    JsonBody(body): JsonBody,
+) -> Result<Response, ApiError> {
     let started = Instant::now();
     let req: EmbeddingRequest = parse(&body)?;
     let model = app.models.get(req.model.as_deref())?;
@@ -32,11 +35,17 @@ pub async fn embeddings(State(app): State<Arc<AppState>>, JsonBody(body): JsonBo
     if let Some(d) = req.dimensions {
         return Err(ApiError::invalid_param(
             "dimensions",
-            format!("dimensions is not supported (embeddings have the model's hidden size); got {d}"),
+            format!(
+                "dimensions is not supported (embeddings have the model's hidden size); got {d}"
+            ),
         ));
     }
     let prompts = inputs::prompts(&req.input, "input")?;
-    let _permit = app.admission.admit().await.inspect_err(|e| app.metrics.rejected(e.code.unwrap_or_default()))?;
+    let _permit = app
+        .admission
+        .admit()
+        .await
+        .inspect_err(|e| app.metrics.rejected(e.code.unwrap_or_default()))?;
     let handle = model.handle.clone();
     let (vectors, prompt_tokens) = tokio::task::spawn_blocking(move || {
         let mut vectors = Vec::with_capacity(prompts.len());

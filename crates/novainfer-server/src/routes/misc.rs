@@ -32,7 +32,10 @@ pub async fn list_models(State(app): State<Arc<AppState>>) -> Response {
     axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
-pub async fn get_model(State(app): State<Arc<AppState>>, Path(model): Path<String>) -> Result<Response, ApiError> {
+pub async fn get_model(
+    State(app): State<Arc<AppState>>,
+    Path(model): Path<String>,
+) -> Result<Response, ApiError> {
     let m = app.models.get(Some(&model))?;
     Ok(axum::Json(model_card(&m)).into_response())
 }
@@ -48,32 +51,63 @@ pub async fn version() -> Response {
 pub async fn metrics(State(app): State<Arc<AppState>>) -> Response {
     let models: Vec<Arc<ServedModel>> = app.models.0.clone();
     // Engine stats wait for the engine thread (at most one step): off the async workers.
-    let stats = tokio::task::spawn_blocking(move || models.iter().map(|m| m.handle.stats().ok()).collect::<Vec<_>>())
-        .await
-        .unwrap_or_default();
+    let stats = tokio::task::spawn_blocking(move || {
+        models
+            .iter()
+            .map(|m| m.handle.stats().ok())
+            .collect::<Vec<_>>()
+    })
+    .await
+    .unwrap_or_default();
     let snapshots: Vec<ModelSnapshot<'_>> = app
         .models
         .0
         .iter()
         .zip(stats.into_iter().chain(std::iter::repeat(None)))
-        .map(|(m, engine)| ModelSnapshot { name: &m.name, metrics: &m.metrics, engine })
+        .map(|(m, engine)| ModelSnapshot {
+            name: &m.name,
+            metrics: &m.metrics,
+            engine,
+        })
         .collect();
-    let text = render(&app.metrics, app.admission.num_queued(), app.admission.num_running(), &snapshots);
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+    let text = render(
+        &app.metrics,
+        app.admission.num_queued(),
+        app.admission.num_running(),
+        &snapshots,
+    );
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
 }
 
-pub async fn tokenize(State(app): State<Arc<AppState>>, JsonBody(body): JsonBody) -> Result<Response, ApiError> {
+pub async fn tokenize(
+    State(app): State<Arc<AppState>>,
+    JsonBody(body): JsonBody,
+) -> Result<Response, ApiError> {
     let req: TokenizeRequest = parse(&body)?;
     let model = app.models.get(req.model.as_deref())?;
     let frontend = model.frontend.clone();
     let ids = tokio::task::spawn_blocking(move || match (req.prompt, req.messages) {
-        (Some(prompt), None) => Ok(frontend.tokenizer().encode(&prompt, req.add_special_tokens.unwrap_or(true))?),
+        (Some(prompt), None) => Ok(frontend
+            .tokenizer()
+            .encode(&prompt, req.add_special_tokens.unwrap_or(true))?),
         (None, Some(messages)) => {
             let messages = inputs::messages(&messages)?;
-            let text = frontend.apply_chat_template(&messages, req.add_generation_prompt.unwrap_or(true))?;
-            Ok(frontend.tokenizer().encode(&text, req.add_special_tokens.unwrap_or(false))?)
+            let text = frontend
+                .apply_chat_template(&messages, req.add_generation_prompt.unwrap_or(true))?;
+            Ok(frontend
+                .tokenizer()
+                .encode(&text, req.add_special_tokens.unwrap_or(false))?)
         }
-        _ => Err(ApiError::invalid("give exactly one of `prompt` and `messages`")),
+        _ => Err(ApiError::invalid(
+            "give exactly one of `prompt` and `messages`",
+        )),
     })
     .await
     .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))??;
@@ -85,7 +119,10 @@ pub async fn tokenize(State(app): State<Arc<AppState>>, JsonBody(body): JsonBody
     .into_response())
 }
 
-pub async fn detokenize(State(app): State<Arc<AppState>>, JsonBody(body): JsonBody) -> Result<Response, ApiError> {
+pub async fn detokenize(
+    State(app): State<Arc<AppState>>,
+    JsonBody(body): JsonBody,
+) -> Result<Response, ApiError> {
     let req: DetokenizeRequest = parse(&body)?;
     let model = app.models.get(req.model.as_deref())?;
     let frontend = model.frontend.clone();
@@ -105,9 +142,15 @@ pub async fn detokenize(State(app): State<Arc<AppState>>, JsonBody(body): JsonBo
 }
 
 /// Aborts a request in flight by its response id (`chatcmpl-…`, `cmpl-…`) or X-Request-Id.
-pub async fn cancel(State(app): State<Arc<AppState>>, Path(id): Path<String>) -> Result<Response, ApiError> {
+pub async fn cancel(
+    State(app): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
     if app.cancels.cancel(&id) {
-        Ok(axum::Json(json!({"id": id, "object": "request.cancel", "cancelled": true})).into_response())
+        Ok(
+            axum::Json(json!({"id": id, "object": "request.cancel", "cancelled": true}))
+                .into_response(),
+        )
     } else {
         Err(ApiError::not_found(format!("no request {id:?} is in flight")).with_param("id"))
     }

@@ -40,7 +40,10 @@ pub fn router(state: Arc<AppState>, cors_origins: &[String]) -> Router {
         .route("/v1/requests/{id}/cancel", post(misc::cancel))
         .route("/tokenize", post(misc::tokenize))
         .route("/detokenize", post(misc::detokenize))
-        .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
     let open = Router::new()
         .route("/health", get(misc::health))
         .route("/version", get(misc::version))
@@ -56,13 +59,22 @@ pub fn router(state: Arc<AppState>, cors_origins: &[String]) -> Router {
         let origins = if cors_origins.iter().any(|o| o == "*") {
             AllowOrigin::any()
         } else {
-            AllowOrigin::list(cors_origins.iter().filter_map(|o| HeaderValue::from_str(o).ok()))
+            AllowOrigin::list(
+                cors_origins
+                    .iter()
+                    .filter_map(|o| HeaderValue::from_str(o).ok()),
+            )
         };
         app = app.layer(
             CorsLayer::new()
                 .allow_origin(origins)
                 .allow_methods([Method::GET, Method::POST])
-                .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE, X_REQUEST_ID, HeaderName::from_static("x-session-id")])
+                .allow_headers([
+                    header::AUTHORIZATION,
+                    header::CONTENT_TYPE,
+                    X_REQUEST_ID,
+                    HeaderName::from_static("x-session-id"),
+                ])
                 .expose_headers([X_REQUEST_ID]),
         );
     }
@@ -74,7 +86,12 @@ fn request_id(headers: &axum::http::HeaderMap) -> String {
     headers
         .get(&X_REQUEST_ID)
         .and_then(|v| v.to_str().ok())
-        .filter(|v| !v.is_empty() && v.len() <= 64 && v.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)))
+        .filter(|v| {
+            !v.is_empty()
+                && v.len() <= 64
+                && v.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        })
         .map(str::to_owned)
         .unwrap_or_else(|| format!("{:016x}", rand::random::<u64>()))
 }
@@ -90,7 +107,10 @@ async fn request_id_and_log(mut request: Request, next: Next) -> Response {
         response.headers_mut().insert(X_REQUEST_ID, value);
     }
     if response.extensions().get::<LoggedByHandler>().is_none() {
-        let error = response.extensions().get::<ApiError>().map(|e| e.message.clone());
+        let error = response
+            .extensions()
+            .get::<ApiError>()
+            .map(|e| e.message.clone());
         tracing::info!(
             target: "novainfer::request",
             request_id = %id,
@@ -105,7 +125,11 @@ async fn request_id_and_log(mut request: Request, next: Next) -> Response {
     response
 }
 
-async fn require_api_key(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+async fn require_api_key(
+    State(state): State<Arc<AppState>>,
+    request: Request,
+    next: Next,
+) -> Response {
     if let Some(keys) = &state.api_keys {
         let presented = request
             .headers()

@@ -7,10 +7,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use novainfer_core::SamplingParams;
-use novainfer_engine::{Delta, EngineError};
 use axum::body::Bytes;
 use futures_util::{Stream, StreamExt};
+use novainfer_core::SamplingParams;
+use novainfer_engine::{Delta, EngineError};
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::accounting::RunState;
@@ -76,13 +76,20 @@ pub struct Pending {
 
 /// Everything that can refuse a request before its response starts: the context length,
 /// the user's budget, a full queue.
-pub fn prepare(app: &Arc<AppState>, request_id: &RequestId, arrival: Instant, l: Launch) -> Result<Pending, ApiError> {
+pub fn prepare(
+    app: &Arc<AppState>,
+    request_id: &RequestId,
+    arrival: Instant,
+    l: Launch,
+) -> Result<Pending, ApiError> {
     for ids in &l.prompts {
         l.model.frontend.max_new_tokens(ids.len(), &l.params)?;
     }
     let user = user_of(l.user.clone());
     if let Some(budget) = &app.budget {
-        budget.check(&user, arrival).inspect_err(|e| app.metrics.rejected(e.code.unwrap_or_default()))?;
+        budget
+            .check(&user, arrival)
+            .inspect_err(|e| app.metrics.rejected(e.code.unwrap_or_default()))?;
     }
     let timeout_secs = match (app.timeout.map(|d| d.as_secs_f64()), l.timeout) {
         (Some(a), Some(b)) => Some(a.min(b)),
@@ -116,10 +123,10 @@ impl Pending {
         let l = self.launch;
         let prompt_lens = l.prompts.iter().map(Vec::len).collect();
         let gen = Generation::start(&l.model.handle, l.prompts, &l.params)?;
-        let registration = self
-            .app
-            .cancels
-            .register(vec![l.response_id, self.request_id.clone()], gen.abort_handles());
+        let registration = self.app.cancels.register(
+            vec![l.response_id, self.request_id.clone()],
+            gen.abort_handles(),
+        );
         Ok(Running {
             gen,
             run: RunState::new(self.arrival, prompt_lens, l.params.n()),
@@ -178,7 +185,8 @@ impl Running {
 
     /// Records a delta; returns its choice index.
     pub fn record(&mut self, prompt: usize, delta: &Delta) -> usize {
-        self.run.record(prompt, delta, &self.model.metrics, Instant::now())
+        self.run
+            .record(prompt, delta, &self.model.metrics, Instant::now())
     }
 
     pub fn timeout_error(&self) -> ApiError {
@@ -207,9 +215,15 @@ impl Drop for Running {
         let usage = self.run.usage();
         let metrics = &self.model.metrics;
         use std::sync::atomic::Ordering::Relaxed;
-        metrics.prompt_tokens.fetch_add(usage.prompt_tokens as u64, Relaxed);
-        metrics.generation_tokens.fetch_add(usage.completion_tokens as u64, Relaxed);
-        metrics.cached_tokens.fetch_add(usage.prompt_tokens_details.cached_tokens as u64, Relaxed);
+        metrics
+            .prompt_tokens
+            .fetch_add(usage.prompt_tokens as u64, Relaxed);
+        metrics
+            .generation_tokens
+            .fetch_add(usage.completion_tokens as u64, Relaxed);
+        metrics
+            .cached_tokens
+            .fetch_add(usage.prompt_tokens_details.cached_tokens as u64, Relaxed);
         let latency = self.run.arrival.elapsed();
         metrics.e2e.observe(latency.as_secs_f64());
         metrics.finished(outcome);
@@ -235,13 +249,21 @@ impl Drop for Running {
 /// A stream that waits for `pending`'s permit, sending an SSE keep-alive comment for every
 /// `period` it waits, then yields what `body` makes of the running request; if it cannot
 /// start (timeout), an error event and `[DONE]`.
-pub fn stream_after_start<F, S>(pending: Pending, period: Duration, body: F) -> impl Stream<Item = Bytes>
+pub fn stream_after_start<F, S>(
+    pending: Pending,
+    period: Duration,
+    body: F,
+) -> impl Stream<Item = Bytes>
 where
     F: FnOnce(Running) -> S,
     S: Stream<Item = Bytes>,
 {
     let model = pending.launch.model.clone();
-    let (request_id, endpoint, arrival) = (pending.request_id.clone(), pending.launch.endpoint, pending.arrival);
+    let (request_id, endpoint, arrival) = (
+        pending.request_id.clone(),
+        pending.launch.endpoint,
+        pending.arrival,
+    );
     async_stream::stream! {
         let start = pending.start();
         tokio::pin!(start);
