@@ -58,8 +58,9 @@ class LLM:
     `model` is a local HF directory, a local ``.gguf`` file, or a demo-model name such as
     ``"qwen2.5-coder-0.5b"`` (fetched and cached on first use). `dtype` chooses how safetensors weights are
     held (``"auto"`` keeps f32 on CPU; GGUF tensors keep their own types). `max_model_len` caps prompt +
-    output tokens (default: the model's context length, or what the KV cache holds if that is less). `seed`
-    seeds requests that bring no seed of their own.
+    output tokens (default: the model's context length, or what the KV cache holds if that is less). `seed` is
+    the base seed: a request without its own seed samples with `seed` + its request number, so repeated
+    requests differ while a fresh `LLM` replays the same sequence of requests exactly.
 
     Requests are served by continuous batching: the KV cache — `kv_cache_bytes` (default 2 GiB), or
     `kv_cache_fraction` of the memory available once the model is loaded — is split into blocks of

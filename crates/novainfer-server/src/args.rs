@@ -45,7 +45,8 @@ pub struct ServeArgs {
     pub dtype: String,
     #[arg(long)]
     pub max_model_len: Option<usize>,
-    /// Seed for requests that bring none.
+    /// Base seed: a request without its own seed samples with base + its request number, so
+    /// repeated requests differ, and a fresh server replays the same request sequence exactly.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     #[arg(long)]
