@@ -79,7 +79,8 @@ impl Admission {
         if queued >= self.max_queued {
             return Err(ApiError::too_many_requests(
                 format!(
-                    "the server is at capacity ({} requests running, {} queued); retry later",
+                    "the server is at capacity (--max-concurrent-requests {}, \
+                     --max-queued-requests {}); retry later",
                     self.max_concurrent, self.max_queued
                 ),
                 "server_overloaded",
