@@ -64,15 +64,19 @@ pub struct EngineCore {
     scheduler: Scheduler,
     frontend: Frontend,
     active: HashMap<RequestId, ActiveRequest>,
-    /// To the output thread, which turns tokens into deltas.
-    outputs: mpsc::Sender<OutputEvent>,
+    /// To the output thread, which turns tokens into deltas: one message per step.
+    outputs: mpsc::Sender<Vec<OutputEvent>>,
+    /// Events of the current step, sent together so the output thread wakes once
+    /// per step rather than per token (each wake-up on a 2-core machine preempts a
+    /// compute thread mid-step).
+    pending: Vec<OutputEvent>,
     seed: u64,
     stats: EngineStats,
 }
 
 impl EngineCore {
     /// `outputs` goes to the output thread ([`crate::output_processor::run`]).
-    pub fn new(loaded: LoadedEngine, outputs: mpsc::Sender<OutputEvent>) -> Self {
+    pub fn new(loaded: LoadedEngine, outputs: mpsc::Sender<Vec<OutputEvent>>) -> Self {
         let runner = ModelRunner::new(loaded.model, loaded.kv);
         let stats = EngineStats {
             kv_pool_bytes: runner.kv_pool_bytes(),
@@ -85,6 +89,7 @@ impl EngineCore {
             frontend: loaded.frontend,
             active: HashMap::new(),
             outputs,
+            pending: Vec::new(),
             seed: loaded.seed,
             stats,
         }
@@ -98,9 +103,16 @@ impl EngineCore {
         self.scheduler.has_work() || !self.active.is_empty()
     }
 
-    fn emit(&self, event: OutputEvent) {
-        // The output thread outlives the engine loop; a failed send means shutdown.
-        let _ = self.outputs.send(event);
+    fn emit(&mut self, event: OutputEvent) {
+        self.pending.push(event);
+    }
+
+    /// Hands this step's events to the output thread.
+    fn flush(&mut self) {
+        if !self.pending.is_empty() {
+            // The output thread outlives the engine loop; a failed send means shutdown.
+            let _ = self.outputs.send(std::mem::take(&mut self.pending));
+        }
     }
 
     /// Queues a request with ids `id .. id + n` (unique, reserved by the caller),
@@ -186,6 +198,7 @@ impl EngineCore {
             }
             self.stats.num_steps += 1;
         }
+        self.flush();
         self.stats.busy_seconds += started.elapsed().as_secs_f64();
     }
 

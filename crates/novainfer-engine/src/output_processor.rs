@@ -25,7 +25,7 @@ use crate::sequence::SequenceOutput;
 /// Where a request's deltas go; a failed send means the caller is gone.
 pub type DeltaSink = mpsc::Sender<Result<Delta>>;
 
-/// What the engine thread tells the output thread.
+/// What the engine thread tells the output thread (in one batch per engine step).
 pub enum OutputEvent {
     /// A completion exists; `index` is its place among the request's `n`.
     Register {
@@ -55,9 +55,9 @@ struct Completion {
 
 /// Runs until the engine drops its end of `events`. `finish` tells the engine
 /// to finish a request it still thinks is running.
-pub fn run(events: mpsc::Receiver<OutputEvent>, finish: impl Fn(RequestId, FinishReason)) {
+pub fn run(events: mpsc::Receiver<Vec<OutputEvent>>, finish: impl Fn(RequestId, FinishReason)) {
     let mut live: HashMap<RequestId, Completion> = HashMap::new();
-    for event in events {
+    for event in events.into_iter().flatten() {
         match event {
             OutputEvent::Register {
                 id,
@@ -143,7 +143,7 @@ mod tests {
     }
 
     fn register(
-        events: &mpsc::Sender<OutputEvent>,
+        events: &mpsc::Sender<Vec<OutputEvent>>,
         id: u64,
         index: usize,
         stop: &str,
@@ -155,24 +155,24 @@ mod tests {
         let output = SequenceOutput::new(Arc::new(tiny_byte_level_tokenizer()), &params);
         let (sink, rx) = mpsc::channel();
         events
-            .send(OutputEvent::Register {
+            .send(vec![OutputEvent::Register {
                 id: RequestId(id),
                 index,
                 output: Box::new(output),
                 sink,
-            })
+            }])
             .expect("output thread alive");
         rx
     }
 
-    fn send_token(events: &mpsc::Sender<OutputEvent>, id: u64, byte: u8) {
+    fn send_token(events: &mpsc::Sender<Vec<OutputEvent>>, id: u64, byte: u8) {
         events
-            .send(OutputEvent::Token {
+            .send(vec![OutputEvent::Token {
                 id: RequestId(id),
                 token: token(byte),
                 finish: None,
                 num_cached_tokens: 3,
-            })
+            }])
             .expect("output thread alive");
     }
 
@@ -219,10 +219,10 @@ mod tests {
         send_token(&events, 1, b'b');
         let failed = register(&events, 2, 0, "zz");
         events
-            .send(OutputEvent::Failed {
+            .send(vec![OutputEvent::Failed {
                 id: RequestId(2),
                 error: EngineError::EngineStopped,
-            })
+            }])
             .expect("alive");
         drop(events);
         worker.join().expect("output thread");
