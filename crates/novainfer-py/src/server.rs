@@ -48,6 +48,7 @@ pub fn serve(py: Python<'_>, argv: Vec<String>) -> PyResult<()> {
         }
         Err(e) => return Err(invalid("argv", e.to_string())),
     };
-    py.detach(|| run_server(args))
-        .map_err(|e| serve_error(py, e))
+    // Boxed: the error crosses the detach boundary and is large.
+    py.detach(|| run_server(args).map_err(Box::new))
+        .map_err(|e| serve_error(py, *e))
 }

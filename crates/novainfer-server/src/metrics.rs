@@ -323,10 +323,15 @@ mod tests {
         metrics.generation_tokens.fetch_add(7, Ordering::Relaxed);
         let server = ServerMetrics::default();
         server.rejected("server_overloaded");
-        let mut engine = EngineStats::default();
-        engine.num_running = 2;
-        engine.kv.num_blocks = 10;
-        engine.kv.num_used_blocks = 5;
+        let engine = EngineStats {
+            num_running: 2,
+            kv: novainfer_core::KvCacheStats {
+                num_blocks: 10,
+                num_used_blocks: 5,
+                ..Default::default()
+            },
+            ..EngineStats::default()
+        };
         let text = render(
             &server,
             3,

@@ -79,7 +79,7 @@ mod tests {
 
     #[test]
     fn openai_defaults() {
-        let p = params(SharedFields::default()).unwrap();
+        let p = params(SharedFields::default()).expect("valid test input");
         assert_eq!(p.temperature(), 1.0);
         assert_eq!(p.max_tokens(), Some(16));
         assert_eq!(p.n(), 1);
@@ -156,7 +156,7 @@ mod tests {
                 ..Default::default()
             })
         };
-        assert_eq!(t(2.5).unwrap(), Some(2.5));
+        assert_eq!(t(2.5).expect("valid test input"), Some(2.5));
         assert!(t(0.0).is_err() && t(-1.0).is_err() && t(f64::NAN).is_err());
     }
 }

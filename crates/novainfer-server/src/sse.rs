@@ -30,7 +30,7 @@ mod tests {
     #[test]
     fn one_line_per_event_even_with_newlines_in_text() {
         let event = data(&serde_json::json!({"text": "a\nb\r\n"}));
-        let s = std::str::from_utf8(&event).unwrap();
+        let s = std::str::from_utf8(&event).expect("valid test input");
         assert_eq!(s, "data: {\"text\":\"a\\nb\\r\\n\"}\n\n");
         assert_eq!(s.matches('\n').count(), 2);
     }

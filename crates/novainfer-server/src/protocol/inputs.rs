@@ -187,15 +187,15 @@ mod tests {
     #[test]
     fn prompt_shapes() {
         assert_eq!(
-            prompts(&json!("hi"), "prompt").unwrap(),
+            prompts(&json!("hi"), "prompt").expect("valid test input"),
             vec![Prompt::Text("hi".into())]
         );
         assert_eq!(
-            prompts(&json!([1, 2]), "prompt").unwrap(),
+            prompts(&json!([1, 2]), "prompt").expect("valid test input"),
             vec![Prompt::TokenIds(vec![1, 2])]
         );
         assert_eq!(
-            prompts(&json!(["a", [3]]), "prompt").unwrap(),
+            prompts(&json!(["a", [3]]), "prompt").expect("valid test input"),
             vec![Prompt::Text("a".into()), Prompt::TokenIds(vec![3])]
         );
         for bad in [
@@ -214,12 +214,15 @@ mod tests {
 
     #[test]
     fn stop_shapes() {
-        assert_eq!(stop_strings(Some(&json!("x"))).unwrap(), vec!["x"]);
         assert_eq!(
-            stop_strings(Some(&json!(["x", "y"]))).unwrap(),
+            stop_strings(Some(&json!("x"))).expect("valid test input"),
+            vec!["x"]
+        );
+        assert_eq!(
+            stop_strings(Some(&json!(["x", "y"]))).expect("valid test input"),
             vec!["x", "y"]
         );
-        assert!(stop_strings(None).unwrap().is_empty());
+        assert!(stop_strings(None).expect("valid test input").is_empty());
         assert!(stop_strings(Some(&json!([1]))).is_err());
         assert!(stop_strings(Some(&json!(vec!["a"; 17]))).is_err());
     }
@@ -231,7 +234,7 @@ mod tests {
             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
             {"role": "assistant", "content": null},
         ]))
-        .unwrap();
+        .expect("valid test input");
         assert_eq!(m[0], ChatMessage::new("system", "be brief"));
         assert_eq!(m[1], ChatMessage::new("user", "ab"));
         assert_eq!(m[2], ChatMessage::new("assistant", ""));
