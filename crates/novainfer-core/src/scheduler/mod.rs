@@ -240,7 +240,7 @@ impl Scheduler {
             self.kv.as_dyn_mut().cache_full_blocks(request);
             let finish = update.finish_reason;
             updates.push(update);
-            if s.sample {
+            if s.sample && !forks.is_empty() {
                 let (mine, rest): (Vec<Fork>, Vec<Fork>) =
                     forks.into_iter().partition(|f| f.parent == s.request_id);
                 forks = rest;

@@ -37,6 +37,16 @@ pub struct SharedFields {
     pub timeout: Option<f64>,
 }
 
+impl SharedFields {
+    /// Whether a stream ends with a usage chunk (`stream_options.include_usage`).
+    pub fn include_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false)
+    }
+}
+
 /// Must list exactly the fields of [`SharedFields`] (checked by a unit test).
 pub const SHARED_FIELDS: &[&str] = &[
     "model",

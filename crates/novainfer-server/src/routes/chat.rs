@@ -110,12 +110,7 @@ pub async fn chat_completions(
     .map_err(|e| ApiError::internal(format!("rendering the prompt failed: {e}")))??;
     let response_id = format!("chatcmpl-{}", request_id.0);
     let stream = req.shared.stream.unwrap_or(false);
-    let include_usage = req
-        .shared
-        .stream_options
-        .as_ref()
-        .and_then(|o| o.include_usage)
-        .unwrap_or(false);
+    let include_usage = req.shared.include_usage();
     let pending = prepare(
         &app,
         &request_id,

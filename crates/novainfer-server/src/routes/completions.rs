@@ -74,12 +74,7 @@ pub async fn completions(
     .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))??;
     let response_id = format!("cmpl-{}", request_id.0);
     let stream = req.shared.stream.unwrap_or(false);
-    let include_usage = req
-        .shared
-        .stream_options
-        .as_ref()
-        .and_then(|o| o.include_usage)
-        .unwrap_or(false);
+    let include_usage = req.shared.include_usage();
     let n = params.n();
     let pending = prepare(
         &app,
