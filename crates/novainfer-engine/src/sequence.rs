@@ -2,8 +2,9 @@
 //!
 //! The scheduler decides stops by token id (EOS unless `ignore_eos`, stop token
 //! ids) and by length, because it must free the sequence's blocks; this type
-//! handles what needs text: incremental detokenization and stop strings. A stop
-//! string found here is reported in the delta, and the engine tells the scheduler.
+//! handles what needs text: incremental detokenization and stop strings. It lives
+//! on the output thread; a stop string found here is reported in the delta, and
+//! the output thread tells the engine (see `output_processor`).
 //! As in vLLM, a stop token's own text is never shown, and text held back for a
 //! possible stop string is released when the sequence ends for another reason.
 

@@ -229,10 +229,6 @@ impl Qwen2Model {
         if batch.num_tokens() == 0 {
             return Ok(Vec::new());
         }
-        let vocab_size = self.cfg.vocab_size;
-        if let Some(&id) = batch.token_ids.iter().find(|&&t| t as usize >= vocab_size) {
-            return Err(ModelError::TokenOutOfRange { id, vocab_size });
-        }
         let hidden = self.run_layers(batch, kv)?;
         let h = self.cfg.hidden_size;
         let selected: Vec<f32> = match which {
@@ -258,10 +254,6 @@ impl Qwen2Model {
         let mut cache = self.new_cache(tokens.len());
         let mut batch = ForwardBatch::default();
         batch.push(tokens, 0, (0..tokens.len()).collect(), vec![0], true);
-        let vocab_size = self.cfg.vocab_size;
-        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab_size) {
-            return Err(ModelError::TokenOutOfRange { id, vocab_size });
-        }
         let hidden = self.run_layers(&batch, &mut cache.pool)?;
         let h = self.cfg.hidden_size;
         let mut v = rms_norm(
@@ -284,6 +276,10 @@ impl Qwen2Model {
     /// Embeds `batch`, writes its K/V and runs every decoder layer; returns the
     /// residual stream `[tokens, hidden]` before the final norm.
     fn run_layers(&self, batch: &ForwardBatch, kv: &mut PagedKvCache) -> Result<Vec<f32>> {
+        let vocab_size = self.cfg.vocab_size;
+        if let Some(&id) = batch.token_ids.iter().find(|&&t| t as usize >= vocab_size) {
+            return Err(ModelError::TokenOutOfRange { id, vocab_size });
+        }
         batch.validate(kv.block_size())?;
         kv.check_slots(&batch.slot_mapping)?;
         let rows: Vec<QueryRow> = batch
