@@ -11,6 +11,7 @@ from ._native import SamplingParams, __version__
 from .errors import (
     ChatTemplateError,
     ChecksumMismatchError,
+    DeviceUnavailableError,
     EngineError,
     FetchError,
     InvalidParameterError,
@@ -36,6 +37,7 @@ __all__ = [
     "PromptTooLongError",
     "ModelLoadError",
     "ModelNotFoundError",
+    "DeviceUnavailableError",
     "TokenizerError",
     "ChatTemplateError",
     "FetchError",

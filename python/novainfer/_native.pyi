@@ -4,7 +4,7 @@ from collections.abc import Iterator
 from os import PathLike
 from typing import final
 
-__all__ = ["Engine", "SamplingParams", "TokenStream", "__version__", "serve"]
+__all__ = ["Engine", "SamplingParams", "TokenStream", "__version__", "cuda_unavailable_reason", "serve"]
 __version__: str
 
 @final
@@ -71,6 +71,7 @@ class Engine:
         cls,
         model: str | PathLike[str],
         *,
+        device: str = "auto",
         dtype: str = "auto",
         max_model_len: int | None = None,
         seed: int = 0,
@@ -78,6 +79,7 @@ class Engine:
         block_size: int = 16,
         kv_cache_bytes: int | None = None,
         kv_cache_fraction: float | None = None,
+        gpu_memory_utilization: float = 0.9,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
@@ -85,6 +87,10 @@ class Engine:
     ) -> Engine: ...
     def stats(self) -> dict[str, float]: ...
     def reset_prefix_cache(self) -> bool: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def device_reason(self) -> str: ...
     @property
     def vocab_size(self) -> int: ...
     @property
@@ -111,3 +117,6 @@ class TokenStream(Iterator[tuple[str, list[int], str | None, _Logprobs | None, i
 def serve(argv: list[str]) -> None:
     """Run the OpenAI-compatible HTTP server with `novainfer-server` arguments (without the program name)
     until SIGINT/SIGTERM, with the GIL released. Bad arguments raise ``InvalidParameterError``."""
+
+def cuda_unavailable_reason(ordinal: int = 0) -> str | None:
+    """None when CUDA GPU `ordinal` can run a model here, else what is missing."""

@@ -24,6 +24,11 @@ class AsyncLLM:
     def __init__(self, model: str | os.PathLike[str], **engine_args: object) -> None:
         self.llm = LLM(model, **engine_args)  # type: ignore[arg-type]
 
+    @property
+    def device(self) -> str:
+        """The device the model runs on: ``"cpu"`` or ``"cuda:N"``."""
+        return self.llm.device
+
     async def generate_stream(
         self, prompt: PromptInput, sampling_params: _native.SamplingParams | None = None
     ) -> AsyncIterator[StreamDelta]:

@@ -19,6 +19,11 @@ __all__ = ["main"]
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default="qwen2.5-coder-0.5b",
                    help="HF directory, .gguf file or demo-model name (default: %(default)s)")
+    p.add_argument("--device", default="auto",
+                   help='auto (the first usable CUDA GPU, else the CPU), cpu, cuda or cuda:N (default: %(default)s)')
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="on a GPU, the share of its memory the engine may use; the KV cache gets what the "
+                        "weights leave (default: %(default)s)")
     p.add_argument("--dtype", default="auto", help="weight dtype for safetensors models: auto, f32, bf16, f16")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
     p.add_argument("--seed", type=int, default=0, help="seed for requests without their own")
@@ -76,7 +81,8 @@ def _llm(args: argparse.Namespace, **extra: object):  # noqa: ANN202 - returns n
     from .llm import LLM
 
     extra.setdefault("kv_layout", args.kv_layout)
-    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, **extra)
+    return LLM(args.model, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
+               dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, **extra)
 
 
 def _sampling(args: argparse.Namespace):  # noqa: ANN202 - returns novainfer.SamplingParams

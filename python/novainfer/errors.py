@@ -18,6 +18,7 @@ __all__ = [
     "PromptTooLongError",
     "ModelLoadError",
     "ModelNotFoundError",
+    "DeviceUnavailableError",
     "TokenizerError",
     "ChatTemplateError",
     "FetchError",
@@ -59,6 +60,25 @@ class ModelLoadError(NovaInferError):
 
 class ModelNotFoundError(ModelLoadError, FileNotFoundError):
     """The model is neither an existing local path nor a known demo-model name."""
+
+
+class DeviceUnavailableError(NovaInferError):
+    """The device asked for (``device="cuda"`` or ``"cuda:N"``) cannot be used on this machine.
+
+    The message names what is missing: the NVIDIA driver (libcuda), a driver new enough for CUDA 13,
+    NVRTC or cuBLAS, a GPU with that ordinal, or CUDA support in this build. NovaInfer never answers an
+    explicit GPU request by running on the CPU instead; ``device="auto"`` is the choice that falls back.
+    `param` is ``"device"``.
+    """
+
+    param: str | None
+
+    def __init__(self, message: str, param: str | None = "device") -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self) -> tuple[type, tuple[str, str | None]]:
+        return (type(self), (str(self), self.param))
 
 
 class TokenizerError(NovaInferError):

@@ -7,12 +7,14 @@ GIL released.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Union
 
 from . import _native
 from .errors import InvalidParameterError
+from .cuda_libs import find_cuda_libraries
 from .fetch import resolve_model
 from .outputs import CompletionOutput, RequestOutput, StreamDelta
 
@@ -26,6 +28,7 @@ ChatMessage = Mapping[str, str]
 PromptInput = Union[str, Sequence[int]]
 
 _request_ids = itertools.count()
+_log = logging.getLogger("novainfer")
 
 
 def _as_list(value: object, what: str) -> list:
@@ -69,12 +72,21 @@ class LLM:
     ones reuse its KV instead of recomputing it. A request's output never depends on what else is batched.
     `kv_layout` is ``"block"`` (the above) or ``"slot"``: llama.cpp-style cells of one token each (CPU only;
     `block_size` is ignored and there is no prefix caching), giving the same outputs.
+
+    `device` is ``"auto"`` (the first usable NVIDIA GPU, else the CPU; the choice and its reason are logged
+    on the ``novainfer`` logger and kept in `device`), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. An explicit GPU
+    that cannot be used raises `DeviceUnavailableError` naming what is missing; it never runs on the CPU
+    instead. On a GPU the KV cache is sized as in vLLM: the engine may use `gpu_memory_utilization` of the
+    GPU's memory, and the cache gets what the weights leave of it (unless `kv_cache_bytes` is given;
+    `kv_cache_fraction` is for host memory and is refused on a GPU). `gpu_memory_utilization` is ignored on
+    the CPU.
     """
 
     def __init__(
         self,
         model: str | os.PathLike[str],
         *,
+        device: str = "auto",
         dtype: str = "auto",
         max_model_len: int | None = None,
         seed: int = 0,
@@ -82,6 +94,7 @@ class LLM:
         block_size: int = 16,
         kv_cache_bytes: int | None = None,
         kv_cache_fraction: float | None = None,
+        gpu_memory_utilization: float = 0.9,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
@@ -101,10 +114,23 @@ class LLM:
             raise InvalidParameterError(f"seed must be a non-negative int, got {seed!r}", "seed")
         if not isinstance(kv_layout, str):
             raise InvalidParameterError(f'kv_layout must be "block" or "slot", got {kv_layout!r}', "kv_layout")
+        if not isinstance(device, str):
+            raise InvalidParameterError(f'device must be a string such as "cuda:0", got {device!r}', "device")
+        if (
+            not isinstance(gpu_memory_utilization, (int, float))
+            or isinstance(gpu_memory_utilization, bool)
+            or not 0 < gpu_memory_utilization <= 1
+        ):
+            raise InvalidParameterError(
+                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}", "gpu_memory_utilization"
+            )
         self.kv_layout = kv_layout
         self.model_path = resolve_model(model)
+        find_cuda_libraries()
         self._engine = _native.Engine(
             str(self.model_path),
+            device=device,
+            gpu_memory_utilization=float(gpu_memory_utilization),
             dtype=dtype,
             max_model_len=max_model_len,
             seed=seed,
@@ -117,6 +143,13 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             kv_layout=kv_layout,
         )
+
+        _log.info("novainfer: %s runs on %s (%s)", self.model_path, self.device, self._engine.device_reason)
+
+    @property
+    def device(self) -> str:
+        """The device the model runs on: ``"cpu"`` or ``"cuda:N"``."""
+        return self._engine.device
 
     @property
     def max_model_len(self) -> int:

@@ -45,7 +45,9 @@ def serve(argv: Sequence[str]) -> None:
             if spec in DEMO_MODELS and not Path(spec).exists():
                 fetch_model(spec)
     from . import _native
+    from .cuda_libs import find_cuda_libraries
 
+    find_cuda_libraries()
     _native.serve(argv)
 
 

@@ -5,7 +5,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use novainfer_core::{KvLayout, ParamError, SamplingParams, SchedulerConfig};
-use novainfer_model::{DtypeChoice, LoadOptions, PagedKvCache, Qwen2Config, Qwen2Model};
+use novainfer_model::device::{self, Resolved};
+use novainfer_model::{
+    load_weights, Checkpoint, DeviceChoice, DeviceWeights, DtypeChoice, Executor, LoadOptions,
+    Qwen2Config, StepLimits,
+};
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
 use crate::error::{EngineError, Result};
@@ -16,6 +20,8 @@ use crate::tokenizer::Tokenizer;
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub model: PathBuf,
+    /// Where the forward pass runs; `auto` is the first usable GPU, else the CPU.
+    pub device: DeviceChoice,
     pub dtype: DtypeChoice,
     /// Longest prompt + output. Defaults to the model's context length, lowered
     /// to what the KV cache can hold when that is less.
@@ -30,6 +36,10 @@ pub struct EngineConfig {
     pub kv_layout: KvLayout,
     /// Memory for the KV cache.
     pub kv_cache: KvBudget,
+    /// On a GPU, the fraction of its total memory the engine may use (weights, activations
+    /// and KV pool together), as in vLLM; the KV pool gets what is left of it once the
+    /// weights are loaded. Used when `kv_cache` is [`KvBudget::Auto`]; ignored on the CPU.
+    pub gpu_memory_utilization: f64,
     pub max_num_seqs: usize,
     /// Token budget of one step (decodes + prefill chunks).
     pub max_num_batched_tokens: usize,
@@ -39,9 +49,15 @@ pub struct EngineConfig {
 /// 2 GiB holds 87k tokens of the 0.5B demo model (f32 K/V) or 37k of a 1.5B one.
 pub const DEFAULT_KV_CACHE_BYTES: usize = 2 << 30;
 
+/// vLLM's default share of a GPU's memory.
+pub const DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
+
 /// How much memory the KV cache may take.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum KvBudget {
+    /// The device's default: [`DEFAULT_KV_CACHE_BYTES`] on the CPU, what
+    /// `gpu_memory_utilization` leaves after the weights on a GPU.
+    Auto,
     Bytes(usize),
     /// A fraction in (0, 1] of the memory available once the model is loaded
     /// (`MemAvailable` in /proc/meminfo).
@@ -50,25 +66,67 @@ pub enum KvBudget {
 
 impl KvBudget {
     /// The user-facing parameter that set this budget, for error messages.
-    fn param(self) -> &'static str {
+    fn param(self, on_gpu: bool) -> &'static str {
         match self {
-            KvBudget::Bytes(_) => "kv_cache_bytes",
+            KvBudget::Auto if on_gpu => "gpu_memory_utilization",
+            KvBudget::Auto | KvBudget::Bytes(_) => "kv_cache_bytes",
             KvBudget::FractionOfAvailable(_) => "kv_cache_fraction",
         }
     }
 
-    fn bytes(self) -> Result<usize> {
-        match self {
-            KvBudget::Bytes(n) => Ok(n),
-            KvBudget::FractionOfAvailable(f) if f > 0.0 && f <= 1.0 => {
-                Ok((available_memory()? as f64 * f) as usize)
-            }
-            KvBudget::FractionOfAvailable(f) => Err(ParamError::new(
+    /// Bytes for the KV pool of a model loaded as `weights`.
+    fn bytes(self, weights: &dyn DeviceWeights, gpu_memory_utilization: f64) -> Result<usize> {
+        let gpu = weights.device_memory()?;
+        match (self, gpu) {
+            (KvBudget::Bytes(n), _) => Ok(n),
+            (KvBudget::Auto, None) => Ok(DEFAULT_KV_CACHE_BYTES),
+            (KvBudget::Auto, Some(mem)) => gpu_kv_bytes(mem, gpu_memory_utilization),
+            (KvBudget::FractionOfAvailable(_), Some(_)) => Err(ParamError::new(
                 "kv_cache_fraction",
-                format!("must be in (0, 1], got {f}"),
+                "sizes the KV cache from host memory; on a GPU use gpu_memory_utilization \
+                 (or kv_cache_bytes)",
             )
             .into()),
+            (KvBudget::FractionOfAvailable(f), None) => Self::host_fraction(f),
         }
+    }
+
+    fn host_fraction(f: f64) -> Result<usize> {
+        match f {
+            f if f > 0.0 && f <= 1.0 => Ok((available_memory()? as f64 * f) as usize),
+            f => Err(
+                ParamError::new("kv_cache_fraction", format!("must be in (0, 1], got {f}")).into(),
+            ),
+        }
+    }
+}
+
+/// vLLM's rule: the engine may use `utilization` of the GPU's total memory; what is in use
+/// now (the weights and preallocated buffers, and anything else on the GPU) is already
+/// spent, and the KV pool gets the rest.
+fn gpu_kv_bytes(mem: novainfer_model::DeviceMemory, utilization: f64) -> Result<usize> {
+    if !(utilization > 0.0 && utilization <= 1.0) {
+        return Err(ParamError::new(
+            "gpu_memory_utilization",
+            format!("must be in (0, 1], got {utilization}"),
+        )
+        .into());
+    }
+    let allowed = (mem.total as f64 * utilization) as usize;
+    let used = mem.total.saturating_sub(mem.free);
+    match allowed.checked_sub(used) {
+        Some(rest) if rest > 0 => Ok(rest),
+        _ => Err(ParamError::new(
+            "gpu_memory_utilization",
+            format!(
+                "{utilization} of the GPU's {} MiB is {} MiB, but {} MiB are already in use \
+                 (the weights and buffers, and other processes); raise it, or set kv_cache_bytes",
+                mem.total >> 20,
+                allowed >> 20,
+                used >> 20
+            ),
+        )
+        .into()),
     }
 }
 
@@ -103,13 +161,15 @@ impl EngineConfig {
     pub fn new(model: impl Into<PathBuf>) -> Self {
         Self {
             model: model.into(),
+            device: DeviceChoice::Auto,
             dtype: DtypeChoice::Auto,
             max_model_len: None,
             seed: 0,
             requantize_q5_0: false,
             block_size: 16,
             kv_layout: KvLayout::Block,
-            kv_cache: KvBudget::Bytes(DEFAULT_KV_CACHE_BYTES),
+            kv_cache: KvBudget::Auto,
+            gpu_memory_utilization: DEFAULT_GPU_MEMORY_UTILIZATION,
             max_num_seqs: 64,
             max_num_batched_tokens: 2048,
             enable_prefix_caching: true,
@@ -123,9 +183,11 @@ const END_OF_GENERATION_TOKENS: &[&str] = &["<|endoftext|>", "<|im_end|>", "<｜
 
 /// Everything `EngineCore` runs on, loaded and sized.
 pub struct LoadedEngine {
-    pub model: Qwen2Model,
+    /// The model and its KV pool on the chosen device.
+    pub executor: Box<dyn Executor>,
+    /// The device, and why it was chosen (for the log line at start-up).
+    pub device: Resolved,
     pub frontend: Frontend,
-    pub kv: PagedKvCache,
     pub scheduler: SchedulerConfig,
     pub seed: u64,
 }
@@ -199,8 +261,33 @@ impl LoadedEngine {
             dtype: cfg.dtype,
             requantize_q5_0: cfg.requantize_q5_0,
         };
-        let loaded = Qwen2Model::load(&cfg.model, &opts)?;
-        let mut tokenizer = match &loaded.gguf_metadata {
+        if cfg.block_size == 0 {
+            return Err(ParamError::new("block_size", "must be >= 1, got 0").into());
+        }
+        // Cheap checks first: a bad argument must not cost a model load.
+        let u = cfg.gpu_memory_utilization;
+        if !(u > 0.0 && u <= 1.0) {
+            return Err(ParamError::new(
+                "gpu_memory_utilization",
+                format!("must be in (0, 1], got {u}"),
+            )
+            .into());
+        }
+        let opened = Checkpoint::open(&cfg.model)?;
+        let resolved = device::resolve(cfg.device)?;
+        let on_gpu = resolved.device != novainfer_model::Device::Cpu;
+        if on_gpu && cfg.kv_layout == KvLayout::Slot {
+            return Err(ParamError::new(
+                "kv_layout",
+                format!(
+                    "the SLOT layout runs on the CPU only; use kv_layout=\"block\" on {}, or \
+                     device=\"cpu\"",
+                    resolved.device
+                ),
+            )
+            .into());
+        }
+        let mut tokenizer = match &opened.gguf_metadata {
             Some(metadata) => {
                 let mut t = Tokenizer::from_gguf(metadata)?;
                 let extra: Vec<u32> = END_OF_GENERATION_TOKENS
@@ -212,7 +299,7 @@ impl LoadedEngine {
             }
             None => Tokenizer::from_hf_dir(&cfg.model)?,
         };
-        tokenizer.extend_eos_token_ids(&loaded.model.config().eos_token_ids)?;
+        tokenizer.extend_eos_token_ids(&opened.config.eos_token_ids)?;
         let chat_template = match tokenizer.chat_template() {
             Some(source) => Some(Arc::new(ChatTemplate::new(
                 source,
@@ -221,8 +308,15 @@ impl LoadedEngine {
             )?)),
             None => None,
         };
-        let model_cfg = loaded.model.config();
-        let (num_blocks, max_model_len) = size_kv_cache(cfg, model_cfg)?;
+        let limits = StepLimits {
+            max_num_batched_tokens: cfg.max_num_batched_tokens,
+            max_num_seqs: cfg.max_num_seqs,
+            max_seq_len: cfg
+                .max_model_len
+                .unwrap_or(opened.config.max_position_embeddings),
+        };
+        let weights = load_weights(resolved.device, opened, &opts, limits)?;
+        let (num_blocks, max_model_len) = size_kv_cache(cfg, weights.as_ref())?;
         let block_size = cfg.effective_block_size();
         let scheduler = SchedulerConfig::builder()
             .kv_layout(cfg.kv_layout)
@@ -233,17 +327,18 @@ impl LoadedEngine {
             .num_blocks(num_blocks)
             .enable_prefix_caching(cfg.enable_prefix_caching)
             .build()?;
-        let kv = PagedKvCache::new(model_cfg, num_blocks, block_size);
+        let vocab_size = weights.config().vocab_size;
+        let executor = weights.into_executor(num_blocks, block_size)?;
         let frontend = Frontend {
             tokenizer: Arc::new(tokenizer),
             chat_template,
-            vocab_size: model_cfg.vocab_size,
+            vocab_size,
             max_model_len,
         };
         Ok(Self {
-            model: loaded.model,
+            executor,
+            device: resolved,
             frontend,
-            kv,
             scheduler,
             seed: cfg.seed,
         })
@@ -253,13 +348,12 @@ impl LoadedEngine {
 /// Blocks that fit in the KV budget, and the `max_model_len` they allow: an
 /// explicit `max_model_len` that cannot fit is an error naming both numbers; the
 /// default (the model's context length) is lowered to what fits.
-fn size_kv_cache(cfg: &EngineConfig, model: &Qwen2Config) -> Result<(usize, usize)> {
-    if cfg.block_size == 0 {
-        return Err(ParamError::new("block_size", "must be >= 1, got 0").into());
-    }
+fn size_kv_cache(cfg: &EngineConfig, weights: &dyn DeviceWeights) -> Result<(usize, usize)> {
+    let model: &Qwen2Config = weights.config();
     let block_size = cfg.effective_block_size();
-    let per_block = PagedKvCache::bytes_per_block(model, block_size);
-    let budget = cfg.kv_cache.bytes()?;
+    let per_block = weights.kv_bytes_per_block(block_size);
+    let budget = cfg.kv_cache.bytes(weights, cfg.gpu_memory_utilization)?;
+    let on_gpu = weights.device() != novainfer_model::Device::Cpu;
     let num_blocks = budget / per_block;
     let capacity = num_blocks * block_size;
     let model_max = model.max_position_embeddings;
@@ -276,7 +370,7 @@ fn size_kv_cache(cfg: &EngineConfig, model: &Qwen2Config) -> Result<(usize, usiz
         }
         Some(n) if n > capacity => {
             return Err(ParamError::new(
-                cfg.kv_cache.param(),
+                cfg.kv_cache.param(on_gpu),
                 format!(
                     "a KV cache of {} bytes holds {capacity} tokens ({num_blocks} blocks of {}), \
                      less than max_model_len {n}; raise the budget or lower max_model_len",
@@ -290,7 +384,7 @@ fn size_kv_cache(cfg: &EngineConfig, model: &Qwen2Config) -> Result<(usize, usiz
     };
     if max_model_len < 2 {
         return Err(ParamError::new(
-            cfg.kv_cache.param(),
+            cfg.kv_cache.param(on_gpu),
             format!(
                 "{} bytes hold no full KV block of {per_block} bytes",
                 budget
@@ -299,4 +393,126 @@ fn size_kv_cache(cfg: &EngineConfig, model: &Qwen2Config) -> Result<(usize, usiz
         .into());
     }
     Ok((num_blocks, max_model_len))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use novainfer_model::DeviceMemory;
+
+    const GIB: usize = 1 << 30;
+
+    #[test]
+    fn gpu_kv_pool_gets_what_the_utilization_leaves() {
+        // 80 GiB GPU, 10 GiB in use after the weights: 0.9 allows 72 GiB, so 62 GiB remain.
+        let mem = DeviceMemory {
+            free: 70 * GIB,
+            total: 80 * GIB,
+        };
+        let bytes = gpu_kv_bytes(mem, 0.9).expect("fits");
+        assert_eq!(bytes, (80.0 * GIB as f64 * 0.9) as usize - 10 * GIB);
+    }
+
+    #[test]
+    fn gpu_kv_pool_refuses_a_utilization_the_weights_already_exceed() {
+        let mem = DeviceMemory {
+            free: 10 * GIB,
+            total: 80 * GIB,
+        };
+        let err = gpu_kv_bytes(mem, 0.5).expect_err("70 GiB in use > 40 GiB allowed");
+        assert_eq!(err.param(), Some("gpu_memory_utilization"));
+        assert!(err.to_string().contains("already in use"), "{err}");
+        for bad in [0.0, -0.1, 1.5, f64::NAN] {
+            let err = gpu_kv_bytes(mem, bad).expect_err("out of range");
+            assert_eq!(err.param(), Some("gpu_memory_utilization"), "{bad}");
+        }
+    }
+
+    /// A stand-in device whose memory the test chooses.
+    struct FakeGpu(Qwen2Config, DeviceMemory);
+
+    impl DeviceWeights for FakeGpu {
+        fn device(&self) -> novainfer_model::Device {
+            novainfer_model::Device::Cuda(0)
+        }
+        fn config(&self) -> &Qwen2Config {
+            &self.0
+        }
+        fn kv_bytes_per_block(&self, block_size: usize) -> usize {
+            // bf16 K and V.
+            2 * 2
+                * self.0.num_hidden_layers
+                * block_size
+                * self.0.num_key_value_heads
+                * self.0.head_dim()
+        }
+        fn device_memory(&self) -> novainfer_model::Result<Option<DeviceMemory>> {
+            Ok(Some(self.1))
+        }
+        fn into_executor(
+            self: Box<Self>,
+            _: usize,
+            _: usize,
+        ) -> novainfer_model::Result<Box<dyn Executor>> {
+            unreachable!("sizing only")
+        }
+    }
+
+    fn tiny_config() -> Qwen2Config {
+        Qwen2Config {
+            vocab_size: 100,
+            hidden_size: 64,
+            intermediate_size: 128,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            max_position_embeddings: 4096,
+            rope_theta: 10_000.0,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: true,
+            torch_dtype: None,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        }
+    }
+
+    #[test]
+    fn a_gpu_sizes_its_pool_from_device_memory_and_refuses_host_fractions() {
+        let gpu = FakeGpu(
+            tiny_config(),
+            DeviceMemory {
+                free: GIB,
+                total: GIB,
+            },
+        );
+        let mut cfg = EngineConfig::new("/m");
+        cfg.gpu_memory_utilization = 0.5;
+        let (blocks, max_len) = size_kv_cache(&cfg, &gpu).expect("sized");
+        assert_eq!(blocks, (GIB / 2) / gpu.kv_bytes_per_block(16));
+        assert_eq!(max_len, 4096, "the model's context fits");
+
+        cfg.kv_cache = KvBudget::Bytes(gpu.kv_bytes_per_block(16) * 10);
+        assert_eq!(size_kv_cache(&cfg, &gpu).expect("sized").0, 10);
+
+        cfg.kv_cache = KvBudget::FractionOfAvailable(0.5);
+        let err = size_kv_cache(&cfg, &gpu).expect_err("host fraction on a GPU");
+        assert_eq!(err.param(), Some("kv_cache_fraction"));
+        assert!(err.to_string().contains("gpu_memory_utilization"), "{err}");
+    }
+
+    #[test]
+    fn a_pool_too_small_names_gpu_memory_utilization_on_a_gpu() {
+        let gpu = FakeGpu(
+            tiny_config(),
+            DeviceMemory {
+                free: GIB,
+                total: GIB,
+            },
+        );
+        let mut cfg = EngineConfig::new("/m");
+        cfg.max_model_len = Some(4096);
+        cfg.gpu_memory_utilization = 1e-6;
+        let err = size_kv_cache(&cfg, &gpu).expect_err("a kilobyte holds no context");
+        assert_eq!(err.param(), Some("gpu_memory_utilization"));
+    }
 }

@@ -19,7 +19,6 @@ use novainfer_core::{
     SchedulerOutput,
 };
 use novainfer_model::sampler::{SampledToken, Sampler};
-use novainfer_model::LogitsFor;
 
 use crate::engine::{Frontend, LoadedEngine};
 use crate::error::{EngineError, Result};
@@ -77,7 +76,7 @@ pub struct EngineCore {
 impl EngineCore {
     /// `outputs` goes to the output thread ([`crate::output_processor::run`]).
     pub fn new(loaded: LoadedEngine, outputs: mpsc::Sender<Vec<OutputEvent>>) -> Self {
-        let runner = ModelRunner::new(loaded.model, loaded.kv);
+        let runner = ModelRunner::new(loaded.executor);
         let stats = EngineStats {
             kv_pool_bytes: runner.kv_pool_bytes(),
             kv_bytes_per_block: runner.kv_bytes_per_block(),
@@ -238,7 +237,7 @@ impl EngineCore {
             }
         }
         let mut logits = self.runner.execute(out)?;
-        let vocab = self.runner.model().config().vocab_size;
+        let vocab = self.runner.config().vocab_size;
         let mut rows = logits.chunks_exact_mut(vocab);
         let mut sampled = Vec::new();
         let mut forks = Vec::new();
@@ -334,7 +333,7 @@ impl EngineCore {
 
     /// Unit-length embedding of a prompt (last token's final hidden state), computed
     /// apart from the paged pool. The prompt must fit `max_model_len`.
-    pub fn embed(&self, prompt_ids: &[u32]) -> Result<Vec<f32>> {
+    pub fn embed(&mut self, prompt_ids: &[u32]) -> Result<Vec<f32>> {
         let max_model_len = self.frontend.max_model_len();
         if prompt_ids.len() > max_model_len {
             return Err(EngineError::InputTooLong {
@@ -342,21 +341,17 @@ impl EngineCore {
                 max_model_len,
             });
         }
-        Ok(self.runner.model().embed(prompt_ids)?)
+        self.runner.embed(prompt_ids)
     }
 
     /// Next-token logits at every prompt position, computed apart from the paged pool
     /// (for checking the model against a reference): one prefill, or token by token.
-    pub fn prompt_logits(&self, prompt_ids: &[u32], step_by_step: bool) -> Result<Vec<f32>> {
-        let model = self.runner.model();
-        let mut cache = model.new_cache(prompt_ids.len());
-        if !step_by_step {
-            return Ok(model.forward(prompt_ids, &mut cache, LogitsFor::AllTokens)?);
-        }
-        let mut logits = Vec::with_capacity(prompt_ids.len() * model.config().vocab_size);
-        for &id in prompt_ids {
-            logits.extend(model.forward(&[id], &mut cache, LogitsFor::LastToken)?);
-        }
-        Ok(logits)
+    pub fn prompt_logits(&mut self, prompt_ids: &[u32], step_by_step: bool) -> Result<Vec<f32>> {
+        self.runner.prompt_logits(prompt_ids, step_by_step)
+    }
+
+    /// The device the model runs on.
+    pub fn device(&self) -> novainfer_model::Device {
+        self.runner.device()
     }
 }

@@ -59,6 +59,9 @@ impl EngineError {
             | EngineError::PromptTokenOutOfRange { .. }
             | EngineError::Ignored { .. } => Some("prompt"),
             EngineError::Model(ModelError::InvalidDtype(_)) => Some("dtype"),
+            EngineError::Model(
+                ModelError::InvalidDevice(_) | ModelError::DeviceUnavailable { .. },
+            ) => Some("device"),
             _ => None,
         }
     }

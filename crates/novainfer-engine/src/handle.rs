@@ -18,6 +18,8 @@ use std::thread::JoinHandle;
 
 use novainfer_core::{RequestId, SamplingParams};
 
+use novainfer_model::device::Resolved;
+
 use crate::engine::{EngineConfig, Frontend, LoadedEngine};
 use novainfer_core::FinishReason;
 
@@ -58,6 +60,7 @@ enum Command {
 pub struct EngineHandle {
     commands: Option<mpsc::Sender<Command>>,
     frontend: Frontend,
+    device: Resolved,
     next_id: AtomicU64,
     workers: Vec<JoinHandle<()>>,
 }
@@ -67,7 +70,10 @@ impl EngineHandle {
     /// starts the engine thread.
     pub fn spawn(cfg: &EngineConfig) -> Result<Self> {
         let (events, event_rx) = mpsc::channel();
-        let core = EngineCore::new(LoadedEngine::load(cfg)?, events);
+        let loaded = LoadedEngine::load(cfg)?;
+        let device = loaded.device.clone();
+        tracing::info!(device = %device.device, reason = %device.reason, "model loaded");
+        let core = EngineCore::new(loaded, events);
         let frontend = core.frontend().clone();
         let (commands, inbox) = mpsc::channel();
         let feedback = commands.clone();
@@ -89,6 +95,7 @@ impl EngineHandle {
         Ok(Self {
             commands: Some(commands),
             frontend,
+            device,
             next_id: AtomicU64::new(0),
             // The engine first: its exit closes the output thread's channel.
             workers: vec![engine, outputs],
@@ -97,6 +104,11 @@ impl EngineHandle {
 
     pub fn frontend(&self) -> &Frontend {
         &self.frontend
+    }
+
+    /// The device the model runs on, and why it was chosen.
+    pub fn device(&self) -> &Resolved {
+        &self.device
     }
 
     fn sender(&self) -> Result<&mpsc::Sender<Command>> {

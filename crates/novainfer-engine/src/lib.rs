@@ -17,7 +17,10 @@ pub mod stop;
 pub mod tokenizer;
 
 pub use chat_template::ChatMessage;
-pub use engine::{EngineConfig, Frontend, KvBudget, LoadedEngine, DEFAULT_KV_CACHE_BYTES};
+pub use engine::{
+    EngineConfig, Frontend, KvBudget, LoadedEngine, DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_KV_CACHE_BYTES,
+};
 pub use engine_core::{EngineCore, EngineStats};
 pub use error::{EngineError, Result};
 pub use handle::{AbortHandle, EngineHandle, RequestStream};

@@ -1,51 +1,60 @@
-//! `ModelRunner`: the model and its paged KV pool. It turns a `SchedulerOutput`
-//! (logical: token ids, positions, block tables) into one flattened
-//! `ForwardBatch` (physical: slot mapping) and runs the forward pass.
+//! `ModelRunner`: the engine's side of the device seam. It turns a `SchedulerOutput`
+//! (logical: token ids, positions, block tables) into one flattened `ForwardBatch`
+//! (physical: slot mapping) and hands it to the device's [`Executor`], CPU or GPU.
 
 use novainfer_core::{slot_mapping, SchedulerOutput};
-use novainfer_model::{ForwardBatch, LogitsFor, PagedKvCache, Qwen2Model};
+use novainfer_model::{Device, Executor, ForwardBatch, Qwen2Config};
 
 use crate::error::Result;
 
 pub struct ModelRunner {
-    model: Qwen2Model,
-    kv: PagedKvCache,
+    executor: Box<dyn Executor>,
 }
 
 impl ModelRunner {
-    pub fn new(model: Qwen2Model, kv: PagedKvCache) -> Self {
-        Self { model, kv }
+    pub fn new(executor: Box<dyn Executor>) -> Self {
+        Self { executor }
     }
 
-    pub fn model(&self) -> &Qwen2Model {
-        &self.model
+    pub fn config(&self) -> &Qwen2Config {
+        self.executor.config()
+    }
+
+    pub fn device(&self) -> Device {
+        self.executor.device()
     }
 
     /// Bytes of one pool entry (a block, or a cell in the SLOT layout).
     pub fn kv_bytes_per_block(&self) -> usize {
-        PagedKvCache::bytes_per_block(self.model.config(), self.kv.block_size())
+        self.executor.kv_bytes_per_block()
     }
 
     /// Bytes of the whole KV pool.
     pub fn kv_pool_bytes(&self) -> usize {
-        self.kv.num_blocks() * self.kv_bytes_per_block()
+        self.executor.num_blocks() * self.executor.kv_bytes_per_block()
     }
 
     /// Runs the step's block copies, then every scheduled chunk in one forward pass; returns logits `[rows, vocab]`,
     /// one row per request with `sample`, in `out.scheduled` order.
     pub fn execute(&mut self, out: &SchedulerOutput) -> Result<Vec<f32>> {
         for c in &out.block_copies {
-            self.kv
+            self.executor
                 .copy_block(c.src.index(), c.dst.index(), c.num_tokens)?;
         }
         let batch = self.build_batch(out);
-        Ok(self
-            .model
-            .forward_batch(&batch, &mut self.kv, LogitsFor::LastToken)?)
+        Ok(self.executor.forward(&batch)?)
+    }
+
+    pub fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        Ok(self.executor.embed(tokens)?)
+    }
+
+    pub fn prompt_logits(&mut self, tokens: &[u32], step_by_step: bool) -> Result<Vec<f32>> {
+        Ok(self.executor.prompt_logits(tokens, step_by_step)?)
     }
 
     fn build_batch(&self, out: &SchedulerOutput) -> ForwardBatch {
-        let block_size = self.kv.block_size();
+        let block_size = self.executor.block_size();
         let mut batch = ForwardBatch::default();
         for s in &out.scheduled {
             let slots = slot_mapping(

@@ -51,6 +51,18 @@ pub enum ModelError {
     EmptyInput,
     #[error("token id {id} is out of range for a vocabulary of {vocab_size}")]
     TokenOutOfRange { id: u32, vocab_size: usize },
+    #[error("unknown device {0:?}: expected one of {spellings}", spellings = crate::device::DEVICE_SPELLINGS)]
+    InvalidDevice(String),
+    /// The device asked for cannot be used here (no driver, no NVRTC, no GPU, or a build
+    /// without CUDA). Never answered by silently running elsewhere.
+    #[error("device {device} is not available: {reason}")]
+    DeviceUnavailable { device: String, reason: String },
+    /// A feature this device's executor does not have (yet).
+    #[error("{what} is not supported on {device}")]
+    Unsupported { what: String, device: String },
+    /// A failure inside the GPU runtime (a launch, a copy, an allocation).
+    #[error("CUDA: {0}")]
+    Cuda(String),
     #[error("tensor computation failed: {0}")]
     Compute(#[from] candle_core::Error),
 }

@@ -1,11 +1,16 @@
-//! Qwen2 model execution on CPU: checkpoint loading (HF safetensors, GGUF), the
-//! forward pass, a per-sequence KV cache and the sampler.
+//! Qwen2 model execution: checkpoint loading (HF safetensors, GGUF), the forward pass on
+//! the CPU (and, with feature `cuda`, on a GPU) behind one [`Executor`] seam, a
+//! per-sequence KV cache and the sampler.
 //!
 //! Activations are f32; weights are f32/bf16/f16 or GGUF-quantized. The crate
 //! knows nothing about requests or scheduling: it maps token ids to logits.
 
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod device;
 pub mod error;
+pub mod executor;
 pub mod forward_batch;
 pub mod kv_cache;
 pub mod layers;
@@ -16,9 +21,13 @@ pub mod qwen2;
 pub mod sampler;
 
 pub use config::{Qwen2Config, WeightDtype};
+pub use device::{Device, DeviceChoice};
 pub use error::{ModelError, Result};
+pub use executor::{
+    load_weights, CpuExecutor, CpuWeights, DeviceMemory, DeviceWeights, Executor, StepLimits,
+};
 pub use forward_batch::{ForwardBatch, SeqSpan};
 pub use kv_cache::SequenceKvCache;
-pub use loader::ModelFormat;
+pub use loader::{Checkpoint, ModelFormat, OpenedCheckpoint};
 pub use paged_kv::PagedKvCache;
 pub use qwen2::{DtypeChoice, LoadOptions, LoadedModel, LogitsFor, Qwen2Model};

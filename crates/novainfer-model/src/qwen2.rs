@@ -16,9 +16,7 @@ use crate::forward_batch::ForwardBatch;
 use crate::kv_cache::SequenceKvCache;
 use crate::layers::ops::{add_in_place, rms_norm, silu_mul, Rope};
 use crate::layers::{attention, AttentionShape, Embedding, Linear, QueryRow};
-use crate::loader::{
-    CheckedSource, GgufCheckpoint, HfCheckpoint, ModelFormat, RawTensor, TensorSource,
-};
+use crate::loader::{CheckedSource, Checkpoint, ModelFormat, RawTensor, TensorSource};
 use crate::paged_kv::PagedKvCache;
 use crate::quant;
 
@@ -108,29 +106,12 @@ pub struct LoadedModel {
 impl Qwen2Model {
     /// Loads an HF directory or a GGUF file, whichever `path` is.
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
-        let format = ModelFormat::detect(path)?;
-        match &format {
-            ModelFormat::HfDir(dir) => {
-                let cfg = Qwen2Config::from_hf_dir(dir)?;
-                let model = Self::build(cfg, HfCheckpoint::open(dir)?, opts)?;
-                Ok(LoadedModel {
-                    model,
-                    format,
-                    gguf_metadata: None,
-                })
-            }
-            ModelFormat::Gguf(file) => {
-                let ckpt = GgufCheckpoint::open(file)?;
-                let cfg = ckpt.config()?;
-                let metadata = ckpt.metadata().clone();
-                let model = Self::build(cfg, ckpt, opts)?;
-                Ok(LoadedModel {
-                    model,
-                    format,
-                    gguf_metadata: Some(metadata),
-                })
-            }
-        }
+        let opened = Checkpoint::open(path)?;
+        Ok(LoadedModel {
+            model: Self::build(opened.config, opened.checkpoint, opts)?,
+            format: opened.format,
+            gguf_metadata: opened.gguf_metadata,
+        })
     }
 
     /// Builds the model from any checkpoint, checking every name and shape.

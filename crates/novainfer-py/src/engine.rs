@@ -10,9 +10,10 @@ use std::sync::Mutex;
 use novainfer_core::KvLayout;
 use novainfer_engine::{
     ChatMessage, Delta, EngineConfig, EngineHandle, KvBudget, Prompt, RequestOutput, RequestStream,
-    TokenLogprob, DEFAULT_KV_CACHE_BYTES,
+    TokenLogprob, DEFAULT_GPU_MEMORY_UTILIZATION,
 };
-use novainfer_model::DtypeChoice;
+use novainfer_model::device::DEVICE_SPELLINGS;
+use novainfer_model::{DeviceChoice, DtypeChoice};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -56,13 +57,15 @@ pub struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model, *, dtype="auto", max_model_len=None, seed=0, requantize_q5_0=false,
-        block_size=16, kv_cache_bytes=None, kv_cache_fraction=None, max_num_seqs=64,
+    #[pyo3(signature = (model, *, device="auto", dtype="auto", max_model_len=None, seed=0,
+        requantize_q5_0=false, block_size=16, kv_cache_bytes=None, kv_cache_fraction=None,
+        gpu_memory_utilization=DEFAULT_GPU_MEMORY_UTILIZATION, max_num_seqs=64,
         max_num_batched_tokens=2048, enable_prefix_caching=true, kv_layout="block"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         model: PathBuf,
+        device: &str,
         dtype: &str,
         max_model_len: Option<usize>,
         seed: u64,
@@ -70,6 +73,7 @@ impl PyEngine {
         block_size: usize,
         kv_cache_bytes: Option<usize>,
         kv_cache_fraction: Option<f64>,
+        gpu_memory_utilization: f64,
         max_num_seqs: usize,
         max_num_batched_tokens: usize,
         enable_prefix_caching: bool,
@@ -82,8 +86,16 @@ impl PyEngine {
                 format!("dtype must be one of auto, f32, bf16, f16; got {dtype:?}"),
             )
         })?;
+        let device: DeviceChoice = device.parse().map_err(|_| {
+            invalid(
+                "device",
+                format!("device must be one of {DEVICE_SPELLINGS}; got {device:?}"),
+            )
+        })?;
         let cfg = EngineConfig {
             model,
+            device,
+            gpu_memory_utilization,
             dtype,
             max_model_len,
             seed,
@@ -99,7 +111,7 @@ impl PyEngine {
                 }
                 (Some(bytes), None) => KvBudget::Bytes(bytes),
                 (None, Some(fraction)) => KvBudget::FractionOfAvailable(fraction),
-                (None, None) => KvBudget::Bytes(DEFAULT_KV_CACHE_BYTES),
+                (None, None) => KvBudget::Auto,
             },
             max_num_seqs,
             max_num_batched_tokens,
@@ -144,6 +156,18 @@ impl PyEngine {
     fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<bool> {
         py.detach(|| self.handle.reset_prefix_cache())
             .map_err(engine_error)
+    }
+
+    /// The device the model runs on (`"cpu"`, `"cuda:0"`, ...).
+    #[getter]
+    fn device(&self) -> String {
+        self.handle.device().device.to_string()
+    }
+
+    /// Why that device was chosen (for the log line at start-up).
+    #[getter]
+    fn device_reason(&self) -> String {
+        self.handle.device().reason.clone()
     }
 
     #[getter]

@@ -50,7 +50,11 @@ pub fn engine_error(e: EngineError) -> PyErr {
             "PromptTooLongError"
         }
         EngineError::Model(ModelError::NotFound(_)) => "ModelNotFoundError",
-        EngineError::Model(ModelError::InvalidDtype(_)) => "InvalidParameterError",
+        EngineError::Model(ModelError::InvalidDtype(_) | ModelError::InvalidDevice(_)) => {
+            "InvalidParameterError"
+        }
+        EngineError::Model(ModelError::DeviceUnavailable { .. }) => "DeviceUnavailableError",
+        EngineError::Model(ModelError::Unsupported { .. } | ModelError::Cuda(_)) => "EngineError",
         EngineError::Model(
             ModelError::Compute(_) | ModelError::ContextOverflow { .. } | ModelError::EmptyInput,
         )

@@ -10,12 +10,21 @@ mod server;
 
 use pyo3::prelude::*;
 
+/// None when CUDA GPU `ordinal` can run a model here, else what is missing (driver, NVRTC,
+/// cuBLAS, a GPU, or CUDA support in this build).
+#[pyfunction]
+#[pyo3(signature = (ordinal=0))]
+fn cuda_unavailable_reason(py: Python<'_>, ordinal: usize) -> Option<String> {
+    py.detach(|| novainfer_model::device::cuda_usable(ordinal).err())
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<sampling_params::PySamplingParams>()?;
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<engine::PyTokenStream>()?;
     m.add_function(wrap_pyfunction!(server::serve, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_unavailable_reason, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use novainfer_core::{KvLayout, ParamError};
-use novainfer_engine::{EngineConfig, KvBudget, DEFAULT_KV_CACHE_BYTES};
-use novainfer_model::DtypeChoice;
+use novainfer_engine::{EngineConfig, KvBudget};
+use novainfer_model::{DeviceChoice, DtypeChoice};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ReasoningParser {
@@ -40,6 +40,14 @@ pub struct ServeArgs {
     pub port: u16,
 
     // Engine options, as in `LLM(...)`.
+    /// Where the model runs: auto (the first usable CUDA GPU, else the CPU), cpu, cuda or
+    /// cuda:N. An explicit cuda fails with the reason when no GPU can be used.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// On a GPU: the fraction of its memory the engine may use (weights, buffers and KV
+    /// cache); the KV cache gets what the weights leave. Ignored on the CPU.
+    #[arg(long, default_value_t = novainfer_engine::DEFAULT_GPU_MEMORY_UTILIZATION)]
+    pub gpu_memory_utilization: f64,
     /// Weight dtype for safetensors models: auto, f32, bf16, f16.
     #[arg(long, default_value = "auto")]
     pub dtype: String,
@@ -53,7 +61,7 @@ pub struct ServeArgs {
     pub requantize_q5_0: bool,
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// KV cache size in bytes (default 2 GiB).
+    /// KV cache size in bytes (default: 2 GiB on the CPU, --gpu-memory-utilization on a GPU).
     #[arg(long, conflicts_with = "kv_cache_fraction")]
     pub kv_cache_bytes: Option<usize>,
     /// KV cache as a fraction of the memory available after loading the model.
@@ -184,9 +192,21 @@ impl ServeArgs {
         let kv_cache = match (self.kv_cache_bytes, self.kv_cache_fraction) {
             (_, Some(f)) => KvBudget::FractionOfAvailable(f),
             (Some(b), None) => KvBudget::Bytes(b),
-            (None, None) => KvBudget::Bytes(DEFAULT_KV_CACHE_BYTES),
+            (None, None) => KvBudget::Auto,
         };
+        let device: DeviceChoice = self.device.parse().map_err(|_| {
+            ParamError::new(
+                "device",
+                format!(
+                    "must be one of {}; got {:?}",
+                    novainfer_model::device::DEVICE_SPELLINGS,
+                    self.device
+                ),
+            )
+        })?;
         let mut cfg = EngineConfig::new(model);
+        cfg.device = device;
+        cfg.gpu_memory_utilization = self.gpu_memory_utilization;
         cfg.dtype = dtype;
         cfg.max_model_len = self.max_model_len;
         cfg.seed = self.seed;
@@ -224,6 +244,25 @@ mod tests {
         let cfg = a.engine_config("/m".into()).expect("valid");
         assert!(cfg.enable_prefix_caching);
         assert_eq!(cfg.max_num_seqs, 64);
+        assert_eq!(cfg.device, DeviceChoice::Auto);
+        assert_eq!(cfg.kv_cache, KvBudget::Auto);
+        assert_eq!(cfg.gpu_memory_utilization, 0.9);
+    }
+
+    #[test]
+    fn device_options_reach_the_engine_config() {
+        let cfg = parse(&["--device", "cuda:1", "--gpu-memory-utilization", "0.5"])
+            .engine_config("/m".into())
+            .expect("valid");
+        assert_eq!(
+            cfg.device,
+            DeviceChoice::Exactly(novainfer_model::Device::Cuda(1))
+        );
+        assert_eq!(cfg.gpu_memory_utilization, 0.5);
+        let err = parse(&["--device", "tpu"])
+            .engine_config("/m".into())
+            .expect_err("unknown device");
+        assert!(err.to_string().contains("device"), "{err}");
     }
 
     #[test]

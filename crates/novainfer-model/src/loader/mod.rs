@@ -78,6 +78,71 @@ impl ModelFormat {
     }
 }
 
+/// Either checkpoint format, opened with its config: what every device's model builder
+/// starts from.
+pub enum Checkpoint {
+    Hf(HfCheckpoint),
+    Gguf(GgufCheckpoint),
+}
+
+/// An opened model file: the checkpoint, its config, and what the engine needs from the
+/// files besides tensors.
+pub struct OpenedCheckpoint {
+    pub checkpoint: Checkpoint,
+    pub config: crate::config::Qwen2Config,
+    pub format: ModelFormat,
+    /// GGUF metadata (tokenizer, chat template) when the model came from a GGUF file.
+    pub gguf_metadata:
+        Option<std::collections::HashMap<String, candle_core::quantized::gguf_file::Value>>,
+}
+
+impl Checkpoint {
+    /// Opens an HF directory or a GGUF file, whichever `path` is, and reads its config.
+    pub fn open(path: &Path) -> Result<OpenedCheckpoint> {
+        let format = ModelFormat::detect(path)?;
+        Ok(match &format {
+            ModelFormat::HfDir(dir) => OpenedCheckpoint {
+                config: crate::config::Qwen2Config::from_hf_dir(dir)?,
+                checkpoint: Checkpoint::Hf(HfCheckpoint::open(dir)?),
+                format,
+                gguf_metadata: None,
+            },
+            ModelFormat::Gguf(file) => {
+                let ckpt = GgufCheckpoint::open(file)?;
+                OpenedCheckpoint {
+                    config: ckpt.config()?,
+                    gguf_metadata: Some(ckpt.metadata().clone()),
+                    checkpoint: Checkpoint::Gguf(ckpt),
+                    format,
+                }
+            }
+        })
+    }
+}
+
+impl TensorSource for Checkpoint {
+    fn names(&self) -> Vec<String> {
+        match self {
+            Checkpoint::Hf(c) => c.names(),
+            Checkpoint::Gguf(c) => c.names(),
+        }
+    }
+
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        match self {
+            Checkpoint::Hf(c) => c.shape(name),
+            Checkpoint::Gguf(c) => c.shape(name),
+        }
+    }
+
+    fn load(&mut self, name: &str) -> Result<RawTensor> {
+        match self {
+            Checkpoint::Hf(c) => c.load(name),
+            Checkpoint::Gguf(c) => c.load(name),
+        }
+    }
+}
+
 /// A [`TensorSource`] that checks shapes and remembers what was taken.
 pub struct CheckedSource<S> {
     source: S,
