@@ -48,6 +48,9 @@ fn logprobs_to_py(logprobs: Vec<TokenLogprob>) -> PyLogprobs {
         .collect()
 }
 
+// The signature below spells the default out so Python's introspection (and the stub) shows it.
+const _: () = assert!(DEFAULT_GPU_MEMORY_UTILIZATION == 0.9);
+
 /// A loaded model running on its own engine thread.
 #[pyclass(name = "Engine", module = "novainfer._native", frozen)]
 pub struct PyEngine {
@@ -59,7 +62,7 @@ impl PyEngine {
     #[new]
     #[pyo3(signature = (model, *, device="auto", dtype="auto", max_model_len=None, seed=0,
         requantize_q5_0=false, block_size=16, kv_cache_bytes=None, kv_cache_fraction=None,
-        gpu_memory_utilization=DEFAULT_GPU_MEMORY_UTILIZATION, max_num_seqs=64,
+        gpu_memory_utilization=0.9, max_num_seqs=64,
         max_num_batched_tokens=2048, enable_prefix_caching=true, kv_layout="block"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
