@@ -173,6 +173,10 @@ impl From<EngineError> for ApiError {
             | EngineError::ChatTemplate(_)
             | EngineError::Tokenizer(_) => ApiError::invalid(message),
             EngineError::EngineStopped => ApiError::unavailable(message),
+            // A valid request this device's executor cannot serve (yet): the client's to change.
+            EngineError::Model(novainfer_model::ModelError::Unsupported { .. }) => {
+                ApiError::invalid(message).with_code("unsupported_on_device")
+            }
             EngineError::Model(_) | EngineError::StepFailed { .. } => ApiError::internal(message),
         };
         api.param = param;
@@ -214,6 +218,18 @@ mod tests {
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
         assert_eq!(e.param.as_deref(), Some("max_tokens"));
         assert!(e.message.contains("128") && e.message.contains("100") && e.message.contains("50"));
+    }
+
+    #[test]
+    fn a_feature_the_device_lacks_is_a_400_not_a_500() {
+        let e: ApiError = EngineError::Model(novainfer_model::ModelError::Unsupported {
+            what: "embeddings".into(),
+            device: "cuda:0".into(),
+        })
+        .into();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(e.body()["error"]["code"], "unsupported_on_device");
+        assert!(e.message.contains("cuda:0"), "{}", e.message);
     }
 
     #[test]
