@@ -4,6 +4,9 @@
 
 #![allow(dead_code)]
 
+#[cfg(feature = "cuda")]
+pub mod host;
+
 use novainfer_cuda::gpu_test::{when_unavailable_from_env, WhenUnavailable, REQUIRE_GPU_ENV};
 use novainfer_cuda::{CudaError, GpuContext};
 
