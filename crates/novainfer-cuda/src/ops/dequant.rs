@@ -87,3 +87,15 @@ pub fn dequantize<T: Dtype>(
     args.arg(blocks).arg(out).arg(&n);
     launch(args, cfg)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_lists_each_type_at_its_table_index() {
+        for (i, q) in QuantType::ALL.iter().enumerate() {
+            assert_eq!(q.index(), i, "{q:?}");
+        }
+    }
+}
