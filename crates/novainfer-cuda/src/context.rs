@@ -34,6 +34,13 @@ pub struct GpuContext {
     ordinal: usize,
 }
 
+// The runner opens the context on one thread and may drive it from another (the engine
+// thread); every field is Send + Sync, and this keeps it so.
+const _: fn() = || {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<GpuContext>();
+};
+
 /// Checks that libcuda can be loaded and reports a usable device count.
 pub fn device_count() -> Result<usize> {
     // SAFETY: only tries to dlopen candidate names; touches no symbol.

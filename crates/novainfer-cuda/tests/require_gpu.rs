@@ -13,9 +13,7 @@ use novainfer_cuda::gpu_test::REQUIRE_GPU_ENV;
 /// child below.
 #[test]
 fn probe_gpu_like_every_gpu_test() {
-    if let Some(gpu) = common::gpu_or_skip("probe_gpu_like_every_gpu_test") {
-        drop(gpu);
-    }
+    let _gpu = common::gpu_or_skip("probe_gpu_like_every_gpu_test");
 }
 
 #[test]
