@@ -344,6 +344,7 @@ def test_exception_hierarchy() -> None:
         e.PromptTooLongError: (e.InvalidParameterError,),
         e.ModelLoadError: (e.NovaInferError,),
         e.ModelNotFoundError: (e.ModelLoadError, FileNotFoundError),
+        e.DeviceUnavailableError: (e.NovaInferError,),
         e.TokenizerError: (e.NovaInferError,),
         e.ChatTemplateError: (e.NovaInferError,),
         e.FetchError: (e.NovaInferError,),
@@ -354,6 +355,13 @@ def test_exception_hierarchy() -> None:
     for cls, bases in expected_bases.items():
         assert cls.__bases__ == bases, cls
         assert cls.__doc__ and cls.__doc__.strip(), f"{cls.__name__} needs a docstring"
+
+
+def test_device_unavailable_error_names_the_device_parameter_and_survives_pickling() -> None:
+    err = errors.DeviceUnavailableError("device cuda:0 is not available: libcuda not found")
+    assert err.param == "device"
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is errors.DeviceUnavailableError and back.param == "device" and str(back) == str(err)
 
 
 def test_invalid_parameter_error_names_its_parameter_and_survives_pickling() -> None:
