@@ -66,6 +66,16 @@ __device__ __forceinline__ float load_f32(const bf16* p, i64 i) { return bf16_to
 __device__ __forceinline__ void store_f32(float* p, i64 i, float v) { p[i] = v; }
 __device__ __forceinline__ void store_f32(bf16* p, i64 i, float v) { p[i] = f32_to_bf16(v); }
 
+// Neox rotation of one (lo, hi) = (x[i], x[i + head_dim/2]) pair by the table's (cos, sin):
+//   lo' = lo·cos − hi·sin,   hi' = hi·cos + lo·sin
+// Every product and sum is rounded on its own (no FMA contraction), which is what the CPU's
+// `Rope::apply` does in f32; rope.cu and qkv.cu both call this, so they round alike.
+__device__ __forceinline__ void rope_rotate(float lo, float hi, float c, float s, float& out_lo,
+                                            float& out_hi) {
+    out_lo = __fsub_rn(__fmul_rn(lo, c), __fmul_rn(hi, s));
+    out_hi = __fadd_rn(__fmul_rn(hi, c), __fmul_rn(lo, s));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) {
         v += __shfl_xor_sync(FULL_MASK, v, offset);

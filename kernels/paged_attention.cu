@@ -24,6 +24,13 @@
 // and merges as it goes. Both call the same `attend_split` and `merge` with every rounding
 // spelled out (`__fmaf_rn`, `__fmul_rn`), so a row's bits depend only on q, its history and
 // p — not on the batch, on how its prompt was chunked, or on which kernel ran it.
+//
+// Defences (the runner validates on the host, these keep a bad value from faulting):
+//  * a block-table entry is read only below max_blocks_per_seq, and a block id outside the
+//    pool masks the key (`slot_of`);
+//  * masked keys score −inf; a tile, split or merge that has seen only −inf scores keeps
+//    (m = −inf, l = 0, acc = 0) instead of computing exp(−inf − −inf) = NaN (`exp_ref`), and
+//    a row with l = 0 stores zeros.
 #include "common.cuh"
 
 #define ATTN_TILE WARP_SIZE
@@ -45,12 +52,18 @@ __device__ __forceinline__ void state_init(AttnState<HD>& st) {
     for (int r = 0; r < HD / 32; ++r) st.acc[r] = 0.0f;
 }
 
+// The reference a running max is subtracted from: the max itself, or 0 while nothing but
+// −inf has been seen, so that exp(−inf − ref) is 0 rather than exp(NaN). With a finite max
+// the arithmetic is unchanged.
+__device__ __forceinline__ float exp_ref(float m) { return m == NEG_INF ? 0.0f : m; }
+
 // `total` ← `total` ⊕ `part`. Starting from the initial state, the first merge is exact.
 template <int HD>
 __device__ __forceinline__ void merge(AttnState<HD>& total, const AttnState<HD>& part) {
     const float m_new = fmaxf(total.m, part.m);
-    const float a = expf(__fsub_rn(total.m, m_new));
-    const float b = expf(__fsub_rn(part.m, m_new));
+    const float ref = exp_ref(m_new);
+    const float a = expf(__fsub_rn(total.m, ref));
+    const float b = expf(__fsub_rn(part.m, ref));
     total.l = __fmaf_rn(total.l, a, __fmul_rn(part.l, b));
 #pragma unroll
     for (int r = 0; r < HD / 32; ++r) {
@@ -59,21 +72,24 @@ __device__ __forceinline__ void merge(AttnState<HD>& total, const AttnState<HD>&
     total.m = m_new;
 }
 
-// Slot of position `pos`, or −1 when the block table names a block outside the pool
-// (a runner bug; the key is then masked instead of read out of bounds).
-__device__ __forceinline__ i64 slot_of(const i32* block_table, int pos, int block_size,
-                                       int num_blocks) {
-    const i32 block = block_table[pos / block_size];
-    if (block < 0 || block >= num_blocks) return -1;
-    return (i64)block * block_size + pos % block_size;
-}
-
 struct KvLayout {
     int block_size;
     int num_blocks;
-    int kv_row;   // num_kv_heads · head_dim: values per slot
-    int kv_head;  // which KV head this query head reads
+    int max_blocks_per_seq;  // length of one block-table row
+    int kv_row;              // num_kv_heads · head_dim: values per slot
+    int kv_head;             // which KV head this query head reads
 };
+
+// Slot of position `pos`, or −1 when the position lies past the block-table row or the table
+// names a block outside the pool (a runner bug; the key is then masked instead of read out
+// of bounds).
+__device__ __forceinline__ i64 slot_of(const i32* block_table, int pos, const KvLayout& kv) {
+    const int index = pos / kv.block_size;
+    if (pos < 0 || index >= kv.max_blocks_per_seq) return -1;
+    const i32 block = block_table[index];
+    if (block < 0 || block >= kv.num_blocks) return -1;
+    return (i64)block * kv.block_size + pos % kv.block_size;
+}
 
 // One warp: positions [begin, end) of one row, `q` already in registers (dims lane + 32·r).
 template <typename T, int HD>
@@ -86,7 +102,7 @@ __device__ void attend_split(const float (&q)[HD / 32], const T* __restrict__ k_
         const int n = min(ATTN_TILE, end - tile);
         float my_score = NEG_INF;
         for (int j = 0; j < n; ++j) {
-            const i64 slot = slot_of(block_table, tile + j, kv.block_size, kv.num_blocks);
+            const i64 slot = slot_of(block_table, tile + j, kv);
             float partial = 0.0f;
             if (slot >= 0) {
                 const T* k = k_cache + slot * kv.kv_row + (i64)kv.kv_head * HD;
@@ -99,14 +115,15 @@ __device__ void attend_split(const float (&q)[HD / 32], const T* __restrict__ k_
             if (lane == j) my_score = slot >= 0 ? s : NEG_INF;
         }
         const float m_new = fmaxf(st.m, warp_max(my_score));
-        const float p = lane < n ? expf(__fsub_rn(my_score, m_new)) : 0.0f;
-        const float alpha = expf(__fsub_rn(st.m, m_new));
+        const float ref = exp_ref(m_new);
+        const float p = lane < n ? expf(__fsub_rn(my_score, ref)) : 0.0f;
+        const float alpha = expf(__fsub_rn(st.m, ref));
         st.l = __fmaf_rn(st.l, alpha, warp_sum(p));
 #pragma unroll
         for (int r = 0; r < HD / 32; ++r) st.acc[r] = __fmul_rn(st.acc[r], alpha);
         for (int j = 0; j < n; ++j) {
             const float pj = __shfl_sync(FULL_MASK, p, j);
-            const i64 slot = slot_of(block_table, tile + j, kv.block_size, kv.num_blocks);
+            const i64 slot = slot_of(block_table, tile + j, kv);
             if (slot < 0) continue;
             const T* v = v_cache + slot * kv.kv_row + (i64)kv.kv_head * HD;
 #pragma unroll
@@ -125,10 +142,12 @@ __device__ __forceinline__ void load_q(const T* q_row, float (&q)[HD / 32]) {
     for (int r = 0; r < HD / 32; ++r) q[r] = load_f32(q_row, lane + 32 * r);
 }
 
-// Writes ACC / L, or zeros for an empty history (padding sequences of a graph bucket).
+// Writes ACC / L, or zeros for an empty history (padding sequences of a graph bucket) or
+// one whose every key was masked (l = 0: no unmasked key contributes exp(0) = 1).
 template <typename T, int HD>
 __device__ __forceinline__ void store_out(const AttnState<HD>& st, T* out_row, bool empty) {
     const int lane = threadIdx.x % WARP_SIZE;
+    empty = empty || st.l == 0.0f;
 #pragma unroll
     for (int r = 0; r < HD / 32; ++r) {
         store_f32(out_row, lane + 32 * r, empty ? 0.0f : __fdiv_rn(st.acc[r], st.l));
@@ -149,6 +168,7 @@ __device__ __forceinline__ KvLayout kv_layout(const AttnShape& s, int head, int 
     KvLayout kv;
     kv.block_size = s.block_size;
     kv.num_blocks = s.num_blocks;
+    kv.max_blocks_per_seq = s.max_blocks_per_seq;
     kv.kv_row = s.num_kv_heads * hd;
     kv.kv_head = head / (s.num_heads / s.num_kv_heads);
     return kv;
@@ -199,8 +219,9 @@ __device__ void decode_merge(const i32* __restrict__ seq_lens, const float* __re
     const int head = blockIdx.x;
     const int seq = blockIdx.y;
     const int ctx = seq_lens[seq];
-    // A history longer than the scratch was sized for is the caller's bug (size it for
-    // max_model_len); clamp so it costs accuracy, never an out-of-bounds read.
+    // The launcher refuses a batch whose host-known max_seq_len exceeds the scratch; a device
+    // seq_len that still does (the host and device disagree: a runner bug) is clamped so it
+    // costs accuracy, never an out-of-bounds read.
     const int num_splits = min((ctx + ATTN_SPLIT - 1) / ATTN_SPLIT, shape.max_splits);
     AttnState<HD> total;
     state_init(total);

@@ -5,11 +5,14 @@
 //   lo' = lo·cos − hi·sin,   hi' = hi·cos + lo·sin
 // cos/sin come from a table the launcher builds on the host with the CPU's own formula
 // (angle = pos · θ^(−2i/head_dim) in f64, then rounded to f32), and the products are
-// written with explicit round-to-nearest intrinsics so the compiler cannot contract them
-// into FMAs: in f32 the result is bit-identical to the CPU's `Rope::apply`.
+// written with explicit round-to-nearest intrinsics (`rope_rotate` in common.cuh, shared with
+// qkv.cu) so the compiler cannot contract them into FMAs: in f32 the result is bit-identical
+// to the CPU's `Rope::apply`.
 //
 // One block per token; threads walk the (head, i) pairs of q then k. Element-wise.
-// A position outside the table leaves the row unrotated rather than reading out of bounds.
+// A position outside the table leaves the row unrotated rather than reading out of bounds; the
+// runner checks positions on the host first (novainfer_cuda::validate), so this never fires
+// in a correct run.
 #include "common.cuh"
 
 template <typename T>
@@ -17,10 +20,10 @@ __device__ __forceinline__ void rotate_head(T* head, const float* cos, const flo
                                             int half) {
     const float lo = load_f32(head, i);
     const float hi = load_f32(head, i + half);
-    const float c = cos[i];
-    const float s = sin[i];
-    store_f32(head, i, __fsub_rn(__fmul_rn(lo, c), __fmul_rn(hi, s)));
-    store_f32(head, i + half, __fadd_rn(__fmul_rn(hi, c), __fmul_rn(lo, s)));
+    float out_lo, out_hi;
+    rope_rotate(lo, hi, cos[i], sin[i], out_lo, out_hi);
+    store_f32(head, i, out_lo);
+    store_f32(head, i + half, out_hi);
 }
 
 template <typename T>

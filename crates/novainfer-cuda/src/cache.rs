@@ -1,14 +1,15 @@
 //! Where compiled kernels are kept on disk and under which name.
 //!
-//! A binary is valid for exactly one (expanded source, GPU architecture, NVRTC version), so
-//! all three are in its file name: `<kernel>-<arch>-nvrtc<major>.<minor>-<xxh3>.cubin`.
+//! A binary is valid for exactly one (expanded source, NVRTC options, GPU architecture, NVRTC
+//! version), so all four are in its file name:
+//! `<kernel>-<arch>-nvrtc<major>.<minor>-<xxh3 of source and options>.cubin`.
 //! A stale file is never read, only left behind. Writes go to a temporary file renamed into
 //! place, so a concurrent reader sees a whole binary or none.
 
 use std::path::{Path, PathBuf};
 
 use crate::error::{CudaError, Result};
-use crate::kernels::KernelSource;
+use crate::kernels::{compile_options, KernelSource};
 
 /// `$NOVAINFER_HOME/kernels`, else `~/.cache/novainfer/kernels`, else a temp dir.
 pub fn default_cache_dir() -> PathBuf {
@@ -42,18 +43,36 @@ impl KernelCache {
         &self.dir
     }
 
+    /// Where `kernel` compiled for `arch` with [`compile_options`] lives.
     pub fn path_for(
         &self,
         kernel: &KernelSource,
         arch: &str,
         nvrtc: NvrtcVersion,
     ) -> Result<PathBuf> {
+        self.path_with_options(kernel, arch, nvrtc, &compile_options(arch))
+    }
+
+    /// As [`Self::path_for`], for an explicit option list.
+    pub fn path_with_options(
+        &self,
+        kernel: &KernelSource,
+        arch: &str,
+        nvrtc: NvrtcVersion,
+        options: &[String],
+    ) -> Result<PathBuf> {
+        let mut key = kernel.expand()?.into_bytes();
+        // NUL never occurs in a source or an option, so the concatenation is unambiguous.
+        for option in options {
+            key.push(0);
+            key.extend_from_slice(option.as_bytes());
+        }
         Ok(self.dir.join(format!(
             "{}-{arch}-nvrtc{}.{}-{:016x}.cubin",
             kernel.name,
             nvrtc.major,
             nvrtc.minor,
-            kernel.hash()?
+            xxhash_rust::xxh3::xxh3_64(&key)
         )))
     }
 
@@ -104,6 +123,24 @@ mod tests {
             .starts_with("/c/rms_norm-sm_80-nvrtc13.0-"));
         assert_ne!(a, b);
         assert_ne!(a, c);
+    }
+
+    #[test]
+    fn key_separates_compile_options() {
+        let cache = KernelCache::new("/c");
+        let mut options = compile_options("sm_80");
+        let plain = cache
+            .path_with_options(&RMS_NORM, "sm_80", V13, &options)
+            .expect("path");
+        assert_eq!(
+            plain,
+            cache.path_for(&RMS_NORM, "sm_80", V13).expect("path")
+        );
+        options.push("--use_fast_math".to_owned());
+        let fast = cache
+            .path_with_options(&RMS_NORM, "sm_80", V13, &options)
+            .expect("path");
+        assert_ne!(plain, fast);
     }
 
     #[test]

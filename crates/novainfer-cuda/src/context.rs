@@ -1,28 +1,45 @@
-//! The device context: one GPU, one stream, and the kernel modules loaded on it.
+//! The device context: one GPU, one stream, every kernel entry point, one cuBLAS handle.
 //!
-//! [`GpuContext::new`] is the only way in, and it never panics for want of CUDA: libcuda and
-//! libnvrtc are probed before cudarc touches them (cudarc's `dynamic-loading` panics on a
-//! missing library), and a driver without devices maps to [`CudaError::NotAvailable`].
-//! Modules are compiled (or read from the disk cache) on first use, once per context.
+//! [`GpuContext::new`] is the only way in, and it never panics for want of CUDA: libcuda,
+//! libnvrtc and libcublas are probed before cudarc touches them (cudarc's `dynamic-loading`
+//! panics on a missing library), and a driver without devices maps to
+//! [`CudaError::NotAvailable`]. Everything a launch needs is prepared here, once: every
+//! module is compiled (or read from the disk cache) and every entry point looked up into a
+//! [`KernelTable`], so launchers do no NVRTC, no string work and take no lock.
+//!
+//! cudarc's event tracking is switched off before anything is allocated. With it on, every
+//! buffer carries two CUDA events and every kernel argument costs a wait and a record — two
+//! driver calls per argument — and the recorded events break CUDA-graph capture. We run one
+//! stream, whose order is the only synchronisation we need.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
-use cudarc::nvrtc::Ptx;
+use cudarc::driver::{CudaContext, CudaStream};
 
+use crate::blas::Blas;
 use crate::cache::{default_cache_dir, KernelCache};
 use crate::error::{CudaError, Result};
 use crate::kernels::KernelSource;
-use crate::nvrtc;
+use crate::table::KernelTable;
+use crate::{libs, nvrtc};
 
 pub struct GpuContext {
-    ctx: Arc<CudaContext>,
+    // Field order is drop order: the handle and functions go before the stream and context.
+    blas: Blas,
+    kernels: KernelTable,
     stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
     arch: String,
-    cache: KernelCache,
-    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    name: String,
+    ordinal: usize,
 }
+
+// The runner opens the context on one thread and may drive it from another (the engine
+// thread); every field is Send + Sync, and this keeps it so.
+const _: fn() = || {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<GpuContext>();
+};
 
 /// Checks that libcuda can be loaded and reports a usable device count.
 pub fn device_count() -> Result<usize> {
@@ -75,17 +92,28 @@ impl GpuContext {
             )));
         }
         nvrtc::probe()?;
+        libs::probe_cublas()?;
         let ctx = CudaContext::new(ordinal).map_err(|e| driver("cuCtxCreate", e))?;
+        // SAFETY: nothing has been allocated on this context yet, and all of NovaInfer's work
+        // goes to the one stream created below, so stream order is all the synchronisation
+        // there is to track (see the module doc).
+        unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| driver("cuDeviceGetAttribute", e))?;
+        let name = ctx.name().map_err(|e| driver("cuDeviceGetName", e))?;
         let stream = ctx.new_stream().map_err(|e| driver("cuStreamCreate", e))?;
+        let arch = format!("sm_{major}{minor}");
+        let kernels = KernelTable::load(&ctx, &cache, &arch)?;
+        let blas = Blas::new(&stream)?;
         Ok(Self {
-            ctx,
+            blas,
+            kernels,
             stream,
-            arch: format!("sm_{major}{minor}"),
-            cache,
-            modules: Mutex::new(HashMap::new()),
+            ctx,
+            arch,
+            name,
+            ordinal,
         })
     }
 
@@ -102,6 +130,16 @@ impl GpuContext {
         &self.arch
     }
 
+    /// The driver's name for the device, e.g. `"NVIDIA H100 80GB HBM3"` (for logs).
+    pub fn device_name(&self) -> &str {
+        &self.name
+    }
+
+    /// The `N` of `cuda:N`.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
     /// `(free, total)` device memory in bytes: what sizes the KV pool.
     pub fn mem_info(&self) -> Result<(usize, usize)> {
         self.ctx
@@ -115,29 +153,12 @@ impl GpuContext {
             .map_err(|e| driver("cuStreamSynchronize", e))
     }
 
-    /// Entry point `name` of `kernel`, compiling or loading its module on first use.
-    pub fn function(&self, kernel: &KernelSource, name: &str) -> Result<CudaFunction> {
-        let module = self.module(kernel)?;
-        module
-            .load_function(name)
-            .map_err(|e| driver("cuModuleGetFunction", e))
+    pub(crate) fn kernels(&self) -> &KernelTable {
+        &self.kernels
     }
 
-    fn module(&self, kernel: &KernelSource) -> Result<Arc<CudaModule>> {
-        let mut modules = self
-            .modules
-            .lock()
-            .expect("module map poisoned: this is a bug");
-        if let Some(m) = modules.get(kernel.name) {
-            return Ok(m.clone());
-        }
-        let cubin = cached_cubin(&self.cache, kernel, &self.arch)?;
-        let module = self
-            .ctx
-            .load_module(Ptx::from_binary(cubin))
-            .map_err(|e| driver("cuModuleLoadData", e))?;
-        modules.insert(kernel.name, module.clone());
-        Ok(module)
+    pub(crate) fn blas(&self) -> &Blas {
+        &self.blas
     }
 }
 
@@ -158,7 +179,11 @@ pub fn cached_cubin_with_origin(
     Ok((bytes, false))
 }
 
-fn cached_cubin(cache: &KernelCache, kernel: &KernelSource, arch: &str) -> Result<Vec<u8>> {
+pub(crate) fn cached_cubin(
+    cache: &KernelCache,
+    kernel: &KernelSource,
+    arch: &str,
+) -> Result<Vec<u8>> {
     cached_cubin_with_origin(cache, kernel, arch).map(|(bytes, _)| bytes)
 }
 
@@ -166,5 +191,13 @@ pub(crate) fn driver(op: &'static str, e: impl std::fmt::Debug) -> CudaError {
     CudaError::Driver {
         op,
         message: format!("{e:?}"),
+    }
+}
+
+/// As [`driver`], naming what the call was about (a kernel, an entry point).
+pub(crate) fn driver_named(op: &'static str, what: &str, e: impl std::fmt::Debug) -> CudaError {
+    CudaError::Driver {
+        op,
+        message: format!("{what}: {e:?}"),
     }
 }

@@ -3,7 +3,9 @@
 //! Invariants: [`KERNELS`] lists every `kernels/*.cu` exactly once (a test reads the
 //! directory); a kernel's only include is `common.cuh`, spliced in by [`KernelSource::expand`]
 //! because NVRTC gets no include path; [`KernelSource::hash`] covers the expanded text, so
-//! editing the header invalidates every cached binary.
+//! editing the header invalidates every cached binary. [`entry_points`] names every
+//! `extern "C"` function a launcher uses; the context looks each one up once, and the NVRTC
+//! test finds each one in the compiled binary.
 
 use crate::error::{CudaError, Result};
 
@@ -34,6 +36,8 @@ pub const PAGED_ATTENTION: KernelSource = kernel!("paged_attention");
 pub const SILU_MUL: KernelSource = kernel!("silu_mul");
 pub const SAMPLING: KernelSource = kernel!("sampling");
 pub const DEQUANT: KernelSource = kernel!("dequant");
+pub const QKV: KernelSource = kernel!("qkv");
+pub const GATHER: KernelSource = kernel!("gather");
 
 pub const KERNELS: &[KernelSource] = &[
     EMBEDDING,
@@ -44,7 +48,94 @@ pub const KERNELS: &[KernelSource] = &[
     SILU_MUL,
     SAMPLING,
     DEQUANT,
+    QKV,
+    GATHER,
 ];
+
+/// What NVRTC is handed besides the source. Part of the disk-cache key, so changing a flag
+/// can never load a binary built without it.
+///
+/// `-lineinfo` keeps profiles readable; fmad stays on: kernels that need exact rounding spell
+/// it with `__f*_rn` intrinsics, which are never contracted.
+pub fn compile_options(arch: &str) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_owned(),
+        "-default-device".to_owned(),
+        "-lineinfo".to_owned(),
+    ]
+}
+
+/// An activation dtype a kernel is instantiated for: entry points end in `_f32` / `_bf16`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DtypeKind {
+    F32,
+    Bf16,
+}
+
+impl DtypeKind {
+    pub const ALL: [DtypeKind; 2] = [DtypeKind::F32, DtypeKind::Bf16];
+
+    pub fn suffix(self) -> &'static str {
+        match self {
+            DtypeKind::F32 => "f32",
+            DtypeKind::Bf16 => "bf16",
+        }
+    }
+
+    /// Head dims the attention kernels are instantiated for (f32 is a test dtype: no 256).
+    pub fn attention_head_dims(self) -> &'static [usize] {
+        match self {
+            DtypeKind::F32 => &[64, 128],
+            DtypeKind::Bf16 => &[64, 128, 256],
+        }
+    }
+}
+
+/// Entry points instantiated once per [`DtypeKind`], as `(kernel, base name)`.
+pub const DTYPED_ENTRIES: &[(KernelSource, &str)] = &[
+    (EMBEDDING, "embedding_gather"),
+    (RMS_NORM, "rms_norm"),
+    (RMS_NORM, "add_rms_norm"),
+    (ROPE, "rope_neox"),
+    (RESHAPE_AND_CACHE, "reshape_and_cache"),
+    (SILU_MUL, "silu_mul"),
+    (SAMPLING, "argmax"),
+    (SAMPLING, "sample"),
+    (DEQUANT, "dequant_q4_k"),
+    (DEQUANT, "dequant_q5_0"),
+    (DEQUANT, "dequant_q6_k"),
+    (DEQUANT, "dequant_q8_0"),
+    (QKV, "qkv_bias_rope_cache"),
+    (GATHER, "gather_rows"),
+];
+
+/// The attention kernels' phases: `paged_attention_<phase>_<dtype>_hd<head_dim>`.
+pub const ATTENTION_PHASES: [&str; 3] = ["decode", "merge", "prefill"];
+
+pub fn dtyped_entry(base: &str, dtype: DtypeKind) -> String {
+    format!("{base}_{}", dtype.suffix())
+}
+
+pub fn attention_entry(phase: &str, dtype: DtypeKind, head_dim: usize) -> String {
+    format!("paged_attention_{phase}_{}_hd{head_dim}", dtype.suffix())
+}
+
+/// Every entry point a launcher uses, with the file that defines it.
+pub fn entry_points() -> Vec<(KernelSource, String)> {
+    let mut out = Vec::new();
+    for dtype in DtypeKind::ALL {
+        for (kernel, base) in DTYPED_ENTRIES {
+            out.push((*kernel, dtyped_entry(base, dtype)));
+        }
+        for &hd in dtype.attention_head_dims() {
+            for phase in ATTENTION_PHASES {
+                out.push((PAGED_ATTENTION, attention_entry(phase, dtype, hd)));
+            }
+        }
+    }
+    out
+}
 
 impl KernelSource {
     /// The source with `#include "common.cuh"` replaced by the header's text.
@@ -116,6 +207,17 @@ mod tests {
             bad.expand(),
             Err(CudaError::UnknownInclude { header, .. }) if header == "cuda_bf16.h"
         ));
+    }
+
+    #[test]
+    fn entry_points_are_unique() {
+        let mut names: Vec<String> = entry_points().into_iter().map(|(_, n)| n).collect();
+        let total = names.len();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), total);
+        assert!(names.contains(&"paged_attention_merge_bf16_hd256".to_owned()));
+        assert!(names.contains(&"qkv_bias_rope_cache_bf16".to_owned()));
     }
 
     #[test]

@@ -12,16 +12,24 @@
 
 pub mod cache;
 pub mod error;
+pub mod gpu_test;
 pub mod kernels;
 pub mod reference;
 pub mod sample_params;
+pub mod validate;
 
 #[cfg(feature = "cuda")]
+mod blas;
+#[cfg(feature = "cuda")]
 mod context;
+#[cfg(feature = "cuda")]
+pub mod libs;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
 #[cfg(feature = "cuda")]
 pub mod ops;
+#[cfg(feature = "cuda")]
+mod table;
 
 #[cfg(feature = "cuda")]
 pub use context::{cached_cubin_with_origin, device_count, GpuContext};
@@ -33,4 +41,5 @@ pub use no_cuda::{device_count, GpuContext};
 #[cfg(feature = "cuda")]
 pub use cudarc;
 pub use error::{CudaError, Result};
-pub use sample_params::SampleParams;
+pub use sample_params::{SampleParams, MIN_SAMPLING_TEMPERATURE};
+pub use validate::{validate_step, StepInputs, StepLimits};

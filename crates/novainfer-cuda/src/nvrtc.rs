@@ -1,14 +1,7 @@
-//! NVRTC through cudarc: finding the library, its version, and compiling one kernel to a
-//! CUBIN for one architecture — no GPU involved.
-//!
-//! cudarc's `dynamic-loading` dlopens bare names (`libnvrtc.so`, `libnvrtc.so.13`, …), so it
-//! finds what the dynamic loader finds (LD_LIBRARY_PATH as it was at process start, the ld
-//! cache) and panics when nothing is there. We therefore probe with
-//! `nvrtc::sys::is_culib_present` before any other call, and, for NVRTC installed from the
-//! PyPI wheel `nvidia-cuda-nvrtc` (`site-packages/nvidia/cu13/lib`), [`load_from_dir`]
-//! dlopens it by path first: glibc then resolves cudarc's bare-name lookup to the already
-//! loaded object by its soname. NVRTC itself dlopens `libnvrtc-builtins.so.<maj>.<min>` by
-//! bare name when it compiles, so that one is preloaded too.
+//! NVRTC through cudarc: its version, and compiling one kernel to a CUBIN for one
+//! architecture — no GPU involved. Finding the library (including the pip wheel's copy) is
+//! [`crate::libs`]'s job; [`probe`] runs it before any NVRTC call, because cudarc panics on a
+//! missing library.
 
 use std::ffi::{c_char, CStr, CString};
 use std::path::Path;
@@ -18,70 +11,44 @@ use cudarc::nvrtc::{result, sys};
 
 use crate::cache::NvrtcVersion;
 use crate::error::{CudaError, Result};
-use crate::kernels::KernelSource;
+use crate::kernels::{compile_options, KernelSource};
+use crate::libs;
 
-/// Environment variable naming a directory holding `libnvrtc.so.13` (and its builtins).
-pub const NVRTC_DIR_ENV: &str = "NOVAINFER_NVRTC_DIR";
+pub use crate::libs::NVRTC_DIR_ENV;
 
-/// dlopens NVRTC (and its builtins) from `dir` for the rest of the process.
+/// dlopens NVRTC (and its builtins, and whatever else of CUDA's is there) from `dir`;
+/// [`CudaError::NotAvailable`] when `dir` has no `libnvrtc.so*`.
 pub fn load_from_dir(dir: &Path) -> Result<()> {
-    let not_found = |what: String| CudaError::NotAvailable(what);
-    let entries = std::fs::read_dir(dir).map_err(|e| {
-        not_found(format!(
-            "cannot read NVRTC directory {}: {e}",
+    let loaded = libs::preload_dir(dir)?;
+    if loaded.iter().any(|n| n.starts_with("libnvrtc.so")) {
+        Ok(())
+    } else {
+        Err(CudaError::NotAvailable(format!(
+            "no libnvrtc.so* in {}",
             dir.display()
-        ))
-    })?;
-    let mut names: Vec<String> = entries
-        .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .collect();
-    names.sort();
-    // The `.alt` variants are a second build of the same library; never pick them.
-    let pick = |prefix: &str| {
-        names
-            .iter()
-            .find(|n| n.starts_with(prefix) && n.contains(".so") && !n.contains(".alt."))
-            .cloned()
-    };
-    let builtins = pick("libnvrtc-builtins");
-    let nvrtc = pick("libnvrtc.so")
-        .ok_or_else(|| not_found(format!("no libnvrtc.so* in {}", dir.display())))?;
-    for name in builtins.iter().chain(std::iter::once(&nvrtc)) {
-        let path = dir.join(name);
-        // SAFETY: loading NVRTC runs only its own initialisers; RTLD_GLOBAL makes its soname
-        // visible to cudarc's later dlopen of the bare name.
-        let lib = unsafe {
-            libloading::os::unix::Library::open(
-                Some(&path),
-                libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
-            )
-        }
-        .map_err(|e| not_found(format!("cannot load {}: {e}", path.display())))?;
-        // Kept loaded for the life of the process: cudarc holds function pointers into it.
-        std::mem::forget(lib);
+        )))
     }
-    Ok(())
 }
 
-/// Checks that NVRTC can be loaded (from `NOVAINFER_NVRTC_DIR` or the loader's search path).
+/// Checks that NVRTC can be loaded (from the directories in `NOVAINFER_CUDA_LIB_DIR` /
+/// `NOVAINFER_NVRTC_DIR`, or the loader's search path).
 pub fn probe() -> Result<()> {
     static PROBE: OnceLock<Result<(), String>> = OnceLock::new();
     PROBE
         .get_or_init(|| {
-            if let Some(dir) = std::env::var_os(NVRTC_DIR_ENV).filter(|d| !d.is_empty()) {
-                load_from_dir(Path::new(&dir)).map_err(|e| match e {
-                    CudaError::NotAvailable(why) => why,
-                    other => other.to_string(),
-                })?;
-            }
+            libs::preload_from_env().map_err(|e| match e {
+                CudaError::NotAvailable(why) => why,
+                other => other.to_string(),
+            })?;
             // SAFETY: only tries to dlopen candidate names; touches no symbol.
             if unsafe { sys::is_culib_present() } {
                 Ok(())
             } else {
                 Err(format!(
-                    "libnvrtc not found (set {NVRTC_DIR_ENV} to the directory of libnvrtc.so.13, \
+                    "libnvrtc not found (set {} to the directory of libnvrtc.so.13, \
                      e.g. site-packages/nvidia/cu13/lib of the `nvidia-cuda-nvrtc` wheel, or add \
-                     it to LD_LIBRARY_PATH)"
+                     it to LD_LIBRARY_PATH)",
+                    libs::CUDA_LIB_DIR_ENV
                 ))
             }
         })
@@ -114,14 +81,7 @@ pub fn compile_cubin(kernel: &KernelSource, arch: &str) -> Result<Vec<u8>> {
     let program = Program(
         result::create_program(&src, Some(&name)).map_err(|e| compile_err(format!("{e:?}")))?,
     );
-    // `-lineinfo` keeps profiles readable; fmad stays on: kernels that need exact
-    // rounding spell it with `__f*_rn` intrinsics, which are never contracted.
-    let options = [
-        format!("--gpu-architecture={arch}"),
-        "--std=c++17".to_owned(),
-        "-default-device".to_owned(),
-        "-lineinfo".to_owned(),
-    ];
+    let options = compile_options(arch);
     // SAFETY: `program` is a live program created above.
     if let Err(e) = unsafe { result::compile_program(program.0, &options) } {
         return Err(compile_err(format!("{e:?}: {}", program.log())));

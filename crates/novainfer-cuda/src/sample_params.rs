@@ -4,6 +4,12 @@
 
 use crate::error::{CudaError, Result};
 
+/// The CPU sampler's greedy threshold (vLLM's `_SAMPLING_EPS`): a row whose temperature is
+/// below it samples greedily, so the runner sends it to `argmax`. Among other things this
+/// keeps `1 / temperature` finite: a subnormal temperature would make it +inf and every
+/// scaled logit ±inf or NaN.
+pub const MIN_SAMPLING_TEMPERATURE: f32 = 1e-5;
+
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SampleParams {
@@ -23,7 +29,9 @@ pub struct SampleParams {
 const _: () = assert!(std::mem::size_of::<SampleParams>() == 32);
 
 impl SampleParams {
-    /// Checks the ranges the kernel relies on (a positive finite temperature, p in range).
+    /// Checks the ranges the kernel relies on: a finite temperature of at least
+    /// [`MIN_SAMPLING_TEMPERATURE`] (below it the CPU samples greedily: use argmax), p in
+    /// range.
     pub fn new(
         seed: u64,
         offset: u64,
@@ -32,10 +40,13 @@ impl SampleParams {
         top_p: f32,
         min_p: f32,
     ) -> Result<Self> {
-        if !(temperature.is_finite() && temperature > 0.0) {
+        if !(temperature.is_finite() && temperature >= MIN_SAMPLING_TEMPERATURE) {
             return Err(CudaError::invalid(
                 "temperature",
-                format!("{temperature} must be > 0 and finite (greedy rows use argmax)"),
+                format!(
+                    "{temperature} must be finite and >= {MIN_SAMPLING_TEMPERATURE} \
+                     (rows below it are greedy: use argmax)"
+                ),
             ));
         }
         if !(top_p > 0.0 && top_p <= 1.0) {
@@ -76,6 +87,23 @@ mod tests {
             err(SampleParams::new(1, 0, 0.0, None, 1.0, 0.0)),
             "temperature"
         );
+        // Subnormal and tiny temperatures: greedy on the CPU, refused here (1/t overflows).
+        for t in [
+            f32::MIN_POSITIVE / 2.0,
+            1e-30,
+            9e-6,
+            f32::NAN,
+            f32::INFINITY,
+            -1.0,
+        ] {
+            assert_eq!(
+                err(SampleParams::new(1, 0, t, None, 1.0, 0.0)),
+                "temperature",
+                "{t}"
+            );
+        }
+        let edge = SampleParams::new(1, 0, MIN_SAMPLING_TEMPERATURE, None, 1.0, 0.0).expect("edge");
+        assert!(edge.inv_temperature.is_finite());
         assert_eq!(err(SampleParams::new(1, 0, 1.0, None, 0.0, 0.0)), "top_p");
         assert_eq!(err(SampleParams::new(1, 0, 1.0, None, 1.0, 1.5)), "min_p");
         let ok = SampleParams::new(7, 3, 0.5, Some(40), 0.9, 0.05).expect("valid");

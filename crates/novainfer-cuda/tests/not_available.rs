@@ -28,3 +28,20 @@ fn a_missing_ordinal_is_not_available_either() {
         Err(other) => panic!("expected NotAvailable, got {other}"),
     }
 }
+
+/// A missing cuBLAS is a typed error naming it (cudarc itself would panic on first use).
+#[cfg(feature = "cuda")]
+#[test]
+fn a_missing_cublas_is_named() {
+    match novainfer_cuda::libs::probe_cublas() {
+        Ok(()) => println!("cuBLAS is loadable here: nothing to check on this machine"),
+        Err(CudaError::NotAvailable(why)) => {
+            assert!(why.contains("libcublas"), "{why}");
+            assert!(
+                why.contains(novainfer_cuda::libs::CUDA_LIB_DIR_ENV),
+                "{why}"
+            );
+        }
+        Err(other) => panic!("expected NotAvailable, got {other}"),
+    }
+}

@@ -6,42 +6,10 @@
 mod common;
 
 use novainfer_cuda::cache::KernelCache;
-use novainfer_cuda::kernels::{self, KernelSource, KERNELS};
+use novainfer_cuda::kernels::{self, entry_points, KernelSource, KERNELS};
 use novainfer_cuda::{cached_cubin_with_origin, nvrtc};
 
 const ARCHS: [&str; 2] = ["sm_80", "sm_90"];
-
-/// Every entry point a launcher in `src/ops` asks for, per kernel file.
-fn entry_points() -> Vec<(KernelSource, String)> {
-    let mut out = Vec::new();
-    for t in ["f32", "bf16"] {
-        out.push((kernels::EMBEDDING, format!("embedding_gather_{t}")));
-        out.push((kernels::RMS_NORM, format!("rms_norm_{t}")));
-        out.push((kernels::RMS_NORM, format!("add_rms_norm_{t}")));
-        out.push((kernels::ROPE, format!("rope_neox_{t}")));
-        out.push((kernels::RESHAPE_AND_CACHE, format!("reshape_and_cache_{t}")));
-        out.push((kernels::SILU_MUL, format!("silu_mul_{t}")));
-        out.push((kernels::SAMPLING, format!("argmax_{t}")));
-        out.push((kernels::SAMPLING, format!("sample_{t}")));
-        for q in ["q4_k", "q5_0", "q6_k", "q8_0"] {
-            out.push((kernels::DEQUANT, format!("dequant_{q}_{t}")));
-        }
-        let dims: &[usize] = if t == "f32" {
-            &[64, 128]
-        } else {
-            &[64, 128, 256]
-        };
-        for hd in dims {
-            for phase in ["decode", "merge", "prefill"] {
-                out.push((
-                    kernels::PAGED_ATTENTION,
-                    format!("paged_attention_{phase}_{t}_hd{hd}"),
-                ));
-            }
-        }
-    }
-    out
-}
 
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {
     haystack.windows(needle.len()).any(|w| w == needle)
@@ -55,6 +23,7 @@ fn every_kernel_compiles_for_sm80_and_sm90() {
     let version = nvrtc::version().expect("nvrtc version");
     println!("NVRTC {}.{}", version.major, version.minor);
     let entries = entry_points();
+    assert!(entries.iter().all(|(k, _)| KERNELS.contains(k)));
     for arch in ARCHS {
         for kernel in KERNELS {
             let cubin = nvrtc::compile_cubin(kernel, arch).unwrap_or_else(|e| panic!("{e}"));

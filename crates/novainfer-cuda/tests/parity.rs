@@ -11,8 +11,8 @@ mod common;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
+use common::host::{assert_close, cast, down, up, zeros, Rng, TestDtype};
 use half::bf16;
-use novainfer_cuda::cudarc::driver::{CudaSlice, DeviceRepr};
 use novainfer_cuda::ops::dequant::{dequantize, QuantType};
 use novainfer_cuda::ops::embedding::{embedding, EmbeddingShape};
 use novainfer_cuda::ops::paged_attention::{
@@ -23,93 +23,9 @@ use novainfer_cuda::ops::rms_norm::{add_rms_norm, rms_norm};
 use novainfer_cuda::ops::rope::{rope_neox, RopeHeads, RopeTable};
 use novainfer_cuda::ops::sampling::{argmax, sample};
 use novainfer_cuda::ops::silu_mul::{silu_mul, silu_mul_fused};
-use novainfer_cuda::ops::Dtype;
+use novainfer_cuda::ops::DtypeKind;
 use novainfer_cuda::{reference, GpuContext, SampleParams};
 use novainfer_model::layers::{self, ops as cpu};
-
-// ---- helpers ---------------------------------------------------------------------------
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    /// Uniform in [-1, 1).
-    fn f32(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.f32() * scale).collect()
-    }
-}
-
-fn up<T: DeviceRepr>(gpu: &GpuContext, host: &[T]) -> CudaSlice<T> {
-    gpu.stream().clone_htod(host).expect("upload")
-}
-
-fn down<T: DeviceRepr + Default + Clone>(gpu: &GpuContext, dev: &CudaSlice<T>) -> Vec<T> {
-    gpu.stream().clone_dtoh(dev).expect("download")
-}
-
-fn zeros<T: DeviceRepr + novainfer_cuda::cudarc::driver::ValidAsZeroBits>(
-    gpu: &GpuContext,
-    n: usize,
-) -> CudaSlice<T> {
-    gpu.stream().alloc_zeros(n).expect("alloc")
-}
-
-/// The test's inputs as T (bf16 rounds them) and back to f32 for the CPU oracle.
-trait TestDtype: Dtype {
-    /// Relative tolerance against the f32 CPU oracle computed on the rounded inputs.
-    const TOL: f32;
-    fn from_f32(v: f32) -> Self;
-    fn to_f32(self) -> f32;
-}
-
-impl TestDtype for f32 {
-    const TOL: f32 = 2e-5;
-    fn from_f32(v: f32) -> Self {
-        v
-    }
-    fn to_f32(self) -> f32 {
-        self
-    }
-}
-
-impl TestDtype for bf16 {
-    // One bf16 rounding of the output (2^-8) plus inputs rounded along the way.
-    const TOL: f32 = 1.6e-2;
-    fn from_f32(v: f32) -> Self {
-        bf16::from_f32(v)
-    }
-    fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
-    }
-}
-
-fn cast<T: TestDtype>(v: &[f32]) -> (Vec<T>, Vec<f32>) {
-    let t: Vec<T> = v.iter().map(|&x| T::from_f32(x)).collect();
-    let back = t.iter().map(|&x| x.to_f32()).collect();
-    (t, back)
-}
-
-fn assert_close<T: TestDtype>(op: &str, gpu: &[T], cpu: &[f32]) {
-    assert_eq!(gpu.len(), cpu.len(), "{op}: length");
-    let scale = cpu.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
-    for (i, (g, c)) in gpu.iter().zip(cpu).enumerate() {
-        let g = g.to_f32();
-        let err = (g - c).abs();
-        assert!(
-            err <= T::TOL * c.abs().max(scale * 0.05),
-            "{op} [{}]: element {i}: gpu {g} vs cpu {c}",
-            T::SUFFIX
-        );
-    }
-}
 
 // ---- ops -------------------------------------------------------------------------------
 
@@ -124,7 +40,14 @@ fn embedding_body<T: TestDtype>(gpu: &GpuContext) {
         vocab_size: vocab,
         hidden,
     };
-    embedding(gpu, &up(gpu, &ids), &up(gpu, &table), shape, &mut out).expect("launch");
+    embedding(
+        gpu,
+        &up(gpu, &ids).as_view(),
+        &up(gpu, &table).as_view(),
+        shape,
+        &mut out.as_view_mut(),
+    )
+    .expect("launch");
     let got = down(gpu, &out);
     let cpu_table = Tensor::from_vec(table.clone(), (vocab, hidden), &Device::Cpu).expect("tensor");
     let expected = layers::Embedding::Dense(cpu_table)
@@ -157,13 +80,27 @@ fn rms_norm_body<T: TestDtype>(gpu: &GpuContext) {
     let w = rng.vec(dim, 1.5);
     let (dx, dw) = (up(gpu, &x), up(gpu, &w));
     let mut out = zeros::<T>(gpu, rows * dim);
-    rms_norm(gpu, &dx, &dw, eps, &mut out).expect("launch");
+    rms_norm(
+        gpu,
+        &dx.as_view(),
+        &dw.as_view(),
+        eps,
+        &mut out.as_view_mut(),
+    )
+    .expect("launch");
     let got = down(gpu, &out);
     assert_close("rms_norm", &got, &cpu::rms_norm(&x32, &w, f64::from(eps)));
 
     // Batch invariance: a row alone gives the same bits as inside the batch.
     let mut alone = zeros::<T>(gpu, dim);
-    rms_norm(gpu, &up(gpu, &x[2 * dim..3 * dim]), &dw, eps, &mut alone).expect("launch");
+    rms_norm(
+        gpu,
+        &up(gpu, &x[2 * dim..3 * dim]).as_view(),
+        &dw.as_view(),
+        eps,
+        &mut alone.as_view_mut(),
+    )
+    .expect("launch");
     let alone = down(gpu, &alone);
     assert!(alone
         .iter()
@@ -171,7 +108,15 @@ fn rms_norm_body<T: TestDtype>(gpu: &GpuContext) {
         .all(|(a, b)| a.to_f32().to_bits() == b.to_f32().to_bits()));
 
     let mut dres = up(gpu, &res);
-    add_rms_norm(gpu, &dx, &mut dres, &dw, eps, &mut out).expect("launch");
+    add_rms_norm(
+        gpu,
+        &dx.as_view(),
+        &mut dres.as_view_mut(),
+        &dw.as_view(),
+        eps,
+        &mut out.as_view_mut(),
+    )
+    .expect("launch");
     let summed: Vec<T> = x32
         .iter()
         .zip(&res32)
@@ -208,12 +153,20 @@ fn rope_body<T: TestDtype>(gpu: &GpuContext) {
         num_heads: nh,
         num_kv_heads: nkv,
     };
-    rope_neox(gpu, &table, &mut dq, &mut dk, &up(gpu, &pos_i32), heads).expect("launch");
+    rope_neox(
+        gpu,
+        &table,
+        &mut dq.as_view_mut(),
+        &mut dk.as_view_mut(),
+        &up(gpu, &pos_i32).as_view(),
+        heads,
+    )
+    .expect("launch");
     let rope = cpu::Rope::new(hd, theta);
     rope.apply(&mut q32, &positions, hd);
     rope.apply(&mut k32, &positions, hd);
     let (gq, gk) = (down(gpu, &dq), down(gpu, &dk));
-    if T::SUFFIX == "f32" {
+    if T::KIND == DtypeKind::F32 {
         // Same table, same unfused products: bit for bit.
         assert!(
             gq.iter()
@@ -248,7 +201,14 @@ fn silu_mul_body<T: TestDtype>(gpu: &GpuContext) {
     let (gate, g32) = cast::<T>(&rng.vec(rows * d, 6.0));
     let (upv, u32_) = cast::<T>(&rng.vec(rows * d, 2.0));
     let mut out = zeros::<T>(gpu, rows * d);
-    silu_mul(gpu, &up(gpu, &gate), &up(gpu, &upv), d, &mut out).expect("launch");
+    silu_mul(
+        gpu,
+        &up(gpu, &gate).as_view(),
+        &up(gpu, &upv).as_view(),
+        d,
+        &mut out.as_view_mut(),
+    )
+    .expect("launch");
     let expected = cpu::silu_mul(&g32, &u32_);
     assert_close("silu_mul", &down(gpu, &out), &expected);
     // The fused [rows, 2d] layout gives the same result.
@@ -258,7 +218,7 @@ fn silu_mul_body<T: TestDtype>(gpu: &GpuContext) {
         fused.extend_from_slice(&upv[r * d..(r + 1) * d]);
     }
     let mut out2 = zeros::<T>(gpu, rows * d);
-    silu_mul_fused(gpu, &up(gpu, &fused), d, &mut out2).expect("launch");
+    silu_mul_fused(gpu, &up(gpu, &fused).as_view(), d, &mut out2.as_view_mut()).expect("launch");
     assert_close("silu_mul_fused", &down(gpu, &out2), &expected);
 }
 
@@ -287,11 +247,11 @@ fn reshape_and_cache_writes_slots_and_skips_padding() {
     );
     reshape_and_cache(
         &gpu,
-        &up(&gpu, &k),
-        &up(&gpu, &v),
-        &mut kc,
-        &mut vc,
-        &up(&gpu, &slots),
+        &up(&gpu, &k).as_view(),
+        &up(&gpu, &v).as_view(),
+        &mut kc.as_view_mut(),
+        &mut vc.as_view_mut(),
+        &up(&gpu, &slots).as_view(),
         row,
     )
     .expect("launch");
@@ -366,10 +326,10 @@ fn attention_body<T: TestDtype>(gpu: &GpuContext, head_dim: usize) {
     let lens_i32: Vec<i32> = seq_lens.iter().map(|&l| l as i32).collect();
     let dl = up(gpu, &lens_i32);
     let kv = || PagedKv {
-        k_cache: &dk,
-        v_cache: &dv,
-        block_tables: &dt,
-        seq_lens: &dl,
+        k_cache: dk.as_view(),
+        v_cache: dv.as_view(),
+        block_tables: dt.as_view(),
+        seq_lens: dl.as_view(),
     };
     let views: Vec<HostView> = (0..seq_lens.len())
         .map(|s| HostView {
@@ -391,7 +351,16 @@ fn attention_body<T: TestDtype>(gpu: &GpuContext, head_dim: usize) {
     let (q, q32) = cast::<T>(&rng.vec(seq_lens.len() * nh * head_dim, 1.0));
     let mut scratch = DecodeScratch::new(gpu, &cfg, 8, 2048).expect("scratch");
     let mut out = zeros::<T>(gpu, q.len());
-    paged_attention_decode(gpu, &cfg, &up(gpu, &q), kv(), &mut scratch, &mut out).expect("decode");
+    paged_attention_decode(
+        gpu,
+        &cfg,
+        &up(gpu, &q).as_view(),
+        kv(),
+        1300,
+        &mut scratch,
+        &mut out.as_view_mut(),
+    )
+    .expect("decode");
     let decode = down(gpu, &out);
     let rows: Vec<layers::QueryRow> = seq_lens
         .iter()
@@ -413,11 +382,11 @@ fn attention_body<T: TestDtype>(gpu: &GpuContext, head_dim: usize) {
     paged_attention_prefill(
         gpu,
         &cfg,
-        &up(gpu, &q),
+        &up(gpu, &q).as_view(),
         kv(),
-        &up(gpu, &qsl),
-        &up(gpu, &[0i32, 36, 1299]),
-        &mut out_p,
+        &up(gpu, &qsl).as_view(),
+        &up(gpu, &[0i32, 36, 1299]).as_view(),
+        &mut out_p.as_view_mut(),
     )
     .expect("prefill");
     let prefill = down(gpu, &out_p);
@@ -437,11 +406,11 @@ fn attention_body<T: TestDtype>(gpu: &GpuContext, head_dim: usize) {
     paged_attention_prefill(
         gpu,
         &cfg,
-        &up(gpu, &qc),
+        &up(gpu, &qc).as_view(),
         kv(),
-        &up(gpu, &qsl),
-        &up(gpu, &positions),
-        &mut out_c,
+        &up(gpu, &qsl).as_view(),
+        &up(gpu, &positions).as_view(),
+        &mut out_c.as_view_mut(),
     )
     .expect("chunked prefill");
     let rows: Vec<layers::QueryRow> = positions
@@ -488,7 +457,7 @@ fn dequant_body<T: TestDtype>(gpu: &GpuContext) {
             .and_then(|d| d.to_vec1())
             .expect("cpu dequantize");
         let mut out = zeros::<T>(gpu, expected.len());
-        dequantize(gpu, qtype, &up(gpu, &raw), &mut out).expect("launch");
+        dequantize(gpu, qtype, &up(gpu, &raw).as_view(), &mut out.as_view_mut()).expect("launch");
         let got = down(gpu, &out);
         // candle's arithmetic, operation for operation: exact in f32, one rounding in bf16.
         for (i, (g, c)) in got.iter().zip(&expected).enumerate() {
@@ -537,11 +506,17 @@ fn argmax_matches_cpu() {
     logits[3 * vocab..].fill(-1.0); // row 3: all equal → id 0
     let expected: Vec<u32> = logits.chunks(vocab).map(cpu_argmax).collect();
     let mut out = zeros::<u32>(&gpu, 4);
-    argmax(&gpu, &up(&gpu, &logits), vocab, &mut out).expect("launch");
+    argmax(
+        &gpu,
+        &up(&gpu, &logits).as_view(),
+        vocab,
+        &mut out.as_view_mut(),
+    )
+    .expect("launch");
     assert_eq!(down(&gpu, &out), expected);
     let b: Vec<bf16> = logits.iter().map(|&v| bf16::from_f32(v)).collect();
     let b32: Vec<f32> = b.iter().map(|v| v.to_f32()).collect();
-    argmax(&gpu, &up(&gpu, &b), vocab, &mut out).expect("launch");
+    argmax(&gpu, &up(&gpu, &b).as_view(), vocab, &mut out.as_view_mut()).expect("launch");
     assert_eq!(
         down(&gpu, &out),
         b32.chunks(vocab).map(cpu_argmax).collect::<Vec<_>>()
@@ -569,11 +544,11 @@ fn sampling_matches_the_reference_and_is_batch_invariant() {
     let mut out = zeros::<u32>(&gpu, rows);
     sample(
         &gpu,
-        &up(&gpu, &logits),
-        &up(&gpu, &params),
+        &up(&gpu, &logits).as_view(),
+        &up(&gpu, &params).as_view(),
         vocab,
-        &mut scratch,
-        &mut out,
+        &mut scratch.as_view_mut(),
+        &mut out.as_view_mut(),
     )
     .expect("launch");
     let got = down(&gpu, &out);
@@ -596,11 +571,11 @@ fn sampling_matches_the_reference_and_is_batch_invariant() {
     let mut scratch1 = zeros::<f32>(&gpu, vocab);
     sample(
         &gpu,
-        &up(&gpu, &logits[5 * vocab..6 * vocab]),
-        &up(&gpu, &params[5..6]),
+        &up(&gpu, &logits[5 * vocab..6 * vocab]).as_view(),
+        &up(&gpu, &params[5..6]).as_view(),
         vocab,
-        &mut scratch1,
-        &mut one,
+        &mut scratch1.as_view_mut(),
+        &mut one.as_view_mut(),
     )
     .expect("launch");
     assert_eq!(down(&gpu, &one)[0], got[5]);

@@ -1,11 +1,10 @@
 //! Launcher of `kernels/dequant.cu`: GGUF blocks to bf16 (or f32), at load time.
 
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
 
-use super::{check_len, elementwise, entry, launch, Dtype};
+use super::{check_len, elementwise, launch, Dtype};
 use crate::context::GpuContext;
 use crate::error::{CudaError, Result};
-use crate::kernels::DEQUANT;
 
 /// The GGUF quant types of the demo models.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,6 +16,23 @@ pub enum QuantType {
 }
 
 impl QuantType {
+    /// In the order of the context's dequant table ([`Self::index`]).
+    pub const ALL: [QuantType; 4] = [
+        QuantType::Q4K,
+        QuantType::Q5_0,
+        QuantType::Q6K,
+        QuantType::Q8_0,
+    ];
+
+    pub(crate) fn index(self) -> usize {
+        match self {
+            QuantType::Q4K => 0,
+            QuantType::Q5_0 => 1,
+            QuantType::Q6K => 2,
+            QuantType::Q8_0 => 3,
+        }
+    }
+
     pub fn block_bytes(self) -> usize {
         match self {
             QuantType::Q4K => 144,
@@ -33,7 +49,7 @@ impl QuantType {
         }
     }
 
-    fn kernel_base(self) -> &'static str {
+    pub(crate) fn kernel_base(self) -> &'static str {
         match self {
             QuantType::Q4K => "dequant_q4_k",
             QuantType::Q5_0 => "dequant_q5_0",
@@ -47,8 +63,8 @@ impl QuantType {
 pub fn dequantize<T: Dtype>(
     gpu: &GpuContext,
     qtype: QuantType,
-    blocks: &CudaSlice<u8>, // [num_blocks · block_bytes]
-    out: &mut CudaSlice<T>, // [num_blocks · block_values]
+    blocks: &CudaView<'_, u8>,    // [num_blocks · block_bytes]
+    out: &mut CudaViewMut<'_, T>, // [num_blocks · block_values]
 ) -> Result<()> {
     if !blocks.len().is_multiple_of(qtype.block_bytes()) {
         return Err(CudaError::invalid(
@@ -65,9 +81,21 @@ pub fn dequantize<T: Dtype>(
     if num_blocks == 0 {
         return Ok(());
     }
-    let f = gpu.function(&DEQUANT, &entry::<T>(qtype.kernel_base()))?;
+    let f = gpu.kernels().dequant[qtype.index()].get::<T>();
     let (n, cfg) = (num_blocks as i64, elementwise(out.len()));
-    let mut args = gpu.stream().launch_builder(&f);
+    let mut args = gpu.stream().launch_builder(f);
     args.arg(blocks).arg(out).arg(&n);
     launch(args, cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_lists_each_type_at_its_table_index() {
+        for (i, q) in QuantType::ALL.iter().enumerate() {
+            assert_eq!(q.index(), i, "{q:?}");
+        }
+    }
 }

@@ -1,12 +1,11 @@
 //! Launcher of `kernels/embedding.cu`: token rows gathered from a bf16 table.
 
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
 use half::bf16;
 
-use super::{check_len, entry, launch, per_row, to_i32, Dtype};
+use super::{check_len, launch, per_row, to_i32, Dtype};
 use crate::context::GpuContext;
 use crate::error::Result;
-use crate::kernels::EMBEDDING;
 
 /// Shape of the embedding table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -15,13 +14,15 @@ pub struct EmbeddingShape {
     pub hidden: usize,
 }
 
-/// `out[t] = table[token_ids[t]]`; ids outside the vocabulary give zero rows.
+/// `out[t] = table[token_ids[t]]`. The runner validates ids on the host
+/// (`validate::validate_step`); an id outside the vocabulary still gives a zero row rather
+/// than an out-of-bounds read.
 pub fn embedding<T: Dtype>(
     gpu: &GpuContext,
-    token_ids: &CudaSlice<u32>, // [num_tokens]
-    table: &CudaSlice<bf16>,    // [vocab_size, hidden]
+    token_ids: &CudaView<'_, u32>, // [num_tokens]
+    table: &CudaView<'_, bf16>,    // [vocab_size, hidden]
     shape: EmbeddingShape,
-    out: &mut CudaSlice<T>, // [num_tokens, hidden]
+    out: &mut CudaViewMut<'_, T>, // [num_tokens, hidden]
 ) -> Result<()> {
     let num_tokens = token_ids.len();
     check_len("table", table.len(), shape.vocab_size * shape.hidden)?;
@@ -33,8 +34,8 @@ pub fn embedding<T: Dtype>(
         to_i32("hidden", shape.hidden)?,
         to_i32("vocab_size", shape.vocab_size)?,
     );
-    let f = gpu.function(&EMBEDDING, &entry::<T>("embedding_gather"))?;
-    let mut args = gpu.stream().launch_builder(&f);
+    let f = gpu.kernels().embedding.get::<T>();
+    let mut args = gpu.stream().launch_builder(f);
     args.arg(token_ids)
         .arg(table)
         .arg(out)

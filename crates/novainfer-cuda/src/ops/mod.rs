@@ -1,15 +1,23 @@
-//! One launcher per `kernels/<op>.cu`: argument checking, the launch configuration, the
-//! launch. Launchers check every length against the shapes they are given and refuse with
-//! [`CudaError::InvalidArgument`] (naming the parameter) rather than let a kernel read out
-//! of bounds. They cannot check values that live on the device (token ids, slots, block
-//! ids, positions): the runner validates those on the host before upload, and the kernels
-//! skip or zero what lies outside their buffers instead of faulting.
+//! One launcher per `kernels/<op>.cu` (and cuBLAS in [`gemm`]): argument checking, the
+//! launch configuration, the launch. Launchers check every length against the shapes they
+//! are given and refuse with [`CudaError::InvalidArgument`] (naming the parameter) rather
+//! than let a kernel read out of bounds. They cannot check values that live on the device
+//! (token ids, slots, block ids, positions): the runner validates those on the host before
+//! upload ([`crate::validate::validate_step`]), and the kernels skip or zero what lies
+//! outside their buffers instead of faulting.
 //!
-//! Dtype dispatch is written once: [`Dtype::SUFFIX`] picks the `_f32` or `_bf16` entry point.
+//! Device memory is passed as views (`&CudaView` in, `&mut CudaViewMut` out), so a caller
+//! can hand over the first rows of a preallocated buffer; lengths must match the shapes
+//! exactly. Entry points come from the context's table ([`crate::table`]), looked up once:
+//! a launch does no string work, no lock and no NVRTC.
 
 pub mod dequant;
 pub mod embedding;
+pub mod gather;
+pub mod gemm;
+pub mod kv;
 pub mod paged_attention;
+pub mod qkv;
 pub mod reshape_and_cache;
 pub mod rms_norm;
 pub mod rope;
@@ -21,22 +29,35 @@ use half::bf16;
 
 use crate::context::driver;
 use crate::error::{CudaError, Result};
+pub use crate::kernels::DtypeKind;
 
 /// An activation dtype a kernel is instantiated for.
 pub trait Dtype: DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + 'static {
-    const SUFFIX: &'static str;
+    const KIND: DtypeKind;
 }
 
 impl Dtype for f32 {
-    const SUFFIX: &'static str = "f32";
+    const KIND: DtypeKind = DtypeKind::F32;
 }
 
 impl Dtype for bf16 {
-    const SUFFIX: &'static str = "bf16";
+    const KIND: DtypeKind = DtypeKind::Bf16;
 }
 
-pub(crate) fn entry<T: Dtype>(base: &str) -> String {
-    format!("{base}_{}", T::SUFFIX)
+/// One thing per activation dtype, picked by `T: Dtype` with no lookup.
+#[derive(Debug)]
+pub(crate) struct PerDtype<F> {
+    pub f32: F,
+    pub bf16: F,
+}
+
+impl<F> PerDtype<F> {
+    pub fn get<T: Dtype>(&self) -> &F {
+        match T::KIND {
+            DtypeKind::F32 => &self.f32,
+            DtypeKind::Bf16 => &self.bf16,
+        }
+    }
 }
 
 pub(crate) fn to_i32(param: &'static str, v: usize) -> Result<i32> {

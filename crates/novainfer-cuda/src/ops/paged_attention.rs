@@ -4,15 +4,17 @@
 //! * [`paged_attention_decode`] — one query token per sequence; splits of [`ATTN_SPLIT`]
 //!   positions run in parallel and are merged in order by a second kernel. The grid depends
 //!   only on the scratch's capacity, so a CUDA graph captured for a batch bucket stays valid.
+//!   The caller passes the batch's longest history, known on the host: a batch the scratch
+//!   cannot hold is refused, never cut short.
 //! * [`paged_attention_prefill`] — any number of query tokens per sequence (prefill, chunked
 //!   prefill, mixed batches), one warp per (token, head).
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::{check_len, launch, to_i32, to_u32, Dtype};
 use crate::context::{driver, GpuContext};
 use crate::error::{CudaError, Result};
-use crate::kernels::PAGED_ATTENTION;
+use crate::table::AttentionFns;
 
 /// Positions per split; must equal `ATTN_SPLIT` in the kernel (a test checks).
 pub const ATTN_SPLIT: usize = 512;
@@ -30,12 +32,14 @@ pub struct AttentionConfig {
     pub max_blocks_per_seq: usize,
 }
 
-/// The pool and the per-sequence tables a launch reads.
+/// The pool of one layer and the per-sequence tables a launch reads.
 pub struct PagedKv<'a, T> {
-    pub k_cache: &'a CudaSlice<T>, // [num_blocks, block_size, num_kv_heads, head_dim]
-    pub v_cache: &'a CudaSlice<T>, // [num_blocks, block_size, num_kv_heads, head_dim]
-    pub block_tables: &'a CudaSlice<i32>, // [num_seqs, max_blocks_per_seq]
-    pub seq_lens: &'a CudaSlice<i32>, // [num_seqs]: positions 0..seq_len are in the pool
+    pub k_cache: CudaView<'a, T>, // [num_blocks, block_size, num_kv_heads, head_dim]
+    pub v_cache: CudaView<'a, T>, // [num_blocks, block_size, num_kv_heads, head_dim]
+    /// `[num_seqs, max_blocks_per_seq]`; entries past a sequence's last block are never read.
+    pub block_tables: CudaView<'a, i32>,
+    /// `[num_seqs]`: positions `0..seq_len` are in the pool (0 for a padding sequence).
+    pub seq_lens: CudaView<'a, i32>,
 }
 
 /// Mirror of the kernel's `AttnShape`, passed by value.
@@ -84,27 +88,31 @@ impl DecodeScratch {
             max_splits,
         })
     }
+
+    /// The longest history a decode launch with this scratch accepts.
+    pub fn max_seq_len(&self) -> usize {
+        self.max_splits * ATTN_SPLIT
+    }
 }
 
-fn check_config<T: Dtype>(
+/// Checks the geometry against the buffers; returns the kernel's shape, the number of
+/// sequences and the kernels for this dtype and head dim.
+fn check_config<'g, T: Dtype>(
+    gpu: &'g GpuContext,
     cfg: &AttentionConfig,
     kv: &PagedKv<'_, T>,
-) -> Result<(AttnShape, usize)> {
-    let supported: &[usize] = if T::SUFFIX == "f32" {
-        &[64, 128]
-    } else {
-        &[64, 128, 256]
-    };
-    if !supported.contains(&cfg.head_dim) {
-        return Err(CudaError::invalid(
+) -> Result<(AttnShape, usize, &'g AttentionFns)> {
+    let fns = gpu.kernels().attention::<T>(cfg.head_dim).ok_or_else(|| {
+        CudaError::invalid(
             "head_dim",
             format!(
-                "{} has no {} kernel (have {supported:?})",
+                "{} has no {} kernel (have {:?})",
                 cfg.head_dim,
-                T::SUFFIX
+                T::KIND.suffix(),
+                T::KIND.attention_head_dims()
             ),
-        ));
-    }
+        )
+    })?;
     if cfg.num_kv_heads == 0 || !cfg.num_heads.is_multiple_of(cfg.num_kv_heads) {
         return Err(CudaError::invalid(
             "num_kv_heads",
@@ -140,19 +148,24 @@ fn check_config<T: Dtype>(
         max_splits: 0,
         scale: 1.0 / (cfg.head_dim as f32).sqrt(),
     };
-    Ok((shape, num_seqs))
+    Ok((shape, num_seqs, fns))
 }
 
 /// One query token per sequence: `q`/`out` are `[num_seqs, num_heads, head_dim]`.
+///
+/// `max_seq_len` is the longest `seq_lens` entry of the batch, which the runner knows on the
+/// host; a batch longer than the scratch ([`DecodeScratch::max_seq_len`]) or than a block-table
+/// row (`max_blocks_per_seq · block_size`) is refused rather than attended to in part.
 pub fn paged_attention_decode<T: Dtype>(
     gpu: &GpuContext,
     cfg: &AttentionConfig,
-    q: &CudaSlice<T>,
+    q: &CudaView<'_, T>,
     kv: PagedKv<'_, T>,
+    max_seq_len: usize,
     scratch: &mut DecodeScratch,
-    out: &mut CudaSlice<T>,
+    out: &mut CudaViewMut<'_, T>,
 ) -> Result<()> {
-    let (mut shape, num_seqs) = check_config(cfg, &kv)?;
+    let (mut shape, num_seqs, fns) = check_config(gpu, cfg, &kv)?;
     let row = cfg.num_heads * cfg.head_dim;
     check_len("q", q.len(), num_seqs * row)?;
     check_len("out", out.len(), num_seqs * row)?;
@@ -165,39 +178,52 @@ pub fn paged_attention_decode<T: Dtype>(
             ),
         ));
     }
+    if max_seq_len > scratch.max_seq_len() {
+        return Err(CudaError::invalid(
+            "max_seq_len",
+            format!(
+                "{max_seq_len} positions exceed the decode scratch's {} ({} splits of {ATTN_SPLIT}); \
+                 size DecodeScratch for max_model_len",
+                scratch.max_seq_len(),
+                scratch.max_splits
+            ),
+        ));
+    }
+    let table_reach = cfg.max_blocks_per_seq * cfg.block_size;
+    if max_seq_len > table_reach {
+        return Err(CudaError::invalid(
+            "max_seq_len",
+            format!(
+                "{max_seq_len} positions exceed a block-table row of {} blocks of {}",
+                cfg.max_blocks_per_seq, cfg.block_size
+            ),
+        ));
+    }
     if num_seqs == 0 {
         return Ok(());
     }
-    // Sequences longer than the scratch allows are the caller's bug; the kernel would ignore
-    // their tail splits, so the scratch must be sized for max_model_len.
     shape.max_splits = to_i32("max_splits", scratch.max_splits)?;
-    let suffix = format!("{}_hd{}", T::SUFFIX, cfg.head_dim);
-    let splits = gpu.function(
-        &PAGED_ATTENTION,
-        &format!("paged_attention_decode_{suffix}"),
-    )?;
-    let merge = gpu.function(&PAGED_ATTENTION, &format!("paged_attention_merge_{suffix}"))?;
     let seqs = to_u32("seq_lens", num_seqs)?;
-    let mut args = gpu.stream().launch_builder(&splits);
+    let mut args = gpu.stream().launch_builder(&fns.decode);
     args.arg(q)
-        .arg(kv.k_cache)
-        .arg(kv.v_cache)
-        .arg(kv.block_tables)
-        .arg(kv.seq_lens)
+        .arg(&kv.k_cache)
+        .arg(&kv.v_cache)
+        .arg(&kv.block_tables)
+        .arg(&kv.seq_lens)
         .arg(&mut scratch.part_acc)
         .arg(&mut scratch.part_ml)
         .arg(&shape);
-    let heads_per_block = to_u32("num_heads", cfg.num_heads.div_ceil(ATTN_WARPS))?;
+    let head_blocks = to_u32("num_heads", cfg.num_heads.div_ceil(ATTN_WARPS))?;
     launch(
         args,
         LaunchConfig {
-            grid_dim: (heads_per_block, seqs, scratch.max_splits as u32),
+            grid_dim: (head_blocks, seqs, to_u32("max_splits", scratch.max_splits)?),
             block_dim: ((ATTN_WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: 0,
         },
     )?;
-    let mut args = gpu.stream().launch_builder(&merge);
-    args.arg(kv.seq_lens)
+    let mut args = gpu.stream().launch_builder(&fns.merge);
+    args.arg(&kv.seq_lens)
         .arg(&scratch.part_acc)
         .arg(&scratch.part_ml)
         .arg(out)
@@ -217,13 +243,13 @@ pub fn paged_attention_decode<T: Dtype>(
 pub fn paged_attention_prefill<T: Dtype>(
     gpu: &GpuContext,
     cfg: &AttentionConfig,
-    q: &CudaSlice<T>,
+    q: &CudaView<'_, T>,
     kv: PagedKv<'_, T>,
-    query_start_loc: &CudaSlice<i32>, // [num_seqs + 1]
-    positions: &CudaSlice<i32>,       // [num_tokens]
-    out: &mut CudaSlice<T>,
+    query_start_loc: &CudaView<'_, i32>, // [num_seqs + 1]
+    positions: &CudaView<'_, i32>,       // [num_tokens]
+    out: &mut CudaViewMut<'_, T>,
 ) -> Result<()> {
-    let (shape, num_seqs) = check_config(cfg, &kv)?;
+    let (shape, num_seqs, fns) = check_config(gpu, cfg, &kv)?;
     let num_tokens = positions.len();
     let row = cfg.num_heads * cfg.head_dim;
     check_len("q", q.len(), num_tokens * row)?;
@@ -232,18 +258,16 @@ pub fn paged_attention_prefill<T: Dtype>(
     if num_tokens == 0 || num_seqs == 0 {
         return Ok(());
     }
-    let name = format!("paged_attention_prefill_{}_hd{}", T::SUFFIX, cfg.head_dim);
-    let f = gpu.function(&PAGED_ATTENTION, &name)?;
     let (tokens, seqs) = (
         to_i32("positions", num_tokens)?,
         to_i32("seq_lens", num_seqs)?,
     );
-    let mut args = gpu.stream().launch_builder(&f);
+    let mut args = gpu.stream().launch_builder(&fns.prefill);
     args.arg(q)
-        .arg(kv.k_cache)
-        .arg(kv.v_cache)
-        .arg(kv.block_tables)
-        .arg(kv.seq_lens)
+        .arg(&kv.k_cache)
+        .arg(&kv.v_cache)
+        .arg(&kv.block_tables)
+        .arg(&kv.seq_lens)
         .arg(query_start_loc)
         .arg(positions)
         .arg(out)

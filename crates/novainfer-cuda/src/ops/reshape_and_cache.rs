@@ -1,21 +1,22 @@
 //! Launcher of `kernels/reshape_and_cache.cu`: the step's K/V rows into the paged pool.
+//! (The model's forward uses the fused `qkv::qkv_bias_rope_cache`; this stays for K/V that
+//! arrive separately.)
 
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
 
-use super::{check_len, check_multiple, entry, launch, per_row, to_i32, Dtype};
+use super::{check_len, check_multiple, launch, per_row, to_i32, Dtype};
 use crate::context::GpuContext;
 use crate::error::Result;
-use crate::kernels::RESHAPE_AND_CACHE;
 
 /// Writes row `t` of `k`/`v` to slot `slot_mapping[t]` of the pools; negative slots
 /// (graph padding) are skipped. `kv_row = num_kv_heads · head_dim`.
 pub fn reshape_and_cache<T: Dtype>(
     gpu: &GpuContext,
-    k: &CudaSlice<T>,              // [num_tokens, kv_row]
-    v: &CudaSlice<T>,              // [num_tokens, kv_row]
-    k_cache: &mut CudaSlice<T>,    // [num_blocks · block_size, kv_row]
-    v_cache: &mut CudaSlice<T>,    // [num_blocks · block_size, kv_row]
-    slot_mapping: &CudaSlice<i64>, // [num_tokens]
+    k: &CudaView<'_, T>,              // [num_tokens, kv_row]
+    v: &CudaView<'_, T>,              // [num_tokens, kv_row]
+    k_cache: &mut CudaViewMut<'_, T>, // [num_blocks · block_size, kv_row]
+    v_cache: &mut CudaViewMut<'_, T>, // [num_blocks · block_size, kv_row]
+    slot_mapping: &CudaView<'_, i64>, // [num_tokens]
     kv_row: usize,
 ) -> Result<()> {
     let num_tokens = slot_mapping.len();
@@ -27,8 +28,8 @@ pub fn reshape_and_cache<T: Dtype>(
         return Ok(());
     }
     let (row, slots) = (to_i32("kv_row", kv_row)?, num_slots as i64);
-    let f = gpu.function(&RESHAPE_AND_CACHE, &entry::<T>("reshape_and_cache"))?;
-    let mut args = gpu.stream().launch_builder(&f);
+    let f = gpu.kernels().reshape_and_cache.get::<T>();
+    let mut args = gpu.stream().launch_builder(f);
     args.arg(k)
         .arg(v)
         .arg(k_cache)

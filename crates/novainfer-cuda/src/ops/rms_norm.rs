@@ -1,11 +1,10 @@
 //! Launcher of `kernels/rms_norm.cu`: RMSNorm, alone or fused with the residual add.
 
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
 
-use super::{check_len, check_multiple, entry, launch, per_row, to_i32, Dtype};
+use super::{check_len, check_multiple, launch, per_row, to_i32, Dtype};
 use crate::context::GpuContext;
 use crate::error::Result;
-use crate::kernels::RMS_NORM;
 
 /// Threads per row; must equal `RMS_THREADS` in the kernel (the reduction shape).
 pub const RMS_THREADS: u32 = 256;
@@ -13,10 +12,10 @@ pub const RMS_THREADS: u32 = 256;
 /// `out = x · rsqrt(mean(x²) + eps) · weight`, per row of `weight.len()` values.
 pub fn rms_norm<T: Dtype>(
     gpu: &GpuContext,
-    x: &CudaSlice<T>,        // [rows, dim]
-    weight: &CudaSlice<f32>, // [dim]
+    x: &CudaView<'_, T>,        // [rows, dim]
+    weight: &CudaView<'_, f32>, // [dim]
     eps: f32,
-    out: &mut CudaSlice<T>, // [rows, dim]
+    out: &mut CudaViewMut<'_, T>, // [rows, dim]
 ) -> Result<()> {
     let dim = weight.len();
     let rows = check_multiple("x", x.len(), dim)?;
@@ -25,8 +24,8 @@ pub fn rms_norm<T: Dtype>(
         return Ok(());
     }
     let dim = to_i32("weight", dim)?;
-    let f = gpu.function(&RMS_NORM, &entry::<T>("rms_norm"))?;
-    let mut args = gpu.stream().launch_builder(&f);
+    let f = gpu.kernels().rms_norm.get::<T>();
+    let mut args = gpu.stream().launch_builder(f);
     args.arg(x).arg(weight).arg(out).arg(&dim).arg(&eps);
     launch(args, per_row(rows, RMS_THREADS)?)
 }
@@ -34,11 +33,11 @@ pub fn rms_norm<T: Dtype>(
 /// `residual += x; out = rms_norm(residual)` (the residual is updated in place).
 pub fn add_rms_norm<T: Dtype>(
     gpu: &GpuContext,
-    x: &CudaSlice<T>,            // [rows, dim]
-    residual: &mut CudaSlice<T>, // [rows, dim]
-    weight: &CudaSlice<f32>,     // [dim]
+    x: &CudaView<'_, T>,               // [rows, dim]
+    residual: &mut CudaViewMut<'_, T>, // [rows, dim]
+    weight: &CudaView<'_, f32>,        // [dim]
     eps: f32,
-    out: &mut CudaSlice<T>, // [rows, dim]
+    out: &mut CudaViewMut<'_, T>, // [rows, dim]
 ) -> Result<()> {
     let dim = weight.len();
     let rows = check_multiple("x", x.len(), dim)?;
@@ -48,8 +47,8 @@ pub fn add_rms_norm<T: Dtype>(
         return Ok(());
     }
     let dim = to_i32("weight", dim)?;
-    let f = gpu.function(&RMS_NORM, &entry::<T>("add_rms_norm"))?;
-    let mut args = gpu.stream().launch_builder(&f);
+    let f = gpu.kernels().add_rms_norm.get::<T>();
+    let mut args = gpu.stream().launch_builder(f);
     args.arg(x)
         .arg(residual)
         .arg(weight)

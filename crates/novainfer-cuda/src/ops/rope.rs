@@ -4,12 +4,11 @@
 //! `Rope`: angle = pos · θ^(−2i/head_dim) in f64, rounded to f32), so rotations match the
 //! CPU bit for bit in f32.
 
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PushKernelArg};
 
-use super::{check_len, entry, launch, per_row, to_i32, Dtype};
+use super::{check_len, launch, per_row, to_i32, Dtype};
 use crate::context::{driver, GpuContext};
 use crate::error::{CudaError, Result};
-use crate::kernels::ROPE;
 
 /// The `[max_positions, head_dim]` cos|sin table on the device.
 pub struct RopeTable {
@@ -40,6 +39,16 @@ impl RopeTable {
     pub fn head_dim(&self) -> usize {
         self.head_dim
     }
+
+    /// Rows of the table: positions at or past it are the runner's to refuse
+    /// (`validate::StepLimits::rope_positions`).
+    pub fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
+    pub(crate) fn cos_sin(&self) -> &CudaSlice<f32> {
+        &self.cos_sin
+    }
 }
 
 /// Row `pos` holds `cos(pos·f_i)` for i < head_dim/2, then `sin(pos·f_i)`.
@@ -69,13 +78,15 @@ pub struct RopeHeads {
     pub num_kv_heads: usize,
 }
 
-/// Rotates every head of q and k; token t sits at `positions[t]` (< the table's length).
+/// Rotates every head of q and k; token t sits at `positions[t]`. The runner checks
+/// positions against the table on the host (`validate::validate_step`); the kernel leaves a
+/// row past the table unrotated rather than read out of bounds.
 pub fn rope_neox<T: Dtype>(
     gpu: &GpuContext,
     table: &RopeTable,
-    q: &mut CudaSlice<T>,       // [num_tokens, num_heads · head_dim]
-    k: &mut CudaSlice<T>,       // [num_tokens, num_kv_heads · head_dim]
-    positions: &CudaSlice<i32>, // [num_tokens]
+    q: &mut CudaViewMut<'_, T>,    // [num_tokens, num_heads · head_dim]
+    k: &mut CudaViewMut<'_, T>,    // [num_tokens, num_kv_heads · head_dim]
+    positions: &CudaView<'_, i32>, // [num_tokens]
     heads: RopeHeads,
 ) -> Result<()> {
     let hd = table.head_dim;
@@ -85,14 +96,14 @@ pub fn rope_neox<T: Dtype>(
     if num_tokens == 0 {
         return Ok(());
     }
-    let f = gpu.function(&ROPE, &entry::<T>("rope_neox"))?;
+    let f = gpu.kernels().rope.get::<T>();
     let (nh, nkv, hd_i, max_pos) = (
         to_i32("num_heads", heads.num_heads)?,
         to_i32("num_kv_heads", heads.num_kv_heads)?,
         to_i32("head_dim", hd)?,
         to_i32("max_positions", table.max_positions)?,
     );
-    let mut args = gpu.stream().launch_builder(&f);
+    let mut args = gpu.stream().launch_builder(f);
     args.arg(q)
         .arg(k)
         .arg(positions)

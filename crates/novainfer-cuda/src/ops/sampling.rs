@@ -1,11 +1,10 @@
 //! Launcher of `kernels/sampling.cu`: greedy argmax and seeded top-k/top-p/min-p sampling.
 
-use cudarc::driver::{CudaSlice, DeviceRepr, PushKernelArg};
+use cudarc::driver::{CudaView, CudaViewMut, DeviceRepr, PushKernelArg};
 
-use super::{check_len, check_multiple, entry, launch, per_row, to_i32, Dtype};
+use super::{check_len, check_multiple, launch, per_row, to_i32, Dtype};
 use crate::context::GpuContext;
 use crate::error::Result;
-use crate::kernels::SAMPLING;
 
 /// Threads per row; must equal `SAMPLE_THREADS` in the kernel.
 pub const SAMPLE_THREADS: u32 = 1024;
@@ -19,9 +18,9 @@ unsafe impl DeviceRepr for SampleParams {}
 /// The first index of each row's maximum (lowest id on ties; NaN counts as −inf).
 pub fn argmax<T: Dtype>(
     gpu: &GpuContext,
-    logits: &CudaSlice<T>, // [rows, vocab]
+    logits: &CudaView<'_, T>, // [rows, vocab]
     vocab: usize,
-    out: &mut CudaSlice<u32>, // [rows]
+    out: &mut CudaViewMut<'_, u32>, // [rows]
 ) -> Result<()> {
     let rows = check_multiple("logits", logits.len(), vocab)?;
     check_len("out", out.len(), rows)?;
@@ -29,21 +28,22 @@ pub fn argmax<T: Dtype>(
         return Ok(());
     }
     let vocab = to_i32("vocab", vocab)?;
-    let f = gpu.function(&SAMPLING, &entry::<T>("argmax"))?;
-    let mut args = gpu.stream().launch_builder(&f);
+    let f = gpu.kernels().argmax.get::<T>();
+    let mut args = gpu.stream().launch_builder(f);
     args.arg(logits).arg(out).arg(&vocab);
     launch(args, per_row(rows, SAMPLE_THREADS)?)
 }
 
 /// One token per row under its `params`; `scratch` holds `[rows, vocab]` f32 for the
-/// scaled logits.
+/// scaled logits. Greedy rows (temperature 0 or below `MIN_SAMPLING_TEMPERATURE`, top-k 1)
+/// go to [`argmax`]: `SampleParams::new` refuses them.
 pub fn sample<T: Dtype>(
     gpu: &GpuContext,
-    logits: &CudaSlice<T>,            // [rows, vocab]
-    params: &CudaSlice<SampleParams>, // [rows]
+    logits: &CudaView<'_, T>,            // [rows, vocab]
+    params: &CudaView<'_, SampleParams>, // [rows]
     vocab: usize,
-    scratch: &mut CudaSlice<f32>, // [rows, vocab]
-    out: &mut CudaSlice<u32>,     // [rows]
+    scratch: &mut CudaViewMut<'_, f32>, // [rows, vocab]
+    out: &mut CudaViewMut<'_, u32>,     // [rows]
 ) -> Result<()> {
     let rows = check_multiple("logits", logits.len(), vocab)?;
     check_len("params", params.len(), rows)?;
@@ -53,8 +53,8 @@ pub fn sample<T: Dtype>(
         return Ok(());
     }
     let vocab = to_i32("vocab", vocab)?;
-    let f = gpu.function(&SAMPLING, &entry::<T>("sample"))?;
-    let mut args = gpu.stream().launch_builder(&f);
+    let f = gpu.kernels().sample.get::<T>();
+    let mut args = gpu.stream().launch_builder(f);
     args.arg(logits)
         .arg(params)
         .arg(scratch)
