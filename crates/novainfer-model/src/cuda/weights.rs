@@ -152,7 +152,13 @@ fn quant_type(kind: GpuQuant) -> QuantType {
 
 #[cfg(test)]
 mod tests {
+    use candle_core::quantized::QTensor;
+    use candle_core::Tensor;
+    use novainfer_cuda::gpu_test::{when_unavailable_from_env, WhenUnavailable};
+    use novainfer_cuda::CudaError;
+
     use super::*;
+    use crate::loader::RawTensor;
 
     #[test]
     fn the_host_and_device_quant_types_agree_on_block_geometry() {
@@ -161,5 +167,57 @@ mod tests {
             assert_eq!(q.block_bytes(), kind.block_bytes(), "{kind:?}");
             assert_eq!(q.block_values(), kind.block_values(), "{kind:?}");
         }
+    }
+
+    /// A fused matrix with one part per GPU quant type and a bf16 part, expanded on the
+    /// device, equals its host assembly (the CPU twin) bit for bit.
+    #[test]
+    fn device_expansion_equals_the_host_twin() {
+        let gpu = match GpuContext::new(0) {
+            Ok(gpu) => gpu,
+            Err(CudaError::NotAvailable(why)) => match when_unavailable_from_env() {
+                WhenUnavailable::Skip => {
+                    println!("device_expansion: skipped: no CUDA device ({why})");
+                    return;
+                }
+                WhenUnavailable::Fail => panic!("NOVAINFER_REQUIRE_GPU is set: {why}"),
+            },
+            Err(e) => panic!("opening cuda:0: {e}"),
+        };
+        let cols = 512;
+        let values = |rows: usize, seed: u32| {
+            let data: Vec<f32> = (0..rows * cols)
+                .map(|i| {
+                    ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 2001) as f32 / 1000.0
+                        - 1.0
+                })
+                .collect();
+            Tensor::from_vec(data, (rows, cols), &candle_core::Device::Cpu).expect("tensor")
+        };
+        let mut host = HostMatrix {
+            cols,
+            parts: Vec::new(),
+        };
+        for (i, kind) in GpuQuant::ALL.into_iter().enumerate() {
+            let q = QTensor::quantize(&values(3, i as u32), kind.ggml()).expect("quantize");
+            host.push(&format!("{kind:?}"), 3, RawTensor::Quantized(q))
+                .expect("part");
+        }
+        host.push("dense", 2, RawTensor::Dense(values(2, 99)))
+            .expect("part");
+        let up = Uploader {
+            gpu: &gpu,
+            device: Device::Cuda(0),
+        };
+        let m = up.matrix(&host).expect("upload");
+        let got = gpu.stream().clone_dtoh(&m.data).expect("download");
+        gpu.synchronize().expect("sync");
+        let want = host.to_bf16().expect("host twin");
+        assert_eq!((m.rows, m.cols), (14, cols));
+        let first_diff = got
+            .iter()
+            .zip(&want)
+            .position(|(a, b)| a.to_bits() != b.to_bits());
+        assert_eq!(first_diff, None, "device and host twin differ");
     }
 }
