@@ -3,6 +3,8 @@
 //! prefills of different lengths, a chunked prefill, decodes, and an n > 1 fork that copies
 //! a partially filled block.
 //!
+//! Embeddings and prompt logits (run in a scratch pool of their own) are compared too.
+//!
 //! Without a usable GPU it prints `skipped: no CUDA device (<why>)` and passes, unless
 //! `NOVAINFER_REQUIRE_GPU` is set (to anything but `0`), where it fails.
 //!
@@ -237,9 +239,28 @@ fn cuda_logits_match_the_cpu_over_a_mixed_schedule() {
         let got = gpu.forward(&ok).expect("gpu after errors");
         compare(&format!("tie={tie} after errors"), &want, &got, v);
 
-        assert!(matches!(
-            gpu.embed(&[1, 2]),
-            Err(ModelError::Unsupported { .. })
-        ));
+        // Apart from the pool: an embedding over two chunks of max_num_batched_tokens, and
+        // prompt logits in steps of max_num_seqs rows and token by token.
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % v as u32).collect();
+        compare(
+            &format!("tie={tie} embed"),
+            &cpu.embed(&prompt).expect("cpu embed"),
+            &gpu.embed(&prompt).expect("gpu embed"),
+            cfg.hidden_size,
+        );
+        for by_step in [false, true] {
+            compare(
+                &format!("tie={tie} prompt_logits step_by_step={by_step}"),
+                &cpu.prompt_logits(&prompt[..11], by_step).expect("cpu"),
+                &gpu.prompt_logits(&prompt[..11], by_step).expect("gpu"),
+                v,
+            );
+        }
+        assert!(matches!(gpu.embed(&[]), Err(ModelError::EmptyInput)));
+        // The engine's pool was left alone: a decode of the first sequence still matches.
+        let again = step(&[(&a[..1], 9, &ta, true)]);
+        let want = cpu.forward(&again).expect("cpu");
+        let got = gpu.forward(&again).expect("gpu");
+        compare(&format!("tie={tie} pool untouched"), &want, &got, v);
     }
 }

@@ -9,7 +9,7 @@ use novainfer_cuda::GpuContext;
 
 use super::buffers::{Activations, KvPool, StepBuffers};
 use super::cuda_error;
-use super::forward::Step;
+use super::forward::{Step, Tail};
 use super::weights::GpuModel;
 use crate::config::{Qwen2Config, WeightDtype};
 use crate::device::Device;
@@ -201,14 +201,60 @@ pub struct CudaExecutor {
 }
 
 impl CudaExecutor {
-    fn unsupported(&self, what: &str) -> ModelError {
-        ModelError::Unsupported {
-            what: format!(
-                "{what} (the CUDA executor runs the engine's steps only; use device=\"cpu\" for \
-                 embeddings and prompt logits)"
-            ),
-            device: self.device.to_string(),
+    /// Runs one sequence apart from the engine's pool, in a scratch pool of its own
+    /// allocated for the call (these requests are off the hot path; a prompt too long for
+    /// the free memory is an allocation error, not a fault). `chunk` tokens per step;
+    /// `sample_every` asks for every token's row (each token its own one-token span over
+    /// the shared table: the same attention as one prefill, with a row per token).
+    fn apart(
+        &mut self,
+        tokens: &[u32],
+        chunk: usize,
+        sample_every: bool,
+        tail: Tail,
+    ) -> Result<Vec<f32>> {
+        let block_size = self.kv.block_size;
+        let num_blocks = tokens.len().div_ceil(block_size).max(1);
+        let mut scratch_pool = KvPool::new(&self.gpu, &self.cfg, num_blocks, block_size)?;
+        let capacity = StepCapacity {
+            num_blocks,
+            ..self.capacity
+        };
+        let table: Vec<u32> = (0..num_blocks as u32).collect();
+        let mut out = Vec::new();
+        for (c, part) in tokens.chunks(chunk.max(1)).enumerate() {
+            let start = c * chunk;
+            let last = start + part.len() == tokens.len();
+            let mut batch = ForwardBatch::default();
+            if sample_every {
+                for (i, &t) in part.iter().enumerate() {
+                    batch.push(&[t], start + i, vec![start + i], table.clone(), true);
+                }
+            } else {
+                batch.push(
+                    part,
+                    start,
+                    (start..start + part.len()).collect(),
+                    table.clone(),
+                    last,
+                );
+            }
+            let step = PackedStep::pack(&batch, &capacity)?;
+            let rows = Step {
+                gpu: &self.gpu,
+                device: self.device,
+                cfg: &self.cfg,
+                model: &self.model,
+                rope: &self.rope,
+                act: &mut self.act,
+                meta: &mut self.meta,
+                kv: &mut scratch_pool,
+                scratch: &mut self.scratch,
+            }
+            .run(&step, tail)?;
+            out.extend(rows);
         }
+        Ok(out)
     }
 }
 
@@ -276,16 +322,35 @@ impl Executor for CudaExecutor {
             kv: &mut self.kv,
             scratch: &mut self.scratch,
         }
-        .run(&step)
+        .run(&step, Tail::Logits)
     }
 
     fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        let _ = tokens;
-        Err(self.unsupported("embeddings"))
+        if tokens.is_empty() {
+            return Err(ModelError::EmptyInput);
+        }
+        let chunk = self.capacity.max_tokens;
+        let mut v = self.apart(tokens, chunk, false, Tail::Hidden)?;
+        // Unit length in f64, as the CPU's `Qwen2Model::embed`.
+        let norm = v
+            .iter()
+            .map(|x| f64::from(*x) * f64::from(*x))
+            .sum::<f64>()
+            .sqrt();
+        if norm > 0.0 {
+            v.iter_mut()
+                .for_each(|x| *x = (f64::from(*x) / norm) as f32);
+        }
+        Ok(v)
     }
 
     fn prompt_logits(&mut self, tokens: &[u32], step_by_step: bool) -> Result<Vec<f32>> {
-        let _ = (tokens, step_by_step);
-        Err(self.unsupported("prompt logits"))
+        // Every token's row is sampled, and a step returns at most max_num_seqs rows.
+        let chunk = if step_by_step {
+            1
+        } else {
+            self.capacity.max_tokens.min(self.capacity.max_seqs)
+        };
+        self.apart(tokens, chunk, true, Tail::Logits)
     }
 }

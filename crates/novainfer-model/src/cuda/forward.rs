@@ -32,6 +32,15 @@ use crate::device::Device;
 use crate::error::Result;
 use crate::prepare::PackedStep;
 
+/// What a step returns for its sampled rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Tail {
+    /// f32 logits: the engine's steps and prompt logits.
+    Logits,
+    /// The final normed hidden state (bf16 widened to f32): embeddings.
+    Hidden,
+}
+
 /// Everything a step borrows.
 pub(crate) struct Step<'a> {
     pub gpu: &'a GpuContext,
@@ -46,11 +55,12 @@ pub(crate) struct Step<'a> {
 }
 
 impl Step<'_> {
-    /// Runs `step` (already validated against the buffers and the pool) and returns the f32
-    /// logits of its sampled rows, `[rows, vocab]`.
-    pub fn run(self, step: &PackedStep) -> Result<Vec<f32>> {
+    /// Runs `step` (already validated against the buffers and the pool) and returns, for
+    /// its sampled rows, the f32 logits `[rows, vocab]` or the final normed hidden states
+    /// `[rows, hidden]`.
+    pub fn run(self, step: &PackedStep, tail: Tail) -> Result<Vec<f32>> {
         let (gpu, device) = (self.gpu, self.device);
-        let result = self.run_inner(step);
+        let result = self.run_inner(step, tail);
         // A failed step may leave work queued that reads the staging buffer or the
         // activations; wait for it so the next step starts from an idle stream.
         if result.is_err() {
@@ -62,7 +72,7 @@ impl Step<'_> {
         })
     }
 
-    fn run_inner(self, step: &PackedStep) -> Result<Vec<f32>, Failure> {
+    fn run_inner(self, step: &PackedStep, tail: Tail) -> Result<Vec<f32>, Failure> {
         let Step {
             gpu,
             cfg,
@@ -222,6 +232,14 @@ impl Step<'_> {
             eps,
             &mut head_mut(&mut act.last_normed, rows * h, "last_normed")?,
         )?;
+        if tail == Tail::Hidden {
+            let hidden = gpu
+                .stream()
+                .clone_dtoh(&head(&act.last_normed, rows * h, "last_normed")?)
+                .map_err(driver_error("cuMemcpyDtoHAsync"))?;
+            gpu.synchronize()?;
+            return Ok(hidden.into_iter().map(f32::from).collect());
+        }
         let lm_head = model.lm_head();
         gemm_bf16_f32out(
             gpu,
