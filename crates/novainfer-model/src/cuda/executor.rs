@@ -76,6 +76,9 @@ impl CudaWeights {
         // Everything above is queued on the stream; finish it so errors surface here and
         // freed upload buffers are back with the driver before memory is measured.
         gpu.synchronize().map_err(err)?;
+        if let Ok((free, total)) = gpu.mem_info() {
+            tracing::info!(%device, free_mib = free >> 20, total_mib = total >> 20, "weights and buffers on the GPU");
+        }
         Ok(Self {
             gpu,
             device,

@@ -56,10 +56,18 @@ impl GpuModel {
         mut reader: HostModelReader<S>,
     ) -> Result<Self> {
         let up = Uploader { gpu, device };
+        let n = reader.config().num_hidden_layers;
+        tracing::info!(%device, gpu = gpu.device_name(), layers = n, "loading weights");
         let embed_tokens = up.matrix(&reader.embedding()?)?;
-        let layers = (0..reader.config().num_hidden_layers)
-            .map(|i| up.layer(&reader.layer(i)?))
-            .collect::<Result<Vec<_>>>()?;
+        // A line per quarter of the model: enough to see a slow load move.
+        let every = n.div_ceil(4).max(1);
+        let mut layers = Vec::with_capacity(n);
+        for i in 0..n {
+            layers.push(up.layer(&reader.layer(i)?)?);
+            if (i + 1) % every == 0 || i + 1 == n {
+                tracing::info!(%device, "loaded layer {}/{n}", i + 1);
+            }
+        }
         let norm = up.vector(&reader.final_norm()?)?;
         let lm_head = match reader.lm_head()? {
             Some(head) => Some(up.matrix(&head)?),
