@@ -16,6 +16,7 @@ pub mod kv_cache;
 pub mod layers;
 pub mod loader;
 pub mod paged_kv;
+pub mod prepare;
 pub mod quant;
 pub mod qwen2;
 pub mod sampler;

@@ -323,12 +323,7 @@ struct Builder<S> {
 
 impl<S: TensorSource> Builder<S> {
     fn vector(&mut self, name: &str, len: usize) -> Result<Vec<f32>> {
-        match self.src.take(name, &[len])? {
-            RawTensor::Dense(t) => Ok(t.to_dtype(DType::F32)?.to_vec1::<f32>()?),
-            RawTensor::Quantized(q) => {
-                Ok(q.dequantize(&candle_core::Device::Cpu)?.to_vec1::<f32>()?)
-            }
-        }
+        self.src.take(name, &[len])?.to_f32_vec()
     }
 
     fn dense(&self, t: Tensor) -> Result<Tensor> {

@@ -1,88 +1,9 @@
 //! Model-level tests on a tiny random Qwen2 held in memory.
 
-use std::collections::HashMap;
+mod common;
 
-use candle_core::{Device, Tensor};
-use novainfer_model::loader::{RawTensor, TensorSource};
-use novainfer_model::{LoadOptions, LogitsFor, ModelError, Qwen2Config, Qwen2Model};
-
-struct MemorySource(HashMap<String, Tensor>);
-
-impl TensorSource for MemorySource {
-    fn names(&self) -> Vec<String> {
-        self.0.keys().cloned().collect()
-    }
-    fn shape(&self, name: &str) -> Option<Vec<usize>> {
-        self.0.get(name).map(|t| t.dims().to_vec())
-    }
-    fn load(&mut self, name: &str) -> novainfer_model::Result<RawTensor> {
-        Ok(RawTensor::Dense(self.0[name].clone()))
-    }
-}
-
-fn config(tie: bool) -> Qwen2Config {
-    Qwen2Config {
-        vocab_size: 50,
-        hidden_size: 32,
-        intermediate_size: 48,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        max_position_embeddings: 64,
-        rope_theta: 10_000.0,
-        rms_norm_eps: 1e-6,
-        tie_word_embeddings: tie,
-        torch_dtype: None,
-        bos_token_id: None,
-        eos_token_ids: vec![49],
-    }
-}
-
-/// Deterministic pseudo-random weights (no RNG crate needed for a fixture).
-fn tensor(shape: &[usize], seed: usize, scale: f32) -> Tensor {
-    let n: usize = shape.iter().product();
-    let data: Vec<f32> = (0..n)
-        .map(|i| {
-            let x = ((i * 2654435761 + seed * 40503) % 10007) as f32 / 10007.0;
-            (x - 0.5) * 2.0 * scale
-        })
-        .collect();
-    Tensor::from_vec(data, shape, &Device::Cpu).expect("tensor")
-}
-
-fn weights(cfg: &Qwen2Config) -> HashMap<String, Tensor> {
-    let (h, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
-    let kv = cfg.num_key_value_heads * cfg.head_dim();
-    let mut w = HashMap::new();
-    let mut seed = 0;
-    let mut put = |name: String, shape: &[usize], scale: f32| {
-        seed += 1;
-        w.insert(name, tensor(shape, seed, scale));
-    };
-    put("model.embed_tokens.weight".into(), &[v, h], 1.0);
-    for i in 0..cfg.num_hidden_layers {
-        let p = format!("model.layers.{i}");
-        put(format!("{p}.input_layernorm.weight"), &[h], 1.5);
-        put(format!("{p}.post_attention_layernorm.weight"), &[h], 1.5);
-        for (m, out) in [("q_proj", h), ("k_proj", kv), ("v_proj", kv)] {
-            put(format!("{p}.self_attn.{m}.weight"), &[out, h], 0.4);
-            put(format!("{p}.self_attn.{m}.bias"), &[out], 0.2);
-        }
-        put(format!("{p}.self_attn.o_proj.weight"), &[h, h], 0.3);
-        put(format!("{p}.mlp.gate_proj.weight"), &[f, h], 0.3);
-        put(format!("{p}.mlp.up_proj.weight"), &[f, h], 0.3);
-        put(format!("{p}.mlp.down_proj.weight"), &[h, f], 0.3);
-    }
-    put("model.norm.weight".into(), &[h], 1.0);
-    if !cfg.tie_word_embeddings {
-        put("lm_head.weight".into(), &[v, h], 0.5);
-    }
-    w
-}
-
-fn build(cfg: Qwen2Config, w: HashMap<String, Tensor>) -> Result<Qwen2Model, ModelError> {
-    Qwen2Model::build(cfg, MemorySource(w), &LoadOptions::default())
-}
+use common::{build, config, tensor, weights};
+use novainfer_model::{LogitsFor, ModelError};
 
 #[test]
 fn prefill_equals_step_by_step_decode() {

@@ -26,6 +26,17 @@ pub enum RawTensor {
     Quantized(QTensor),
 }
 
+impl RawTensor {
+    /// The tensor's values in f32, flattened (quantized ones through candle's dequantize).
+    pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
+        Ok(match self {
+            RawTensor::Dense(t) => t.to_dtype(candle_core::DType::F32)?.flatten_all()?,
+            RawTensor::Quantized(q) => q.dequantize(&candle_core::Device::Cpu)?.flatten_all()?,
+        }
+        .to_vec1::<f32>()?)
+    }
+}
+
 /// One checkpoint format.
 pub trait TensorSource {
     /// Every tensor in the checkpoint, by canonical (HF) name.

@@ -1,0 +1,238 @@
+//! Device memory a step works in, allocated once: activations for the step limits, the
+//! step's metadata (one device buffer and one pinned host staging buffer, one copy per
+//! step), and the paged KV pool. Nothing is allocated per step, so a later CUDA graph can
+//! capture these addresses.
+
+use half::bf16;
+use novainfer_cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PinnedHostSlice};
+use novainfer_cuda::GpuContext;
+
+use super::driver_error;
+use crate::config::Qwen2Config;
+use crate::error::{ModelError, Result};
+use crate::prepare::{PackedStep, StepLayout};
+
+/// Per-token activations for `max_num_batched_tokens` tokens and the sampling tail for
+/// `max_num_seqs` rows; bf16 except the logits.
+pub(crate) struct Activations {
+    /// `[T, hidden]`: the residual stream.
+    pub residual: CudaSlice<bf16>,
+    /// `[T, hidden]`: the normed input of the next projection.
+    pub normed: CudaSlice<bf16>,
+    /// `[T, (H + 2·KVH)·D]`.
+    pub qkv: CudaSlice<bf16>,
+    /// `[T, H·D]`: rotated queries.
+    pub q: CudaSlice<bf16>,
+    /// `[T, H·D]`: attention output.
+    pub attn: CudaSlice<bf16>,
+    /// `[T, hidden]`: o_proj's output, then down_proj's (each consumed by the next add).
+    pub proj: CudaSlice<bf16>,
+    /// `[T, 2·F]`.
+    pub gate_up: CudaSlice<bf16>,
+    /// `[T, F]`.
+    pub mlp: CudaSlice<bf16>,
+    /// `[R, hidden]` ×3: the sampled rows' residual, last down_proj output, final norm.
+    pub last_residual: CudaSlice<bf16>,
+    pub last_proj: CudaSlice<bf16>,
+    pub last_normed: CudaSlice<bf16>,
+    /// `[R, vocab]`.
+    pub logits: CudaSlice<f32>,
+}
+
+impl Activations {
+    pub fn new(
+        gpu: &GpuContext,
+        cfg: &Qwen2Config,
+        max_tokens: usize,
+        max_rows: usize,
+    ) -> Result<Self> {
+        let (h, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+        let q = cfg.num_attention_heads * cfg.head_dim();
+        let qkv = q + 2 * cfg.num_key_value_heads * cfg.head_dim();
+        let bf = |n: usize| -> Result<CudaSlice<bf16>> {
+            gpu.stream()
+                .alloc_zeros::<bf16>(n.max(1))
+                .map_err(driver_error("cuMemAlloc"))
+        };
+        let t = max_tokens;
+        Ok(Self {
+            residual: bf(t * h)?,
+            normed: bf(t * h)?,
+            qkv: bf(t * qkv)?,
+            q: bf(t * q)?,
+            attn: bf(t * q)?,
+            proj: bf(t * h)?,
+            gate_up: bf(t * 2 * f)?,
+            mlp: bf(t * f)?,
+            last_residual: bf(max_rows * h)?,
+            last_proj: bf(max_rows * h)?,
+            last_normed: bf(max_rows * h)?,
+            logits: gpu
+                .stream()
+                .alloc_zeros::<f32>((max_rows * v).max(1))
+                .map_err(driver_error("cuMemAlloc"))?,
+        })
+    }
+}
+
+/// The first `len` values of `s`, or an error naming the buffer (a runner bug: the step
+/// was checked against the capacity these buffers were sized for).
+pub(crate) fn head<'a, T>(s: &'a CudaSlice<T>, len: usize, what: &str) -> Result<CudaView<'a, T>> {
+    s.try_slice(0..len)
+        .ok_or_else(|| too_small(what, len, s.len()))
+}
+
+pub(crate) fn head_mut<'a, T>(
+    s: &'a mut CudaSlice<T>,
+    len: usize,
+    what: &str,
+) -> Result<CudaViewMut<'a, T>> {
+    let cap = s.len();
+    s.try_slice_mut(0..len)
+        .ok_or_else(|| too_small(what, len, cap))
+}
+
+fn too_small(what: &str, len: usize, cap: usize) -> ModelError {
+    ModelError::Cuda(format!(
+        "buffer `{what}` holds {cap} values, the step needs {len}"
+    ))
+}
+
+/// The step's metadata: packed on the host into pinned memory, uploaded with one copy.
+pub(crate) struct StepBuffers {
+    pub layout: StepLayout,
+    staging: PinnedHostSlice<u8>,
+    device: CudaSlice<u8>,
+}
+
+/// Typed views of one uploaded step (lengths for this step).
+pub(crate) struct StepViews<'a> {
+    pub token_ids: CudaView<'a, u32>,
+    pub positions: CudaView<'a, i32>,
+    pub slot_mapping: CudaView<'a, i64>,
+    pub block_tables: CudaView<'a, i32>,
+    pub seq_lens: CudaView<'a, i32>,
+    pub query_start_loc: CudaView<'a, i32>,
+    pub sample_rows: CudaView<'a, i32>,
+}
+
+impl StepBuffers {
+    pub fn new(gpu: &GpuContext, layout: StepLayout) -> Result<Self> {
+        // SAFETY: the memory is uninitialised until `write_bytes` zeroes all of it below,
+        // before any reference to it is made.
+        let mut staging = unsafe { gpu.context().alloc_pinned::<u8>(layout.total) }
+            .map_err(driver_error("cuMemHostAlloc"))?;
+        let ptr = staging
+            .as_mut_ptr()
+            .map_err(driver_error("cuEventSynchronize"))?;
+        // SAFETY: `ptr` addresses `layout.total` bytes of host memory owned by `staging`.
+        unsafe { std::ptr::write_bytes(ptr, 0, layout.total) };
+        let device = gpu
+            .stream()
+            .alloc_zeros::<u8>(layout.total)
+            .map_err(driver_error("cuMemAlloc"))?;
+        Ok(Self {
+            layout,
+            staging,
+            device,
+        })
+    }
+
+    /// Writes `step` to the staging buffer and enqueues its upload.
+    ///
+    /// The copy is asynchronous: the staging buffer must not be written again before it
+    /// completes. Each step ends by synchronising the stream (the logits copy), and a
+    /// failed step synchronises before returning, so the next `upload` finds it idle.
+    pub fn upload(&mut self, gpu: &GpuContext, step: &PackedStep) -> Result<StepViews<'_>> {
+        let staging = self
+            .staging
+            .as_mut_slice()
+            .map_err(driver_error("cuEventSynchronize"))?;
+        let used = self.layout.write(step, staging);
+        let mut dst = self
+            .device
+            .try_slice_mut(0..used)
+            .ok_or_else(|| too_small("step metadata", used, self.layout.total))?;
+        gpu.stream()
+            .memcpy_htod(&staging[..used], &mut dst)
+            .map_err(driver_error("cuMemcpyHtoDAsync"))?;
+        let l = &self.layout;
+        let (n, s) = (step.num_tokens(), step.num_seqs());
+        Ok(StepViews {
+            token_ids: typed(&self.device, l.token_ids, n)?,
+            positions: typed(&self.device, l.positions, n)?,
+            slot_mapping: typed(&self.device, l.slot_mapping, n)?,
+            block_tables: typed(&self.device, l.block_tables, s * l.max_blocks_per_seq)?,
+            seq_lens: typed(&self.device, l.seq_lens, s)?,
+            query_start_loc: typed(&self.device, l.query_start_loc, s + 1)?,
+            sample_rows: typed(&self.device, l.sample_rows, step.sample_rows.len())?,
+        })
+    }
+}
+
+/// `len` values of type `T` at byte `offset` of the metadata buffer.
+fn typed<T>(buf: &CudaSlice<u8>, offset: usize, len: usize) -> Result<CudaView<'_, T>> {
+    let bytes = len * std::mem::size_of::<T>();
+    let section = buf
+        .try_slice(offset..offset + bytes)
+        .ok_or_else(|| too_small("step metadata", offset + bytes, buf.len()))?;
+    // SAFETY: `T` is one of u32, i32, i64: every bit pattern is a valid value. The section
+    // starts at a multiple of 256 bytes from an allocation's base (StepLayout's alignment),
+    // so it is aligned for `T`, and it holds exactly `len` values.
+    unsafe { section.transmute::<T>(len) }
+        .ok_or_else(|| too_small("step metadata", offset + bytes, buf.len()))
+}
+
+/// One layer's K and V, each `[num_blocks, block_size, KVH, D]` bf16.
+pub(crate) struct LayerKv {
+    pub k: CudaSlice<bf16>,
+    pub v: CudaSlice<bf16>,
+}
+
+pub(crate) struct KvPool {
+    pub layers: Vec<LayerKv>,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    /// `KVH · D`: values per slot.
+    pub kv_row: usize,
+}
+
+impl KvPool {
+    pub fn new(
+        gpu: &GpuContext,
+        cfg: &Qwen2Config,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<Self> {
+        let kv_row = cfg.num_key_value_heads * cfg.head_dim();
+        let len = num_blocks * block_size * kv_row;
+        let zeros = || {
+            gpu.stream()
+                .alloc_zeros::<bf16>(len.max(1))
+                .map_err(driver_error("cuMemAlloc (KV pool)"))
+        };
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|_| {
+                Ok(LayerKv {
+                    k: zeros()?,
+                    v: zeros()?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            layers,
+            num_blocks,
+            block_size,
+            kv_row,
+        })
+    }
+
+    /// Bytes of one block over all layers, K and V, in bf16.
+    pub fn bytes_per_block(cfg: &Qwen2Config, block_size: usize) -> usize {
+        2 * cfg.num_hidden_layers
+            * block_size
+            * cfg.num_key_value_heads
+            * cfg.head_dim()
+            * std::mem::size_of::<bf16>()
+    }
+}

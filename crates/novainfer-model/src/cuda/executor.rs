@@ -1,0 +1,359 @@
+//! The engine's view of the GPU: [`CudaWeights`] (model and buffers loaded, pool not yet)
+//! and [`CudaExecutor`] (with its pool).
+
+use novainfer_cuda::kernels::DtypeKind;
+use novainfer_cuda::ops::kv::{copy_block, BlockCopy, KvCacheMut, KvGeometry};
+use novainfer_cuda::ops::paged_attention::{AttentionConfig, DecodeScratch};
+use novainfer_cuda::ops::rope::RopeTable;
+use novainfer_cuda::GpuContext;
+
+use super::buffers::{Activations, KvPool, StepBuffers};
+use super::cuda_error;
+use super::forward::{Step, Tail};
+use super::weights::GpuModel;
+use crate::config::{Qwen2Config, WeightDtype};
+use crate::device::Device;
+use crate::error::{ModelError, Result};
+use crate::executor::{DeviceMemory, DeviceWeights, Executor, StepLimits};
+use crate::forward_batch::ForwardBatch;
+use crate::loader::OpenedCheckpoint;
+use crate::prepare::{HostModelReader, PackedStep, StepCapacity, StepLayout};
+use crate::qwen2::{DtypeChoice, LoadOptions};
+
+/// The model on the GPU with every buffer a step needs, before the KV pool exists.
+pub struct CudaWeights {
+    gpu: GpuContext,
+    device: Device,
+    cfg: Qwen2Config,
+    model: GpuModel,
+    rope: RopeTable,
+    act: Activations,
+    scratch: DecodeScratch,
+    limits: StepLimits,
+}
+
+impl CudaWeights {
+    pub fn load(
+        ordinal: usize,
+        opened: OpenedCheckpoint,
+        opts: &LoadOptions,
+        limits: StepLimits,
+    ) -> Result<Self> {
+        let device = Device::Cuda(ordinal);
+        let cfg = opened.config;
+        check_supported(&cfg, opts, device)?;
+        if limits.max_num_batched_tokens == 0 || limits.max_num_seqs == 0 || limits.max_seq_len == 0
+        {
+            return Err(ModelError::config(
+                "step limits",
+                format!("max_num_batched_tokens, max_num_seqs and max_seq_len must be positive, got {limits:?}"),
+            ));
+        }
+        let gpu = GpuContext::new(ordinal).map_err(|e| cuda_error(device, e))?;
+        let err = |e| cuda_error(device, e);
+        let model = GpuModel::load(
+            &gpu,
+            device,
+            HostModelReader::new(cfg.clone(), opened.checkpoint),
+        )?;
+        let rope = RopeTable::new(&gpu, cfg.head_dim(), cfg.rope_theta, limits.max_seq_len)
+            .map_err(err)?;
+        let act = Activations::new(
+            &gpu,
+            &cfg,
+            limits.max_num_batched_tokens,
+            limits.max_num_seqs,
+        )?;
+        // The scratch depends on heads and history length only; block geometry is the
+        // pool's and comes with each launch.
+        let scratch = DecodeScratch::new(
+            &gpu,
+            &attention_config(&cfg, 1, 1),
+            limits.max_num_seqs,
+            limits.max_seq_len,
+        )
+        .map_err(err)?;
+        // Everything above is queued on the stream; finish it so errors surface here and
+        // freed upload buffers are back with the driver before memory is measured.
+        gpu.synchronize().map_err(err)?;
+        if let Ok((free, total)) = gpu.mem_info() {
+            tracing::info!(%device, free_mib = free >> 20, total_mib = total >> 20, "weights and buffers on the GPU");
+        }
+        Ok(Self {
+            gpu,
+            device,
+            cfg,
+            model,
+            rope,
+            act,
+            scratch,
+            limits,
+        })
+    }
+}
+
+/// Refuses, before any upload, what the GPU path cannot run.
+fn check_supported(cfg: &Qwen2Config, opts: &LoadOptions, device: Device) -> Result<()> {
+    if let DtypeChoice::Fixed(d @ (WeightDtype::F32 | WeightDtype::F16)) = opts.dtype {
+        return Err(ModelError::Unsupported {
+            what: format!("dtype {d:?} (the CUDA executor keeps weights and activations in bf16; use auto or bf16)"),
+            device: device.to_string(),
+        });
+    }
+    let dims = DtypeKind::Bf16.attention_head_dims();
+    if !dims.contains(&cfg.head_dim()) {
+        return Err(ModelError::Unsupported {
+            what: format!(
+                "head_dim {} (the attention kernels are built for {dims:?})",
+                cfg.head_dim()
+            ),
+            device: device.to_string(),
+        });
+    }
+    Ok(())
+}
+
+fn attention_config(
+    cfg: &Qwen2Config,
+    block_size: usize,
+    max_blocks_per_seq: usize,
+) -> AttentionConfig {
+    AttentionConfig {
+        num_heads: cfg.num_attention_heads,
+        num_kv_heads: cfg.num_key_value_heads,
+        head_dim: cfg.head_dim(),
+        block_size,
+        max_blocks_per_seq,
+    }
+}
+
+impl DeviceWeights for CudaWeights {
+    fn device(&self) -> Device {
+        self.device
+    }
+
+    fn config(&self) -> &Qwen2Config {
+        &self.cfg
+    }
+
+    fn kv_bytes_per_block(&self, block_size: usize) -> usize {
+        KvPool::bytes_per_block(&self.cfg, block_size)
+    }
+
+    fn device_memory(&self) -> Result<Option<DeviceMemory>> {
+        let (free, total) = self
+            .gpu
+            .mem_info()
+            .map_err(|e| cuda_error(self.device, e))?;
+        Ok(Some(DeviceMemory { free, total }))
+    }
+
+    fn into_executor(
+        self: Box<Self>,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<Box<dyn Executor>> {
+        if num_blocks == 0 || block_size == 0 {
+            return Err(ModelError::config(
+                "kv cache",
+                format!("a pool needs blocks and slots, got {num_blocks} blocks of {block_size}"),
+            ));
+        }
+        let me = *self;
+        let kv = KvPool::new(&me.gpu, &me.cfg, num_blocks, block_size)?;
+        let capacity = StepCapacity {
+            vocab_size: me.cfg.vocab_size,
+            rope_positions: me.rope.max_positions(),
+            num_blocks,
+            block_size,
+            max_blocks_per_seq: me.limits.max_seq_len.div_ceil(block_size),
+            max_tokens: me.limits.max_num_batched_tokens,
+            max_seqs: me.limits.max_num_seqs,
+        };
+        // Small (a few bytes per token and per table entry), so sized here with the block
+        // size rather than counted in `device_memory`.
+        let meta = StepBuffers::new(&me.gpu, StepLayout::new(&capacity))?;
+        me.gpu.synchronize().map_err(|e| cuda_error(me.device, e))?;
+        Ok(Box::new(CudaExecutor {
+            gpu: me.gpu,
+            device: me.device,
+            cfg: me.cfg,
+            model: me.model,
+            rope: me.rope,
+            act: me.act,
+            scratch: me.scratch,
+            kv,
+            meta,
+            capacity,
+        }))
+    }
+}
+
+/// The model, its buffers and its bf16 KV pool on one GPU.
+pub struct CudaExecutor {
+    gpu: GpuContext,
+    device: Device,
+    cfg: Qwen2Config,
+    model: GpuModel,
+    rope: RopeTable,
+    act: Activations,
+    scratch: DecodeScratch,
+    kv: KvPool,
+    meta: StepBuffers,
+    capacity: StepCapacity,
+}
+
+impl CudaExecutor {
+    /// Runs one sequence apart from the engine's pool, in a scratch pool of its own
+    /// allocated for the call (these requests are off the hot path; a prompt too long for
+    /// the free memory is an allocation error, not a fault). `chunk` tokens per step;
+    /// `sample_every` asks for every token's row (each token its own one-token span over
+    /// the shared table: the same attention as one prefill, with a row per token).
+    fn apart(
+        &mut self,
+        tokens: &[u32],
+        chunk: usize,
+        sample_every: bool,
+        tail: Tail,
+    ) -> Result<Vec<f32>> {
+        let block_size = self.kv.block_size;
+        let num_blocks = tokens.len().div_ceil(block_size).max(1);
+        let mut scratch_pool = KvPool::new(&self.gpu, &self.cfg, num_blocks, block_size)?;
+        let capacity = StepCapacity {
+            num_blocks,
+            ..self.capacity
+        };
+        let table: Vec<u32> = (0..num_blocks as u32).collect();
+        let mut out = Vec::new();
+        for (c, part) in tokens.chunks(chunk.max(1)).enumerate() {
+            let start = c * chunk;
+            let last = start + part.len() == tokens.len();
+            let mut batch = ForwardBatch::default();
+            if sample_every {
+                for (i, &t) in part.iter().enumerate() {
+                    batch.push(&[t], start + i, vec![start + i], table.clone(), true);
+                }
+            } else {
+                batch.push(
+                    part,
+                    start,
+                    (start..start + part.len()).collect(),
+                    table.clone(),
+                    last,
+                );
+            }
+            let step = PackedStep::pack(&batch, &capacity)?;
+            let rows = Step {
+                gpu: &self.gpu,
+                device: self.device,
+                cfg: &self.cfg,
+                model: &self.model,
+                rope: &self.rope,
+                act: &mut self.act,
+                meta: &mut self.meta,
+                kv: &mut scratch_pool,
+                scratch: &mut self.scratch,
+            }
+            .run(&step, tail)?;
+            out.extend(rows);
+        }
+        Ok(out)
+    }
+}
+
+impl Executor for CudaExecutor {
+    fn device(&self) -> Device {
+        self.device
+    }
+
+    fn config(&self) -> &Qwen2Config {
+        &self.cfg
+    }
+
+    fn block_size(&self) -> usize {
+        self.kv.block_size
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.kv.num_blocks
+    }
+
+    fn kv_bytes_per_block(&self) -> usize {
+        KvPool::bytes_per_block(&self.cfg, self.kv.block_size)
+    }
+
+    fn copy_block(&mut self, src: usize, dst: usize, num_tokens: usize) -> Result<()> {
+        let (num_blocks, block_size) = (self.kv.num_blocks, self.kv.block_size);
+        if src.max(dst) >= num_blocks || num_tokens > block_size {
+            return Err(ModelError::config(
+                "block_copies",
+                format!(
+                    "copy of {num_tokens} slots from block {src} to {dst} outside a pool of \
+                     {num_blocks} blocks of {block_size}"
+                ),
+            ));
+        }
+        let geometry = KvGeometry {
+            block_size,
+            kv_row: self.kv.kv_row,
+        };
+        let copy = BlockCopy {
+            src,
+            dst,
+            num_tokens,
+        };
+        for layer in &mut self.kv.layers {
+            let cache = KvCacheMut {
+                k: layer.k.as_view_mut(),
+                v: layer.v.as_view_mut(),
+            };
+            copy_block(&self.gpu, cache, geometry, copy).map_err(|e| cuda_error(self.device, e))?;
+        }
+        Ok(())
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<f32>> {
+        let step = PackedStep::pack(batch, &self.capacity)?;
+        Step {
+            gpu: &self.gpu,
+            device: self.device,
+            cfg: &self.cfg,
+            model: &self.model,
+            rope: &self.rope,
+            act: &mut self.act,
+            meta: &mut self.meta,
+            kv: &mut self.kv,
+            scratch: &mut self.scratch,
+        }
+        .run(&step, Tail::Logits)
+    }
+
+    fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(ModelError::EmptyInput);
+        }
+        let chunk = self.capacity.max_tokens;
+        let mut v = self.apart(tokens, chunk, false, Tail::Hidden)?;
+        // Unit length in f64, as the CPU's `Qwen2Model::embed`.
+        let norm = v
+            .iter()
+            .map(|x| f64::from(*x) * f64::from(*x))
+            .sum::<f64>()
+            .sqrt();
+        if norm > 0.0 {
+            v.iter_mut()
+                .for_each(|x| *x = (f64::from(*x) / norm) as f32);
+        }
+        Ok(v)
+    }
+
+    fn prompt_logits(&mut self, tokens: &[u32], step_by_step: bool) -> Result<Vec<f32>> {
+        // Every token's row is sampled, and a step returns at most max_num_seqs rows.
+        let chunk = if step_by_step {
+            1
+        } else {
+            self.capacity.max_tokens.min(self.capacity.max_seqs)
+        };
+        self.apart(tokens, chunk, true, Tail::Logits)
+    }
+}

@@ -1,0 +1,310 @@
+//! One eager step over the launchers, in the CPU forward's order (`qwen2.rs`):
+//!
+//! ```text
+//! embed → per layer: [add_]rms_norm → QKV GEMM → bias+RoPE+KV write → paged attention
+//!         → o_proj GEMM → add_rms_norm → gate|up GEMM → silu·mul → down GEMM
+//!       → the sampled rows gathered → add_rms_norm (final) → lm_head GEMM (f32) → host
+//! ```
+//! The residual add of each sublayer is fused into the next norm (`add_rms_norm`: residual
+//! += x, then norm), which is the CPU's `hidden += …; rms_norm(hidden)`; the last layer's
+//! down_proj is added only to the rows that are sampled, as the CPU norms only those.
+
+use half::bf16;
+use novainfer_cuda::cudarc::driver::{CudaSlice, CudaView};
+use novainfer_cuda::ops::embedding::{embedding, EmbeddingShape};
+use novainfer_cuda::ops::gather::gather_rows;
+use novainfer_cuda::ops::gemm::{gemm_bf16, gemm_bf16_f32out, GemmShape};
+use novainfer_cuda::ops::kv::KvCacheMut;
+use novainfer_cuda::ops::paged_attention::{
+    paged_attention_decode, paged_attention_prefill, AttentionConfig, DecodeScratch, PagedKv,
+};
+use novainfer_cuda::ops::qkv::{qkv_bias_rope_cache, QkvInput};
+use novainfer_cuda::ops::rms_norm::{add_rms_norm, rms_norm};
+use novainfer_cuda::ops::rope::{RopeHeads, RopeTable};
+use novainfer_cuda::ops::silu_mul::silu_mul_fused;
+use novainfer_cuda::GpuContext;
+
+use super::buffers::{head, head_mut, Activations, KvPool, StepBuffers};
+use super::weights::{GpuMatrix, GpuModel};
+use super::{cuda_error, driver_error};
+use crate::config::Qwen2Config;
+use crate::device::Device;
+use crate::error::Result;
+use crate::prepare::PackedStep;
+
+/// What a step returns for its sampled rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Tail {
+    /// f32 logits: the engine's steps and prompt logits.
+    Logits,
+    /// The final normed hidden state (bf16 widened to f32): embeddings.
+    Hidden,
+}
+
+/// Everything a step borrows.
+pub(crate) struct Step<'a> {
+    pub gpu: &'a GpuContext,
+    pub device: Device,
+    pub cfg: &'a Qwen2Config,
+    pub model: &'a GpuModel,
+    pub rope: &'a RopeTable,
+    pub act: &'a mut Activations,
+    pub meta: &'a mut StepBuffers,
+    pub kv: &'a mut KvPool,
+    pub scratch: &'a mut DecodeScratch,
+}
+
+impl Step<'_> {
+    /// Runs `step` (already validated against the buffers and the pool) and returns, for
+    /// its sampled rows, the f32 logits `[rows, vocab]` or the final normed hidden states
+    /// `[rows, hidden]`.
+    pub fn run(self, step: &PackedStep, tail: Tail) -> Result<Vec<f32>> {
+        let (gpu, device) = (self.gpu, self.device);
+        let result = self.run_inner(step, tail);
+        // A failed step may leave work queued that reads the staging buffer or the
+        // activations; wait for it so the next step starts from an idle stream.
+        if result.is_err() {
+            let _ = gpu.synchronize();
+        }
+        result.map_err(|e| match e {
+            Failure::Cuda(e) => cuda_error(device, e),
+            Failure::Model(e) => e,
+        })
+    }
+
+    fn run_inner(self, step: &PackedStep, tail: Tail) -> Result<Vec<f32>, Failure> {
+        let Step {
+            gpu,
+            cfg,
+            model,
+            rope,
+            act,
+            meta,
+            kv,
+            scratch,
+            ..
+        } = self;
+        let n = step.num_tokens();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let (h, f, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+        let (hd, nh, nkv) = (
+            cfg.head_dim(),
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+        );
+        let (q_dim, qkv_dim) = (nh * hd, (nh + 2 * nkv) * hd);
+        let eps = cfg.rms_norm_eps as f32;
+        let heads = RopeHeads {
+            num_heads: nh,
+            num_kv_heads: nkv,
+        };
+        let attn_cfg = AttentionConfig {
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+            block_size: kv.block_size,
+            max_blocks_per_seq: meta.layout.max_blocks_per_seq,
+        };
+        let views = meta.upload(gpu, step)?;
+
+        embedding::<bf16>(
+            gpu,
+            &views.token_ids,
+            &model.embed_tokens.view(),
+            EmbeddingShape {
+                vocab_size: vocab,
+                hidden: h,
+            },
+            &mut head_mut(&mut act.residual, n * h, "residual")?,
+        )?;
+        for (index, layer) in model.layers.iter().enumerate() {
+            // Layer 0 norms the embedding; later layers first add the previous down_proj.
+            let mut residual = head_mut(&mut act.residual, n * h, "residual")?;
+            let mut normed = head_mut(&mut act.normed, n * h, "normed")?;
+            let weight = layer.input_layernorm.as_view();
+            if index == 0 {
+                rms_norm::<bf16>(gpu, &residual.as_view(), &weight, eps, &mut normed)?;
+            } else {
+                let x = head(&act.proj, n * h, "proj")?;
+                add_rms_norm::<bf16>(gpu, &x, &mut residual, &weight, eps, &mut normed)?;
+            }
+            gemm(gpu, &act.normed, &layer.qkv, n, &mut act.qkv, "qkv")?;
+            let pool = &mut kv.layers[index];
+            qkv_bias_rope_cache::<bf16>(
+                gpu,
+                rope,
+                heads,
+                QkvInput {
+                    qkv: head(&act.qkv, n * qkv_dim, "qkv")?,
+                    bias: Some(layer.qkv_bias.as_view()),
+                    positions: again(&views.positions),
+                    slot_mapping: again(&views.slot_mapping),
+                },
+                &mut head_mut(&mut act.q, n * q_dim, "q")?,
+                KvCacheMut {
+                    k: pool.k.as_view_mut(),
+                    v: pool.v.as_view_mut(),
+                },
+            )?;
+            let paged = PagedKv {
+                k_cache: pool.k.as_view(),
+                v_cache: pool.v.as_view(),
+                block_tables: again(&views.block_tables),
+                seq_lens: again(&views.seq_lens),
+            };
+            let q = head(&act.q, n * q_dim, "q")?;
+            let mut out = head_mut(&mut act.attn, n * q_dim, "attn")?;
+            if step.decode_only {
+                paged_attention_decode::<bf16>(
+                    gpu,
+                    &attn_cfg,
+                    &q,
+                    paged,
+                    step.max_seq_len,
+                    scratch,
+                    &mut out,
+                )?;
+            } else {
+                paged_attention_prefill::<bf16>(
+                    gpu,
+                    &attn_cfg,
+                    &q,
+                    paged,
+                    &views.query_start_loc,
+                    &views.positions,
+                    &mut out,
+                )?;
+            }
+            gemm(gpu, &act.attn, &layer.o_proj, n, &mut act.proj, "proj")?;
+            add_rms_norm::<bf16>(
+                gpu,
+                &head(&act.proj, n * h, "proj")?,
+                &mut head_mut(&mut act.residual, n * h, "residual")?,
+                &layer.post_attention_layernorm.as_view(),
+                eps,
+                &mut head_mut(&mut act.normed, n * h, "normed")?,
+            )?;
+            gemm(
+                gpu,
+                &act.normed,
+                &layer.gate_up,
+                n,
+                &mut act.gate_up,
+                "gate_up",
+            )?;
+            silu_mul_fused::<bf16>(
+                gpu,
+                &head(&act.gate_up, n * 2 * f, "gate_up")?,
+                f,
+                &mut head_mut(&mut act.mlp, n * f, "mlp")?,
+            )?;
+            gemm(gpu, &act.mlp, &layer.down_proj, n, &mut act.proj, "proj")?;
+        }
+
+        let rows = step.sample_rows.len();
+        if rows == 0 {
+            // Nothing to sample (prefill chunks only): the step's work is its KV writes.
+            gpu.synchronize()?;
+            return Ok(Vec::new());
+        }
+        let mut last_residual = head_mut(&mut act.last_residual, rows * h, "last_residual")?;
+        gather_rows::<bf16>(
+            gpu,
+            &head(&act.residual, n * h, "residual")?,
+            &views.sample_rows,
+            h,
+            &mut last_residual,
+        )?;
+        gather_rows::<bf16>(
+            gpu,
+            &head(&act.proj, n * h, "proj")?,
+            &views.sample_rows,
+            h,
+            &mut head_mut(&mut act.last_proj, rows * h, "last_proj")?,
+        )?;
+        add_rms_norm::<bf16>(
+            gpu,
+            &head(&act.last_proj, rows * h, "last_proj")?,
+            &mut last_residual,
+            &model.norm.as_view(),
+            eps,
+            &mut head_mut(&mut act.last_normed, rows * h, "last_normed")?,
+        )?;
+        if tail == Tail::Hidden {
+            let hidden = gpu
+                .stream()
+                .clone_dtoh(&head(&act.last_normed, rows * h, "last_normed")?)
+                .map_err(driver_error("cuMemcpyDtoHAsync"))?;
+            gpu.synchronize()?;
+            return Ok(hidden.into_iter().map(f32::from).collect());
+        }
+        let lm_head = model.lm_head();
+        gemm_bf16_f32out(
+            gpu,
+            &head(&act.last_normed, rows * h, "last_normed")?,
+            &lm_head.view(),
+            GemmShape {
+                m: rows,
+                n: lm_head.rows,
+                k: lm_head.cols,
+            },
+            &mut head_mut(&mut act.logits, rows * vocab, "logits")?,
+        )?;
+        let mut logits = vec![0f32; rows * vocab];
+        gpu.stream()
+            .memcpy_dtoh(&head(&act.logits, rows * vocab, "logits")?, &mut logits)
+            .map_err(driver_error("cuMemcpyDtoHAsync"))?;
+        // The copy into pageable memory has returned, but kernels' own errors surface at a
+        // synchronisation: take them here, as this step's.
+        gpu.synchronize()?;
+        Ok(logits)
+    }
+}
+
+/// `y[..n] = x[..n] · Wᵀ` over the first `n` rows of the activation buffers.
+fn gemm(
+    gpu: &GpuContext,
+    x: &CudaSlice<bf16>,
+    w: &GpuMatrix,
+    n: usize,
+    y: &mut CudaSlice<bf16>,
+    what: &str,
+) -> Result<(), Failure> {
+    gemm_bf16(
+        gpu,
+        &head(x, n * w.cols, "gemm input")?,
+        &w.view(),
+        GemmShape {
+            m: n,
+            n: w.rows,
+            k: w.cols,
+        },
+        &mut head_mut(y, n * w.rows, what)?,
+    )?;
+    Ok(())
+}
+
+/// Another handle on the same device memory (launch structs take views by value).
+fn again<'a, T>(v: &CudaView<'a, T>) -> CudaView<'a, T> {
+    v.slice(..)
+}
+
+/// Launcher errors keep their type until the step maps them with its device.
+enum Failure {
+    Cuda(novainfer_cuda::CudaError),
+    Model(crate::error::ModelError),
+}
+
+impl From<novainfer_cuda::CudaError> for Failure {
+    fn from(e: novainfer_cuda::CudaError) -> Self {
+        Failure::Cuda(e)
+    }
+}
+
+impl From<crate::error::ModelError> for Failure {
+    fn from(e: crate::error::ModelError) -> Self {
+        Failure::Model(e)
+    }
+}

@@ -1,0 +1,419 @@
+//! One step's metadata for the device: the flat arrays the kernels read, validated on the
+//! host, and their places in one staging buffer uploaded with a single copy.
+//!
+//! Kernels stay defensive about values they cannot check (an out-of-range id gives a zero
+//! row, an unknown slot is skipped), which would turn a runner bug into a silently wrong
+//! token. So every value is checked here first and a bad one is a [`ModelError`]: token ids
+//! against the vocabulary, positions against the RoPE table, slots against the pool, the
+//! block-table entries a sequence's history reaches against the pool and the padded row.
+
+use crate::error::{ModelError, Result};
+use crate::forward_batch::ForwardBatch;
+
+/// What the executor's buffers and pool were sized for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepCapacity {
+    pub vocab_size: usize,
+    /// Rows of the RoPE table: positions must lie below.
+    pub rope_positions: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    /// Row length of the padded block tables.
+    pub max_blocks_per_seq: usize,
+    /// Tokens the activation buffers hold (`max_num_batched_tokens`).
+    pub max_tokens: usize,
+    /// Sequences the per-sequence buffers hold (`max_num_seqs`).
+    pub max_seqs: usize,
+}
+
+/// A step as the kernels read it. Sequences with no tokens in this step are left out: they
+/// attend to nothing and produce no row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PackedStep {
+    pub token_ids: Vec<u32>,
+    pub positions: Vec<i32>,
+    pub slot_mapping: Vec<i64>,
+    /// `[num_seqs, max_blocks_per_seq]`, each row padded with block 0 (never read: a
+    /// sequence's kernels stop at its `seq_len`).
+    pub block_tables: Vec<i32>,
+    /// Per sequence: its last position in this step + 1, the history attention reads.
+    pub seq_lens: Vec<i32>,
+    /// `[num_seqs + 1]`: sequence s owns tokens `query_start_loc[s]..query_start_loc[s+1]`.
+    pub query_start_loc: Vec<i32>,
+    /// The token rows whose logits are returned, in `batch.seqs` order (the CPU's
+    /// `ForwardBatch::logits_indices`).
+    pub sample_rows: Vec<i32>,
+    /// Every sequence has exactly one query token: the decode kernel applies.
+    pub decode_only: bool,
+    /// The longest `seq_lens` entry.
+    pub max_seq_len: usize,
+}
+
+fn bad(field: &str, reason: String) -> ModelError {
+    ModelError::config(field, reason)
+}
+
+impl PackedStep {
+    pub fn num_seqs(&self) -> usize {
+        self.seq_lens.len()
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.token_ids.len()
+    }
+
+    /// Checks `batch` against `cap` and flattens it.
+    pub fn pack(batch: &ForwardBatch, cap: &StepCapacity) -> Result<Self> {
+        let vocab_size = cap.vocab_size;
+        if let Some(&id) = batch.token_ids.iter().find(|&&t| t as usize >= vocab_size) {
+            return Err(ModelError::TokenOutOfRange { id, vocab_size });
+        }
+        batch.validate(cap.block_size)?;
+        let n = batch.num_tokens();
+        if n > cap.max_tokens {
+            return Err(bad(
+                "forward_batch",
+                format!(
+                    "{n} tokens exceed the {} (max_num_batched_tokens) the device buffers hold",
+                    cap.max_tokens
+                ),
+            ));
+        }
+        let positions = batch
+            .positions
+            .iter()
+            .map(|&p| {
+                if p >= cap.rope_positions {
+                    return Err(bad(
+                        "positions",
+                        format!(
+                            "position {p} at or past the {} positions the model was loaded for \
+                             (max_model_len)",
+                            cap.rope_positions
+                        ),
+                    ));
+                }
+                i32::try_from(p).map_err(|_| bad("positions", format!("{p} exceeds i32")))
+            })
+            .collect::<Result<Vec<i32>>>()?;
+        let num_slots = cap.num_blocks * cap.block_size;
+        let slot_mapping = batch
+            .slot_mapping
+            .iter()
+            .map(|&s| match i64::try_from(s) {
+                Ok(slot) if s < num_slots => Ok(slot),
+                _ => Err(bad(
+                    "slot_mapping",
+                    format!("slot {s} outside a pool of {num_slots} slots"),
+                )),
+            })
+            .collect::<Result<Vec<i64>>>()?;
+
+        let spans: Vec<_> = batch.seqs.iter().filter(|s| s.query_len > 0).collect();
+        if spans.len() > cap.max_seqs {
+            return Err(bad(
+                "forward_batch",
+                format!(
+                    "{} sequences exceed the {} (max_num_seqs) the device buffers hold",
+                    spans.len(),
+                    cap.max_seqs
+                ),
+            ));
+        }
+        let width = cap.max_blocks_per_seq;
+        let mut block_tables = vec![0i32; spans.len() * width];
+        let mut seq_lens = Vec::with_capacity(spans.len());
+        let mut query_start_loc = Vec::with_capacity(spans.len() + 1);
+        query_start_loc.push(0);
+        for (s, span) in spans.iter().enumerate() {
+            let range = span.query_start..span.query_start + span.query_len;
+            // The last position bounds what attention reads; the CPU checked it against
+            // the table, the maximum also covers spans whose positions are not increasing.
+            let reach = batch.positions[range.clone()]
+                .iter()
+                .max()
+                .map_or(0, |p| p + 1);
+            let used = reach.div_ceil(cap.block_size);
+            if used > width || used > span.block_table.len() {
+                return Err(bad(
+                    "block_tables",
+                    format!(
+                        "sequence {s} reaches position {} ({used} blocks of {}), past its table \
+                         of {} blocks or the {width} blocks a sequence may hold (max_model_len)",
+                        reach - 1,
+                        cap.block_size,
+                        span.block_table.len()
+                    ),
+                ));
+            }
+            for (b, &id) in span.block_table[..used].iter().enumerate() {
+                if id as usize >= cap.num_blocks {
+                    return Err(bad(
+                        "block_tables",
+                        format!(
+                            "sequence {s}, entry {b}: block {id} outside a pool of {} blocks",
+                            cap.num_blocks
+                        ),
+                    ));
+                }
+                block_tables[s * width + b] = id as i32;
+            }
+            // `reach` ≤ rope_positions and `range.end` ≤ max_tokens, both checked to fit i32.
+            seq_lens.push(reach as i32);
+            query_start_loc.push(range.end as i32);
+        }
+        Ok(Self {
+            token_ids: batch.token_ids.clone(),
+            positions,
+            slot_mapping,
+            block_tables,
+            decode_only: !spans.is_empty() && spans.iter().all(|s| s.query_len == 1),
+            max_seq_len: seq_lens.iter().copied().max().unwrap_or(0) as usize,
+            seq_lens,
+            query_start_loc,
+            sample_rows: batch.logits_indices().iter().map(|&r| r as i32).collect(),
+        })
+    }
+}
+
+/// Where each array of a [`PackedStep`] lives in the staging buffer (and in its device
+/// copy): fixed offsets for the capacity, so device views never move (CUDA graphs will
+/// capture them). The block tables come last so a step uploads only the rows it uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepLayout {
+    pub slot_mapping: usize,
+    pub token_ids: usize,
+    pub positions: usize,
+    pub seq_lens: usize,
+    pub query_start_loc: usize,
+    pub sample_rows: usize,
+    pub block_tables: usize,
+    pub total: usize,
+    pub max_blocks_per_seq: usize,
+}
+
+/// Section alignment: the i64 slot mapping needs 8; 256 is what cudaMalloc gives a base.
+const ALIGN: usize = 256;
+
+impl StepLayout {
+    pub fn new(cap: &StepCapacity) -> Self {
+        let (t, s) = (cap.max_tokens, cap.max_seqs);
+        let mut at = 0;
+        let mut section = |bytes: usize| {
+            let start = at;
+            at = (at + bytes).next_multiple_of(ALIGN);
+            start
+        };
+        let slot_mapping = section(8 * t);
+        let token_ids = section(4 * t);
+        let positions = section(4 * t);
+        let seq_lens = section(4 * s);
+        let query_start_loc = section(4 * (s + 1));
+        let sample_rows = section(4 * s);
+        let block_tables = section(4 * s * cap.max_blocks_per_seq);
+        Self {
+            slot_mapping,
+            token_ids,
+            positions,
+            seq_lens,
+            query_start_loc,
+            sample_rows,
+            block_tables,
+            total: at.max(ALIGN),
+            max_blocks_per_seq: cap.max_blocks_per_seq,
+        }
+    }
+
+    /// Writes `step` into `staging` (at least `total` bytes, native byte order as the
+    /// device reads it) and returns how many leading bytes must be uploaded.
+    pub fn write(&self, step: &PackedStep, staging: &mut [u8]) -> usize {
+        fn put<const N: usize>(dst: &mut [u8], at: usize, values: impl Iterator<Item = [u8; N]>) {
+            for (i, bytes) in values.enumerate() {
+                dst[at + i * N..at + (i + 1) * N].copy_from_slice(&bytes);
+            }
+        }
+        put(
+            staging,
+            self.slot_mapping,
+            step.slot_mapping.iter().map(|v| v.to_ne_bytes()),
+        );
+        put(
+            staging,
+            self.token_ids,
+            step.token_ids.iter().map(|v| v.to_ne_bytes()),
+        );
+        put(
+            staging,
+            self.positions,
+            step.positions.iter().map(|v| v.to_ne_bytes()),
+        );
+        put(
+            staging,
+            self.seq_lens,
+            step.seq_lens.iter().map(|v| v.to_ne_bytes()),
+        );
+        put(
+            staging,
+            self.query_start_loc,
+            step.query_start_loc.iter().map(|v| v.to_ne_bytes()),
+        );
+        put(
+            staging,
+            self.sample_rows,
+            step.sample_rows.iter().map(|v| v.to_ne_bytes()),
+        );
+        put(
+            staging,
+            self.block_tables,
+            step.block_tables.iter().map(|v| v.to_ne_bytes()),
+        );
+        self.block_tables + 4 * step.block_tables.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CAP: StepCapacity = StepCapacity {
+        vocab_size: 50,
+        rope_positions: 64,
+        num_blocks: 10,
+        block_size: 4,
+        max_blocks_per_seq: 4,
+        max_tokens: 16,
+        max_seqs: 4,
+    };
+
+    fn slots(table: &[u32], positions: std::ops::Range<usize>) -> Vec<usize> {
+        positions
+            .map(|p| table[p / 4] as usize * 4 + p % 4)
+            .collect()
+    }
+
+    /// a: chunk of 4 at positions 5..9 (not sampled), b: one decode at 5, c: empty span.
+    fn batch() -> ForwardBatch {
+        let mut b = ForwardBatch::default();
+        b.push(
+            &[1, 2, 3, 4],
+            5,
+            slots(&[5, 1, 8], 5..9),
+            vec![5, 1, 8],
+            false,
+        );
+        b.push(&[7], 5, slots(&[0, 6], 5..6), vec![0, 6], true);
+        b.push(&[], 0, vec![], vec![3], true);
+        b
+    }
+
+    #[test]
+    fn packs_a_mixed_step() {
+        let p = PackedStep::pack(&batch(), &CAP).expect("valid");
+        assert_eq!(p.positions, [5, 6, 7, 8, 5]);
+        assert_eq!(p.slot_mapping, [5, 6, 7, 32, 25]);
+        assert_eq!(p.seq_lens, [9, 6], "the empty span is dropped");
+        assert_eq!(p.query_start_loc, [0, 4, 5]);
+        assert_eq!(p.block_tables, [5, 1, 8, 0, 0, 6, 0, 0]);
+        assert_eq!(
+            p.sample_rows,
+            [4],
+            "only b samples; the empty span has no row"
+        );
+        assert!(!p.decode_only);
+        assert_eq!(p.max_seq_len, 9);
+
+        let mut decode = ForwardBatch::default();
+        decode.push(&[7], 5, slots(&[0, 6], 5..6), vec![0, 6], true);
+        decode.push(&[9], 0, vec![12], vec![3], true);
+        let p = PackedStep::pack(&decode, &CAP).expect("valid");
+        assert!(p.decode_only);
+        assert_eq!(p.sample_rows, [0, 1]);
+    }
+
+    #[test]
+    fn the_layout_places_every_array_and_uploads_only_used_table_rows() {
+        let cap = StepCapacity {
+            max_tokens: 5,
+            ..CAP
+        };
+        let layout = StepLayout::new(&cap);
+        let p = PackedStep::pack(&batch(), &cap).expect("valid");
+        let mut staging = vec![0u8; layout.total];
+        let used = layout.write(&p, &mut staging);
+        assert_eq!(used, layout.block_tables + 4 * 2 * 4);
+        assert!(used <= layout.total);
+        let i32_at = |at: usize| i32::from_ne_bytes(staging[at..at + 4].try_into().expect("4"));
+        let i64_at = |at: usize| i64::from_ne_bytes(staging[at..at + 8].try_into().expect("8"));
+        assert_eq!(i64_at(layout.slot_mapping + 8 * 3), 32);
+        assert_eq!(i32_at(layout.positions + 4 * 4), 5);
+        assert_eq!(i32_at(layout.token_ids + 4 * 4), 7);
+        assert_eq!(i32_at(layout.query_start_loc + 4 * 2), 5);
+        assert_eq!(i32_at(layout.sample_rows), 4);
+        assert_eq!(i32_at(layout.block_tables + 4 * 5), 6);
+        for at in [
+            layout.slot_mapping,
+            layout.token_ids,
+            layout.positions,
+            layout.seq_lens,
+            layout.query_start_loc,
+            layout.sample_rows,
+            layout.block_tables,
+        ] {
+            assert_eq!(at % ALIGN, 0);
+        }
+    }
+
+    fn field(r: Result<PackedStep>) -> String {
+        match r {
+            Err(ModelError::InvalidConfig { field, .. }) => field,
+            Err(ModelError::TokenOutOfRange { .. }) => "token_ids".into(),
+            other => panic!("expected an error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn every_bad_value_is_an_error() {
+        let mut b = batch();
+        b.token_ids[2] = 50;
+        assert_eq!(field(PackedStep::pack(&b, &CAP)), "token_ids");
+
+        let mut b = batch();
+        b.slot_mapping[0] = 40;
+        assert_eq!(field(PackedStep::pack(&b, &CAP)), "slot_mapping");
+
+        let mut b = batch();
+        b.seqs[0].block_table[2] = 10;
+        assert_eq!(field(PackedStep::pack(&b, &CAP)), "block_tables");
+
+        // A block id past the history is never read and not checked.
+        let mut b = batch();
+        b.seqs[1].block_table.push(99);
+        PackedStep::pack(&b, &CAP).expect("unused table entries are ignored");
+
+        let cap = StepCapacity {
+            rope_positions: 8,
+            ..CAP
+        };
+        assert_eq!(field(PackedStep::pack(&batch(), &cap)), "positions");
+
+        let cap = StepCapacity {
+            max_blocks_per_seq: 2,
+            ..CAP
+        };
+        assert_eq!(field(PackedStep::pack(&batch(), &cap)), "block_tables");
+
+        let cap = StepCapacity {
+            max_tokens: 4,
+            ..CAP
+        };
+        assert_eq!(field(PackedStep::pack(&batch(), &cap)), "forward_batch");
+
+        let cap = StepCapacity { max_seqs: 1, ..CAP };
+        assert_eq!(field(PackedStep::pack(&batch(), &cap)), "forward_batch");
+
+        // Positions beyond the table: the CPU's own check.
+        let mut b = batch();
+        b.positions[3] = 12;
+        assert_eq!(field(PackedStep::pack(&b, &CAP)), "forward_batch");
+    }
+}

@@ -1,0 +1,266 @@
+//! The CUDA executor against the CPU executor on a tiny random Qwen2 (head_dim 64, the
+//! smallest the attention kernels are built for), over the step mix the engine produces:
+//! prefills of different lengths, a chunked prefill, decodes, and an n > 1 fork that copies
+//! a partially filled block.
+//!
+//! Embeddings and prompt logits (run in a scratch pool of their own) are compared too.
+//!
+//! Without a usable GPU it prints `skipped: no CUDA device (<why>)` and passes, unless
+//! `NOVAINFER_REQUIRE_GPU` is set (to anything but `0`), where it fails.
+//!
+//! Tolerance: the checkpoint is bf16, so both devices start from the same weights; the GPU
+//! then rounds every activation to bf16 (relative error 2⁻⁹ per rounding, some ten
+//! roundings deep here) while the CPU stays in f32. Each logits row must agree within 4 %
+//! of the row's largest CPU logit (a layout or indexing bug is an error of order 100 %),
+//! and the greedy token must agree wherever the CPU's top two are further apart than that.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Tensor};
+use common::weights;
+use novainfer_cuda::gpu_test::{when_unavailable_from_env, WhenUnavailable};
+use novainfer_model::{
+    load_weights, Checkpoint, Device, Executor, ForwardBatch, LoadOptions, ModelError, Qwen2Config,
+    StepLimits,
+};
+
+fn config(tie: bool) -> Qwen2Config {
+    Qwen2Config {
+        vocab_size: 96,
+        hidden_size: 256,
+        intermediate_size: 384,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        max_position_embeddings: 64,
+        ..common::config(tie)
+    }
+}
+
+/// The tiny model as an HF directory with a bf16 checkpoint.
+fn write_checkpoint(dir: &Path, cfg: &Qwen2Config) {
+    let w: HashMap<String, Tensor> = weights(cfg)
+        .into_iter()
+        .map(|(k, t)| (k, t.to_dtype(DType::BF16).expect("bf16")))
+        .collect();
+    candle_core::safetensors::save(&w, dir.join("model.safetensors")).expect("safetensors");
+    let config = serde_json::json!({
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "torch_dtype": "bfloat16",
+        "eos_token_id": 1,
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).expect("config.json");
+}
+
+const LIMITS: StepLimits = StepLimits {
+    max_num_batched_tokens: 32,
+    max_num_seqs: 8,
+    max_seq_len: 64,
+};
+const BLOCK_SIZE: usize = 4;
+const NUM_BLOCKS: usize = 32;
+
+fn executor(dir: &Path, device: Device) -> Result<Box<dyn Executor>, ModelError> {
+    let opened = Checkpoint::open(dir)?;
+    load_weights(device, opened, &LoadOptions::default(), LIMITS)?
+        .into_executor(NUM_BLOCKS, BLOCK_SIZE)
+}
+
+/// Skips (or, under NOVAINFER_REQUIRE_GPU, fails) when no GPU can be used here.
+fn gpu_executor(dir: &Path) -> Option<Box<dyn Executor>> {
+    let why = match novainfer_model::cuda::probe(0) {
+        Err(why) => why,
+        Ok(()) => match executor(dir, Device::Cuda(0)) {
+            Ok(e) => return Some(e),
+            Err(ModelError::DeviceUnavailable { reason, .. }) => reason,
+            Err(e) => panic!("loading the model on cuda:0 failed: {e}"),
+        },
+    };
+    match when_unavailable_from_env() {
+        WhenUnavailable::Skip => {
+            println!("cuda_forward: skipped: no CUDA device ({why})");
+            None
+        }
+        WhenUnavailable::Fail => panic!("NOVAINFER_REQUIRE_GPU is set but no CUDA device: {why}"),
+    }
+}
+
+/// `copy_block(src, dst, num_tokens)` before a step.
+type Fork = (usize, usize, usize);
+
+/// A sequence's slots for `positions`, stored in `table`.
+fn slots(table: &[u32], positions: std::ops::Range<usize>) -> Vec<usize> {
+    positions
+        .map(|p| table[p / BLOCK_SIZE] as usize * BLOCK_SIZE + p % BLOCK_SIZE)
+        .collect()
+}
+
+/// One engine-like step: `(tokens, first position, block table, sample)` per sequence.
+fn step(seqs: &[(&[u32], usize, &[u32], bool)]) -> ForwardBatch {
+    let mut b = ForwardBatch::default();
+    for &(tokens, start, table, sample) in seqs {
+        b.push(
+            tokens,
+            start,
+            slots(table, start..start + tokens.len()),
+            table.to_vec(),
+            sample,
+        );
+    }
+    b
+}
+
+fn compare(step_name: &str, cpu: &[f32], gpu: &[f32], vocab: usize) {
+    assert_eq!(cpu.len(), gpu.len(), "{step_name}: row count");
+    for (r, (c, g)) in cpu.chunks(vocab).zip(gpu.chunks(vocab)).enumerate() {
+        let scale = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let tol = 0.04 * scale;
+        let diff = c.iter().zip(g).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            diff <= tol && g.iter().all(|v| v.is_finite()),
+            "{step_name} row {r}: max |gpu - cpu| = {diff} > {tol} (row max |logit| {scale})"
+        );
+        let mut order: Vec<usize> = (0..vocab).collect();
+        order.sort_by(|&a, &b| c[b].total_cmp(&c[a]));
+        let argmax_gpu = (0..vocab).max_by(|&a, &b| g[a].total_cmp(&g[b]));
+        if c[order[0]] - c[order[1]] > 2.0 * tol {
+            assert_eq!(
+                argmax_gpu,
+                Some(order[0]),
+                "{step_name} row {r}: greedy token"
+            );
+        }
+    }
+}
+
+#[test]
+fn cuda_logits_match_the_cpu_over_a_mixed_schedule() {
+    for tie in [false, true] {
+        let cfg = config(tie);
+        let dir = tempfile::tempdir().expect("tempdir");
+        write_checkpoint(dir.path(), &cfg);
+        let mut cpu = executor(dir.path(), Device::Cpu).expect("cpu executor");
+        let v = cfg.vocab_size;
+
+        let a: Vec<u32> = vec![3, 17, 42, 8, 8, 0, 31, 5, 9];
+        let b: Vec<u32> = (10..20).collect();
+        let c: Vec<u32> = vec![7, 7, 2, 60, 61];
+        let (ta, tb, tc) = ([3u32, 9, 12], [0u32, 1, 2], [20u32, 21]);
+        let ta_fork = [3u32, 11, 13];
+
+        let steps: Vec<(&str, ForwardBatch, Option<Fork>)> = vec![
+            // Two prefills of different lengths; b's is a first chunk, not sampled.
+            (
+                "prefill a + chunk b",
+                step(&[(&a[..6], 0, &ta[..2], true), (&b[..5], 0, &tb, false)]),
+                None,
+            ),
+            // Mixed: a decodes, b finishes its prompt, c prefills (the prefill kernel).
+            (
+                "decode a + chunk b + prefill c",
+                step(&[
+                    (&a[6..7], 6, &ta[..2], true),
+                    (&b[5..], 5, &tb, true),
+                    (&c[..3], 0, &tc[..1], true),
+                ]),
+                None,
+            ),
+            // a forks (n > 1): its partial block 9 (positions 4..7, 3 filled) is copied to 11.
+            (
+                "decode-only after a fork",
+                step(&[
+                    (&a[7..8], 7, &ta[..2], true),
+                    (&c[3..4], 7, &ta_fork[..2], true),
+                    (&c[4..5], 3, &tc[..1], true),
+                ]),
+                Some((9, 11, 3)),
+            ),
+            // Everyone crosses into a new block (a, its fork) or decodes on.
+            (
+                "decode-only across blocks",
+                step(&[
+                    (&a[8..9], 8, &ta, true),
+                    (&b[..1], 8, &ta_fork, true),
+                    (&c[..1], 4, &tc, true),
+                ]),
+                None,
+            ),
+        ];
+        // The CPU runs the schedule first: it checks the schedule itself, GPU or not.
+        let mut expected = Vec::new();
+        for (_, batch, fork) in &steps {
+            if let Some((src, dst, n)) = *fork {
+                cpu.copy_block(src, dst, n).expect("cpu fork");
+            }
+            expected.push(cpu.forward(batch).expect("cpu step"));
+        }
+        assert!(expected.iter().all(|rows| !rows.is_empty()));
+
+        let Some(mut gpu) = gpu_executor(dir.path()) else {
+            return;
+        };
+        for ((name, batch, fork), want) in steps.iter().zip(&expected) {
+            if let Some((src, dst, n)) = *fork {
+                gpu.copy_block(src, dst, n).expect("gpu fork");
+            }
+            let got = gpu.forward(batch).expect("gpu step");
+            compare(&format!("tie={tie} {name}"), want, &got, v);
+        }
+
+        // Bad values are errors before anything runs, and the executor goes on working.
+        let mut bad = step(&[(&[1], 0, &[30], true)]);
+        bad.token_ids[0] = v as u32;
+        assert!(matches!(
+            gpu.forward(&bad),
+            Err(ModelError::TokenOutOfRange { .. })
+        ));
+        let mut bad = step(&[(&[1], 0, &[30], true)]);
+        bad.slot_mapping[0] = NUM_BLOCKS * BLOCK_SIZE;
+        assert!(gpu.forward(&bad).is_err());
+        assert!(gpu.copy_block(NUM_BLOCKS, 0, 1).is_err());
+        let ok = step(&[(&[1, 2], 0, &[30], true)]);
+        let want = cpu.forward(&ok).expect("cpu after errors");
+        let got = gpu.forward(&ok).expect("gpu after errors");
+        compare(&format!("tie={tie} after errors"), &want, &got, v);
+
+        // Apart from the pool: an embedding over two chunks of max_num_batched_tokens, and
+        // prompt logits in steps of max_num_seqs rows and token by token.
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % v as u32).collect();
+        compare(
+            &format!("tie={tie} embed"),
+            &cpu.embed(&prompt).expect("cpu embed"),
+            &gpu.embed(&prompt).expect("gpu embed"),
+            cfg.hidden_size,
+        );
+        for by_step in [false, true] {
+            compare(
+                &format!("tie={tie} prompt_logits step_by_step={by_step}"),
+                &cpu.prompt_logits(&prompt[..11], by_step).expect("cpu"),
+                &gpu.prompt_logits(&prompt[..11], by_step).expect("gpu"),
+                v,
+            );
+        }
+        assert!(matches!(gpu.embed(&[]), Err(ModelError::EmptyInput)));
+        // The engine's pool was left alone: a decode of the first sequence still matches.
+        let again = step(&[(&a[..1], 9, &ta, true)]);
+        let want = cpu.forward(&again).expect("cpu");
+        let got = gpu.forward(&again).expect("gpu");
+        compare(&format!("tie={tie} pool untouched"), &want, &got, v);
+    }
+}
