@@ -8,11 +8,13 @@ cached (``scripts/gpu-test stage-model`` moves it to a machine that cannot fetch
 rather than asserted (batch invariance, agreement counts) are appended as JSON lines to
 ``$NOVAINFER_GPU_REPORT`` when it is set.
 
-Tolerances: bf16 keeps 8 significant bits, so each rounding is worth up to 2^-9 relative; a 2-layer tiny
-model with logits of standard deviation ~1 lands within 0.06 absolute of the float64 reference (about
-0.3% of the logit range). The demo model's CPU path multiplies int8-quantized activations with the GGUF
+The tiny model here is the suite's tiny Qwen2 widened to head_dim 64 (the GPU's attention kernels exist for
+64, 128 and 256): hidden 256, 4 heads, 2 KV heads, 2 layers. Tolerances: the GPU holds weights and activations
+in bf16 (8 significant bits, each rounding worth up to 2^-9 relative, about ten roundings deep), the references
+stay in f32/f64, so logits are compared per row relative to the row's largest magnitude: within 4%. A layout
+or indexing bug is off by ~100%. The demo model's CPU path multiplies int8-quantized activations with the GGUF
 blocks while the GPU multiplies bf16 activations with bf16-expanded weights, so the two differ by the
-activation quantization as well: logits are compared relative to their range (<= 4%), and greedy
+activation quantization as well: logits within twice the tiny model's tolerance, and greedy
 tokens by agreement counts with each disagreement at a near-tie of the CPU's own distribution.
 """
 
@@ -30,12 +32,19 @@ from conftest import PROMPT, logits_of
 from novainfer import LLM, SamplingParams, _native
 from numpy_qwen2 import Qwen2Reference
 from server_process import ServerProcess
+from tiny_qwen2 import write_tiny_gguf, write_tiny_model
 
 pytestmark = pytest.mark.cuda
 
 DEMO_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 # Greedy disagreements count as near-ties when the CPU put both tokens within this many nats.
 NEAR_TIE_NATS = 0.5
+# Per-row max |gpu - reference| over the row's max |reference| (see the module docstring).
+REL_TOL = 0.04
+
+
+def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    return float((np.abs(got - ref).max(axis=-1) / np.abs(ref).max(axis=-1)).max())
 
 
 def _report(**figures: object) -> None:
@@ -69,25 +78,38 @@ def demo_gguf(gpu) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny_gpu(gpu, tiny_models) -> LLM:
-    return LLM(tiny_models["f32"], device=gpu, kv_cache_bytes=64 << 20)
+def gpu_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny model at head_dim 64, in the on-disk forms the GPU loads."""
+    root = tmp_path_factory.mktemp("tiny-gpu-models")
+    f32 = write_tiny_model(root / "f32", head_dim=64)
+    return {
+        "f32": f32,
+        "bf16": write_tiny_model(root / "bf16", dtype="bf16", head_dim=64),
+        "tied": write_tiny_model(root / "tied", tie_word_embeddings=True, head_dim=64),
+        "gguf_q8_0": write_tiny_gguf(root / "tiny-q8_0.gguf", hf_dir=f32, qtype="q8_0"),
+    }
 
 
-def test_tiny_model_matches_the_float64_reference(tiny_gpu, tiny_models):
+@pytest.fixture(scope="module")
+def tiny_gpu(gpu, gpu_models) -> LLM:
+    return LLM(gpu_models["f32"], device=gpu, kv_cache_bytes=64 << 20)
+
+
+def test_tiny_model_matches_the_float64_reference(tiny_gpu, gpu_models):
     assert tiny_gpu.device == "cuda:0"
-    ref = Qwen2Reference.from_hf_dir(tiny_models["f32"]).forward(PROMPT)
+    ref = Qwen2Reference.from_hf_dir(gpu_models["f32"]).forward(PROMPT)
     got = logits_of(tiny_gpu, PROMPT)
     assert got.shape == ref.shape
-    err = np.abs(got - ref).max()
-    _report(test="tiny_vs_float64", max_abs_err=float(err), logit_range=float(np.ptp(ref)))
-    assert err < 0.06, f"max |cuda - float64| = {err}"
+    err = _rel_err(got, ref)
+    _report(test="tiny_vs_float64", max_rel_err=err)
+    assert err < REL_TOL, f"max |cuda - float64| / max |float64| = {err}"
 
 
 @pytest.mark.parametrize("variant", ["bf16", "gguf_q8_0", "tied"])
-def test_tiny_variants_match_the_cpu_engine(gpu, tiny_models, variant):
-    cpu = logits_of(LLM(tiny_models[variant], device="cpu", kv_cache_bytes=16 << 20), PROMPT)
-    got = logits_of(LLM(tiny_models[variant], device=gpu, kv_cache_bytes=16 << 20), PROMPT)
-    assert np.abs(got - cpu).max() < 0.06
+def test_tiny_variants_match_the_cpu_engine(gpu, gpu_models, variant):
+    cpu = logits_of(LLM(gpu_models[variant], device="cpu", kv_cache_bytes=16 << 20), PROMPT)
+    got = logits_of(LLM(gpu_models[variant], device=gpu, kv_cache_bytes=16 << 20), PROMPT)
+    assert _rel_err(got, cpu) < REL_TOL
 
 
 def test_paged_decode_equals_prefill_logits(tiny_gpu):
@@ -98,8 +120,8 @@ def test_paged_decode_equals_prefill_logits(tiny_gpu):
     log_softmax = full - np.log(np.exp(full - full.max(-1, keepdims=True)).sum(-1, keepdims=True)) - full.max(-1, keepdims=True)
     for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
         row = log_softmax[len(PROMPT) - 1 + i]
-        assert int(np.argmax(row)) == token or row.max() - row[token] < 0.05
-        assert abs(lp[token] - row[token]) < 0.06
+        assert int(np.argmax(row)) == token or row.max() - row[token] < 0.1
+        assert abs(lp[token] - row[token]) < 0.1
 
 
 def test_n_completions_fork_the_prompt_on_the_gpu(tiny_gpu):
@@ -122,8 +144,8 @@ def test_64_concurrent_requests_leak_no_blocks_and_batch_invariance_is_measured(
     _report(test="batch_invariance_tiny", requests=64, differing=differ)
 
 
-def test_server_on_cuda_streams_forks_and_frees_cancelled_blocks(gpu, tiny_models, tiny_gpu):
-    with ServerProcess(["--model", str(tiny_models["f32"]), "--served-model-name", "tiny", "--device", gpu,
+def test_server_on_cuda_streams_forks_and_frees_cancelled_blocks(gpu, gpu_models, tiny_gpu):
+    with ServerProcess(["--model", str(gpu_models["f32"]), "--served-model-name", "tiny", "--device", gpu,
                         "--kv-cache-bytes", str(64 << 20)]) as server:
         client = server.client()
         stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stream=True)
@@ -175,10 +197,11 @@ def test_demo_logits_match_the_cpu_engine(gpu, demo_gguf):
     prompt = list(range(1000, 1040))
     cpu = logits_of(LLM(demo_gguf, device="cpu", kv_cache_bytes=64 << 20), prompt)
     got = logits_of(LLM(demo_gguf, device=gpu, kv_cache_bytes=256 << 20), prompt)
-    err = np.abs(got - cpu).max(axis=-1) / np.ptp(cpu, axis=-1)
+    err = _rel_err(got, cpu)
     top1 = float(np.mean(got.argmax(-1) == cpu.argmax(-1)))
-    _report(test="demo_logits_vs_cpu", max_rel_err=float(err.max()), top1_agreement=top1)
-    assert err.max() < 0.04, f"max |cuda - cpu| / range = {err.max()}"
+    _report(test="demo_logits_vs_cpu", max_rel_err=err, top1_agreement=top1)
+    # The CPU quantizes activations to int8 for its GGUF matmuls, the GPU does not: twice the tiny tolerance.
+    assert err < 2 * REL_TOL, f"max |cuda - cpu| / max |cpu| = {err}"
 
 
 def test_demo_greedy_chat_agrees_with_the_cpu_engine(gpu, demo_gguf):

@@ -238,14 +238,26 @@ def _write_tokenizer(out_dir: Path) -> None:
 # --------------------------------------------------------------------------- weights
 
 
-def tiny_config(*, dtype: str = "f32", tie_word_embeddings: bool = False) -> dict:
+#: The GPU's attention kernels exist for head_dim 64, 128 and 256 only; `head_dim=64` widens the tiny model
+#: to hidden 256 (same head counts, intermediate 2 x hidden) for the CUDA tests.
+DEFAULT_HEAD_DIM = HIDDEN_SIZE // NUM_HEADS
+
+
+def _dims(head_dim: int) -> tuple[int, int]:
+    """(hidden_size, intermediate_size) for a head size; the default gives the module's constants."""
+    hidden = head_dim * NUM_HEADS
+    return hidden, INTERMEDIATE_SIZE * hidden // HIDDEN_SIZE
+
+
+def tiny_config(*, dtype: str = "f32", tie_word_embeddings: bool = False, head_dim: int = DEFAULT_HEAD_DIM) -> dict:
     specials = special_token_ids()
+    hidden, intermediate = _dims(head_dim)
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
         "vocab_size": VOCAB_SIZE,
-        "hidden_size": HIDDEN_SIZE,
-        "intermediate_size": INTERMEDIATE_SIZE,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
         "num_hidden_layers": NUM_LAYERS,
         "num_attention_heads": NUM_HEADS,
         "num_key_value_heads": NUM_KV_HEADS,
@@ -266,7 +278,9 @@ def tiny_config(*, dtype: str = "f32", tie_word_embeddings: bool = False) -> dic
     }
 
 
-def tiny_weights(*, seed: int = 0, tie_word_embeddings: bool = False) -> dict[str, np.ndarray]:
+def tiny_weights(
+    *, seed: int = 0, tie_word_embeddings: bool = False, head_dim: int = DEFAULT_HEAD_DIM
+) -> dict[str, np.ndarray]:
     """f32 weights under HF names, PyTorch [out, in] layout, in checkpoint order.
 
     With RMS-normalised inputs (rms ~1), a [out, in] matrix of std s gives outputs of std
@@ -275,7 +289,7 @@ def tiny_weights(*, seed: int = 0, tie_word_embeddings: bool = False) -> dict[st
     drowns the residual stream.
     """
     rng = np.random.default_rng(seed)
-    head_dim = HIDDEN_SIZE // NUM_HEADS
+    HIDDEN_SIZE, INTERMEDIATE_SIZE = _dims(head_dim)  # noqa: N806 - the module's names, widened
     kv_dim = NUM_KV_HEADS * head_dim
     embed_std = 1.0 / np.sqrt(HIDDEN_SIZE)
 
@@ -327,13 +341,14 @@ def write_tiny_model(
     sharded: bool = False,
     tie_word_embeddings: bool = False,
     seed: int = 0,
+    head_dim: int = DEFAULT_HEAD_DIM,
 ) -> Path:
     """Write the tiny Qwen2 HF directory into `out_dir` (created if needed) and return it."""
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = tiny_config(dtype=dtype, tie_word_embeddings=tie_word_embeddings)
+    config = tiny_config(dtype=dtype, tie_word_embeddings=tie_word_embeddings, head_dim=head_dim)
     write_json(out / "config.json", config)
     specials = special_token_ids()
     write_json(
@@ -348,7 +363,7 @@ def write_tiny_model(
 
     entries = {
         name: _entry(w, dtype)
-        for name, w in tiny_weights(seed=seed, tie_word_embeddings=tie_word_embeddings).items()
+        for name, w in tiny_weights(seed=seed, tie_word_embeddings=tie_word_embeddings, head_dim=head_dim).items()
     }
     if not sharded:
         write_safetensors(out / "model.safetensors", entries)
