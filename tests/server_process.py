@@ -1,7 +1,7 @@
 """A real `novainfer-server` process on 127.0.0.1 for the server tests.
 
-Started as ``python -m novainfer.server --port 0 ...`` (the installed package's in-process Rust server);
-the URL is read from the one line the server prints on stdout once it listens. Its stderr (the request
+Started as ``python -m novainfer.server --port 0 ...`` (the installed package's in-process Rust server), or
+as a given ``novainfer-server`` executable (a test build with fault injection, say); the URL is read from the one line the server prints on stdout once it listens. Its stderr (the request
 log) goes to a file that failing tests can show.
 """
 
@@ -23,9 +23,17 @@ _URL = re.compile(r"(http://127\.0\.0\.1:\d+)")
 class ServerProcess:
     """A running server; `stop()` (or use as a context manager) terminates it."""
 
-    def __init__(self, args: Sequence[str], *, env: dict[str, str] | None = None, timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        timeout: float = 120.0,
+        executable: str | None = None,
+    ) -> None:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="novainfer-server-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "novainfer.server", "--host", "127.0.0.1", "--port", "0", *args]
+        program = [executable] if executable else [sys.executable, "-m", "novainfer.server"]
+        cmd = [*program, "--host", "127.0.0.1", "--port", "0", *args]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env={**os.environ, **(env or {})}
         )

@@ -11,9 +11,16 @@
 //! ([`crate::output_processor`]) turns sampled tokens into text deltas. A request
 //! of `n` completions has ids `id .. id + n` and one stream carrying all of their
 //! deltas (tagged with `index`); the stream ends when all `n` have finished.
+//!
+//! Liveness: a panic in the engine loop is caught on the engine thread and recorded
+//! ([`EngineHandle::failure`]) *before* the engine state is dropped, so every stream that
+//! then loses its sender reports [`EngineError::StepFailed`] with the panic message rather
+//! than a bare "stopped"; a caller can poll `failure()` to report health.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, TryRecvError};
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
 use novainfer_core::{RequestId, SamplingParams};
@@ -63,6 +70,25 @@ pub struct EngineHandle {
     device: Resolved,
     next_id: AtomicU64,
     workers: Vec<JoinHandle<()>>,
+    liveness: Arc<Liveness>,
+}
+
+/// Set once, by the engine thread, if its loop panicked: the panic message.
+#[derive(Default)]
+struct Liveness {
+    failure: OnceLock<String>,
+}
+
+impl Liveness {
+    /// The error for a request whose engine went away.
+    fn stopped(&self) -> EngineError {
+        match self.failure.get() {
+            Some(message) => EngineError::StepFailed {
+                message: format!("the engine thread panicked: {message}"),
+            },
+            None => EngineError::EngineStopped,
+        }
+    }
 }
 
 impl EngineHandle {
@@ -91,7 +117,14 @@ impl EngineHandle {
                 })
             }),
         )?;
-        let engine = spawn("novainfer-engine", Box::new(move || run(core, inbox)))?;
+        let liveness = Arc::new(Liveness::default());
+        let engine = spawn(
+            "novainfer-engine",
+            Box::new({
+                let liveness = liveness.clone();
+                move || run(core, inbox, &liveness)
+            }),
+        )?;
         Ok(Self {
             commands: Some(commands),
             frontend,
@@ -99,7 +132,14 @@ impl EngineHandle {
             next_id: AtomicU64::new(0),
             // The engine first: its exit closes the output thread's channel.
             workers: vec![engine, outputs],
+            liveness,
         })
+    }
+
+    /// Why the engine thread died (its panic message), or `None` while it runs (or after a
+    /// normal shutdown).
+    pub fn failure(&self) -> Option<String> {
+        self.liveness.failure.get().cloned()
     }
 
     pub fn frontend(&self) -> &Frontend {
@@ -118,6 +158,8 @@ impl EngineHandle {
     fn send(&self, command: Command) -> Result<()> {
         self.sender()?
             .send(command)
+            // A new request to a dead engine is a 503 (EngineStopped), not the 500 of the
+            // requests that were running when it died.
             .map_err(|_| EngineError::EngineStopped)
     }
 
@@ -140,6 +182,7 @@ impl EngineHandle {
             unfinished: n,
             rx,
             commands: self.sender()?.clone(),
+            liveness: self.liveness.clone(),
         })
     }
 
@@ -150,27 +193,27 @@ impl EngineHandle {
             step_by_step,
             reply,
         })?;
-        rx.recv().map_err(|_| EngineError::EngineStopped)?
+        rx.recv().map_err(|_| self.liveness.stopped())?
     }
 
     /// The prompt's embedding: see [`EngineCore::embed`].
     pub fn embed(&self, prompt_ids: Vec<u32>) -> Result<Vec<f32>> {
         let (reply, rx) = mpsc::channel();
         self.send(Command::Embed { prompt_ids, reply })?;
-        rx.recv().map_err(|_| EngineError::EngineStopped)?
+        rx.recv().map_err(|_| self.liveness.stopped())?
     }
 
     pub fn stats(&self) -> Result<EngineStats> {
         let (reply, rx) = mpsc::channel();
         self.send(Command::Stats(reply))?;
-        rx.recv().map_err(|_| EngineError::EngineStopped)
+        rx.recv().map_err(|_| self.liveness.stopped())
     }
 
     /// Drops every cached prefix block; false (and nothing changes) while requests run.
     pub fn reset_prefix_cache(&self) -> Result<bool> {
         let (reply, rx) = mpsc::channel();
         self.send(Command::ResetPrefixCache(reply))?;
-        rx.recv().map_err(|_| EngineError::EngineStopped)
+        rx.recv().map_err(|_| self.liveness.stopped())
     }
 }
 
@@ -185,23 +228,41 @@ impl Drop for EngineHandle {
     }
 }
 
-fn run(mut core: EngineCore, inbox: mpsc::Receiver<Command>) {
+/// The engine thread: the step loop, with a panic caught and recorded while `core` is still
+/// alive; dropping `core` afterwards closes every request's channel.
+fn run(mut core: EngineCore, inbox: mpsc::Receiver<Command>, liveness: &Liveness) {
+    // The core is never used again after a panic, so a broken invariant inside it cannot leak.
+    let result = catch_unwind(AssertUnwindSafe(|| step_loop(&mut core, &inbox)));
+    if let Err(payload) = result {
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".to_owned());
+        tracing::error!(%message, "the engine thread panicked; failing every request in flight");
+        let _ = liveness.failure.set(message);
+    }
+}
+
+fn step_loop(core: &mut EngineCore, inbox: &mpsc::Receiver<Command>) {
+    let mut failpoint = failpoint::StepPanic::from_env();
     loop {
         if !core.has_work() {
             // Idle: sleep until something arrives.
             match inbox.recv() {
                 Ok(Command::Shutdown) | Err(_) => return,
-                Ok(command) => handle(&mut core, command),
+                Ok(command) => handle(core, command),
             }
         }
         loop {
             match inbox.try_recv() {
                 Ok(Command::Shutdown) => return,
-                Ok(command) => handle(&mut core, command),
+                Ok(command) => handle(core, command),
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => return,
             }
         }
+        failpoint.before_step();
         core.step();
     }
 }
@@ -248,6 +309,7 @@ pub struct RequestStream {
     unfinished: usize,
     rx: mpsc::Receiver<Result<Delta>>,
     commands: mpsc::Sender<Command>,
+    liveness: Arc<Liveness>,
 }
 
 impl RequestStream {
@@ -293,7 +355,10 @@ impl Iterator for RequestStream {
         if self.unfinished == 0 {
             return None;
         }
-        let item = self.rx.recv().unwrap_or(Err(EngineError::EngineStopped));
+        let item = self
+            .rx
+            .recv()
+            .unwrap_or_else(|_| Err(self.liveness.stopped()));
         match &item {
             Ok(d) if d.finish_reason.is_none() => {}
             Ok(_) => self.unfinished -= 1,
@@ -312,5 +377,46 @@ impl Drop for RequestStream {
         if self.unfinished > 0 {
             self.abort_handle().abort();
         }
+    }
+}
+
+/// Fault injection for tests of the server's liveness handling, compiled only with the
+/// `failpoints` feature (never in a release wheel): `NOVAINFER_FAILPOINT_ENGINE_PANIC_AFTER=N`
+/// makes the engine loop panic before its (N+1)-th step.
+#[cfg(feature = "failpoints")]
+mod failpoint {
+    pub struct StepPanic {
+        steps_left: Option<u64>,
+    }
+
+    impl StepPanic {
+        pub fn from_env() -> Self {
+            let steps_left = std::env::var("NOVAINFER_FAILPOINT_ENGINE_PANIC_AFTER")
+                .ok()
+                .and_then(|v| v.parse().ok());
+            Self { steps_left }
+        }
+
+        pub fn before_step(&mut self) {
+            match &mut self.steps_left {
+                Some(0) => panic!("failpoint: NOVAINFER_FAILPOINT_ENGINE_PANIC_AFTER reached"),
+                Some(n) => *n -= 1,
+                None => {}
+            }
+        }
+    }
+}
+
+#[cfg(not(feature = "failpoints"))]
+mod failpoint {
+    pub struct StepPanic;
+
+    impl StepPanic {
+        pub fn from_env() -> Self {
+            Self
+        }
+
+        #[inline(always)]
+        pub fn before_step(&mut self) {}
     }
 }

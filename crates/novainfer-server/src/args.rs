@@ -98,6 +98,10 @@ pub struct ServeArgs {
     pub user_token_budget: Option<u64>,
     #[arg(long, default_value_t = 3600)]
     pub user_budget_window: u64,
+    /// Users whose spending is remembered; past this the least recently charged are
+    /// forgotten (and start a fresh window).
+    #[arg(long, default_value_t = 100_000)]
+    pub max_budget_users: usize,
     /// Allow cross-origin requests from these origins (`*` for any). Off by default.
     #[arg(long)]
     pub cors_allow_origin: Vec<String>,
@@ -115,7 +119,41 @@ pub struct ServeArgs {
     pub keep_alive: f64,
     #[arg(long, value_enum, default_value_t = ReasoningParser::Auto)]
     pub reasoning_parser: ReasoningParser,
+
+    // Connection hardening.
+    /// Seconds a client may take to send a request's headers; slower connections are closed.
+    #[arg(long, default_value_t = 10.0)]
+    pub header_read_timeout: f64,
+    /// Seconds a client may take to send a request's body (408 past it).
+    #[arg(long, default_value_t = 60.0)]
+    pub body_read_timeout: f64,
+    /// Seconds a kept-alive connection may sit idle between requests before it is closed.
+    #[arg(long, default_value_t = 60.0)]
+    pub idle_timeout: f64,
+    /// Open connections at once; more are answered 503 and closed.
+    #[arg(long, default_value_t = 2048)]
+    pub max_connections: usize,
+    /// Accept only requests whose Host header names one of these hosts (guards against DNS
+    /// rebinding; comma-separated or repeated). Off by default.
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_hosts: Vec<String>,
+
+    // Liveness and shutdown.
+    /// Keep serving (health 503) when a model's engine thread dies, instead of draining and
+    /// exiting non-zero so a supervisor restarts the server.
+    #[arg(long)]
+    pub no_exit_on_engine_failure: bool,
+    /// Seconds running requests get to finish after SIGTERM/SIGINT before they are aborted.
+    #[arg(long, default_value_t = 30.0)]
+    pub shutdown_grace: f64,
 }
+
+/// Longest timeout accepted anywhere (a week): far beyond any sane value, far below what
+/// would overflow `Instant` arithmetic.
+pub const MAX_TIMEOUT_SECS: f64 = 7.0 * 24.0 * 3600.0;
+
+/// The env var that also sets `--api-key`.
+pub const API_KEY_ENV: &str = "NOVAINFER_API_KEY";
 
 /// Argument values clap cannot check on its own.
 #[derive(Debug, thiserror::Error)]
@@ -124,6 +162,12 @@ pub enum ArgsError {
     Param(#[from] ParamError),
     #[error("--served-model-name given {names} times for {models} --model values")]
     NameCount { names: usize, models: usize },
+    #[error(transparent)]
+    Key(#[from] crate::keys::KeyError),
+    #[error(
+        "{API_KEY_ENV} is set but empty: unset it to serve without keys, or give --api-key KEY"
+    )]
+    EmptyKeyEnv,
     #[error("--{flag} must be {what}, got {value}")]
     Range {
         flag: &'static str,
@@ -162,25 +206,89 @@ impl ServeArgs {
             self.max_body_bytes.to_string(),
         )?;
         positive(
-            "keep-alive",
-            self.keep_alive.is_finite() && self.keep_alive > 0.0,
-            self.keep_alive.to_string(),
-        )?;
-        positive(
             "user-budget-window",
             self.user_budget_window > 0,
             self.user_budget_window.to_string(),
         )?;
-        if !(self.request_timeout.is_finite() && self.request_timeout >= 0.0) {
+        if !(self.request_timeout.is_finite()
+            && (0.0..=MAX_TIMEOUT_SECS).contains(&self.request_timeout))
+        {
             return Err(ArgsError::Range {
                 flag: "request-timeout",
-                what: "a number of seconds >= 0",
+                what: "a number of seconds in [0, 604800]",
                 value: self.request_timeout.to_string(),
             });
         }
-        Ok(())
+        for (flag, value) in [
+            ("keep-alive", self.keep_alive),
+            ("header-read-timeout", self.header_read_timeout),
+            ("body-read-timeout", self.body_read_timeout),
+            ("idle-timeout", self.idle_timeout),
+        ] {
+            seconds(flag, value, false)?;
+        }
+        seconds("shutdown-grace", self.shutdown_grace, true)?;
+        positive(
+            "max-connections",
+            self.max_connections > 0,
+            self.max_connections.to_string(),
+        )?;
+        positive(
+            "max-budget-users",
+            self.max_budget_users > 0,
+            self.max_budget_users.to_string(),
+        )?;
+        if let Some(host) = self.allowed_hosts.iter().find(|h| h.trim().is_empty()) {
+            return Err(ArgsError::Range {
+                flag: "allowed-hosts",
+                what: "a list of non-empty host names",
+                value: format!("{host:?}"),
+            });
+        }
+        self.check_api_keys(std::env::var_os(API_KEY_ENV).as_deref())
     }
 
+    /// clap treats an empty env var as unset, which would silently turn keys off: an empty
+    /// `NOVAINFER_API_KEY` (an unset shell variable expanded, say) is an error instead, as is
+    /// an empty key in the list (`--api-key ''`, a trailing comma).
+    fn check_api_keys(&self, env: Option<&std::ffi::OsStr>) -> Result<(), ArgsError> {
+        if self.api_key.is_empty() && env.is_some_and(|v| v.to_string_lossy().trim().is_empty()) {
+            return Err(ArgsError::EmptyKeyEnv);
+        }
+        Ok(crate::keys::check_keys(&self.api_key)?)
+    }
+
+    /// The server-wide durations, checked by [`Self::check`].
+    pub fn durations(&self) -> crate::state::Durations {
+        let secs = Duration::from_secs_f64;
+        crate::state::Durations {
+            header_read: secs(self.header_read_timeout),
+            body_read: secs(self.body_read_timeout),
+            idle: secs(self.idle_timeout),
+            shutdown_grace: secs(self.shutdown_grace),
+        }
+    }
+}
+
+/// A flag in seconds: finite, at most a week, and positive (or, with `zero_ok`, >= 0).
+fn seconds(flag: &'static str, value: f64, zero_ok: bool) -> Result<(), ArgsError> {
+    let low_ok = if zero_ok { value >= 0.0 } else { value > 0.0 };
+    if value.is_finite() && low_ok && value <= MAX_TIMEOUT_SECS {
+        Ok(())
+    } else {
+        Err(ArgsError::Range {
+            flag,
+            what: if zero_ok {
+                "a number of seconds in [0, 604800]"
+            } else {
+                "a number of seconds in (0, 604800]"
+            },
+            value: value.to_string(),
+        })
+    }
+}
+
+impl ServeArgs {
     pub fn engine_config(&self, model: std::path::PathBuf) -> Result<EngineConfig, ArgsError> {
         let dtype = DtypeChoice::parse(&self.dtype).map_err(|_| {
             ParamError::new(
@@ -284,5 +392,48 @@ mod tests {
             parse(&["--reasoning-parser", "deepseek_r1"]).reasoning_parser,
             ReasoningParser::DeepseekR1
         );
+    }
+
+    #[test]
+    fn empty_api_keys_are_a_start_up_error_naming_the_flag() {
+        for argv in [
+            &["--api-key", ""][..],
+            &["--api-key", "a,"],
+            &["--api-key", "a", "--api-key", " "],
+        ] {
+            let e = parse(argv).check_api_keys(None).expect_err("empty key");
+            assert!(e.to_string().contains("--api-key"), "{e}");
+        }
+        let e = parse(&[])
+            .check_api_keys(Some("".as_ref()))
+            .expect_err("empty env");
+        assert!(e.to_string().contains(API_KEY_ENV), "{e}");
+        parse(&["--api-key", "k"])
+            .check_api_keys(Some("".as_ref()))
+            .expect("the flag wins");
+        parse(&[]).check_api_keys(None).expect("no keys");
+    }
+
+    #[test]
+    fn huge_or_odd_durations_are_refused() {
+        for flag in [
+            "--request-timeout",
+            "--keep-alive",
+            "--header-read-timeout",
+            "--body-read-timeout",
+            "--idle-timeout",
+            "--shutdown-grace",
+        ] {
+            for v in ["1e300", "inf", "NaN", "-1"] {
+                let arg = format!("{flag}={v}");
+                let e = parse(&[&arg]).check().expect_err(v);
+                assert!(e.to_string().contains(&flag[2..]), "{e}");
+            }
+        }
+        parse(&["--shutdown-grace", "0", "--request-timeout", "0"])
+            .check()
+            .expect("zero allowed there");
+        assert!(parse(&["--idle-timeout", "0"]).check().is_err());
+        assert!(parse(&["--allowed-hosts", "a,"]).check().is_err());
     }
 }

@@ -4,11 +4,14 @@
 //! Invariant: bad input (malformed JSON, wrong types, unknown fields, out-of-range values,
 //! prompts that cannot fit) is always a 4xx; a 5xx means the engine itself failed.
 
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use novainfer_core::ParamError;
 use novainfer_engine::EngineError;
 use serde::Serialize;
+
+/// Read by OpenAI's clients to decide whether to retry.
+pub const X_SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
@@ -20,6 +23,9 @@ pub struct ApiError {
     pub code: Option<&'static str>,
     /// Seconds for a `Retry-After` header (429).
     pub retry_after: Option<u64>,
+    /// `Some(false)` sends `x-should-retry: false`: OpenAI's clients retry 408s and 5xx by
+    /// default, which for a generation that already ran to its timeout only repeats the cost.
+    pub should_retry: Option<bool>,
 }
 
 impl ApiError {
@@ -31,6 +37,7 @@ impl ApiError {
             param: None,
             code: None,
             retry_after: None,
+            should_retry: None,
         }
     }
 
@@ -110,12 +117,44 @@ impl ApiError {
     }
 
     pub fn timeout(seconds: f64) -> Self {
-        Self::new(
+        let mut e = Self::new(
             StatusCode::REQUEST_TIMEOUT,
             "timeout_error",
             format!("the request did not finish within its timeout of {seconds} s"),
         )
-        .with_code("timeout")
+        .with_code("timeout");
+        e.should_retry = Some(false);
+        e
+    }
+
+    /// 408: the client did not send its whole body within `--body-read-timeout`.
+    pub fn body_timeout(seconds: f64) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "timeout_error",
+            format!("the request body was not received within {seconds} s (--body-read-timeout)"),
+        )
+        .with_code("body_timeout")
+    }
+
+    /// 415: a JSON endpoint got a body of another media type.
+    pub fn unsupported_media_type(found: &str) -> Self {
+        Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request_error",
+            format!("send the body as JSON with `Content-Type: application/json`, got {found}"),
+        )
+        .with_code("unsupported_media_type")
+    }
+
+    /// 403: the Host header names a host not in `--allowed-hosts` (DNS rebinding guard).
+    pub fn host_not_allowed(host: &str) -> Self {
+        Self::new(
+            StatusCode::FORBIDDEN,
+            "invalid_request_error",
+            format!("the host {host:?} is not in this server's --allowed-hosts"),
+        )
+        .with_code("host_not_allowed")
     }
 
     pub fn unavailable(message: impl Into<String>) -> Self {
@@ -198,6 +237,12 @@ impl IntoResponse for ApiError {
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
+        if let Some(retry) = self.should_retry {
+            response.headers_mut().insert(
+                X_SHOULD_RETRY,
+                HeaderValue::from_static(if retry { "true" } else { "false" }),
+            );
+        }
         response.extensions_mut().insert(self);
         response
     }
@@ -246,5 +291,14 @@ mod tests {
         let r = ApiError::too_many_requests("full", "queue_full", 2).into_response();
         assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(r.headers()[header::RETRY_AFTER], "2");
+    }
+
+    #[test]
+    fn a_timeout_tells_clients_not_to_retry() {
+        let r = ApiError::timeout(1.5).into_response();
+        assert_eq!(r.status(), StatusCode::REQUEST_TIMEOUT);
+        assert_eq!(r.headers()[X_SHOULD_RETRY], "false");
+        let r = ApiError::invalid("x").into_response();
+        assert!(r.headers().get(X_SHOULD_RETRY).is_none());
     }
 }

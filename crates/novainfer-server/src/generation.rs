@@ -9,7 +9,9 @@
 //! [`CancelRegistry`] maps request ids to the [`CancelSlot`] of each request in flight, for
 //! `POST /v1/requests/{id}/cancel`: a request is cancellable from arrival, while still
 //! queued for a permit (it then ends without running) as well as in the engine (its engine
-//! requests are aborted). A [`Registration`] removes its entry when dropped.
+//! requests are aborted). A [`Registration`] removes its entry when dropped. Entries carry
+//! the [`Tenant`] that made them: a cancel from another API key finds nothing (a 404, as if
+//! the id were unknown, so ids of other tenants' requests are not even confirmed).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -20,6 +22,7 @@ use novainfer_engine::{AbortHandle, Delta, EngineError, EngineHandle};
 use tokio::sync::{mpsc, Notify};
 
 use crate::error::ApiError;
+use crate::keys::Tenant;
 
 /// A delta of prompt `prompt` (index into the request's prompts).
 pub type Item = (usize, Result<Delta, EngineError>);
@@ -142,7 +145,7 @@ impl CancelSlot {
     }
 }
 
-type Entries = HashMap<String, Vec<(u64, Arc<CancelSlot>)>>;
+type Entries = HashMap<String, Vec<(u64, Tenant, Arc<CancelSlot>)>>;
 
 /// Request ids of requests in flight → how to cancel them.
 #[derive(Default)]
@@ -171,7 +174,7 @@ impl CancelRegistry {
     }
 
     /// Makes a request cancellable under each of `keys` (its response id, its X-Request-Id).
-    pub fn register(self: &Arc<Self>, keys: Vec<String>) -> Registration {
+    pub fn register(self: &Arc<Self>, tenant: Tenant, keys: Vec<String>) -> Registration {
         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
         let slot = Arc::new(CancelSlot::default());
         let mut entries = self.lock();
@@ -179,7 +182,7 @@ impl CancelRegistry {
             entries
                 .entry(key.clone())
                 .or_default()
-                .push((token, slot.clone()));
+                .push((token, tenant, slot.clone()));
         }
         Registration {
             registry: self.clone(),
@@ -189,18 +192,31 @@ impl CancelRegistry {
         }
     }
 
-    /// Cancels every request in flight under `key`; false if there is none.
-    pub fn cancel(&self, key: &str) -> bool {
+    /// Cancels every request of `tenant` in flight under `key`; false if there is none.
+    pub fn cancel(&self, tenant: Tenant, key: &str) -> bool {
         let entries = self.lock();
-        match entries.get(key) {
-            Some(requests) if !requests.is_empty() => {
-                for (_, slot) in requests {
-                    slot.cancel();
-                }
-                true
+        let mut found = false;
+        for (_, owner, slot) in entries.get(key).into_iter().flatten() {
+            if *owner == tenant {
+                slot.cancel();
+                found = true;
             }
-            _ => false,
         }
+        found
+    }
+
+    /// Cancels every request in flight (the end of a shutdown's grace period).
+    pub fn cancel_all(&self) -> usize {
+        let entries = self.lock();
+        let mut slots: Vec<&Arc<CancelSlot>> =
+            entries.values().flatten().map(|(_, _, s)| s).collect();
+        // A request is listed under each of its ids: cancel it once.
+        slots.sort_by_key(|s| Arc::as_ptr(s));
+        slots.dedup_by_key(|s| Arc::as_ptr(s));
+        for slot in &slots {
+            slot.cancel();
+        }
+        slots.len()
     }
 
     pub fn len(&self) -> usize {
@@ -217,7 +233,7 @@ impl Drop for Registration {
         let mut entries = self.registry.lock();
         for key in &self.keys {
             if let Some(requests) = entries.get_mut(key) {
-                requests.retain(|(t, _)| *t != self.token);
+                requests.retain(|(t, _, _)| *t != self.token);
                 if requests.is_empty() {
                     entries.remove(key);
                 }
@@ -231,17 +247,38 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    const T0: Tenant = Tenant(None);
+
+    #[test]
+    fn only_the_owning_tenant_can_cancel() {
+        let registry = Arc::new(CancelRegistry::default());
+        let mine = registry.register(Tenant(Some(0)), vec!["r".into()]);
+        assert!(!registry.cancel(Tenant(Some(1)), "r"));
+        assert!(!mine.slot().is_cancelled());
+        assert!(registry.cancel(Tenant(Some(0)), "r"));
+        assert!(mine.slot().is_cancelled());
+    }
+
+    #[test]
+    fn cancel_all_cancels_each_request_once() {
+        let registry = Arc::new(CancelRegistry::default());
+        let a = registry.register(T0, vec!["cmpl-1".into(), "1".into()]);
+        let b = registry.register(Tenant(Some(3)), vec!["2".into()]);
+        assert_eq!(registry.cancel_all(), 2);
+        assert!(a.slot().is_cancelled() && b.slot().is_cancelled());
+    }
+
     #[test]
     fn registration_lives_as_long_as_its_guard() {
         let registry = Arc::new(CancelRegistry::default());
-        let a = registry.register(vec!["cmpl-1".into(), "1".into()]);
-        let b = registry.register(vec!["1".into()]);
-        assert!(registry.cancel("cmpl-1") && registry.cancel("1"));
+        let a = registry.register(T0, vec!["cmpl-1".into(), "1".into()]);
+        let b = registry.register(T0, vec!["1".into()]);
+        assert!(registry.cancel(T0, "cmpl-1") && registry.cancel(T0, "1"));
         assert!(a.slot().is_cancelled() && b.slot().is_cancelled());
-        assert!(!registry.cancel("2"));
+        assert!(!registry.cancel(T0, "2"));
         drop(a);
-        assert!(!registry.cancel("cmpl-1"));
-        assert!(registry.cancel("1"));
+        assert!(!registry.cancel(T0, "cmpl-1"));
+        assert!(registry.cancel(T0, "1"));
         drop(b);
         assert!(registry.is_empty());
     }
@@ -249,18 +286,18 @@ mod tests {
     #[tokio::test]
     async fn a_cancel_wakes_the_waiter_even_before_it_waits() {
         let registry = Arc::new(CancelRegistry::default());
-        let r = registry.register(vec!["x".into()]);
-        registry.cancel("x");
+        let r = registry.register(T0, vec!["x".into()]);
+        registry.cancel(T0, "x");
         tokio::time::timeout(Duration::from_secs(1), r.slot().cancelled())
             .await
             .expect("already cancelled");
-        let r2 = Arc::new(registry.register(vec!["y".into()]));
+        let r2 = Arc::new(registry.register(T0, vec!["y".into()]));
         let waiter = {
             let r2 = r2.clone();
             tokio::spawn(async move { r2.slot().cancelled().await })
         };
         tokio::time::sleep(Duration::from_millis(10)).await;
-        registry.cancel("y");
+        registry.cancel(T0, "y");
         tokio::time::timeout(Duration::from_secs(1), waiter)
             .await
             .expect("woken")

@@ -1,12 +1,16 @@
 //! `novainfer-server`: NovaInfer's OpenAI-compatible HTTP server (axum + SSE) with the
 //! embedded Web UI. [`serve`] loads every `--model`, binds, prints the URL and serves until
-//! SIGINT/SIGTERM; the `novainfer-server` binary and Python's `novainfer serve` both call it.
+//! SIGINT/SIGTERM (then drains); the `novainfer-server` binary and Python's `novainfer serve` both call it.
 
 pub mod accounting;
 pub mod args;
+pub mod budget;
 pub mod error;
 pub mod generation;
+pub mod keys;
+pub mod lifecycle;
 pub mod limits;
+pub mod listener;
 pub mod metrics;
 pub mod models;
 pub mod params;
@@ -15,6 +19,7 @@ pub mod protocol;
 pub mod reasoning;
 mod routes;
 pub mod sessions;
+pub mod shutdown;
 pub mod sse;
 pub mod state;
 mod ui;
@@ -26,11 +31,16 @@ use std::time::{Duration, Instant};
 pub use args::ServeArgs;
 use novainfer_engine::{EngineError, EngineHandle};
 
+use crate::budget::TokenBudget;
 use crate::generation::CancelRegistry;
-use crate::limits::{Admission, ApiKeys, TokenBudget};
+use crate::keys::ApiKeys;
+use crate::lifecycle::{DrainCause, Lifecycle};
+use crate::limits::Admission;
+use crate::listener::{ConnLimits, Connections};
 use crate::metrics::ServerMetrics;
 use crate::models::{Models, ServedModel};
 use crate::sessions::SessionStore;
+use crate::shutdown::Signals;
 use crate::state::AppState;
 
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +60,8 @@ pub enum ServeError {
     },
     #[error("server error: {0}")]
     Io(#[from] std::io::Error),
+    #[error("the engine of model {model} died ({message}); exiting after draining (--no-exit-on-engine-failure keeps serving)")]
+    EngineFailed { model: String, message: String },
 }
 
 /// Logs to stderr; `RUST_LOG` overrides the default `info`. A second call is a no-op.
@@ -94,9 +106,13 @@ fn app_state(args: &ServeArgs, models: Models) -> AppState {
     AppState {
         models,
         admission: Admission::new(args.max_concurrent_requests, args.max_queued_requests),
-        budget: args
-            .user_token_budget
-            .map(|limit| TokenBudget::new(limit, Duration::from_secs(args.user_budget_window))),
+        budget: args.user_token_budget.map(|limit| {
+            TokenBudget::new(
+                limit,
+                Duration::from_secs(args.user_budget_window),
+                args.max_budget_users,
+            )
+        }),
         api_keys: ApiKeys::new(&args.api_key),
         sessions: SessionStore::new(Duration::from_secs(args.session_ttl), args.max_sessions),
         cancels: Arc::new(CancelRegistry::default()),
@@ -104,48 +120,20 @@ fn app_state(args: &ServeArgs, models: Models) -> AppState {
         timeout: args.timeout(),
         keep_alive: Duration::from_secs_f64(args.keep_alive),
         max_body_bytes: args.max_body_bytes,
+        durations: args.durations(),
+        allowed_hosts: (!args.allowed_hosts.is_empty()).then(|| {
+            args.allowed_hosts
+                .iter()
+                .map(|h| h.trim().to_ascii_lowercase())
+                .collect()
+        }),
+        lifecycle: Lifecycle::default(),
     }
 }
 
-/// SIGINT and SIGTERM, registered when created: a signal that arrives before anyone waits
-/// (while models load, say) is kept, not lost to the previous handler (Python's, when the
-/// server runs inside `novainfer serve`, which could not act on it while Rust holds the thread).
-struct Shutdown {
-    #[cfg(unix)]
-    signals: [tokio::signal::unix::Signal; 2],
-}
-
-impl Shutdown {
-    /// Must run inside the runtime.
-    fn register() -> std::io::Result<Self> {
-        #[cfg(unix)]
-        {
-            use tokio::signal::unix::{signal, SignalKind};
-            Ok(Self {
-                signals: [
-                    signal(SignalKind::interrupt())?,
-                    signal(SignalKind::terminate())?,
-                ],
-            })
-        }
-        #[cfg(not(unix))]
-        Ok(Self {})
-    }
-
-    async fn recv(self) {
-        #[cfg(unix)]
-        {
-            let [mut int, mut term] = self.signals;
-            tokio::select! { _ = int.recv() => {}, _ = term.recv() => {} }
-        }
-        #[cfg(not(unix))]
-        {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
-}
-
-/// Runs the server until SIGINT or SIGTERM. Blocks the calling thread.
+/// Runs the server until SIGINT or SIGTERM (then drains, see [`shutdown`]), or until an
+/// engine dies (then drains and returns [`ServeError::EngineFailed`] unless
+/// `--no-exit-on-engine-failure`). Blocks the calling thread.
 pub fn serve(args: ServeArgs) -> Result<(), ServeError> {
     init_tracing();
     args.check()?;
@@ -157,7 +145,7 @@ pub fn serve(args: ServeArgs) -> Result<(), ServeError> {
         .enable_all()
         .thread_name("novainfer-http")
         .build()?;
-    let shutdown = runtime.block_on(async { Shutdown::register() })?;
+    let signals = runtime.block_on(async { Signals::register() })?;
     let models = load_models(&args)?;
     let names = models.names();
     let state = Arc::new(app_state(&args, models));
@@ -165,30 +153,55 @@ pub fn serve(args: ServeArgs) -> Result<(), ServeError> {
         let addr = format!("{}:{}", args.host, args.port);
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
-            .map_err(|source| ServeError::Bind { addr: addr.clone(), source })?;
+            .map_err(|source| ServeError::Bind {
+                addr: addr.clone(),
+                source,
+            })?;
         let local = listener.local_addr()?;
-        let host = if local.is_ipv6() { format!("[{}]", local.ip()) } else { local.ip().to_string() };
+        let host = if local.is_ipv6() {
+            format!("[{}]", local.ip())
+        } else {
+            local.ip().to_string()
+        };
         let url = format!("http://{host}:{}", local.port());
         // The one line on stdout: scripts and tests read the URL from it.
-        println!("NovaInfer is serving {} at {url} (Web UI: {url}/, OpenAI API: {url}/v1)", names.join(", "));
+        println!(
+            "NovaInfer is serving {} at {url} (Web UI: {url}/, OpenAI API: {url}/v1)",
+            names.join(", ")
+        );
         let _ = std::io::stdout().flush();
         spawn_session_expiry(state.clone());
-        let app = routes::router(state, &args.cors_allow_origin);
-        let stop = Arc::new(tokio::sync::Notify::new());
-        let server = axum::serve(listener, app).with_graceful_shutdown({
-            let stop = stop.clone();
-            async move {
-                shutdown.recv().await;
-                tracing::info!("shutting down");
-                stop.notify_one();
-            }
-        });
-        // Open SSE streams would hold a graceful shutdown forever: give them a few seconds.
-        tokio::select! {
-            r = server => r?,
-            _ = async { stop.notified().await; tokio::time::sleep(Duration::from_secs(3)).await } => {}
+        shutdown::watch_engines(state.clone(), !args.no_exit_on_engine_failure);
+        let app = routes::router(state.clone(), &args.cors_allow_origin);
+        let limits = ConnLimits {
+            header_read: state.durations.header_read,
+            idle: state.durations.idle,
+            max_connections: args.max_connections,
+        };
+        let conns = Connections::new(args.max_connections);
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        tokio::spawn(listener::accept_loop(
+            listener,
+            app,
+            limits,
+            conns.clone(),
+            stopped,
+        ));
+        shutdown::drain(
+            &state,
+            signals,
+            stop,
+            &conns,
+            state.durations.shutdown_grace,
+        )
+        .await;
+        match state.lifecycle.cause() {
+            Some(DrainCause::EngineFailed(f)) => Err(ServeError::EngineFailed {
+                model: f.model,
+                message: f.message,
+            }),
+            _ => Ok(()),
         }
-        Ok::<_, ServeError>(())
     })
 }
 

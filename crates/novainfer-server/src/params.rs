@@ -3,6 +3,7 @@
 
 use novainfer_core::SamplingParams;
 
+use crate::args::MAX_TIMEOUT_SECS;
 use crate::error::ApiError;
 use crate::protocol::inputs::stop_strings;
 use crate::protocol::request::SharedFields;
@@ -53,10 +54,13 @@ pub fn sampling_params(
 /// The request's own timeout in seconds, if it set one.
 pub fn request_timeout(shared: &SharedFields) -> Result<Option<f64>, ApiError> {
     match shared.timeout {
-        Some(t) if !(t.is_finite() && t > 0.0) => Err(ApiError::invalid_param(
-            "timeout",
-            format!("timeout must be a positive number of seconds, got {t}"),
-        )),
+        // The cap keeps `arrival + timeout` far from overflowing `Instant` (1e300 would panic).
+        Some(t) if !(t.is_finite() && t > 0.0 && t <= MAX_TIMEOUT_SECS) => {
+            Err(ApiError::invalid_param(
+                "timeout",
+                format!("timeout must be a number of seconds in (0, {MAX_TIMEOUT_SECS}], got {t}"),
+            ))
+        }
         t => Ok(t),
     }
 }
@@ -157,6 +161,17 @@ mod tests {
             })
         };
         assert_eq!(t(2.5).expect("valid test input"), Some(2.5));
-        assert!(t(0.0).is_err() && t(-1.0).is_err() && t(f64::NAN).is_err());
+        for bad in [
+            0.0,
+            -1.0,
+            f64::NAN,
+            f64::INFINITY,
+            1e300,
+            MAX_TIMEOUT_SECS * 2.0,
+        ] {
+            let e = t(bad).expect_err("out of range");
+            assert_eq!(e.param.as_deref(), Some("timeout"));
+        }
+        assert!(t(MAX_TIMEOUT_SECS).is_ok());
     }
 }

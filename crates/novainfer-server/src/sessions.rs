@@ -5,7 +5,8 @@
 //! conversation (clients that resend history, like the Web UI); otherwise they are appended
 //! to it. Only a finished reply is stored (an aborted or failed turn leaves the session as it
 //! was). Sessions idle longer than the TTL expire; past `max_sessions` the least recently
-//! used is dropped.
+//! used is dropped. Sessions belong to the tenant (API key) that created them: another key
+//! asking for the same id finds nothing and starts its own.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -13,8 +14,13 @@ use std::time::{Duration, Instant};
 
 use novainfer_engine::ChatMessage;
 
+use crate::keys::Tenant;
+
 /// Longest accepted session id.
 pub const MAX_SESSION_ID_LEN: usize = 128;
+
+/// (owner, served model name, session id).
+type Key = (Tenant, String, String);
 
 struct Session {
     messages: Vec<ChatMessage>,
@@ -24,8 +30,7 @@ struct Session {
 pub struct SessionStore {
     ttl: Duration,
     max_sessions: usize,
-    /// Keyed by (served model name, session id).
-    sessions: Mutex<HashMap<(String, String), Session>>,
+    sessions: Mutex<HashMap<Key, Session>>,
 }
 
 /// The conversation a request continues.
@@ -48,7 +53,7 @@ impl SessionStore {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Session>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Session>> {
         // A panic while holding the lock cannot leave a map half-updated: recover it.
         self.sessions.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -56,13 +61,14 @@ impl SessionStore {
     /// The whole conversation for this turn: stored history merged with the request's messages.
     pub fn conversation(
         &self,
+        tenant: Tenant,
         model: &str,
         id: &str,
         request: Vec<ChatMessage>,
         now: Instant,
     ) -> Vec<ChatMessage> {
         let mut sessions = self.lock();
-        let key = (model.to_owned(), id.to_owned());
+        let key = (tenant, model.to_owned(), id.to_owned());
         match sessions.get_mut(&key) {
             Some(s) if now.duration_since(s.last_used) <= self.ttl => {
                 s.last_used = now;
@@ -79,6 +85,7 @@ impl SessionStore {
     /// Records a finished turn: the conversation that was sent plus the assistant's reply.
     pub fn store(
         &self,
+        tenant: Tenant,
         model: &str,
         id: &str,
         mut conversation: Vec<ChatMessage>,
@@ -88,7 +95,7 @@ impl SessionStore {
         conversation.push(ChatMessage::new("assistant", reply));
         let mut sessions = self.lock();
         sessions.insert(
-            (model.to_owned(), id.to_owned()),
+            (tenant, model.to_owned(), id.to_owned()),
             Session {
                 messages: conversation,
                 last_used: now,
@@ -125,6 +132,8 @@ impl SessionStore {
 mod tests {
     use super::*;
 
+    const T0: Tenant = Tenant(None);
+
     fn m(role: &str, content: &str) -> ChatMessage {
         ChatMessage::new(role, content)
     }
@@ -149,9 +158,10 @@ mod tests {
     fn store_then_continue_then_expire() {
         let store = SessionStore::new(Duration::from_secs(10), 100);
         let t0 = Instant::now();
-        let first = store.conversation("m", "s", vec![m("user", "hi")], t0);
-        store.store("m", "s", first, "hello".into(), t0);
+        let first = store.conversation(T0, "m", "s", vec![m("user", "hi")], t0);
+        store.store(T0, "m", "s", first, "hello".into(), t0);
         let second = store.conversation(
+            T0,
             "m",
             "s",
             vec![m("user", "more")],
@@ -164,7 +174,7 @@ mod tests {
         // Another model's session of the same id is separate.
         assert_eq!(
             store
-                .conversation("other", "s", vec![m("user", "x")], t0)
+                .conversation(T0, "other", "s", vec![m("user", "x")], t0)
                 .len(),
             1
         );
@@ -172,7 +182,9 @@ mod tests {
         assert_eq!(store.expire(t0 + Duration::from_secs(14)), 1);
         assert_eq!(store.expire(t0 + Duration::from_secs(16)), 0);
         assert_eq!(
-            store.conversation("m", "s", vec![m("user", "x")], t0).len(),
+            store
+                .conversation(T0, "m", "s", vec![m("user", "x")], t0)
+                .len(),
             1
         );
     }
@@ -183,6 +195,7 @@ mod tests {
         let t0 = Instant::now();
         for (i, id) in ["a", "b", "c"].iter().enumerate() {
             store.store(
+                T0,
                 "m",
                 id,
                 vec![],
@@ -191,7 +204,18 @@ mod tests {
             );
         }
         assert_eq!(store.len(), 2);
-        assert_eq!(store.conversation("m", "a", vec![], t0).len(), 0);
-        assert_eq!(store.conversation("m", "c", vec![], t0).len(), 1);
+        assert_eq!(store.conversation(T0, "m", "a", vec![], t0).len(), 0);
+        assert_eq!(store.conversation(T0, "m", "c", vec![], t0).len(), 1);
+    }
+
+    #[test]
+    fn another_tenant_does_not_see_the_session() {
+        let store = SessionStore::new(Duration::from_secs(100), 10);
+        let t0 = Instant::now();
+        let owner = Tenant(Some(0));
+        store.store(owner, "m", "s", vec![m("user", "secret")], "r".into(), t0);
+        let other = store.conversation(Tenant(Some(1)), "m", "s", vec![m("user", "x")], t0);
+        assert_eq!(other, vec![m("user", "x")]);
+        assert_eq!(store.conversation(owner, "m", "s", vec![], t0).len(), 2);
     }
 }

@@ -1,11 +1,14 @@
 //! What every handler shares: the served models, limits, sessions, cancel registry and
-//! metrics. Built once at start-up; all mutable parts synchronise themselves.
+//! metrics, connection timings and the server's lifecycle. Built once at start-up; all
+//! mutable parts synchronise themselves.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::budget::TokenBudget;
 use crate::generation::CancelRegistry;
-use crate::limits::{Admission, ApiKeys, TokenBudget};
+use crate::keys::ApiKeys;
+use crate::limits::Admission;
 use crate::metrics::ServerMetrics;
 use crate::models::Models;
 use crate::sessions::SessionStore;
@@ -22,6 +25,19 @@ pub struct AppState {
     pub timeout: Option<Duration>,
     pub keep_alive: Duration,
     pub max_body_bytes: usize,
+    pub durations: Durations,
+    /// `--allowed-hosts`, lower-cased; `None`: any Host.
+    pub allowed_hosts: Option<Vec<String>>,
+    pub lifecycle: crate::lifecycle::Lifecycle,
+}
+
+/// Connection and shutdown timings (`--header-read-timeout` and friends).
+#[derive(Debug, Clone, Copy)]
+pub struct Durations {
+    pub header_read: Duration,
+    pub body_read: Duration,
+    pub idle: Duration,
+    pub shutdown_grace: Duration,
 }
 
 /// The id of the HTTP request being served (from `X-Request-Id`, or generated).

@@ -16,6 +16,7 @@ use super::run::{prepare, stream_after_start, Event, Launch, Pending, Running};
 use super::{JsonBody, LoggedByHandler};
 use crate::accounting::chat_logprobs;
 use crate::error::ApiError;
+use crate::keys::Tenant;
 use crate::params::{request_timeout, sampling_params, EndpointParams};
 use crate::protocol::inputs;
 use crate::protocol::request::{parse_generation, ChatRequest};
@@ -29,6 +30,7 @@ use crate::state::{AppState, RequestId};
 
 /// Where to store the finished turn.
 struct SessionTurn {
+    tenant: Tenant,
     id: String,
     conversation: Vec<ChatMessage>,
 }
@@ -59,6 +61,7 @@ fn session_id(body: Option<String>, headers: &HeaderMap) -> Result<Option<String
 pub async fn chat_completions(
     State(app): State<Arc<AppState>>,
     Extension(request_id): Extension<RequestId>,
+    Extension(tenant): Extension<Tenant>,
     headers: HeaderMap,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
@@ -88,7 +91,7 @@ pub async fn chat_completions(
     let conversation = match &session {
         Some(id) => app
             .sessions
-            .conversation(&model.name, id, messages, arrival),
+            .conversation(tenant, &model.name, id, messages, arrival),
         None => messages,
     };
     if conversation.is_empty() {
@@ -121,6 +124,7 @@ pub async fn chat_completions(
             params,
             timeout: request_timeout(&req.shared)?,
             user: req.shared.user.clone(),
+            tenant,
             endpoint: "chat",
             response_id: response_id.clone(),
         },
@@ -132,7 +136,11 @@ pub async fn chat_completions(
         reasoning: model.reasoning,
         thinking_opened: prompt_opens_thinking(&prompt_text),
     };
-    let turn = session.map(|id| SessionTurn { id, conversation });
+    let turn = session.map(|id| SessionTurn {
+        tenant,
+        id,
+        conversation,
+    });
     let mut response = if stream {
         streaming(app, pending, shape, include_usage, turn)
     } else {
@@ -210,6 +218,7 @@ fn remember(app: &AppState, running: &Running, shape: &Shape, turn: Option<Sessi
     if matches!(first.finish_reason, Some("stop" | "length")) {
         let reply = shape.split(&first.text).content;
         app.sessions.store(
+            turn.tenant,
             &running.model.name,
             &turn.id,
             turn.conversation,

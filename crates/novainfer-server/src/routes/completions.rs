@@ -18,6 +18,7 @@ use super::run::{prepare, stream_after_start, Event, Launch, Pending, Running};
 use super::{JsonBody, LoggedByHandler};
 use crate::accounting::{completion_logprobs, extend_completion_logprobs};
 use crate::error::ApiError;
+use crate::keys::Tenant;
 use crate::params::{request_timeout, sampling_params, EndpointParams};
 use crate::prompt_logprobs::{prompt_logprobs, MAX_PROMPT_LOGITS};
 use crate::protocol::inputs;
@@ -30,6 +31,7 @@ use crate::state::{AppState, RequestId};
 pub async fn completions(
     State(app): State<Arc<AppState>>,
     Extension(request_id): Extension<RequestId>,
+    Extension(tenant): Extension<Tenant>,
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
     let arrival = Instant::now();
@@ -86,6 +88,7 @@ pub async fn completions(
             params,
             timeout: request_timeout(&req.shared)?,
             user: req.shared.user.clone(),
+            tenant,
             endpoint: "completions",
             response_id: response_id.clone(),
         },

@@ -40,7 +40,9 @@ pub async fn embeddings(
             ),
         ));
     }
+    crate::budget::check_user(req.user.as_deref())?;
     let prompts = inputs::prompts(&req.input, "input")?;
+    app.lifecycle.admit()?;
     let _permit = app
         .admission
         .admit()

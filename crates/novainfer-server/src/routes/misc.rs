@@ -5,11 +5,14 @@ use std::sync::Arc;
 use axum::extract::{Path, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use novainfer_engine::Prompt;
 use serde_json::{json, Value};
 
 use super::JsonBody;
 use crate::error::ApiError;
+use crate::keys::Tenant;
+use crate::lifecycle::{engine_failure, not_live};
 use crate::metrics::{render, ModelSnapshot};
 use crate::models::ServedModel;
 use crate::protocol::inputs;
@@ -40,8 +43,21 @@ pub async fn get_model(
     Ok(axum::Json(model_card(&m)).into_response())
 }
 
-pub async fn health() -> Response {
-    axum::Json(json!({"status": "ok"})).into_response()
+/// Liveness: 200 while every engine thread runs; 503 (for good) once one has died.
+pub async fn health(State(app): State<Arc<AppState>>) -> Result<Response, ApiError> {
+    if let Some(failure) = engine_failure(&app.models) {
+        return Err(not_live(&failure));
+    }
+    Ok(axum::Json(json!({"status": "ok"})).into_response())
+}
+
+/// Readiness: live and not draining (a load balancer should send no new requests otherwise).
+pub async fn ready(State(app): State<Arc<AppState>>) -> Result<Response, ApiError> {
+    if let Some(failure) = engine_failure(&app.models) {
+        return Err(not_live(&failure));
+    }
+    app.lifecycle.admit()?;
+    Ok(axum::Json(json!({"status": "ready"})).into_response())
 }
 
 pub async fn version() -> Response {
@@ -144,9 +160,10 @@ pub async fn detokenize(
 /// Aborts a request in flight by its response id (`chatcmpl-…`, `cmpl-…`) or X-Request-Id.
 pub async fn cancel(
     State(app): State<Arc<AppState>>,
+    Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    if app.cancels.cancel(&id) {
+    if app.cancels.cancel(tenant, &id) {
         Ok(
             axum::Json(json!({"id": id, "object": "request.cancel", "cancelled": true}))
                 .into_response(),

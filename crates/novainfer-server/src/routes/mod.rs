@@ -21,6 +21,7 @@ use axum::Router;
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
 use crate::error::ApiError;
+use crate::keys::Tenant;
 use crate::state::{AppState, RequestId};
 
 pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -31,6 +32,7 @@ pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 pub struct LoggedByHandler;
 
 pub fn router(state: Arc<AppState>, cors_origins: &[String]) -> Router {
+    let state_for_hosts = state.clone();
     let api = Router::new()
         .route("/v1/models", get(misc::list_models))
         .route("/v1/models/{model}", get(misc::get_model))
@@ -46,6 +48,7 @@ pub fn router(state: Arc<AppState>, cors_origins: &[String]) -> Router {
         ));
     let open = Router::new()
         .route("/health", get(misc::health))
+        .route("/ready", get(misc::ready))
         .route("/version", get(misc::version))
         .route("/metrics", get(misc::metrics))
         .route("/", get(crate::ui::index));
@@ -78,7 +81,57 @@ pub fn router(state: Arc<AppState>, cors_origins: &[String]) -> Router {
                 .expose_headers([X_REQUEST_ID]),
         );
     }
-    app.layer(middleware::from_fn(request_id_and_log))
+    app.layer(middleware::from_fn_with_state(
+        state_for_hosts,
+        allowed_host,
+    ))
+    .layer(middleware::from_fn(request_id_and_log))
+}
+
+/// `--allowed-hosts`: a page on an attacker's domain that rebinds its DNS name to this
+/// server's address still sends the attacker's name as Host; refusing unknown hosts keeps
+/// such pages away from the API and the UI. Probes (`/health`, `/ready`) usually address the
+/// server by IP, and reveal nothing, so they are exempt.
+async fn allowed_host(
+    State(state): State<Arc<AppState>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if let Some(allowed) = &state.allowed_hosts {
+        let path = request.uri().path();
+        if path != "/health" && path != "/ready" {
+            let host = request_host(&request);
+            if !allowed.iter().any(|a| *a == host) {
+                return ApiError::host_not_allowed(&host).into_response();
+            }
+        }
+    }
+    next.run(request).await
+}
+
+/// The request's host name, lower-cased, without port (from the URI in absolute form, else
+/// the Host header); empty when there is none.
+fn request_host(request: &Request) -> String {
+    let raw = request
+        .uri()
+        .authority()
+        .map(|a| a.as_str().to_owned())
+        .or_else(|| {
+            request
+                .headers()
+                .get(header::HOST)
+                .and_then(|h| h.to_str().ok())
+                .map(str::to_owned)
+        })
+        .unwrap_or_default();
+    let raw = raw.rsplit('@').next().unwrap_or_default();
+    let host = if let Some(rest) = raw.strip_prefix('[') {
+        // [v6]:port
+        rest.split(']').next().unwrap_or_default()
+    } else {
+        raw.split(':').next().unwrap_or_default()
+    };
+    host.to_ascii_lowercase()
 }
 
 /// A client-chosen request id is kept if it is short and plain; otherwise we make one.
@@ -127,29 +180,52 @@ async fn request_id_and_log(mut request: Request, next: Next) -> Response {
 
 async fn require_api_key(
     State(state): State<Arc<AppState>>,
-    request: Request,
+    mut request: Request,
     next: Next,
 ) -> Response {
-    if let Some(keys) = &state.api_keys {
-        let presented = request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
-            .unwrap_or_default();
-        if !keys.accepts(presented) {
-            return ApiError::unauthorized().into_response();
+    let tenant = match &state.api_keys {
+        None => Tenant::default(),
+        Some(keys) => {
+            let presented = request
+                .headers()
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+                .unwrap_or_default();
+            match keys.tenant(presented) {
+                Some(tenant) => tenant,
+                None => return ApiError::unauthorized().into_response(),
+            }
         }
-    }
+    };
+    // Handlers scope sessions, cancels and budgets by it.
+    request.extensions_mut().insert(tenant);
     next.run(request).await
 }
 
-/// The raw request body, read up to `--max-body-bytes` (413 past it).
+/// The raw body of a JSON request: `Content-Type: application/json` (415 otherwise, so a
+/// form post from a browser page cannot reach the API without a CORS preflight), read up to
+/// `--max-body-bytes` (413 past it) within `--body-read-timeout` (408 past it, so a client
+/// trickling its body cannot hold a connection and a task forever).
 pub struct JsonBody(pub Bytes);
+
+/// Whether a Content-Type header is JSON (`application/json`, any parameters, any case).
+fn is_json(content_type: Option<&HeaderValue>) -> Result<(), ApiError> {
+    let value = content_type.and_then(|v| v.to_str().ok()).unwrap_or("");
+    let essence = value.split(';').next().unwrap_or("").trim();
+    if essence.eq_ignore_ascii_case("application/json") {
+        Ok(())
+    } else if value.is_empty() {
+        Err(ApiError::unsupported_media_type("no Content-Type"))
+    } else {
+        Err(ApiError::unsupported_media_type(&format!("{value:?}")))
+    }
+}
 
 impl FromRequest<Arc<AppState>> for JsonBody {
     type Rejection = ApiError;
 
     async fn from_request(request: Request, state: &Arc<AppState>) -> Result<Self, ApiError> {
+        is_json(request.headers().get(header::CONTENT_TYPE))?;
         let limit = state.max_body_bytes;
         let declared = request
             .headers()
@@ -160,9 +236,57 @@ impl FromRequest<Arc<AppState>> for JsonBody {
             return Err(ApiError::payload_too_large(limit));
         }
         let body: Body = request.into_body();
-        axum::body::to_bytes(body, limit)
-            .await
-            .map(JsonBody)
-            .map_err(|_| ApiError::payload_too_large(limit))
+        let deadline = state.durations.body_read;
+        match tokio::time::timeout(deadline, axum::body::to_bytes(body, limit)).await {
+            Ok(Ok(bytes)) => Ok(JsonBody(bytes)),
+            Ok(Err(_)) => Err(ApiError::payload_too_large(limit)),
+            Err(_) => Err(ApiError::body_timeout(deadline.as_secs_f64())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_json_content_types_pass() {
+        for ok in [
+            "application/json",
+            "application/json; charset=utf-8",
+            "Application/JSON",
+        ] {
+            is_json(Some(&HeaderValue::from_static(ok))).expect(ok);
+        }
+        for bad in [
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "application/jsonx",
+        ] {
+            let e = is_json(Some(&HeaderValue::from_static(bad))).expect_err(bad);
+            assert_eq!(e.status, 415);
+        }
+        assert_eq!(is_json(None).expect_err("missing").status, 415);
+    }
+
+    #[test]
+    fn host_names_drop_the_port_and_case() {
+        let host = |h: &'static str| {
+            let r = Request::builder()
+                .uri("/")
+                .header(header::HOST, h)
+                .body(Body::empty())
+                .expect("valid request");
+            request_host(&r)
+        };
+        assert_eq!(host("LocalHost:8000"), "localhost");
+        assert_eq!(host("[::1]:80"), "::1");
+        assert_eq!(host("example.com"), "example.com");
+        let absolute = Request::builder()
+            .uri("http://evil.test:1/v1/models")
+            .header(header::HOST, "localhost")
+            .body(Body::empty())
+            .expect("valid request");
+        assert_eq!(request_host(&absolute), "evil.test");
     }
 }

@@ -14,8 +14,10 @@ use novainfer_engine::{Delta, EngineError};
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::accounting::RunState;
+use crate::budget::{check_user, ANONYMOUS};
 use crate::error::ApiError;
 use crate::generation::{Generation, Registration};
+use crate::keys::Tenant;
 use crate::limits::Ticket;
 use crate::models::ServedModel;
 use crate::state::{AppState, RequestId};
@@ -27,6 +29,8 @@ pub struct Launch {
     /// The request's own timeout in seconds.
     pub timeout: Option<f64>,
     pub user: Option<String>,
+    /// The API key the request came with: owns its cancel entry and budget.
+    pub tenant: Tenant,
     pub endpoint: &'static str,
     /// The response object's id; also a cancel key.
     pub response_id: String,
@@ -53,6 +57,7 @@ pub struct Running {
     request_id: String,
     endpoint: &'static str,
     user: String,
+    tenant: Tenant,
     _registration: Registration,
     /// `None` when cancelled before it got one.
     _permit: Option<OwnedSemaphorePermit>,
@@ -60,7 +65,7 @@ pub struct Running {
 
 /// Who is charged for the tokens: the `user` field, else one shared "anonymous" user.
 fn user_of(launch_user: Option<String>) -> String {
-    launch_user.unwrap_or_else(|| "anonymous".to_owned())
+    launch_user.unwrap_or_else(|| ANONYMOUS.to_owned())
 }
 
 /// A request checked and holding its place (permit or queue slot), not yet in the engine.
@@ -87,10 +92,12 @@ pub fn prepare(
     for ids in &l.prompts {
         l.model.frontend.max_new_tokens(ids.len(), &l.params)?;
     }
+    app.lifecycle.admit()?;
+    check_user(l.user.as_deref())?;
     let user = user_of(l.user.clone());
     if let Some(budget) = &app.budget {
         budget
-            .check(&user, arrival)
+            .check(l.tenant, &user, arrival)
             .inspect_err(|e| app.metrics.rejected(e.code.unwrap_or_default()))?;
     }
     let timeout_secs = match (app.timeout.map(|d| d.as_secs_f64()), l.timeout) {
@@ -103,7 +110,7 @@ pub fn prepare(
         .inspect_err(|e| app.metrics.rejected(e.code.unwrap_or_default()))?;
     let registration = app
         .cancels
-        .register(vec![l.response_id.clone(), request_id.0.clone()]);
+        .register(l.tenant, vec![l.response_id.clone(), request_id.0.clone()]);
     Ok(Pending {
         app: app.clone(),
         request_id: request_id.0.clone(),
@@ -111,7 +118,10 @@ pub fn prepare(
         launch: l,
         ticket,
         registration,
-        deadline: timeout_secs.map(|s| arrival + Duration::from_secs_f64(s)),
+        // Both timeouts are range-checked, so this cannot overflow; if it did, no deadline.
+        deadline: timeout_secs
+            .and_then(|s| Duration::try_from_secs_f64(s).ok())
+            .and_then(|d| arrival.checked_add(d)),
         timeout_secs: timeout_secs.unwrap_or_default(),
         user,
     })
@@ -151,6 +161,7 @@ impl Pending {
             request_id: self.request_id,
             endpoint: l.endpoint,
             user: self.user,
+            tenant: l.tenant,
             _registration: self.registration,
             _permit: permit,
         })
@@ -241,7 +252,12 @@ impl Drop for Running {
         metrics.e2e.observe(latency.as_secs_f64());
         metrics.finished(outcome);
         if let Some(budget) = &self.app.budget {
-            budget.charge(&self.user, usage.total_tokens as u64, Instant::now());
+            budget.charge(
+                self.tenant,
+                &self.user,
+                usage.total_tokens as u64,
+                Instant::now(),
+            );
         }
         tracing::info!(
             target: "novainfer::request",
