@@ -14,7 +14,7 @@ use crate::config::{Qwen2Config, WeightDtype};
 use crate::error::{ModelError, Result};
 use crate::forward_batch::ForwardBatch;
 use crate::kv_cache::SequenceKvCache;
-use crate::layers::ops::{add_in_place, rms_norm, silu_mul, Rope};
+use crate::layers::ops::{add_in_place, normalize_l2, rms_norm, silu_mul, Rope};
 use crate::layers::{attention, AttentionShape, Embedding, Linear, QueryRow};
 use crate::loader::{CheckedSource, Checkpoint, ModelFormat, RawTensor, TensorSource};
 use crate::paged_kv::PagedKvCache;
@@ -242,15 +242,7 @@ impl Qwen2Model {
             &self.norm,
             self.cfg.rms_norm_eps,
         );
-        let norm = v
-            .iter()
-            .map(|x| f64::from(*x) * f64::from(*x))
-            .sum::<f64>()
-            .sqrt();
-        if norm > 0.0 {
-            v.iter_mut()
-                .for_each(|x| *x = (f64::from(*x) / norm) as f32);
-        }
+        normalize_l2(&mut v);
         Ok(v)
     }
 

@@ -16,6 +16,7 @@ use crate::device::Device;
 use crate::error::{ModelError, Result};
 use crate::executor::{DeviceMemory, DeviceWeights, Executor, StepLimits};
 use crate::forward_batch::ForwardBatch;
+use crate::layers::ops::normalize_l2;
 use crate::loader::OpenedCheckpoint;
 use crate::prepare::{HostModelReader, PackedStep, StepCapacity, StepLayout};
 use crate::qwen2::{DtypeChoice, LoadOptions};
@@ -335,15 +336,7 @@ impl Executor for CudaExecutor {
         let chunk = self.capacity.max_tokens;
         let mut v = self.apart(tokens, chunk, false, Tail::Hidden)?;
         // Unit length in f64, as the CPU's `Qwen2Model::embed`.
-        let norm = v
-            .iter()
-            .map(|x| f64::from(*x) * f64::from(*x))
-            .sum::<f64>()
-            .sqrt();
-        if norm > 0.0 {
-            v.iter_mut()
-                .for_each(|x| *x = (f64::from(*x) / norm) as f32);
-        }
+        normalize_l2(&mut v);
         Ok(v)
     }
 

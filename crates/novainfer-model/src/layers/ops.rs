@@ -25,6 +25,19 @@ pub fn silu_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
         .collect()
 }
 
+/// Scales `v` to unit L2 norm, summing in f64 (an embedding's last step, on every device).
+pub fn normalize_l2(v: &mut [f32]) {
+    let norm = v
+        .iter()
+        .map(|x| f64::from(*x) * f64::from(*x))
+        .sum::<f64>()
+        .sqrt();
+    if norm > 0.0 {
+        v.iter_mut()
+            .for_each(|x| *x = (f64::from(*x) / norm) as f32);
+    }
+}
+
 pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
     acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
 }
