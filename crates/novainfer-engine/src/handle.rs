@@ -19,9 +19,10 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, TryRecvError};
+use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use novainfer_core::{RequestId, SamplingParams};
 
@@ -348,6 +349,46 @@ impl AbortHandle {
     }
 }
 
+/// What [`RequestStream::next_timeout`] found.
+#[derive(Debug)]
+pub enum NextDelta {
+    Delta(Result<Delta>),
+    /// Nothing arrived within the timeout; the request is still running.
+    Pending,
+    /// Every completion has finished (or an error ended the stream).
+    Ended,
+}
+
+impl RequestStream {
+    /// Waits at most `timeout` for the next delta, so a caller can check for something else
+    /// between waits (Python's signal handlers, a close from another thread).
+    pub fn next_timeout(&mut self, timeout: Duration) -> NextDelta {
+        if self.unfinished == 0 {
+            return NextDelta::Ended;
+        }
+        let item = match self.rx.recv_timeout(timeout) {
+            Ok(item) => item,
+            Err(RecvTimeoutError::Timeout) => return NextDelta::Pending,
+            Err(RecvTimeoutError::Disconnected) => Err(self.liveness.stopped()),
+        };
+        NextDelta::Delta(self.account(item))
+    }
+
+    /// Counts finished completions; an error ends the whole stream.
+    fn account(&mut self, item: Result<Delta>) -> Result<Delta> {
+        match &item {
+            Ok(d) if d.finish_reason.is_none() => {}
+            Ok(_) => self.unfinished -= 1,
+            Err(_) => {
+                // An error ends the stream; the request's other completions end with it.
+                self.abort_handle().abort();
+                self.unfinished = 0;
+            }
+        }
+        item
+    }
+}
+
 impl Iterator for RequestStream {
     type Item = Result<Delta>;
 
@@ -359,16 +400,7 @@ impl Iterator for RequestStream {
             .rx
             .recv()
             .unwrap_or_else(|_| Err(self.liveness.stopped()));
-        match &item {
-            Ok(d) if d.finish_reason.is_none() => {}
-            Ok(_) => self.unfinished -= 1,
-            Err(_) => {
-                // An error ends the stream; the request's other completions end with it.
-                self.abort_handle().abort();
-                self.unfinished = 0;
-            }
-        }
-        Some(item)
+        Some(self.account(item))
     }
 }
 
