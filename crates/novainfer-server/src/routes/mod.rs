@@ -101,7 +101,7 @@ async fn allowed_host(
         let path = request.uri().path();
         if path != "/health" && path != "/ready" {
             let host = request_host(&request);
-            if !allowed.iter().any(|a| *a == host) {
+            if !allowed.contains(&host) {
                 return ApiError::host_not_allowed(&host).into_response();
             }
         }
