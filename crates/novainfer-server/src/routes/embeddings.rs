@@ -18,6 +18,7 @@ use serde_json::{json, Value};
 use super::JsonBody;
 use crate::engine_io;
 use crate::error::ApiError;
+use crate::lifecycle::{not_live, EngineFailure};
 use crate::protocol::inputs;
 use crate::protocol::request::{parse, EmbeddingRequest};
 use crate::state::AppState;
@@ -50,6 +51,12 @@ pub async fn embeddings(
     crate::budget::check_user(req.user.as_deref())?;
     let prompts = inputs::prompts(&req.input, "input")?;
     app.lifecycle.admit()?;
+    if let Some(message) = model.handle.failure() {
+        return Err(not_live(&EngineFailure {
+            model: model.name.clone(),
+            message,
+        }));
+    }
     let _permit = app
         .work
         .embeddings

@@ -20,6 +20,7 @@ use crate::budget::{check_user, ANONYMOUS};
 use crate::error::ApiError;
 use crate::generation::{Generation, Registration};
 use crate::keys::Tenant;
+use crate::lifecycle::{not_live, EngineFailure};
 use crate::limits::Ticket;
 use crate::models::ServedModel;
 use crate::state::{AppState, RequestId};
@@ -84,8 +85,9 @@ pub struct Pending {
     user: String,
 }
 
-/// Everything that can refuse a request before any work is spent on it: shutdown, the user's
-/// budget, a full queue. The context length is checked once the prompt is tokenized.
+/// Everything that can refuse a request before any work is spent on it: shutdown, a dead
+/// engine (503 `engine_dead` before a stream starts, rather than an error event after a 200),
+/// the user's budget, a full queue. The context length is checked once the prompt is tokenized.
 pub fn prepare(
     app: &Arc<AppState>,
     request_id: &RequestId,
@@ -93,6 +95,12 @@ pub fn prepare(
     l: Launch,
 ) -> Result<Pending, ApiError> {
     app.lifecycle.admit()?;
+    if let Some(message) = l.model.handle.failure() {
+        return Err(not_live(&EngineFailure {
+            model: l.model.name.clone(),
+            message,
+        }));
+    }
     check_user(l.user.as_deref())?;
     let user = user_of(l.user.clone());
     if let Some(budget) = &app.budget {
