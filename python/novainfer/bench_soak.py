@@ -9,8 +9,8 @@ for ``--duration`` seconds. For each request a client draws, from a generator se
 - with probability ``--bad-fraction``, a bad request, in turn: malformed JSON (400), a body over the
   server's ``--max-body-bytes`` (413), or a connection that sends half its headers and stalls until the
   server closes it (``--header-read-timeout``);
-- otherwise a streaming chat or text completion read to its end (``ok``), whose time to first token is
-  recorded.
+- otherwise a streaming chat or text completion read to its end (``ok``), whose time to first token (the
+  first chunk with text) is recorded.
 
 A 429 (queue full) is an accepted outcome; anything else unexpected (a 500, a stream without ``[DONE]``, a
 hang) fails the run. At the end it waits for the engine to settle and reads ``/metrics``: no KV block in
@@ -149,9 +149,10 @@ class _Soak:
                     continue
                 for choice in chunk.get("choices", []):
                     finish = choice.get("finish_reason") or finish
+                    # Time to the first *token*: a chat stream's first chunk carries only the role.
+                    if ttft is None and (choice.get("text") or (choice.get("delta") or {}).get("content")):
+                        ttft = time.perf_counter() - start
                 chunks += 1
-                if ttft is None:
-                    ttft = time.perf_counter() - start
                 if abandon and chunks == stop_after:
                     if abandon == "disconnect":
                         self.tally.add("disconnected")
