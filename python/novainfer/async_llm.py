@@ -1,14 +1,18 @@
 """`AsyncLLM`: the engine for asyncio programs with many concurrent callers.
 
-Every request is a native stream on the shared engine thread (continuous batching); waiting for its next delta
-happens in an executor thread with the GIL released, so the event loop never blocks. Leaving an
-``async for`` early (break, an exception, task cancellation) aborts the request and frees its KV blocks.
+Every request is a native stream on the shared engine thread (continuous batching). A small pump thread per
+stream waits for its deltas with the GIL released and hands each to the event loop
+(``call_soon_threadsafe``), so the event loop never blocks, and many streams do not queue behind the default
+executor's few threads. Leaving an ``async for`` early (break, an exception, task cancellation) closes the
+stream without waiting: the request is aborted and its KV blocks are freed before the engine's next step, and
+the pump thread notices the close within the native poll interval (50 ms) and exits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import AsyncIterator, Sequence
 
 from . import _native
@@ -74,14 +78,44 @@ class AsyncLLM:
         )
 
 
+#: Marks the end of a pump thread's deliveries.
+_END = object()
+
+
+def _pump(stream: _native.TokenStream, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[object]) -> None:
+    """Runs on its own thread: every item of `stream` (or the exception that ended it), then `_END`."""
+
+    def deliver(item: object) -> bool:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+            return True
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            stream.close()
+            return False
+
+    try:
+        for item in stream:
+            if not deliver(item):
+                return
+    except Exception as e:  # an engine error, re-raised in the awaiting task
+        if not deliver(e):
+            return
+    deliver(_END)
+
+
 async def _deltas(stream: _native.TokenStream) -> AsyncIterator[StreamDelta]:
     loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[object] = asyncio.Queue()
+    threading.Thread(target=_pump, args=(stream, loop, queue), name="novainfer-stream", daemon=True).start()
     try:
         while True:
-            item = await loop.run_in_executor(None, next, stream, None)
-            if item is None:
+            item = await queue.get()
+            if item is _END:
                 return
-            text, ids, reason, logprobs, _cached, index = item
+            if isinstance(item, BaseException):
+                raise item
+            text, ids, reason, logprobs, _cached, index = item  # type: ignore[misc]
             yield StreamDelta(text, ids, reason, logprobs, index)
     finally:
+        # Never blocks: aborts the request at once; the pump thread ends on its own.
         stream.close()

@@ -141,7 +141,7 @@ def bench_kv_layout(
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """The `novainfer bench` options (the model options are added by the CLI)."""
-    p.add_argument("mode", nargs="?", choices=["latency", "throughput", "prefix", "kv-layout", "serve"], default="latency")
+    p.add_argument("mode", nargs="?", choices=["latency", "throughput", "prefix", "kv-layout", "serve", "soak"], default="latency")
     p.add_argument("--prompt-tokens", type=int, default=512, help="latency: prompt length")
     p.add_argument("--decode-tokens", type=int, default=128, help="latency: tokens to decode")
     p.add_argument("--repeat", type=int, default=3, help="latency: runs; the best is reported")
@@ -154,8 +154,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-tokens", type=int, default=16, help="prefix: tokens generated per request")
     p.add_argument("--requantize-q5-0", action="store_true", help="re-encode Q5_0 GGUF tensors as Q8_0")
     from .bench_serve import add_serve_args
+    from .bench_soak import add_soak_args
 
     add_serve_args(p)
+    add_soak_args(p)
 
 
 def run_bench(llm: LLM, args: argparse.Namespace, make_llm: Callable[..., LLM] | None = None) -> int:

@@ -172,6 +172,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .bench_serve import run_bench_serve
 
             return run_bench_serve(args)
+        if args.mode == "soak":
+            from .bench_soak import run_bench_soak
+
+            return run_bench_soak(args)
         from .bench import run_bench
 
         return run_bench(

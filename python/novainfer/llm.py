@@ -210,6 +210,8 @@ class LLM:
 
         `prompts` is one prompt or a list of them; a prompt is text or a list of token ids. `sampling_params`
         is one `SamplingParams` for all prompts or a list with one per prompt (default: `SamplingParams()`).
+        Ctrl-C (SIGINT) while it runs raises `KeyboardInterrupt` within about 50 ms plus the engine step in
+        progress, and aborts every prompt of the batch (their KV blocks are freed).
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int)

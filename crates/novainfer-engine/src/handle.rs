@@ -17,11 +17,13 @@
 //! then loses its sender reports [`EngineError::StepFailed`] with the panic message rather
 //! than a bare "stopped"; a caller can poll `failure()` to report health.
 
+use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, TryRecvError};
+use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use novainfer_core::{RequestId, SamplingParams};
 
@@ -32,7 +34,7 @@ use novainfer_core::FinishReason;
 
 use crate::engine_core::{EngineCore, EngineStats};
 use crate::error::{EngineError, Result};
-use crate::output_processor;
+use crate::output_processor::{self, DeltaSink};
 use crate::request::Delta;
 
 enum Command {
@@ -40,7 +42,7 @@ enum Command {
         id: RequestId,
         prompt_ids: Vec<u32>,
         params: SamplingParams,
-        deltas: mpsc::Sender<Result<Delta>>,
+        deltas: DeltaSink,
     },
     /// Completions `id .. id + n` of one request.
     Abort {
@@ -54,14 +56,29 @@ enum Command {
     PromptLogits {
         prompt_ids: Vec<u32>,
         step_by_step: bool,
-        reply: mpsc::Sender<Result<Vec<f32>>>,
+        reply: Reply<Vec<f32>>,
     },
     Embed {
         prompt_ids: Vec<u32>,
-        reply: mpsc::Sender<Result<Vec<f32>>>,
+        reply: Reply<Vec<f32>>,
     },
-    Stats(mpsc::Sender<EngineStats>),
+    Stats(Reply<EngineStats>),
     ResetPrefixCache(mpsc::Sender<bool>),
+}
+
+/// Where the engine thread sends a one-off answer: run there once, so it must not block (a
+/// std or an async channel's send). Dropped unrun when the engine dies first.
+type Reply<T> = Box<dyn FnOnce(Result<T>) + Send>;
+
+/// A std channel's reply and its receiver, for the blocking calls.
+fn blocking_reply<T: Send + 'static>() -> (Reply<T>, mpsc::Receiver<Result<T>>) {
+    let (tx, rx) = mpsc::channel();
+    (
+        Box::new(move |r| {
+            let _ = tx.send(r);
+        }),
+        rx,
+    )
 }
 
 pub struct EngineHandle {
@@ -163,50 +180,105 @@ impl EngineHandle {
             .map_err(|_| EngineError::EngineStopped)
     }
 
+    /// The error for a request whose engine went away: the panic, or a plain shutdown.
+    pub fn stopped_error(&self) -> EngineError {
+        self.liveness.stopped()
+    }
+
     /// Queues a request after checking it fits; the deltas of its `n` completions
     /// arrive on the returned stream.
     pub fn submit(&self, prompt_ids: Vec<u32>, params: SamplingParams) -> Result<RequestStream> {
-        self.frontend.max_new_tokens(prompt_ids.len(), &params)?;
         let n = params.n();
-        let id = RequestId(self.next_id.fetch_add(n as u64, Ordering::Relaxed));
         let (deltas, rx) = mpsc::channel();
-        self.send(Command::Generate {
-            id,
-            prompt_ids,
-            params,
-            deltas,
-        })?;
+        let abort = self.submit_to(prompt_ids, params, deltas.into())?;
         Ok(RequestStream {
-            id,
+            id: abort.id,
             n,
             unfinished: n,
             rx,
-            commands: self.sender()?.clone(),
+            commands: abort.commands,
             liveness: self.liveness.clone(),
         })
     }
 
+    /// Like [`Self::submit`], with the deltas going to `sink` (e.g. an async channel). The
+    /// caller must abort through the returned handle if it stops listening before the last
+    /// delta (a sink that reports the caller gone is aborted by the engine too). If the engine
+    /// dies, the sink is dropped with completions unfinished: see [`Self::stopped_error`].
+    pub fn submit_to(
+        &self,
+        prompt_ids: Vec<u32>,
+        params: SamplingParams,
+        sink: DeltaSink,
+    ) -> Result<AbortHandle> {
+        self.frontend.max_new_tokens(prompt_ids.len(), &params)?;
+        let n = params.n();
+        let id = RequestId(self.next_id.fetch_add(n as u64, Ordering::Relaxed));
+        self.send(Command::Generate {
+            id,
+            prompt_ids,
+            params,
+            deltas: sink,
+        })?;
+        Ok(AbortHandle {
+            id,
+            n,
+            commands: self.sender()?.clone(),
+        })
+    }
+
     pub fn prompt_logits(&self, prompt_ids: Vec<u32>, step_by_step: bool) -> Result<Vec<f32>> {
-        let (reply, rx) = mpsc::channel();
+        let (reply, rx) = blocking_reply();
+        self.prompt_logits_with(prompt_ids, step_by_step, reply)?;
+        rx.recv().map_err(|_| self.liveness.stopped())?
+    }
+
+    /// [`Self::prompt_logits`] answered through `reply` (run on the engine thread).
+    pub fn prompt_logits_with(
+        &self,
+        prompt_ids: Vec<u32>,
+        step_by_step: bool,
+        reply: impl FnOnce(Result<Vec<f32>>) + Send + 'static,
+    ) -> Result<()> {
         self.send(Command::PromptLogits {
             prompt_ids,
             step_by_step,
-            reply,
-        })?;
-        rx.recv().map_err(|_| self.liveness.stopped())?
+            reply: Box::new(reply),
+        })
     }
 
     /// The prompt's embedding: see [`EngineCore::embed`].
     pub fn embed(&self, prompt_ids: Vec<u32>) -> Result<Vec<f32>> {
-        let (reply, rx) = mpsc::channel();
-        self.send(Command::Embed { prompt_ids, reply })?;
+        let (reply, rx) = blocking_reply();
+        self.embed_with(prompt_ids, reply)?;
         rx.recv().map_err(|_| self.liveness.stopped())?
     }
 
+    /// [`Self::embed`] answered through `reply` (run on the engine thread). Each call is one
+    /// engine command, run between two steps.
+    pub fn embed_with(
+        &self,
+        prompt_ids: Vec<u32>,
+        reply: impl FnOnce(Result<Vec<f32>>) + Send + 'static,
+    ) -> Result<()> {
+        self.send(Command::Embed {
+            prompt_ids,
+            reply: Box::new(reply),
+        })
+    }
+
     pub fn stats(&self) -> Result<EngineStats> {
-        let (reply, rx) = mpsc::channel();
-        self.send(Command::Stats(reply))?;
-        rx.recv().map_err(|_| self.liveness.stopped())
+        let (reply, rx) = blocking_reply();
+        self.stats_with(reply)?;
+        rx.recv().map_err(|_| self.liveness.stopped())?
+    }
+
+    /// [`Self::stats`] answered through `reply` (run on the engine thread).
+    pub fn stats_with(
+        &self,
+        reply: impl FnOnce(Result<EngineStats>) + Send + 'static,
+    ) -> Result<()> {
+        self.send(Command::Stats(Box::new(reply)))
     }
 
     /// Drops every cached prefix block; false (and nothing changes) while requests run.
@@ -232,7 +304,7 @@ impl Drop for EngineHandle {
 /// alive; dropping `core` afterwards closes every request's channel.
 fn run(mut core: EngineCore, inbox: mpsc::Receiver<Command>, liveness: &Liveness) {
     // The core is never used again after a panic, so a broken invariant inside it cannot leak.
-    let result = catch_unwind(AssertUnwindSafe(|| step_loop(&mut core, &inbox)));
+    let result = catch_unwind(AssertUnwindSafe(|| step_loop(&mut core, inbox)));
     if let Err(payload) = result {
         let message = payload
             .downcast_ref::<&str>()
@@ -244,26 +316,65 @@ fn run(mut core: EngineCore, inbox: mpsc::Receiver<Command>, liveness: &Liveness
     }
 }
 
-fn step_loop(core: &mut EngineCore, inbox: &mpsc::Receiver<Command>) {
+fn step_loop(core: &mut EngineCore, inbox: mpsc::Receiver<Command>) {
     let mut failpoint = failpoint::StepPanic::from_env();
-    loop {
-        if !core.has_work() {
-            // Idle: sleep until something arrives.
-            match inbox.recv() {
-                Ok(Command::Shutdown) | Err(_) => return,
-                Ok(command) => handle(core, command),
-            }
-        }
-        loop {
-            match inbox.try_recv() {
-                Ok(Command::Shutdown) => return,
-                Ok(command) => handle(core, command),
-                Err(TryRecvError::Empty) => break,
-                Err(TryRecvError::Disconnected) => return,
-            }
+    let mut inbox = Inbox::new(inbox);
+    while let Some(commands) = inbox.between_steps(core.has_work()) {
+        for command in commands {
+            handle(core, command);
         }
         failpoint.before_step();
         core.step();
+    }
+}
+
+/// The engine's commands, taken between two steps: all that arrived, in order, except that the
+/// ones running a whole forward of their own (embeddings, prompt logits) are held back and come
+/// out at most one per step. A burst of them thus delays each running stream by one such
+/// forward per step rather than by all of them at once. They are independent of the other
+/// commands (they touch no request or block), so holding them back reorders nothing visible.
+struct Inbox {
+    rx: mpsc::Receiver<Command>,
+    forwards: VecDeque<Command>,
+}
+
+impl Inbox {
+    fn new(rx: mpsc::Receiver<Command>) -> Self {
+        Self {
+            rx,
+            forwards: VecDeque::new(),
+        }
+    }
+
+    /// What to handle before the next step; `busy`: the engine has requests to step, so do not
+    /// wait for a command. `None`: shut down (asked to, or every sender is gone).
+    fn between_steps(&mut self, busy: bool) -> Option<Vec<Command>> {
+        let mut commands = Vec::new();
+        if !busy && self.forwards.is_empty() {
+            // Idle: sleep until something arrives.
+            match self.rx.recv() {
+                Ok(Command::Shutdown) | Err(_) => return None,
+                Ok(command) => self.take(command, &mut commands),
+            }
+        }
+        loop {
+            match self.rx.try_recv() {
+                Ok(Command::Shutdown) | Err(TryRecvError::Disconnected) => return None,
+                Ok(command) => self.take(command, &mut commands),
+                Err(TryRecvError::Empty) => break,
+            }
+        }
+        commands.extend(self.forwards.pop_front());
+        Some(commands)
+    }
+
+    fn take(&mut self, command: Command, commands: &mut Vec<Command>) {
+        match command {
+            Command::Embed { .. } | Command::PromptLogits { .. } => {
+                self.forwards.push_back(command)
+            }
+            command => commands.push(command),
+        }
     }
 }
 
@@ -276,7 +387,7 @@ fn handle(core: &mut EngineCore, command: Command) {
             deltas,
         } => {
             if let Err(e) = core.add_request(id, prompt_ids, params, deltas.clone()) {
-                let _ = deltas.send(Err(e));
+                deltas.send(Err(e));
             }
         }
         Command::Abort { id, n } => core.abort(id, n),
@@ -286,15 +397,9 @@ fn handle(core: &mut EngineCore, command: Command) {
             prompt_ids,
             step_by_step,
             reply,
-        } => {
-            let _ = reply.send(core.prompt_logits(&prompt_ids, step_by_step));
-        }
-        Command::Embed { prompt_ids, reply } => {
-            let _ = reply.send(core.embed(&prompt_ids));
-        }
-        Command::Stats(reply) => {
-            let _ = reply.send(core.stats());
-        }
+        } => reply(core.prompt_logits(&prompt_ids, step_by_step)),
+        Command::Embed { prompt_ids, reply } => reply(core.embed(&prompt_ids)),
+        Command::Stats(reply) => reply(Ok(core.stats())),
         Command::ResetPrefixCache(reply) => {
             let _ = reply.send(core.reset_prefix_cache());
         }
@@ -348,6 +453,46 @@ impl AbortHandle {
     }
 }
 
+/// What [`RequestStream::next_timeout`] found.
+#[derive(Debug)]
+pub enum NextDelta {
+    Delta(Result<Delta>),
+    /// Nothing arrived within the timeout; the request is still running.
+    Pending,
+    /// Every completion has finished (or an error ended the stream).
+    Ended,
+}
+
+impl RequestStream {
+    /// Waits at most `timeout` for the next delta, so a caller can check for something else
+    /// between waits (Python's signal handlers, a close from another thread).
+    pub fn next_timeout(&mut self, timeout: Duration) -> NextDelta {
+        if self.unfinished == 0 {
+            return NextDelta::Ended;
+        }
+        let item = match self.rx.recv_timeout(timeout) {
+            Ok(item) => item,
+            Err(RecvTimeoutError::Timeout) => return NextDelta::Pending,
+            Err(RecvTimeoutError::Disconnected) => Err(self.liveness.stopped()),
+        };
+        NextDelta::Delta(self.account(item))
+    }
+
+    /// Counts finished completions; an error ends the whole stream.
+    fn account(&mut self, item: Result<Delta>) -> Result<Delta> {
+        match &item {
+            Ok(d) if d.finish_reason.is_none() => {}
+            Ok(_) => self.unfinished -= 1,
+            Err(_) => {
+                // An error ends the stream; the request's other completions end with it.
+                self.abort_handle().abort();
+                self.unfinished = 0;
+            }
+        }
+        item
+    }
+}
+
 impl Iterator for RequestStream {
     type Item = Result<Delta>;
 
@@ -359,16 +504,7 @@ impl Iterator for RequestStream {
             .rx
             .recv()
             .unwrap_or_else(|_| Err(self.liveness.stopped()));
-        match &item {
-            Ok(d) if d.finish_reason.is_none() => {}
-            Ok(_) => self.unfinished -= 1,
-            Err(_) => {
-                // An error ends the stream; the request's other completions end with it.
-                self.abort_handle().abort();
-                self.unfinished = 0;
-            }
-        }
-        Some(item)
+        Some(self.account(item))
     }
 }
 
@@ -418,5 +554,64 @@ mod failpoint {
 
         #[inline(always)]
         pub fn before_step(&mut self) {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn embed() -> Command {
+        Command::Embed {
+            prompt_ids: vec![1],
+            reply: Box::new(|_| {}),
+        }
+    }
+
+    fn stats() -> Command {
+        Command::Stats(Box::new(|_| {}))
+    }
+
+    fn kinds(commands: &[Command]) -> Vec<&'static str> {
+        commands
+            .iter()
+            .map(|c| match c {
+                Command::Embed { .. } => "embed",
+                Command::PromptLogits { .. } => "logits",
+                Command::Stats(_) => "stats",
+                Command::Abort { .. } => "abort",
+                _ => "other",
+            })
+            .collect()
+    }
+
+    #[test]
+    fn at_most_one_forward_between_two_steps() {
+        let (tx, rx) = mpsc::channel();
+        let mut inbox = Inbox::new(rx);
+        for c in [
+            embed(),
+            stats(),
+            embed(),
+            Command::Abort {
+                id: RequestId(0),
+                n: 1,
+            },
+            embed(),
+        ] {
+            tx.send(c).expect("open");
+        }
+        let step = |inbox: &mut Inbox| kinds(&inbox.between_steps(true).expect("running"));
+        assert_eq!(step(&mut inbox), ["stats", "abort", "embed"]);
+        tx.send(stats()).expect("open");
+        assert_eq!(step(&mut inbox), ["stats", "embed"]);
+        // Idle but with a forward held back: it does not wait for a new command.
+        assert_eq!(
+            kinds(&inbox.between_steps(false).expect("running")),
+            ["embed"]
+        );
+        assert!(step(&mut inbox).is_empty());
+        tx.send(Command::Shutdown).expect("open");
+        assert!(inbox.between_steps(false).is_none());
     }
 }

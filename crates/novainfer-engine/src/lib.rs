@@ -23,5 +23,6 @@ pub use engine::{
 };
 pub use engine_core::{EngineCore, EngineStats};
 pub use error::{EngineError, Result};
-pub use handle::{AbortHandle, EngineHandle, RequestStream};
+pub use handle::{AbortHandle, EngineHandle, NextDelta, RequestStream};
+pub use output_processor::DeltaSink;
 pub use request::{Delta, Prompt, RequestOutput, TokenLogprob};

@@ -13,7 +13,7 @@
 //! already forgotten the completion. The same happens when the caller is gone.
 
 use std::collections::HashMap;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 
 use novainfer_core::{FinishReason, RequestId};
 use novainfer_model::sampler::SampledToken;
@@ -22,8 +22,30 @@ use crate::error::{EngineError, Result};
 use crate::request::Delta;
 use crate::sequence::SequenceOutput;
 
-/// Where a request's deltas go; a failed send means the caller is gone.
-pub type DeltaSink = mpsc::Sender<Result<Delta>>;
+/// Where a request's deltas go: a std channel (the blocking [`crate::RequestStream`]) or any
+/// callback, such as a send into an async runtime's channel, so an async caller needs no thread
+/// parked on a blocking receive for the life of its request. The callback runs on the output
+/// thread and must not block; it returns false once the caller is gone (the request is then
+/// aborted). Dropped when the completion ends, which closes a channel behind it.
+#[derive(Clone)]
+pub struct DeltaSink(Arc<dyn Fn(Result<Delta>) -> bool + Send + Sync>);
+
+impl DeltaSink {
+    pub fn new(deliver: impl Fn(Result<Delta>) -> bool + Send + Sync + 'static) -> Self {
+        Self(Arc::new(deliver))
+    }
+
+    /// Delivers one item; false when the caller is gone.
+    pub fn send(&self, item: Result<Delta>) -> bool {
+        (self.0)(item)
+    }
+}
+
+impl From<mpsc::Sender<Result<Delta>>> for DeltaSink {
+    fn from(tx: mpsc::Sender<Result<Delta>>) -> Self {
+        Self::new(move |item| tx.send(item).is_ok())
+    }
+}
 
 /// What the engine thread tells the output thread (in one batch per engine step).
 pub enum OutputEvent {
@@ -101,7 +123,7 @@ pub fn run(events: mpsc::Receiver<Vec<OutputEvent>>, finish: impl Fn(RequestId, 
                     };
                     finish(id, reason);
                 }
-                let delivered = c.sink.send(delta).is_ok();
+                let delivered = c.sink.send(delta);
                 if !delivered && !ended {
                     finish(id, FinishReason::Abort);
                 }
@@ -159,7 +181,7 @@ mod tests {
                 id: RequestId(id),
                 index,
                 output: Box::new(output),
-                sink,
+                sink: sink.into(),
             }])
             .expect("output thread alive");
         rx

@@ -1,16 +1,20 @@
 //! `Engine` and `TokenStream` for Python: thin wrappers over `EngineHandle`.
 //!
 //! Every call that may wait on the engine releases the GIL (`Python::detach`),
-//! so other Python threads run while tokens are generated.
+//! so other Python threads run while tokens are generated. Waits for tokens wake every
+//! [`SIGNAL_POLL`] to run Python's signal handlers, so Ctrl-C raises `KeyboardInterrupt`
+//! promptly; the request streams are then dropped, which aborts them and frees their blocks.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, TryLockError};
+use std::time::Duration;
 
 use novainfer_core::KvLayout;
 use novainfer_engine::{
-    ChatMessage, Delta, EngineConfig, EngineHandle, KvBudget, Prompt, RequestOutput, RequestStream,
-    TokenLogprob, DEFAULT_GPU_MEMORY_UTILIZATION,
+    AbortHandle, ChatMessage, Delta, EngineConfig, EngineError, EngineHandle, KvBudget, NextDelta,
+    Prompt, RequestOutput, RequestStream, TokenLogprob, DEFAULT_GPU_MEMORY_UTILIZATION,
 };
 use novainfer_model::device::DEVICE_SPELLINGS;
 use novainfer_model::{DeviceChoice, DtypeChoice};
@@ -36,6 +40,22 @@ type PyDelta = (
 type PyCompletion = (String, Vec<u32>, &'static str, Option<PyLogprobs>);
 /// The `n` completions of a request and its number of cached prompt tokens.
 type PyOutput = (Vec<PyCompletion>, usize);
+
+/// How long a wait for a delta lasts before Python's signal handlers get a chance to run: the
+/// bound on how late a Ctrl-C is noticed (a step of the model may add to it).
+const SIGNAL_POLL: Duration = Duration::from_millis(50);
+
+/// The next delta of `stream`, waited for with the GIL released; a signal handler that raises
+/// (Ctrl-C → `KeyboardInterrupt`) ends the wait with its exception.
+fn next_delta(py: Python<'_>, stream: &mut RequestStream) -> PyResult<Option<Delta>> {
+    loop {
+        match py.detach(|| stream.next_timeout(SIGNAL_POLL)) {
+            NextDelta::Delta(d) => return d.map(Some).map_err(engine_error),
+            NextDelta::Ended => return Ok(None),
+            NextDelta::Pending => py.check_signals()?,
+        }
+    }
+}
 
 fn logprobs_to_py(logprobs: Vec<TokenLogprob>) -> PyLogprobs {
     logprobs
@@ -243,49 +263,48 @@ impl PyEngine {
         }
         let params: Vec<_> = params.iter().map(|p| p.inner.clone()).collect();
         let frontend = self.handle.frontend();
-        py.detach(|| {
-            // Check every request before starting any, so a bad one costs no work.
-            let prompts: Vec<Vec<u32>> = prompts
-                .into_iter()
-                .map(|p| frontend.prompt_token_ids(&Prompt::TokenIds(p)))
-                .collect::<Result<_, _>>()?;
-            for (prompt, p) in prompts.iter().zip(&params) {
-                frontend.max_new_tokens(prompt.len(), p)?;
+        let (prompts, streams) = py
+            .detach(|| {
+                // Check every request before starting any, so a bad one costs no work.
+                let prompts: Vec<Vec<u32>> = prompts
+                    .into_iter()
+                    .map(|p| frontend.prompt_token_ids(&Prompt::TokenIds(p)))
+                    .collect::<Result<_, _>>()?;
+                for (prompt, p) in prompts.iter().zip(&params) {
+                    frontend.max_new_tokens(prompt.len(), p)?;
+                }
+                let streams: Vec<RequestStream> = prompts
+                    .iter()
+                    .zip(&params)
+                    .map(|(prompt, p)| self.handle.submit(prompt.clone(), p.clone()))
+                    .collect::<Result<_, _>>()?;
+                Ok::<_, EngineError>((prompts, streams))
+            })
+            .map_err(engine_error)?;
+        // Returning early (an error, Ctrl-C) drops the streams not yet read: all are aborted.
+        let mut outputs = Vec::with_capacity(streams.len());
+        for ((mut stream, prompt), p) in streams.into_iter().zip(prompts).zip(&params) {
+            let mut deltas = Vec::new();
+            while let Some(d) = next_delta(py, &mut stream)? {
+                deltas.push(d);
             }
-            let streams: Vec<RequestStream> = prompts
-                .iter()
-                .zip(&params)
-                .map(|(prompt, p)| self.handle.submit(prompt.clone(), p.clone()))
-                .collect::<Result<_, _>>()?;
-            streams
+            let outs =
+                RequestOutput::per_completion(&prompt, p.logprobs().is_some(), p.n(), deltas);
+            let cached = outs.first().map_or(0, |o| o.num_cached_tokens);
+            let completions = outs
                 .into_iter()
-                .zip(prompts)
-                .zip(&params)
-                .map(|((stream, prompt), p)| {
-                    let deltas: Vec<Delta> = stream.collect::<Result<_, _>>()?;
-                    let outs = RequestOutput::per_completion(
-                        &prompt,
-                        p.logprobs().is_some(),
-                        p.n(),
-                        deltas,
-                    );
-                    let cached = outs.first().map_or(0, |o| o.num_cached_tokens);
-                    let completions = outs
-                        .into_iter()
-                        .map(|o| {
-                            (
-                                o.text,
-                                o.token_ids,
-                                o.finish_reason.as_str(),
-                                o.logprobs.map(logprobs_to_py),
-                            )
-                        })
-                        .collect();
-                    Ok((completions, cached))
+                .map(|o| {
+                    (
+                        o.text,
+                        o.token_ids,
+                        o.finish_reason.as_str(),
+                        o.logprobs.map(logprobs_to_py),
+                    )
                 })
-                .collect::<Result<Vec<_>, novainfer_engine::EngineError>>()
-        })
-        .map_err(engine_error)
+                .collect();
+            outputs.push((completions, cached));
+        }
+        Ok(outputs)
     }
 
     /// Starts one request and returns an iterator over its deltas.
@@ -304,7 +323,9 @@ impl PyEngine {
             })
             .map_err(engine_error)?;
         Ok(PyTokenStream {
+            abort: stream.abort_handle(),
             stream: Mutex::new(Some(stream)),
+            closed: AtomicBool::new(false),
         })
     }
 
@@ -335,9 +356,26 @@ impl PyEngine {
 }
 
 /// The deltas of one streaming request; closing or dropping it aborts the request.
+///
+/// `close` never waits: another thread may be blocked in `__next__` holding the stream (an
+/// `AsyncLLM` pump thread), so it aborts through its own handle and raises `closed`, which
+/// that wait notices within [`SIGNAL_POLL`].
 #[pyclass(name = "TokenStream", module = "novainfer._native")]
 pub struct PyTokenStream {
     stream: Mutex<Option<RequestStream>>,
+    abort: AbortHandle,
+    closed: AtomicBool,
+}
+
+impl PyTokenStream {
+    /// Drops the stream if no other thread holds it (that thread drops it when it sees `closed`).
+    fn release(&self) {
+        match self.stream.try_lock() {
+            Ok(mut guard) => drop(guard.take()),
+            Err(TryLockError::Poisoned(poisoned)) => drop(poisoned.into_inner().take()),
+            Err(TryLockError::WouldBlock) => {}
+        }
+    }
 }
 
 #[pymethods]
@@ -347,32 +385,43 @@ impl PyTokenStream {
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<PyDelta>> {
-        let next = py.detach(|| {
-            let mut guard = self
-                .stream
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            guard.as_mut().and_then(Iterator::next)
-        });
-        match next {
-            None => Ok(None),
-            Some(Err(e)) => Err(engine_error(e)),
-            Some(Ok(d)) => Ok(Some((
-                d.text,
-                d.token_ids,
-                d.finish_reason.map(|r| r.as_str()),
-                (!d.logprobs.is_empty()).then(|| logprobs_to_py(d.logprobs)),
-                d.num_cached_tokens,
-                d.index,
-            ))),
-        }
+        let next = loop {
+            if self.closed.load(Ordering::SeqCst) {
+                self.release();
+                return Ok(None);
+            }
+            let polled = py.detach(|| {
+                let mut guard = self
+                    .stream
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner());
+                match guard.as_mut() {
+                    Some(stream) => stream.next_timeout(SIGNAL_POLL),
+                    None => NextDelta::Ended,
+                }
+            });
+            match polled {
+                NextDelta::Delta(d) => break d,
+                NextDelta::Ended => return Ok(None),
+                NextDelta::Pending => py.check_signals()?,
+            }
+        };
+        let d = next.map_err(engine_error)?;
+        Ok(Some((
+            d.text,
+            d.token_ids,
+            d.finish_reason.map(|r| r.as_str()),
+            (!d.logprobs.is_empty()).then(|| logprobs_to_py(d.logprobs)),
+            d.num_cached_tokens,
+            d.index,
+        )))
     }
 
-    /// Aborts the request now; the iterator then ends.
+    /// Aborts the request now (its KV blocks are freed before the engine's next step) without
+    /// waiting; the iterator then ends.
     fn close(&self) {
-        self.stream
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .take();
+        self.closed.store(true, Ordering::SeqCst);
+        self.abort.abort();
+        self.release();
     }
 }

@@ -87,6 +87,18 @@ pub struct ServeArgs {
     /// Requests waiting for a slot; past this, 429 with Retry-After.
     #[arg(long, default_value_t = 1024)]
     pub max_queued_requests: usize,
+    /// Requests rendering a chat template or tokenizing at once (each on a blocking thread);
+    /// more wait, up to --max-queued-requests, then 429.
+    #[arg(long, default_value_t = 4)]
+    pub max_concurrent_tokenize: usize,
+    /// Requests scoring their prompt (`echo` with `logprobs`: a forward over the prompt with a
+    /// vocabulary row per token) at once; more wait, up to --max-queued-requests, then 429.
+    #[arg(long, default_value_t = 1)]
+    pub max_concurrent_scoring: usize,
+    /// Embedding requests at once (each runs one engine forward per input, between decode
+    /// steps); more wait, up to --max-queued-requests, then 429.
+    #[arg(long, default_value_t = 1)]
+    pub max_concurrent_embeddings: usize,
     /// Largest request body in bytes (413 past it).
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
@@ -200,6 +212,13 @@ impl ServeArgs {
             self.max_concurrent_requests > 0,
             self.max_concurrent_requests.to_string(),
         )?;
+        for (flag, value) in [
+            ("max-concurrent-tokenize", self.max_concurrent_tokenize),
+            ("max-concurrent-scoring", self.max_concurrent_scoring),
+            ("max-concurrent-embeddings", self.max_concurrent_embeddings),
+        ] {
+            positive(flag, value > 0, value.to_string())?;
+        }
         positive(
             "max-body-bytes",
             self.max_body_bytes > 0,

@@ -1,10 +1,12 @@
 //! Running engine requests from async handlers, and cancelling them.
 //!
-//! [`Generation`] submits one engine request per prompt and forwards each blocking
-//! `RequestStream` into one tokio channel from a blocking-pool thread. Dropping a
+//! [`Generation`] submits one engine request per prompt, each delivering its deltas straight
+//! into one tokio channel (a [`DeltaSink`] run on the engine's output thread), so a request
+//! holds no thread while it waits for tokens. Dropping a
 //! `Generation` before its streams end (client gone, timeout, handler error) aborts every
 //! engine request through its `AbortHandle` at once, even one still queued that has produced
-//! no delta yet, so its KV blocks are free at the next engine step.
+//! no delta yet, so its KV blocks are free at the next engine step. If the engine dies, its
+//! sinks are dropped with completions unfinished: the next item is the engine's error.
 //!
 //! [`CancelRegistry`] maps request ids to the [`CancelSlot`] of each request in flight, for
 //! `POST /v1/requests/{id}/cancel`: a request is cancellable from arrival, while still
@@ -18,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use novainfer_core::SamplingParams;
-use novainfer_engine::{AbortHandle, Delta, EngineError, EngineHandle};
+use novainfer_engine::{AbortHandle, Delta, DeltaSink, EngineError, EngineHandle};
 use tokio::sync::{mpsc, Notify};
 
 use crate::error::ApiError;
@@ -30,6 +32,10 @@ pub type Item = (usize, Result<Delta, EngineError>);
 pub struct Generation {
     rx: mpsc::UnboundedReceiver<Item>,
     aborts: Vec<AbortHandle>,
+    /// Per prompt, completions without their last delta yet.
+    unfinished: Vec<usize>,
+    /// To ask why the engine stopped, when the channel closes early.
+    handle: Option<Arc<EngineHandle>>,
     ended: bool,
 }
 
@@ -44,26 +50,25 @@ impl Generation {
             handle.frontend().max_new_tokens(ids.len(), params)?;
         }
         let (tx, rx) = mpsc::unbounded_channel();
-        let mut streams = Vec::with_capacity(prompts.len());
-        for ids in prompts {
-            // On error the streams already submitted are dropped, which aborts them.
-            streams.push(handle.submit(ids, params.clone())?);
-        }
-        let aborts = streams.iter().map(|s| s.abort_handle()).collect();
-        for (i, stream) in streams.into_iter().enumerate() {
+        let mut aborts: Vec<AbortHandle> = Vec::with_capacity(prompts.len());
+        let num_prompts = prompts.len();
+        for (i, ids) in prompts.into_iter().enumerate() {
             let tx = tx.clone();
-            tokio::task::spawn_blocking(move || {
-                for item in stream {
-                    if tx.send((i, item)).is_err() {
-                        // The receiver is gone; dropping the stream aborts the request.
-                        break;
-                    }
+            let sink = DeltaSink::new(move |item| tx.send((i, item)).is_ok());
+            match handle.submit_to(ids, params.clone(), sink) {
+                Ok(abort) => aborts.push(abort),
+                Err(e) => {
+                    // Nothing runs unless all are accepted.
+                    aborts.iter().for_each(AbortHandle::abort);
+                    return Err(e.into());
                 }
-            });
+            }
         }
         Ok(Self {
             rx,
             aborts,
+            unfinished: vec![params.n(); num_prompts],
+            handle: Some(handle.clone()),
             ended: false,
         })
     }
@@ -74,15 +79,35 @@ impl Generation {
         Self {
             rx,
             aborts: Vec::new(),
+            unfinished: Vec::new(),
+            handle: None,
             ended: false,
         }
     }
 
     /// The next delta of any prompt; `None` once every engine request has ended.
     pub async fn next(&mut self) -> Option<Item> {
-        let item = self.rx.recv().await;
-        self.ended = item.is_none();
-        item
+        let Some((i, item)) = self.rx.recv().await else {
+            self.ended = true;
+            // Every sink is gone with a completion unfinished: the engine died.
+            let i = self.unfinished.iter().position(|&u| u > 0)?;
+            self.unfinished[i] = 0;
+            let error = self
+                .handle
+                .as_ref()
+                .map_or(EngineError::EngineStopped, |h| h.stopped_error());
+            return Some((i, Err(error)));
+        };
+        match &item {
+            Ok(d) if d.finish_reason.is_none() => {}
+            Ok(_) => self.unfinished[i] = self.unfinished[i].saturating_sub(1),
+            Err(_) => {
+                // An error ends that prompt's request; its other completions end with it.
+                self.aborts[i].abort();
+                self.unfinished[i] = 0;
+            }
+        }
+        Some((i, item))
     }
 
     pub fn abort_handles(&self) -> Vec<AbortHandle> {

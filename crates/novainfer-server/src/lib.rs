@@ -5,6 +5,7 @@
 pub mod accounting;
 pub mod args;
 pub mod budget;
+pub mod engine_io;
 pub mod error;
 pub mod generation;
 pub mod keys;
@@ -35,7 +36,7 @@ use crate::budget::TokenBudget;
 use crate::generation::CancelRegistry;
 use crate::keys::ApiKeys;
 use crate::lifecycle::{DrainCause, Lifecycle};
-use crate::limits::Admission;
+use crate::limits::{Admission, WorkLimits};
 use crate::listener::{ConnLimits, Connections};
 use crate::metrics::ServerMetrics;
 use crate::models::{Models, ServedModel};
@@ -106,6 +107,12 @@ fn app_state(args: &ServeArgs, models: Models) -> AppState {
     AppState {
         models,
         admission: Admission::new(args.max_concurrent_requests, args.max_queued_requests),
+        work: WorkLimits::new(
+            args.max_concurrent_tokenize,
+            args.max_concurrent_scoring,
+            args.max_concurrent_embeddings,
+            args.max_queued_requests,
+        ),
         budget: args.user_token_budget.map(|limit| {
             TokenBudget::new(
                 limit,

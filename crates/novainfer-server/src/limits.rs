@@ -2,6 +2,11 @@
 //! at most `max_queued` more wait for one; anything past that is refused at once with 429,
 //! so overload never turns into an unbounded queue or a hang. Per-user budgets are in
 //! [`crate::budget`], API keys in [`crate::keys`].
+//!
+//! Work that costs CPU or an engine forward before (or instead of) generating has pools of its
+//! own ([`WorkLimits`]), admitted the same way *before* the work runs: rendering and
+//! tokenizing prompts, scoring prompts (`echo` with `logprobs`), embeddings. A flood of any of
+//! them is then refused with 429 rather than piling up blocking threads or engine commands.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -11,6 +16,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::error::ApiError;
 
 pub struct Admission {
+    /// What the permits are for and the flag that sizes them, for the 429 message.
+    what: &'static str,
+    flag: &'static str,
     permits: Arc<Semaphore>,
     max_concurrent: usize,
     max_queued: usize,
@@ -53,8 +61,26 @@ impl Ticket {
 }
 
 impl Admission {
+    /// The generation limits (`--max-concurrent-requests`).
     pub fn new(max_concurrent: usize, max_queued: usize) -> Self {
+        Self::named(
+            "requests",
+            "max-concurrent-requests",
+            max_concurrent,
+            max_queued,
+        )
+    }
+
+    /// A pool for `what`, sized by `--{flag}`.
+    pub fn named(
+        what: &'static str,
+        flag: &'static str,
+        max_concurrent: usize,
+        max_queued: usize,
+    ) -> Self {
         Self {
+            what,
+            flag,
             permits: Arc::new(Semaphore::new(max_concurrent)),
             max_concurrent,
             max_queued,
@@ -73,9 +99,9 @@ impl Admission {
         if queued >= self.max_queued {
             return Err(ApiError::too_many_requests(
                 format!(
-                    "the server is at capacity (--max-concurrent-requests {}, \
+                    "the server is at capacity for {} (--{} {}, \
                      --max-queued-requests {}); retry later",
-                    self.max_concurrent, self.max_queued
+                    self.what, self.flag, self.max_concurrent, self.max_queued
                 ),
                 "server_overloaded",
                 1,
@@ -101,6 +127,42 @@ impl Admission {
     }
 }
 
+/// The pools of work other than generation; each queues at most `--max-queued-requests`.
+pub struct WorkLimits {
+    /// Chat-template rendering and tokenizing (`--max-concurrent-tokenize`), on blocking threads.
+    pub tokenize: Admission,
+    /// Prompt scoring, `echo` with `logprobs` (`--max-concurrent-scoring`): an engine forward
+    /// over the whole prompt with a vocabulary row per token.
+    pub scoring: Admission,
+    /// Embedding requests (`--max-concurrent-embeddings`): one engine forward per input.
+    pub embeddings: Admission,
+}
+
+impl WorkLimits {
+    pub fn new(tokenize: usize, scoring: usize, embeddings: usize, max_queued: usize) -> Self {
+        Self {
+            tokenize: Admission::named(
+                "tokenizing",
+                "max-concurrent-tokenize",
+                tokenize,
+                max_queued,
+            ),
+            scoring: Admission::named(
+                "prompt scoring",
+                "max-concurrent-scoring",
+                scoring,
+                max_queued,
+            ),
+            embeddings: Admission::named(
+                "embeddings",
+                "max-concurrent-embeddings",
+                embeddings,
+                max_queued,
+            ),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,5 +185,20 @@ mod tests {
         waiter.await.expect("joins").expect("the queued one runs");
         assert_eq!(a.num_queued(), 0);
         assert_eq!(a.num_running(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_work_pool_names_its_flag() {
+        let limits = WorkLimits::new(1, 1, 1, 0);
+        let _held = limits.embeddings.admit().await.expect("first runs");
+        let e = limits.embeddings.admit().await.expect_err("no queue");
+        assert_eq!(e.status, 429);
+        assert!(
+            e.message.contains("--max-concurrent-embeddings 1"),
+            "{}",
+            e.message
+        );
+        // The other pools are independent.
+        let _scoring = limits.scoring.admit().await.expect("own pool");
     }
 }

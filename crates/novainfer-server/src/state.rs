@@ -8,7 +8,7 @@ use std::time::Duration;
 use crate::budget::TokenBudget;
 use crate::generation::CancelRegistry;
 use crate::keys::ApiKeys;
-use crate::limits::Admission;
+use crate::limits::{Admission, WorkLimits};
 use crate::metrics::ServerMetrics;
 use crate::models::Models;
 use crate::sessions::SessionStore;
@@ -16,6 +16,7 @@ use crate::sessions::SessionStore;
 pub struct AppState {
     pub models: Models,
     pub admission: Admission,
+    pub work: WorkLimits,
     pub budget: Option<TokenBudget>,
     pub api_keys: Option<ApiKeys>,
     pub sessions: SessionStore,

@@ -100,27 +100,15 @@ pub async fn chat_completions(
             "`messages` must not be empty",
         ));
     }
-    let frontend = model.frontend.clone();
-    let rendered = conversation.clone();
-    let (prompt_text, prompt_ids) = tokio::task::spawn_blocking(move || {
-        let text = frontend.apply_chat_template(&rendered, true)?;
-        // The template already placed every special token: add none (as transformers does).
-        let ids = frontend.tokenizer().encode(&text, false)?;
-        let ids = frontend.prompt_token_ids(&Prompt::TokenIds(ids))?;
-        Ok::<_, ApiError>((text, ids))
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("rendering the prompt failed: {e}")))??;
     let response_id = format!("chatcmpl-{}", request_id.0);
     let stream = req.shared.stream.unwrap_or(false);
     let include_usage = req.shared.include_usage();
-    let pending = prepare(
+    let mut pending = prepare(
         &app,
         &request_id,
         arrival,
         Launch {
             model: model.clone(),
-            prompts: vec![prompt_ids],
             params,
             timeout: request_timeout(&req.shared)?,
             user: req.shared.user.clone(),
@@ -129,6 +117,17 @@ pub async fn chat_completions(
             response_id: response_id.clone(),
         },
     )?;
+    let frontend = model.frontend.clone();
+    let rendered = conversation.clone();
+    let prompt_text = pending
+        .tokenize(move || {
+            let text = frontend.apply_chat_template(&rendered, true)?;
+            // The template already placed every special token: add none (as transformers does).
+            let ids = frontend.tokenizer().encode(&text, false)?;
+            let ids = frontend.prompt_token_ids(&Prompt::TokenIds(ids))?;
+            Ok((vec![ids], text))
+        })
+        .await?;
     let shape = Shape {
         id: response_id,
         model: model.name.clone(),

@@ -17,6 +17,7 @@ use novainfer_engine::{EngineHandle, Prompt, TokenLogprob};
 use super::run::{prepare, stream_after_start, Event, Launch, Pending, Running};
 use super::{JsonBody, LoggedByHandler};
 use crate::accounting::{completion_logprobs, extend_completion_logprobs};
+use crate::engine_io;
 use crate::error::ApiError;
 use crate::keys::Tenant;
 use crate::params::{request_timeout, sampling_params, EndpointParams};
@@ -47,44 +48,17 @@ pub async fn completions(
             logprobs: req.own.logprobs,
         },
     )?;
-    let handle = model.handle.clone();
     let echo_logprobs = params.logprobs().filter(|_| echo);
-    let (prompt_ids, echoes) = tokio::task::spawn_blocking(move || {
-        let frontend = handle.frontend();
-        let mut ids = Vec::with_capacity(prompts.len());
-        let mut echoes = Vec::with_capacity(prompts.len());
-        for p in &prompts {
-            let p_ids = frontend.prompt_token_ids(p)?;
-            let text = match p {
-                Prompt::Text(t) => t.clone(),
-                Prompt::TokenIds(t) => frontend.tokenizer().decode(t, false)?,
-            };
-            let logprobs = match echo_logprobs {
-                Some(k) => Some(echoed_logprobs(&handle, &p_ids, k)?),
-                None => None,
-            };
-            echoes.push(Echo {
-                text,
-                token_ids: p_ids.clone(),
-                logprobs,
-            });
-            ids.push(p_ids);
-        }
-        Ok::<_, ApiError>((ids, echoes))
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))??;
     let response_id = format!("cmpl-{}", request_id.0);
     let stream = req.shared.stream.unwrap_or(false);
     let include_usage = req.shared.include_usage();
     let n = params.n();
-    let pending = prepare(
+    let mut pending = prepare(
         &app,
         &request_id,
         arrival,
         Launch {
             model: model.clone(),
-            prompts: prompt_ids,
             params,
             timeout: request_timeout(&req.shared)?,
             user: req.shared.user.clone(),
@@ -93,6 +67,30 @@ pub async fn completions(
             response_id: response_id.clone(),
         },
     )?;
+    let frontend = model.frontend.clone();
+    let mut echoes = pending
+        .tokenize(move || {
+            let mut ids = Vec::with_capacity(prompts.len());
+            let mut echoes = Vec::with_capacity(prompts.len());
+            for p in &prompts {
+                let p_ids = frontend.prompt_token_ids(p)?;
+                let text = match p {
+                    Prompt::Text(t) => t.clone(),
+                    Prompt::TokenIds(t) => frontend.tokenizer().decode(t, false)?,
+                };
+                echoes.push(Echo {
+                    text,
+                    token_ids: p_ids.clone(),
+                    logprobs: None,
+                });
+                ids.push(p_ids);
+            }
+            Ok((ids, echoes))
+        })
+        .await?;
+    if let Some(k) = echo_logprobs {
+        score_prompts(&app, &model.handle, &mut echoes, k).await?;
+    }
     let shape = Shape {
         id: response_id,
         model: model.name.clone(),
@@ -116,25 +114,37 @@ struct Echo {
     logprobs: Option<Vec<Option<TokenLogprob>>>,
 }
 
-/// The prompt's own logprobs, refused (400) when its logits would not fit the cap.
-fn echoed_logprobs(
+/// The prompts' own logprobs (`echo` with `logprobs`), under the scoring pool (admitted first:
+/// 429 when its queue is full); a prompt whose logits would not fit the cap is a 400 before
+/// any of them runs. Each prompt is one engine forward, run between two decode steps.
+async fn score_prompts(
+    app: &AppState,
     handle: &EngineHandle,
-    prompt_ids: &[u32],
+    echoes: &mut [Echo],
     k: usize,
-) -> Result<Vec<Option<TokenLogprob>>, ApiError> {
+) -> Result<(), ApiError> {
     let vocab = handle.frontend().tokenizer().vocab_size().max(1);
     let max_tokens = MAX_PROMPT_LOGITS / vocab;
-    if prompt_ids.len() > max_tokens {
+    if let Some(long) = echoes.iter().find(|e| e.token_ids.len() > max_tokens) {
         return Err(ApiError::invalid_param(
             "echo",
             format!(
                 "echo with logprobs scores at most {max_tokens} prompt tokens with this model; the prompt has {}",
-                prompt_ids.len()
+                long.token_ids.len()
             ),
         ));
     }
-    let logits = handle.prompt_logits(prompt_ids.to_vec(), false)?;
-    Ok(prompt_logprobs(&logits, prompt_ids, k))
+    let _permit = app
+        .work
+        .scoring
+        .admit()
+        .await
+        .inspect_err(|e| app.metrics.rejected(e.code.unwrap_or_default()))?;
+    for echo in echoes {
+        let logits = engine_io::prompt_logits(handle, echo.token_ids.clone()).await?;
+        echo.logprobs = Some(prompt_logprobs(&logits, &echo.token_ids, k));
+    }
+    Ok(())
 }
 
 struct Shape {

@@ -1,5 +1,11 @@
 //! `POST /v1/embeddings`: one unit-length vector per input, the final hidden state of the
 //! input's last token (see docs/api.md), as floats or base64 little-endian f32.
+//!
+//! Admitted by the embeddings pool (`--max-concurrent-embeddings`, 429 past its queue) before
+//! any input is tokenized. Each input is its own engine command, sent after the previous one
+//! answered, and the engine runs at most one such forward between two decode steps, so a
+//! large batch interleaves with the running streams instead of stalling them for its whole
+//! length.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -10,7 +16,9 @@ use base64::Engine as _;
 use serde_json::{json, Value};
 
 use super::JsonBody;
+use crate::engine_io;
 use crate::error::ApiError;
+use crate::lifecycle::{not_live, EngineFailure};
 use crate::protocol::inputs;
 use crate::protocol::request::{parse, EmbeddingRequest};
 use crate::state::AppState;
@@ -43,24 +51,32 @@ pub async fn embeddings(
     crate::budget::check_user(req.user.as_deref())?;
     let prompts = inputs::prompts(&req.input, "input")?;
     app.lifecycle.admit()?;
+    if let Some(message) = model.handle.failure() {
+        return Err(not_live(&EngineFailure {
+            model: model.name.clone(),
+            message,
+        }));
+    }
     let _permit = app
-        .admission
+        .work
+        .embeddings
         .admit()
         .await
         .inspect_err(|e| app.metrics.rejected(e.code.unwrap_or_default()))?;
-    let handle = model.handle.clone();
-    let (vectors, prompt_tokens) = tokio::task::spawn_blocking(move || {
-        let mut vectors = Vec::with_capacity(prompts.len());
-        let mut prompt_tokens = 0;
-        for p in &prompts {
-            let ids = handle.frontend().prompt_token_ids(p)?;
-            prompt_tokens += ids.len();
-            vectors.push(handle.embed(ids)?);
-        }
-        Ok::<_, ApiError>((vectors, prompt_tokens))
+    let frontend = model.frontend.clone();
+    let prompt_ids = tokio::task::spawn_blocking(move || {
+        prompts
+            .iter()
+            .map(|p| frontend.prompt_token_ids(p))
+            .collect::<Result<Vec<_>, _>>()
     })
     .await
-    .map_err(|e| ApiError::internal(format!("embedding failed: {e}")))??;
+    .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))??;
+    let prompt_tokens = prompt_ids.iter().map(Vec::len).sum::<usize>();
+    let mut vectors = Vec::with_capacity(prompt_ids.len());
+    for ids in prompt_ids {
+        vectors.push(engine_io::embed(&model.handle, ids).await?);
+    }
     let data: Vec<Value> = vectors
         .into_iter()
         .enumerate()

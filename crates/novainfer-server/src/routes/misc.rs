@@ -9,7 +9,9 @@ use axum::Extension;
 use novainfer_engine::Prompt;
 use serde_json::{json, Value};
 
+use super::run::run_tokenize;
 use super::JsonBody;
+use crate::engine_io;
 use crate::error::ApiError;
 use crate::keys::Tenant;
 use crate::lifecycle::{engine_failure, not_live};
@@ -65,16 +67,11 @@ pub async fn version() -> Response {
 }
 
 pub async fn metrics(State(app): State<Arc<AppState>>) -> Response {
-    let models: Vec<Arc<ServedModel>> = app.models.0.clone();
-    // Engine stats wait for the engine thread (at most one step): off the async workers.
-    let stats = tokio::task::spawn_blocking(move || {
-        models
-            .iter()
-            .map(|m| m.handle.stats().ok())
-            .collect::<Vec<_>>()
-    })
-    .await
-    .unwrap_or_default();
+    // Engine stats wait for the engine thread (at most one step), answered into a oneshot.
+    let mut stats = Vec::with_capacity(app.models.0.len());
+    for m in &app.models.0 {
+        stats.push(engine_io::stats(&m.handle).await.ok());
+    }
     let snapshots: Vec<ModelSnapshot<'_>> = app
         .models
         .0
@@ -109,7 +106,7 @@ pub async fn tokenize(
     let req: TokenizeRequest = parse(&body)?;
     let model = app.models.get(req.model.as_deref())?;
     let frontend = model.frontend.clone();
-    let ids = tokio::task::spawn_blocking(move || match (req.prompt, req.messages) {
+    let ids = run_tokenize(&app, move || match (req.prompt, req.messages) {
         (Some(prompt), None) => Ok(frontend
             .tokenizer()
             .encode(&prompt, req.add_special_tokens.unwrap_or(true))?),
@@ -125,8 +122,7 @@ pub async fn tokenize(
             "give exactly one of `prompt` and `messages`",
         )),
     })
-    .await
-    .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))??;
+    .await?;
     Ok(axum::Json(json!({
         "count": ids.len(),
         "max_model_len": model.frontend.max_model_len(),
@@ -142,7 +138,7 @@ pub async fn detokenize(
     let req: DetokenizeRequest = parse(&body)?;
     let model = app.models.get(req.model.as_deref())?;
     let frontend = model.frontend.clone();
-    let text = tokio::task::spawn_blocking(move || {
+    let text = run_tokenize(&app, move || {
         if req.tokens.is_empty() {
             return Ok(String::new());
         }
@@ -152,8 +148,7 @@ pub async fn detokenize(
             .map_err(|e| ApiError::from(e).with_param("tokens"))?;
         Ok::<_, ApiError>(frontend.tokenizer().decode(&ids, false)?)
     })
-    .await
-    .map_err(|e| ApiError::internal(format!("detokenizing failed: {e}")))??;
+    .await?;
     Ok(axum::Json(json!({"prompt": text})).into_response())
 }
 

@@ -1,6 +1,8 @@
 //! Launching a generation and driving it, shared by completions and chat: user budget,
 //! admission (concurrency and queue limits; a stream waits for its permit already sending
-//! keep-alives), deadline, cancel registration, the event loop
+//! keep-alives), decided *before* the prompt is rendered and tokenized (see
+//! [`Pending::tokenize`]), so an overloaded server refuses a request before spending any
+//! work on it; deadline, cancel registration, the event loop
 //! (deltas, keep-alives, timeout) and the accounting done exactly once when the request
 //! ends however it ends (finished, failed, timed out, cancelled, client gone).
 
@@ -18,13 +20,13 @@ use crate::budget::{check_user, ANONYMOUS};
 use crate::error::ApiError;
 use crate::generation::{Generation, Registration};
 use crate::keys::Tenant;
+use crate::lifecycle::{not_live, EngineFailure};
 use crate::limits::Ticket;
 use crate::models::ServedModel;
 use crate::state::{AppState, RequestId};
 
 pub struct Launch {
     pub model: Arc<ServedModel>,
-    pub prompts: Vec<Vec<u32>>,
     pub params: SamplingParams,
     /// The request's own timeout in seconds.
     pub timeout: Option<f64>,
@@ -74,6 +76,8 @@ pub struct Pending {
     request_id: String,
     arrival: Instant,
     launch: Launch,
+    /// Set by [`Pending::tokenize`].
+    prompts: Vec<Vec<u32>>,
     ticket: Ticket,
     registration: Registration,
     deadline: Option<Instant>,
@@ -81,18 +85,22 @@ pub struct Pending {
     user: String,
 }
 
-/// Everything that can refuse a request before its response starts: the context length,
-/// the user's budget, a full queue.
+/// Everything that can refuse a request before any work is spent on it: shutdown, a dead
+/// engine (503 `engine_dead` before a stream starts, rather than an error event after a 200),
+/// the user's budget, a full queue. The context length is checked once the prompt is tokenized.
 pub fn prepare(
     app: &Arc<AppState>,
     request_id: &RequestId,
     arrival: Instant,
     l: Launch,
 ) -> Result<Pending, ApiError> {
-    for ids in &l.prompts {
-        l.model.frontend.max_new_tokens(ids.len(), &l.params)?;
-    }
     app.lifecycle.admit()?;
+    if let Some(message) = l.model.handle.failure() {
+        return Err(not_live(&EngineFailure {
+            model: l.model.name.clone(),
+            message,
+        }));
+    }
     check_user(l.user.as_deref())?;
     let user = user_of(l.user.clone());
     if let Some(budget) = &app.budget {
@@ -116,6 +124,7 @@ pub fn prepare(
         request_id: request_id.0.clone(),
         arrival,
         launch: l,
+        prompts: Vec::new(),
         ticket,
         registration,
         // Both timeouts are range-checked, so this cannot overflow; if it did, no deadline.
@@ -128,6 +137,24 @@ pub fn prepare(
 }
 
 impl Pending {
+    /// Runs `work` (rendering and tokenizing the prompts, returning their ids and whatever else
+    /// the endpoint needs) on a blocking thread once the tokenizing pool admits it (429 when its
+    /// queue is full), then checks each prompt against the context length.
+    pub async fn tokenize<T: Send + 'static>(
+        &mut self,
+        work: impl FnOnce() -> Result<(Vec<Vec<u32>>, T), ApiError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let (prompts, extra) = run_tokenize(&self.app, work).await?;
+        for ids in &prompts {
+            self.launch
+                .model
+                .frontend
+                .max_new_tokens(ids.len(), &self.launch.params)?;
+        }
+        self.prompts = prompts;
+        Ok(extra)
+    }
+
     /// Waits for a permit (until the deadline) and submits the prompts to the engine. A request
     /// cancelled while queued starts nothing and ends at once, every choice with `abort`.
     pub async fn start(self) -> Result<Running, ApiError> {
@@ -144,9 +171,9 @@ impl Pending {
             _ = self.registration.slot().cancelled() => None,
         };
         let l = self.launch;
-        let prompt_lens = l.prompts.iter().map(Vec::len).collect();
+        let prompt_lens = self.prompts.iter().map(Vec::len).collect();
         let gen = match permit {
-            Some(_) => Generation::start(&l.model.handle, l.prompts, &l.params)?,
+            Some(_) => Generation::start(&l.model.handle, self.prompts, &l.params)?,
             None => Generation::empty(),
         };
         self.registration.slot().arm(gen.abort_handles());
@@ -166,6 +193,23 @@ impl Pending {
             _permit: permit,
         })
     }
+}
+
+/// `work` on a blocking thread under the tokenizing pool (admitted first: 429 when its queue
+/// is full); shared by the generation endpoints and `/tokenize`.
+pub async fn run_tokenize<T: Send + 'static>(
+    app: &AppState,
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let _permit = app
+        .work
+        .tokenize
+        .admit()
+        .await
+        .inspect_err(|e| app.metrics.rejected(e.code.unwrap_or_default()))?;
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))?
 }
 
 async fn sleep_until(deadline: Option<Instant>) {
