@@ -49,10 +49,15 @@ const SIGNAL_POLL: Duration = Duration::from_millis(50);
 /// (Ctrl-C → `KeyboardInterrupt`) ends the wait with its exception.
 fn next_delta(py: Python<'_>, stream: &mut RequestStream) -> PyResult<Option<Delta>> {
     loop {
-        match py.detach(|| stream.next_timeout(SIGNAL_POLL)) {
+        let next = py.detach(|| stream.next_timeout(SIGNAL_POLL));
+        // Checked after every wait, not only after a timeout: while deltas keep arriving (a
+        // big batch read stream by stream) no wait ever times out, and a Ctrl-C would wait
+        // for the whole batch. The check only reads a flag the signal handler set.
+        py.check_signals()?;
+        match next {
             NextDelta::Delta(d) => return d.map(Some).map_err(engine_error),
             NextDelta::Ended => return Ok(None),
-            NextDelta::Pending => py.check_signals()?,
+            NextDelta::Pending => {}
         }
     }
 }
