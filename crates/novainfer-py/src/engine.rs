@@ -49,10 +49,13 @@ const SIGNAL_POLL: Duration = Duration::from_millis(50);
 /// (Ctrl-C → `KeyboardInterrupt`) ends the wait with its exception.
 fn next_delta(py: Python<'_>, stream: &mut RequestStream) -> PyResult<Option<Delta>> {
     loop {
-        match py.detach(|| stream.next_timeout(SIGNAL_POLL)) {
+        let polled = py.detach(|| stream.next_timeout(SIGNAL_POLL));
+        // After every wait, not only the empty ones: a busy batch may always have a delta ready.
+        py.check_signals()?;
+        match polled {
             NextDelta::Delta(d) => return d.map(Some).map_err(engine_error),
             NextDelta::Ended => return Ok(None),
-            NextDelta::Pending => py.check_signals()?,
+            NextDelta::Pending => {}
         }
     }
 }
