@@ -129,3 +129,17 @@ def test_pool_flags_are_range_checked(tiny_models):
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode != 0
         assert flag.lstrip("-") in proc.stderr, proc.stderr
+
+
+def test_a_long_embedding_runs_in_chunks_with_the_same_result(tiny_models):
+    """With a step budget of 32 tokens, a ~500-token input is computed in chunks of 32, one between two engine
+    steps; its vector equals the one computed in one pass (budget 2048, more than the input)."""
+    inputs = [LONG_TEXT, "hello"]
+    vectors = []
+    for budget in ("2048", "32"):
+        with ServerProcess(tiny(tiny_models, "--max-num-batched-tokens", budget)) as server:
+            status, _, body = embed(server, inputs)
+            assert status == 200, body
+            vectors.append([d["embedding"] for d in json.loads(body)["data"]])
+    for whole, chunked in zip(*vectors):
+        assert max(abs(a - b) for a, b in zip(whole, chunked)) < 1e-6

@@ -19,6 +19,7 @@ use novainfer_core::{
     SchedulerOutput,
 };
 use novainfer_model::sampler::{SampledToken, Sampler};
+use novainfer_model::EmbedJob;
 
 use crate::engine::{Frontend, LoadedEngine};
 use crate::error::{EngineError, Result};
@@ -71,6 +72,8 @@ pub struct EngineCore {
     pending: Vec<OutputEvent>,
     seed: u64,
     stats: EngineStats,
+    /// The step's token budget, also the largest chunk of an embedding run between two steps.
+    max_num_batched_tokens: usize,
 }
 
 impl EngineCore {
@@ -82,7 +85,9 @@ impl EngineCore {
             kv_bytes_per_block: runner.kv_bytes_per_block(),
             ..EngineStats::default()
         };
+        let max_num_batched_tokens = loaded.scheduler.max_num_batched_tokens();
         Self {
+            max_num_batched_tokens,
             runner,
             scheduler: Scheduler::new(loaded.scheduler),
             frontend: loaded.frontend,
@@ -332,8 +337,19 @@ impl EngineCore {
     }
 
     /// Unit-length embedding of a prompt (last token's final hidden state), computed
-    /// apart from the paged pool. The prompt must fit `max_model_len`.
+    /// apart from the paged pool, in one call. The prompt must fit `max_model_len`.
     pub fn embed(&mut self, prompt_ids: &[u32]) -> Result<Vec<f32>> {
+        let mut job = self.start_embedding(prompt_ids.to_vec())?;
+        loop {
+            if let Some(v) = self.advance_embedding(&mut job)? {
+                return Ok(v);
+            }
+        }
+    }
+
+    /// An embedding to compute a chunk at a time ([`Self::advance_embedding`]) between
+    /// steps; the prompt must fit `max_model_len`.
+    pub fn start_embedding(&self, prompt_ids: Vec<u32>) -> Result<EmbedJob> {
         let max_model_len = self.frontend.max_model_len();
         if prompt_ids.len() > max_model_len {
             return Err(EngineError::InputTooLong {
@@ -341,7 +357,14 @@ impl EngineCore {
                 max_model_len,
             });
         }
-        self.runner.embed(prompt_ids)
+        Ok(EmbedJob::new(prompt_ids))
+    }
+
+    /// Computes at most one step's token budget (`max_num_batched_tokens`) more of `job`,
+    /// so a long input costs running streams no more per step than a prefill chunk does;
+    /// its embedding once the last token is done.
+    pub fn advance_embedding(&mut self, job: &mut EmbedJob) -> Result<Option<Vec<f32>>> {
+        self.runner.embed_chunk(job, self.max_num_batched_tokens)
     }
 
     /// Next-token logits at every prompt position, computed apart from the paged pool

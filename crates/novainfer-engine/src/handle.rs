@@ -28,6 +28,7 @@ use std::time::Duration;
 use novainfer_core::{RequestId, SamplingParams};
 
 use novainfer_model::device::Resolved;
+use novainfer_model::EmbedJob;
 
 use crate::engine::{EngineConfig, Frontend, LoadedEngine};
 use novainfer_core::FinishReason;
@@ -319,20 +320,58 @@ fn run(mut core: EngineCore, inbox: mpsc::Receiver<Command>, liveness: &Liveness
 fn step_loop(core: &mut EngineCore, inbox: mpsc::Receiver<Command>) {
     let mut failpoint = failpoint::StepPanic::from_env();
     let mut inbox = Inbox::new(inbox);
-    while let Some(commands) = inbox.between_steps(core.has_work()) {
+    let mut embedding: Option<Embedding> = None;
+    while let Some(commands) = inbox.between_steps(core.has_work() || embedding.is_some()) {
         for command in commands {
             handle(core, command);
+        }
+        if embedding.is_none() {
+            embedding = inbox.next_forward().and_then(|c| start_forward(core, c));
+        }
+        if let Some(e) = embedding.as_mut() {
+            match core.advance_embedding(&mut e.job) {
+                Ok(None) => {}
+                done => {
+                    let e = embedding.take().expect("just matched: this is a bug");
+                    (e.reply)(done.map(|v| v.expect("Ok(None) matched above: this is a bug")));
+                }
+            }
         }
         failpoint.before_step();
         core.step();
     }
 }
 
+/// An embedding in progress: one chunk of it runs between two steps.
+struct Embedding {
+    job: EmbedJob,
+    reply: Reply<Vec<f32>>,
+}
+
+/// Starts a command that is a forward of its own: an embedding becomes an [`Embedding`] run in
+/// chunks; prompt logits (capped in size by their callers) run now, whole.
+fn start_forward(core: &mut EngineCore, command: Command) -> Option<Embedding> {
+    match command {
+        Command::Embed { prompt_ids, reply } => match core.start_embedding(prompt_ids) {
+            Ok(job) => Some(Embedding { job, reply }),
+            Err(e) => {
+                reply(Err(e));
+                None
+            }
+        },
+        command => {
+            handle(core, command);
+            None
+        }
+    }
+}
+
 /// The engine's commands, taken between two steps: all that arrived, in order, except that the
-/// ones running a whole forward of their own (embeddings, prompt logits) are held back and come
-/// out at most one per step. A burst of them thus delays each running stream by one such
-/// forward per step rather than by all of them at once. They are independent of the other
-/// commands (they touch no request or block), so holding them back reorders nothing visible.
+/// ones running a forward of their own (embeddings, prompt logits) are held back and taken one
+/// at a time ([`Inbox::next_forward`]), after the previous one is done; an embedding itself runs
+/// a chunk per step. A burst of them thus delays each running stream by at most one chunk per
+/// step rather than by all of them at once. They are independent of the other commands (they
+/// touch no request or block), so holding them back reorders nothing visible.
 struct Inbox {
     rx: mpsc::Receiver<Command>,
     forwards: VecDeque<Command>,
@@ -346,8 +385,9 @@ impl Inbox {
         }
     }
 
-    /// What to handle before the next step; `busy`: the engine has requests to step, so do not
-    /// wait for a command. `None`: shut down (asked to, or every sender is gone).
+    /// What to handle before the next step; `busy`: the engine has requests to step (or an
+    /// embedding to advance), so do not wait for a command. `None`: shut down (asked to, or
+    /// every sender is gone).
     fn between_steps(&mut self, busy: bool) -> Option<Vec<Command>> {
         let mut commands = Vec::new();
         if !busy && self.forwards.is_empty() {
@@ -364,8 +404,12 @@ impl Inbox {
                 Err(TryRecvError::Empty) => break,
             }
         }
-        commands.extend(self.forwards.pop_front());
         Some(commands)
+    }
+
+    /// The oldest forward held back.
+    fn next_forward(&mut self) -> Option<Command> {
+        self.forwards.pop_front()
     }
 
     fn take(&mut self, command: Command, commands: &mut Vec<Command>) {
@@ -586,7 +630,7 @@ mod tests {
     }
 
     #[test]
-    fn at_most_one_forward_between_two_steps() {
+    fn forwards_are_held_back_and_taken_one_at_a_time() {
         let (tx, rx) = mpsc::channel();
         let mut inbox = Inbox::new(rx);
         for c in [
@@ -597,20 +641,24 @@ mod tests {
                 id: RequestId(0),
                 n: 1,
             },
-            embed(),
         ] {
             tx.send(c).expect("open");
         }
         let step = |inbox: &mut Inbox| kinds(&inbox.between_steps(true).expect("running"));
-        assert_eq!(step(&mut inbox), ["stats", "abort", "embed"]);
-        tx.send(stats()).expect("open");
-        assert_eq!(step(&mut inbox), ["stats", "embed"]);
-        // Idle but with a forward held back: it does not wait for a new command.
+        assert_eq!(step(&mut inbox), ["stats", "abort"]);
         assert_eq!(
-            kinds(&inbox.between_steps(false).expect("running")),
+            kinds(&inbox.next_forward().into_iter().collect::<Vec<_>>()),
             ["embed"]
         );
-        assert!(step(&mut inbox).is_empty());
+        tx.send(stats()).expect("open");
+        assert_eq!(step(&mut inbox), ["stats"]);
+        // Idle but with a forward held back: it does not wait for a new command.
+        assert!(kinds(&inbox.between_steps(false).expect("running")).is_empty());
+        assert_eq!(
+            kinds(&inbox.next_forward().into_iter().collect::<Vec<_>>()),
+            ["embed"]
+        );
+        assert!(inbox.next_forward().is_none());
         tx.send(Command::Shutdown).expect("open");
         assert!(inbox.between_steps(false).is_none());
     }

@@ -3,7 +3,7 @@
 //! (physical: slot mapping) and hands it to the device's [`Executor`], CPU or GPU.
 
 use novainfer_core::{slot_mapping, SchedulerOutput};
-use novainfer_model::{Device, Executor, ForwardBatch, Qwen2Config};
+use novainfer_model::{Device, EmbedJob, Executor, ForwardBatch, Qwen2Config};
 
 use crate::error::Result;
 
@@ -47,6 +47,15 @@ impl ModelRunner {
 
     pub fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         Ok(self.executor.embed(tokens)?)
+    }
+
+    /// At most `max_tokens` more of `job`'s input; its embedding once done.
+    pub fn embed_chunk(
+        &mut self,
+        job: &mut EmbedJob,
+        max_tokens: usize,
+    ) -> Result<Option<Vec<f32>>> {
+        Ok(self.executor.embed_chunk(job, max_tokens)?)
     }
 
     pub fn prompt_logits(&mut self, tokens: &[u32], step_by_step: bool) -> Result<Vec<f32>> {

@@ -25,7 +25,8 @@ pub use config::{Qwen2Config, WeightDtype};
 pub use device::{Device, DeviceChoice};
 pub use error::{ModelError, Result};
 pub use executor::{
-    load_weights, CpuExecutor, CpuWeights, DeviceMemory, DeviceWeights, Executor, StepLimits,
+    load_weights, CpuExecutor, CpuWeights, DeviceMemory, DeviceWeights, EmbedJob, Executor,
+    StepLimits,
 };
 pub use forward_batch::{ForwardBatch, SeqSpan};
 pub use kv_cache::SequenceKvCache;

@@ -229,13 +229,35 @@ impl Qwen2Model {
     /// seen every token, which is why decoder embedders (gte-Qwen2, vLLM's default for
     /// decoder models) pool there rather than averaging.
     pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let mut cache = self.new_cache(tokens.len());
+        let v = self.embed_step(tokens, &mut cache, tokens.len())?;
+        Ok(v.expect("one step over the whole input finishes it: this is a bug"))
+    }
+
+    /// One chunk of [`Self::embed`]: runs at most `max_tokens` more of `tokens` after the
+    /// `cache.len()` already computed (chunked prefill over the input's own cache, which gives
+    /// the same result as one pass); the embedding once the last token is done.
+    pub fn embed_step(
+        &self,
+        tokens: &[u32],
+        cache: &mut SequenceKvCache,
+        max_tokens: usize,
+    ) -> Result<Option<Vec<f32>>> {
         if tokens.is_empty() {
             return Err(ModelError::EmptyInput);
         }
-        let mut cache = self.new_cache(tokens.len());
+        let start = cache.len();
+        let end = (start + max_tokens.max(1)).min(tokens.len());
+        let chunk = &tokens[start..end];
+        cache.reserve(chunk.len())?;
         let mut batch = ForwardBatch::default();
-        batch.push(tokens, 0, (0..tokens.len()).collect(), vec![0], true);
+        // The whole input lives in block 0, so slot = position.
+        batch.push(chunk, start, (start..end).collect(), vec![0], true);
         let hidden = self.run_layers(&batch, &mut cache.pool)?;
+        cache.advance(chunk.len());
+        if end < tokens.len() {
+            return Ok(None);
+        }
         let h = self.cfg.hidden_size;
         let mut v = rms_norm(
             &hidden[hidden.len() - h..],
@@ -243,7 +265,7 @@ impl Qwen2Model {
             self.cfg.rms_norm_eps,
         );
         normalize_l2(&mut v);
-        Ok(v)
+        Ok(Some(v))
     }
 
     /// Embeds `batch`, writes its K/V and runs every decoder layer; returns the

@@ -3,9 +3,9 @@
 //!
 //! Admitted by the embeddings pool (`--max-concurrent-embeddings`, 429 past its queue) before
 //! any input is tokenized. Each input is its own engine command, sent after the previous one
-//! answered, and the engine runs at most one such forward between two decode steps, so a
-//! large batch interleaves with the running streams instead of stalling them for its whole
-//! length.
+//! answered, and the engine computes it a chunk (`--max-num-batched-tokens`) per step, so a
+//! large batch or a long input interleaves with the running streams instead of stalling them
+//! for its whole length.
 
 use std::sync::Arc;
 use std::time::Instant;
