@@ -73,7 +73,8 @@ class LLM:
     `kv_layout` is ``"block"`` (the above) or ``"slot"``: llama.cpp-style cells of one token each (CPU only;
     `block_size` is ignored and there is no prefix caching), giving the same outputs.
 
-    `device` is ``"auto"`` (the first usable NVIDIA GPU, else the CPU; the choice and its reason are logged
+    `device` is ``"auto"`` (the first usable NVIDIA GPU when its executor can run the model, else the CPU —
+    the SLOT layout and head sizes without GPU kernels run on the CPU; the choice and its reason are logged
     on the ``novainfer`` logger and kept in `device`), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. An explicit GPU
     that cannot be used raises `DeviceUnavailableError` naming what is missing; it never runs on the CPU
     instead. On a GPU the KV cache is sized as in vLLM: the engine may use `gpu_memory_utilization` of the

@@ -8,7 +8,7 @@ use novainfer_core::{KvLayout, ParamError, SamplingParams, SchedulerConfig};
 use novainfer_model::device::{self, Resolved};
 use novainfer_model::{
     load_weights, Checkpoint, DeviceChoice, DeviceWeights, DtypeChoice, Executor, LoadOptions,
-    Qwen2Config, StepLimits,
+    ModelError, Qwen2Config, StepLimits,
 };
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
@@ -274,18 +274,20 @@ impl LoadedEngine {
             .into());
         }
         let opened = Checkpoint::open(&cfg.model)?;
-        let resolved = device::resolve(cfg.device)?;
-        let on_gpu = resolved.device != novainfer_model::Device::Cpu;
-        if on_gpu && cfg.kv_layout == KvLayout::Slot {
-            return Err(ParamError::new(
-                "kv_layout",
-                format!(
-                    "the SLOT layout runs on the CPU only; use kv_layout=\"block\" on {}, or \
-                     device=\"cpu\"",
-                    resolved.device
-                ),
-            )
-            .into());
+        let mut resolved = device::resolve(cfg.device)?;
+        if resolved.device != novainfer_model::Device::Cpu && cfg.kv_layout == KvLayout::Slot {
+            if cfg.device != DeviceChoice::Auto {
+                return Err(ParamError::new(
+                    "kv_layout",
+                    format!(
+                        "the SLOT layout runs on the CPU only; use kv_layout=\"block\" on {}, or \
+                         device=\"cpu\"",
+                        resolved.device
+                    ),
+                )
+                .into());
+            }
+            resolved = on_the_cpu("kv_layout=\"slot\" runs on the CPU only");
         }
         let mut tokenizer = match &opened.gguf_metadata {
             Some(metadata) => {
@@ -315,7 +317,19 @@ impl LoadedEngine {
                 .max_model_len
                 .unwrap_or(opened.config.max_position_embeddings),
         };
-        let weights = load_weights(resolved.device, opened, &opts, limits)?;
+        let weights = match load_weights(resolved.device, opened, &opts, limits) {
+            Err(e) => match auto_fallback(cfg.device, &resolved, &e) {
+                // `auto` means "the GPU when it can run this model": one it cannot run (a head
+                // size without kernels, an f32 override) runs on the CPU, and the log says why.
+                Some(why) => {
+                    resolved = on_the_cpu(&why);
+                    let opened = Checkpoint::open(&cfg.model)?;
+                    load_weights(resolved.device, opened, &opts, limits)?
+                }
+                None => return Err(e.into()),
+            },
+            Ok(weights) => weights,
+        };
         let (num_blocks, max_model_len) = size_kv_cache(cfg, weights.as_ref())?;
         let block_size = cfg.effective_block_size();
         let scheduler = SchedulerConfig::builder()
@@ -342,6 +356,27 @@ impl LoadedEngine {
             scheduler,
             seed: cfg.seed,
         })
+    }
+}
+
+fn on_the_cpu(why: &str) -> Resolved {
+    Resolved {
+        device: novainfer_model::Device::Cpu,
+        reason: format!("device=\"auto\" runs on the CPU: {why}"),
+    }
+}
+
+/// Why a failed GPU load falls back to the CPU: only under `auto`, and only when the GPU
+/// executor does not support the model (a missing kernel, a dtype), never for a broken file
+/// or a failing device, which the user must see.
+fn auto_fallback(choice: DeviceChoice, resolved: &Resolved, err: &ModelError) -> Option<String> {
+    match err {
+        ModelError::Unsupported { .. }
+            if choice == DeviceChoice::Auto && resolved.device != novainfer_model::Device::Cpu =>
+        {
+            Some(err.to_string())
+        }
+        _ => None,
     }
 }
 
@@ -401,6 +436,32 @@ mod tests {
     use novainfer_model::DeviceMemory;
 
     const GIB: usize = 1 << 30;
+
+    #[test]
+    fn auto_falls_back_to_the_cpu_only_for_what_the_gpu_cannot_run() {
+        let gpu = Resolved {
+            device: novainfer_model::Device::Cuda(0),
+            reason: String::new(),
+        };
+        let unsupported = ModelError::Unsupported {
+            what: "head_dim 16".into(),
+            device: "cuda:0".into(),
+        };
+        let why = auto_fallback(DeviceChoice::Auto, &gpu, &unsupported).expect("falls back");
+        assert!(why.contains("head_dim 16"), "{why}");
+        let explicit = DeviceChoice::Exactly(novainfer_model::Device::Cuda(0));
+        assert_eq!(
+            auto_fallback(explicit, &gpu, &unsupported),
+            None,
+            "never for cuda"
+        );
+        let broken = ModelError::Cuda("cuMemAlloc failed".into());
+        assert_eq!(
+            auto_fallback(DeviceChoice::Auto, &gpu, &broken),
+            None,
+            "a failing GPU is shown"
+        );
+    }
 
     #[test]
     fn gpu_kv_pool_gets_what_the_utilization_leaves() {
