@@ -95,6 +95,10 @@ def tiny_gpu(gpu, gpu_models) -> LLM:
     return LLM(gpu_models["f32"], device=gpu, kv_cache_bytes=64 << 20)
 
 
+def test_auto_picks_the_gpu_for_a_model_it_can_run(gpu, gpu_models):
+    assert LLM(gpu_models["f32"], kv_cache_bytes=16 << 20).device == gpu
+
+
 def test_tiny_model_matches_the_float64_reference(tiny_gpu, gpu_models):
     assert tiny_gpu.device == "cuda:0"
     ref = Qwen2Reference.from_hf_dir(gpu_models["f32"]).forward(PROMPT)

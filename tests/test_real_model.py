@@ -24,6 +24,9 @@ from gguf_to_hf import convert  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
+# These check the CPU engine against exact references (1e-3); tests/test_cuda.py holds the GPU's own, looser
+# checks. Pinned so that `auto` on a GPU machine does not put bf16 logits under an f32 tolerance.
+
 QUESTION = "What is the capital of France?"
 
 
@@ -34,7 +37,7 @@ def demo_gguf() -> Path:
 
 @pytest.fixture(scope="module")
 def demo_llm(demo_gguf: Path) -> LLM:
-    return LLM(demo_gguf)
+    return LLM(demo_gguf, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,7 @@ def test_multi_turn_template_text(demo_llm):
 
 def test_f32_logits_match_numpy_reference(demo_llm, demo_f32_dir):
     prompt = demo_llm.encode(QUESTION)
-    got = logits_of(LLM(demo_f32_dir), prompt)
+    got = logits_of(LLM(demo_f32_dir, device="cpu"), prompt)
     gc.collect()
     ref = Qwen2Reference.from_hf_dir(demo_f32_dir).forward(prompt)
     assert got.shape == ref.shape
@@ -82,6 +85,6 @@ def test_f32_logits_match_numpy_reference(demo_llm, demo_f32_dir):
 def test_gguf_and_f32_greedy_tokens_agree(demo_llm, demo_f32_dir):
     params = SamplingParams(temperature=0, max_tokens=8)
     quantized = demo_llm.generate(QUESTION, params)[0].outputs[0].token_ids
-    exact = LLM(demo_f32_dir).generate(QUESTION, params)[0].outputs[0].token_ids
+    exact = LLM(demo_f32_dir, device="cpu").generate(QUESTION, params)[0].outputs[0].token_ids
     assert quantized[:6] == exact[:6]
     assert "Paris" in demo_llm.decode(quantized)

@@ -26,7 +26,8 @@ def demo_gguf():
 @pytest.fixture(scope="module")
 def server(demo_gguf):
     # By demo name: the server finds the cached file itself.
-    with ServerProcess(["--model", "qwen2.5-coder-0.5b", "--kv-cache-bytes", str(256 << 20)]) as s:
+    # On the CPU, like the offline engine it is compared with (`auto` would pick a GPU where there is one).
+    with ServerProcess(["--model", "qwen2.5-coder-0.5b", "--device", "cpu", "--kv-cache-bytes", str(256 << 20)]) as s:
         yield s
 
 
@@ -42,7 +43,7 @@ def test_chat_answers_paris_streaming_and_not(server):
 
 def test_concurrent_greedy_streams_equal_offline(server, demo_gguf):
     questions = [[{"role": "user", "content": f"Write the number {i} in words."}] for i in range(6)]
-    llm = LLM(demo_gguf, kv_cache_bytes=64 << 20)
+    llm = LLM(demo_gguf, device="cpu", kv_cache_bytes=64 << 20)
     expected = [o.outputs[0].text for o in llm.chat(questions, SamplingParams(temperature=0, max_tokens=12))]
     del llm
     client = server.client()
