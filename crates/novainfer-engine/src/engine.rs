@@ -313,9 +313,12 @@ impl LoadedEngine {
         let limits = StepLimits {
             max_num_batched_tokens: cfg.max_num_batched_tokens,
             max_num_seqs: cfg.max_num_seqs,
+            // An over-long max_model_len is refused once the pool is sized; a device must not
+            // size its buffers for it before that.
             max_seq_len: cfg
                 .max_model_len
-                .unwrap_or(opened.config.max_position_embeddings),
+                .unwrap_or(usize::MAX)
+                .clamp(1, opened.config.max_position_embeddings),
         };
         let weights = match load_weights(resolved.device, opened, &opts, limits) {
             Err(e) => match auto_fallback(cfg.device, &resolved, &e) {
