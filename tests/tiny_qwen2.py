@@ -238,20 +238,19 @@ def _write_tokenizer(out_dir: Path) -> None:
 # --------------------------------------------------------------------------- weights
 
 
-#: The GPU's attention kernels exist for head_dim 64, 128 and 256 only; `head_dim=64` widens the tiny model
-#: to hidden 256 (same head counts, intermediate 2 x hidden) for the CUDA tests.
-DEFAULT_HEAD_DIM = HIDDEN_SIZE // NUM_HEADS
-
-
-def _dims(head_dim: int) -> tuple[int, int]:
-    """(hidden_size, intermediate_size) for a head size; the default gives the module's constants."""
+def _dims(head_dim: int | None) -> tuple[int, int, int]:
+    """(hidden_size, intermediate_size, head_dim). None gives the module's sizes, read at call time (the Web
+    UI tests patch them to build a wider model); a head size widens the tiny model to it with the same head
+    counts and intermediate/hidden ratio (the GPU's attention kernels exist for head_dim 64, 128, 256 only)."""
+    if head_dim is None:
+        return HIDDEN_SIZE, INTERMEDIATE_SIZE, HIDDEN_SIZE // NUM_HEADS
     hidden = head_dim * NUM_HEADS
-    return hidden, INTERMEDIATE_SIZE * hidden // HIDDEN_SIZE
+    return hidden, INTERMEDIATE_SIZE * hidden // HIDDEN_SIZE, head_dim
 
 
-def tiny_config(*, dtype: str = "f32", tie_word_embeddings: bool = False, head_dim: int = DEFAULT_HEAD_DIM) -> dict:
+def tiny_config(*, dtype: str = "f32", tie_word_embeddings: bool = False, head_dim: int | None = None) -> dict:
     specials = special_token_ids()
-    hidden, intermediate = _dims(head_dim)
+    hidden, intermediate, _ = _dims(head_dim)
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
@@ -279,7 +278,7 @@ def tiny_config(*, dtype: str = "f32", tie_word_embeddings: bool = False, head_d
 
 
 def tiny_weights(
-    *, seed: int = 0, tie_word_embeddings: bool = False, head_dim: int = DEFAULT_HEAD_DIM
+    *, seed: int = 0, tie_word_embeddings: bool = False, head_dim: int | None = None
 ) -> dict[str, np.ndarray]:
     """f32 weights under HF names, PyTorch [out, in] layout, in checkpoint order.
 
@@ -289,7 +288,7 @@ def tiny_weights(
     drowns the residual stream.
     """
     rng = np.random.default_rng(seed)
-    HIDDEN_SIZE, INTERMEDIATE_SIZE = _dims(head_dim)  # noqa: N806 - the module's names, widened
+    HIDDEN_SIZE, INTERMEDIATE_SIZE, head_dim = _dims(head_dim)  # noqa: N806 - the module's names, widened
     kv_dim = NUM_KV_HEADS * head_dim
     embed_std = 1.0 / np.sqrt(HIDDEN_SIZE)
 
@@ -341,7 +340,7 @@ def write_tiny_model(
     sharded: bool = False,
     tie_word_embeddings: bool = False,
     seed: int = 0,
-    head_dim: int = DEFAULT_HEAD_DIM,
+    head_dim: int | None = None,
 ) -> Path:
     """Write the tiny Qwen2 HF directory into `out_dir` (created if needed) and return it."""
     if dtype not in TORCH_DTYPES:
