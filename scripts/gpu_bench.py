@@ -113,8 +113,6 @@ def hf_figures(hf_dir: Path) -> dict[str, float]:
             generate(prompts[i:i + 64], max(outputs[i:i + 64]))
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-    del model
-    torch.cuda.empty_cache()
     return {"decode_b1_tok_s": decode, "workload_output_tok_s": sum(outputs) / seconds, "workload_seconds": seconds}
 
 
@@ -137,7 +135,10 @@ def main() -> int:
         config = json.loads((hf_dir / "config.json").read_text())
         limit = bandwidth / weight_bytes_per_token(config)
         ours = novainfer_figures(gguf)
-        theirs = hf_figures(hf_dir)
+        theirs = hf_figures(hf_dir)  # its model is freed on return; the next model starts clean
+        import torch
+
+        torch.cuda.empty_cache()
         print(f"{name}: weight bytes/token {weight_bytes_per_token(config) / 2**20:.0f} MiB (bf16), "
               f"bandwidth limit {limit:.0f} tok/s")
         print(f"  batch-1 decode: novainfer {ours['decode_b1_tok_s']:.1f} tok/s "

@@ -9,6 +9,7 @@ accident on the other kind of machine.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -110,3 +111,19 @@ def test_server_device_cuda_refuses_to_start(tiny_models):
     assert res.returncode != 0
     assert "not available" in res.stderr, res.stderr
     assert "NovaInfer is serving" not in res.stdout
+
+
+def test_pip_installed_cuda_libraries_are_found_and_user_settings_kept(tmp_path, monkeypatch):
+    from novainfer import cuda_libs
+
+    lib = tmp_path / "nvidia" / "cu13" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libnvrtc.so.13").touch()
+    (lib / "libcublas.so.13").touch()
+    monkeypatch.setattr(cuda_libs, "_site_dirs", lambda: [tmp_path / "elsewhere", tmp_path])
+    monkeypatch.delenv(cuda_libs.NVRTC_DIR_ENV, raising=False)
+    monkeypatch.setenv(cuda_libs.CUDA_LIB_DIR_ENV, "/opt/mine")
+    found = cuda_libs.find_cuda_libraries()
+    assert found == {cuda_libs.NVRTC_DIR_ENV: str(lib)}
+    assert os.environ[cuda_libs.NVRTC_DIR_ENV] == str(lib)
+    assert os.environ[cuda_libs.CUDA_LIB_DIR_ENV] == "/opt/mine", "a user's own setting wins"

@@ -149,14 +149,24 @@ def build_workload(client: _Client, model: str | None, args: argparse.Namespace)
     return payloads
 
 
-def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "novainfer.server", "--host", "127.0.0.1", "--port", "0", "--model", args.model,
-           "--max-num-seqs", str(max(args.concurrency, 1)), "--kv-layout", args.kv_layout, *args.server_arg]
+def start_server(
+    args: argparse.Namespace,
+    *,
+    program: list[str] | None = None,
+    extra: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen, str]:
+    """Starts `novainfer-server` (or `program`) on a free port with the benchmark's engine options plus
+    `extra`; returns the process and its URL once it listens."""
+    program = program or [sys.executable, "-m", "novainfer.server"]
+    cmd = [*program, "--host", "127.0.0.1", "--port", "0", "--model", args.model,
+           "--max-num-seqs", str(max(args.concurrency, 1)), "--kv-layout", args.kv_layout, *(extra or [])]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    cmd += args.server_arg
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     assert proc.stdout is not None
     for line in proc.stdout:
         m = re.search(r"http://127\.0\.0\.1:\d+", line)
@@ -216,7 +226,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     proc = None
     url = args.url
     if url is None:
-        proc, url = _start_server(args)
+        proc, url = start_server(args)
     try:
         client = _Client(url)
         model = None  # `model` omitted: a server with one model serves it

@@ -32,16 +32,14 @@ import http.client
 import json
 import os
 import random
-import re
 import socket
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from .bench_serve import percentile
+from .bench_serve import percentile, start_server
 
 __all__ = ["add_soak_args", "run_bench_soak"]
 
@@ -278,26 +276,13 @@ def _health(soak: _Soak) -> int:
 
 
 def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    program = [args.server_executable] if args.server_executable else [sys.executable, "-m", "novainfer.server"]
-    cmd = [*program, "--host", "127.0.0.1", "--port", "0", "--model", args.model,
-           "--max-num-seqs", str(max(args.concurrency, 1)), "--kv-layout", args.kv_layout,
-           "--max-body-bytes", str(_MAX_BODY_BYTES), "--header-read-timeout", str(_HEADER_READ_TIMEOUT_S)]
-    if args.max_model_len:
-        cmd += ["--max-model-len", str(args.max_model_len)]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
+    program = [args.server_executable] if args.server_executable else None
+    extra = ["--max-body-bytes", str(_MAX_BODY_BYTES), "--header-read-timeout", str(_HEADER_READ_TIMEOUT_S)]
     env = dict(os.environ)
     if args.fault_after_steps is not None:
-        cmd.append("--no-exit-on-engine-failure")
+        extra.append("--no-exit-on-engine-failure")
         env["NOVAINFER_FAILPOINT_ENGINE_PANIC_AFTER"] = str(args.fault_after_steps)
-    cmd += args.server_arg
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        m = re.search(r"http://127\.0\.0\.1:\d+", line)
-        if m:
-            return proc, m.group(0)
-    raise RuntimeError(f"novainfer-server exited with status {proc.wait()} before listening")
+    return start_server(args, program=program, extra=extra, env=env)
 
 
 def run_bench_soak(args: argparse.Namespace) -> int:

@@ -176,13 +176,7 @@ impl DeviceWeights for CudaWeights {
         let meta = StepBuffers::new(&me.gpu, StepLayout::new(&capacity))?;
         me.gpu.synchronize().map_err(|e| cuda_error(me.device, e))?;
         Ok(Box::new(CudaExecutor {
-            gpu: me.gpu,
-            device: me.device,
-            cfg: me.cfg,
-            model: me.model,
-            rope: me.rope,
-            act: me.act,
-            scratch: me.scratch,
+            w: me,
             kv,
             meta,
             capacity,
@@ -192,16 +186,28 @@ impl DeviceWeights for CudaWeights {
 
 /// The model, its buffers and its bf16 KV pool on one GPU.
 pub struct CudaExecutor {
-    gpu: GpuContext,
-    device: Device,
-    cfg: Qwen2Config,
-    model: GpuModel,
-    rope: RopeTable,
-    act: Activations,
-    scratch: DecodeScratch,
+    w: CudaWeights,
     kv: KvPool,
     meta: StepBuffers,
     capacity: StepCapacity,
+}
+
+impl CudaWeights {
+    /// A step over this model's buffers, writing K/V into `kv` (the engine's pool, or a
+    /// scratch pool for work apart from it).
+    fn step<'a>(&'a mut self, meta: &'a mut StepBuffers, kv: &'a mut KvPool) -> Step<'a> {
+        Step {
+            gpu: &self.gpu,
+            device: self.device,
+            cfg: &self.cfg,
+            model: &self.model,
+            rope: &self.rope,
+            act: &mut self.act,
+            meta,
+            kv,
+            scratch: &mut self.scratch,
+        }
+    }
 }
 
 impl CudaExecutor {
@@ -219,7 +225,7 @@ impl CudaExecutor {
     ) -> Result<Vec<f32>> {
         let block_size = self.kv.block_size;
         let num_blocks = tokens.len().div_ceil(block_size).max(1);
-        let mut scratch_pool = KvPool::new(&self.gpu, &self.cfg, num_blocks, block_size)?;
+        let mut scratch_pool = KvPool::new(&self.w.gpu, &self.w.cfg, num_blocks, block_size)?;
         let capacity = StepCapacity {
             num_blocks,
             ..self.capacity
@@ -244,18 +250,10 @@ impl CudaExecutor {
                 );
             }
             let step = PackedStep::pack(&batch, &capacity)?;
-            let rows = Step {
-                gpu: &self.gpu,
-                device: self.device,
-                cfg: &self.cfg,
-                model: &self.model,
-                rope: &self.rope,
-                act: &mut self.act,
-                meta: &mut self.meta,
-                kv: &mut scratch_pool,
-                scratch: &mut self.scratch,
-            }
-            .run(&step, tail)?;
+            let rows = self
+                .w
+                .step(&mut self.meta, &mut scratch_pool)
+                .run(&step, tail)?;
             out.extend(rows);
         }
         Ok(out)
@@ -264,11 +262,11 @@ impl CudaExecutor {
 
 impl Executor for CudaExecutor {
     fn device(&self) -> Device {
-        self.device
+        self.w.device
     }
 
     fn config(&self) -> &Qwen2Config {
-        &self.cfg
+        &self.w.cfg
     }
 
     fn block_size(&self) -> usize {
@@ -280,7 +278,7 @@ impl Executor for CudaExecutor {
     }
 
     fn kv_bytes_per_block(&self) -> usize {
-        KvPool::bytes_per_block(&self.cfg, self.kv.block_size)
+        KvPool::bytes_per_block(&self.w.cfg, self.kv.block_size)
     }
 
     fn copy_block(&mut self, src: usize, dst: usize, num_tokens: usize) -> Result<()> {
@@ -308,25 +306,17 @@ impl Executor for CudaExecutor {
                 k: layer.k.as_view_mut(),
                 v: layer.v.as_view_mut(),
             };
-            copy_block(&self.gpu, cache, geometry, copy).map_err(|e| cuda_error(self.device, e))?;
+            copy_block(&self.w.gpu, cache, geometry, copy)
+                .map_err(|e| cuda_error(self.w.device, e))?;
         }
         Ok(())
     }
 
     fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<f32>> {
         let step = PackedStep::pack(batch, &self.capacity)?;
-        Step {
-            gpu: &self.gpu,
-            device: self.device,
-            cfg: &self.cfg,
-            model: &self.model,
-            rope: &self.rope,
-            act: &mut self.act,
-            meta: &mut self.meta,
-            kv: &mut self.kv,
-            scratch: &mut self.scratch,
-        }
-        .run(&step, Tail::Logits)
+        self.w
+            .step(&mut self.meta, &mut self.kv)
+            .run(&step, Tail::Logits)
     }
 
     fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
