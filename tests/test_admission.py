@@ -2,9 +2,9 @@
 
 Rendering/tokenizing, prompt scoring (echo + logprobs) and embeddings each have a pool of their own
 (`--max-concurrent-tokenize/-scoring/-embeddings`), admitted before the work runs: past the pool's queue
-(`--max-queued-requests`) the answer is 429 with Retry-After. Embeddings run one input per engine command and
-the engine runs at most one such forward between two decode steps, so a large embedding batch does not
-stall the streams running beside it.
+(`--max-queued-requests`) the answer is 429 with Retry-After. Each embedding input is a prefill-only engine
+request, scheduled in chunks inside the step's token budget, so a large embedding batch delays a running
+stream by at most one step's budget of work per token, never by the whole batch.
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ from server_process import ServerProcess
 from test_server import KV, assert_openai_error, post_json
 
 #: A running stream's largest inter-token gap while embedding batches run beside it may be at most this many
-#: single-input embedding forwards (each timed alone first, HTTP round trip included) plus GAP_SLACK_S: the
-#: engine runs one input's forward between two decode steps. The large batch takes far longer than that bound
-#: (checked), so running it in one go, or all queued inputs between two steps, would fail the test.
+#: single-input embedding requests (each timed alone first, HTTP round trip included) plus GAP_SLACK_S: with
+#: a step budget of STEP_BUDGET tokens (about one input), a step holds the stream's token and at most one
+#: input's worth of embedding work. The large batch takes far longer than that bound (checked), so running it
+#: in one go, or all queued inputs between two steps, would fail the test.
 GAP_FORWARDS = 4
+STEP_BUDGET = "512"
 GAP_SLACK_S = 0.1
 LARGE_BATCH = 128
 EMBEDDERS = 4
@@ -57,7 +59,7 @@ def embed(server, inputs: list[str]):
 
 
 def test_embeddings_beside_a_stream_do_not_stall_it(tiny_models):
-    args = tiny(tiny_models, "--max-concurrent-embeddings", str(EMBEDDERS + 1))
+    args = tiny(tiny_models, "--max-concurrent-embeddings", str(EMBEDDERS + 1), "--max-num-batched-tokens", STEP_BUDGET)
     with ServerProcess(args) as server:
         embed(server, [LONG_TEXT])  # warm up
         started = time.monotonic()

@@ -27,12 +27,12 @@ pub use ids::{BlockId, RequestId};
 pub use kv_cache_manager::{BlockCopy, KvCacheManager, KvCacheStats, NewBlocks, PrefixHit};
 pub use kv_manager::{AnyKv, KvLayout, KvManager};
 pub use prefix_hash::{BlockHash, BlockKey, PrefixIndex};
-pub use request::{Request, RequestStatus};
+pub use request::{Request, RequestKind, RequestStatus};
 pub use sampling_params::{
     ParamError, SamplingParams, SamplingParamsBuilder, StopCondition, MAX_LOGPROBS, MAX_N,
 };
 pub use scheduler::{
-    FinishedRequest, Fork, RequestUpdate, ScheduledRequest, Scheduler, SchedulerConfig,
+    ChunkOutput, FinishedRequest, Fork, RequestUpdate, ScheduledRequest, Scheduler, SchedulerConfig,
     SchedulerConfigBuilder, SchedulerOutput,
 };
 pub use slot_cells::{CellShift, SeqId, SlotCells, SlotError, SlotStats};

@@ -23,6 +23,27 @@ pub enum RequestStatus {
     Finished(FinishReason),
 }
 
+/// What a request asks of the model: tokens to generate, or only its prompt computed.
+///
+/// A prefill-only request is scheduled like any other (chunked, inside the KV budget,
+/// preemptible, abortable) and finishes once its prompt is computed; it never samples.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RequestKind {
+    #[default]
+    Generate,
+    /// The last prompt token's final hidden state (an embedding).
+    Embed,
+    /// Next-token logits at every prompt position (scoring a text). Never served from
+    /// the prefix cache: a cached position would have no logits.
+    ScorePrompt,
+}
+
+impl RequestKind {
+    pub fn is_prefill_only(self) -> bool {
+        self != RequestKind::Generate
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Request {
     pub id: RequestId,
@@ -39,6 +60,7 @@ pub struct Request {
     pub ignore_eos: bool,
     /// Admission order; set by the scheduler.
     pub arrival_seq: u64,
+    pub kind: RequestKind,
     status: RequestStatus,
 }
 
@@ -56,7 +78,15 @@ impl Request {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             arrival_seq: 0,
+            kind: RequestKind::Generate,
             status: RequestStatus::Waiting,
+        }
+    }
+    /// A request that only computes `prompt_token_ids` (see [`RequestKind`]).
+    pub fn prefill_only(id: RequestId, prompt_token_ids: Vec<u32>, kind: RequestKind) -> Self {
+        Self {
+            kind,
+            ..Self::new(id, prompt_token_ids, 1)
         }
     }
     pub fn with_eos_token_ids(mut self, ids: Vec<u32>) -> Self {
@@ -148,8 +178,13 @@ impl Request {
         self.status = RequestStatus::Finished(reason);
     }
 
-    /// Why the newest output token ends the request, if it does.
+    /// Why the newest output token ends the request, if it does; for a prefill-only
+    /// request, `Stop` once its prompt is computed.
     pub fn stop_reason(&self, max_model_len: usize) -> Option<FinishReason> {
+        if self.kind.is_prefill_only() {
+            return (self.num_computed_tokens >= self.num_prompt_tokens())
+                .then_some(FinishReason::Stop);
+        }
         let last = *self.output_token_ids.last()?;
         if !self.ignore_eos && self.eos_token_ids.contains(&last) {
             return Some(FinishReason::Stop);

@@ -7,12 +7,15 @@
 //! Requests with `n > 1` fork children when their prompt is computed, as the
 //! engine does; child `k` starts from token `parent's + k` so the completions
 //! differ, and each must equal the model run alone on prompt ++ that token.
+//! Prefill-only requests (embeddings, scored prompts) are mixed in: an embedding's
+//! hidden state must be its last prompt position's "KV", and a scored prompt must get a
+//! row for every position, each equal to that position's "KV" computed alone.
 
 use std::collections::HashMap;
 
 use novainfer_core::{
-    slot_mapping, BlockId, FinishReason, Fork, KvLayout, Request, RequestId, Scheduler,
-    SchedulerConfig, SchedulerOutput,
+    slot_mapping, BlockId, ChunkOutput, FinishReason, Fork, KvLayout, Request, RequestId,
+    RequestKind, Scheduler, SchedulerConfig, SchedulerOutput,
 };
 use proptest::prelude::*;
 
@@ -45,6 +48,7 @@ struct Arrival {
     ignore_eos: bool,
     abort_after: Option<usize>,
     n: usize,
+    kind: RequestKind,
 }
 
 #[derive(Debug, Clone)]
@@ -57,6 +61,7 @@ struct Workload {
     max_num_seqs: usize,
     prefix_caching: bool,
     threshold: Option<usize>,
+    max_scored: usize,
     prefixes: Vec<Vec<u32>>,
     arrivals: Vec<Arrival>,
 }
@@ -86,12 +91,13 @@ fn workload() -> impl Strategy<Value = Workload> {
                 1usize..=8,
                 any::<bool>(),
                 proptest::option::of(1usize..=16),
+                1usize..=12,
                 proptest::collection::vec(proptest::collection::vec(0u32..VOCAB as u32, 40), 3),
                 proptest::collection::vec(arrival(), 1..=16),
             )
         })
         .prop_map(
-            |(layout, bs, nb, mml, mnbt, mns, pc, th, prefixes, arrivals)| Workload {
+            |(layout, bs, nb, mml, mnbt, mns, pc, th, ms, prefixes, arrivals)| Workload {
                 kv_layout: layout,
                 block_size: bs,
                 num_blocks: nb,
@@ -100,6 +106,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 max_num_seqs: mns,
                 prefix_caching: pc,
                 threshold: th,
+                max_scored: ms,
                 prefixes,
                 arrivals,
             },
@@ -116,9 +123,14 @@ fn arrival() -> impl Strategy<Value = Arrival> {
         any::<bool>(),
         proptest::option::weighted(0.2, 0usize..30),
         prop_oneof![3 => Just(1usize), 1 => 2usize..=3],
+        prop_oneof![
+            4 => Just(RequestKind::Generate),
+            1 => Just(RequestKind::Embed),
+            1 => Just(RequestKind::ScorePrompt)
+        ],
     )
         .prop_map(
-            |(step, prefix, prefix_len, tail, max_tokens, ignore_eos, abort_after, n)| Arrival {
+            |(step, prefix, prefix_len, tail, max_tokens, ignore_eos, abort_after, n, kind)| Arrival {
                 step,
                 prefix,
                 prefix_len,
@@ -126,9 +138,24 @@ fn arrival() -> impl Strategy<Value = Arrival> {
                 max_tokens,
                 ignore_eos,
                 abort_after,
-                n,
+                // One completion: a prefill-only request has no samples to fork from.
+                n: if kind.is_prefill_only() { 1 } else { n },
+                kind,
             },
         )
+}
+
+/// The "KV" at every position of `prompt` computed alone.
+fn prompt_kv(prompt: &[u32]) -> Vec<u64> {
+    let mut kv = 0;
+    prompt
+        .iter()
+        .enumerate()
+        .map(|(pos, &t)| {
+            kv = kv_at(kv, t, pos);
+            kv
+        })
+        .collect()
 }
 
 /// What the model gives `prompt` alone, with the first sampled token replaced by
@@ -165,10 +192,13 @@ fn oracle(
     }
 }
 
-/// Simulated physical KV: one value per slot, tagged with its position.
+/// Simulated physical KV: one value per slot, tagged with its position; and what the
+/// prefill-only requests got back: hidden states, and scored rows by position.
 struct FakeModel {
     slots: Vec<Option<(usize, u64)>>,
     block_size: usize,
+    hidden: HashMap<RequestId, u64>,
+    rows: HashMap<RequestId, HashMap<usize, u64>>,
 }
 
 impl FakeModel {
@@ -203,8 +233,14 @@ impl FakeModel {
                 );
                 prev = kv_at(prev, t, pos);
                 self.slots[slot] = Some((pos, prev));
+                if s.output == ChunkOutput::PromptLogits {
+                    self.rows.entry(s.request_id).or_default().insert(pos, prev);
+                }
             }
-            if s.sample {
+            if s.output == ChunkOutput::Hidden {
+                assert!(self.hidden.insert(s.request_id, prev).is_none(), "hidden twice");
+            }
+            if s.sample() {
                 sampled.push((s.request_id, vec![next_token(prev)]));
             }
         }
@@ -253,12 +289,15 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
         .max_num_seqs(w.max_num_seqs)
         .enable_prefix_caching(w.prefix_caching)
         .long_prefill_token_threshold(w.threshold)
+        .max_scored_tokens_per_step(w.max_scored)
         .build()
         .expect("the strategy only makes valid configs");
     let mut sched = Scheduler::new(cfg);
     let mut model = FakeModel {
         slots: vec![None; w.num_blocks * w.block_size],
         block_size: w.block_size,
+        hidden: HashMap::new(),
+        rows: HashMap::new(),
     };
     let prompts: Vec<Vec<u32>> = w.arrivals.iter().map(|a| w.prompt(a)).collect();
     // Request id -> (arrival, completion index); children are `CHILD * (k) + arrival`.
@@ -269,6 +308,9 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
     let last_arrival = w.arrivals.iter().map(|a| a.step).max().unwrap_or(0);
     let request = |i: usize, k: usize| {
         let a = &w.arrivals[i];
+        if a.kind.is_prefill_only() {
+            return Request::prefill_only(RequestId(i as u64), prompts[i].clone(), a.kind);
+        }
         Request::new(
             RequestId(i as u64 + CHILD * k as u64),
             prompts[i].clone(),
@@ -306,8 +348,22 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
             let end = s.start_position + s.token_ids.len();
             prop_assert!(!s.token_ids.is_empty() && end <= h.len());
             prop_assert_eq!(&s.token_ids[..], &h[s.start_position..end]);
-            prop_assert_eq!(s.sample, end == h.len());
+            let kind = w.arrivals[origin(s.request_id).0].kind;
+            let want = match kind {
+                RequestKind::Generate if end == h.len() => ChunkOutput::Sample,
+                RequestKind::Embed if end == h.len() => ChunkOutput::Hidden,
+                RequestKind::ScorePrompt => ChunkOutput::PromptLogits,
+                _ => ChunkOutput::Nothing,
+            };
+            prop_assert_eq!(s.output, want);
         }
+        let scored: usize = out
+            .scheduled
+            .iter()
+            .filter(|s| s.output == ChunkOutput::PromptLogits)
+            .map(|s| s.token_ids.len())
+            .sum();
+        prop_assert!(scored <= w.max_scored);
         for f in &out.finished {
             prop_assert!(finished.insert(f.request_id, f.reason).is_none());
         }
@@ -341,6 +397,29 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
             for (&id, h) in &history {
                 let (i, k) = origin(id);
                 let a = &w.arrivals[i];
+                if a.kind.is_prefill_only() {
+                    let kv = prompt_kv(&prompts[i]);
+                    let fits = !kv.is_empty() && kv.len() <= w.max_model_len;
+                    prop_assert_eq!(h, &prompts[i], "a prefill-only request got tokens");
+                    match finished[&id] {
+                        FinishReason::Abort => {}
+                        FinishReason::Ignored => prop_assert!(!fits),
+                        reason => {
+                            prop_assert!(fits);
+                            prop_assert_eq!(reason, FinishReason::Stop);
+                            if a.kind == RequestKind::Embed {
+                                prop_assert_eq!(model.hidden.get(&id), kv.last());
+                            } else {
+                                let rows = &model.rows[&id];
+                                prop_assert_eq!(rows.len(), kv.len());
+                                for (pos, v) in kv.iter().enumerate() {
+                                    prop_assert_eq!(rows.get(&pos), Some(v), "row {}", pos);
+                                }
+                            }
+                        }
+                    }
+                    continue;
+                }
                 let first = (k > 0).then(|| {
                     let (parent, _) = oracle(&prompts[i], a, w.max_model_len, None);
                     (parent[0] + k as u32) % VOCAB as u32

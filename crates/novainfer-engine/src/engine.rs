@@ -230,6 +230,11 @@ impl Frontend {
             Prompt::Text(text) => self.tokenizer.encode(text, true)?,
             Prompt::TokenIds(ids) => ids.clone(),
         };
+        self.check_tokens(&ids)?;
+        Ok(ids)
+    }
+
+    fn check_tokens(&self, ids: &[u32]) -> Result<()> {
         if ids.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -237,7 +242,20 @@ impl Frontend {
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab_size) {
             return Err(EngineError::PromptTokenOutOfRange { id, vocab_size });
         }
-        Ok(ids)
+        Ok(())
+    }
+
+    /// Checks the input of a prefill-only request (an embedding, a scored prompt): not
+    /// empty, every id in the vocabulary, and at most `max_model_len` tokens.
+    pub fn check_input(&self, ids: &[u32]) -> Result<()> {
+        self.check_tokens(ids)?;
+        if ids.len() > self.max_model_len {
+            return Err(EngineError::InputTooLong {
+                input_tokens: ids.len(),
+                max_model_len: self.max_model_len,
+            });
+        }
+        Ok(())
     }
 
     /// How many tokens a request may generate, or why it cannot run at all.

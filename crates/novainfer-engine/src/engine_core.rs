@@ -9,22 +9,25 @@
 //! `n > 1`: completion 0 runs alone until its prompt is computed; the others
 //! then sample their first tokens from its logits and fork its KV (see
 //! `novainfer_core::Fork`), so the prompt is computed once.
+//!
+//! Embeddings and scored prompts are prefill-only requests ([`crate::prefill`]) in the same
+//! batches: their chunks return hidden states or every token's logits instead of a sample.
 
 use std::collections::HashMap;
 use std::sync::mpsc;
 use std::time::Instant;
 
 use novainfer_core::{
-    FinishReason, Fork, KvCacheStats, Request, RequestId, SamplingParams, Scheduler,
+    ChunkOutput, FinishReason, Fork, KvCacheStats, Request, RequestId, SamplingParams, Scheduler,
     SchedulerOutput,
 };
 use novainfer_model::sampler::{SampledToken, Sampler};
-use novainfer_model::EmbedJob;
 
 use crate::engine::{Frontend, LoadedEngine};
 use crate::error::{EngineError, Result};
 use crate::model_runner::ModelRunner;
 use crate::output_processor::{DeltaSink, OutputEvent};
+use crate::prefill::{PrefillJob, PrefillTask};
 use crate::sequence::SequenceOutput;
 
 struct ActiveRequest {
@@ -72,8 +75,8 @@ pub struct EngineCore {
     pending: Vec<OutputEvent>,
     seed: u64,
     stats: EngineStats,
-    /// The step's token budget, also the largest chunk of an embedding run between two steps.
-    max_num_batched_tokens: usize,
+    /// Embeddings and scored prompts in flight.
+    prefills: HashMap<RequestId, PrefillJob>,
 }
 
 impl EngineCore {
@@ -85,9 +88,8 @@ impl EngineCore {
             kv_bytes_per_block: runner.kv_bytes_per_block(),
             ..EngineStats::default()
         };
-        let max_num_batched_tokens = loaded.scheduler.max_num_batched_tokens();
         Self {
-            max_num_batched_tokens,
+            prefills: HashMap::new(),
             runner,
             scheduler: Scheduler::new(loaded.scheduler),
             frontend: loaded.frontend,
@@ -104,7 +106,7 @@ impl EngineCore {
     }
 
     pub fn has_work(&self) -> bool {
-        self.scheduler.has_work() || !self.active.is_empty()
+        self.scheduler.has_work() || !self.active.is_empty() || !self.prefills.is_empty()
     }
 
     fn emit(&mut self, event: OutputEvent) {
@@ -161,6 +163,18 @@ impl EngineCore {
         Ok(())
     }
 
+    /// Queues a prefill-only request (an embedding or a scored prompt) with id `id`
+    /// (unique, reserved by the caller); its result goes to the task's reply. The input must
+    /// already be checked ([`crate::Frontend::check_input`]).
+    pub fn add_prefill(&mut self, id: RequestId, prompt_ids: Vec<u32>, task: PrefillTask) {
+        let kind = task.kind();
+        let vocab = self.runner.config().vocab_size;
+        self.prefills
+            .insert(id, PrefillJob::new(prompt_ids.clone(), task, vocab));
+        self.scheduler
+            .add_request(Request::prefill_only(id, prompt_ids, kind));
+    }
+
     /// Finishes completions `id .. id + n` now and frees their blocks; their
     /// streams end with `abort`. Unknown or finished ids are skipped.
     pub fn abort(&mut self, id: RequestId, n: usize) {
@@ -210,6 +224,15 @@ impl EngineCore {
     /// aborted), and of completions that were still waiting for them.
     fn report_finished(&mut self, out: &SchedulerOutput) {
         for f in &out.finished {
+            if let Some(job) = self.prefills.remove(&f.request_id) {
+                job.fail(match &f.detail {
+                    Some(detail) => EngineError::Ignored {
+                        detail: detail.clone(),
+                    },
+                    None => EngineError::Aborted,
+                });
+                continue;
+            }
             let Some(active) = self.active.remove(&f.request_id) else {
                 continue;
             };
@@ -235,49 +258,97 @@ impl EngineCore {
     /// Runs the model over the scheduled chunks and samples each request that
     /// needs it; a request whose prompt just completed also samples the first
     /// token of each of its held-back completions (from a copy of the same row).
+    /// Prefill-only requests take their rows, and answer once their prompt is done.
     fn execute(&mut self, out: &SchedulerOutput) -> Result<Sampled> {
         for s in &out.scheduled {
             if s.start_position < self.prompt_len(s.request_id) {
                 self.stats.num_prompt_tokens_computed += s.token_ids.len() as u64;
             }
         }
-        let mut logits = self.runner.execute(out)?;
+        let output = self.runner.execute(out)?;
         let vocab = self.runner.config().vocab_size;
-        let mut rows = logits.chunks_exact_mut(vocab);
+        let hidden_size = self.runner.config().hidden_size;
+        let mut logits = output.logits;
+        let mut hidden = output.hidden.chunks_exact(hidden_size);
+        let mut at = 0; // the next unread logits row
         let mut sampled = Vec::new();
         let mut forks = Vec::new();
-        for s in out.scheduled.iter().filter(|s| s.sample) {
-            let row = rows
-                .next()
-                .expect("one logits row per sampled request: this is a bug");
-            let active = self
-                .active
-                .get_mut(&s.request_id)
-                .expect("scheduled request is active: this is a bug");
-            for mut child in std::mem::take(&mut active.pending_children) {
-                let first = child.sampler.sample(&mut row.to_vec());
-                let id = child.request.id;
-                sampled.push((id, first.clone()));
-                forks.push(Fork {
-                    parent: s.request_id,
-                    child: child.request,
-                    first_token: first.token_id,
-                });
-                self.active.insert(
-                    id,
-                    ActiveRequest {
-                        sampler: child.sampler,
-                        pending_children: Vec::new(),
-                    },
-                );
+        for s in &out.scheduled {
+            match s.output {
+                ChunkOutput::Nothing => {}
+                ChunkOutput::Sample => {
+                    let row = logits
+                        .get_mut(at * vocab..(at + 1) * vocab)
+                        .expect("one logits row per sampled request: this is a bug");
+                    at += 1;
+                    self.sample(s.request_id, row, &mut sampled, &mut forks);
+                }
+                ChunkOutput::PromptLogits => {
+                    let n = s.token_ids.len();
+                    let rows = logits
+                        .get(at * vocab..(at + n) * vocab)
+                        .expect("one logits row per scored token: this is a bug");
+                    at += n;
+                    if let Some(job) = self.prefills.get_mut(&s.request_id) {
+                        job.take_rows(s.start_position, rows);
+                        if s.start_position + n == job.prompt_len() {
+                            self.finish_prefill(s.request_id, None);
+                        }
+                    }
+                }
+                ChunkOutput::Hidden => {
+                    let row = hidden
+                        .next()
+                        .expect("one hidden row per embedding: this is a bug");
+                    self.finish_prefill(s.request_id, Some(row));
+                }
             }
-            let active = self
-                .active
-                .get_mut(&s.request_id)
-                .expect("scheduled request is active: this is a bug");
-            sampled.push((s.request_id, active.sampler.sample(row)));
         }
         Ok((sampled, forks))
+    }
+
+    fn finish_prefill(&mut self, id: RequestId, hidden: Option<&[f32]>) {
+        if let Some(job) = self.prefills.remove(&id) {
+            job.finish(hidden);
+        }
+    }
+
+    /// Samples request `id`'s next token from `row`, and the first token of each of its
+    /// held-back completions (each from a copy of the row).
+    fn sample(
+        &mut self,
+        id: RequestId,
+        row: &mut [f32],
+        sampled: &mut Vec<(RequestId, SampledToken)>,
+        forks: &mut Vec<Fork>,
+    ) {
+        let active = self
+            .active
+            .get_mut(&id)
+            .expect("scheduled request is active: this is a bug");
+        let children = std::mem::take(&mut active.pending_children);
+        for mut child in children {
+            let first = child.sampler.sample(&mut row.to_vec());
+            let child_id = child.request.id;
+            sampled.push((child_id, first.clone()));
+            forks.push(Fork {
+                parent: id,
+                child: child.request,
+                first_token: first.token_id,
+            });
+            self.active.insert(
+                child_id,
+                ActiveRequest {
+                    sampler: child.sampler,
+                    pending_children: Vec::new(),
+                },
+            );
+        }
+        let active = self
+            .active
+            .get_mut(&id)
+            .expect("scheduled request is active: this is a bug");
+        sampled.push((id, active.sampler.sample(row)));
     }
 
     fn prompt_len(&self, id: RequestId) -> usize {
@@ -320,6 +391,11 @@ impl EngineCore {
     fn fail(&mut self, out: &SchedulerOutput, error: EngineError) {
         let message = error.to_string();
         for s in &out.scheduled {
+            if let Some(job) = self.prefills.remove(&s.request_id) {
+                job.fail(EngineError::StepFailed {
+                    message: message.clone(),
+                });
+            }
             if let Some(active) = self.active.remove(&s.request_id) {
                 let ids = std::iter::once(s.request_id)
                     .chain(active.pending_children.iter().map(|c| c.request.id));
@@ -336,39 +412,9 @@ impl EngineCore {
         }
     }
 
-    /// Unit-length embedding of a prompt (last token's final hidden state), computed
-    /// apart from the paged pool, in one call. The prompt must fit `max_model_len`.
-    pub fn embed(&mut self, prompt_ids: &[u32]) -> Result<Vec<f32>> {
-        let mut job = self.start_embedding(prompt_ids.to_vec())?;
-        loop {
-            if let Some(v) = self.advance_embedding(&mut job)? {
-                return Ok(v);
-            }
-        }
-    }
-
-    /// An embedding to compute a chunk at a time ([`Self::advance_embedding`]) between
-    /// steps; the prompt must fit `max_model_len`.
-    pub fn start_embedding(&self, prompt_ids: Vec<u32>) -> Result<EmbedJob> {
-        let max_model_len = self.frontend.max_model_len();
-        if prompt_ids.len() > max_model_len {
-            return Err(EngineError::InputTooLong {
-                input_tokens: prompt_ids.len(),
-                max_model_len,
-            });
-        }
-        Ok(EmbedJob::new(prompt_ids))
-    }
-
-    /// Computes at most one step's token budget (`max_num_batched_tokens`) more of `job`,
-    /// so a long input costs running streams no more per step than a prefill chunk does;
-    /// its embedding once the last token is done.
-    pub fn advance_embedding(&mut self, job: &mut EmbedJob) -> Result<Option<Vec<f32>>> {
-        self.runner.embed_chunk(job, self.max_num_batched_tokens)
-    }
-
-    /// Next-token logits at every prompt position, computed apart from the paged pool
-    /// (for checking the model against a reference): one prefill, or token by token.
+    /// Next-token logits at every prompt position, computed apart from the paged pool, in one
+    /// forward or token by token: a reference for checking incremental decoding (the
+    /// engine's own scoring runs as [`PrefillTask`] requests).
     pub fn prompt_logits(&mut self, prompt_ids: &[u32], step_by_step: bool) -> Result<Vec<f32>> {
         self.runner.prompt_logits(prompt_ids, step_by_step)
     }

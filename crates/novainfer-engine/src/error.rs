@@ -42,6 +42,8 @@ pub enum EngineError {
     PromptTokenOutOfRange { id: u32, vocab_size: usize },
     #[error("the engine thread has stopped")]
     EngineStopped,
+    #[error("the request was aborted")]
+    Aborted,
     #[error("request ignored: {detail}")]
     Ignored { detail: String },
     #[error("the engine step running this request failed: {message}")]

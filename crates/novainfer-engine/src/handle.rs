@@ -17,7 +17,6 @@
 //! then loses its sender reports [`EngineError::StepFailed`] with the panic message rather
 //! than a bare "stopped"; a caller can poll `failure()` to report health.
 
-use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
@@ -28,7 +27,6 @@ use std::time::Duration;
 use novainfer_core::{RequestId, SamplingParams};
 
 use novainfer_model::device::Resolved;
-use novainfer_model::EmbedJob;
 
 use crate::engine::{EngineConfig, Frontend, LoadedEngine};
 use novainfer_core::FinishReason;
@@ -36,7 +34,8 @@ use novainfer_core::FinishReason;
 use crate::engine_core::{EngineCore, EngineStats};
 use crate::error::{EngineError, Result};
 use crate::output_processor::{self, DeltaSink};
-use crate::request::Delta;
+use crate::prefill::{PrefillTask, Reply};
+use crate::request::{Delta, TokenLogprob};
 
 enum Command {
     Generate {
@@ -54,22 +53,20 @@ enum Command {
     Finish(RequestId, FinishReason),
     /// Ends the engine loop (streams still open then end with `EngineStopped`).
     Shutdown,
-    PromptLogits {
+    /// An embedding or a scored prompt, scheduled like a generation.
+    Prefill {
+        id: RequestId,
         prompt_ids: Vec<u32>,
-        step_by_step: bool,
-        reply: Reply<Vec<f32>>,
+        task: PrefillTask,
     },
-    Embed {
+    /// Logits token by token, apart from the pool (a reference for tests).
+    StepwiseLogits {
         prompt_ids: Vec<u32>,
         reply: Reply<Vec<f32>>,
     },
     Stats(Reply<EngineStats>),
     ResetPrefixCache(mpsc::Sender<bool>),
 }
-
-/// Where the engine thread sends a one-off answer: run there once, so it must not block (a
-/// std or an async channel's send). Dropped unrun when the engine dies first.
-type Reply<T> = Box<dyn FnOnce(Result<T>) + Send>;
 
 /// A std channel's reply and its receiver, for the blocking calls.
 fn blocking_reply<T: Send + 'static>() -> (Reply<T>, mpsc::Receiver<Result<T>>) {
@@ -228,43 +225,63 @@ impl EngineHandle {
         })
     }
 
+    /// Next-token logits at every prompt position, `[prompt_len, vocab]`: scheduled as a
+    /// scored prompt (in chunks, beside other requests), or with `step_by_step` computed token
+    /// by token apart from the pool (a reference for incremental decoding).
     pub fn prompt_logits(&self, prompt_ids: Vec<u32>, step_by_step: bool) -> Result<Vec<f32>> {
         let (reply, rx) = blocking_reply();
-        self.prompt_logits_with(prompt_ids, step_by_step, reply)?;
+        if step_by_step {
+            self.frontend.check_input(&prompt_ids)?;
+            self.send(Command::StepwiseLogits { prompt_ids, reply })?;
+        } else {
+            self.prefill(prompt_ids, PrefillTask::PromptLogits(reply))?;
+        }
         rx.recv().map_err(|_| self.liveness.stopped())?
     }
 
-    /// [`Self::prompt_logits`] answered through `reply` (run on the engine thread).
-    pub fn prompt_logits_with(
+    /// The logprob of each prompt token given the ones before it, with its `top_k` most likely
+    /// alternatives (`None` for the first token), answered through `reply`. Scheduled as a
+    /// prefill-only request; abort it through the returned handle if the caller goes away.
+    pub fn score_prompt_with(
         &self,
         prompt_ids: Vec<u32>,
-        step_by_step: bool,
-        reply: impl FnOnce(Result<Vec<f32>>) + Send + 'static,
-    ) -> Result<()> {
-        self.send(Command::PromptLogits {
-            prompt_ids,
-            step_by_step,
-            reply: Box::new(reply),
-        })
+        top_k: usize,
+        reply: impl FnOnce(Result<Vec<Option<TokenLogprob>>>) + Send + 'static,
+    ) -> Result<AbortHandle> {
+        let reply = Box::new(reply);
+        self.prefill(prompt_ids, PrefillTask::PromptLogprobs { top_k, reply })
     }
 
-    /// The prompt's embedding: see [`EngineCore::embed`].
+    /// The input's unit-length embedding (its last token's final hidden state).
     pub fn embed(&self, prompt_ids: Vec<u32>) -> Result<Vec<f32>> {
         let (reply, rx) = blocking_reply();
         self.embed_with(prompt_ids, reply)?;
         rx.recv().map_err(|_| self.liveness.stopped())?
     }
 
-    /// [`Self::embed`] answered through `reply` (run on the engine thread). Each call is one
-    /// engine command, run between two steps.
+    /// [`Self::embed`] answered through `reply` (run on the engine thread). Scheduled as a
+    /// prefill-only request; abort it through the returned handle if the caller goes away.
     pub fn embed_with(
         &self,
         prompt_ids: Vec<u32>,
         reply: impl FnOnce(Result<Vec<f32>>) + Send + 'static,
-    ) -> Result<()> {
-        self.send(Command::Embed {
+    ) -> Result<AbortHandle> {
+        self.prefill(prompt_ids, PrefillTask::Embed(Box::new(reply)))
+    }
+
+    /// Checks and queues a prefill-only request.
+    fn prefill(&self, prompt_ids: Vec<u32>, task: PrefillTask) -> Result<AbortHandle> {
+        self.frontend.check_input(&prompt_ids)?;
+        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        self.send(Command::Prefill {
+            id,
             prompt_ids,
-            reply: Box::new(reply),
+            task,
+        })?;
+        Ok(AbortHandle {
+            id,
+            n: 1,
+            commands: self.sender()?.clone(),
         })
     }
 
@@ -319,105 +336,32 @@ fn run(mut core: EngineCore, inbox: mpsc::Receiver<Command>, liveness: &Liveness
 
 fn step_loop(core: &mut EngineCore, inbox: mpsc::Receiver<Command>) {
     let mut failpoint = failpoint::StepPanic::from_env();
-    let mut inbox = Inbox::new(inbox);
-    let mut embedding: Option<Embedding> = None;
-    while let Some(commands) = inbox.between_steps(core.has_work() || embedding.is_some()) {
+    while let Some(commands) = between_steps(&inbox, core.has_work()) {
         for command in commands {
             handle(core, command);
-        }
-        if embedding.is_none() {
-            embedding = inbox.next_forward().and_then(|c| start_forward(core, c));
-        }
-        if let Some(e) = embedding.as_mut() {
-            match core.advance_embedding(&mut e.job) {
-                Ok(None) => {}
-                done => {
-                    let e = embedding.take().expect("just matched: this is a bug");
-                    (e.reply)(done.map(|v| v.expect("Ok(None) matched above: this is a bug")));
-                }
-            }
         }
         failpoint.before_step();
         core.step();
     }
 }
 
-/// An embedding in progress: one chunk of it runs between two steps.
-struct Embedding {
-    job: EmbedJob,
-    reply: Reply<Vec<f32>>,
-}
-
-/// Starts a command that is a forward of its own: an embedding becomes an [`Embedding`] run in
-/// chunks; prompt logits (capped in size by their callers) run now, whole.
-fn start_forward(core: &mut EngineCore, command: Command) -> Option<Embedding> {
-    match command {
-        Command::Embed { prompt_ids, reply } => match core.start_embedding(prompt_ids) {
-            Ok(job) => Some(Embedding { job, reply }),
-            Err(e) => {
-                reply(Err(e));
-                None
-            }
-        },
-        command => {
-            handle(core, command);
-            None
+/// The commands to handle before the next step: all that arrived; `busy`: the engine has
+/// requests to step, so do not wait for one. `None`: shut down (asked to, or every sender
+/// is gone).
+fn between_steps(rx: &mpsc::Receiver<Command>, busy: bool) -> Option<Vec<Command>> {
+    let mut commands = Vec::new();
+    if !busy {
+        // Idle: sleep until something arrives.
+        match rx.recv() {
+            Ok(Command::Shutdown) | Err(_) => return None,
+            Ok(command) => commands.push(command),
         }
     }
-}
-
-/// The engine's commands, taken between two steps: all that arrived, in order, except that the
-/// ones running a forward of their own (embeddings, prompt logits) are held back and taken one
-/// at a time ([`Inbox::next_forward`]), after the previous one is done; an embedding itself runs
-/// a chunk per step. A burst of them thus delays each running stream by at most one chunk per
-/// step rather than by all of them at once. They are independent of the other commands (they
-/// touch no request or block), so holding them back reorders nothing visible.
-struct Inbox {
-    rx: mpsc::Receiver<Command>,
-    forwards: VecDeque<Command>,
-}
-
-impl Inbox {
-    fn new(rx: mpsc::Receiver<Command>) -> Self {
-        Self {
-            rx,
-            forwards: VecDeque::new(),
-        }
-    }
-
-    /// What to handle before the next step; `busy`: the engine has requests to step (or an
-    /// embedding to advance), so do not wait for a command. `None`: shut down (asked to, or
-    /// every sender is gone).
-    fn between_steps(&mut self, busy: bool) -> Option<Vec<Command>> {
-        let mut commands = Vec::new();
-        if !busy && self.forwards.is_empty() {
-            // Idle: sleep until something arrives.
-            match self.rx.recv() {
-                Ok(Command::Shutdown) | Err(_) => return None,
-                Ok(command) => self.take(command, &mut commands),
-            }
-        }
-        loop {
-            match self.rx.try_recv() {
-                Ok(Command::Shutdown) | Err(TryRecvError::Disconnected) => return None,
-                Ok(command) => self.take(command, &mut commands),
-                Err(TryRecvError::Empty) => break,
-            }
-        }
-        Some(commands)
-    }
-
-    /// The oldest forward held back.
-    fn next_forward(&mut self) -> Option<Command> {
-        self.forwards.pop_front()
-    }
-
-    fn take(&mut self, command: Command, commands: &mut Vec<Command>) {
-        match command {
-            Command::Embed { .. } | Command::PromptLogits { .. } => {
-                self.forwards.push_back(command)
-            }
-            command => commands.push(command),
+    loop {
+        match rx.try_recv() {
+            Ok(Command::Shutdown) | Err(TryRecvError::Disconnected) => return None,
+            Ok(command) => commands.push(command),
+            Err(TryRecvError::Empty) => return Some(commands),
         }
     }
 }
@@ -437,12 +381,14 @@ fn handle(core: &mut EngineCore, command: Command) {
         Command::Abort { id, n } => core.abort(id, n),
         Command::Finish(id, reason) => core.finish(id, reason),
         Command::Shutdown => {}
-        Command::PromptLogits {
+        Command::Prefill {
+            id,
             prompt_ids,
-            step_by_step,
-            reply,
-        } => reply(core.prompt_logits(&prompt_ids, step_by_step)),
-        Command::Embed { prompt_ids, reply } => reply(core.embed(&prompt_ids)),
+            task,
+        } => core.add_prefill(id, prompt_ids, task),
+        Command::StepwiseLogits { prompt_ids, reply } => {
+            reply(core.prompt_logits(&prompt_ids, true))
+        }
         Command::Stats(reply) => reply(Ok(core.stats())),
         Command::ResetPrefixCache(reply) => {
             let _ = reply.send(core.reset_prefix_cache());
@@ -598,68 +544,5 @@ mod failpoint {
 
         #[inline(always)]
         pub fn before_step(&mut self) {}
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn embed() -> Command {
-        Command::Embed {
-            prompt_ids: vec![1],
-            reply: Box::new(|_| {}),
-        }
-    }
-
-    fn stats() -> Command {
-        Command::Stats(Box::new(|_| {}))
-    }
-
-    fn kinds(commands: &[Command]) -> Vec<&'static str> {
-        commands
-            .iter()
-            .map(|c| match c {
-                Command::Embed { .. } => "embed",
-                Command::PromptLogits { .. } => "logits",
-                Command::Stats(_) => "stats",
-                Command::Abort { .. } => "abort",
-                _ => "other",
-            })
-            .collect()
-    }
-
-    #[test]
-    fn forwards_are_held_back_and_taken_one_at_a_time() {
-        let (tx, rx) = mpsc::channel();
-        let mut inbox = Inbox::new(rx);
-        for c in [
-            embed(),
-            stats(),
-            embed(),
-            Command::Abort {
-                id: RequestId(0),
-                n: 1,
-            },
-        ] {
-            tx.send(c).expect("open");
-        }
-        let step = |inbox: &mut Inbox| kinds(&inbox.between_steps(true).expect("running"));
-        assert_eq!(step(&mut inbox), ["stats", "abort"]);
-        assert_eq!(
-            kinds(&inbox.next_forward().into_iter().collect::<Vec<_>>()),
-            ["embed"]
-        );
-        tx.send(stats()).expect("open");
-        assert_eq!(step(&mut inbox), ["stats"]);
-        // Idle but with a forward held back: it does not wait for a new command.
-        assert!(kinds(&inbox.between_steps(false).expect("running")).is_empty());
-        assert_eq!(
-            kinds(&inbox.next_forward().into_iter().collect::<Vec<_>>()),
-            ["embed"]
-        );
-        assert!(inbox.next_forward().is_none());
-        tx.send(Command::Shutdown).expect("open");
-        assert!(inbox.between_steps(false).is_none());
     }
 }

@@ -2,8 +2,8 @@
 //! (logical: token ids, positions, block tables) into one flattened `ForwardBatch`
 //! (physical: slot mapping) and hands it to the device's [`Executor`], CPU or GPU.
 
-use novainfer_core::{slot_mapping, SchedulerOutput};
-use novainfer_model::{Device, EmbedJob, Executor, ForwardBatch, Qwen2Config};
+use novainfer_core::{slot_mapping, ChunkOutput, SchedulerOutput};
+use novainfer_model::{Device, Executor, ForwardBatch, ForwardOutput, Qwen2Config, SpanOutput};
 
 use crate::error::Result;
 
@@ -34,28 +34,15 @@ impl ModelRunner {
         self.executor.num_blocks() * self.executor.kv_bytes_per_block()
     }
 
-    /// Runs the step's block copies, then every scheduled chunk in one forward pass; returns logits `[rows, vocab]`,
-    /// one row per request with `sample`, in `out.scheduled` order.
-    pub fn execute(&mut self, out: &SchedulerOutput) -> Result<Vec<f32>> {
+    /// Runs the step's block copies, then every scheduled chunk in one forward pass; returns
+    /// what the chunks ask for (logits rows and hidden rows, in `out.scheduled` order).
+    pub fn execute(&mut self, out: &SchedulerOutput) -> Result<ForwardOutput> {
         for c in &out.block_copies {
             self.executor
                 .copy_block(c.src.index(), c.dst.index(), c.num_tokens)?;
         }
         let batch = self.build_batch(out);
         Ok(self.executor.forward(&batch)?)
-    }
-
-    pub fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        Ok(self.executor.embed(tokens)?)
-    }
-
-    /// At most `max_tokens` more of `job`'s input; its embedding once done.
-    pub fn embed_chunk(
-        &mut self,
-        job: &mut EmbedJob,
-        max_tokens: usize,
-    ) -> Result<Option<Vec<f32>>> {
-        Ok(self.executor.embed_chunk(job, max_tokens)?)
     }
 
     pub fn prompt_logits(&mut self, tokens: &[u32], step_by_step: bool) -> Result<Vec<f32>> {
@@ -73,7 +60,13 @@ impl ModelRunner {
                 block_size,
             );
             let table = s.block_table.iter().map(|b| b.0).collect();
-            batch.push(&s.token_ids, s.start_position, slots, table, s.sample);
+            let output = match s.output {
+                ChunkOutput::Nothing => SpanOutput::None,
+                ChunkOutput::Sample => SpanOutput::LastLogits,
+                ChunkOutput::Hidden => SpanOutput::LastHidden,
+                ChunkOutput::PromptLogits => SpanOutput::AllLogits,
+            };
+            batch.push_span(&s.token_ids, s.start_position, slots, table, output);
         }
         batch
     }

@@ -16,8 +16,7 @@ use crate::device::Device;
 #[cfg(not(feature = "cuda"))]
 use crate::error::ModelError;
 use crate::error::Result;
-use crate::forward_batch::ForwardBatch;
-use crate::kv_cache::SequenceKvCache;
+use crate::forward_batch::{ForwardBatch, ForwardOutput};
 use crate::loader::OpenedCheckpoint;
 use crate::paged_kv::PagedKvCache;
 use crate::qwen2::{LoadOptions, LogitsFor, Qwen2Model};
@@ -58,27 +57,6 @@ pub trait DeviceWeights: Send {
     ) -> Result<Box<dyn Executor>>;
 }
 
-/// An embedding being computed a chunk at a time ([`Executor::embed_chunk`]), so the engine can
-/// run decode steps between the chunks of a long input instead of one forward over all of it.
-pub struct EmbedJob {
-    tokens: Vec<u32>,
-    /// What the device keeps between chunks (the CPU: the input's own KV cache).
-    state: Option<Box<dyn std::any::Any + Send>>,
-}
-
-impl EmbedJob {
-    pub fn new(tokens: Vec<u32>) -> Self {
-        Self {
-            tokens,
-            state: None,
-        }
-    }
-
-    pub fn tokens(&self) -> &[u32] {
-        &self.tokens
-    }
-}
-
 /// A model and its KV pool on one device: what the engine's step loop runs.
 pub trait Executor: Send {
     fn device(&self) -> Device;
@@ -89,21 +67,15 @@ pub trait Executor: Send {
     fn kv_bytes_per_block(&self) -> usize;
     /// Copies the first `num_tokens` slots of block `src` into block `dst`, every layer.
     fn copy_block(&mut self, src: usize, dst: usize, num_tokens: usize) -> Result<()>;
-    /// Writes the batch's K/V at its slots and returns f32 logits `[rows, vocab]`: one row
-    /// per sequence with `sample`, for its last token, in `batch.seqs` order.
-    fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<f32>>;
+    /// Writes the batch's K/V at its slots and returns what each span asks for (logits
+    /// rows and final hidden rows, in `batch.seqs` order; see [`SpanOutput`](crate::SpanOutput)).
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput>;
     /// Unit-length embedding of a whole prompt (its last token's final hidden state),
-    /// computed apart from the pool.
+    /// computed apart from the pool in one call: a reference to check devices against each
+    /// other (the engine embeds through `forward`, in chunks).
     fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>>;
-    /// Computes at most `max_tokens` more of `job`'s input; its embedding once the last
-    /// token is done (equal to [`Executor::embed`] of the whole input). The default computes
-    /// it all in one call, for a device whose `embed` bounds its own work.
-    fn embed_chunk(&mut self, job: &mut EmbedJob, max_tokens: usize) -> Result<Option<Vec<f32>>> {
-        let _ = max_tokens;
-        self.embed(&job.tokens).map(Some)
-    }
     /// Next-token logits at every prompt position, computed apart from the pool: in one
-    /// prefill, or token by token.
+    /// prefill, or token by token (a reference, like `embed`).
     fn prompt_logits(&mut self, tokens: &[u32], step_by_step: bool) -> Result<Vec<f32>>;
 }
 
@@ -204,24 +176,12 @@ impl Executor for CpuExecutor {
         self.kv.copy_block(src, dst, num_tokens)
     }
 
-    fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<f32>> {
-        self.model
-            .forward_batch(batch, &mut self.kv, LogitsFor::LastToken)
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput> {
+        self.model.forward_outputs(batch, &mut self.kv)
     }
 
     fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         self.model.embed(tokens)
-    }
-
-    fn embed_chunk(&mut self, job: &mut EmbedJob, max_tokens: usize) -> Result<Option<Vec<f32>>> {
-        let model = &self.model;
-        let state = job
-            .state
-            .get_or_insert_with(|| Box::new(model.new_cache(job.tokens.len())));
-        let cache = state
-            .downcast_mut::<SequenceKvCache>()
-            .expect("a CPU embedding job holds a SequenceKvCache: this is a bug");
-        model.embed_step(&job.tokens, cache, max_tokens)
     }
 
     fn prompt_logits(&mut self, tokens: &[u32], step_by_step: bool) -> Result<Vec<f32>> {

@@ -5,12 +5,28 @@
 //!   positions:     [  0  1  2  3 |  7 |  0  1 ]
 //!   slot_mapping:  [ where each token's K/V is written in the paged pool ]
 //!   seqs:          a {start 0, len 4}, b {start 4, len 1}, c {start 5, len 2}
-//!   logits rows:   one per sequence with `sample`, for its last token, in `seqs` order
+//!   logits rows:   in `seqs` order, one for a `LastLogits` sequence (its last token),
+//!                  one per token for an `AllLogits` one
+//!   hidden rows:   one per `LastHidden` sequence (its last token's final hidden state)
 //! ```
 //! A sequence attends to its own history (through its block table) and never
 //! sees another sequence's tokens.
 
 use crate::error::{ModelError, Result};
+
+/// What a forward pass returns for one sequence of the batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SpanOutput {
+    /// Nothing (a prefill chunk before the prompt's end): the work is its K/V.
+    #[default]
+    None,
+    /// The last token's logits (to sample from).
+    LastLogits,
+    /// Every token's logits (scoring a prompt).
+    AllLogits,
+    /// The last token's final hidden state, after the final norm (an embedding).
+    LastHidden,
+}
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct SeqSpan {
@@ -19,8 +35,15 @@ pub struct SeqSpan {
     pub query_len: usize,
     /// Block ids holding positions `0..` of this sequence.
     pub block_table: Vec<u32>,
-    /// Whether the last token of this span needs logits.
-    pub sample: bool,
+    pub output: SpanOutput,
+}
+
+/// What one forward pass returns: f32 logits rows `[rows, vocab]` and final hidden rows
+/// `[rows, hidden]`, each in `batch.seqs` order (see the module docs).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ForwardOutput {
+    pub logits: Vec<f32>,
+    pub hidden: Vec<f32>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -32,7 +55,8 @@ pub struct ForwardBatch {
 }
 
 impl ForwardBatch {
-    /// Appends one sequence's chunk: tokens at positions `start..`, K/V written to `slots`.
+    /// Appends one sequence's chunk: tokens at positions `start..`, K/V written to `slots`;
+    /// `sample`: its last token's logits are returned.
     pub fn push(
         &mut self,
         token_ids: &[u32],
@@ -40,6 +64,23 @@ impl ForwardBatch {
         slots: Vec<usize>,
         block_table: Vec<u32>,
         sample: bool,
+    ) {
+        let output = if sample {
+            SpanOutput::LastLogits
+        } else {
+            SpanOutput::None
+        };
+        self.push_span(token_ids, start, slots, block_table, output);
+    }
+
+    /// [`Self::push`] with any output.
+    pub fn push_span(
+        &mut self,
+        token_ids: &[u32],
+        start: usize,
+        slots: Vec<usize>,
+        block_table: Vec<u32>,
+        output: SpanOutput,
     ) {
         let query_start = self.token_ids.len();
         self.token_ids.extend_from_slice(token_ids);
@@ -49,7 +90,7 @@ impl ForwardBatch {
             query_start,
             query_len: token_ids.len(),
             block_table,
-            sample,
+            output,
         });
     }
 
@@ -66,13 +107,69 @@ impl ForwardBatch {
         out
     }
 
-    /// Rows (flattened token indices) whose logits are returned.
+    /// Rows (flattened token indices) whose logits are returned, in order.
     pub fn logits_indices(&self) -> Vec<usize> {
+        let mut rows = Vec::new();
+        for s in self.seqs.iter().filter(|s| s.query_len > 0) {
+            let all = s.query_start..s.query_start + s.query_len;
+            match s.output {
+                SpanOutput::LastLogits => rows.push(all.end - 1),
+                SpanOutput::AllLogits => rows.extend(all),
+                SpanOutput::None | SpanOutput::LastHidden => {}
+            }
+        }
+        rows
+    }
+
+    /// Rows whose final hidden state is returned, in order.
+    pub fn hidden_indices(&self) -> Vec<usize> {
         self.seqs
             .iter()
-            .filter(|s| s.sample && s.query_len > 0)
+            .filter(|s| s.output == SpanOutput::LastHidden && s.query_len > 0)
             .map(|s| s.query_start + s.query_len - 1)
             .collect()
+    }
+
+    /// Whether every span asks for at most its last token's logits (a plain generation step).
+    pub fn only_samples(&self) -> bool {
+        self.seqs
+            .iter()
+            .all(|s| matches!(s.output, SpanOutput::None | SpanOutput::LastLogits))
+    }
+
+    /// A batch of the spans `which` (indices into `seqs`, in order), each with its output.
+    pub fn select(&self, which: &[usize]) -> ForwardBatch {
+        let mut out = ForwardBatch::default();
+        for &i in which {
+            let s = &self.seqs[i];
+            let r = s.query_start..s.query_start + s.query_len;
+            out.push_span(
+                &self.token_ids[r.clone()],
+                self.positions.get(r.start).copied().unwrap_or(0),
+                self.slot_mapping[r].to_vec(),
+                s.block_table.clone(),
+                s.output,
+            );
+        }
+        out
+    }
+
+    /// Span `i`'s tokens `range` (relative to the span) as one-token spans over its block
+    /// table, each returning its logits: the same attention as one chunk, with a logits row
+    /// per token, for a device that returns only last-token rows.
+    pub fn one_token_spans(&self, i: usize, range: std::ops::Range<usize>) -> ForwardBatch {
+        let s = &self.seqs[i];
+        let mut out = ForwardBatch::default();
+        for t in range.map(|t| s.query_start + t) {
+            out.push_span(
+                &self.token_ids[t..=t],
+                self.positions[t],
+                vec![self.slot_mapping[t]],
+                s.block_table.clone(),
+                SpanOutput::LastLogits,
+            );
+        }
+        out
     }
 
     /// Checks the arrays agree; a mismatch is a runner bug, reported rather than panicking.

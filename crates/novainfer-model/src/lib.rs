@@ -25,10 +25,10 @@ pub use config::{Qwen2Config, WeightDtype};
 pub use device::{Device, DeviceChoice};
 pub use error::{ModelError, Result};
 pub use executor::{
-    load_weights, CpuExecutor, CpuWeights, DeviceMemory, DeviceWeights, EmbedJob, Executor,
+    load_weights, CpuExecutor, CpuWeights, DeviceMemory, DeviceWeights, Executor,
     StepLimits,
 };
-pub use forward_batch::{ForwardBatch, SeqSpan};
+pub use forward_batch::{ForwardBatch, ForwardOutput, SeqSpan, SpanOutput};
 pub use kv_cache::SequenceKvCache;
 pub use loader::{Checkpoint, ModelFormat, OpenedCheckpoint};
 pub use paged_kv::PagedKvCache;

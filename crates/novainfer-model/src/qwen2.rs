@@ -12,7 +12,7 @@ use candle_core::{DType, Tensor};
 
 use crate::config::{Qwen2Config, WeightDtype};
 use crate::error::{ModelError, Result};
-use crate::forward_batch::ForwardBatch;
+use crate::forward_batch::{ForwardBatch, ForwardOutput, SpanOutput};
 use crate::kv_cache::SequenceKvCache;
 use crate::layers::ops::{add_in_place, normalize_l2, rms_norm, silu_mul, Rope};
 use crate::layers::{attention, AttentionShape, Embedding, Linear, QueryRow};
@@ -227,45 +227,53 @@ impl Qwen2Model {
     /// Embedding of a whole text: the final (normed) hidden state of its last token,
     /// scaled to unit L2 norm. A causal model's last position is the only one that has
     /// seen every token, which is why decoder embedders (gte-Qwen2, vLLM's default for
-    /// decoder models) pool there rather than averaging.
+    /// decoder models) pool there rather than averaging. Computed apart from any pool, in
+    /// one pass (the engine computes embeddings in chunks through its scheduler instead).
     pub fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
-        let mut cache = self.new_cache(tokens.len());
-        let v = self.embed_step(tokens, &mut cache, tokens.len())?;
-        Ok(v.expect("one step over the whole input finishes it: this is a bug"))
-    }
-
-    /// One chunk of [`Self::embed`]: runs at most `max_tokens` more of `tokens` after the
-    /// `cache.len()` already computed (chunked prefill over the input's own cache, which gives
-    /// the same result as one pass); the embedding once the last token is done.
-    pub fn embed_step(
-        &self,
-        tokens: &[u32],
-        cache: &mut SequenceKvCache,
-        max_tokens: usize,
-    ) -> Result<Option<Vec<f32>>> {
         if tokens.is_empty() {
             return Err(ModelError::EmptyInput);
         }
-        let start = cache.len();
-        let end = (start + max_tokens.max(1)).min(tokens.len());
-        let chunk = &tokens[start..end];
-        cache.reserve(chunk.len())?;
+        let mut cache = self.new_cache(tokens.len());
+        cache.reserve(tokens.len())?;
         let mut batch = ForwardBatch::default();
         // The whole input lives in block 0, so slot = position.
-        batch.push(chunk, start, (start..end).collect(), vec![0], true);
-        let hidden = self.run_layers(&batch, &mut cache.pool)?;
-        cache.advance(chunk.len());
-        if end < tokens.len() {
-            return Ok(None);
-        }
-        let h = self.cfg.hidden_size;
-        let mut v = rms_norm(
-            &hidden[hidden.len() - h..],
-            &self.norm,
-            self.cfg.rms_norm_eps,
-        );
+        let n = tokens.len();
+        batch.push_span(tokens, 0, (0..n).collect(), vec![0], SpanOutput::LastHidden);
+        let mut v = self.forward_outputs(&batch, &mut cache.pool)?.hidden;
         normalize_l2(&mut v);
-        Ok(Some(v))
+        Ok(v)
+    }
+
+    /// One step over many sequences, returning what each span asks for (see
+    /// [`SpanOutput`]): logits rows and final hidden rows, in `batch.seqs` order.
+    pub fn forward_outputs(
+        &self,
+        batch: &ForwardBatch,
+        kv: &mut PagedKvCache,
+    ) -> Result<ForwardOutput> {
+        if batch.num_tokens() == 0 {
+            return Ok(ForwardOutput::default());
+        }
+        let hidden = self.run_layers(batch, kv)?;
+        let h = self.cfg.hidden_size;
+        let final_norm = |rows: &[usize]| {
+            let selected: Vec<f32> = rows
+                .iter()
+                .flat_map(|&r| hidden[r * h..(r + 1) * h].iter().copied())
+                .collect();
+            rms_norm(&selected, &self.norm, self.cfg.rms_norm_eps)
+        };
+        let logits_rows = batch.logits_indices();
+        let logits = if logits_rows.is_empty() {
+            Vec::new()
+        } else {
+            self.lm_head
+                .forward(&final_norm(&logits_rows), logits_rows.len())?
+        };
+        Ok(ForwardOutput {
+            logits,
+            hidden: final_norm(&batch.hidden_indices()),
+        })
     }
 
     /// Embeds `batch`, writes its K/V and runs every decoder layer; returns the

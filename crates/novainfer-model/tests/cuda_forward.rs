@@ -25,7 +25,7 @@ use common::weights;
 use novainfer_cuda::gpu_test::{when_unavailable_from_env, WhenUnavailable};
 use novainfer_model::{
     load_weights, Checkpoint, Device, Executor, ForwardBatch, LoadOptions, ModelError, Qwen2Config,
-    StepLimits,
+    SpanOutput, StepLimits,
 };
 
 fn config(tie: bool) -> Qwen2Config {
@@ -208,7 +208,7 @@ fn cuda_logits_match_the_cpu_over_a_mixed_schedule() {
             if let Some((src, dst, n)) = *fork {
                 cpu.copy_block(src, dst, n).expect("cpu fork");
             }
-            expected.push(cpu.forward(batch).expect("cpu step"));
+            expected.push(cpu.forward(batch).expect("cpu step").logits);
         }
         assert!(expected.iter().all(|rows| !rows.is_empty()));
 
@@ -219,7 +219,7 @@ fn cuda_logits_match_the_cpu_over_a_mixed_schedule() {
             if let Some((src, dst, n)) = *fork {
                 gpu.copy_block(src, dst, n).expect("gpu fork");
             }
-            let got = gpu.forward(batch).expect("gpu step");
+            let got = gpu.forward(batch).expect("gpu step").logits;
             compare(&format!("tie={tie} {name}"), want, &got, v);
         }
 
@@ -235,9 +235,32 @@ fn cuda_logits_match_the_cpu_over_a_mixed_schedule() {
         assert!(gpu.forward(&bad).is_err());
         assert!(gpu.copy_block(NUM_BLOCKS, 0, 1).is_err());
         let ok = step(&[(&[1, 2], 0, &[30], true)]);
-        let want = cpu.forward(&ok).expect("cpu after errors");
-        let got = gpu.forward(&ok).expect("gpu after errors");
+        let want = cpu.forward(&ok).expect("cpu after errors").logits;
+        let got = gpu.forward(&ok).expect("gpu after errors").logits;
         compare(&format!("tie={tie} after errors"), &want, &got, v);
+
+        // One step mixing every output: a decode of a fresh sequence, an embedding's last
+        // and a scored prompt, each over blocks of its own (20.. are unused above).
+        let mut mixed = ForwardBatch::default();
+        for (tokens, table, out) in [
+            (&a[..5], &[20u32, 21][..], SpanOutput::LastLogits),
+            (&c[..], &[22, 23][..], SpanOutput::LastHidden),
+            // Ten scored tokens: two groups of at most max_num_seqs (8) one-token spans.
+            (&b[..], &[24, 25, 26][..], SpanOutput::AllLogits),
+        ] {
+            let slots = slots(table, 0..tokens.len());
+            mixed.push_span(tokens, 0, slots, table.to_vec(), out);
+        }
+        let want = cpu.forward(&mixed).expect("cpu mixed");
+        let got = gpu.forward(&mixed).expect("gpu mixed");
+        assert_eq!(want.logits.len(), 11 * v, "one sampled row and ten scored ones");
+        compare(&format!("tie={tie} mixed logits"), &want.logits, &got.logits, v);
+        compare(
+            &format!("tie={tie} mixed hidden"),
+            &want.hidden,
+            &got.hidden,
+            cfg.hidden_size,
+        );
 
         // Apart from the pool: an embedding over two chunks of max_num_batched_tokens, and
         // prompt logits in steps of max_num_seqs rows and token by token.
@@ -259,8 +282,8 @@ fn cuda_logits_match_the_cpu_over_a_mixed_schedule() {
         assert!(matches!(gpu.embed(&[]), Err(ModelError::EmptyInput)));
         // The engine's pool was left alone: a decode of the first sequence still matches.
         let again = step(&[(&a[..1], 9, &ta, true)]);
-        let want = cpu.forward(&again).expect("cpu");
-        let got = gpu.forward(&again).expect("gpu");
+        let want = cpu.forward(&again).expect("cpu").logits;
+        let got = gpu.forward(&again).expect("gpu").logits;
         compare(&format!("tie={tie} pool untouched"), &want, &got, v);
     }
 }

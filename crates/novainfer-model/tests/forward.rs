@@ -234,3 +234,66 @@ fn embedding_is_the_unit_final_hidden_state_of_the_last_token() {
     }
     assert!(matches!(model.embed(&[]), Err(ModelError::EmptyInput)));
 }
+
+/// The CUDA executor runs a step with embeddings and scored prompts as several forwards
+/// (`ForwardBatch::select`, `one_token_spans`); on the CPU, those pieces give exactly what
+/// the one mixed step gives, and the mixed step's rows equal each request computed alone.
+#[test]
+fn a_mixed_step_equals_its_pieces_and_each_request_alone() {
+    use novainfer_model::{ForwardBatch, PagedKvCache, SpanOutput};
+    let cfg = config(false);
+    let model = build(cfg.clone(), weights(&cfg)).expect("valid tiny model");
+    let bs = 4;
+    let gen: Vec<u32> = vec![3, 17, 42, 8, 8];
+    let emb: Vec<u32> = (10..20).collect();
+    let score: Vec<u32> = vec![7, 7, 2, 40, 41, 5, 9];
+    let spans = [
+        (&gen[..], vec![0u32, 1], SpanOutput::LastLogits),
+        (&emb[..], vec![2, 3, 4], SpanOutput::LastHidden),
+        (&score[..], vec![5, 6], SpanOutput::AllLogits),
+    ];
+    let mut mixed = ForwardBatch::default();
+    for (tokens, table, out) in &spans {
+        let slots = slots(table, 0..tokens.len(), bs);
+        mixed.push_span(tokens, 0, slots, table.clone(), *out);
+    }
+    let mut kv = PagedKvCache::new(&cfg, 16, bs);
+    let got = model.forward_outputs(&mixed, &mut kv).expect("mixed step");
+    let v = cfg.vocab_size;
+    assert_eq!(got.logits.len(), (1 + score.len()) * v);
+    assert_eq!(got.hidden.len(), cfg.hidden_size);
+
+    // The pieces, in a fresh pool: generation alone, the embedding, the scored tokens as
+    // one-token spans in two groups.
+    let mut kv = PagedKvCache::new(&cfg, 16, bs);
+    let mut logits = model
+        .forward_outputs(&mixed.select(&[0]), &mut kv)
+        .expect("generation")
+        .logits;
+    let hidden = model
+        .forward_outputs(&mixed.select(&[1]), &mut kv)
+        .expect("embedding")
+        .hidden;
+    for range in [0..4, 4..score.len()] {
+        let part = mixed.one_token_spans(2, range);
+        logits.extend(model.forward_outputs(&part, &mut kv).expect("scored").logits);
+    }
+    assert_eq!(logits, got.logits);
+    assert_eq!(hidden, got.hidden);
+
+    // Each alone, apart from any pool: the same numbers.
+    let mut alone = model.forward(&gen, &mut model.new_cache(8), LogitsFor::LastToken).unwrap();
+    alone.extend(
+        model
+            .forward(&score, &mut model.new_cache(8), LogitsFor::AllTokens)
+            .unwrap(),
+    );
+    assert_eq!(alone, got.logits);
+    let mut unit = got.hidden.clone();
+    let norm = unit.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt() as f32;
+    unit.iter_mut().for_each(|x| *x /= norm);
+    let want = model.embed(&emb).unwrap();
+    for (a, b) in unit.iter().zip(&want) {
+        assert!((a - b).abs() < 1e-6, "embedding {a} vs {b}");
+    }
+}

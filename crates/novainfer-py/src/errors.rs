@@ -67,7 +67,9 @@ pub fn engine_error(e: EngineError) -> PyErr {
         }
         EngineError::Tokenizer(_) => "TokenizerError",
         EngineError::ChatTemplate(_) | EngineError::NoChatTemplate => "ChatTemplateError",
-        EngineError::EngineStopped | EngineError::StepFailed { .. } => "EngineError",
+        EngineError::EngineStopped | EngineError::Aborted | EngineError::StepFailed { .. } => {
+            "EngineError"
+        }
     };
     raise(class, message, param.as_deref())
 }

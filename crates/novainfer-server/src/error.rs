@@ -211,7 +211,7 @@ impl From<EngineError> for ApiError {
             | EngineError::NoChatTemplate
             | EngineError::ChatTemplate(_)
             | EngineError::Tokenizer(_) => ApiError::invalid(message),
-            EngineError::EngineStopped => ApiError::unavailable(message),
+            EngineError::EngineStopped | EngineError::Aborted => ApiError::unavailable(message),
             // A valid request this device's executor cannot serve (yet): the client's to change.
             EngineError::Model(novainfer_model::ModelError::Unsupported { .. }) => {
                 ApiError::invalid(message).with_code("unsupported_on_device")

@@ -15,7 +15,6 @@ pub mod listener;
 pub mod metrics;
 pub mod models;
 pub mod params;
-pub mod prompt_logprobs;
 pub mod protocol;
 pub mod reasoning;
 mod routes;

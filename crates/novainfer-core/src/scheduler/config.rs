@@ -17,6 +17,7 @@ pub struct SchedulerConfig {
     num_blocks: usize,
     enable_prefix_caching: bool,
     long_prefill_token_threshold: Option<usize>,
+    max_scored_tokens_per_step: usize,
     kv_layout: KvLayout,
 }
 
@@ -49,6 +50,10 @@ impl SchedulerConfig {
     pub fn long_prefill_token_threshold(&self) -> Option<usize> {
         self.long_prefill_token_threshold
     }
+    /// Most prompt tokens being scored (each one a full-vocabulary logits row) in a step.
+    pub fn max_scored_tokens_per_step(&self) -> usize {
+        self.max_scored_tokens_per_step
+    }
     /// BLOCK (blocks of `block_size`) or SLOT (cells: `block_size` is 1).
     pub fn kv_layout(&self) -> KvLayout {
         self.kv_layout
@@ -65,6 +70,7 @@ pub struct SchedulerConfigBuilder {
     num_blocks: usize,
     enable_prefix_caching: bool,
     long_prefill_token_threshold: Option<usize>,
+    max_scored_tokens_per_step: usize,
     kv_layout: KvLayout,
 }
 
@@ -78,6 +84,9 @@ impl Default for SchedulerConfigBuilder {
             num_blocks: 1024,
             enable_prefix_caching: true,
             long_prefill_token_threshold: None,
+            // 64 rows of a 152k vocabulary are 39 MB of f32 logits: bounded memory per step,
+            // and a scoring chunk costs running streams about one prefill chunk's lm_head.
+            max_scored_tokens_per_step: 64,
             kv_layout: KvLayout::Block,
         }
     }
@@ -91,6 +100,7 @@ impl SchedulerConfigBuilder {
     setter!(num_blocks: usize);
     setter!(enable_prefix_caching: bool);
     setter!(long_prefill_token_threshold: Option<usize>);
+    setter!(max_scored_tokens_per_step: usize);
     setter!(kv_layout: KvLayout);
 
     pub fn build(self) -> Result<SchedulerConfig, ParamError> {
@@ -110,6 +120,11 @@ impl SchedulerConfigBuilder {
         at_least("max_model_len", self.max_model_len, 2)?;
         at_least("block_size", self.block_size, 1)?;
         at_least("num_blocks", self.num_blocks, 1)?;
+        at_least(
+            "max_scored_tokens_per_step",
+            self.max_scored_tokens_per_step,
+            1,
+        )?;
         if let Some(t) = self.long_prefill_token_threshold {
             at_least("long_prefill_token_threshold", t, 1)?;
         }
@@ -146,6 +161,7 @@ impl SchedulerConfigBuilder {
             num_blocks: self.num_blocks,
             enable_prefix_caching: self.enable_prefix_caching,
             long_prefill_token_threshold: self.long_prefill_token_threshold,
+            max_scored_tokens_per_step: self.max_scored_tokens_per_step,
             kv_layout: self.kv_layout,
         })
     }
@@ -178,6 +194,10 @@ mod tests {
             .unwrap_err();
         assert_eq!(err.param, "num_blocks");
         assert!(err.to_string().contains("needs 7 blocks"), "{err}");
+        assert_eq!(
+            param(b().max_scored_tokens_per_step(0)),
+            "max_scored_tokens_per_step"
+        );
         assert_eq!(param(b().kv_layout(KvLayout::Slot)), "block_size");
         assert!(b()
             .kv_layout(KvLayout::Slot)

@@ -9,6 +9,12 @@
 //! a prefix lookup, while budget, seq slots and blocks last; the first one that does
 //! not fit stops admission, so nobody is overtaken (no starvation).
 //!
+//! Prefill-only requests ([`RequestKind::Embed`], [`RequestKind::ScorePrompt`]) are requests
+//! like the others (chunked, inside the KV budget, preemptible) that finish once their
+//! prompt is computed. A scored prompt needs a logits row per token, so the tokens being
+//! scored in one step are capped (`max_scored_tokens_per_step`), and it never takes a prefix
+//! hit (a cached position would have no row).
+//!
 //! Progress: `SchedulerConfig` guarantees one `max_model_len` request fits the pool
 //! alone, so the oldest running request can always grow.
 //!
@@ -28,13 +34,13 @@ use std::collections::{HashMap, VecDeque};
 
 pub use config::{SchedulerConfig, SchedulerConfigBuilder};
 pub use fork::Fork;
-pub use output::{FinishedRequest, RequestUpdate, ScheduledRequest, SchedulerOutput};
+pub use output::{ChunkOutput, FinishedRequest, RequestUpdate, ScheduledRequest, SchedulerOutput};
 
 use crate::finish::FinishReason;
 use crate::ids::RequestId;
 use crate::kv_cache_manager::{BlockCopy, KvCacheManager, KvCacheStats, PrefixHit};
 use crate::kv_manager::{AnyKv, KvLayout};
-use crate::request::{Request, RequestStatus};
+use crate::request::{Request, RequestKind, RequestStatus};
 use crate::slot_kv_manager::SlotKvManager;
 
 #[derive(Debug, Clone)]
@@ -174,7 +180,10 @@ impl Scheduler {
             block_copies: std::mem::take(&mut self.pending_copies),
             ..SchedulerOutput::default()
         };
-        let mut budget = self.config.max_num_batched_tokens();
+        let mut budget = StepBudget {
+            tokens: self.config.max_num_batched_tokens(),
+            scored_tokens: self.config.max_scored_tokens_per_step(),
+        };
         self.schedule_running(&mut budget, &mut out);
         // A preemption means the pool is tight: admitting now would only thrash.
         if out.preempted.is_empty() {
@@ -214,13 +223,14 @@ impl Scheduler {
                 continue;
             };
             request.num_computed_tokens += s.token_ids.len();
+            let prefill_only = request.kind.is_prefill_only();
             let mut update = RequestUpdate {
                 request_id: s.request_id,
                 new_token_ids: Vec::new(),
                 finish_reason: None,
                 num_cached_tokens: request.num_cached_tokens,
             };
-            if s.sample {
+            if s.sample() {
                 let tokens = sampled.get(&s.request_id).unwrap_or_else(|| {
                     panic!(
                         "update: {} was to be sampled but got no token: this is a bug",
@@ -235,12 +245,14 @@ impl Scheduler {
                         break;
                     }
                 }
+            } else if prefill_only {
+                update.finish_reason = request.stop_reason(max_model_len);
             }
             // Publish before a finish frees the blocks: the prefix stays reusable.
             self.kv.as_dyn_mut().cache_full_blocks(request);
             let finish = update.finish_reason;
             updates.push(update);
-            if s.sample && !forks.is_empty() {
+            if s.sample() && !forks.is_empty() {
                 let (mine, rest): (Vec<Fork>, Vec<Fork>) =
                     forks.into_iter().partition(|f| f.parent == s.request_id);
                 forks = rest;
@@ -258,11 +270,12 @@ impl Scheduler {
         updates
     }
 
-    fn schedule_running(&mut self, budget: &mut usize, out: &mut SchedulerOutput) {
+    fn schedule_running(&mut self, budget: &mut StepBudget, out: &mut SchedulerOutput) {
         let mut i = 0;
-        while i < self.running.len() && *budget > 0 {
+        while i < self.running.len() && budget.tokens > 0 {
             let id = self.running[i];
-            let num_new = self.chunk_len(self.requests[&id].num_uncomputed_tokens(), *budget);
+            let request = &self.requests[&id];
+            let num_new = self.chunk_len(request, request.num_uncomputed_tokens(), budget);
             if num_new == 0 {
                 i += 1;
                 continue;
@@ -271,19 +284,25 @@ impl Scheduler {
                 break; // it was the newest running request: nothing after it
             }
             self.push_scheduled(id, num_new, false, out);
-            *budget -= num_new;
+            budget.take(self.requests[&id].kind, num_new);
             i += 1;
         }
     }
 
-    fn schedule_waiting(&mut self, budget: &mut usize, out: &mut SchedulerOutput) {
+    fn schedule_waiting(&mut self, budget: &mut StepBudget, out: &mut SchedulerOutput) {
         while let Some(&id) = self.waiting.front() {
-            if *budget == 0 || self.running.len() >= self.config.max_num_seqs() {
+            if budget.tokens == 0 || self.running.len() >= self.config.max_num_seqs() {
                 break;
             }
             let request = &self.requests[&id];
-            let hit = self.kv.as_dyn().lookup_prefix(request);
-            let num_new = self.chunk_len(request.num_tokens() - hit.num_tokens, *budget);
+            let hit = match request.kind {
+                RequestKind::ScorePrompt => PrefixHit::none(),
+                _ => self.kv.as_dyn().lookup_prefix(request),
+            };
+            let num_new = self.chunk_len(request, request.num_tokens() - hit.num_tokens, budget);
+            if num_new == 0 {
+                break; // no scoring rows left this step; FCFS: nobody overtakes it
+            }
             if self
                 .kv
                 .as_dyn_mut()
@@ -305,7 +324,7 @@ impl Scheduler {
             request.start_running();
             self.running.push(id);
             self.push_scheduled(id, num_new, resumed, out);
-            *budget -= num_new;
+            budget.take(self.requests[&id].kind, num_new);
         }
     }
 
@@ -348,12 +367,16 @@ impl Scheduler {
         self.num_preemptions += 1;
     }
 
-    fn chunk_len(&self, num_uncomputed: usize, budget: usize) -> usize {
+    fn chunk_len(&self, request: &Request, num_uncomputed: usize, budget: &StepBudget) -> usize {
         let cap = self
             .config
             .long_prefill_token_threshold()
             .unwrap_or(usize::MAX);
-        num_uncomputed.min(budget).min(cap)
+        let n = num_uncomputed.min(budget.tokens).min(cap);
+        match request.kind {
+            RequestKind::ScorePrompt => n.min(budget.scored_tokens),
+            _ => n,
+        }
     }
 
     fn push_scheduled(
@@ -365,12 +388,19 @@ impl Scheduler {
     ) {
         let request = &self.requests[&id];
         let start = request.num_computed_tokens;
+        let reaches_end = start + num_new == request.num_tokens();
+        let output = match request.kind {
+            RequestKind::Generate if reaches_end => ChunkOutput::Sample,
+            RequestKind::Embed if reaches_end => ChunkOutput::Hidden,
+            RequestKind::ScorePrompt => ChunkOutput::PromptLogits,
+            RequestKind::Generate | RequestKind::Embed => ChunkOutput::Nothing,
+        };
         out.scheduled.push(ScheduledRequest {
             request_id: id,
             token_ids: request.token_ids(start..start + num_new),
             start_position: start,
             block_table: self.kv.as_dyn().block_table(id).to_vec(),
-            sample: start + num_new == request.num_tokens(),
+            output,
             is_resumed_from_preemption: resumed,
         });
         out.num_batched_tokens += num_new;
@@ -384,6 +414,11 @@ impl Scheduler {
         if num_prompt == 0 {
             return Some("the prompt is empty".to_owned());
         }
+        if request.kind.is_prefill_only() {
+            return (num_prompt > max_model_len).then(|| {
+                format!("the input has {num_prompt} tokens, more than max_model_len={max_model_len}")
+            });
+        }
         if num_prompt + 1 > max_model_len {
             return Some(format!(
                 "the prompt has {num_prompt} tokens; with one output token that exceeds \
@@ -391,6 +426,21 @@ impl Scheduler {
             ));
         }
         None
+    }
+}
+
+/// What is left of one step's budgets while it is being filled.
+struct StepBudget {
+    tokens: usize,
+    scored_tokens: usize,
+}
+
+impl StepBudget {
+    fn take(&mut self, kind: RequestKind, num_tokens: usize) {
+        self.tokens -= num_tokens;
+        if kind == RequestKind::ScorePrompt {
+            self.scored_tokens -= num_tokens;
+        }
     }
 }
 

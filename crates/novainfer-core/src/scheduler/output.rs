@@ -15,11 +15,31 @@ pub struct ScheduledRequest {
     /// The request's whole table after this step's allocation; covers every position
     /// up to `start_position + token_ids.len()` (see [`slot_mapping`](crate::slot_mapping::slot_mapping)).
     pub block_table: Vec<BlockId>,
-    /// True iff this chunk reaches the last known token: logits are needed and
-    /// `update` expects a sampled token for this request.
-    pub sample: bool,
+    /// What the model returns for this chunk.
+    pub output: ChunkOutput,
     /// The request was preempted and is recomputed from token 0 (drop its model-side state).
     pub is_resumed_from_preemption: bool,
+}
+
+impl ScheduledRequest {
+    /// True iff `update` expects a sampled token for this request.
+    pub fn sample(&self) -> bool {
+        self.output == ChunkOutput::Sample
+    }
+}
+
+/// What the model must return for one scheduled chunk, by the request's kind and
+/// whether the chunk reaches its last known token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkOutput {
+    /// Nothing: a chunk before the end of a prompt. The step's work is its K/V.
+    Nothing,
+    /// The last token's logits, to sample the next token.
+    Sample,
+    /// The last token's final hidden state: the chunk ends an embedding's input.
+    Hidden,
+    /// Every token's logits: a chunk of a prompt being scored.
+    PromptLogits,
 }
 
 /// A request that left the scheduler since the previous step.

@@ -22,7 +22,7 @@ fn step(s: &mut Scheduler, token: u32) -> (SchedulerOutput, Vec<RequestUpdate>) 
     let sampled: Vec<_> = out
         .scheduled
         .iter()
-        .filter(|r| r.sample)
+        .filter(|r| r.sample())
         .map(|r| (r.request_id, vec![token]))
         .collect();
     let updates = s.update(&out, &sampled);
@@ -37,7 +37,7 @@ fn shape(out: &SchedulerOutput) -> Vec<(u64, usize, usize, bool)> {
                 r.request_id.0,
                 r.start_position,
                 r.token_ids.len(),
-                r.sample,
+                r.sample(),
             )
         })
         .collect()
@@ -371,4 +371,125 @@ fn a_fork_done_at_its_first_token_never_takes_kv() {
     assert!(s.kv().as_dyn().block_table(RequestId(2)).is_empty());
     assert_eq!(s.num_running(), 1);
     assert_eq!(s.schedule().finished[0].request_id, RequestId(2));
+}
+
+fn outputs(out: &SchedulerOutput) -> Vec<(u64, usize, usize, ChunkOutput)> {
+    out.scheduled
+        .iter()
+        .map(|r| (r.request_id.0, r.start_position, r.token_ids.len(), r.output))
+        .collect()
+}
+
+#[test]
+fn an_embedding_is_chunked_returns_its_hidden_state_once_and_finishes_without_sampling() {
+    let mut s = Scheduler::new(config(4, 4, 4, 8));
+    s.add_request(Request::prefill_only(
+        RequestId(1),
+        (0..10).collect(),
+        RequestKind::Embed,
+    ));
+    let (out, updates) = step(&mut s, 50);
+    assert_eq!(outputs(&out), vec![(1, 0, 4, ChunkOutput::Nothing)]);
+    assert_eq!(updates[0].finish_reason, None);
+    step(&mut s, 50);
+    let (out, updates) = step(&mut s, 50);
+    assert_eq!(outputs(&out), vec![(1, 8, 2, ChunkOutput::Hidden)]);
+    assert_eq!(updates[0].new_token_ids, Vec::<u32>::new());
+    assert_eq!(updates[0].finish_reason, Some(FinishReason::Stop));
+    assert_eq!(s.kv_stats().num_used_blocks, 0);
+    assert_eq!(s.schedule().finished[0].request_id, RequestId(1));
+    assert!(!s.has_work());
+}
+
+#[test]
+fn an_input_of_exactly_max_model_len_fits_an_embedding_but_not_a_generation() {
+    let mut s = Scheduler::new(config(64, 4, 4, 4)); // max_model_len 16
+    s.add_request(Request::prefill_only(
+        RequestId(1),
+        (0..16).collect(),
+        RequestKind::Embed,
+    ));
+    s.add_request(req(2, (0..16).collect(), 1));
+    let (out, _) = step(&mut s, 0);
+    assert_eq!(outputs(&out), vec![(1, 0, 16, ChunkOutput::Hidden)]);
+    let ignored: Vec<_> = out
+        .finished
+        .iter()
+        .filter(|f| f.reason == FinishReason::Ignored)
+        .map(|f| f.request_id.0)
+        .collect();
+    assert_eq!(ignored, vec![2]);
+}
+
+#[test]
+fn scored_prompts_share_a_row_budget_per_step_and_never_take_a_prefix_hit() {
+    let cfg = SchedulerConfig::builder()
+        .max_num_batched_tokens(64)
+        .max_num_seqs(4)
+        .max_model_len(64)
+        .block_size(4)
+        .num_blocks(64)
+        .max_scored_tokens_per_step(6)
+        .build()
+        .unwrap();
+    let mut s = Scheduler::new(cfg);
+    // Cache a prefix first: a generation over the same 12 tokens.
+    s.add_request(req(1, (0..12).collect(), 1));
+    step(&mut s, 7);
+    s.add_request(Request::prefill_only(
+        RequestId(2),
+        (0..12).collect(),
+        RequestKind::ScorePrompt,
+    ));
+    s.add_request(Request::prefill_only(
+        RequestId(3),
+        (0..3).collect(),
+        RequestKind::ScorePrompt,
+    ));
+    s.add_request(req(4, vec![9, 9], 1));
+    let (out, _) = step(&mut s, 7);
+    // 2 scores from 0 (no hit) with all 6 rows; 3 finds no rows left and, FCFS, holds back 4.
+    assert_eq!(outputs(&out), vec![(2, 0, 6, ChunkOutput::PromptLogits)]);
+    let (out, _) = step(&mut s, 7);
+    assert_eq!(outputs(&out), vec![(2, 6, 6, ChunkOutput::PromptLogits)]);
+    let (out, updates) = step(&mut s, 7);
+    assert_eq!(
+        outputs(&out),
+        vec![
+            (3, 0, 3, ChunkOutput::PromptLogits),
+            (4, 0, 2, ChunkOutput::Sample)
+        ]
+    );
+    assert!(updates.iter().all(|u| u.finish_reason.is_some()));
+    assert_eq!(s.kv_stats().num_used_blocks, 0);
+}
+
+#[test]
+fn a_preempted_scored_prompt_is_recomputed_from_its_first_token() {
+    // Pool of 4 blocks of 4: the scored prompt (12 tokens) and a growing generation collide.
+    let mut s = Scheduler::new(config(8, 4, 4, 4));
+    s.add_request(req(1, (0..4).collect(), 8));
+    s.add_request(Request::prefill_only(
+        RequestId(2),
+        (0..12).collect(),
+        RequestKind::ScorePrompt,
+    ));
+    let mut positions = Vec::new();
+    for _ in 0..20 {
+        if !s.has_work() {
+            break;
+        }
+        let (out, _) = step(&mut s, 3);
+        positions.extend(
+            out.scheduled
+                .iter()
+                .filter(|r| r.request_id == RequestId(2))
+                .map(|r| r.start_position),
+        );
+    }
+    assert!(!s.has_work());
+    assert!(s.num_preemptions() > 0, "the test must exercise a preemption");
+    // Every (re)start computes from token 0: no row is skipped; it ends with the last chunk.
+    assert!(positions.iter().filter(|&&p| p == 0).count() >= 2, "{positions:?}");
+    assert_eq!(positions.last(), Some(&8), "{positions:?}");
 }

@@ -15,7 +15,7 @@ use crate::config::{Qwen2Config, WeightDtype};
 use crate::device::Device;
 use crate::error::{ModelError, Result};
 use crate::executor::{DeviceMemory, DeviceWeights, Executor, StepLimits};
-use crate::forward_batch::ForwardBatch;
+use crate::forward_batch::{ForwardBatch, ForwardOutput, SpanOutput};
 use crate::layers::ops::normalize_l2;
 use crate::loader::OpenedCheckpoint;
 use crate::prepare::{HostModelReader, PackedStep, StepCapacity, StepLayout};
@@ -260,6 +260,62 @@ impl CudaExecutor {
     }
 }
 
+impl CudaExecutor {
+    fn run_in_pool(&mut self, batch: &ForwardBatch, tail: Tail) -> Result<Vec<f32>> {
+        if batch.seqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let step = PackedStep::pack(batch, &self.capacity)?;
+        self.w.step(&mut self.meta, &mut self.kv).run(&step, tail)
+    }
+
+    /// A step with embeddings or scored prompts in it. The eager forward returns one kind of
+    /// row per step and at most `max_seqs` of them, so the sequences (independent of each
+    /// other) run in several forwards over the same pool: the generation spans together; each
+    /// embedding's span with the hidden tail; each scored span as one-token spans over its
+    /// own table (the same attention as one chunk, with a row per token), `max_seqs` at a
+    /// time and in order, so every token's K/V is written before a later token reads it.
+    fn forward_split(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput> {
+        let plain: Vec<usize> = (0..batch.seqs.len())
+            .filter(|&i| matches!(batch.seqs[i].output, SpanOutput::None | SpanOutput::LastLogits))
+            .collect();
+        let plain_logits = self.run_in_pool(&batch.select(&plain), Tail::Logits)?;
+        let vocab = self.w.cfg.vocab_size;
+        let mut plain_rows = plain_logits.chunks_exact(vocab);
+        let mut out = ForwardOutput::default();
+        for (i, span) in batch.seqs.iter().enumerate() {
+            match span.output {
+                SpanOutput::None => {}
+                SpanOutput::LastLogits => {
+                    if span.query_len > 0 {
+                        let row = plain_rows.next().ok_or_else(|| {
+                            ModelError::config("forward", "a sampled span got no logits row")
+                        })?;
+                        out.logits.extend_from_slice(row);
+                    }
+                }
+                SpanOutput::LastHidden => {
+                    let mut one = batch.select(&[i]);
+                    // The eager forward's sampled rows are its hidden tail's rows.
+                    one.seqs[0].output = SpanOutput::LastLogits;
+                    out.hidden.extend(self.run_in_pool(&one, Tail::Hidden)?);
+                }
+                SpanOutput::AllLogits => {
+                    let group = self.capacity.max_seqs.max(1);
+                    let mut start = 0;
+                    while start < span.query_len {
+                        let end = (start + group).min(span.query_len);
+                        let tokens = batch.one_token_spans(i, start..end);
+                        out.logits.extend(self.run_in_pool(&tokens, Tail::Logits)?);
+                        start = end;
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
 impl Executor for CudaExecutor {
     fn device(&self) -> Device {
         self.w.device
@@ -312,11 +368,14 @@ impl Executor for CudaExecutor {
         Ok(())
     }
 
-    fn forward(&mut self, batch: &ForwardBatch) -> Result<Vec<f32>> {
-        let step = PackedStep::pack(batch, &self.capacity)?;
-        self.w
-            .step(&mut self.meta, &mut self.kv)
-            .run(&step, Tail::Logits)
+    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput> {
+        if batch.only_samples() {
+            return Ok(ForwardOutput {
+                logits: self.run_in_pool(batch, Tail::Logits)?,
+                hidden: Vec::new(),
+            });
+        }
+        self.forward_split(batch)
     }
 
     fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {

@@ -21,7 +21,6 @@ use crate::engine_io;
 use crate::error::ApiError;
 use crate::keys::Tenant;
 use crate::params::{request_timeout, sampling_params, EndpointParams};
-use crate::prompt_logprobs::{prompt_logprobs, MAX_PROMPT_LOGITS};
 use crate::protocol::inputs;
 use crate::protocol::request::{parse_generation, CompletionRequest};
 use crate::protocol::response::CompletionLogprobs;
@@ -115,25 +114,14 @@ struct Echo {
 }
 
 /// The prompts' own logprobs (`echo` with `logprobs`), under the scoring pool (admitted first:
-/// 429 when its queue is full); a prompt whose logits would not fit the cap is a 400 before
-/// any of them runs. Each prompt is one engine forward, run between two decode steps.
+/// 429 when its queue is full). Each prompt is a prefill-only engine request, scored in chunks
+/// beside the running streams (any length the model takes), and aborted if the client leaves.
 async fn score_prompts(
     app: &AppState,
     handle: &EngineHandle,
     echoes: &mut [Echo],
     k: usize,
 ) -> Result<(), ApiError> {
-    let vocab = handle.frontend().tokenizer().vocab_size().max(1);
-    let max_tokens = MAX_PROMPT_LOGITS / vocab;
-    if let Some(long) = echoes.iter().find(|e| e.token_ids.len() > max_tokens) {
-        return Err(ApiError::invalid_param(
-            "echo",
-            format!(
-                "echo with logprobs scores at most {max_tokens} prompt tokens with this model; the prompt has {}",
-                long.token_ids.len()
-            ),
-        ));
-    }
     let _permit = app
         .work
         .scoring
@@ -141,8 +129,7 @@ async fn score_prompts(
         .await
         .inspect_err(|e| app.metrics.rejected(e.code.unwrap_or_default()))?;
     for echo in echoes {
-        let logits = engine_io::prompt_logits(handle, echo.token_ids.clone()).await?;
-        echo.logprobs = Some(prompt_logprobs(&logits, &echo.token_ids, k));
+        echo.logprobs = Some(engine_io::score_prompt(handle, echo.token_ids.clone(), k).await?);
     }
     Ok(())
 }

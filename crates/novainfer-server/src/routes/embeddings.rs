@@ -2,10 +2,10 @@
 //! input's last token (see docs/api.md), as floats or base64 little-endian f32.
 //!
 //! Admitted by the embeddings pool (`--max-concurrent-embeddings`, 429 past its queue) before
-//! any input is tokenized. Each input is its own engine command, sent after the previous one
-//! answered, and the engine computes it a chunk (`--max-num-batched-tokens`) per step, so a
-//! large batch or a long input interleaves with the running streams instead of stalling them
-//! for its whole length.
+//! any input is tokenized. Each input is a prefill-only engine request, scheduled like a
+//! prompt: in chunks inside the step's token budget and the KV pool, beside the running
+//! streams, so a large batch or a long input never stalls them for its whole length. A
+//! client that disconnects aborts the inputs still running.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -73,10 +73,7 @@ pub async fn embeddings(
     .await
     .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))??;
     let prompt_tokens = prompt_ids.iter().map(Vec::len).sum::<usize>();
-    let mut vectors = Vec::with_capacity(prompt_ids.len());
-    for ids in prompt_ids {
-        vectors.push(engine_io::embed(&model.handle, ids).await?);
-    }
+    let vectors = engine_io::embed_all(&model.handle, prompt_ids).await?;
     let data: Vec<Value> = vectors
         .into_iter()
         .enumerate()
