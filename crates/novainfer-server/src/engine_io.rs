@@ -70,9 +70,10 @@ pub async fn embed_all(
     let mut vectors = Vec::with_capacity(inputs.len());
     let mut inputs = inputs.into_iter().peekable();
     while inputs.peek().is_some() {
-        let window = inputs.by_ref().take(EMBED_WINDOW).map(|ids| {
-            request(handle, move |reply| handle.embed_with(ids, reply))
-        });
+        let window = inputs
+            .by_ref()
+            .take(EMBED_WINDOW)
+            .map(|ids| request(handle, move |reply| handle.embed_with(ids, reply)));
         vectors.extend(try_join_all(window).await?);
     }
     Ok(vectors)

@@ -50,28 +50,33 @@ pub fn prompts(value: &Value, param: &str) -> Result<Vec<Prompt>, ApiError> {
             format!("`{param}` must not be empty"),
         ));
     }
-    if list.len() > MAX_BATCH {
-        return Err(ApiError::invalid_param(
-            param,
-            format!(
-                "`{param}` has {} elements, more than the limit of {MAX_BATCH}",
-                list.len()
-            ),
-        ));
-    }
+    let batch = |list: &[Value]| {
+        if list.len() > MAX_BATCH {
+            return Err(ApiError::invalid_param(
+                param,
+                format!(
+                    "`{param}` has {} prompts, more than the limit of {MAX_BATCH}",
+                    list.len()
+                ),
+            ));
+        }
+        Ok(())
+    };
     match &list[0] {
+        // One prompt of token ids: its length is the model's to judge, not a batch limit.
         Value::Number(_) => Ok(vec![Prompt::TokenIds(token_ids(list, param)?)]),
-        Value::String(_) | Value::Array(_) => list
-            .iter()
-            .map(|item| match item {
-                Value::String(s) => Ok(Prompt::Text(s.clone())),
-                Value::Array(ids) => Ok(Prompt::TokenIds(token_ids(ids, param)?)),
-                other => Err(ApiError::invalid_param(
-                    param,
-                    format!("{}, got an element that is {}", shape(), json_type(other)),
-                )),
-            })
-            .collect(),
+        Value::String(_) | Value::Array(_) => batch(list).and_then(|()| {
+            list.iter()
+                .map(|item| match item {
+                    Value::String(s) => Ok(Prompt::Text(s.clone())),
+                    Value::Array(ids) => Ok(Prompt::TokenIds(token_ids(ids, param)?)),
+                    other => Err(ApiError::invalid_param(
+                        param,
+                        format!("{}, got an element that is {}", shape(), json_type(other)),
+                    )),
+                })
+                .collect()
+        }),
         other => Err(ApiError::invalid_param(
             param,
             format!("{}, got a list of {}", shape(), json_type(other)),
