@@ -242,6 +242,19 @@ impl Frontend {
 
     /// How many tokens a request may generate, or why it cannot run at all.
     pub fn max_new_tokens(&self, prompt_len: usize, params: &SamplingParams) -> Result<usize> {
+        if let Some(&(id, _)) = params
+            .logit_bias()
+            .iter()
+            .find(|&&(id, _)| id as usize >= self.vocab_size)
+        {
+            return Err(EngineError::InvalidParameter(ParamError::new(
+                "logit_bias",
+                format!(
+                    "token id {id} is out of range for the vocabulary of {}",
+                    self.vocab_size
+                ),
+            )));
+        }
         let room = self.max_model_len.saturating_sub(prompt_len);
         match params.max_tokens() {
             Some(n) if n <= room => Ok(n),

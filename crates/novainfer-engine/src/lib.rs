@@ -25,4 +25,4 @@ pub use engine_core::{EngineCore, EngineStats};
 pub use error::{EngineError, Result};
 pub use handle::{AbortHandle, EngineHandle, NextDelta, RequestStream};
 pub use output_processor::DeltaSink;
-pub use request::{Delta, Prompt, RequestOutput, TokenLogprob};
+pub use request::{Delta, Prompt, RequestOutput, StopReason, TokenLogprob};

@@ -49,13 +49,15 @@ pub fn prompt_logprobs(logits: &[f32], prompt_ids: &[u32], k: usize) -> Vec<Opti
     for (row, &next) in logits.chunks_exact(vocab).zip(prompt_ids.iter().skip(1)) {
         let lse = log_sum_exp(row);
         let lp = |x: f32| (f64::from(x) - lse) as f32;
+        let chosen = row.get(next as usize).copied();
         out.push(Some(TokenLogprob {
             token_id: next,
-            logprob: row.get(next as usize).map_or(f32::NEG_INFINITY, |&x| lp(x)),
+            logprob: chosen.map_or(f32::NEG_INFINITY, lp),
             top: top_k(row, k)
                 .into_iter()
                 .map(|(id, x)| (id, lp(x)))
                 .collect(),
+            rank: chosen.map_or(0, |x| row.iter().filter(|&&y| y >= x).count() as u32),
         }));
     }
     out
