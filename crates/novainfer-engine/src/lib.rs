@@ -6,6 +6,7 @@ pub mod chat_template;
 pub mod detokenizer;
 pub mod engine;
 pub mod engine_core;
+pub mod fim;
 pub mod error;
 pub mod gguf_tokenizer;
 pub mod handle;
