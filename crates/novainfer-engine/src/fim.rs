@@ -18,6 +18,7 @@ const SUFFIX: &[&str] = &["<|fim_suffix|>", "<fim_suffix>"];
 const MIDDLE: &[&str] = &["<|fim_middle|>", "<fim_middle>"];
 const REPO_NAME: &[&str] = &["<|repo_name|>", "<reponame>"];
 const FILE_SEP: &[&str] = &["<|file_sep|>", "<file_sep>"];
+const PAD: &[&str] = &["<|fim_pad|>", "<fim_pad>"];
 
 /// The project name llama.cpp writes after `<|repo_name|>` (editor plugins send none).
 const REPO: &str = "myproject";
@@ -30,6 +31,7 @@ pub struct FimTokens {
     pub middle: u32,
     pub repo_name: Option<u32>,
     pub file_sep: Option<u32>,
+    pub pad: Option<u32>,
 }
 
 /// One `input_extra` chunk: another file's text, for repo-level context.
@@ -60,7 +62,18 @@ impl FimTokens {
             middle: lookup(tokenizer, MIDDLE)?,
             repo_name: lookup(tokenizer, REPO_NAME),
             file_sep: lookup(tokenizer, FILE_SEP),
+            pad: lookup(tokenizer, PAD),
         })
+    }
+
+    /// Every FIM token: none of them belongs in a middle, so llama.cpp ends an infill on any.
+    pub fn all(&self) -> Vec<u32> {
+        [self.prefix, self.suffix, self.middle]
+            .into_iter()
+            .chain(self.repo_name)
+            .chain(self.file_sep)
+            .chain(self.pad)
+            .collect()
     }
 
     /// `prefix`, `suffix` (and the text the middle starts with) in FIM order, preceded by the
@@ -151,8 +164,8 @@ mod tests {
         };
         let fim = FimTokens::of(&tokenizer).expect("Qwen2.5-Coder has FIM tokens");
         assert_eq!(
-            (fim.prefix, fim.suffix, fim.middle, fim.repo_name, fim.file_sep),
-            (151659, 151661, 151660, Some(151663), Some(151664))
+            (fim.prefix, fim.suffix, fim.middle, fim.repo_name, fim.file_sep, fim.pad),
+            (151659, 151661, 151660, Some(151663), Some(151664), Some(151662))
         );
         let (prefix, suffix) = ("def add(a, b):\n    ", "\n\nprint(add(1, 2))\n");
         let raw = format!("<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>");
