@@ -6,6 +6,8 @@ and change nothing, anything else is a 400 naming the field. Tiny random models:
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -254,3 +256,48 @@ def test_infill_limits_and_refusals(server):
     assert_openai_error(code, body, 400)
     code, _, _ = http(server, "GET", "/infill")
     assert code == 405
+
+
+# --------------------------------------------------------------------------- the table in docs/api.md
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "api.md"
+#: A value each no-op field is sent with.
+NO_OP_VALUES = {"store": True, "metadata": {"k": "v"}, "service_tier": "auto"}
+
+
+def field_table() -> list[tuple[str, str, str]]:
+    """(field, where, what NovaInfer does) for each field of the 'Every request field' table."""
+    text = DOCS.read_text(encoding="utf-8")
+    section = text.split("### Every request field", 1)[1].split("\n### ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not cells[0].startswith("`"):
+            continue
+        for field in re.findall(r"`([a-z_]+)`", cells[0]):
+            rows.append((field, cells[1], cells[3]))
+    return rows
+
+
+def test_the_field_table_is_what_the_server_does(server):
+    rows = field_table()
+    assert len(rows) > 80 and {w for _, w, _ in rows} == {"both", "chat", "completions"}
+    bodies = {"completions": ("/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 1}),
+              "chat": ("/v1/chat/completions",
+                       {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1})}
+    checked = 0
+    for field, where, does in rows:
+        endpoints = ["completions", "chat"] if where == "both" else [where]
+        for endpoint in endpoints:
+            path, body = bodies[endpoint]
+            if does.startswith("400"):
+                code, _, resp = post_json(server, path, {**body, field: True})
+                assert_openai_error(code, resp, 400, field)
+                checked += 1
+            elif does.startswith("no-op"):
+                code, _, resp = post_json(server, path, {**body, field: NO_OP_VALUES[field]})
+                assert code == 200, (field, resp)
+                checked += 1
+            else:
+                assert does.startswith("implemented"), (field, does)
+    assert checked > 50
