@@ -467,8 +467,14 @@ mod tests {
         assert_eq!(rejected(b().logprobs(Some(21))).param, "logprobs");
         assert_eq!(rejected(b().n(0)).param, "n");
         assert_eq!(rejected(b().n(MAX_N as i64 + 1)).param, "n");
-        assert_eq!(rejected(b().logit_bias(vec![(3, 100.5)])).param, "logit_bias");
-        assert_eq!(rejected(b().logit_bias(vec![(3, f32::NAN)])).param, "logit_bias");
+        assert_eq!(
+            rejected(b().logit_bias(vec![(3, 100.5)])).param,
+            "logit_bias"
+        );
+        assert_eq!(
+            rejected(b().logit_bias(vec![(3, f32::NAN)])).param,
+            "logit_bias"
+        );
         assert_eq!(
             rejected(b().logit_bias(vec![(3, 1.0), (2, 0.0), (3, -1.0)])).param,
             "logit_bias"

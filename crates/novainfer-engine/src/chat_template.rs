@@ -285,9 +285,15 @@ mod tests {
                 None,
             )
             .expect("render");
-        assert!(rendered.ends_with("Sure, here is <|im_end|>\n"), "{rendered:?}");
+        assert!(
+            rendered.ends_with("Sure, here is <|im_end|>\n"),
+            "{rendered:?}"
+        );
         let cut = continue_final_message(&rendered, "Sure, here is ").expect("cut");
-        assert!(cut.ends_with("<|im_start|>assistant\nSure, here is "), "{cut:?}");
+        assert!(
+            cut.ends_with("<|im_start|>assistant\nSure, here is "),
+            "{cut:?}"
+        );
         // A template that trims the message: cut after the trimmed text.
         let trimmed = rendered.replace("here is <|im_end|>", "here is<|im_end|>");
         let cut = continue_final_message(&trimmed, "Sure, here is ").expect("cut");

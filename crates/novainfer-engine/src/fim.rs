@@ -164,8 +164,22 @@ mod tests {
         };
         let fim = FimTokens::of(&tokenizer).expect("Qwen2.5-Coder has FIM tokens");
         assert_eq!(
-            (fim.prefix, fim.suffix, fim.middle, fim.repo_name, fim.file_sep, fim.pad),
-            (151659, 151661, 151660, Some(151663), Some(151664), Some(151662))
+            (
+                fim.prefix,
+                fim.suffix,
+                fim.middle,
+                fim.repo_name,
+                fim.file_sep,
+                fim.pad
+            ),
+            (
+                151659,
+                151661,
+                151660,
+                Some(151663),
+                Some(151664),
+                Some(151662)
+            )
         );
         let (prefix, suffix) = ("def add(a, b):\n    ", "\n\nprint(add(1, 2))\n");
         let raw = format!("<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>");
@@ -189,14 +203,29 @@ mod tests {
         let raw = format!(
             "<|repo_name|>myproject\n<|file_sep|>a.py\nx = 1\n<|file_sep|>b.py\ny = 2\n{raw}return"
         );
-        assert_eq!(whole.token_ids, tokenizer.encode(&raw, true).expect("encode"));
+        assert_eq!(
+            whole.token_ids,
+            tokenizer.encode(&raw, true).expect("encode")
+        );
         assert_eq!(whole.extra_tokens_dropped, 0);
-        let fim_only = fim.prompt(&tokenizer, prefix, suffix, "return").expect("prompt");
+        let fim_only = fim
+            .prompt(&tokenizer, prefix, suffix, "return")
+            .expect("prompt");
         let cut = fim
-            .infill(&tokenizer, &extra, prefix, suffix, "return", fim_only.len() + 3)
+            .infill(
+                &tokenizer,
+                &extra,
+                prefix,
+                suffix,
+                "return",
+                fim_only.len() + 3,
+            )
             .expect("infill");
         assert_eq!(cut.token_ids.len(), fim_only.len() + 3);
         assert!(cut.token_ids.ends_with(&fim_only));
-        assert_eq!(cut.extra_tokens_dropped, whole.token_ids.len() - cut.token_ids.len());
+        assert_eq!(
+            cut.extra_tokens_dropped,
+            whole.token_ids.len() - cut.token_ids.len()
+        );
     }
 }

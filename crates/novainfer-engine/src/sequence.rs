@@ -249,7 +249,11 @@ mod tests {
         );
         let mut eos = ids("ab");
         eos.push(EOS);
-        assert_eq!(stop_reason_of(&b(false), &eos), ("ab".into(), None), "EOS has none");
+        assert_eq!(
+            stop_reason_of(&b(false), &eos),
+            ("ab".into(), None),
+            "EOS has none"
+        );
     }
 
     #[test]

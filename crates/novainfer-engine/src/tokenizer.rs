@@ -326,7 +326,8 @@ impl Tokenizer {
 /// The byte GPT-2's byte-level alphabet writes as `c`: printable Latin-1 bytes stand for
 /// themselves, the other 68 bytes are written as U+0100.. in byte order.
 fn byte_of_char(c: char) -> Option<u8> {
-    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
     let code = c as u32;
     if printable(code) {
         return Some(code as u8);
@@ -432,11 +433,16 @@ mod tests {
         assert_eq!(tokenizer.token_bytes(ids[0]), vec![0xC3]);
         assert_eq!(tokenizer.token_bytes(ids[1]), vec![0xA9]);
         assert_eq!(tokenizer.token_bytes(ids[2]), b" ".to_vec());
-        assert_eq!(tokenizer.decode(&ids[..1], false).expect("decode"), "\u{FFFD}");
+        assert_eq!(
+            tokenizer.decode(&ids[..1], false).expect("decode"),
+            "\u{FFFD}"
+        );
         let end = tokenizer.encode("<|im_end|>", false).expect("encode");
         assert_eq!(tokenizer.token_bytes(end[0]), b"<|im_end|>".to_vec());
         for b in 0..=255u8 {
-            let c = (0u32..).filter_map(char::from_u32).find(|&c| byte_of_char(c) == Some(b));
+            let c = (0u32..)
+                .filter_map(char::from_u32)
+                .find(|&c| byte_of_char(c) == Some(b));
             assert!(c.is_some(), "byte {b} has a character");
         }
     }

@@ -12,11 +12,11 @@ use std::sync::{Arc, Mutex, TryLockError};
 use std::time::Duration;
 
 use novainfer_core::KvLayout;
+use novainfer_engine::tokenizer::Tokenizer;
 use novainfer_engine::{
     AbortHandle, ChatMessage, Delta, EngineConfig, EngineError, EngineHandle, KvBudget, NextDelta,
     Prompt, RequestOutput, RequestStream, StopReason, TokenLogprob, DEFAULT_GPU_MEMORY_UTILIZATION,
 };
-use novainfer_engine::tokenizer::Tokenizer;
 use novainfer_model::device::DEVICE_SPELLINGS;
 use novainfer_model::{DeviceChoice, DtypeChoice};
 use pyo3::prelude::*;
@@ -277,7 +277,12 @@ impl PyEngine {
             .map_err(|e| invalid("chat_template_kwargs", format!("not valid JSON: {e}")))?;
         self.handle
             .frontend()
-            .render_chat(&messages, add_generation_prompt, continue_final_message, extra)
+            .render_chat(
+                &messages,
+                add_generation_prompt,
+                continue_final_message,
+                extra,
+            )
             .map_err(engine_error)
     }
 

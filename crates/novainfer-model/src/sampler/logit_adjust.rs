@@ -82,7 +82,8 @@ mod tests {
 
     #[test]
     fn bias_then_mask_until_min_tokens_then_restored() {
-        let mut adjust = LogitAdjust::new(&params(vec![(1, 5.0), (3, 100.0), (99, 1.0)], 2, vec![2]));
+        let mut adjust =
+            LogitAdjust::new(&params(vec![(1, 5.0), (3, 100.0), (99, 1.0)], 2, vec![2]));
         adjust.mask_eos(&[3], false);
         let raw = vec![0.5f32, 1.0, 2.0, 3.0];
         for step in 0..3 {
@@ -91,8 +92,16 @@ mod tests {
             assert_eq!(row[0], 0.5);
             assert_eq!(row[1], 6.0);
             if step < 2 {
-                assert_eq!(row[2], f32::NEG_INFINITY, "stop token masked at step {step}");
-                assert_eq!(row[3], f32::NEG_INFINITY, "a +100 bias does not beat the mask");
+                assert_eq!(
+                    row[2],
+                    f32::NEG_INFINITY,
+                    "stop token masked at step {step}"
+                );
+                assert_eq!(
+                    row[3],
+                    f32::NEG_INFINITY,
+                    "a +100 bias does not beat the mask"
+                );
             } else {
                 assert_eq!((row[2], row[3]), (2.0, 103.0));
             }

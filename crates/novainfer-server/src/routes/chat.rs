@@ -78,7 +78,11 @@ pub async fn chat_completions(
             "continue_final_message needs add_generation_prompt: false",
         ));
     }
-    let template_kwargs = req.own.chat_template_kwargs.clone().map(serde_json::Value::Object);
+    let template_kwargs = req
+        .own
+        .chat_template_kwargs
+        .clone()
+        .map(serde_json::Value::Object);
     let messages = inputs::messages(&req.own.messages)?;
     let session = session_id(req.own.session_id.clone(), &headers)?;
     let logprobs = match (req.own.logprobs.unwrap_or(false), req.own.top_logprobs) {

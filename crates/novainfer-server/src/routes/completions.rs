@@ -11,8 +11,8 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use futures_util::StreamExt;
-use novainfer_engine::tokenizer::Tokenizer;
 use novainfer_engine::fim::FimTokens;
+use novainfer_engine::tokenizer::Tokenizer;
 use novainfer_engine::{EngineHandle, Prompt, TokenLogprob};
 use serde_json::Value;
 
@@ -141,7 +141,7 @@ fn fim_checks(prompts: &[Prompt], echo: bool) -> Result<(), ApiError> {
     Ok(())
 }
 
-pub fn no_fim_tokens() -> ApiError {
+fn no_fim_tokens() -> ApiError {
     ApiError::invalid_param(
         "suffix",
         "this model cannot fill in the middle: its vocabulary has no <|fim_prefix|>, \

@@ -327,9 +327,7 @@ fn select_fields(object: Value, fields: Option<&[String]>) -> Value {
     };
     let mut out = Map::new();
     for field in fields {
-        let found = field
-            .split('/')
-            .try_fold(&object, |v, key| v.get(key));
+        let found = field.split('/').try_fold(&object, |v, key| v.get(key));
         if let Some(v) = found {
             out.insert(field.clone(), v.clone());
         }
@@ -408,7 +406,11 @@ mod tests {
     #[test]
     fn response_fields_pick_and_flatten() {
         let object = json!({"content": "x", "timings": {"prompt_n": 3}, "stop": true});
-        let fields = ["content".to_owned(), "timings/prompt_n".to_owned(), "nope/x".to_owned()];
+        let fields = [
+            "content".to_owned(),
+            "timings/prompt_n".to_owned(),
+            "nope/x".to_owned(),
+        ];
         assert_eq!(
             select_fields(object.clone(), Some(&fields)),
             json!({"content": "x", "timings/prompt_n": 3})
@@ -429,7 +431,11 @@ mod tests {
         let mut s = InfillState::default();
         assert!(matches!(s.push(&delta("a", None, None), now).1, Next::More));
         let (_, next) = s.push(
-            &delta("", Some(FinishReason::Stop), Some(StopReason::Text("\n\n".into()))),
+            &delta(
+                "",
+                Some(FinishReason::Stop),
+                Some(StopReason::Text("\n\n".into())),
+            ),
             now,
         );
         assert!(matches!(next, Next::End("stop")));
@@ -448,7 +454,13 @@ mod tests {
         };
         s.push(&delta("no newline yet", None, None), now);
         let later = now + Duration::from_millis(5);
-        assert!(matches!(s.push(&delta(" more", None, None), later).1, Next::More));
-        assert!(matches!(s.push(&delta("\n", None, None), later).1, Next::End(_)));
+        assert!(matches!(
+            s.push(&delta(" more", None, None), later).1,
+            Next::More
+        ));
+        assert!(matches!(
+            s.push(&delta("\n", None, None), later).1,
+            Next::End(_)
+        ));
     }
 }
