@@ -81,7 +81,8 @@ def test_min_tokens_keeps_eos_and_stop_tokens_away(server):
     out = complete(server, max_tokens=8, min_tokens=2, stop_token_ids=[ORDINARY], logit_bias=stop_first)
     assert out["usage"]["completion_tokens"] == 3
     assert out["choices"][0]["stop_reason"] == ORDINARY
-    code, _, body = post_json(server, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "min_tokens": 3})
+    code, _, body = post_json(server, "/v1/completions",
+                              {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "min_tokens": 3})
     assert_openai_error(code, body, 400, "min_tokens")
 
 
