@@ -285,7 +285,7 @@ def test_bad_chat_requests_are_400(server):
         ({"model": "tiny", "messages": []}, "messages"),
         ({"model": "tiny", "messages": [{"role": "tool", "content": "x"}]}, "messages"),
         ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ]:
         status, _, body = post_json(server, "/v1/chat/completions", payload)
         assert_openai_error(status, body, 400, param)

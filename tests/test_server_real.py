@@ -5,7 +5,9 @@ Kept few and short: CI runs them on 2 cores.
 
 from __future__ import annotations
 
+import json
 import threading
+import urllib.request
 
 import pytest
 
@@ -73,3 +75,29 @@ def test_session_follow_up_reuses_the_prefix_cache(server):
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
     assert second.usage.prompt_tokens_details.cached_tokens >= 16
     assert "Rome" in second.choices[0].message.content
+
+
+def test_fill_in_the_middle_by_suffix_and_by_infill(server):
+    """Qwen2.5-Coder's FIM: `suffix` gives what the raw FIM prompt gives, and llama.cpp's `/infill` streams."""
+    prefix, suffix = "def fibonacci(n):\n    ", "\n\nprint(fibonacci(10))\n"
+    raw = f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"
+    client = server.client()
+    args = dict(model="qwen2.5-coder-0.5b", max_tokens=24, temperature=0)
+    by_suffix = client.completions.create(prompt=prefix, suffix=suffix, **args)
+    by_raw = client.completions.create(prompt=raw, **args)
+    assert by_suffix.choices[0].text == by_raw.choices[0].text
+    assert by_suffix.usage.prompt_tokens == by_raw.usage.prompt_tokens
+    assert "fibonacci" in by_suffix.choices[0].text or "return" in by_suffix.choices[0].text
+
+    body = json.dumps({"input_prefix": prefix, "input_suffix": suffix, "n_predict": 24, "temperature": 0,
+                       "stream": True}).encode()
+    request = urllib.request.Request(server.url + "/infill", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in r.read().decode().split("\n") if line.startswith("data: ")]
+    assert len(events) > 2 and all(not e["stop"] for e in events[:-1]) and events[-1]["stop"]
+    streamed = "".join(e["content"] for e in events)
+    # The greedy middle of llama.cpp's repo-level prompt (which always names the repo), ended where llama.cpp
+    # ends it (EOS or a FIM token) or at n_predict.
+    repo_level = client.completions.create(prompt="<|repo_name|>myproject\n" + raw, **args).choices[0].text
+    assert streamed and repo_level.startswith(streamed)

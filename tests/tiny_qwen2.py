@@ -54,6 +54,9 @@ ROPE_THETA = 1e4  # not transformers' 1e6 Qwen2 default: catches a hard-coded th
 RMS_NORM_EPS = 1e-6
 VOCAB_SIZE = 448
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Qwen2.5-Coder's fill-in-the-middle and repo-level tokens, added after the vocabulary (ids 448..453) when a
+# model is written with fim=True; the first 448 ids and their weights are those of the plain model.
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
 NUM_SHARDS = 3
 
 TORCH_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
@@ -214,10 +217,17 @@ def special_token_ids() -> dict[str, int]:
     return {token: first + i for i, token in enumerate(SPECIAL_TOKENS)}
 
 
-def _write_tokenizer(out_dir: Path) -> None:
+def fim_token_ids() -> dict[str, int]:
+    """Ids of the FIM tokens in a model written with fim=True."""
+    return {token: VOCAB_SIZE + i for i, token in enumerate(FIM_TOKENS)}
+
+
+def _write_tokenizer(out_dir: Path, *, fim: bool = False) -> None:
     vocab, merges = train_bpe(CORPUS, VOCAB_SIZE - len(SPECIAL_TOKENS))
     specials = special_token_ids()
     added = [(tid, token, True) for token, tid in specials.items()]
+    if fim:
+        added += [(tid, token, True) for token, tid in fim_token_ids().items()]
     write_json(
         out_dir / "tokenizer.json",
         tokenizer_json({t: i for i, t in enumerate(vocab)}, merges, added),
@@ -278,7 +288,7 @@ def tiny_config(*, dtype: str = "f32", tie_word_embeddings: bool = False, head_d
 
 
 def tiny_weights(
-    *, seed: int = 0, tie_word_embeddings: bool = False, head_dim: int | None = None
+    *, seed: int = 0, tie_word_embeddings: bool = False, head_dim: int | None = None, extra_vocab: int = 0
 ) -> dict[str, np.ndarray]:
     """f32 weights under HF names, PyTorch [out, in] layout, in checkpoint order.
 
@@ -315,6 +325,11 @@ def tiny_weights(
     weights["model.norm.weight"] = norm_weight()
     if not tie_word_embeddings:
         weights["lm_head.weight"] = normal((VOCAB_SIZE, HIDDEN_SIZE), embed_std)
+    if extra_vocab:
+        # Drawn last, so every other weight is the plain model's.
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name in weights:
+                weights[name] = np.concatenate([weights[name], normal((extra_vocab, HIDDEN_SIZE), embed_std)])
     return weights
 
 
@@ -341,13 +356,17 @@ def write_tiny_model(
     tie_word_embeddings: bool = False,
     seed: int = 0,
     head_dim: int | None = None,
+    fim: bool = False,
 ) -> Path:
-    """Write the tiny Qwen2 HF directory into `out_dir` (created if needed) and return it."""
+    """Write the tiny Qwen2 HF directory into `out_dir` (created if needed) and return it. With `fim` the
+    tokenizer also has Qwen2.5-Coder's FIM tokens (`FIM_TOKENS`, ids from 448) and the vocabulary grows to match."""
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config(dtype=dtype, tie_word_embeddings=tie_word_embeddings, head_dim=head_dim)
+    extra_vocab = len(FIM_TOKENS) if fim else 0
+    config["vocab_size"] += extra_vocab
     write_json(out / "config.json", config)
     specials = special_token_ids()
     write_json(
@@ -358,12 +377,12 @@ def write_tiny_model(
             "pad_token_id": specials["<|endoftext|>"],
         },
     )
-    _write_tokenizer(out)
+    _write_tokenizer(out, fim=fim)
 
-    entries = {
-        name: _entry(w, dtype)
-        for name, w in tiny_weights(seed=seed, tie_word_embeddings=tie_word_embeddings, head_dim=head_dim).items()
-    }
+    weights = tiny_weights(
+        seed=seed, tie_word_embeddings=tie_word_embeddings, head_dim=head_dim, extra_vocab=extra_vocab
+    )
+    entries = {name: _entry(w, dtype) for name, w in weights.items()}
     if not sharded:
         write_safetensors(out / "model.safetensors", entries)
         return out

@@ -23,7 +23,8 @@ from .errors import (
 )
 from .async_llm import AsyncLLM
 from .llm import LLM
-from .outputs import CompletionOutput, RequestOutput, StreamDelta
+from .outputs import CompletionOutput, Logprob, RequestOutput, StreamDelta
+from .tokenizer import Tokenizer
 
 __all__ = [
     "LLM",
@@ -32,6 +33,8 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "StreamDelta",
+    "Logprob",
+    "Tokenizer",
     "NovaInferError",
     "InvalidParameterError",
     "PromptTooLongError",

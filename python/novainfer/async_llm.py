@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from . import _native
 from .llm import LLM, ChatMessage, PromptInput
-from .outputs import CompletionOutput, RequestOutput, StreamDelta
+from .outputs import CompletionOutput, Logprob, RequestOutput, StopReason, StreamDelta, _logprobs
 
 __all__ = ["AsyncLLM"]
 
@@ -61,19 +61,23 @@ class AsyncLLM:
         texts: list[list[str]] = [[] for _ in range(params.n)]
         ids: list[list[int]] = [[] for _ in range(params.n)]
         reasons = ["abort"] * params.n
-        logprobs: list[list[dict[int, float]] | None] = [None] * params.n
+        stop_reasons: list[StopReason] = [None] * params.n
+        logprobs: list[list[dict[int, Logprob]] | None] = [None] * params.n
         async for d in self.generate_stream(token_ids, params):
             texts[d.index].append(d.text)
             ids[d.index].extend(d.token_ids)
             if d.logprobs is not None:
                 logprobs[d.index] = (logprobs[d.index] or []) + d.logprobs
             reasons[d.index] = d.finish_reason or reasons[d.index]
+            if d.finish_reason is not None:
+                stop_reasons[d.index] = d.stop_reason
         return RequestOutput(
             request_id="async",
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=token_ids,
             outputs=[
-                CompletionOutput(i, "".join(texts[i]), ids[i], reasons[i], logprobs[i]) for i in range(params.n)
+                CompletionOutput(i, "".join(texts[i]), ids[i], reasons[i], logprobs[i], stop_reasons[i])
+                for i in range(params.n)
             ],
         )
 
@@ -114,8 +118,8 @@ async def _deltas(stream: _native.TokenStream) -> AsyncIterator[StreamDelta]:
                 return
             if isinstance(item, BaseException):
                 raise item
-            text, ids, reason, logprobs, _cached, index = item  # type: ignore[misc]
-            yield StreamDelta(text, ids, reason, logprobs, index)
+            text, ids, reason, logprobs, _cached, index, stop_reason = item  # type: ignore[misc]
+            yield StreamDelta(text, ids, reason, _logprobs(logprobs), index, stop_reason)
     finally:
         # Never blocks: aborts the request at once; the pump thread ends on its own.
         stream.close()

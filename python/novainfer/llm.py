@@ -9,23 +9,25 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Union
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Union
 
 from . import _native
 from .errors import InvalidParameterError
 from .cuda_libs import find_cuda_libraries
 from .fetch import resolve_model
-from .outputs import CompletionOutput, RequestOutput, StreamDelta
+from .outputs import CompletionOutput, RequestOutput, StreamDelta, _logprobs
+from .tokenizer import Tokenizer, render_chat
 
 __all__ = ["LLM", "ChatMessage", "PromptInput"]
 
 SamplingParams = _native.SamplingParams
 
-#: A chat message: ``{"role": "user", "content": "..."}``.
-ChatMessage = Mapping[str, str]
-#: A prompt: text, or token ids the model consumes as they are.
-PromptInput = Union[str, Sequence[int]]
+#: A chat message: ``{"role": "user", "content": "..."}`` (content may also be a list of text parts).
+ChatMessage = Mapping[str, Any]
+#: A prompt: text, token ids the model consumes as they are, or vLLM's dict forms ``{"prompt": text}`` and
+#: ``{"prompt_token_ids": [...]}``.
+PromptInput = Union[str, Sequence[int], Mapping[str, Any]]
 
 _request_ids = itertools.count()
 _log = logging.getLogger("novainfer")
@@ -37,22 +39,20 @@ def _as_list(value: object, what: str) -> list:
     return list(value)
 
 
-def _completions(raw: list[tuple[str, list[int], str, list[dict[int, float]] | None]]) -> list[CompletionOutput]:
-    return [CompletionOutput(i, text, ids, reason, logprobs) for i, (text, ids, reason, logprobs) in enumerate(raw)]
+def _completions(raw: list[tuple[str, list[int], str, Any, Any]]) -> list[CompletionOutput]:
+    return [
+        CompletionOutput(i, text, ids, reason, _logprobs(logprobs), stop_reason)
+        for i, (text, ids, reason, logprobs, stop_reason) in enumerate(raw)
+    ]
 
 
-def _message_pairs(messages: object) -> list[tuple[str, str]]:
-    pairs = []
-    for i, message in enumerate(_as_list(messages, "messages")):
-        if not isinstance(message, Mapping):
-            raise InvalidParameterError(f"messages[{i}] must be a dict with 'role' and 'content'", "messages")
-        role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str) or not isinstance(content, str):
-            raise InvalidParameterError(
-                f"messages[{i}] needs string 'role' and 'content', got {dict(message)!r}", "messages"
-            )
-        pairs.append((role, content))
-    return pairs
+def _prompt_text(prompt: object) -> str | None:
+    """The text of a prompt, when it has one."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Mapping) and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"]
+    return None
 
 
 class LLM:
@@ -175,11 +175,40 @@ class LLM:
         """Text of `token_ids`."""
         return self._engine.decode(list(token_ids), skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text the model's chat template makes of `messages` (as transformers renders it)."""
-        return self._engine.apply_chat_template(_message_pairs(messages), add_generation_prompt)
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (NovaInfer's `Tokenizer`, not a Hugging Face one: see its docstring)."""
+        return Tokenizer(self._engine)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt text the model's chat template makes of `messages` (as transformers renders it); see
+        `chat` for the options."""
+        return render_chat(
+            self._engine,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
 
     def _token_ids(self, prompt: object) -> list[int]:
+        if isinstance(prompt, Mapping):
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if unknown:
+                raise InvalidParameterError(
+                    f"a prompt dict may have 'prompt' or 'prompt_token_ids', not {unknown[0]!r}", "prompts"
+                )
+            if "prompt_token_ids" in prompt:
+                return self._token_ids(list(prompt["prompt_token_ids"]))
+            if isinstance(prompt.get("prompt"), str):
+                return self._engine.encode(prompt["prompt"], True)
+            raise InvalidParameterError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'", "prompts")
         if isinstance(prompt, str):
             return self._engine.encode(prompt, True)
         if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -206,16 +235,22 @@ class LLM:
         self,
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: _native.SamplingParams | Sequence[_native.SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Completes each prompt; returns one `RequestOutput` per prompt, in order.
 
-        `prompts` is one prompt or a list of them; a prompt is text or a list of token ids. `sampling_params`
-        is one `SamplingParams` for all prompts or a list with one per prompt (default: `SamplingParams()`).
+        `prompts` is one prompt or a list of them; a prompt is text, a list of token ids, or vLLM's
+        ``{"prompt": text}`` / ``{"prompt_token_ids": [...]}``. `sampling_params` is one `SamplingParams` for
+        all prompts or a list with one per prompt (default: `SamplingParams()`). `use_tqdm` is accepted for
+        vLLM compatibility and shows nothing: the whole batch runs in one call into the engine.
         Ctrl-C (SIGINT) while it runs raises `KeyboardInterrupt` within about 50 ms plus the engine step in
         progress, and aborts every prompt of the batch (their KV blocks are freed).
         """
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int)
+        if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+            raise InvalidParameterError(f"use_tqdm must be a bool or a callable, got {use_tqdm!r}", "use_tqdm")
+        if (
+            isinstance(prompts, (str, Mapping))
+            or (isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int))
         ):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = _as_list(prompts, "prompts")
@@ -225,7 +260,7 @@ class LLM:
         return [
             RequestOutput(
                 request_id=str(next(_request_ids)),
-                prompt=p if isinstance(p, str) else None,
+                prompt=_prompt_text(p),
                 prompt_token_ids=ids,
                 outputs=_completions(completions),
                 num_cached_tokens=cached,
@@ -237,15 +272,33 @@ class LLM:
         self,
         messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
         sampling_params: _native.SamplingParams | Sequence[_native.SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Replies to one conversation (a list of messages) or to several (a list of such lists).
 
-        Each conversation is rendered with the model's chat template, ending with the assistant's turn.
+        Each conversation is rendered with the model's chat template, ending with the assistant's turn
+        (`add_generation_prompt`); with `continue_final_message` (and ``add_generation_prompt=False``) the
+        model continues the last message instead. `chat_template_kwargs` are extra template variables
+        (``{"enable_thinking": False}``). `use_tqdm` is accepted and shows nothing, as in `generate`.
         """
+        if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+            raise InvalidParameterError(f"use_tqdm must be a bool or a callable, got {use_tqdm!r}", "use_tqdm")
         conversations = _as_list(messages, "messages")
         if conversations and isinstance(conversations[0], Mapping):
             conversations = [conversations]
-        prompts = [self.apply_chat_template(c) for c in conversations]
+        prompts = [
+            self.apply_chat_template(
+                c,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            for c in conversations
+        ]
         # The template already wrote the special tokens; encoding must not add more.
         token_ids = [self._engine.encode(p, False) for p in prompts]
         params = self._params_for(len(token_ids), sampling_params)
@@ -283,8 +336,8 @@ class LLM:
 
         def deltas() -> Iterator[StreamDelta]:
             try:
-                for text, ids, reason, logprobs, _cached, index in stream:
-                    yield StreamDelta(text, ids, reason, logprobs, index)
+                for text, ids, reason, logprobs, _cached, index, stop_reason in stream:
+                    yield StreamDelta(text, ids, reason, _logprobs(logprobs), index, stop_reason)
             finally:
                 stream.close()
 

@@ -29,7 +29,8 @@ pub use kv_manager::{AnyKv, KvLayout, KvManager};
 pub use prefix_hash::{BlockHash, BlockKey, PrefixIndex};
 pub use request::{Request, RequestKind, RequestStatus};
 pub use sampling_params::{
-    ParamError, SamplingParams, SamplingParamsBuilder, StopCondition, MAX_LOGPROBS, MAX_N,
+    ParamError, SamplingParams, SamplingParamsBuilder, StopCondition, TextOptions, MAX_LOGIT_BIAS,
+    MAX_LOGPROBS, MAX_N,
 };
 pub use scheduler::{
     ChunkOutput, FinishedRequest, Fork, RequestUpdate, ScheduledRequest, Scheduler, SchedulerConfig,

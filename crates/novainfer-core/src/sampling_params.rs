@@ -37,7 +37,32 @@ pub struct StopCondition {
     pub stop_token_ids: Vec<u32>,
     /// Keep generating past EOS (for benchmarks).
     pub ignore_eos: bool,
+    /// Keep the stop string (or the stop token's text) at the end of the output (vLLM's
+    /// `include_stop_str_in_output`).
+    pub include_stop_str_in_output: bool,
 }
+
+/// How generated token ids become text (vLLM's detokenization switches).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TextOptions {
+    /// Leave special tokens (`<|im_end|>`, ...) out of the text.
+    pub skip_special_tokens: bool,
+    /// With special tokens kept, separate each from its neighbours with a space (as the
+    /// "slow" Hugging Face tokenizers do).
+    pub spaces_between_special_tokens: bool,
+}
+
+impl Default for TextOptions {
+    fn default() -> Self {
+        Self {
+            skip_special_tokens: true,
+            spaces_between_special_tokens: true,
+        }
+    }
+}
+
+/// The bias any one token may get: OpenAI's limit, where -100/100 amount to ban/force.
+pub const MAX_LOGIT_BIAS: f32 = 100.0;
 
 /// Validated sampling parameters for one request.
 ///
@@ -57,6 +82,10 @@ pub struct SamplingParams {
     stop: StopCondition,
     logprobs: Option<usize>,
     n: usize,
+    /// `(token id, bias)` added to the logits before sampling; sorted by id, ids unique.
+    logit_bias: Vec<(u32, f32)>,
+    min_tokens: usize,
+    text: TextOptions,
 }
 
 /// The most completions one request may ask for: each is a sequence in the batch.
@@ -124,6 +153,18 @@ impl SamplingParams {
     pub fn n(&self) -> usize {
         self.n
     }
+    /// `(token id, bias)` pairs added to the logits before sampling, by id.
+    pub fn logit_bias(&self) -> &[(u32, f32)] {
+        &self.logit_bias
+    }
+    /// Tokens generated before EOS or a stop token may be sampled or a stop string may end
+    /// the output.
+    pub fn min_tokens(&self) -> usize {
+        self.min_tokens
+    }
+    pub fn text_options(&self) -> TextOptions {
+        self.text
+    }
     /// The parameters of completion `index` of `n`: a given seed becomes
     /// `seed + index`, so completions differ from each other yet each is
     /// reproducible, and completion 0 is what `n == 1` would give.
@@ -160,6 +201,11 @@ pub struct SamplingParamsBuilder {
     ignore_eos: bool,
     logprobs: Option<i64>,
     n: i64,
+    logit_bias: Vec<(u32, f32)>,
+    min_tokens: i64,
+    include_stop_str_in_output: bool,
+    skip_special_tokens: bool,
+    spaces_between_special_tokens: bool,
 }
 
 impl Default for SamplingParamsBuilder {
@@ -180,6 +226,11 @@ impl Default for SamplingParamsBuilder {
             ignore_eos: false,
             logprobs: None,
             n: 1,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
+            include_stop_str_in_output: false,
+            skip_special_tokens: true,
+            spaces_between_special_tokens: true,
         }
     }
 }
@@ -205,6 +256,17 @@ impl SamplingParamsBuilder {
     setter!(ignore_eos: bool);
     setter!(logprobs: Option<i64>);
     setter!(n: i64);
+    setter!(
+        /// `(token id, bias)`, bias in [-100, 100]; a repeated id is an error.
+        logit_bias: Vec<(u32, f32)>
+    );
+    setter!(
+        /// `>= 0` and at most `max_tokens`.
+        min_tokens: i64
+    );
+    setter!(include_stop_str_in_output: bool);
+    setter!(skip_special_tokens: bool);
+    setter!(spaces_between_special_tokens: bool);
 
     pub fn build(self) -> Result<SamplingParams, ParamError> {
         let finite = |param: &'static str, v: f32| {
@@ -295,6 +357,38 @@ impl SamplingParamsBuilder {
                 ))
             }
         };
+        let mut logit_bias = self.logit_bias;
+        if let Some((id, b)) = logit_bias
+            .iter()
+            .find(|(_, b)| !(b.is_finite() && b.abs() <= MAX_LOGIT_BIAS))
+        {
+            return Err(ParamError::new(
+                "logit_bias",
+                format!("the bias of token {id} must be in [-100, 100], got {b}"),
+            ));
+        }
+        logit_bias.sort_by_key(|&(id, _)| id);
+        if let Some(w) = logit_bias.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(ParamError::new(
+                "logit_bias",
+                format!("token {} is given twice", w[0].0),
+            ));
+        }
+        let min_tokens = match (self.min_tokens, max_tokens) {
+            (m, _) if m < 0 => {
+                return Err(ParamError::new(
+                    "min_tokens",
+                    format!("must be >= 0, got {m}"),
+                ))
+            }
+            (m, Some(max)) if m as u64 > max as u64 => {
+                return Err(ParamError::new(
+                    "min_tokens",
+                    format!("must be at most max_tokens ({max}), got {m}"),
+                ))
+            }
+            (m, _) => m as usize,
+        };
         if !(1..=MAX_N as i64).contains(&self.n) {
             return Err(ParamError::new(
                 "n",
@@ -315,9 +409,16 @@ impl SamplingParamsBuilder {
                 stop: self.stop,
                 stop_token_ids: self.stop_token_ids,
                 ignore_eos: self.ignore_eos,
+                include_stop_str_in_output: self.include_stop_str_in_output,
             },
             logprobs,
             n: self.n as usize,
+            logit_bias,
+            min_tokens,
+            text: TextOptions {
+                skip_special_tokens: self.skip_special_tokens,
+                spaces_between_special_tokens: self.spaces_between_special_tokens,
+            },
         })
     }
 }
@@ -366,11 +467,47 @@ mod tests {
         assert_eq!(rejected(b().logprobs(Some(21))).param, "logprobs");
         assert_eq!(rejected(b().n(0)).param, "n");
         assert_eq!(rejected(b().n(MAX_N as i64 + 1)).param, "n");
+        assert_eq!(
+            rejected(b().logit_bias(vec![(3, 100.5)])).param,
+            "logit_bias"
+        );
+        assert_eq!(
+            rejected(b().logit_bias(vec![(3, f32::NAN)])).param,
+            "logit_bias"
+        );
+        assert_eq!(
+            rejected(b().logit_bias(vec![(3, 1.0), (2, 0.0), (3, -1.0)])).param,
+            "logit_bias"
+        );
+        assert_eq!(rejected(b().min_tokens(-1)).param, "min_tokens");
+        assert_eq!(
+            rejected(b().max_tokens(Some(4)).min_tokens(5)).param,
+            "min_tokens"
+        );
         let msg = rejected(b().top_p(1.5)).to_string();
         assert!(
             msg.contains("top_p") && msg.contains("(0, 1]") && msg.contains("1.5"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn logit_bias_is_sorted_and_min_tokens_may_reach_max_tokens() {
+        let p = SamplingParams::builder()
+            .logit_bias(vec![(9, -100.0), (2, 100.0)])
+            .max_tokens(Some(4))
+            .min_tokens(4)
+            .build()
+            .expect("valid");
+        assert_eq!(p.logit_bias(), &[(2, 100.0), (9, -100.0)]);
+        assert_eq!(p.min_tokens(), 4);
+        assert_eq!(p.text_options(), TextOptions::default());
+        let unbounded = SamplingParams::builder()
+            .max_tokens(None)
+            .min_tokens(1000)
+            .build()
+            .expect("no max_tokens: any min_tokens");
+        assert_eq!(unbounded.min_tokens(), 1000);
     }
 
     #[test]

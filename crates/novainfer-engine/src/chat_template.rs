@@ -47,6 +47,10 @@ pub enum ChatTemplateError {
     Render(String),
     #[error("chat template variables must be a JSON object, got {0}")]
     ExtraNotAnObject(String),
+    #[error(
+        "continue_final_message is set but the final message does not appear in the rendered chat"
+    )]
+    FinalMessageNotRendered,
 }
 
 /// The message a template passed to `raise_exception`, carried as the minijinja error's source.
@@ -137,6 +141,27 @@ impl ChatTemplate {
             .map_err(|e| ChatTemplateError::Render(e.to_string()))?;
         template.render(ctx).map_err(render_error)
     }
+}
+
+/// Cuts a conversation rendered without a generation prompt right after the final message's
+/// content, so the model continues that message (transformers' `continue_final_message`):
+/// the template's end-of-turn tokens after it are dropped. A template that trimmed the
+/// message's trailing whitespace is cut after the trimmed content.
+pub fn continue_final_message(
+    rendered: &str,
+    final_content: &str,
+) -> Result<String, ChatTemplateError> {
+    let trimmed = final_content.trim();
+    let at = rendered
+        .rfind(trimmed)
+        .ok_or(ChatTemplateError::FinalMessageNotRendered)?;
+    let lstripped = final_content.trim_start();
+    let end = if rendered[at..].starts_with(lstripped) {
+        at + lstripped.len()
+    } else {
+        at + trimmed.len()
+    };
+    Ok(rendered[..end].to_owned())
 }
 
 fn message_value(message: &ChatMessage) -> Value {
@@ -250,6 +275,34 @@ mod tests {
 
     /// DeepSeek-R1-Distill-Qwen's template: namespace(), split('</think>')[-1], `+` concatenation.
     const R1_DISTILL_TEMPLATE: &str = r##"{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='') %}{%- for message in messages %}{%- if message['role'] == 'system' %}{% set ns.system_prompt = message['content'] %}{%- endif %}{%- endfor %}{{bos_token}}{{ns.system_prompt}}{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}{{'<｜User｜>' + message['content']}}{%- endif %}{%- if message['role'] == 'assistant' and message['content'] is none %}{%- set ns.is_tool = false -%}{%- for tool in message['tool_calls']%}{%- if not ns.is_first %}{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\n' + '```json' + '\n' + tool['function']['arguments'] + '\n' + '```' + '<｜tool▁call▁end｜>'}}{%- set ns.is_first = true -%}{%- else %}{{'\n' + '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\n' + '```json' + '\n' + tool['function']['arguments'] + '\n' + '```' + '<｜tool▁call▁end｜>'}}{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif %}{%- endfor %}{%- endif %}{%- if message['role'] == 'assistant' and message['content'] is not none %}{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}{%- else %}{% set content = message['content'] %}{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}{%- if message['role'] == 'tool' %}{%- set ns.is_tool = true -%}{%- if ns.is_output_first %}{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- set ns.is_output_first = false %}{%- else %}{{'\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- endif %}{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜><think>\n'}}{% endif %}"##;
+
+    #[test]
+    fn continue_final_message_cuts_after_the_last_content() {
+        let rendered = qwen()
+            .render(
+                &msgs(&[("user", "hi"), ("assistant", "Sure, here is ")]),
+                false,
+                None,
+            )
+            .expect("render");
+        assert!(
+            rendered.ends_with("Sure, here is <|im_end|>\n"),
+            "{rendered:?}"
+        );
+        let cut = continue_final_message(&rendered, "Sure, here is ").expect("cut");
+        assert!(
+            cut.ends_with("<|im_start|>assistant\nSure, here is "),
+            "{cut:?}"
+        );
+        // A template that trims the message: cut after the trimmed text.
+        let trimmed = rendered.replace("here is <|im_end|>", "here is<|im_end|>");
+        let cut = continue_final_message(&trimmed, "Sure, here is ").expect("cut");
+        assert!(cut.ends_with("assistant\nSure, here is"), "{cut:?}");
+        assert!(matches!(
+            continue_final_message(&rendered, "never said"),
+            Err(ChatTemplateError::FinalMessageNotRendered)
+        ));
+    }
 
     fn qwen() -> ChatTemplate {
         ChatTemplate::new(QWEN25_TEMPLATE, None, Some("<|im_end|>".to_owned())).expect("compiles")

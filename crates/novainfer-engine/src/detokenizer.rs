@@ -14,6 +14,8 @@
 
 use std::sync::Arc;
 
+use novainfer_core::TextOptions;
+
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
 const REPLACEMENT: char = '\u{FFFD}';
@@ -21,7 +23,7 @@ const REPLACEMENT: char = '\u{FFFD}';
 #[derive(Debug, Clone)]
 pub struct IncrementalDetokenizer {
     tokenizer: Arc<Tokenizer>,
-    skip_special_tokens: bool,
+    options: TextOptions,
     token_ids: Vec<u32>,
     prefix_offset: usize,
     read_offset: usize,
@@ -29,9 +31,19 @@ pub struct IncrementalDetokenizer {
 
 impl IncrementalDetokenizer {
     pub fn new(tokenizer: Arc<Tokenizer>, skip_special_tokens: bool) -> IncrementalDetokenizer {
+        Self::with_options(
+            tokenizer,
+            TextOptions {
+                skip_special_tokens,
+                spaces_between_special_tokens: false,
+            },
+        )
+    }
+
+    pub fn with_options(tokenizer: Arc<Tokenizer>, options: TextOptions) -> IncrementalDetokenizer {
         IncrementalDetokenizer {
             tokenizer,
-            skip_special_tokens,
+            options,
             token_ids: Vec::new(),
             prefix_offset: 0,
             read_offset: 0,
@@ -65,15 +77,48 @@ impl IncrementalDetokenizer {
 
     /// (text of `[prefix_offset..read_offset]`, text of `[prefix_offset..]`).
     fn decode_window(&self) -> Result<(String, String), TokenizerError> {
-        let skip = self.skip_special_tokens;
-        let emitted = self
-            .tokenizer
-            .decode(&self.token_ids[self.prefix_offset..self.read_offset], skip)?;
-        let window = self
-            .tokenizer
-            .decode(&self.token_ids[self.prefix_offset..], skip)?;
+        let emitted = decode(
+            &self.tokenizer,
+            &self.token_ids[self.prefix_offset..self.read_offset],
+            self.options,
+        )?;
+        let window = decode(
+            &self.tokenizer,
+            &self.token_ids[self.prefix_offset..],
+            self.options,
+        )?;
         Ok((emitted, window))
     }
+}
+
+/// Text of `ids` under `options`. Kept special tokens with `spaces_between_special_tokens` are
+/// set apart by single spaces, as Hugging Face's slow tokenizers join their "sub-texts": runs
+/// of ordinary tokens decoded together, each special token on its own. Joining is local to
+/// each boundary, so a window's text still begins with the text of its own first tokens.
+pub fn decode(
+    tokenizer: &Tokenizer,
+    ids: &[u32],
+    options: TextOptions,
+) -> Result<String, TokenizerError> {
+    let skip = options.skip_special_tokens;
+    if skip || !options.spaces_between_special_tokens {
+        return tokenizer.decode(ids, skip);
+    }
+    let mut pieces: Vec<String> = Vec::new();
+    let mut run_start = 0;
+    for (i, &id) in ids.iter().enumerate() {
+        if tokenizer.is_special(id) {
+            if run_start < i {
+                pieces.push(tokenizer.decode(&ids[run_start..i], false)?);
+            }
+            pieces.push(tokenizer.decode(&[id], false)?);
+            run_start = i + 1;
+        }
+    }
+    if run_start < ids.len() {
+        pieces.push(tokenizer.decode(&ids[run_start..], false)?);
+    }
+    Ok(pieces.join(" "))
 }
 
 /// `window` minus its leading `emitted` text. Decoders that rewrite the start of a window can
@@ -143,6 +188,29 @@ mod tests {
         assert_eq!(deltas.concat(), "ok<tool_call>");
         let (deltas, _) = stream(tokenizer, &ids, false);
         assert_eq!(deltas.concat(), "<|im_start|>ok<tool_call><|im_end|>");
+    }
+
+    #[test]
+    fn spaces_between_special_tokens_when_they_are_kept() {
+        let tokenizer = Arc::new(tiny_byte_level_tokenizer());
+        let ids = tokenizer
+            .encode("<|im_start|>ok<|im_end|><|im_end|>x", false)
+            .expect("encode");
+        let spaced = TextOptions {
+            skip_special_tokens: false,
+            spaces_between_special_tokens: true,
+        };
+        let want = "<|im_start|> ok <|im_end|> <|im_end|> x";
+        assert_eq!(decode(&tokenizer, &ids, spaced).expect("decode"), want);
+        let mut detok = IncrementalDetokenizer::with_options(Arc::clone(&tokenizer), spaced);
+        let mut text = String::new();
+        for &id in &ids {
+            text.push_str(&detok.step(id).expect("step").unwrap_or_default());
+        }
+        text.push_str(&detok.finish().expect("finish"));
+        assert_eq!(text, want, "streamed text equals the whole decode");
+        let skipped = TextOptions::default();
+        assert_eq!(decode(&tokenizer, &ids, skipped).expect("decode"), "okx");
     }
 
     #[test]

@@ -224,6 +224,30 @@ impl Frontend {
         Ok(template.render(messages, add_generation_prompt, None)?)
     }
 
+    /// Renders a conversation with the options of vLLM's chat requests: `add_generation_prompt`,
+    /// `continue_final_message` (the rendered text ends inside the final message, which the
+    /// model then continues) and `extra` variables for the template (`chat_template_kwargs`).
+    pub fn render_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        continue_final: bool,
+        extra: Option<serde_json::Value>,
+    ) -> Result<String> {
+        let template = self
+            .chat_template
+            .as_ref()
+            .ok_or(EngineError::NoChatTemplate)?;
+        let rendered = template.render(messages, add_generation_prompt, extra)?;
+        match messages.last() {
+            Some(last) if continue_final => Ok(crate::chat_template::continue_final_message(
+                &rendered,
+                &last.content,
+            )?),
+            _ => Ok(rendered),
+        }
+    }
+
     /// Token ids of a prompt; text prompts are encoded with the tokenizer's special-token rules.
     pub fn prompt_token_ids(&self, prompt: &Prompt) -> Result<Vec<u32>> {
         let ids = match prompt {
@@ -260,6 +284,19 @@ impl Frontend {
 
     /// How many tokens a request may generate, or why it cannot run at all.
     pub fn max_new_tokens(&self, prompt_len: usize, params: &SamplingParams) -> Result<usize> {
+        if let Some(&(id, _)) = params
+            .logit_bias()
+            .iter()
+            .find(|&&(id, _)| id as usize >= self.vocab_size)
+        {
+            return Err(EngineError::InvalidParameter(ParamError::new(
+                "logit_bias",
+                format!(
+                    "token id {id} is out of range for the vocabulary of {}",
+                    self.vocab_size
+                ),
+            )));
+        }
         let room = self.max_model_len.saturating_sub(prompt_len);
         match params.max_tokens() {
             Some(n) if n <= room => Ok(n),

@@ -150,7 +150,8 @@ impl EngineCore {
                 .with_eos_token_ids(eos.clone())
                 .with_stop_token_ids(stop.stop_token_ids.clone())
                 .with_ignore_eos(stop.ignore_eos);
-            let sampler = Sampler::new(&completion, &prompt_ids, self.seed.wrapping_add(cid.0));
+            let sampler = Sampler::new(&completion, &prompt_ids, self.seed.wrapping_add(cid.0))
+                .with_eos_token_ids(&eos, stop.ignore_eos);
             PendingChild { request, sampler }
         });
         let parent = completions.next().expect("n >= 1 by validation");

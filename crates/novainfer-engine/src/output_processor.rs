@@ -161,6 +161,7 @@ mod tests {
             token_id: u32::from(id),
             logprob: 0.0,
             top_logprobs: vec![],
+            rank: 0,
         }
     }
 

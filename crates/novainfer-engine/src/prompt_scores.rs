@@ -40,13 +40,16 @@ fn top_k(row: &[f32], k: usize) -> Vec<(u32, f32)> {
 pub fn row_logprob(row: &[f32], next: u32, k: usize) -> TokenLogprob {
     let lse = log_sum_exp(row);
     let lp = |x: f32| (f64::from(x) - lse) as f32;
+    let chosen = row.get(next as usize).copied();
     TokenLogprob {
         token_id: next,
-        logprob: row.get(next as usize).map_or(f32::NEG_INFINITY, |&x| lp(x)),
+        logprob: chosen.map_or(f32::NEG_INFINITY, lp),
         top: top_k(row, k)
             .into_iter()
             .map(|(id, x)| (id, lp(x)))
             .collect(),
+        // 1 for the most likely token, as vLLM's `Logprob.rank`.
+        rank: chosen.map_or(0, |x| row.iter().filter(|&&y| y >= x).count() as u32),
     }
 }
 

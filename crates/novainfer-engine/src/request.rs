@@ -16,6 +16,17 @@ pub struct TokenLogprob {
     pub logprob: f32,
     /// The `logprobs` most likely tokens, most likely first.
     pub top: Vec<(u32, f32)>,
+    /// The chosen token's rank in the raw distribution (1 = most likely); 0 when unknown.
+    pub rank: u32,
+}
+
+/// What ended a completion with `finish_reason` `stop`, besides EOS (vLLM's `stop_reason`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    /// One of the request's `stop_token_ids`.
+    TokenId(u32),
+    /// One of the request's `stop` strings.
+    Text(String),
 }
 
 /// What one step added to a request's output.
@@ -29,6 +40,8 @@ pub struct Delta {
     pub logprobs: Vec<TokenLogprob>,
     /// Set on the last delta of a request.
     pub finish_reason: Option<FinishReason>,
+    /// With `finish_reason` `stop`: the stop string or stop token id that ended it (`None`: EOS).
+    pub stop_reason: Option<StopReason>,
     /// Prompt tokens whose KV came from the prefix cache instead of being computed.
     pub num_cached_tokens: usize,
 }
@@ -42,6 +55,8 @@ pub struct RequestOutput {
     /// Present when the request asked for logprobs.
     pub logprobs: Option<Vec<TokenLogprob>>,
     pub finish_reason: FinishReason,
+    /// The stop string or stop token id that ended it, if one did.
+    pub stop_reason: Option<StopReason>,
     /// Prompt tokens served from the prefix cache.
     pub num_cached_tokens: usize,
 }
@@ -79,6 +94,7 @@ impl RequestOutput {
             token_ids: Vec::new(),
             logprobs: wants_logprobs.then(Vec::new),
             finish_reason: FinishReason::Abort,
+            stop_reason: None,
             num_cached_tokens: 0,
         };
         for d in deltas {
@@ -89,6 +105,7 @@ impl RequestOutput {
             }
             if let Some(reason) = d.finish_reason {
                 out.finish_reason = reason;
+                out.stop_reason = d.stop_reason;
             }
             out.num_cached_tokens = d.num_cached_tokens;
         }

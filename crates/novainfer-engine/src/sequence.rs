@@ -15,7 +15,7 @@ use novainfer_model::sampler::SampledToken;
 
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::error::Result;
-use crate::request::{Delta, TokenLogprob};
+use crate::request::{Delta, StopReason, TokenLogprob};
 use crate::stop::StopStringMatcher;
 use crate::tokenizer::Tokenizer;
 
@@ -23,14 +23,27 @@ pub struct SequenceOutput {
     detokenizer: IncrementalDetokenizer,
     stop_strings: StopStringMatcher,
     wants_logprobs: bool,
+    /// The request's own stop token ids: a stop on one of them is reported as `stop_reason`.
+    stop_token_ids: Vec<u32>,
+    /// `include_stop_str_in_output`: a stop token's text stays in the output too.
+    include_stop: bool,
+    /// Text of the first `min_tokens` tokens is not searched for stop strings (as in vLLM).
+    min_tokens: usize,
+    num_tokens: usize,
 }
 
 impl SequenceOutput {
     pub fn new(tokenizer: Arc<Tokenizer>, params: &SamplingParams) -> Self {
+        let stop = params.stop();
         Self {
-            detokenizer: IncrementalDetokenizer::new(tokenizer, true),
-            stop_strings: StopStringMatcher::new(&params.stop().stop),
+            detokenizer: IncrementalDetokenizer::with_options(tokenizer, params.text_options()),
+            stop_strings: StopStringMatcher::new(&stop.stop)
+                .including_stop(stop.include_stop_str_in_output),
             wants_logprobs: params.logprobs().is_some(),
+            stop_token_ids: stop.stop_token_ids.clone(),
+            include_stop: stop.include_stop_str_in_output,
+            min_tokens: params.min_tokens(),
+            num_tokens: 0,
         }
     }
 
@@ -39,6 +52,7 @@ impl SequenceOutput {
     /// delta's `finish_reason` also covers a stop string found in its text.
     pub fn push(&mut self, sampled: SampledToken, finish: Option<FinishReason>) -> Result<Delta> {
         let token = sampled.token_id;
+        self.num_tokens += 1;
         let mut delta = Delta {
             token_ids: vec![token],
             ..Delta::default()
@@ -48,36 +62,62 @@ impl SequenceOutput {
                 token_id: token,
                 logprob: sampled.logprob,
                 top: sampled.top_logprobs,
+                rank: sampled.rank,
             });
         }
         if finish == Some(FinishReason::Stop) {
             delta.text = self.stop_strings.flush();
+            if self.include_stop {
+                if let Some(text) = self.detokenizer.step(token)? {
+                    delta.text.push_str(&text);
+                }
+                delta.text.push_str(&self.detokenizer.finish()?);
+            }
             delta.finish_reason = finish;
+            delta.stop_reason = self
+                .stop_token_ids
+                .contains(&token)
+                .then_some(StopReason::TokenId(token));
             return Ok(delta);
         }
         if let Some(text) = self.detokenizer.step(token)? {
-            let out = self.stop_strings.push(&text);
-            delta.text = out.emit;
-            if out.stopped {
-                delta.finish_reason = Some(FinishReason::Stop);
-                return Ok(delta);
+            if self.num_tokens <= self.min_tokens {
+                delta.text = text;
+            } else {
+                let out = self.stop_strings.push(&text);
+                delta.text = out.emit;
+                if out.stopped {
+                    delta.finish_reason = Some(FinishReason::Stop);
+                    delta.stop_reason = self.matched_stop();
+                    return Ok(delta);
+                }
             }
         }
         if let Some(reason) = finish {
             delta.text.push_str(&self.finish_text()?);
-            delta.finish_reason = Some(if self.stop_strings.is_stopped() {
-                FinishReason::Stop
+            if self.stop_strings.is_stopped() {
+                delta.finish_reason = Some(FinishReason::Stop);
+                delta.stop_reason = self.matched_stop();
             } else {
-                reason
-            });
+                delta.finish_reason = Some(reason);
+            }
         }
         Ok(delta)
+    }
+
+    fn matched_stop(&self) -> Option<StopReason> {
+        self.stop_strings
+            .matched_stop()
+            .map(|s| StopReason::Text(s.to_owned()))
     }
 
     /// Releases what is held back when the sequence ends without a stop string:
     /// an incomplete UTF-8 tail and text that might have begun a stop string.
     fn finish_text(&mut self) -> Result<String> {
         let tail = self.detokenizer.finish()?;
+        if self.num_tokens <= self.min_tokens {
+            return Ok(tail);
+        }
         let out = self.stop_strings.push(&tail);
         let mut text = out.emit;
         if !out.stopped {
@@ -100,6 +140,7 @@ mod tests {
             token_id: id,
             logprob: -0.5,
             top_logprobs: vec![],
+            rank: 0,
         }
     }
 
@@ -160,6 +201,72 @@ mod tests {
         assert_eq!(
             run(&params, &[b'h' as u32, b'i' as u32, b'!' as u32], 5),
             ("h".into(), 3, Some(FinishReason::Stop))
+        );
+    }
+
+    /// Like [`run`], but returns the final delta's stop reason too.
+    fn stop_reason_of(params: &SamplingParams, ids: &[u32]) -> (String, Option<StopReason>) {
+        let mut seq = SequenceOutput::new(Arc::new(tiny_byte_level_tokenizer()), params);
+        let mut text = String::new();
+        for &id in ids {
+            let verdict = (id == EOS || params.stop().stop_token_ids.contains(&id))
+                .then_some(FinishReason::Stop);
+            let delta = seq.push(token(id), verdict).expect("push");
+            text.push_str(&delta.text);
+            if delta.finish_reason.is_some() {
+                return (text, delta.stop_reason);
+            }
+        }
+        (text, None)
+    }
+
+    #[test]
+    fn stop_reason_names_the_stop_string_or_token_and_include_keeps_it() {
+        let b = |include: bool| {
+            SamplingParams::builder()
+                .stop(vec!["c!".into()])
+                .stop_token_ids(vec![b'#' as u32])
+                .include_stop_str_in_output(include)
+                .build()
+                .expect("valid")
+        };
+        let ids = |s: &str| s.bytes().map(u32::from).collect::<Vec<_>>();
+        assert_eq!(
+            stop_reason_of(&b(false), &ids("abc!d")),
+            ("ab".into(), Some(StopReason::Text("c!".into())))
+        );
+        assert_eq!(
+            stop_reason_of(&b(true), &ids("abc!d")),
+            ("abc!".into(), Some(StopReason::Text("c!".into())))
+        );
+        assert_eq!(
+            stop_reason_of(&b(false), &ids("ab#d")),
+            ("ab".into(), Some(StopReason::TokenId(b'#' as u32)))
+        );
+        assert_eq!(
+            stop_reason_of(&b(true), &ids("ab#d")),
+            ("ab#".into(), Some(StopReason::TokenId(b'#' as u32)))
+        );
+        let mut eos = ids("ab");
+        eos.push(EOS);
+        assert_eq!(
+            stop_reason_of(&b(false), &eos),
+            ("ab".into(), None),
+            "EOS has none"
+        );
+    }
+
+    #[test]
+    fn stop_strings_count_only_after_min_tokens() {
+        let params = SamplingParams::builder()
+            .stop(vec!["b".into()])
+            .min_tokens(2)
+            .build()
+            .expect("valid");
+        let ids: Vec<u32> = "abcbd".bytes().map(u32::from).collect();
+        assert_eq!(
+            stop_reason_of(&params, &ids),
+            ("abc".into(), Some(StopReason::Text("b".into())))
         );
     }
 

@@ -21,6 +21,8 @@ pub struct StopStringMatcher {
     max_stop_len: usize,
     pending: String,
     matched: Option<usize>,
+    /// Emit the stop string itself before stopping (`include_stop_str_in_output`).
+    include_stop: bool,
 }
 
 impl StopStringMatcher {
@@ -33,7 +35,14 @@ impl StopStringMatcher {
             max_stop_len,
             pending: String::new(),
             matched: None,
+            include_stop: false,
         }
+    }
+
+    /// Makes the matched stop string part of the output (text after it is still dropped).
+    pub fn including_stop(mut self, include: bool) -> StopStringMatcher {
+        self.include_stop = include;
+        self
     }
 
     pub fn push(&mut self, delta: &str) -> StopOutput {
@@ -45,7 +54,12 @@ impl StopStringMatcher {
         }
         self.pending.push_str(delta);
         if let Some((start, stop_index)) = self.first_completed_stop() {
-            self.pending.truncate(start);
+            let end = if self.include_stop {
+                start + self.stops[stop_index].len()
+            } else {
+                start
+            };
+            self.pending.truncate(end);
             self.matched = Some(stop_index);
             return StopOutput {
                 emit: std::mem::take(&mut self.pending),
@@ -118,6 +132,15 @@ mod tests {
             emit: emit.to_owned(),
             stopped,
         }
+    }
+
+    #[test]
+    fn an_included_stop_ends_the_output() {
+        let mut m = matcher(&["STOP"]).including_stop(true);
+        assert_eq!(m.push("one ST"), out("one ", false));
+        assert_eq!(m.push("OP two"), out("STOP", true));
+        assert_eq!(m.matched_stop(), Some("STOP"));
+        assert_eq!(m.flush(), "");
     }
 
     #[test]

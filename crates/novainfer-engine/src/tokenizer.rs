@@ -267,6 +267,34 @@ impl Tokenizer {
             .and_then(|id| self.id_to_token(id))
     }
 
+    /// The raw bytes token `id` stands for: for byte-level BPE the vocabulary entry mapped back
+    /// through GPT-2's byte-to-character table, so a token holding part of a UTF-8 character
+    /// gives that part (decoding it alone would give U+FFFD); `<0xHH>` byte-fallback tokens give
+    /// their byte; added tokens and anything else give their decoded text.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let added = self.inner.get_added_tokens_decoder();
+        if let Some(token) = added.get(&id) {
+            return token.content.clone().into_bytes();
+        }
+        let byte_level = matches!(
+            self.inner.get_decoder(),
+            Some(tokenizers::DecoderWrapper::ByteLevel(_))
+        );
+        if let Some(piece) = self.id_to_token(id) {
+            if byte_level {
+                if let Some(bytes) = piece.chars().map(byte_of_char).collect::<Option<Vec<u8>>>() {
+                    return bytes;
+                }
+            }
+            if let Some(hex) = piece.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')) {
+                if let Ok(b) = u8::from_str_radix(hex, 16) {
+                    return vec![b];
+                }
+            }
+        }
+        self.decode(&[id], false).unwrap_or_default().into_bytes()
+    }
+
     pub fn is_special(&self, id: u32) -> bool {
         self.special_token_ids.contains(&id)
     }
@@ -293,6 +321,22 @@ impl Tokenizer {
             )))
         }
     }
+}
+
+/// The byte GPT-2's byte-level alphabet writes as `c`: printable Latin-1 bytes stand for
+/// themselves, the other 68 bytes are written as U+0100.. in byte order.
+fn byte_of_char(c: char) -> Option<u8> {
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let code = c as u32;
+    if printable(code) {
+        return Some(code as u8);
+    }
+    let n = code.checked_sub(256)?;
+    (0u32..=255)
+        .filter(|&b| !printable(b))
+        .nth(n as usize)
+        .map(|b| b as u8)
 }
 
 fn read_json_if_present(path: &Path) -> Result<Option<Json>, TokenizerError> {
@@ -380,6 +424,28 @@ fn generation_eos_ids(generation: &Json) -> Result<Vec<u32>, TokenizerError> {
 mod tests {
     use super::*;
     use crate::gguf_tokenizer::test_support::tiny_byte_level_tokenizer;
+
+    #[test]
+    fn token_bytes_are_raw_even_for_part_of_a_character() {
+        let tokenizer = tiny_byte_level_tokenizer();
+        let ids = tokenizer.encode("é ", false).expect("encode");
+        assert_eq!(ids.len(), 3, "one token per byte");
+        assert_eq!(tokenizer.token_bytes(ids[0]), vec![0xC3]);
+        assert_eq!(tokenizer.token_bytes(ids[1]), vec![0xA9]);
+        assert_eq!(tokenizer.token_bytes(ids[2]), b" ".to_vec());
+        assert_eq!(
+            tokenizer.decode(&ids[..1], false).expect("decode"),
+            "\u{FFFD}"
+        );
+        let end = tokenizer.encode("<|im_end|>", false).expect("encode");
+        assert_eq!(tokenizer.token_bytes(end[0]), b"<|im_end|>".to_vec());
+        for b in 0..=255u8 {
+            let c = (0u32..)
+                .filter_map(char::from_u32)
+                .find(|&c| byte_of_char(c) == Some(b));
+            assert!(c.is_some(), "byte {b} has a character");
+        }
+    }
 
     fn write(dir: &Path, name: &str, text: &str) {
         std::fs::write(dir.join(name), text).expect("write test file");

@@ -8,13 +8,14 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, TryLockError};
+use std::sync::{Arc, Mutex, TryLockError};
 use std::time::Duration;
 
 use novainfer_core::KvLayout;
+use novainfer_engine::tokenizer::Tokenizer;
 use novainfer_engine::{
     AbortHandle, ChatMessage, Delta, EngineConfig, EngineError, EngineHandle, KvBudget, NextDelta,
-    Prompt, RequestOutput, RequestStream, TokenLogprob, DEFAULT_GPU_MEMORY_UTILIZATION,
+    Prompt, RequestOutput, RequestStream, StopReason, TokenLogprob, DEFAULT_GPU_MEMORY_UTILIZATION,
 };
 use novainfer_model::device::DEVICE_SPELLINGS;
 use novainfer_model::{DeviceChoice, DtypeChoice};
@@ -24,10 +25,12 @@ use pyo3::types::PyBytes;
 use crate::errors::{engine_error, invalid, param_error};
 use crate::sampling_params::PySamplingParams;
 
-/// Per generated token: the chosen token's and the top alternatives' logprobs.
-type PyLogprobs = Vec<HashMap<u32, f32>>;
-/// `(text, token_ids, finish_reason, logprobs, num_cached_tokens, index)`; `finish_reason` is
-/// None until the completion's last delta; `index` is the completion (0 when `n == 1`).
+/// Per generated token: the chosen token and the top alternatives, each id mapped to
+/// `(logprob, rank, decoded token)`.
+type PyLogprobs = Vec<HashMap<u32, (f32, u32, String)>>;
+/// `(text, token_ids, finish_reason, logprobs, num_cached_tokens, index, stop_reason)`;
+/// `finish_reason` is None until the completion's last delta; `index` is the completion (0 when
+/// `n == 1`); `stop_reason` is the stop string (str) or stop token id (int) that ended it.
 type PyDelta = (
     String,
     Vec<u32>,
@@ -35,9 +38,16 @@ type PyDelta = (
     Option<PyLogprobs>,
     usize,
     usize,
+    Option<Py<PyAny>>,
 );
-/// `(text, token_ids, finish_reason, logprobs)` of one finished completion.
-type PyCompletion = (String, Vec<u32>, &'static str, Option<PyLogprobs>);
+/// `(text, token_ids, finish_reason, logprobs, stop_reason)` of one finished completion.
+type PyCompletion = (
+    String,
+    Vec<u32>,
+    &'static str,
+    Option<PyLogprobs>,
+    Option<Py<PyAny>>,
+);
 /// The `n` completions of a request and its number of cached prompt tokens.
 type PyOutput = (Vec<PyCompletion>, usize);
 
@@ -62,15 +72,31 @@ fn next_delta(py: Python<'_>, stream: &mut RequestStream) -> PyResult<Option<Del
     }
 }
 
-fn logprobs_to_py(logprobs: Vec<TokenLogprob>) -> PyLogprobs {
+/// Ranks as vLLM gives them: the alternatives 1, 2, ... in order, the chosen token its rank in
+/// the whole distribution.
+fn logprobs_to_py(tokenizer: &Tokenizer, logprobs: Vec<TokenLogprob>) -> PyLogprobs {
+    let text = |id: u32| tokenizer.decode(&[id], false).unwrap_or_default();
     logprobs
         .into_iter()
         .map(|lp| {
-            let mut entry: HashMap<u32, f32> = lp.top.into_iter().collect();
-            entry.insert(lp.token_id, lp.logprob);
+            let mut entry: HashMap<u32, (f32, u32, String)> = lp
+                .top
+                .into_iter()
+                .enumerate()
+                .map(|(i, (id, l))| (id, (l, i as u32 + 1, text(id))))
+                .collect();
+            entry.insert(lp.token_id, (lp.logprob, lp.rank, text(lp.token_id)));
             entry
         })
         .collect()
+}
+
+fn stop_reason_to_py(py: Python<'_>, reason: Option<StopReason>) -> PyResult<Option<Py<PyAny>>> {
+    Ok(match reason {
+        None => None,
+        Some(StopReason::TokenId(id)) => Some(id.into_pyobject(py)?.into_any().unbind()),
+        Some(StopReason::Text(s)) => Some(s.into_pyobject(py)?.into_any().unbind()),
+    })
 }
 
 // The signature below spells the default out so Python's introspection (and the stub) shows it.
@@ -232,20 +258,31 @@ impl PyEngine {
             .map_err(|e| engine_error(e.into()))
     }
 
-    /// `messages` as `(role, content)` pairs.
-    #[pyo3(signature = (messages, add_generation_prompt=true))]
+    /// `messages` as `(role, content)` pairs; `chat_template_kwargs` as a JSON object string.
+    #[pyo3(signature = (messages, add_generation_prompt=true, continue_final_message=false, chat_template_kwargs=None))]
     fn apply_chat_template(
         &self,
         messages: Vec<(String, String)>,
         add_generation_prompt: bool,
+        continue_final_message: bool,
+        chat_template_kwargs: Option<&str>,
     ) -> PyResult<String> {
         let messages: Vec<ChatMessage> = messages
             .into_iter()
             .map(|(r, c)| ChatMessage::new(r, c))
             .collect();
+        let extra = chat_template_kwargs
+            .map(serde_json::from_str::<serde_json::Value>)
+            .transpose()
+            .map_err(|e| invalid("chat_template_kwargs", format!("not valid JSON: {e}")))?;
         self.handle
             .frontend()
-            .apply_chat_template(&messages, add_generation_prompt)
+            .render_chat(
+                &messages,
+                add_generation_prompt,
+                continue_final_message,
+                extra,
+            )
             .map_err(engine_error)
     }
 
@@ -296,17 +333,19 @@ impl PyEngine {
             let outs =
                 RequestOutput::per_completion(&prompt, p.logprobs().is_some(), p.n(), deltas);
             let cached = outs.first().map_or(0, |o| o.num_cached_tokens);
+            let tokenizer = frontend.tokenizer();
             let completions = outs
                 .into_iter()
                 .map(|o| {
-                    (
+                    Ok((
                         o.text,
                         o.token_ids,
                         o.finish_reason.as_str(),
-                        o.logprobs.map(logprobs_to_py),
-                    )
+                        o.logprobs.map(|lp| logprobs_to_py(tokenizer, lp)),
+                        stop_reason_to_py(py, o.stop_reason)?,
+                    ))
                 })
-                .collect();
+                .collect::<PyResult<_>>()?;
             outputs.push((completions, cached));
         }
         Ok(outputs)
@@ -328,6 +367,7 @@ impl PyEngine {
             })
             .map_err(engine_error)?;
         Ok(PyTokenStream {
+            tokenizer: frontend.tokenizer().clone(),
             abort: stream.abort_handle(),
             stream: Mutex::new(Some(stream)),
             closed: AtomicBool::new(false),
@@ -367,6 +407,7 @@ impl PyEngine {
 /// that wait notices within [`SIGNAL_POLL`].
 #[pyclass(name = "TokenStream", module = "novainfer._native")]
 pub struct PyTokenStream {
+    tokenizer: Arc<Tokenizer>,
     stream: Mutex<Option<RequestStream>>,
     abort: AbortHandle,
     closed: AtomicBool,
@@ -416,9 +457,10 @@ impl PyTokenStream {
             d.text,
             d.token_ids,
             d.finish_reason.map(|r| r.as_str()),
-            (!d.logprobs.is_empty()).then(|| logprobs_to_py(d.logprobs)),
+            (!d.logprobs.is_empty()).then(|| logprobs_to_py(&self.tokenizer, d.logprobs)),
             d.num_cached_tokens,
             d.index,
+            stop_reason_to_py(py, d.stop_reason)?,
         )))
     }
 

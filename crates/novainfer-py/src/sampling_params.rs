@@ -1,5 +1,7 @@
 //! `SamplingParams` for Python: keyword construction, validated by the core builder.
 
+use std::collections::HashMap;
+
 use novainfer_core::SamplingParams;
 use pyo3::prelude::*;
 use pyo3::types::PyString;
@@ -32,11 +34,15 @@ impl PySamplingParams {
     #[new]
     #[pyo3(signature = (*, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
         presence_penalty=0.0, frequency_penalty=0.0, seed=None, max_tokens=Some(16), stop=None,
-        stop_token_ids=None, ignore_eos=false, logprobs=None, n=1),
+        stop_token_ids=None, ignore_eos=false, logprobs=None, n=1, min_tokens=0, logit_bias=None,
+        include_stop_str_in_output=false, skip_special_tokens=true,
+        spaces_between_special_tokens=true),
         // `Some(16)` would render as `...` in the generated signature.
         text_signature = "(*, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, \
             presence_penalty=0.0, frequency_penalty=0.0, seed=None, max_tokens=16, stop=None, \
-            stop_token_ids=None, ignore_eos=False, logprobs=None, n=1)")]
+            stop_token_ids=None, ignore_eos=False, logprobs=None, n=1, min_tokens=0, logit_bias=None, \
+            include_stop_str_in_output=False, skip_special_tokens=True, \
+            spaces_between_special_tokens=True)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         temperature: f64,
@@ -53,6 +59,11 @@ impl PySamplingParams {
         ignore_eos: bool,
         logprobs: Option<i64>,
         n: i64,
+        min_tokens: i64,
+        logit_bias: Option<HashMap<u32, f64>>,
+        include_stop_str_in_output: bool,
+        skip_special_tokens: bool,
+        spaces_between_special_tokens: bool,
     ) -> PyResult<Self> {
         let inner = SamplingParams::builder()
             .temperature(temperature as f32)
@@ -69,6 +80,17 @@ impl PySamplingParams {
             .ignore_eos(ignore_eos)
             .logprobs(logprobs)
             .n(n)
+            .min_tokens(min_tokens)
+            .logit_bias(
+                logit_bias
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(id, b)| (id, b as f32))
+                    .collect(),
+            )
+            .include_stop_str_in_output(include_stop_str_in_output)
+            .skip_special_tokens(skip_special_tokens)
+            .spaces_between_special_tokens(spaces_between_special_tokens)
             .build()
             .map_err(param_error)?;
         Ok(Self { inner })
@@ -132,6 +154,31 @@ impl PySamplingParams {
     fn n(&self) -> usize {
         self.inner.n()
     }
+    /// Tokens generated before EOS, a stop token or a stop string may end the output.
+    #[getter]
+    fn min_tokens(&self) -> usize {
+        self.inner.min_tokens()
+    }
+    /// Token id → bias added to its logit before sampling (-100 bans, 100 all but forces).
+    #[getter]
+    fn logit_bias(&self) -> HashMap<u32, f32> {
+        self.inner.logit_bias().iter().copied().collect()
+    }
+    /// Keep the stop string (or stop token's text) at the end of the output.
+    #[getter]
+    fn include_stop_str_in_output(&self) -> bool {
+        self.inner.stop().include_stop_str_in_output
+    }
+    /// Leave special tokens out of the text.
+    #[getter]
+    fn skip_special_tokens(&self) -> bool {
+        self.inner.text_options().skip_special_tokens
+    }
+    /// With special tokens kept, set each apart with spaces (Hugging Face's slow-tokenizer rule).
+    #[getter]
+    fn spaces_between_special_tokens(&self) -> bool {
+        self.inner.text_options().spaces_between_special_tokens
+    }
 
     fn __repr__(&self) -> String {
         let p = &self.inner;
@@ -141,7 +188,8 @@ impl PySamplingParams {
         format!(
             "SamplingParams(temperature={}, top_p={}, top_k={}, min_p={}, repetition_penalty={}, \
              presence_penalty={}, frequency_penalty={}, seed={}, max_tokens={}, stop=[{}], \
-             stop_token_ids={:?}, ignore_eos={}, logprobs={}, n={})",
+             stop_token_ids={:?}, ignore_eos={}, logprobs={}, n={}, min_tokens={}, logit_bias={{{}}}, \
+             include_stop_str_in_output={}, skip_special_tokens={}, spaces_between_special_tokens={})",
             p.temperature(),
             p.top_p(),
             p.top_k().unwrap_or(0),
@@ -156,6 +204,15 @@ impl PySamplingParams {
             py_bool(p.stop().ignore_eos),
             py_opt(p.logprobs().map(|n| n.to_string())),
             p.n(),
+            p.min_tokens(),
+            p.logit_bias()
+                .iter()
+                .map(|(id, b)| format!("{id}: {b:?}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            py_bool(p.stop().include_stop_str_in_output),
+            py_bool(p.text_options().skip_special_tokens),
+            py_bool(p.text_options().spaces_between_special_tokens),
         )
     }
 }

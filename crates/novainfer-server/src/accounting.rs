@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use novainfer_engine::tokenizer::Tokenizer;
-use novainfer_engine::{Delta, TokenLogprob};
+use novainfer_engine::{Delta, StopReason, TokenLogprob};
 use serde_json::{Map, Value};
 
 use crate::metrics::ModelMetrics;
@@ -18,8 +18,19 @@ pub struct ChoiceState {
     pub text: String,
     pub num_tokens: usize,
     pub finish_reason: Option<&'static str>,
+    /// The stop string or stop token id that ended the choice.
+    pub stop_reason: Option<StopReason>,
     pub logprobs: Vec<TokenLogprob>,
     last_token: Option<Instant>,
+}
+
+/// vLLM's `stop_reason`: the stop string, the stop token id, or null (EOS, length, abort).
+pub fn stop_reason_json(reason: Option<&StopReason>) -> Value {
+    match reason {
+        None => Value::Null,
+        Some(StopReason::TokenId(id)) => Value::from(*id),
+        Some(StopReason::Text(s)) => Value::from(s.as_str()),
+    }
 }
 
 /// Everything a request has produced so far.
@@ -77,6 +88,7 @@ impl RunState {
         choice.logprobs.extend(delta.logprobs.iter().cloned());
         if let Some(reason) = delta.finish_reason {
             choice.finish_reason = Some(reason.as_str());
+            choice.stop_reason = delta.stop_reason.clone();
         }
         index
     }
@@ -146,13 +158,10 @@ pub fn extend_completion_logprobs<'a>(
 }
 
 pub fn chat_logprobs(tokenizer: &Tokenizer, logprobs: &[TokenLogprob]) -> ChatLogprobs {
-    let entry = |id: u32, logprob: f32| {
-        let token = token_text(tokenizer, id);
-        TopLogprob {
-            bytes: token.as_bytes().to_vec(),
-            token,
-            logprob,
-        }
+    let entry = |id: u32, logprob: f32| TopLogprob {
+        bytes: tokenizer.token_bytes(id),
+        token: token_text(tokenizer, id),
+        logprob,
     };
     ChatLogprobs {
         content: logprobs

@@ -8,6 +8,8 @@ pub mod budget;
 pub mod engine_io;
 pub mod error;
 pub mod generation;
+pub mod ignored;
+pub mod indent;
 pub mod keys;
 pub mod lifecycle;
 pub mod limits;

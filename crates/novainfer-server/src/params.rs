@@ -16,6 +16,9 @@ pub struct EndpointParams {
     pub default_max_tokens: Option<i64>,
     /// Top alternatives per token, when logprobs were asked for.
     pub logprobs: Option<i64>,
+    /// Token ids that end this endpoint's outputs besides the request's own (`/infill`: the
+    /// FIM and repo-level tokens, which end a middle as llama.cpp ends it on them).
+    pub extra_stop_token_ids: Vec<u32>,
 }
 
 pub fn sampling_params(
@@ -32,6 +35,8 @@ pub fn sampling_params(
         s => s.map(|s| s as u64),
     };
     let max_tokens = endpoint.max_tokens.or(endpoint.default_max_tokens);
+    let mut stop_token_ids = shared.stop_token_ids.clone().unwrap_or_default();
+    stop_token_ids.extend_from_slice(&endpoint.extra_stop_token_ids);
     let params = SamplingParams::builder()
         .temperature(shared.temperature.unwrap_or(1.0))
         .top_p(shared.top_p.unwrap_or(1.0))
@@ -43,12 +48,35 @@ pub fn sampling_params(
         .seed(seed)
         .max_tokens(max_tokens)
         .stop(stop_strings(shared.stop.as_ref())?)
-        .stop_token_ids(shared.stop_token_ids.clone().unwrap_or_default())
+        .stop_token_ids(stop_token_ids)
         .ignore_eos(shared.ignore_eos.unwrap_or(false))
         .logprobs(endpoint.logprobs)
         .n(shared.n.unwrap_or(1))
+        .logit_bias(logit_bias(shared)?)
+        .min_tokens(shared.min_tokens.unwrap_or(0))
+        .include_stop_str_in_output(shared.include_stop_str_in_output.unwrap_or(false))
+        .skip_special_tokens(shared.skip_special_tokens.unwrap_or(true))
+        .spaces_between_special_tokens(shared.spaces_between_special_tokens.unwrap_or(true))
         .build()?;
     Ok(params)
+}
+
+/// OpenAI's `logit_bias`: token ids as JSON object keys (strings). Ranges are checked by the
+/// builder, ids against the vocabulary by the engine.
+fn logit_bias(shared: &SharedFields) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(map) = &shared.logit_bias else {
+        return Ok(Vec::new());
+    };
+    map.iter()
+        .map(|(key, &bias)| {
+            key.trim().parse::<u32>().map(|id| (id, bias)).map_err(|_| {
+                ApiError::invalid_param(
+                    "logit_bias",
+                    format!("logit_bias keys must be token ids such as \"1234\", got {key:?}"),
+                )
+            })
+        })
+        .collect()
 }
 
 /// The request's own timeout in seconds, if it set one.
@@ -77,6 +105,7 @@ mod tests {
                 max_tokens: None,
                 default_max_tokens: Some(16),
                 logprobs: None,
+                extra_stop_token_ids: Vec::new(),
             },
         )
     }
@@ -146,10 +175,43 @@ mod tests {
                 max_tokens: Some(0),
                 default_max_tokens: None,
                 logprobs: Some(99),
+                extra_stop_token_ids: Vec::new(),
             },
         )
         .expect_err("max_tokens 0");
         assert_eq!(e.param.as_deref(), Some("max_tokens"));
+    }
+
+    #[test]
+    fn vllm_extras_reach_the_sampling_params() {
+        let p = params(SharedFields {
+            logit_bias: Some([("7".to_owned(), 5.0), (" 3".to_owned(), -100.0)].into()),
+            min_tokens: Some(2),
+            include_stop_str_in_output: Some(true),
+            skip_special_tokens: Some(false),
+            spaces_between_special_tokens: Some(false),
+            ..Default::default()
+        })
+        .expect("valid");
+        assert_eq!(p.logit_bias(), &[(3, -100.0), (7, 5.0)]);
+        assert_eq!(p.min_tokens(), 2);
+        assert!(p.stop().include_stop_str_in_output);
+        assert!(!p.text_options().skip_special_tokens);
+        assert!(!p.text_options().spaces_between_special_tokens);
+        for (bias, why) in [(("x", 1.0), "not an id"), (("5", 101.0), "out of range")] {
+            let e = params(SharedFields {
+                logit_bias: Some([(bias.0.to_owned(), bias.1)].into()),
+                ..Default::default()
+            })
+            .expect_err(why);
+            assert_eq!(e.param.as_deref(), Some("logit_bias"), "{why}");
+        }
+        let e = params(SharedFields {
+            min_tokens: Some(17),
+            ..Default::default()
+        })
+        .expect_err("min_tokens > max_tokens");
+        assert_eq!(e.param.as_deref(), Some("min_tokens"));
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! Semantics follow vLLM:
 //!
 //! 1. logprobs come from `log_softmax` of the RAW row (vLLM's default `raw_logprobs`);
-//! 2. repetition, frequency and presence penalties change the row ([`penalties`]);
+//! 2. repetition, frequency and presence penalties change the row ([`penalties`]), then
+//!    `logit_bias` and the `min_tokens` mask ([`logit_adjust`]);
 //! 3. greedy (temperature 0, below vLLM's 1e-5 sampling epsilon, or top-k 1) takes the
 //!    argmax, lowest id on ties, and leaves the RNG untouched;
 //! 4. otherwise temperature, top-k, top-p, min-p, then one draw from a ChaCha8 stream seeded
@@ -13,6 +14,7 @@
 //!
 //! NaN logits count as `-inf` and `+inf` as `f32::MAX`; nothing here panics on any row.
 
+mod logit_adjust;
 mod penalties;
 mod row_math;
 mod truncation;
@@ -21,6 +23,7 @@ use novainfer_core::SamplingParams;
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use logit_adjust::LogitAdjust;
 use penalties::{Penalties, PenaltyState};
 use row_math::BlockMaxima;
 use truncation::Truncation;
@@ -38,6 +41,9 @@ pub struct SampledToken {
     /// The `logprobs` most likely tokens of the raw row as `(id, logprob)`, by logprob
     /// descending then id ascending; empty when the request asked for none.
     pub top_logprobs: Vec<(u32, f32)>,
+    /// The token's rank in the raw row (1 = most likely; the number of ids whose logit is at
+    /// least its own, as vLLM counts), when logprobs were asked for; else 0.
+    pub rank: u32,
 }
 
 /// Sampling state of one sequence.
@@ -48,6 +54,7 @@ pub struct Sampler {
     num_top_logprobs: Option<usize>,
     rng: ChaCha8Rng,
     penalties: PenaltyState,
+    adjust: LogitAdjust,
     scratch: Scratch,
 }
 
@@ -68,8 +75,16 @@ impl Sampler {
             num_top_logprobs: params.logprobs(),
             rng: ChaCha8Rng::seed_from_u64(params.seed().unwrap_or(fallback_seed)),
             penalties: PenaltyState::new(Penalties::from_params(params), prompt_ids),
+            adjust: LogitAdjust::new(params),
             scratch: Scratch::default(),
         }
+    }
+
+    /// The model's EOS ids, which `min_tokens` holds back like the request's stop token ids
+    /// (unless the request ignores EOS).
+    pub fn with_eos_token_ids(mut self, eos_token_ids: &[u32], ignore_eos: bool) -> Self {
+        self.adjust.mask_eos(eos_token_ids, ignore_eos);
+        self
     }
 
     /// Picks the next token from one row of raw logits (`len == vocab`) and records it for
@@ -101,7 +116,8 @@ impl Sampler {
             None => Vec::new(),
         };
 
-        if self.penalties.apply(logits) {
+        let penalized = self.penalties.apply(logits);
+        if self.adjust.apply(logits) || penalized {
             self.scratch.draw.sums.invalidate();
             self.scratch.maxima.scan(logits);
         }
@@ -112,16 +128,22 @@ impl Sampler {
             let Scratch { maxima, draw } = &mut self.scratch;
             truncation::draw(logits, maxima, &self.truncation, u, draw)
         };
+        // Reverse order of application: the penalties' saved values are the raw ones.
+        self.adjust.restore(logits);
         self.penalties.restore(logits);
         self.penalties.record(token_id);
 
-        let logprob = logits
-            .get(token_id as usize)
-            .map_or(f32::NEG_INFINITY, |&x| log_softmax(x));
+        let chosen = logits.get(token_id as usize).copied();
+        let logprob = chosen.map_or(f32::NEG_INFINITY, log_softmax);
+        let rank = match (self.num_top_logprobs, chosen) {
+            (Some(_), Some(x)) => logits.iter().filter(|&&y| y >= x).count() as u32,
+            _ => 0,
+        };
         SampledToken {
             token_id,
             logprob,
             top_logprobs,
+            rank,
         }
     }
 }

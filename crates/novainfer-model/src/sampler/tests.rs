@@ -442,3 +442,71 @@ fn timing() {
         println!("{name:>34}: {:>7.1} µs/token", best * 1e6);
     }
 }
+
+#[test]
+fn logit_bias_forces_and_bans_while_logprobs_stay_raw() {
+    let row = lm_like_row(5000, 3);
+    let leader = argmax_lowest_id(&row);
+    let raw = reference_log_softmax(&row);
+    let forced = params(
+        SamplingParams::builder()
+            .temperature(0.0)
+            .logit_bias(vec![(17, 100.0)])
+            .logprobs(Some(2)),
+    );
+    let mut work = row.clone();
+    let out = Sampler::new(&forced, &[], 0).sample(&mut work);
+    assert_eq!(out.token_id, 17);
+    assert_eq!(work, row, "the row is handed back raw");
+    assert!(
+        (out.logprob as f64 - raw[17]).abs() < 1e-4,
+        "logprob of the raw row"
+    );
+    assert!(out.rank > 1, "17 is not the raw leader");
+    let banned = params(
+        SamplingParams::builder()
+            .temperature(0.0)
+            .logit_bias(vec![(leader, -100.0)]),
+    );
+    assert_ne!(
+        Sampler::new(&banned, &[], 0)
+            .sample(&mut row.clone())
+            .token_id,
+        leader
+    );
+    // At temperature 1 a +100 bias makes the token all but certain.
+    let hot = params(SamplingParams::builder().logit_bias(vec![(42, 100.0)]));
+    assert!(draw_many(&hot, &row, 50, 1).iter().all(|&t| t == 42));
+}
+
+#[test]
+fn min_tokens_keeps_eos_and_stop_tokens_away_then_lets_them_through() {
+    let mut row: Vec<f32> = (0..64).map(|i| -(i as f32) / 100.0).collect();
+    row[5] = 10.0; // EOS leads
+    row[6] = 9.0; // then a stop token
+    let p = params(
+        SamplingParams::builder()
+            .temperature(0.0)
+            .min_tokens(3)
+            .stop_token_ids(vec![6])
+            .logprobs(Some(0)),
+    );
+    let mut s = Sampler::new(&p, &[], 0).with_eos_token_ids(&[5], false);
+    let picked: Vec<u32> = (0..4)
+        .map(|_| s.sample(&mut row.clone()).token_id)
+        .collect();
+    assert_eq!(picked, vec![0, 0, 0, 5]);
+    let mut ignoring = Sampler::new(&p, &[], 0).with_eos_token_ids(&[5], true);
+    assert_eq!(
+        ignoring.sample(&mut row.clone()).token_id,
+        5,
+        "ignore_eos: EOS is no stop"
+    );
+    let first = Sampler::new(&p, &[], 0)
+        .with_eos_token_ids(&[5], false)
+        .sample(&mut row.clone());
+    assert_eq!(
+        first.rank, 3,
+        "rank counts the raw row, masked ids included"
+    );
+}

@@ -114,7 +114,8 @@ pub fn stop_strings(value: Option<&Value>) -> Result<Vec<String>, ApiError> {
     Ok(stops)
 }
 
-/// Text of a message `content`: a string, or a list of `{"type": "text", "text": ...}` parts.
+/// Text of a message `content`: a string, or a list of `{"type": "text", "text": ...}` parts
+/// joined with newlines (as vLLM joins them).
 fn content_text(value: Option<&Value>, i: usize) -> Result<String, ApiError> {
     let err =
         |why: String| ApiError::invalid_param("messages", format!("messages[{i}].content {why}"));
@@ -122,13 +123,13 @@ fn content_text(value: Option<&Value>, i: usize) -> Result<String, ApiError> {
         None | Some(Value::Null) => Ok(String::new()),
         Some(Value::String(s)) => Ok(s.clone()),
         Some(Value::Array(parts)) => {
-            let mut text = String::new();
+            let mut texts: Vec<&str> = Vec::with_capacity(parts.len());
             for part in parts {
                 match (
                     part.get("type").and_then(Value::as_str),
                     part.get("text").and_then(Value::as_str),
                 ) {
-                    (Some("text"), Some(t)) => text.push_str(t),
+                    (Some("text"), Some(t)) => texts.push(t),
                     (Some(kind), _) if kind != "text" => {
                         return Err(err(format!(
                             "has a part of type {kind:?}; only text parts are supported"
@@ -141,7 +142,7 @@ fn content_text(value: Option<&Value>, i: usize) -> Result<String, ApiError> {
                     }
                 }
             }
-            Ok(text)
+            Ok(texts.join("\n"))
         }
         Some(other) => Err(err(format!(
             "must be a string or a list of text parts, got {}",
@@ -241,7 +242,7 @@ mod tests {
         ]))
         .expect("valid test input");
         assert_eq!(m[0], ChatMessage::new("system", "be brief"));
-        assert_eq!(m[1], ChatMessage::new("user", "ab"));
+        assert_eq!(m[1], ChatMessage::new("user", "a\nb"));
         assert_eq!(m[2], ChatMessage::new("assistant", ""));
         for bad in [
             json!({}),

@@ -1,5 +1,6 @@
 //! The OpenAI wire format: request bodies in, response objects out.
 
+pub mod infill;
 pub mod inputs;
 pub mod request;
 pub mod response;

@@ -6,6 +6,8 @@
 //! name. Fields whose JSON type varies (`prompt`, `stop`, `input`, message `content`) are
 //! kept as raw JSON here and converted with precise messages in [`super::inputs`].
 
+use std::collections::BTreeMap;
+
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{Map, Value};
@@ -35,6 +37,16 @@ pub struct SharedFields {
     pub user: Option<String>,
     /// Seconds this request may take (capped by the server's `--request-timeout`).
     pub timeout: Option<f64>,
+    /// OpenAI: token id (as a string) → bias in [-100, 100].
+    pub logit_bias: Option<BTreeMap<String, f32>>,
+    pub min_tokens: Option<i64>,
+    pub include_stop_str_in_output: Option<bool>,
+    pub skip_special_tokens: Option<bool>,
+    pub spaces_between_special_tokens: Option<bool>,
+    /// True no-ops: accepted so clients that always send them work; logged once.
+    pub store: Option<bool>,
+    pub metadata: Option<BTreeMap<String, String>>,
+    pub service_tier: Option<String>,
 }
 
 impl SharedFields {
@@ -44,6 +56,18 @@ impl SharedFields {
             .as_ref()
             .and_then(|o| o.include_usage)
             .unwrap_or(false)
+    }
+
+    /// The no-op fields this request carries (for the log-once note).
+    pub fn ignored_fields(&self) -> Vec<&'static str> {
+        [
+            ("store", self.store.is_some()),
+            ("metadata", self.metadata.is_some()),
+            ("service_tier", self.service_tier.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(name, present)| present.then_some(name))
+        .collect()
     }
 }
 
@@ -67,6 +91,14 @@ pub const SHARED_FIELDS: &[&str] = &[
     "stream_options",
     "user",
     "timeout",
+    "logit_bias",
+    "min_tokens",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "store",
+    "metadata",
+    "service_tier",
 ];
 
 #[derive(Debug, Default, Deserialize)]
@@ -75,11 +107,11 @@ pub struct StreamOptions {
     pub include_usage: Option<bool>,
 }
 
-/// OpenAI fields we know and deliberately do not implement: named in the error.
+/// OpenAI and vLLM fields we know and deliberately do not implement: named in the error
+/// (any other unknown field is refused too, as unknown). docs/api.md has the full table.
 const UNSUPPORTED_FIELDS: &[&str] = &[
+    // OpenAI
     "best_of",
-    "suffix",
-    "logit_bias",
     "tools",
     "tool_choice",
     "functions",
@@ -90,7 +122,62 @@ const UNSUPPORTED_FIELDS: &[&str] = &[
     "modalities",
     "prediction",
     "web_search_options",
+    "reasoning_effort",
+    "verbosity",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "safety_identifier",
+    // vLLM extras
+    "use_beam_search",
+    "length_penalty",
+    "truncate_prompt_tokens",
+    "prompt_logprobs",
+    "allowed_token_ids",
+    "bad_words",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "logits_processors",
+    "return_tokens_as_token_ids",
+    "return_token_ids",
+    "cache_salt",
+    "kv_transfer_params",
+    "vllm_xargs",
+    "priority",
+    "request_id",
+    "prompt_embeds",
+    "documents",
+    "chat_template",
+    "mm_processor_kwargs",
+    "media_io_kwargs",
+    "thinking_token_budget",
+    "include_reasoning",
 ];
+
+/// Removes `tools: []` (or null) and `tool_choice: "none"` with no tools: they ask for
+/// nothing, so they are true no-ops; returns their names for the log-once note. Any other
+/// value stays and is refused by name.
+pub fn strip_noop_tool_fields(map: &mut Map<String, Value>) -> Vec<&'static str> {
+    let mut stripped = Vec::new();
+    let no_tools = match map.get("tools") {
+        None => true,
+        Some(Value::Null) => true,
+        Some(Value::Array(a)) => a.is_empty(),
+        Some(_) => false,
+    };
+    if no_tools && map.remove("tools").is_some() {
+        stripped.push("tools");
+    }
+    if no_tools && map.get("tool_choice").and_then(Value::as_str) == Some("none") {
+        map.remove("tool_choice");
+        stripped.push("tool_choice");
+    }
+    stripped
+}
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -98,6 +185,8 @@ pub struct CompletionFields {
     pub prompt: Value,
     pub echo: Option<bool>,
     pub logprobs: Option<i64>,
+    /// Fill-in-the-middle: the text after the completion (needs the model's FIM tokens).
+    pub suffix: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -109,6 +198,12 @@ pub struct ChatFields {
     pub top_logprobs: Option<i64>,
     /// Server-kept conversation (also `X-Session-Id`).
     pub session_id: Option<String>,
+    /// vLLM: end the prompt with the assistant's turn opened (default true).
+    pub add_generation_prompt: Option<bool>,
+    /// vLLM: the model continues the final (assistant) message instead of starting a new one.
+    pub continue_final_message: Option<bool>,
+    /// vLLM: extra variables for the chat template (e.g. `enable_thinking`).
+    pub chat_template_kwargs: Option<Map<String, Value>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -143,6 +238,8 @@ pub struct DetokenizeRequest {
 pub struct GenerationBody<T> {
     pub own: T,
     pub shared: SharedFields,
+    /// No-op fields the request carried (accepted, logged once).
+    pub ignored: Vec<&'static str>,
 }
 
 pub type CompletionRequest = GenerationBody<CompletionFields>;
@@ -208,14 +305,18 @@ fn reject_unsupported(map: &Map<String, Value>) -> Result<(), ApiError> {
 
 /// Parses a completions or chat body: shared fields and the endpoint's own fields `T`.
 pub fn parse_generation<T: DeserializeOwned>(bytes: &[u8]) -> Result<GenerationBody<T>, ApiError> {
-    let map = object(bytes)?;
+    let mut map = object(bytes)?;
+    let mut ignored = strip_noop_tool_fields(&mut map);
     reject_unsupported(&map)?;
     let (shared, own): (Map<_, _>, Map<_, _>) = map
         .into_iter()
         .partition(|(k, _)| SHARED_FIELDS.contains(&k.as_str()));
+    let shared: SharedFields = typed(Value::Object(shared))?;
+    ignored.extend(shared.ignored_fields());
     Ok(GenerationBody {
         own: typed(Value::Object(own))?,
-        shared: typed(Value::Object(shared))?,
+        shared,
+        ignored,
     })
 }
 
@@ -254,11 +355,32 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("max_token"));
         let e = chat(r#"{"max_tokens":5}"#).expect_err("missing field");
         assert_eq!(e.param.as_deref(), Some("messages"));
-        let e = chat(r#"{"messages":[],"tools":[]}"#).expect_err("unsupported");
+        let e = chat(r#"{"messages":[],"tools":[{"type":"function"}]}"#).expect_err("unsupported");
         assert!(e.message.contains("not supported"), "{}", e.message);
+        assert_eq!(e.param.as_deref(), Some("tools"));
+        let e = chat(r#"{"messages":[],"tool_choice":"auto"}"#).expect_err("unsupported");
+        assert_eq!(e.param.as_deref(), Some("tool_choice"));
+        let e = chat(r#"{"messages":[],"use_beam_search":true}"#).expect_err("vLLM extra");
+        assert_eq!(e.param.as_deref(), Some("use_beam_search"));
         let e =
             chat(r#"{"messages":[],"stream_options":{"include_usage":3}}"#).expect_err("nested");
         assert_eq!(e.param.as_deref(), Some("stream_options"));
+    }
+
+    #[test]
+    fn true_no_ops_are_accepted_and_named() {
+        let r = chat(
+            r#"{"messages":[],"tools":[],"tool_choice":"none","store":false,
+                "metadata":{"k":"v"},"service_tier":"auto","min_tokens":2}"#,
+        )
+        .expect("no-ops accepted");
+        assert_eq!(
+            r.ignored,
+            vec!["tools", "tool_choice", "store", "metadata", "service_tier"]
+        );
+        assert_eq!(r.shared.min_tokens, Some(2));
+        let e = chat(r#"{"messages":[],"metadata":{"k":1}}"#).expect_err("typed");
+        assert_eq!(e.param.as_deref(), Some("metadata"));
     }
 
     #[test]

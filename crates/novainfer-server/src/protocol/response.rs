@@ -66,6 +66,8 @@ pub struct CompletionChoice {
     pub text: String,
     pub logprobs: Option<CompletionLogprobs>,
     pub finish_reason: Option<&'static str>,
+    /// vLLM's: the stop string or stop token id that ended the choice, else null.
+    pub stop_reason: serde_json::Value,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -100,6 +102,8 @@ pub struct ChatChoice {
     pub delta: Option<ChatMessageOut>,
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
+    /// vLLM's: the stop string or stop token id that ended the choice, else null.
+    pub stop_reason: serde_json::Value,
 }
 
 #[derive(Debug, Clone, Serialize)]

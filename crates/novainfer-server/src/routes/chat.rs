@@ -9,12 +9,12 @@ use std::time::Instant;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::{extract::State, Extension};
-use novainfer_engine::{ChatMessage, Prompt};
+use novainfer_engine::{ChatMessage, Prompt, StopReason};
 
 use super::completions::sse_response;
 use super::run::{prepare, stream_after_start, Event, Launch, Pending, Running};
 use super::{JsonBody, LoggedByHandler};
-use crate::accounting::chat_logprobs;
+use crate::accounting::{chat_logprobs, stop_reason_json};
 use crate::error::ApiError;
 use crate::keys::Tenant;
 use crate::params::{request_timeout, sampling_params, EndpointParams};
@@ -67,7 +67,22 @@ pub async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let arrival = Instant::now();
     let req: ChatRequest = parse_generation(&body)?;
+    crate::ignored::log_once("chat", &req.ignored);
     let model = app.models.get(req.shared.model.as_deref())?;
+    let add_generation_prompt = req.own.add_generation_prompt.unwrap_or(true);
+    let continue_final = req.own.continue_final_message.unwrap_or(false);
+    if continue_final && add_generation_prompt {
+        // As in vLLM: the two ask for opposite prompt endings.
+        return Err(ApiError::invalid_param(
+            "continue_final_message",
+            "continue_final_message needs add_generation_prompt: false",
+        ));
+    }
+    let template_kwargs = req
+        .own
+        .chat_template_kwargs
+        .clone()
+        .map(serde_json::Value::Object);
     let messages = inputs::messages(&req.own.messages)?;
     let session = session_id(req.own.session_id.clone(), &headers)?;
     let logprobs = match (req.own.logprobs.unwrap_or(false), req.own.top_logprobs) {
@@ -86,6 +101,7 @@ pub async fn chat_completions(
             max_tokens: req.own.max_completion_tokens.or(req.shared.max_tokens),
             default_max_tokens: None,
             logprobs,
+            extra_stop_token_ids: Vec::new(),
         },
     )?;
     let conversation = match &session {
@@ -121,7 +137,12 @@ pub async fn chat_completions(
     let rendered = conversation.clone();
     let prompt_text = pending
         .tokenize(move || {
-            let text = frontend.apply_chat_template(&rendered, true)?;
+            let text = frontend.render_chat(
+                &rendered,
+                add_generation_prompt,
+                continue_final,
+                template_kwargs,
+            )?;
             // The template already placed every special token: add none (as transformers does).
             let ids = frontend.tokenizer().encode(&text, false)?;
             let ids = frontend.prompt_token_ids(&Prompt::TokenIds(ids))?;
@@ -181,6 +202,7 @@ impl Shape {
         delta: ChatMessageOut,
         logprobs: Option<crate::protocol::response::ChatLogprobs>,
         finish: Option<&'static str>,
+        stop_reason: Option<&StopReason>,
     ) -> ChatCompletion {
         let choice = ChatChoice {
             index,
@@ -188,6 +210,7 @@ impl Shape {
             delta: Some(delta),
             logprobs,
             finish_reason: finish,
+            stop_reason: stop_reason_json(stop_reason),
         };
         self.object("chat.completion.chunk", vec![choice], None)
     }
@@ -257,6 +280,7 @@ async fn whole(
                 delta: None,
                 logprobs: (!c.logprobs.is_empty()).then(|| chat_logprobs(&tokenizer, &c.logprobs)),
                 finish_reason: Some(c.finish_reason.unwrap_or("abort")),
+                stop_reason: stop_reason_json(c.stop_reason.as_ref()),
             }
         })
         .collect();
@@ -280,7 +304,7 @@ fn streaming(
             let mut splitters = vec![ReasoningSplitter::new(shape.thinking_opened); num_choices];
             for index in 0..num_choices {
                 let role = ChatMessageOut { role: Some("assistant"), content: Some(String::new()), reasoning_content: None };
-                yield sse::data(&shape.chunk(index, role, None, None));
+                yield sse::data(&shape.chunk(index, role, None, None, None));
             }
             loop {
                 match running.next_event(keep_alive).await {
@@ -300,10 +324,10 @@ fn streaming(
                         let has_text = !split.content.is_empty() || !split.reasoning.is_empty();
                         if has_text || logprobs.is_some() {
                             let out = ChatMessageOut { role: None, content: non_empty(split.content), reasoning_content: non_empty(split.reasoning) };
-                            yield sse::data(&shape.chunk(index, out, logprobs, None));
+                            yield sse::data(&shape.chunk(index, out, logprobs, None, None));
                         }
                         if let Some(reason) = delta.finish_reason {
-                            yield sse::data(&shape.chunk(index, ChatMessageOut::default(), None, Some(reason.as_str())));
+                            yield sse::data(&shape.chunk(index, ChatMessageOut::default(), None, Some(reason.as_str()), delta.stop_reason.as_ref()));
                         }
                     }
                     Event::KeepAlive => yield sse::keep_alive(),
@@ -318,7 +342,7 @@ fn streaming(
                     Event::Ended => {
                         // Choices that never got their final delta (cancelled while queued) end here.
                         for (index, _) in running.run.choices.iter().enumerate().filter(|(_, c)| c.finish_reason.is_none()) {
-                            yield sse::data(&shape.chunk(index, ChatMessageOut::default(), None, Some("abort")));
+                            yield sse::data(&shape.chunk(index, ChatMessageOut::default(), None, Some("abort"), None));
                         }
                         remember(&app, &running, &shape, turn);
                         if include_usage {

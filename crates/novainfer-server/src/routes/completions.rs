@@ -11,12 +11,14 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use futures_util::StreamExt;
+use novainfer_engine::fim::FimTokens;
 use novainfer_engine::tokenizer::Tokenizer;
 use novainfer_engine::{EngineHandle, Prompt, TokenLogprob};
+use serde_json::Value;
 
 use super::run::{prepare, stream_after_start, Event, Launch, Pending, Running};
 use super::{JsonBody, LoggedByHandler};
-use crate::accounting::{completion_logprobs, extend_completion_logprobs};
+use crate::accounting::{completion_logprobs, extend_completion_logprobs, stop_reason_json};
 use crate::engine_io;
 use crate::error::ApiError;
 use crate::keys::Tenant;
@@ -36,15 +38,21 @@ pub async fn completions(
 ) -> Result<Response, ApiError> {
     let arrival = Instant::now();
     let req: CompletionRequest = parse_generation(&body)?;
+    crate::ignored::log_once("completions", &req.ignored);
     let model = app.models.get(req.shared.model.as_deref())?;
     let prompts = inputs::prompts(&req.own.prompt, "prompt")?;
     let echo = req.own.echo.unwrap_or(false);
+    let suffix = req.own.suffix.clone();
+    if suffix.is_some() {
+        fim_checks(&prompts, echo)?;
+    }
     let params = sampling_params(
         &req.shared,
         EndpointParams {
             max_tokens: req.shared.max_tokens,
             default_max_tokens: Some(16),
             logprobs: req.own.logprobs,
+            extra_stop_token_ids: Vec::new(),
         },
     )?;
     let echo_logprobs = params.logprobs().filter(|_| echo);
@@ -71,8 +79,17 @@ pub async fn completions(
         .tokenize(move || {
             let mut ids = Vec::with_capacity(prompts.len());
             let mut echoes = Vec::with_capacity(prompts.len());
+            let fim = match &suffix {
+                Some(_) => Some(FimTokens::of(frontend.tokenizer()).ok_or_else(no_fim_tokens)?),
+                None => None,
+            };
             for p in &prompts {
-                let p_ids = frontend.prompt_token_ids(p)?;
+                let p_ids = match (&fim, &suffix, p) {
+                    (Some(fim), Some(suffix), Prompt::Text(prefix)) => frontend.prompt_token_ids(
+                        &Prompt::TokenIds(fim.prompt(frontend.tokenizer(), prefix, suffix, "")?),
+                    )?,
+                    _ => frontend.prompt_token_ids(p)?,
+                };
                 let text = match p {
                     Prompt::Text(t) => t.clone(),
                     Prompt::TokenIds(t) => frontend.tokenizer().decode(t, false)?,
@@ -104,6 +121,31 @@ pub async fn completions(
     };
     response.extensions_mut().insert(LoggedByHandler);
     Ok(response)
+}
+
+/// `suffix` (fill-in-the-middle) needs text prompts (the prefixes) and no `echo`.
+fn fim_checks(prompts: &[Prompt], echo: bool) -> Result<(), ApiError> {
+    if prompts.iter().any(|p| matches!(p, Prompt::TokenIds(_))) {
+        return Err(ApiError::invalid_param(
+            "suffix",
+            "`suffix` needs a text `prompt` (the code before the gap), not token ids",
+        ));
+    }
+    if echo {
+        return Err(ApiError::invalid_param(
+            "suffix",
+            "`suffix` cannot be combined with `echo`",
+        ));
+    }
+    Ok(())
+}
+
+fn no_fim_tokens() -> ApiError {
+    ApiError::invalid_param(
+        "suffix",
+        "this model cannot fill in the middle: its vocabulary has no <|fim_prefix|>, \
+         <|fim_suffix|> and <|fim_middle|> tokens, which `suffix` needs",
+    )
 }
 
 /// A prompt to prepend to its choices (`echo`), with its tokens' logprobs if asked for.
@@ -210,6 +252,7 @@ async fn whole(mut running: Running, shape: Shape) -> Result<Response, ApiError>
                 text: format!("{echo}{}", c.text),
                 logprobs,
                 finish_reason: Some(c.finish_reason.unwrap_or("abort")),
+                stop_reason: stop_reason_json(c.stop_reason.as_ref()),
             }
         })
         .collect();
@@ -228,7 +271,7 @@ fn streaming(app: Arc<AppState>, pending: Pending, shape: Shape, include_usage: 
                     let echo = shape.echo_text(index).to_owned();
                     *offset = echo.len();
                     let logprobs = shape.echo_logprobs(&tokenizer, index);
-                    let choice = CompletionChoice { index, text: echo, logprobs, finish_reason: None };
+                    let choice = CompletionChoice { index, text: echo, logprobs, finish_reason: None, stop_reason: Value::Null };
                     yield sse::data(&shape.completion(vec![choice], None));
                 }
             }
@@ -244,6 +287,7 @@ fn streaming(app: Arc<AppState>, pending: Pending, shape: Shape, include_usage: 
                             text: delta.text,
                             logprobs,
                             finish_reason: delta.finish_reason.map(|r| r.as_str()),
+                            stop_reason: stop_reason_json(delta.stop_reason.as_ref()),
                         };
                         yield sse::data(&shape.completion(vec![choice], None));
                     }
@@ -259,7 +303,7 @@ fn streaming(app: Arc<AppState>, pending: Pending, shape: Shape, include_usage: 
                     Event::Ended => {
                         // Choices that never got their final delta (cancelled while queued) end here.
                         for (index, _) in running.run.choices.iter().enumerate().filter(|(_, c)| c.finish_reason.is_none()) {
-                            let choice = CompletionChoice { index, text: String::new(), logprobs: None, finish_reason: Some("abort") };
+                            let choice = CompletionChoice { index, text: String::new(), logprobs: None, finish_reason: Some("abort"), stop_reason: Value::Null };
                             yield sse::data(&shape.completion(vec![choice], None));
                         }
                         if include_usage {

@@ -5,6 +5,7 @@
 mod chat;
 mod completions;
 mod embeddings;
+mod infill;
 mod misc;
 mod run;
 
@@ -39,6 +40,7 @@ pub fn router(state: Arc<AppState>, cors_origins: &[String]) -> Router {
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/embeddings", post(embeddings::embeddings))
+        .route("/infill", post(infill::infill))
         .route("/v1/requests/{id}/cancel", post(misc::cancel))
         .route("/tokenize", post(misc::tokenize))
         .route("/detokenize", post(misc::detokenize))

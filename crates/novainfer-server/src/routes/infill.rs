@@ -1,0 +1,466 @@
+//! `POST /infill`: llama.cpp's code-infill endpoint, so editor plugins written for llama.cpp
+//! (llama.vim, llama.vscode) work unchanged against NovaInfer. The prompt is the model's FIM
+//! prompt (repo-level with `input_extra`, see `novainfer_engine::fim`); the response is
+//! llama.cpp's `/completion` object (`content`, `stop`, `stop_type`, `tokens_*`, `timings`,
+//! ...), and a stream is `data: {...}` events with `stop: false`, then the final object
+//! with `stop: true` (no `[DONE]`, as llama.cpp's own endpoints send none).
+//!
+//! Sampling defaults are llama.cpp's (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05),
+//! so a plugin gets what it was tuned for. Generation also ends on any FIM token.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::response::{IntoResponse, Response};
+use axum::{extract::State, Extension};
+use novainfer_core::FinishReason;
+use novainfer_engine::fim::{ExtraChunk, FimTokens};
+use novainfer_engine::{Delta, Prompt, StopReason};
+use serde_json::{json, Map, Value};
+
+use super::completions::sse_response;
+use super::run::{prepare, stream_after_start, Event, Launch, Running};
+use super::{JsonBody, LoggedByHandler};
+use crate::error::ApiError;
+use crate::indent::IndentLimit;
+use crate::keys::Tenant;
+use crate::params::{sampling_params, EndpointParams};
+use crate::protocol::infill::InfillRequest;
+use crate::protocol::request::{parse, SharedFields};
+use crate::sse;
+use crate::state::{AppState, RequestId};
+
+pub async fn infill(
+    State(app): State<Arc<AppState>>,
+    Extension(request_id): Extension<RequestId>,
+    Extension(tenant): Extension<Tenant>,
+    JsonBody(body): JsonBody,
+) -> Result<Response, ApiError> {
+    let arrival = Instant::now();
+    let req: InfillRequest = parse(&body)?;
+    crate::ignored::log_once("infill", &req.ignored_fields());
+    let model = app.models.get(req.model.as_deref())?;
+    let fim = FimTokens::of(model.frontend.tokenizer()).ok_or_else(|| {
+        ApiError::invalid(
+            "this model cannot fill in the middle: its vocabulary has no <|fim_prefix|>, \
+             <|fim_suffix|> and <|fim_middle|> tokens",
+        )
+    })?;
+    let n_predict = match req.n_predict {
+        None | Some(-1) => None,
+        Some(n) if n >= 1 => Some(n),
+        Some(n) => {
+            return Err(ApiError::invalid_param(
+                "n_predict",
+                format!("n_predict must be -1 (until the context is full) or >= 1, got {n}"),
+            ))
+        }
+    };
+    let n_indent = match req.n_indent {
+        None => 0,
+        Some(n) if n >= 0 => n as usize,
+        Some(n) => {
+            return Err(ApiError::invalid_param(
+                "n_indent",
+                format!("n_indent must be >= 0, got {n}"),
+            ))
+        }
+    };
+    let t_max_predict = match req.t_max_predict_ms {
+        None | Some(0) => None,
+        Some(ms) if ms > 0 => Some(Duration::from_millis(ms as u64)),
+        Some(ms) => {
+            return Err(ApiError::invalid_param(
+                "t_max_predict_ms",
+                format!("t_max_predict_ms must be >= 0, got {ms}"),
+            ))
+        }
+    };
+    let shared = SharedFields {
+        temperature: Some(req.temperature.unwrap_or(0.8)),
+        top_k: Some(req.top_k.unwrap_or(40)),
+        top_p: Some(req.top_p.unwrap_or(0.95)),
+        min_p: Some(req.min_p.unwrap_or(0.05)),
+        repetition_penalty: req.repeat_penalty,
+        presence_penalty: req.presence_penalty,
+        frequency_penalty: req.frequency_penalty,
+        seed: req.seed.filter(|&s| s != -1),
+        stop: req.stop.clone(),
+        ignore_eos: req.ignore_eos,
+        ..SharedFields::default()
+    };
+    let params = sampling_params(
+        &shared,
+        EndpointParams {
+            max_tokens: n_predict,
+            default_max_tokens: None,
+            logprobs: None,
+            extra_stop_token_ids: fim.all(),
+        },
+    )?;
+    let settings = json!({
+        "n_predict": n_predict.unwrap_or(-1),
+        "temperature": params.temperature(),
+        "top_k": params.top_k().unwrap_or(0),
+        "top_p": params.top_p(),
+        "min_p": params.min_p(),
+        "seed": params.seed(),
+        "stop": params.stop().stop,
+        "n_indent": n_indent,
+        "model": model.name,
+    });
+    let max_model_len = model.frontend.max_model_len();
+    // Room kept for the output when input_extra must be cut to fit.
+    let reserve = n_predict.map_or(max_model_len / 4, |n| n as usize);
+    let max_prompt_tokens = max_model_len.saturating_sub(reserve);
+    let mut pending = prepare(
+        &app,
+        &request_id,
+        arrival,
+        Launch {
+            model: model.clone(),
+            params,
+            timeout: None,
+            user: None,
+            tenant,
+            endpoint: "infill",
+            response_id: format!("infill-{}", request_id.0),
+        },
+    )?;
+    let frontend = model.frontend.clone();
+    let extra: Vec<ExtraChunk> = req
+        .input_extra
+        .unwrap_or_default()
+        .into_iter()
+        .map(|c| ExtraChunk {
+            filename: c.filename.unwrap_or_else(|| "tmp".to_owned()),
+            text: c.text,
+        })
+        .collect();
+    let (prefix, suffix, middle) = (
+        req.input_prefix.unwrap_or_default(),
+        req.input_suffix.unwrap_or_default(),
+        req.prompt.unwrap_or_default(),
+    );
+    let (prompt_tokens, truncated) = pending
+        .tokenize(move || {
+            let built = fim.infill(
+                frontend.tokenizer(),
+                &extra,
+                &prefix,
+                &suffix,
+                &middle,
+                max_prompt_tokens,
+            )?;
+            let ids = frontend.prompt_token_ids(&Prompt::TokenIds(built.token_ids))?;
+            let len = ids.len();
+            Ok((vec![ids], (len, built.extra_tokens_dropped > 0)))
+        })
+        .await?;
+    let state = InfillState {
+        model: model.name.clone(),
+        indent: Some(IndentLimit::new(n_indent)),
+        t_max_predict,
+        fields: req.response_fields,
+        return_tokens: req.return_tokens.unwrap_or(false),
+        settings,
+        prompt_tokens,
+        truncated,
+        ..InfillState::default()
+    };
+    let mut response = if req.stream.unwrap_or(false) {
+        streaming(app, pending, state)
+    } else {
+        whole(pending.start().await?, state).await?
+    };
+    response.extensions_mut().insert(LoggedByHandler);
+    Ok(response)
+}
+
+/// What the response reports, folded from the deltas.
+#[derive(Default)]
+struct InfillState {
+    model: String,
+    indent: Option<IndentLimit>,
+    t_max_predict: Option<Duration>,
+    fields: Option<Vec<String>>,
+    return_tokens: bool,
+    settings: Value,
+    prompt_tokens: usize,
+    cached: usize,
+    truncated: bool,
+    content: String,
+    tokens: Vec<u32>,
+    has_new_line: bool,
+    started: Option<Instant>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    stop_type: &'static str,
+    stopping_word: String,
+}
+
+/// Whether the output goes on after a delta, and if not, the finish reason to log.
+enum Next {
+    More,
+    End(&'static str),
+}
+
+impl InfillState {
+    /// Folds in one delta; returns the text it adds and whether the output ends here.
+    fn push(&mut self, delta: &Delta, now: Instant) -> (String, Next) {
+        if !delta.token_ids.is_empty() {
+            self.first_token.get_or_insert(now);
+            self.last_token = Some(now);
+        }
+        self.cached = self.cached.max(delta.num_cached_tokens);
+        self.tokens.extend(&delta.token_ids);
+        let (keep, cut) = match &mut self.indent {
+            Some(limit) => limit.push(&delta.text),
+            None => (delta.text.as_str(), false),
+        };
+        let keep = keep.to_owned();
+        self.has_new_line |= keep.contains('\n');
+        self.content.push_str(&keep);
+        if cut {
+            self.stop_type = "limit";
+            return (keep, Next::End("length"));
+        }
+        if let Some(reason) = delta.finish_reason {
+            self.stop_type = match (reason, &delta.stop_reason) {
+                (FinishReason::Stop, Some(StopReason::Text(word))) => {
+                    self.stopping_word = word.clone();
+                    "word"
+                }
+                (FinishReason::Stop, _) => "eos",
+                (FinishReason::Length, _) => "limit",
+                _ => "none",
+            };
+            return (keep, Next::End(reason.as_str()));
+        }
+        let overdue = match (self.t_max_predict, self.first_token) {
+            (Some(limit), Some(first)) => now.duration_since(first) > limit,
+            _ => false,
+        };
+        if overdue && self.has_new_line {
+            self.stop_type = "limit";
+            return (keep, Next::End("length"));
+        }
+        (keep, Next::More)
+    }
+
+    fn timings(&self) -> Value {
+        let ms = |a: Option<Instant>, b: Option<Instant>| match (a, b) {
+            (Some(a), Some(b)) => b.saturating_duration_since(a).as_secs_f64() * 1e3,
+            _ => 0.0,
+        };
+        let prompt_n = self.prompt_tokens.saturating_sub(self.cached);
+        let prompt_ms = ms(self.started, self.first_token);
+        let predicted_n = self.tokens.len();
+        let predicted_ms = ms(self.first_token, self.last_token);
+        let per = |n: usize, ms: f64| {
+            if n == 0 || ms <= 0.0 {
+                (0.0, 0.0)
+            } else {
+                (ms / n as f64, n as f64 * 1e3 / ms)
+            }
+        };
+        let (prompt_per_token_ms, prompt_per_second) = per(prompt_n, prompt_ms);
+        let (predicted_per_token_ms, predicted_per_second) = per(predicted_n, predicted_ms);
+        json!({
+            "prompt_n": prompt_n,
+            "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_per_token_ms,
+            "prompt_per_second": prompt_per_second,
+            "predicted_n": predicted_n,
+            "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_per_token_ms,
+            "predicted_per_second": predicted_per_second,
+        })
+    }
+
+    /// The final object; in a stream its `content` is empty (the chunks carried the text).
+    fn last(&self, streamed: bool) -> Value {
+        let tokens = if self.return_tokens || streamed {
+            self.tokens.clone()
+        } else {
+            Vec::new()
+        };
+        let object = json!({
+            "index": 0,
+            "content": if streamed { "" } else { self.content.as_str() },
+            "tokens": if streamed { Vec::new() } else { tokens },
+            "id_slot": 0,
+            "stop": true,
+            "model": self.model,
+            "tokens_predicted": self.tokens.len(),
+            "tokens_evaluated": self.prompt_tokens,
+            "tokens_cached": self.cached,
+            "truncated": self.truncated,
+            "has_new_line": self.has_new_line,
+            "stop_type": self.stop_type,
+            "stopping_word": self.stopping_word,
+            "generation_settings": self.settings,
+            "timings": self.timings(),
+        });
+        select_fields(object, self.fields.as_deref())
+    }
+
+    fn chunk(&self, content: String, tokens: &[u32]) -> Value {
+        let object = json!({
+            "index": 0,
+            "content": content,
+            "tokens": tokens,
+            "stop": false,
+            "id_slot": 0,
+            "tokens_predicted": self.tokens.len(),
+            "tokens_evaluated": self.prompt_tokens,
+        });
+        select_fields(object, self.fields.as_deref())
+    }
+}
+
+/// llama.cpp's `response_fields`: only the listed fields, a nested one (`timings/prompt_n`)
+/// moved to the top under its full path; missing ones are left out.
+fn select_fields(object: Value, fields: Option<&[String]>) -> Value {
+    let Some(fields) = fields else {
+        return object;
+    };
+    let mut out = Map::new();
+    for field in fields {
+        let found = field.split('/').try_fold(&object, |v, key| v.get(key));
+        if let Some(v) = found {
+            out.insert(field.clone(), v.clone());
+        }
+    }
+    Value::Object(out)
+}
+
+/// Ends a generation that `state` stopped before the engine did (n_indent, time limit).
+fn end(running: &mut Running, delta: &Delta, reason: &'static str) {
+    if delta.finish_reason.is_none() {
+        running.gen.abort();
+    }
+    running.outcome = Some(reason);
+}
+
+async fn whole(mut running: Running, mut state: InfillState) -> Result<Response, ApiError> {
+    state.started = Some(Instant::now());
+    loop {
+        match running.next_event(None).await {
+            Event::Delta(prompt, delta) => {
+                running.record(prompt, &delta);
+                if let (_, Next::End(reason)) = state.push(&delta, Instant::now()) {
+                    end(&mut running, &delta, reason);
+                    break;
+                }
+            }
+            Event::Failed(e) => return Err(e.into()),
+            Event::TimedOut => return Err(running.timeout_error()),
+            Event::KeepAlive => {}
+            Event::Ended => break,
+        }
+    }
+    Ok(axum::Json(state.last(false)).into_response())
+}
+
+fn streaming(app: Arc<AppState>, pending: super::run::Pending, mut state: InfillState) -> Response {
+    let period = app.keep_alive;
+    let body = stream_after_start(pending, period, move |mut running: Running| {
+        async_stream::stream! {
+            state.started = Some(Instant::now());
+            loop {
+                match running.next_event(Some(period)).await {
+                    Event::Delta(prompt, delta) => {
+                        running.record(prompt, &delta);
+                        let (text, next) = state.push(&delta, Instant::now());
+                        if !text.is_empty() || !delta.token_ids.is_empty() {
+                            yield sse::data(&state.chunk(text, &delta.token_ids));
+                        }
+                        if let Next::End(reason) = next {
+                            end(&mut running, &delta, reason);
+                            break;
+                        }
+                    }
+                    Event::KeepAlive => yield sse::keep_alive(),
+                    Event::Failed(e) => {
+                        yield sse::data(&ApiError::from(e).body());
+                        return;
+                    }
+                    Event::TimedOut => {
+                        yield sse::data(&running.timeout_error().body());
+                        return;
+                    }
+                    Event::Ended => break,
+                }
+            }
+            yield sse::data(&state.last(true));
+        }
+    });
+    sse_response(body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn response_fields_pick_and_flatten() {
+        let object = json!({"content": "x", "timings": {"prompt_n": 3}, "stop": true});
+        let fields = [
+            "content".to_owned(),
+            "timings/prompt_n".to_owned(),
+            "nope/x".to_owned(),
+        ];
+        assert_eq!(
+            select_fields(object.clone(), Some(&fields)),
+            json!({"content": "x", "timings/prompt_n": 3})
+        );
+        assert_eq!(select_fields(object.clone(), None), object);
+    }
+
+    #[test]
+    fn stop_types_follow_llama_cpp() {
+        let delta = |text: &str, finish: Option<FinishReason>, stop: Option<StopReason>| Delta {
+            text: text.into(),
+            token_ids: vec![1],
+            finish_reason: finish,
+            stop_reason: stop,
+            ..Delta::default()
+        };
+        let now = Instant::now();
+        let mut s = InfillState::default();
+        assert!(matches!(s.push(&delta("a", None, None), now).1, Next::More));
+        let (_, next) = s.push(
+            &delta(
+                "",
+                Some(FinishReason::Stop),
+                Some(StopReason::Text("\n\n".into())),
+            ),
+            now,
+        );
+        assert!(matches!(next, Next::End("stop")));
+        assert_eq!((s.stop_type, s.stopping_word.as_str()), ("word", "\n\n"));
+        let mut s = InfillState {
+            indent: Some(IndentLimit::new(4)),
+            ..InfillState::default()
+        };
+        let (kept, next) = s.push(&delta("x\n  y", None, None), now);
+        assert_eq!(kept, "x\n  ");
+        assert!(matches!(next, Next::End("length")));
+        assert_eq!(s.stop_type, "limit");
+        let mut s = InfillState {
+            t_max_predict: Some(Duration::ZERO),
+            ..InfillState::default()
+        };
+        s.push(&delta("no newline yet", None, None), now);
+        let later = now + Duration::from_millis(5);
+        assert!(matches!(
+            s.push(&delta(" more", None, None), later).1,
+            Next::More
+        ));
+        assert!(matches!(
+            s.push(&delta("\n", None, None), later).1,
+            Next::End(_)
+        ));
+    }
+}
