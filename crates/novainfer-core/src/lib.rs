@@ -33,8 +33,8 @@ pub use sampling_params::{
     MAX_LOGPROBS, MAX_N,
 };
 pub use scheduler::{
-    ChunkOutput, FinishedRequest, Fork, RequestUpdate, ScheduledRequest, Scheduler, SchedulerConfig,
-    SchedulerConfigBuilder, SchedulerOutput,
+    ChunkOutput, FinishedRequest, Fork, RequestUpdate, ScheduledRequest, Scheduler,
+    SchedulerConfig, SchedulerConfigBuilder, SchedulerOutput,
 };
 pub use slot_cells::{CellShift, SeqId, SlotCells, SlotError, SlotStats};
 pub use slot_kv_manager::SlotKvManager;

@@ -61,6 +61,8 @@ struct Workload {
     max_num_seqs: usize,
     prefix_caching: bool,
     threshold: Option<usize>,
+    max_partial: Option<usize>,
+    max_long_partial: Option<usize>,
     max_scored: usize,
     prefixes: Vec<Vec<u32>>,
     arrivals: Vec<Arrival>,
@@ -90,25 +92,34 @@ fn workload() -> impl Strategy<Value = Workload> {
                 1usize..=64,
                 1usize..=8,
                 any::<bool>(),
-                proptest::option::of(1usize..=16),
-                1usize..=12,
+                (
+                    proptest::option::of(1usize..=16),
+                    proptest::option::of(1usize..=3),
+                    proptest::option::of(1usize..=2),
+                    1usize..=12,
+                ),
                 proptest::collection::vec(proptest::collection::vec(0u32..VOCAB as u32, 40), 3),
                 proptest::collection::vec(arrival(), 1..=16),
             )
         })
         .prop_map(
-            |(layout, bs, nb, mml, mnbt, mns, pc, th, ms, prefixes, arrivals)| Workload {
-                kv_layout: layout,
-                block_size: bs,
-                num_blocks: nb,
-                max_model_len: mml,
-                max_num_batched_tokens: mnbt,
-                max_num_seqs: mns,
-                prefix_caching: pc,
-                threshold: th,
-                max_scored: ms,
-                prefixes,
-                arrivals,
+            |(layout, bs, nb, mml, mnbt, mns, pc, (th, mp, mlp, ms), prefixes, arrivals)| {
+                Workload {
+                    kv_layout: layout,
+                    block_size: bs,
+                    num_blocks: nb,
+                    max_model_len: mml,
+                    max_num_batched_tokens: mnbt,
+                    max_num_seqs: mns,
+                    prefix_caching: pc,
+                    threshold: th,
+                    max_partial: mp,
+                    // Long prompts need a threshold to be told apart.
+                    max_long_partial: mlp.filter(|_| th.is_some()),
+                    max_scored: ms,
+                    prefixes,
+                    arrivals,
+                }
             },
         )
 }
@@ -130,17 +141,19 @@ fn arrival() -> impl Strategy<Value = Arrival> {
         ],
     )
         .prop_map(
-            |(step, prefix, prefix_len, tail, max_tokens, ignore_eos, abort_after, n, kind)| Arrival {
-                step,
-                prefix,
-                prefix_len,
-                tail,
-                max_tokens,
-                ignore_eos,
-                abort_after,
-                // One completion: a prefill-only request has no samples to fork from.
-                n: if kind.is_prefill_only() { 1 } else { n },
-                kind,
+            |(step, prefix, prefix_len, tail, max_tokens, ignore_eos, abort_after, n, kind)| {
+                Arrival {
+                    step,
+                    prefix,
+                    prefix_len,
+                    tail,
+                    max_tokens,
+                    ignore_eos,
+                    abort_after,
+                    // One completion: a prefill-only request has no samples to fork from.
+                    n: if kind.is_prefill_only() { 1 } else { n },
+                    kind,
+                }
             },
         )
 }
@@ -238,7 +251,10 @@ impl FakeModel {
                 }
             }
             if s.output == ChunkOutput::Hidden {
-                assert!(self.hidden.insert(s.request_id, prev).is_none(), "hidden twice");
+                assert!(
+                    self.hidden.insert(s.request_id, prev).is_none(),
+                    "hidden twice"
+                );
             }
             if s.sample() {
                 sampled.push((s.request_id, vec![next_token(prev)]));
@@ -290,6 +306,8 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
         .enable_prefix_caching(w.prefix_caching)
         .long_prefill_token_threshold(w.threshold)
         .max_scored_tokens_per_step(w.max_scored)
+        .max_num_partial_prefills(w.max_partial)
+        .max_long_partial_prefills(w.max_long_partial)
         .build()
         .expect("the strategy only makes valid configs");
     let mut sched = Scheduler::new(cfg);
@@ -333,8 +351,41 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
                 }
             }
         }
+        // Running requests by phase before this step: decoding (one token to compute) or still
+        // computing their prompt (partial; long ones counted apart).
+        let running: Vec<(RequestId, usize, usize)> = sched
+            .running_ids()
+            .iter()
+            .map(|&id| {
+                let r = sched.request(id).expect("a running request is known");
+                (id, r.num_uncomputed_tokens(), r.num_tokens())
+            })
+            .collect();
+        let partial = running.iter().filter(|r| r.1 > 1);
+        if let Some(max) = w.max_partial {
+            prop_assert!(partial.clone().count() <= max, "too many partial prefills");
+        }
+        if let (Some(max), Some(t)) = (w.max_long_partial, w.threshold) {
+            prop_assert!(
+                partial.filter(|r| r.2 > t).count() <= max,
+                "too many long partial prefills"
+            );
+        }
         let out = sched.schedule();
         prop_assert!(out.num_batched_tokens <= w.max_num_batched_tokens);
+        // A prefill chunk never takes a decode's place: if anything but decodes ran, every
+        // decoding request that was not preempted ran too.
+        let decoding: Vec<RequestId> = running.iter().filter(|r| r.1 == 1).map(|r| r.0).collect();
+        let ran = |id: &RequestId| out.scheduled.iter().any(|s| s.request_id == *id);
+        if out
+            .scheduled
+            .iter()
+            .any(|s| !decoding.contains(&s.request_id))
+        {
+            for id in decoding.iter().filter(|id| !out.preempted.contains(id)) {
+                prop_assert!(ran(id), "decode of {} skipped for a prefill", id);
+            }
+        }
         prop_assert_eq!(
             out.num_batched_tokens,
             out.scheduled

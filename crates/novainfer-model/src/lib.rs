@@ -25,8 +25,7 @@ pub use config::{Qwen2Config, WeightDtype};
 pub use device::{Device, DeviceChoice};
 pub use error::{ModelError, Result};
 pub use executor::{
-    load_weights, CpuExecutor, CpuWeights, DeviceMemory, DeviceWeights, Executor,
-    StepLimits,
+    load_weights, CpuExecutor, CpuWeights, DeviceMemory, DeviceWeights, Executor, StepLimits,
 };
 pub use forward_batch::{ForwardBatch, ForwardOutput, SeqSpan, SpanOutput};
 pub use kv_cache::SequenceKvCache;

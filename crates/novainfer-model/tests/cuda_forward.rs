@@ -253,8 +253,17 @@ fn cuda_logits_match_the_cpu_over_a_mixed_schedule() {
         }
         let want = cpu.forward(&mixed).expect("cpu mixed");
         let got = gpu.forward(&mixed).expect("gpu mixed");
-        assert_eq!(want.logits.len(), 11 * v, "one sampled row and ten scored ones");
-        compare(&format!("tie={tie} mixed logits"), &want.logits, &got.logits, v);
+        assert_eq!(
+            want.logits.len(),
+            11 * v,
+            "one sampled row and ten scored ones"
+        );
+        compare(
+            &format!("tie={tie} mixed logits"),
+            &want.logits,
+            &got.logits,
+            v,
+        );
         compare(
             &format!("tie={tie} mixed hidden"),
             &want.hidden,

@@ -276,13 +276,20 @@ fn a_mixed_step_equals_its_pieces_and_each_request_alone() {
         .hidden;
     for range in [0..4, 4..score.len()] {
         let part = mixed.one_token_spans(2, range);
-        logits.extend(model.forward_outputs(&part, &mut kv).expect("scored").logits);
+        logits.extend(
+            model
+                .forward_outputs(&part, &mut kv)
+                .expect("scored")
+                .logits,
+        );
     }
     assert_eq!(logits, got.logits);
     assert_eq!(hidden, got.hidden);
 
     // Each alone, apart from any pool: the same numbers.
-    let mut alone = model.forward(&gen, &mut model.new_cache(8), LogitsFor::LastToken).unwrap();
+    let mut alone = model
+        .forward(&gen, &mut model.new_cache(8), LogitsFor::LastToken)
+        .unwrap();
     alone.extend(
         model
             .forward(&score, &mut model.new_cache(8), LogitsFor::AllTokens)
@@ -290,7 +297,11 @@ fn a_mixed_step_equals_its_pieces_and_each_request_alone() {
     );
     assert_eq!(alone, got.logits);
     let mut unit = got.hidden.clone();
-    let norm = unit.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt() as f32;
+    let norm = unit
+        .iter()
+        .map(|x| f64::from(*x).powi(2))
+        .sum::<f64>()
+        .sqrt() as f32;
     unit.iter_mut().for_each(|x| *x /= norm);
     let want = model.embed(&emb).unwrap();
     for (a, b) in unit.iter().zip(&want) {

@@ -17,6 +17,8 @@ pub struct SchedulerConfig {
     num_blocks: usize,
     enable_prefix_caching: bool,
     long_prefill_token_threshold: Option<usize>,
+    max_num_partial_prefills: Option<usize>,
+    max_long_partial_prefills: Option<usize>,
     max_scored_tokens_per_step: usize,
     kv_layout: KvLayout,
 }
@@ -50,6 +52,16 @@ impl SchedulerConfig {
     pub fn long_prefill_token_threshold(&self) -> Option<usize> {
         self.long_prefill_token_threshold
     }
+    /// Most requests admitted while their prompt is still being computed, if set (vLLM's
+    /// `max_num_partial_prefills`).
+    pub fn max_num_partial_prefills(&self) -> Option<usize> {
+        self.max_num_partial_prefills
+    }
+    /// Most of those whose prompt is longer than `long_prefill_token_threshold`, if set (vLLM's
+    /// `max_long_partial_prefills`): past it, a short prompt is admitted ahead of a long one.
+    pub fn max_long_partial_prefills(&self) -> Option<usize> {
+        self.max_long_partial_prefills
+    }
     /// Most prompt tokens being scored (each one a full-vocabulary logits row) in a step.
     pub fn max_scored_tokens_per_step(&self) -> usize {
         self.max_scored_tokens_per_step
@@ -70,6 +82,8 @@ pub struct SchedulerConfigBuilder {
     num_blocks: usize,
     enable_prefix_caching: bool,
     long_prefill_token_threshold: Option<usize>,
+    max_num_partial_prefills: Option<usize>,
+    max_long_partial_prefills: Option<usize>,
     max_scored_tokens_per_step: usize,
     kv_layout: KvLayout,
 }
@@ -84,6 +98,8 @@ impl Default for SchedulerConfigBuilder {
             num_blocks: 1024,
             enable_prefix_caching: true,
             long_prefill_token_threshold: None,
+            max_num_partial_prefills: None,
+            max_long_partial_prefills: None,
             // 64 rows of a 152k vocabulary are 39 MB of f32 logits: bounded memory per step,
             // and a scoring chunk costs running streams about one prefill chunk's lm_head.
             max_scored_tokens_per_step: 64,
@@ -100,6 +116,8 @@ impl SchedulerConfigBuilder {
     setter!(num_blocks: usize);
     setter!(enable_prefix_caching: bool);
     setter!(long_prefill_token_threshold: Option<usize>);
+    setter!(max_num_partial_prefills: Option<usize>);
+    setter!(max_long_partial_prefills: Option<usize>);
     setter!(max_scored_tokens_per_step: usize);
     setter!(kv_layout: KvLayout);
 
@@ -127,6 +145,19 @@ impl SchedulerConfigBuilder {
         )?;
         if let Some(t) = self.long_prefill_token_threshold {
             at_least("long_prefill_token_threshold", t, 1)?;
+        }
+        if let Some(n) = self.max_num_partial_prefills {
+            at_least("max_num_partial_prefills", n, 1)?;
+        }
+        if let Some(n) = self.max_long_partial_prefills {
+            at_least("max_long_partial_prefills", n, 1)?;
+            if self.long_prefill_token_threshold.is_none() {
+                return Err(ParamError::new(
+                    "max_long_partial_prefills",
+                    "needs long_prefill_token_threshold, which says which prompts are long"
+                        .to_owned(),
+                ));
+            }
         }
         if self.num_blocks >= u32::MAX as usize {
             return Err(ParamError::new(
@@ -161,6 +192,8 @@ impl SchedulerConfigBuilder {
             num_blocks: self.num_blocks,
             enable_prefix_caching: self.enable_prefix_caching,
             long_prefill_token_threshold: self.long_prefill_token_threshold,
+            max_num_partial_prefills: self.max_num_partial_prefills,
+            max_long_partial_prefills: self.max_long_partial_prefills,
             max_scored_tokens_per_step: self.max_scored_tokens_per_step,
             kv_layout: self.kv_layout,
         })
@@ -194,6 +227,14 @@ mod tests {
             .unwrap_err();
         assert_eq!(err.param, "num_blocks");
         assert!(err.to_string().contains("needs 7 blocks"), "{err}");
+        assert_eq!(
+            param(b().max_num_partial_prefills(Some(0))),
+            "max_num_partial_prefills"
+        );
+        assert_eq!(
+            param(b().max_long_partial_prefills(Some(1))),
+            "max_long_partial_prefills"
+        );
         assert_eq!(
             param(b().max_scored_tokens_per_step(0)),
             "max_scored_tokens_per_step"

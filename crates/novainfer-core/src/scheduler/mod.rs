@@ -1,13 +1,17 @@
 //! Continuous batching on the one-counter model (vLLM v1).
 //!
-//! Each step fills a token budget. Running requests go first, in order: each gets
-//! `min(uncomputed tokens, budget left, long_prefill_token_threshold)` new tokens, so
-//! decodes and unfinished prefill chunks share one path. If a running request cannot
-//! get blocks, the newest running request is preempted (recompute: blocks freed,
-//! counter back to 0, output kept, front of the waiting queue) until it fits; if
-//! it is itself the newest, it waits. Then waiting requests are admitted FCFS after
-//! a prefix lookup, while budget, seq slots and blocks last; the first one that does
-//! not fit stops admission, so nobody is overtaken (no starvation).
+//! Each step fills a token budget. Running requests go first: those decoding (one token
+//! to compute) before those still computing their prompt, so a long prefill never takes a
+//! decode's budget; each gets `min(uncomputed tokens, budget left,
+//! long_prefill_token_threshold)` new tokens, so decodes and unfinished prefill chunks share
+//! one path. If a decoding request cannot get blocks, the newest running request is
+//! preempted (recompute: blocks freed, counter back to 0, output kept, front of the waiting
+//! queue) until it fits; if it is itself the newest, it waits. A prefill chunk only preempts
+//! requests not yet scheduled this step, and otherwise waits for a later step. Then waiting
+//! requests are admitted FCFS after a prefix lookup, while budget, seq slots and blocks last;
+//! the first one that does not fit stops admission, so nobody is overtaken (no starvation),
+//! with one exception: with `max_long_partial_prefills` reached, a long prompt at the head of
+//! the queue lets shorter ones behind it in (it goes first once a long slot frees).
 //!
 //! Prefill-only requests ([`RequestKind::Embed`], [`RequestKind::ScorePrompt`]) are requests
 //! like the others (chunked, inside the KV budget, preemptible) that finish once their
@@ -271,17 +275,42 @@ impl Scheduler {
     }
 
     fn schedule_running(&mut self, budget: &mut StepBudget, out: &mut SchedulerOutput) {
+        self.schedule_running_pass(true, budget, out);
+        self.schedule_running_pass(false, budget, out);
+    }
+
+    /// One pass over the running requests, in admission order: the decoding ones, or the
+    /// ones still computing their prompt.
+    fn schedule_running_pass(
+        &mut self,
+        decoding: bool,
+        budget: &mut StepBudget,
+        out: &mut SchedulerOutput,
+    ) {
         let mut i = 0;
         while i < self.running.len() && budget.tokens > 0 {
             let id = self.running[i];
             let request = &self.requests[&id];
+            if self.is_decoding(request) != decoding {
+                i += 1;
+                continue;
+            }
             let num_new = self.chunk_len(request, request.num_uncomputed_tokens(), budget);
             if num_new == 0 {
                 i += 1;
                 continue;
             }
-            if !self.allocate_or_preempt(id, num_new, out) {
-                break; // it was the newest running request: nothing after it
+            let fits = if decoding {
+                self.allocate_or_preempt(id, num_new, out)
+            } else {
+                self.allocate_or_preempt_unscheduled(id, num_new, out)
+            };
+            if !fits {
+                if decoding {
+                    break; // it was the newest running request: nothing after it
+                }
+                i += 1; // this chunk waits; decodes will free blocks
+                continue;
             }
             self.push_scheduled(id, num_new, false, out);
             budget.take(self.requests[&id].kind, num_new);
@@ -289,8 +318,59 @@ impl Scheduler {
         }
     }
 
+    /// A running request with one token to compute: a decode (or a prompt's last token).
+    fn is_decoding(&self, request: &Request) -> bool {
+        request.num_uncomputed_tokens() <= 1
+    }
+
+    /// Whether `request`'s prompt counts as long for the partial-prefill limits.
+    fn is_long(&self, request: &Request) -> bool {
+        self.config
+            .long_prefill_token_threshold()
+            .is_some_and(|t| request.num_tokens() > t)
+    }
+
+    /// Running requests still computing their prompt: (all, long ones).
+    fn partial_prefills(&self) -> (usize, usize) {
+        let mut counts = (0, 0);
+        for request in self.running.iter().map(|id| &self.requests[id]) {
+            if !self.is_decoding(request) {
+                counts.0 += 1;
+                counts.1 += usize::from(self.is_long(request));
+            }
+        }
+        counts
+    }
+
+    /// Whether admitting `request` (whose first chunk leaves `left` tokens to compute) stays
+    /// within the partial-prefill limits, given `partial` (all, long) already running.
+    fn within_partial_limits(
+        &self,
+        request: &Request,
+        left: usize,
+        partial: (usize, usize),
+    ) -> bool {
+        if left == 0 {
+            return true; // its whole prompt runs this step: not a partial prefill
+        }
+        let all_ok = self
+            .config
+            .max_num_partial_prefills()
+            .is_none_or(|max| partial.0 < max);
+        let long_ok = !self.is_long(request)
+            || self
+                .config
+                .max_long_partial_prefills()
+                .is_none_or(|max| partial.1 < max);
+        all_ok && long_ok
+    }
+
     fn schedule_waiting(&mut self, budget: &mut StepBudget, out: &mut SchedulerOutput) {
-        while let Some(&id) = self.waiting.front() {
+        let mut partial = self.partial_prefills();
+        // Index into `waiting` of the next candidate: past the long prompts held back by
+        // `max_long_partial_prefills`, which keep their place at the front.
+        let mut at = 0;
+        while let Some(&id) = self.waiting.get(at) {
             if budget.tokens == 0 || self.running.len() >= self.config.max_num_seqs() {
                 break;
             }
@@ -299,9 +379,23 @@ impl Scheduler {
                 RequestKind::ScorePrompt => PrefixHit::none(),
                 _ => self.kv.as_dyn().lookup_prefix(request),
             };
-            let num_new = self.chunk_len(request, request.num_tokens() - hit.num_tokens, budget);
+            let num_uncomputed = request.num_tokens() - hit.num_tokens;
+            let num_new = self.chunk_len(request, num_uncomputed, budget);
             if num_new == 0 {
                 break; // no scoring rows left this step; FCFS: nobody overtakes it
+            }
+            let left = num_uncomputed - num_new;
+            if !self.within_partial_limits(request, left, partial) {
+                let long_held = self.is_long(request)
+                    && self
+                        .config
+                        .max_num_partial_prefills()
+                        .is_none_or(|max| partial.0 < max);
+                if long_held {
+                    at += 1; // a short prompt behind it may go first
+                    continue;
+                }
+                break;
             }
             if self
                 .kv
@@ -311,7 +405,11 @@ impl Scheduler {
             {
                 break; // FCFS: later requests do not overtake this one
             }
-            self.waiting.pop_front();
+            if left > 0 {
+                partial.0 += 1;
+                partial.1 += usize::from(self.is_long(request));
+            }
+            self.waiting.remove(at);
             let request = self
                 .requests
                 .get_mut(&id)
@@ -325,6 +423,39 @@ impl Scheduler {
             self.running.push(id);
             self.push_scheduled(id, num_new, resumed, out);
             budget.take(self.requests[&id].kind, num_new);
+        }
+    }
+
+    /// Like [`Self::allocate_or_preempt`] for a prefill chunk: only requests not scheduled in
+    /// this step may be preempted (the newest such first), never `id` itself. False: no room
+    /// this step.
+    fn allocate_or_preempt_unscheduled(
+        &mut self,
+        id: RequestId,
+        num_new: usize,
+        out: &mut SchedulerOutput,
+    ) -> bool {
+        loop {
+            if self
+                .kv
+                .as_dyn_mut()
+                .allocate_slots(&self.requests[&id], num_new, &PrefixHit::none())
+                .is_some()
+            {
+                return true;
+            }
+            let scheduled = |r: &RequestId| out.scheduled.iter().any(|s| s.request_id == *r);
+            let Some(pos) = self.running.iter().rposition(|r| *r != id && !scheduled(r)) else {
+                return false;
+            };
+            // Only newer requests: an older one keeps its blocks (progress for the oldest).
+            let me = self.running.iter().position(|r| *r == id).unwrap_or(0);
+            if pos < me {
+                return false;
+            }
+            let victim = self.running.remove(pos);
+            self.preempt(victim);
+            out.preempted.push(victim);
         }
     }
 
@@ -416,7 +547,9 @@ impl Scheduler {
         }
         if request.kind.is_prefill_only() {
             return (num_prompt > max_model_len).then(|| {
-                format!("the input has {num_prompt} tokens, more than max_model_len={max_model_len}")
+                format!(
+                    "the input has {num_prompt} tokens, more than max_model_len={max_model_len}"
+                )
             });
         }
         if num_prompt + 1 > max_model_len {

@@ -376,7 +376,14 @@ fn a_fork_done_at_its_first_token_never_takes_kv() {
 fn outputs(out: &SchedulerOutput) -> Vec<(u64, usize, usize, ChunkOutput)> {
     out.scheduled
         .iter()
-        .map(|r| (r.request_id.0, r.start_position, r.token_ids.len(), r.output))
+        .map(|r| {
+            (
+                r.request_id.0,
+                r.start_position,
+                r.token_ids.len(),
+                r.output,
+            )
+        })
         .collect()
 }
 
@@ -466,30 +473,107 @@ fn scored_prompts_share_a_row_budget_per_step_and_never_take_a_prefix_hit() {
 
 #[test]
 fn a_preempted_scored_prompt_is_recomputed_from_its_first_token() {
-    // Pool of 4 blocks of 4: the scored prompt (12 tokens) and a growing generation collide.
-    let mut s = Scheduler::new(config(8, 4, 4, 4));
-    s.add_request(req(1, (0..4).collect(), 8));
+    // Pool of 5 blocks of 4, budget 4: the scored prompt (14 tokens) fills the pool while an
+    // older generation decodes; the generation's next block preempts it.
+    let mut s = Scheduler::new(config(4, 4, 4, 5));
+    s.add_request(req(1, vec![1, 2], 12));
     s.add_request(Request::prefill_only(
         RequestId(2),
-        (0..12).collect(),
+        (0..14).collect(),
         RequestKind::ScorePrompt,
     ));
-    let mut positions = Vec::new();
-    for _ in 0..20 {
+    let mut chunks = Vec::new();
+    for _ in 0..40 {
         if !s.has_work() {
             break;
         }
         let (out, _) = step(&mut s, 3);
-        positions.extend(
+        chunks.extend(
             out.scheduled
                 .iter()
                 .filter(|r| r.request_id == RequestId(2))
-                .map(|r| r.start_position),
+                .map(|r| (r.start_position, r.token_ids.len())),
         );
     }
     assert!(!s.has_work());
-    assert!(s.num_preemptions() > 0, "the test must exercise a preemption");
-    // Every (re)start computes from token 0: no row is skipped; it ends with the last chunk.
-    assert!(positions.iter().filter(|&&p| p == 0).count() >= 2, "{positions:?}");
-    assert_eq!(positions.last(), Some(&8), "{positions:?}");
+    assert!(
+        s.num_preemptions() > 0,
+        "the test must exercise a preemption"
+    );
+    // Every (re)start computes from token 0: no row is skipped; it ends with the last token.
+    assert!(
+        chunks.iter().filter(|c| c.0 == 0).count() >= 2,
+        "{chunks:?}"
+    );
+    assert_eq!(chunks.last().map(|c| c.0 + c.1), Some(14), "{chunks:?}");
+}
+
+#[test]
+fn decodes_are_scheduled_before_older_prefill_chunks() {
+    let cfg = SchedulerConfig::builder()
+        .max_num_batched_tokens(8)
+        .max_model_len(64)
+        .block_size(4)
+        .num_blocks(32)
+        .long_prefill_token_threshold(Some(6))
+        .build()
+        .unwrap();
+    let mut s = Scheduler::new(cfg);
+    s.add_request(req(1, (0..40).collect(), 4));
+    s.add_request(req(2, vec![1, 2], 4));
+    let (out, _) = step(&mut s, 9);
+    assert_eq!(
+        outputs(&out),
+        vec![
+            (1, 0, 6, ChunkOutput::Nothing),
+            (2, 0, 2, ChunkOutput::Sample)
+        ]
+    );
+    // 1 is older, but 2's decode goes first; 1's chunk gets what is left.
+    let (out, _) = step(&mut s, 9);
+    assert_eq!(
+        outputs(&out),
+        vec![
+            (2, 2, 1, ChunkOutput::Sample),
+            (1, 6, 6, ChunkOutput::Nothing)
+        ]
+    );
+}
+
+#[test]
+fn a_short_prompt_overtakes_a_long_one_held_by_the_long_prefill_limit() {
+    let cfg = SchedulerConfig::builder()
+        .max_num_batched_tokens(16)
+        .max_num_seqs(8)
+        .max_model_len(128)
+        .block_size(4)
+        .num_blocks(64)
+        .long_prefill_token_threshold(Some(8))
+        .max_num_partial_prefills(Some(3))
+        .max_long_partial_prefills(Some(1))
+        .build()
+        .unwrap();
+    let mut s = Scheduler::new(cfg);
+    s.add_request(req(1, (0..60).collect(), 2)); // long
+    s.add_request(req(2, (100..160).collect(), 2)); // long, waits for a long slot
+    s.add_request(req(3, vec![5, 6, 7], 2)); // short: goes ahead of 2
+    let (out, _) = step(&mut s, 9);
+    assert_eq!(
+        outputs(&out),
+        vec![
+            (1, 0, 8, ChunkOutput::Nothing),
+            (3, 0, 3, ChunkOutput::Sample)
+        ]
+    );
+    assert_eq!(s.waiting_ids().collect::<Vec<_>>(), vec![RequestId(2)]);
+    // 2 keeps its place at the head and is admitted once 1's prompt is done (8 chunks).
+    let mut admitted_at = None;
+    for i in 2..=12 {
+        let (out, _) = step(&mut s, 9);
+        if out.scheduled.iter().any(|r| r.request_id == RequestId(2)) {
+            admitted_at = Some(i);
+            break;
+        }
+    }
+    assert_eq!(admitted_at, Some(9));
 }

@@ -277,7 +277,12 @@ impl CudaExecutor {
     /// time and in order, so every token's K/V is written before a later token reads it.
     fn forward_split(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput> {
         let plain: Vec<usize> = (0..batch.seqs.len())
-            .filter(|&i| matches!(batch.seqs[i].output, SpanOutput::None | SpanOutput::LastLogits))
+            .filter(|&i| {
+                matches!(
+                    batch.seqs[i].output,
+                    SpanOutput::None | SpanOutput::LastLogits
+                )
+            })
             .collect();
         let plain_logits = self.run_in_pool(&batch.select(&plain), Tail::Logits)?;
         let vocab = self.w.cfg.vocab_size;
