@@ -149,7 +149,7 @@ fn mixed_batch_rows_equal_each_sequence_alone_bit_for_bit() {
     let b: Vec<u32> = vec![11, 12, 13, 14, 15, 16];
     let c: Vec<u32> = vec![7, 7, 2];
     let (ta, tb, tc) = (vec![5u32, 1, 8], vec![0u32, 6], vec![3u32]);
-    let mut kv = PagedKvCache::new(&cfg, 10, bs);
+    let mut kv = PagedKvCache::new(&cfg, 10, bs, model.kv_dtype());
 
     // Step 1: a's first 5 tokens and b's first 5 (prefill chunks); nothing of c yet.
     let mut step1 = ForwardBatch::default();
@@ -186,7 +186,7 @@ fn a_batch_beyond_its_block_table_is_an_error_not_a_panic() {
     use novainfer_model::{ForwardBatch, PagedKvCache};
     let cfg = config(false);
     let model = build(cfg.clone(), weights(&cfg)).expect("valid tiny model");
-    let mut kv = PagedKvCache::new(&cfg, 2, 4);
+    let mut kv = PagedKvCache::new(&cfg, 2, 4, model.kv_dtype());
     let mut batch = ForwardBatch::default();
     batch.push(&[1, 2, 3, 4, 5], 0, vec![0, 1, 2, 3, 4], vec![0], true);
     assert!(model
