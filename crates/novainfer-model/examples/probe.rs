@@ -1,12 +1,12 @@
 //! Ad-hoc probe: load a model, greedy-decode a few tokens, time prefill and decode.
 //! `cargo run --release -p novainfer-model --example probe -- MODEL [--requant]
-//!  [--prompt-tokens N] [--decode-tokens M] [--repeat R]`
+//!  [--prompt-tokens N] [--decode-tokens M] [--repeat R] [--kv-cache-dtype auto|f32|f16|bf16|q8_0]`
 //! (`--requant` re-encodes Q5_0 as Q8_0; the engine's default keeps Q5_0). Prefill is timed over
 //! an N-token prompt (default 512), decode over the M steps after it (default 64), so decode
 //! runs at depth N; each of the R runs prints its own figures.
 use std::time::Instant;
 
-use novainfer_model::{LoadOptions, LogitsFor, Qwen2Model};
+use novainfer_model::{KvCacheDtype, LoadOptions, LogitsFor, Qwen2Model};
 
 fn argmax(v: &[f32]) -> u32 {
     v.iter()
@@ -30,8 +30,13 @@ fn flag(args: &[String], name: &str, default: usize) -> anyhow::Result<usize> {
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
+    let kv_cache_dtype = match args.iter().position(|a| a == "--kv-cache-dtype") {
+        Some(i) => KvCacheDtype::parse(args.get(i + 1).map_or("", String::as_str))?,
+        None => KvCacheDtype::Auto,
+    };
     let opts = LoadOptions {
         requantize_q5_0: args.iter().any(|a| a == "--requant"),
+        kv_cache_dtype,
         ..Default::default()
     };
     let prompt_tokens = flag(&args, "--prompt-tokens", 512)?;
