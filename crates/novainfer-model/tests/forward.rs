@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{build, config, tensor, weights};
+use common::{build, build_kv, config, tensor, weights};
 use novainfer_model::{LogitsFor, ModelError};
 
 #[test]
@@ -141,9 +141,15 @@ fn slots(table: &[u32], positions: std::ops::Range<usize>, bs: usize) -> Vec<usi
 
 #[test]
 fn mixed_batch_rows_equal_each_sequence_alone_bit_for_bit() {
+    for dtype in ["f32", "f16", "bf16", "q8_0"] {
+        mixed_batch_rows_equal_each_sequence_alone(dtype);
+    }
+}
+
+fn mixed_batch_rows_equal_each_sequence_alone(dtype: &str) {
     use novainfer_model::{ForwardBatch, PagedKvCache};
     let cfg = config(false);
-    let model = build(cfg.clone(), weights(&cfg)).expect("valid tiny model");
+    let model = build_kv(cfg.clone(), weights(&cfg), dtype).expect("valid tiny model");
     let bs = 4;
     let a: Vec<u32> = vec![3, 17, 42, 8, 8, 0, 31, 5, 9];
     let b: Vec<u32> = vec![11, 12, 13, 14, 15, 16];
@@ -176,7 +182,7 @@ fn mixed_batch_rows_equal_each_sequence_alone_bit_for_bit() {
         assert_eq!(
             batched[i * v..(i + 1) * v],
             expected[..],
-            "sequence {i} differs when batched"
+            "{dtype}: sequence {i} differs when batched"
         );
     }
 }
@@ -233,4 +239,35 @@ fn embedding_is_the_unit_final_hidden_state_of_the_last_token() {
         assert!((l - scale * p).abs() < 1e-4, "{l} vs {}", scale * p);
     }
     assert!(matches!(model.embed(&[]), Err(ModelError::EmptyInput)));
+}
+
+#[test]
+fn chunked_prefill_is_bit_identical_for_every_kv_dtype() {
+    // 600 tokens cross the kernel's partitions (256 positions); chunks of 7, 64 and 512 split
+    // them in unaligned places, and every row's logits must equal one prefill's bit for bit.
+    let mut cfg = config(false);
+    cfg.max_position_embeddings = 1024;
+    let tokens: Vec<u32> = (0..600).map(|i| (i * 7 + 3) % 50).collect();
+    for dtype in ["f32", "f16", "bf16", "q8_0"] {
+        let model = build_kv(cfg.clone(), weights(&cfg), dtype).expect("valid tiny model");
+        let mut one = model.new_cache(tokens.len());
+        let whole = model
+            .forward(&tokens, &mut one, LogitsFor::AllTokens)
+            .expect("prefill");
+        for chunk in [7, 64, 512] {
+            let mut cache = model.new_cache(tokens.len());
+            let mut rows = Vec::new();
+            for part in tokens.chunks(chunk) {
+                rows.extend(
+                    model
+                        .forward(part, &mut cache, LogitsFor::AllTokens)
+                        .expect("chunk"),
+                );
+            }
+            assert!(
+                rows == whole,
+                "{dtype}: chunks of {chunk} differ from one prefill"
+            );
+        }
+    }
 }

@@ -22,6 +22,7 @@ mod ops;
 mod tests;
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::parallel::SharedOut;
 use super::AttentionShape;
@@ -79,23 +80,32 @@ pub(crate) fn paged_attention(
     };
     let dst = SharedOut::new(&mut out);
     let partial_dst = SharedOut::new(&mut partials);
-    let pool = candle_core::utils::barrier_pool();
-    pool.execute_chunked(plan.items.len(), |range| {
+    // Split partitions left per merge: whoever finishes a group's last one merges it, so
+    // decode needs one fork/join of the pool, not two.
+    let pending: Vec<AtomicUsize> = plan
+        .merges
+        .iter()
+        .map(|m| AtomicUsize::new(m.parts))
+        .collect();
+    candle_core::utils::barrier_pool().execute_chunked(plan.items.len(), |range| {
         for item in &plan.items[range] {
             // SAFETY: each item writes only its own rows of `out` (its tokens × the heads of
             // its KV head) or its own range of `partials` (see `Plan`).
             unsafe { dispatch(isa, &ctx, item, dst, partial_dst) };
+            let Some(m) = item.merge else { continue };
+            // AcqRel: the last one sees every other item's partials of this group.
+            if pending[m].fetch_sub(1, Ordering::AcqRel) == 1 {
+                let mg = &plan.merges[m];
+                let block = mg.tokens.len() * ctx.group * (shape.head_dim + 2);
+                // SAFETY: every writer of this group's partials is done (the counter), no one
+                // else reads them, and the merge writes only its own rows of `out`.
+                unsafe {
+                    let group = partial_dst.range(mg.partial, mg.parts * block);
+                    dispatch_merge(isa, &ctx, mg, group, dst);
+                }
+            }
         }
     });
-    if !plan.merges.is_empty() {
-        let partials = &partials;
-        pool.execute_chunked(plan.merges.len(), |range| {
-            for m in &plan.merges[range] {
-                // SAFETY: each merge writes only its own rows of `out`.
-                unsafe { dispatch_merge(isa, &ctx, m, partials, dst) };
-            }
-        });
-    }
     out
 }
 
@@ -117,10 +127,13 @@ struct Item {
     tokens: std::ops::Range<usize>,
     parts: std::ops::Range<usize>,
     partial: Option<usize>,
+    /// The merge this partition belongs to (split items only).
+    merge: Option<usize>,
 }
 
 /// Merges partitions `0..parts` of a split group, stored from `partial` on (one block of
-/// `rows·(head_dim+2)` floats per partition), into `out`.
+/// `rows·(head_dim+2)` floats per partition), into `out`; run by the item that finishes the
+/// group's last partition.
 struct Merge {
     kv_head: usize,
     tokens: std::ops::Range<usize>,
@@ -160,6 +173,7 @@ impl Plan {
                             tokens: tokens.clone(),
                             parts: p..p + 1,
                             partial: Some(partial + p * block),
+                            merge: Some(plan.merges.len()),
                         });
                     }
                     plan.merges.push(Merge {
@@ -185,6 +199,7 @@ impl Plan {
                         tokens: t0..t1,
                         parts: 0..last / PART + 1,
                         partial: None,
+                        merge: None,
                     });
                 }
                 t1 = t0;
@@ -245,6 +260,8 @@ unsafe fn dispatch(isa: AttnIsa, ctx: &Ctx, item: &Item, out: SharedOut, partial
     }
 }
 
+/// `partials`: the merge's own group (partition 0 first).
+///
 /// # Safety
 /// As [`dispatch`].
 unsafe fn dispatch_merge(isa: AttnIsa, ctx: &Ctx, m: &Merge, partials: &[f32], out: SharedOut) {
@@ -406,7 +423,7 @@ unsafe fn run_merge<O: AttnOps>(o: O, ctx: &Ctx, mg: &Merge, partials: &[f32], o
             .flat_map(|t| (0..ctx.group).map(move |h| (t, h)))
             .enumerate()
         {
-            let at = |p: usize| &partials[mg.partial + p * block + r * (hd + 2)..][..hd + 2];
+            let at = |p: usize| &partials[p * block + r * (hd + 2)..][..hd + 2];
             let first = at(0);
             let (mut m, mut l) = (first[0], first[1]);
             let acc = &mut sc.acc[..hd];

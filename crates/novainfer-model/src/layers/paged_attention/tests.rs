@@ -335,3 +335,73 @@ fn odd_head_sizes_run_on_the_portable_path() {
         assert!(err < 2e-6, "{dtype:?}: max error {err}");
     }
 }
+
+/// The history as plain f32 rows, for the reference kernel.
+struct PlainView {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    row: usize,
+    hd: usize,
+}
+
+impl crate::layers::KvView for PlainView {
+    fn key(&self, pos: usize, kv_head: usize) -> &[f32] {
+        &self.k[pos * self.row + kv_head * self.hd..][..self.hd]
+    }
+    fn value(&self, pos: usize, kv_head: usize) -> &[f32] {
+        &self.v[pos * self.row + kv_head * self.hd..][..self.hd]
+    }
+}
+
+/// Speed of this kernel against the plain reference (the model's attention before it), on
+/// Qwen2.5-0.5B's shape: `cargo test --release -p novainfer-model --lib -- --ignored
+/// attention_speed --nocapture`. A measurement, not a test.
+#[test]
+#[ignore]
+fn attention_speed() {
+    use std::time::Instant;
+    let width = SHAPE.num_heads * SHAPE.head_dim;
+    let row = SHAPE.num_kv_heads * SHAPE.head_dim;
+    let isa = AttnIsa::detect(SHAPE.head_dim);
+    for (what, depth, queries) in [
+        ("decode, depth 4096", 4096, 1),
+        ("decode, depth 512", 512, 1),
+        ("prefill 512 (whole prompt)", 512, 512),
+        ("prefill chunk of 512 at depth 3584..4096", 4096, 512),
+    ] {
+        let q = random(queries * width, 1, 1.0);
+        let positions: Vec<usize> = (depth - queries..depth).collect();
+        let plain = PlainView {
+            k: random(depth * row, 2, 2.0),
+            v: random(depth * row, 3, 1.0),
+            row,
+            hd: SHAPE.head_dim,
+        };
+        let rows: Vec<crate::layers::QueryRow> = positions
+            .iter()
+            .map(|&position| crate::layers::QueryRow { position, seq: 0 })
+            .collect();
+        let reps = if queries == 1 { 50 } else { 1 };
+        let t = Instant::now();
+        for _ in 0..reps {
+            std::hint::black_box(crate::layers::attention(
+                &q,
+                &rows,
+                std::slice::from_ref(&plain),
+                SHAPE,
+            ));
+        }
+        let old = t.elapsed().as_secs_f64() / reps as f64;
+        let mut line = format!("{what}: reference {:.2} ms", old * 1e3);
+        for dtype in [KvStorage::F32, KvStorage::F16, KvStorage::Q8_0] {
+            let fx = Fixture::new(SHAPE, depth, 16, dtype, 2);
+            let t = Instant::now();
+            for _ in 0..reps {
+                std::hint::black_box(fx.run(&q, &positions, isa));
+            }
+            let new = t.elapsed().as_secs_f64() / reps as f64;
+            line += &format!(", {dtype:?} {:.2} ms ({:.1}x)", new * 1e3, old / new);
+        }
+        println!("{line} [one layer, {isa:?}]");
+    }
+}
