@@ -15,7 +15,7 @@ use crate::error::{ModelError, Result};
 use crate::forward_batch::ForwardBatch;
 use crate::kv_cache::SequenceKvCache;
 use crate::kv_dtype::{KvCacheDtype, KvStorage};
-use crate::layers::ops::{add_in_place, normalize_l2, rms_norm, silu_mul, Rope};
+use crate::layers::ops::{add_in_place, normalize_l2, rms_norm, silu_mul, Rope, RopeAngles};
 use crate::layers::paged_attention::{paged_attention, AttnIsa};
 use crate::layers::{AttentionShape, Embedding, Linear};
 use crate::loader::{CheckedSource, Checkpoint, ModelFormat, RawTensor, TensorSource};
@@ -293,8 +293,9 @@ impl Qwen2Model {
         batch.validate(kv.block_size())?;
         kv.check_slots(&batch.slot_mapping)?;
         let mut hidden = self.embed_tokens.forward(&batch.token_ids)?;
+        let angles = self.rope.angles(&batch.positions);
         for (i, layer) in self.layers.iter().enumerate() {
-            self.block(i, layer, &mut hidden, batch, kv)?;
+            self.block(i, layer, &mut hidden, batch, &angles, kv)?;
         }
         Ok(hidden)
     }
@@ -305,17 +306,19 @@ impl Qwen2Model {
         layer: &DecoderLayer,
         hidden: &mut [f32],
         batch: &ForwardBatch,
+        angles: &RopeAngles,
         kv: &mut PagedKvCache,
     ) -> Result<()> {
         let cfg = &self.cfg;
         let n = batch.num_tokens();
         let eps = cfg.rms_norm_eps;
         let x = rms_norm(hidden, &layer.input_layernorm, eps);
-        let mut q = layer.q_proj.forward(&x, n)?;
-        let mut k = layer.k_proj.forward(&x, n)?;
-        let v = layer.v_proj.forward(&x, n)?;
-        self.rope.apply(&mut q, &batch.positions, cfg.head_dim());
-        self.rope.apply(&mut k, &batch.positions, cfg.head_dim());
+        let [mut q, mut k, v]: [Vec<f32>; 3] =
+            Linear::forward_many(&[&layer.q_proj, &layer.k_proj, &layer.v_proj], &x, n)?
+                .try_into()
+                .expect("three projections give three outputs: this is a bug");
+        angles.apply(&mut q, cfg.head_dim());
+        angles.apply(&mut k, cfg.head_dim());
         kv.write(index, &batch.slot_mapping, &k, &v);
         let shape = AttentionShape {
             num_heads: cfg.num_attention_heads,
@@ -333,8 +336,10 @@ impl Qwen2Model {
         add_in_place(hidden, &layer.o_proj.forward(&attn, n)?);
 
         let x = rms_norm(hidden, &layer.post_attention_layernorm, eps);
-        let gate = layer.gate_proj.forward(&x, n)?;
-        let up = layer.up_proj.forward(&x, n)?;
+        let [gate, up]: [Vec<f32>; 2] =
+            Linear::forward_many(&[&layer.gate_proj, &layer.up_proj], &x, n)?
+                .try_into()
+                .expect("two projections give two outputs: this is a bug");
         add_in_place(hidden, &layer.down_proj.forward(&silu_mul(&gate, &up), n)?);
         Ok(())
     }
