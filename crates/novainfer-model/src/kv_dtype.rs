@@ -158,7 +158,7 @@ impl KvStorage {
 
 /// Numbers per q8_0 block for rows of `head_dim`.
 pub(crate) fn q8_block(head_dim: usize) -> usize {
-    if head_dim % 32 == 0 {
+    if head_dim.is_multiple_of(32) {
         32
     } else {
         head_dim
@@ -183,10 +183,10 @@ mod tests {
     #[test]
     fn parse_and_name_round_trip() {
         for name in ["auto", "f32", "f16", "bf16", "q8_0"] {
-            assert_eq!(KvCacheDtype::parse(name).unwrap().as_str(), name);
+            assert_eq!(KvCacheDtype::parse(name).expect("known").as_str(), name);
         }
         assert_eq!(KvCacheDtype::Auto.for_cpu(), KvStorage::F16);
-        let err = KvCacheDtype::parse("fp8").unwrap_err().to_string();
+        let err = KvCacheDtype::parse("fp8").expect_err("unknown").to_string();
         assert!(
             err.contains("kv_cache_dtype") && err.contains("q8_0"),
             "{err}"

@@ -47,7 +47,7 @@ impl AttnIsa {
     /// The fastest one this CPU and head size allow.
     pub(crate) fn detect(head_dim: usize) -> Self {
         #[cfg(target_arch = "x86_64")]
-        if head_dim % 8 == 0 && ops::Avx2::detect() {
+        if head_dim.is_multiple_of(8) && ops::Avx2::detect() {
             return Self::Avx2;
         }
         let _ = head_dim;

@@ -43,7 +43,7 @@ const EXP_P: [f32; 6] = [
     8.333_452e-3,
     4.166_579_6e-2,
     1.666_666_5e-1,
-    5.000_000_1e-1,
+    0.5, // Cephes: 5.0000001201e-1, which rounds to 0.5 in f32
 ];
 
 /// `exp(x)` for `x ≤ 0` (smaller than −87.3 gives `exp(−87.3)`, a number that only ever
@@ -165,7 +165,7 @@ mod avx2 {
         #[inline(always)]
         unsafe fn decode_row(self, dtype: KvStorage, src: &[u8], dst: &mut [f32]) {
             let hd = dst.len();
-            debug_assert!(hd % 8 == 0 && src.len() >= dtype.row_bytes(hd));
+            debug_assert!(hd.is_multiple_of(8) && src.len() >= dtype.row_bytes(hd));
             let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
             // SAFETY: `src` holds one encoded row of `hd` numbers (checked above in debug
             // builds, guaranteed by the pool's geometry), `dst` holds `hd` floats, and every

@@ -60,7 +60,7 @@ impl Fixture {
         let table: Vec<u32> = (0..blocks as u32)
             .map(|b| (b * 7 + 3) % blocks as u32)
             .collect();
-        let table = if blocks % 7 == 0 {
+        let table = if blocks.is_multiple_of(7) {
             (0..blocks as u32).rev().collect()
         } else {
             table
