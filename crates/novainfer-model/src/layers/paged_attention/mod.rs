@@ -92,7 +92,9 @@ pub(crate) fn paged_attention(
             // SAFETY: each item writes only its own rows of `out` (its tokens × the heads of
             // its KV head) or its own range of `partials` (see `Plan`).
             unsafe { dispatch(isa, &ctx, item, dst, partial_dst) };
-            let Some(m) = item.merge else { continue };
+            let Some(Split { merge: m, .. }) = item.split else {
+                continue;
+            };
             // AcqRel: the last one sees every other item's partials of this group.
             if pending[m].fetch_sub(1, Ordering::AcqRel) == 1 {
                 let mg = &plan.merges[m];
@@ -119,16 +121,21 @@ struct Ctx<'a> {
     scale: f32,
 }
 
-/// Query rows `tokens × (heads of kv_head)` over partitions `parts`; either finished into
-/// `out`, or (one partition of a split) stored as a partial at `partial`.
+/// Query rows `tokens × (heads of kv_head)` over partitions `parts`; finished into `out`, or,
+/// for one partition of a split group, stored as a partial.
 struct Item {
     seq: usize,
     kv_head: usize,
     tokens: std::ops::Range<usize>,
     parts: std::ops::Range<usize>,
-    partial: Option<usize>,
-    /// The merge this partition belongs to (split items only).
-    merge: Option<usize>,
+    split: Option<Split>,
+}
+
+/// Where a split item's partial goes: `partials[partial..]`, merged by `merges[merge]`.
+#[derive(Clone, Copy)]
+struct Split {
+    partial: usize,
+    merge: usize,
 }
 
 /// Merges partitions `0..parts` of a split group, stored from `partial` on (one block of
@@ -172,8 +179,10 @@ impl Plan {
                             kv_head,
                             tokens: tokens.clone(),
                             parts: p..p + 1,
-                            partial: Some(partial + p * block),
-                            merge: Some(plan.merges.len()),
+                            split: Some(Split {
+                                partial: partial + p * block,
+                                merge: plan.merges.len(),
+                            }),
                         });
                     }
                     plan.merges.push(Merge {
@@ -198,8 +207,7 @@ impl Plan {
                         kv_head,
                         tokens: t0..t1,
                         parts: 0..last / PART + 1,
-                        partial: None,
-                        merge: None,
+                        split: None,
                     });
                 }
                 t1 = t0;
@@ -371,7 +379,7 @@ unsafe fn run_item<O: AttnOps>(o: O, ctx: &Ctx, item: &Item, out: SharedOut, par
                     continue;
                 }
                 let pacc = &sc.pacc[r * hd..(r + 1) * hd];
-                if let Some(base) = item.partial {
+                if let Some(Split { partial: base, .. }) = item.split {
                     // SAFETY: this item owns `rows·(hd+2)` floats at `base` (see `Plan`).
                     let dst = unsafe { partials.range(base + r * (hd + 2), hd + 2) };
                     dst[0] = sc.pm[r];
@@ -392,7 +400,7 @@ unsafe fn run_item<O: AttnOps>(o: O, ctx: &Ctx, item: &Item, out: SharedOut, par
                 }
             }
         }
-        if item.partial.is_none() {
+        if item.split.is_none() {
             for (r, (t, h)) in item
                 .tokens
                 .clone()
