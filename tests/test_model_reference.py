@@ -68,9 +68,9 @@ def test_dtype_override_runs_in_that_precision(tiny_models, dtype):
     assert _max_diff(exact, ref) <= 1e-4
 
 
-# Measured on the tiny model's prompt (max |Δlogit| against the f32 cache, logits of std ~1): f16 ~1e-3,
-# bf16 ~1e-2, q8_0 ~1e-2. The bounds leave a few times that.
-@pytest.mark.parametrize(("kv_cache_dtype", "bound"), [("f16", 0.01), ("bf16", 0.08), ("q8_0", 0.08)])
+# Measured on the tiny model's prompt (max |Δlogit| against the f32 cache, logits of std ~1): f16 6.2e-4,
+# bf16 5.2e-3, q8_0 1.6e-2, argmax equal everywhere. The bounds leave about 5x.
+@pytest.mark.parametrize(("kv_cache_dtype", "bound"), [("f16", 3e-3), ("bf16", 0.025), ("q8_0", 0.08)])
 def test_reduced_precision_kv_caches_stay_close_to_the_f32_one(tiny_models, kv_cache_dtype, bound):
     exact = logits_of(LLM(tiny_models["f32"], kv_cache_dtype="f32"), PROMPT)
     got = logits_of(LLM(tiny_models["f32"], kv_cache_dtype=kv_cache_dtype), PROMPT)
