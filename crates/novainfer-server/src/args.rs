@@ -407,6 +407,25 @@ mod tests {
     }
 
     #[test]
+    fn kv_cache_dtype_reaches_the_engine_config() {
+        assert_eq!(
+            parse(&[])
+                .engine_config("/m".into())
+                .expect("valid")
+                .kv_cache_dtype,
+            KvCacheDtype::Auto
+        );
+        let cfg = parse(&["--kv-cache-dtype", "q8_0"])
+            .engine_config("/m".into())
+            .expect("valid");
+        assert_eq!(cfg.kv_cache_dtype.as_str(), "q8_0");
+        let err = parse(&["--kv-cache-dtype", "fp8"])
+            .engine_config("/m".into())
+            .expect_err("unknown dtype");
+        assert!(err.to_string().contains("kv_cache_dtype"), "{err}");
+    }
+
+    #[test]
     fn bad_values_are_refused() {
         assert!(parse(&["--dtype", "f8"])
             .engine_config("/m".into())
