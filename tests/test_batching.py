@@ -1,8 +1,9 @@
 """Continuous batching on the tiny model: outputs independent of the batch and of the KV layout, preemption,
 prefix cache, abort.
 
-Block arithmetic of the tiny model (2 layers, 2 KV heads of 16, f32): one 16-token block of K and V takes
-2 · 2 · 16 · 2 · 16 · 4 = 8192 bytes; one SLOT cell (one token) takes 512.
+Block arithmetic of the tiny model (2 layers, 2 KV heads of 16, the CPU's default f16 cache): one 16-token block
+of K and V takes 2 · 2 · 16 · 2 · 16 · 2 = 4096 bytes; one SLOT cell (one token) takes 256. An f32 cache takes
+twice that; q8_0 stores a head of 16 as one block of 16 int8 and an f16 scale (18 bytes instead of 32).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import pytest
 from novainfer import LLM, SamplingParams
 from novainfer.errors import InvalidParameterError
 
-BLOCK_BYTES = 8192
+BLOCK_BYTES = 4096
 CELL_BYTES = BLOCK_BYTES // 16
+KV_DTYPES = ["f32", "f16", "bf16", "q8_0"]
+BLOCK_BYTES_OF = {"f32": 8192, "f16": 4096, "bf16": 4096, "q8_0": 2 * 2 * 16 * 2 * 18}
 
 
 def _prompts(n: int = 32, seed: int = 0) -> list[list[int]]:
@@ -51,6 +54,44 @@ def alone(tiny_models) -> list[list[int]]:
 def test_greedy_outputs_do_not_depend_on_the_batch(tiny_models, alone, engine_args):
     llm = LLM(tiny_models["f32"], **engine_args)
     assert _tokens(llm, _prompts(), GREEDY) == alone
+
+
+@pytest.fixture(scope="module")
+def alone_by_kv_dtype(tiny_models) -> dict[str, list[list[int]]]:
+    """Each prompt's greedy tokens alone, per KV cache dtype (prompts of 3..60 tokens in one chunk)."""
+    prompts = _prompts(12, seed=3)
+    out = {}
+    for dtype in KV_DTYPES:
+        llm = LLM(tiny_models["f32"], kv_cache_dtype=dtype, enable_prefix_caching=False)
+        out[dtype] = [_tokens(llm, [p], GREEDY)[0] for p in prompts]
+    return out
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+@pytest.mark.parametrize("chunk", [7, 64, 512])
+def test_every_kv_dtype_is_batch_and_chunking_invariant(tiny_models, alone_by_kv_dtype, kv_cache_dtype, chunk):
+    # All prompts at once, prefills chunked to `chunk` tokens per step and mixed with decodes.
+    llm = LLM(tiny_models["f32"], kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=chunk)
+    assert _tokens(llm, _prompts(12, seed=3), GREEDY) == alone_by_kv_dtype[kv_cache_dtype]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+def test_kv_block_bytes_follow_the_dtype(tiny_models, kv_cache_dtype):
+    per_block = BLOCK_BYTES_OF[kv_cache_dtype]
+    llm = LLM(tiny_models["f32"], kv_cache_dtype=kv_cache_dtype, kv_cache_bytes=10 * per_block)
+    stats = llm.stats()
+    assert stats["kv_bytes_per_block"] == per_block
+    assert stats["kv_num_blocks"] == 10 and stats["kv_pool_bytes"] == 10 * per_block
+    slot = LLM(tiny_models["f32"], kv_cache_dtype=kv_cache_dtype, kv_layout="slot", kv_cache_bytes=10 * per_block)
+    assert slot.stats()["kv_bytes_per_block"] * 16 == per_block, "a SLOT cell is one token of the same dtype"
+    assert slot.stats()["kv_num_blocks"] == 160
+
+
+@pytest.mark.parametrize("bad", ["fp8", "F16", "", 3])
+def test_a_bad_kv_cache_dtype_names_the_parameter(tiny_models, bad):
+    with pytest.raises(InvalidParameterError) as info:
+        LLM(tiny_models["f32"], kv_cache_dtype=bad)
+    assert info.value.param == "kv_cache_dtype"
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_models):

@@ -192,7 +192,7 @@ def test_missing_chat_template_is_a_chat_template_error(tiny_models, tmp_path):
         ({"max_model_len": 100_000}, "max_model_len"),
         ({"max_model_len": 0}, "max_model_len"),
         ({"seed": -1}, "seed"),
-        ({"kv_cache_bytes": 4 * 8192, "max_model_len": 128}, "kv_cache_bytes"),
+        ({"kv_cache_bytes": 4 * 4096, "max_model_len": 128}, "kv_cache_bytes"),  # 4 f16 blocks: 64 tokens
         ({"kv_cache_fraction": 1.5}, "kv_cache_fraction"),
         ({"kv_cache_fraction": 0.5, "kv_cache_bytes": 1 << 20}, "kv_cache_fraction"),
         ({"max_num_seqs": 0}, "max_num_seqs"),

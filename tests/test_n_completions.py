@@ -45,7 +45,7 @@ def test_forks_survive_preemption_under_a_tiny_pool(tiny_models):
     prompts = [PROMPT, PROMPT[3:], PROMPT[::-1]]
     params = [_sampled(seed=s, n=3, max_tokens=40) for s in (1, 2, 3)]
     ample = LLM(tiny_models["f32"]).generate(prompts, params)
-    tight = LLM(tiny_models["f32"], kv_cache_bytes=8 * 8192, max_model_len=128)
+    tight = LLM(tiny_models["f32"], kv_cache_bytes=8 * 4096, max_model_len=128)  # 8 f16 blocks
     got = tight.generate(prompts, params)
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in ample]
     assert tight.stats()["num_preemptions"] > 0

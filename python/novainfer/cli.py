@@ -30,6 +30,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--kv-layout", choices=["block", "slot"], default="block",
                    help="KV cache layout: paged blocks with prefix caching, or llama.cpp-style cells (CPU)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "f32", "f16", "bf16", "q8_0"], default="auto",
+                   help="how the KV cache stores keys and values: auto (f16 on the CPU, bf16 on a GPU), f32, f16, "
+                        "bf16, or q8_0 (8-bit blocks with an f16 scale, as llama.cpp) (default: %(default)s)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, *, temperature: float, max_tokens: int) -> None:
@@ -81,6 +84,7 @@ def _llm(args: argparse.Namespace, **extra: object):  # noqa: ANN202 - returns n
     from .llm import LLM
 
     extra.setdefault("kv_layout", args.kv_layout)
+    extra.setdefault("kv_cache_dtype", args.kv_cache_dtype)
     return LLM(args.model, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
                dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, **extra)
 

@@ -72,6 +72,10 @@ class LLM:
     ones reuse its KV instead of recomputing it. A request's output never depends on what else is batched.
     `kv_layout` is ``"block"`` (the above) or ``"slot"``: llama.cpp-style cells of one token each (CPU only;
     `block_size` is ignored and there is no prefix caching), giving the same outputs.
+    `kv_cache_dtype` (vLLM's name) is how the cache stores keys and values: ``"auto"`` (f16 on the CPU, half the
+    bytes of f32; bf16 on a GPU), ``"f32"`` (exact), ``"f16"``, ``"bf16"`` or ``"q8_0"`` (llama.cpp's 8-bit
+    blocks of 32 with an f16 scale; a quarter of f32). All but ``"auto"`` and ``"bf16"`` run on the CPU only.
+    The KV budget holds tokens in proportion: `stats()`'s ``kv_bytes_per_block`` follows the dtype.
 
     `device` is ``"auto"`` (the first usable NVIDIA GPU when its executor can run the model, else the CPU —
     the SLOT layout and head sizes without GPU kernels run on the CPU; the choice and its reason are logged
@@ -100,6 +104,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         kv_layout: str = "block",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         for name, value in (
             ("block_size", block_size),
@@ -115,6 +120,11 @@ class LLM:
             raise InvalidParameterError(f"seed must be a non-negative int, got {seed!r}", "seed")
         if not isinstance(kv_layout, str):
             raise InvalidParameterError(f'kv_layout must be "block" or "slot", got {kv_layout!r}', "kv_layout")
+        if not isinstance(kv_cache_dtype, str):
+            raise InvalidParameterError(
+                f'kv_cache_dtype must be one of "auto", "f32", "f16", "bf16", "q8_0", got {kv_cache_dtype!r}',
+                "kv_cache_dtype",
+            )
         if not isinstance(device, str):
             raise InvalidParameterError(f'device must be a string such as "cuda:0", got {device!r}', "device")
         if (
@@ -126,6 +136,7 @@ class LLM:
                 f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}", "gpu_memory_utilization"
             )
         self.kv_layout = kv_layout
+        self.kv_cache_dtype = kv_cache_dtype
         self.model_path = resolve_model(model)
         find_cuda_libraries()
         self._engine = _native.Engine(
@@ -143,6 +154,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
             kv_layout=kv_layout,
+            kv_cache_dtype=kv_cache_dtype,
         )
 
         _log.info("novainfer: %s runs on %s (%s)", self.model_path, self.device, self._engine.device_reason)

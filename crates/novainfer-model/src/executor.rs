@@ -118,7 +118,7 @@ impl DeviceWeights for CpuWeights {
     }
 
     fn kv_bytes_per_block(&self, block_size: usize) -> usize {
-        PagedKvCache::bytes_per_block(self.0.config(), block_size)
+        PagedKvCache::bytes_per_block(self.0.config(), block_size, self.0.kv_dtype())
     }
 
     fn device_memory(&self) -> Result<Option<DeviceMemory>> {
@@ -130,12 +130,12 @@ impl DeviceWeights for CpuWeights {
         num_blocks: usize,
         block_size: usize,
     ) -> Result<Box<dyn Executor>> {
-        let kv = PagedKvCache::new(self.0.config(), num_blocks, block_size);
+        let kv = PagedKvCache::new(self.0.config(), num_blocks, block_size, self.0.kv_dtype());
         Ok(Box::new(CpuExecutor { model: self.0, kv }))
     }
 }
 
-/// The CPU model and its f32 pool: the oracle every other device is checked against.
+/// The CPU model and its pool (in the model's KV dtype): the oracle every other device is checked against.
 pub struct CpuExecutor {
     model: Qwen2Model,
     kv: PagedKvCache,
@@ -169,7 +169,7 @@ impl Executor for CpuExecutor {
     }
 
     fn kv_bytes_per_block(&self) -> usize {
-        PagedKvCache::bytes_per_block(self.model.config(), self.kv.block_size())
+        PagedKvCache::bytes_per_block(self.model.config(), self.kv.block_size(), self.kv.dtype())
     }
 
     fn copy_block(&mut self, src: usize, dst: usize, num_tokens: usize) -> Result<()> {

@@ -98,15 +98,6 @@ impl ForwardBatch {
         self.token_ids.len()
     }
 
-    /// Which sequence each flattened token belongs to.
-    pub(crate) fn seq_of_token(&self) -> Vec<usize> {
-        let mut out = Vec::with_capacity(self.num_tokens());
-        for (i, s) in self.seqs.iter().enumerate() {
-            out.extend(std::iter::repeat_n(i, s.query_len));
-        }
-        out
-    }
-
     /// Rows (flattened token indices) whose logits are returned, in order.
     pub fn logits_indices(&self) -> Vec<usize> {
         let mut rows = Vec::new();

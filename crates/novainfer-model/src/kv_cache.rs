@@ -4,6 +4,7 @@
 
 use crate::config::Qwen2Config;
 use crate::error::{ModelError, Result};
+use crate::kv_dtype::KvStorage;
 use crate::paged_kv::PagedKvCache;
 
 pub struct SequenceKvCache {
@@ -12,11 +13,11 @@ pub struct SequenceKvCache {
 }
 
 impl SequenceKvCache {
-    /// An empty cache for up to `capacity` tokens. The buffers are zero-initialised
-    /// allocations, so untouched capacity costs address space, not memory.
-    pub fn new(cfg: &Qwen2Config, capacity: usize) -> Self {
+    /// An empty cache for up to `capacity` tokens stored as `dtype`. The buffers are
+    /// zero-initialised allocations, so untouched capacity costs address space, not memory.
+    pub fn new(cfg: &Qwen2Config, capacity: usize, dtype: KvStorage) -> Self {
         Self {
-            pool: PagedKvCache::new(cfg, 1, capacity.max(1)),
+            pool: PagedKvCache::new(cfg, 1, capacity.max(1), dtype),
             len: 0,
         }
     }

@@ -13,6 +13,7 @@ pub mod error;
 pub mod executor;
 pub mod forward_batch;
 pub mod kv_cache;
+pub mod kv_dtype;
 pub mod layers;
 pub mod loader;
 pub mod paged_kv;
@@ -29,6 +30,7 @@ pub use executor::{
 };
 pub use forward_batch::{ForwardBatch, ForwardOutput, SeqSpan, SpanOutput};
 pub use kv_cache::SequenceKvCache;
+pub use kv_dtype::{KvCacheDtype, KvStorage};
 pub use loader::{Checkpoint, ModelFormat, OpenedCheckpoint};
 pub use paged_kv::PagedKvCache;
 pub use qwen2::{DtypeChoice, LoadOptions, LoadedModel, LogitsFor, Qwen2Model};

@@ -6,54 +6,67 @@
 //!
 //! ```text
 //!   layer l, keys:  [ block 0: slot 0 .. slot bs-1 | block 1: slot bs .. | ... ]
-//!   one slot     =  [kv_head 0: head_dim floats | kv_head 1: head_dim floats | ...]
+//!   one slot     =  [kv_head 0: one row | kv_head 1: one row | ...]
 //!   slot of pos  =  block_table[pos / bs] * bs + pos % bs
 //! ```
+//! where a row is `head_dim` numbers in the pool's [`KvStorage`] (f32, f16, bf16 or q8_0).
 
 use crate::config::Qwen2Config;
 use crate::error::{ModelError, Result};
-use crate::layers::KvView;
+use crate::kv_dtype::KvStorage;
 
 pub struct PagedKvCache {
     block_size: usize,
     num_blocks: usize,
-    /// Floats per slot: `num_kv_heads * head_dim`.
-    row: usize,
+    dtype: KvStorage,
+    num_kv_heads: usize,
     head_dim: usize,
+    /// Bytes of one head's row, and of one slot (`num_kv_heads` rows).
+    head_bytes: usize,
+    slot_bytes: usize,
     layers: Vec<LayerPool>,
 }
 
-struct LayerPool {
-    k: Vec<f32>,
-    v: Vec<f32>,
+pub(crate) struct LayerPool {
+    pub(crate) k: Vec<u8>,
+    pub(crate) v: Vec<u8>,
 }
 
 impl PagedKvCache {
-    pub fn new(cfg: &Qwen2Config, num_blocks: usize, block_size: usize) -> Self {
-        let row = cfg.num_key_value_heads * cfg.head_dim();
-        let floats = num_blocks * block_size * row;
+    /// A pool of `num_blocks` blocks of `block_size` slots. The buffers are zero-initialised
+    /// allocations, so untouched blocks cost address space, not memory.
+    pub fn new(cfg: &Qwen2Config, num_blocks: usize, block_size: usize, dtype: KvStorage) -> Self {
+        let head_bytes = dtype.row_bytes(cfg.head_dim());
+        let slot_bytes = cfg.num_key_value_heads * head_bytes;
+        let bytes = num_blocks * block_size * slot_bytes;
         let layers = (0..cfg.num_hidden_layers)
             .map(|_| LayerPool {
-                k: vec![0.0; floats],
-                v: vec![0.0; floats],
+                k: vec![0; bytes],
+                v: vec![0; bytes],
             })
             .collect();
         Self {
             block_size,
             num_blocks,
-            row,
+            dtype,
+            num_kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim(),
+            head_bytes,
+            slot_bytes,
             layers,
         }
     }
 
-    /// Bytes one block takes over all layers (keys and values, f32).
-    pub fn bytes_per_block(cfg: &Qwen2Config, block_size: usize) -> usize {
+    /// Bytes one block takes over all layers (keys and values) when stored as `dtype`.
+    pub fn bytes_per_block(cfg: &Qwen2Config, block_size: usize, dtype: KvStorage) -> usize {
         2 * cfg.num_hidden_layers
             * block_size
             * cfg.num_key_value_heads
-            * cfg.head_dim()
-            * std::mem::size_of::<f32>()
+            * dtype.row_bytes(cfg.head_dim())
+    }
+
+    pub fn dtype(&self) -> KvStorage {
+        self.dtype
     }
 
     pub fn block_size(&self) -> usize {
@@ -94,9 +107,9 @@ impl PagedKvCache {
             ));
         }
         let (from, to, len) = (
-            src * self.block_size * self.row,
-            dst * self.block_size * self.row,
-            num_tokens * self.row,
+            src * self.block_size * self.slot_bytes,
+            dst * self.block_size * self.slot_bytes,
+            num_tokens * self.slot_bytes,
         );
         for pool in &mut self.layers {
             pool.k.copy_within(from..from + len, to);
@@ -105,53 +118,47 @@ impl PagedKvCache {
         Ok(())
     }
 
-    /// Stores K and V rows `[slots.len(), row]` of `layer` at `slots`.
+    /// Stores K and V rows `[slots.len(), num_kv_heads·head_dim]` of `layer` at `slots`,
+    /// converted to the pool's dtype.
     pub(crate) fn write(&mut self, layer: usize, slots: &[usize], k: &[f32], v: &[f32]) {
-        let row = self.row;
+        let (hd, hb, sb, dtype) = (self.head_dim, self.head_bytes, self.slot_bytes, self.dtype);
         let pool = &mut self.layers[layer];
+        let row = self.num_kv_heads * hd;
         for (i, &slot) in slots.iter().enumerate() {
-            pool.k[slot * row..(slot + 1) * row].copy_from_slice(&k[i * row..(i + 1) * row]);
-            pool.v[slot * row..(slot + 1) * row].copy_from_slice(&v[i * row..(i + 1) * row]);
+            let (ks, vs) = (&k[i * row..(i + 1) * row], &v[i * row..(i + 1) * row]);
+            let kd = &mut pool.k[slot * sb..(slot + 1) * sb];
+            for (src, dst) in ks.chunks_exact(hd).zip(kd.chunks_exact_mut(hb)) {
+                dtype.encode(src, dst);
+            }
+            let vd = &mut pool.v[slot * sb..(slot + 1) * sb];
+            for (src, dst) in vs.chunks_exact(hd).zip(vd.chunks_exact_mut(hb)) {
+                dtype.encode(src, dst);
+            }
         }
     }
 
-    pub(crate) fn view<'a>(&'a self, layer: usize, block_table: &'a [u32]) -> PagedView<'a> {
-        PagedView {
-            pool: &self.layers[layer],
-            block_table,
+    /// One layer of the pool as the attention kernel reads it.
+    pub(crate) fn layer(&self, layer: usize) -> PoolLayer<'_> {
+        PoolLayer {
+            k: &self.layers[layer].k,
+            v: &self.layers[layer].v,
+            dtype: self.dtype,
             block_size: self.block_size,
-            row: self.row,
             head_dim: self.head_dim,
+            head_bytes: self.head_bytes,
+            slot_bytes: self.slot_bytes,
         }
     }
 }
 
-/// One sequence's history in one layer, read through its block table.
-pub struct PagedView<'a> {
-    pool: &'a LayerPool,
-    block_table: &'a [u32],
-    block_size: usize,
-    row: usize,
-    head_dim: usize,
-}
-
-impl PagedView<'_> {
-    #[inline]
-    fn offset(&self, pos: usize, kv_head: usize) -> usize {
-        let slot = self.block_table[pos / self.block_size] as usize * self.block_size
-            + pos % self.block_size;
-        slot * self.row + kv_head * self.head_dim
-    }
-}
-
-impl KvView for PagedView<'_> {
-    fn key(&self, pos: usize, kv_head: usize) -> &[f32] {
-        let o = self.offset(pos, kv_head);
-        &self.pool.k[o..o + self.head_dim]
-    }
-
-    fn value(&self, pos: usize, kv_head: usize) -> &[f32] {
-        let o = self.offset(pos, kv_head);
-        &self.pool.v[o..o + self.head_dim]
-    }
+/// One layer's keys and values, with the geometry needed to find a row.
+#[derive(Clone, Copy)]
+pub(crate) struct PoolLayer<'a> {
+    pub(crate) k: &'a [u8],
+    pub(crate) v: &'a [u8],
+    pub(crate) dtype: KvStorage,
+    pub(crate) block_size: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) head_bytes: usize,
+    pub(crate) slot_bytes: usize,
 }

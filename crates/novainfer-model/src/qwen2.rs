@@ -14,8 +14,10 @@ use crate::config::{Qwen2Config, WeightDtype};
 use crate::error::{ModelError, Result};
 use crate::forward_batch::{ForwardBatch, ForwardOutput, SpanOutput};
 use crate::kv_cache::SequenceKvCache;
-use crate::layers::ops::{add_in_place, normalize_l2, rms_norm, silu_mul, Rope};
-use crate::layers::{attention, AttentionShape, Embedding, Linear, QueryRow};
+use crate::kv_dtype::{KvCacheDtype, KvStorage};
+use crate::layers::ops::{add_in_place, normalize_l2, rms_norm, silu_mul, Rope, RopeAngles};
+use crate::layers::paged_attention::{paged_attention, AttnIsa};
+use crate::layers::{AttentionShape, Embedding, Linear};
 use crate::loader::{CheckedSource, Checkpoint, ModelFormat, RawTensor, TensorSource};
 use crate::paged_kv::PagedKvCache;
 use crate::quant;
@@ -54,6 +56,9 @@ pub struct LoadOptions {
     /// formats have native kernels (`layers::qmatmul`), where this only costs memory
     /// (34/22 of the bytes; speed within noise); it can still help candle's fallback.
     pub requantize_q5_0: bool,
+    /// How the KV cache stores keys and values ([`Qwen2Model::new_cache`]; the engine's
+    /// pool). `Auto` is f16 on the CPU.
+    pub kv_cache_dtype: KvCacheDtype,
 }
 
 impl Default for LoadOptions {
@@ -61,6 +66,7 @@ impl Default for LoadOptions {
         Self {
             dtype: DtypeChoice::Auto,
             requantize_q5_0: false,
+            kv_cache_dtype: KvCacheDtype::Auto,
         }
     }
 }
@@ -92,6 +98,8 @@ pub struct Qwen2Model {
     norm: Vec<f32>,
     lm_head: Linear,
     rope: Rope,
+    kv_dtype: KvStorage,
+    attn_isa: AttnIsa,
 }
 
 /// A loaded model plus what the engine needs from its files (tokenizer, templates).
@@ -153,6 +161,8 @@ impl Qwen2Model {
         b.src.finish()?;
         let rope = Rope::new(cfg.head_dim(), cfg.rope_theta);
         Ok(Self {
+            kv_dtype: opts.kv_cache_dtype.for_cpu(),
+            attn_isa: AttnIsa::detect(cfg.head_dim()),
             cfg,
             embed_tokens,
             layers,
@@ -166,9 +176,14 @@ impl Qwen2Model {
         &self.cfg
     }
 
-    /// A fresh cache for one sequence of up to `capacity` tokens.
+    /// A fresh cache for one sequence of up to `capacity` tokens, in the model's KV dtype.
     pub fn new_cache(&self, capacity: usize) -> SequenceKvCache {
-        SequenceKvCache::new(&self.cfg, capacity)
+        SequenceKvCache::new(&self.cfg, capacity, self.kv_dtype)
+    }
+
+    /// How this model's caches store keys and values (from [`LoadOptions::kv_cache_dtype`]).
+    pub fn kv_dtype(&self) -> KvStorage {
+        self.kv_dtype
     }
 
     /// Runs `tokens` at positions `cache.len()..` and appends their K/V to `cache`.
@@ -285,15 +300,10 @@ impl Qwen2Model {
         }
         batch.validate(kv.block_size())?;
         kv.check_slots(&batch.slot_mapping)?;
-        let rows: Vec<QueryRow> = batch
-            .positions
-            .iter()
-            .zip(batch.seq_of_token())
-            .map(|(&position, seq)| QueryRow { position, seq })
-            .collect();
         let mut hidden = self.embed_tokens.forward(&batch.token_ids)?;
+        let angles = self.rope.angles(&batch.positions);
         for (i, layer) in self.layers.iter().enumerate() {
-            self.block(i, layer, &mut hidden, batch, &rows, kv)?;
+            self.block(i, layer, &mut hidden, batch, &angles, kv)?;
         }
         Ok(hidden)
     }
@@ -304,35 +314,40 @@ impl Qwen2Model {
         layer: &DecoderLayer,
         hidden: &mut [f32],
         batch: &ForwardBatch,
-        rows: &[QueryRow],
+        angles: &RopeAngles,
         kv: &mut PagedKvCache,
     ) -> Result<()> {
         let cfg = &self.cfg;
-        let n = rows.len();
+        let n = batch.num_tokens();
         let eps = cfg.rms_norm_eps;
         let x = rms_norm(hidden, &layer.input_layernorm, eps);
-        let mut q = layer.q_proj.forward(&x, n)?;
-        let mut k = layer.k_proj.forward(&x, n)?;
-        let v = layer.v_proj.forward(&x, n)?;
-        self.rope.apply(&mut q, &batch.positions, cfg.head_dim());
-        self.rope.apply(&mut k, &batch.positions, cfg.head_dim());
+        let [mut q, mut k, v]: [Vec<f32>; 3] =
+            Linear::forward_many(&[&layer.q_proj, &layer.k_proj, &layer.v_proj], &x, n)?
+                .try_into()
+                .expect("three projections give three outputs: this is a bug");
+        angles.apply(&mut q, cfg.head_dim());
+        angles.apply(&mut k, cfg.head_dim());
         kv.write(index, &batch.slot_mapping, &k, &v);
         let shape = AttentionShape {
             num_heads: cfg.num_attention_heads,
             num_kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim(),
         };
-        let views: Vec<_> = batch
-            .seqs
-            .iter()
-            .map(|s| kv.view(index, &s.block_table))
-            .collect();
-        let attn = attention(&q, rows, &views, shape);
+        let attn = paged_attention(
+            &q,
+            &batch.positions,
+            &batch.seqs,
+            kv.layer(index),
+            shape,
+            self.attn_isa,
+        );
         add_in_place(hidden, &layer.o_proj.forward(&attn, n)?);
 
         let x = rms_norm(hidden, &layer.post_attention_layernorm, eps);
-        let gate = layer.gate_proj.forward(&x, n)?;
-        let up = layer.up_proj.forward(&x, n)?;
+        let [gate, up]: [Vec<f32>; 2] =
+            Linear::forward_many(&[&layer.gate_proj, &layer.up_proj], &x, n)?
+                .try_into()
+                .expect("two projections give two outputs: this is a bug");
         add_in_place(hidden, &layer.down_proj.forward(&silu_mul(&gate, &up), n)?);
         Ok(())
     }

@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{build, config, tensor, weights};
+use common::{build, build_kv, config, tensor, weights};
 use novainfer_model::{LogitsFor, ModelError};
 
 #[test]
@@ -141,15 +141,21 @@ fn slots(table: &[u32], positions: std::ops::Range<usize>, bs: usize) -> Vec<usi
 
 #[test]
 fn mixed_batch_rows_equal_each_sequence_alone_bit_for_bit() {
+    for dtype in ["f32", "f16", "bf16", "q8_0"] {
+        mixed_batch_rows_equal_each_sequence_alone(dtype);
+    }
+}
+
+fn mixed_batch_rows_equal_each_sequence_alone(dtype: &str) {
     use novainfer_model::{ForwardBatch, PagedKvCache};
     let cfg = config(false);
-    let model = build(cfg.clone(), weights(&cfg)).expect("valid tiny model");
+    let model = build_kv(cfg.clone(), weights(&cfg), dtype).expect("valid tiny model");
     let bs = 4;
     let a: Vec<u32> = vec![3, 17, 42, 8, 8, 0, 31, 5, 9];
     let b: Vec<u32> = vec![11, 12, 13, 14, 15, 16];
     let c: Vec<u32> = vec![7, 7, 2];
     let (ta, tb, tc) = (vec![5u32, 1, 8], vec![0u32, 6], vec![3u32]);
-    let mut kv = PagedKvCache::new(&cfg, 10, bs);
+    let mut kv = PagedKvCache::new(&cfg, 10, bs, model.kv_dtype());
 
     // Step 1: a's first 5 tokens and b's first 5 (prefill chunks); nothing of c yet.
     let mut step1 = ForwardBatch::default();
@@ -176,7 +182,7 @@ fn mixed_batch_rows_equal_each_sequence_alone_bit_for_bit() {
         assert_eq!(
             batched[i * v..(i + 1) * v],
             expected[..],
-            "sequence {i} differs when batched"
+            "{dtype}: sequence {i} differs when batched"
         );
     }
 }
@@ -186,7 +192,7 @@ fn a_batch_beyond_its_block_table_is_an_error_not_a_panic() {
     use novainfer_model::{ForwardBatch, PagedKvCache};
     let cfg = config(false);
     let model = build(cfg.clone(), weights(&cfg)).expect("valid tiny model");
-    let mut kv = PagedKvCache::new(&cfg, 2, 4);
+    let mut kv = PagedKvCache::new(&cfg, 2, 4, model.kv_dtype());
     let mut batch = ForwardBatch::default();
     batch.push(&[1, 2, 3, 4, 5], 0, vec![0, 1, 2, 3, 4], vec![0], true);
     assert!(model
@@ -257,7 +263,7 @@ fn a_mixed_step_equals_its_pieces_and_each_request_alone() {
         let slots = slots(table, 0..tokens.len(), bs);
         mixed.push_span(tokens, 0, slots, table.clone(), *out);
     }
-    let mut kv = PagedKvCache::new(&cfg, 16, bs);
+    let mut kv = PagedKvCache::new(&cfg, 16, bs, model.kv_dtype());
     let got = model.forward_outputs(&mixed, &mut kv).expect("mixed step");
     let v = cfg.vocab_size;
     assert_eq!(got.logits.len(), (1 + score.len()) * v);
@@ -265,7 +271,7 @@ fn a_mixed_step_equals_its_pieces_and_each_request_alone() {
 
     // The pieces, in a fresh pool: generation alone, the embedding, the scored tokens as
     // one-token spans in two groups.
-    let mut kv = PagedKvCache::new(&cfg, 16, bs);
+    let mut kv = PagedKvCache::new(&cfg, 16, bs, model.kv_dtype());
     let mut logits = model
         .forward_outputs(&mixed.select(&[0]), &mut kv)
         .expect("generation")
@@ -306,5 +312,36 @@ fn a_mixed_step_equals_its_pieces_and_each_request_alone() {
     let want = model.embed(&emb).unwrap();
     for (a, b) in unit.iter().zip(&want) {
         assert!((a - b).abs() < 1e-6, "embedding {a} vs {b}");
+    }
+}
+
+#[test]
+fn chunked_prefill_is_bit_identical_for_every_kv_dtype() {
+    // 600 tokens cross the kernel's partitions (256 positions); chunks of 7, 64 and 512 split
+    // them in unaligned places, and every row's logits must equal one prefill's bit for bit.
+    let mut cfg = config(false);
+    cfg.max_position_embeddings = 1024;
+    let tokens: Vec<u32> = (0..600).map(|i| (i * 7 + 3) % 50).collect();
+    for dtype in ["f32", "f16", "bf16", "q8_0"] {
+        let model = build_kv(cfg.clone(), weights(&cfg), dtype).expect("valid tiny model");
+        let mut one = model.new_cache(tokens.len());
+        let whole = model
+            .forward(&tokens, &mut one, LogitsFor::AllTokens)
+            .expect("prefill");
+        for chunk in [7, 64, 512] {
+            let mut cache = model.new_cache(tokens.len());
+            let mut rows = Vec::new();
+            for part in tokens.chunks(chunk) {
+                rows.extend(
+                    model
+                        .forward(part, &mut cache, LogitsFor::AllTokens)
+                        .expect("chunk"),
+                );
+            }
+            assert!(
+                rows == whole,
+                "{dtype}: chunks of {chunk} differ from one prefill"
+            );
+        }
     }
 }

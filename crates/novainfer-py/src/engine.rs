@@ -18,7 +18,7 @@ use novainfer_engine::{
     Prompt, RequestOutput, RequestStream, StopReason, TokenLogprob, DEFAULT_GPU_MEMORY_UTILIZATION,
 };
 use novainfer_model::device::DEVICE_SPELLINGS;
-use novainfer_model::{DeviceChoice, DtypeChoice};
+use novainfer_model::{DeviceChoice, DtypeChoice, KvCacheDtype};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -114,7 +114,8 @@ impl PyEngine {
     #[pyo3(signature = (model, *, device="auto", dtype="auto", max_model_len=None, seed=0,
         requantize_q5_0=false, block_size=16, kv_cache_bytes=None, kv_cache_fraction=None,
         gpu_memory_utilization=0.9, max_num_seqs=64,
-        max_num_batched_tokens=2048, enable_prefix_caching=true, kv_layout="block"))]
+        max_num_batched_tokens=2048, enable_prefix_caching=true, kv_layout="block",
+        kv_cache_dtype="auto"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -132,8 +133,18 @@ impl PyEngine {
         max_num_batched_tokens: usize,
         enable_prefix_caching: bool,
         kv_layout: &str,
+        kv_cache_dtype: &str,
     ) -> PyResult<Self> {
         let kv_layout: KvLayout = kv_layout.parse().map_err(param_error)?;
+        let kv_cache_dtype = KvCacheDtype::parse(kv_cache_dtype).map_err(|_| {
+            invalid(
+                "kv_cache_dtype",
+                format!(
+                    "kv_cache_dtype must be one of auto, f32, f16, bf16, q8_0; got \
+                     {kv_cache_dtype:?}"
+                ),
+            )
+        })?;
         let dtype = DtypeChoice::parse(dtype).map_err(|_| {
             invalid(
                 "dtype",
@@ -156,6 +167,7 @@ impl PyEngine {
             requantize_q5_0,
             block_size,
             kv_layout,
+            kv_cache_dtype,
             kv_cache: match (kv_cache_bytes, kv_cache_fraction) {
                 (Some(_), Some(_)) => {
                     return Err(invalid(

@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 use novainfer_core::{KvLayout, ParamError};
 use novainfer_engine::{EngineConfig, KvBudget};
-use novainfer_model::{DeviceChoice, DtypeChoice};
+use novainfer_model::{DeviceChoice, DtypeChoice, KvCacheDtype};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ReasoningParser {
@@ -76,6 +76,10 @@ pub struct ServeArgs {
     /// block (paged, prefix caching) or slot (llama.cpp-style cells).
     #[arg(long, default_value = "block")]
     pub kv_layout: String,
+    /// How the KV cache stores keys and values: auto (f16 on the CPU, bf16 on a GPU), f32,
+    /// f16, bf16 or q8_0 (8-bit blocks with an f16 scale, as llama.cpp; CPU only).
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: String,
     /// CPU threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -316,6 +320,15 @@ impl ServeArgs {
             )
         })?;
         let kv_layout: KvLayout = self.kv_layout.parse()?;
+        let kv_cache_dtype = KvCacheDtype::parse(&self.kv_cache_dtype).map_err(|_| {
+            ParamError::new(
+                "kv_cache_dtype",
+                format!(
+                    "must be one of auto, f32, f16, bf16, q8_0; got {:?}",
+                    self.kv_cache_dtype
+                ),
+            )
+        })?;
         let kv_cache = match (self.kv_cache_bytes, self.kv_cache_fraction) {
             (_, Some(f)) => KvBudget::FractionOfAvailable(f),
             (Some(b), None) => KvBudget::Bytes(b),
@@ -340,6 +353,7 @@ impl ServeArgs {
         cfg.requantize_q5_0 = self.requantize_q5_0;
         cfg.block_size = self.block_size;
         cfg.kv_layout = kv_layout;
+        cfg.kv_cache_dtype = kv_cache_dtype;
         cfg.kv_cache = kv_cache;
         cfg.max_num_seqs = self.max_num_seqs;
         cfg.max_num_batched_tokens = self.max_num_batched_tokens;
@@ -390,6 +404,25 @@ mod tests {
             .engine_config("/m".into())
             .expect_err("unknown device");
         assert!(err.to_string().contains("device"), "{err}");
+    }
+
+    #[test]
+    fn kv_cache_dtype_reaches_the_engine_config() {
+        assert_eq!(
+            parse(&[])
+                .engine_config("/m".into())
+                .expect("valid")
+                .kv_cache_dtype,
+            KvCacheDtype::Auto
+        );
+        let cfg = parse(&["--kv-cache-dtype", "q8_0"])
+            .engine_config("/m".into())
+            .expect("valid");
+        assert_eq!(cfg.kv_cache_dtype.as_str(), "q8_0");
+        let err = parse(&["--kv-cache-dtype", "fp8"])
+            .engine_config("/m".into())
+            .expect_err("unknown dtype");
+        assert!(err.to_string().contains("kv_cache_dtype"), "{err}");
     }
 
     #[test]

@@ -1,6 +1,7 @@
-//! Causal multi-head attention with grouped-query KV heads, reading history
-//! through a [`KvView`] so that the contiguous cache of today and the paged
-//! cache of tomorrow share this code.
+//! The plain reference of causal grouped-query attention: one (token, head) at a time over
+//! f32 history read through a [`KvView`], softmax in two passes. The model runs the paged
+//! kernel ([`super::paged_attention`]); this stays as the simple oracle the GPU parity
+//! tests compare their kernels with.
 //!
 //! Each (token, head) output is computed independently with a fixed summation
 //! order, so a row's result never depends on which other rows are in the batch.

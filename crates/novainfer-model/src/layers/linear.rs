@@ -83,6 +83,26 @@ impl Linear {
         Ok(y)
     }
 
+    /// `forward` of several layers on the same input: the quantized matmuls share one int8
+    /// quantization of `x` and one fork/join of the pool; results equal `forward`'s bit for bit.
+    pub fn forward_many(layers: &[&Linear], x: &[f32], rows: usize) -> Result<Vec<Vec<f32>>> {
+        let packed: Option<Vec<&PackedMatrix>> = layers
+            .iter()
+            .map(|l| match &l.weight {
+                Weight::Packed(w) => Some(w),
+                _ => None,
+            })
+            .collect();
+        let Some(packed) = packed else {
+            return layers.iter().map(|l| l.forward(x, rows)).collect();
+        };
+        let mut outs = super::qmatmul::matmul_many(&packed, x, rows);
+        for (l, y) in layers.iter().zip(&mut outs) {
+            l.add_bias(y);
+        }
+        Ok(outs)
+    }
+
     fn add_bias(&self, y: &mut [f32]) {
         if let Some(bias) = &self.bias {
             for row in y.chunks_exact_mut(self.out_features) {

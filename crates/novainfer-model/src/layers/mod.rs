@@ -8,6 +8,7 @@ pub mod attention;
 pub mod dense;
 pub mod linear;
 pub mod ops;
+pub(crate) mod paged_attention;
 pub(crate) mod parallel;
 #[cfg(target_arch = "x86_64")]
 pub mod qmatmul;

@@ -59,16 +59,45 @@ impl Rope {
 
     /// Rotates every head of every row in place; row `r` sits at `positions[r]`.
     pub fn apply(&self, x: &mut [f32], positions: &[usize], head_dim: usize) {
-        let half = head_dim / 2;
-        let row_len = x.len() / positions.len().max(1);
-        let mut cos = vec![0f32; half];
-        let mut sin = vec![0f32; half];
-        for (row, &pos) in x.chunks_exact_mut(row_len).zip(positions) {
-            for (i, f) in self.inv_freq.iter().enumerate() {
+        self.angles(positions).apply(x, head_dim);
+    }
+
+    /// The cos and sin of every rotation of `positions`, computed once for a whole step:
+    /// every layer rotates its q and k by the same angles.
+    pub fn angles(&self, positions: &[usize]) -> RopeAngles {
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for &pos in positions {
+            for f in &self.inv_freq {
                 let angle = pos as f64 * f;
-                cos[i] = angle.cos() as f32;
-                sin[i] = angle.sin() as f32;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
             }
+        }
+        RopeAngles { half, cos, sin }
+    }
+}
+
+/// [`Rope::angles`]: `[rows, head_dim/2]` cosines and sines.
+#[derive(Debug, Clone)]
+pub struct RopeAngles {
+    half: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeAngles {
+    /// Rotates every head of every row of `x` (one row per position the angles were made for).
+    pub fn apply(&self, x: &mut [f32], head_dim: usize) {
+        let half = self.half;
+        let rows = self.cos.len() / half.max(1);
+        let row_len = x.len() / rows.max(1);
+        for ((row, cos), sin) in x
+            .chunks_exact_mut(row_len)
+            .zip(self.cos.chunks_exact(half))
+            .zip(self.sin.chunks_exact(half))
+        {
             for head in row.chunks_exact_mut(head_dim) {
                 let (lo, hi) = head.split_at_mut(half);
                 for i in 0..half {

@@ -163,3 +163,16 @@ pub fn round_to_bf16(w: HashMap<String, Tensor>) -> HashMap<String, Tensor> {
 pub fn build(cfg: Qwen2Config, w: HashMap<String, Tensor>) -> Result<Qwen2Model, ModelError> {
     Qwen2Model::build(cfg, MemorySource::dense(w), &LoadOptions::default())
 }
+
+/// [`build`] with its caches in `kv_cache_dtype` ("auto", "f32", "f16", "bf16", "q8_0").
+pub fn build_kv(
+    cfg: Qwen2Config,
+    w: HashMap<String, Tensor>,
+    kv_cache_dtype: &str,
+) -> Result<Qwen2Model, ModelError> {
+    let opts = LoadOptions {
+        kv_cache_dtype: novainfer_model::KvCacheDtype::parse(kv_cache_dtype)?,
+        ..LoadOptions::default()
+    };
+    Qwen2Model::build(cfg, MemorySource::dense(w), &opts)
+}

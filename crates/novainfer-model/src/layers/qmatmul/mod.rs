@@ -150,33 +150,122 @@ impl PackedMatrix {
 
     fn run<F: Kernel>(&self, x: &[f32], m: usize, out: &mut [f32]) {
         let acts = QuantizedActs::new(F::ACT, x, m, self.k);
-        let groups = self.n.div_ceil(GROUP);
-        let rows_per_chunk = (ROW_CHUNK_BYTES / self.k).max(8);
-        let row_chunks = m.div_ceil(rows_per_chunk);
+        let items = self.items(m);
         let dst = SharedOut::new(out);
-        let job = GroupJob {
-            acts: &acts,
-            n: self.n,
-            dst,
-        };
-        candle_core::utils::barrier_pool().execute_chunked(row_chunks * groups, |items| {
-            for item in items {
-                let (chunk, g) = (item / groups, item % groups);
-                let rows = chunk * rows_per_chunk..m.min((chunk + 1) * rows_per_chunk);
-                let group = self.data[g * self.group_bytes..].as_ptr();
-                // SAFETY: `group` starts a packed group of `acts.nb` blocks (see `pack`),
-                // `rows` lie inside `acts`, `isa` was detected on this CPU, and each
-                // (row, column) of `out` is written by exactly one work item.
-                unsafe {
-                    match self.isa {
-                        IsaChoice::Avx512 => job.rows_avx512::<F>(group, g, rows),
-                        IsaChoice::Vnni256 => job.rows_vnni256::<F>(group, g, rows),
-                        IsaChoice::Avx2 => job.rows_avx2::<F>(group, g, rows),
-                    }
-                }
+        candle_core::utils::barrier_pool().execute_chunked(items, |range| {
+            for item in range {
+                // SAFETY: `acts` quantizes `x` for this format; `dst` is this product's output.
+                unsafe { self.item::<F>(&acts, m, dst, item) };
             }
         });
     }
+
+    fn act_kind(&self) -> ActKind {
+        match self.format {
+            Format::Q5_0 => q5_0::Q5_0::ACT,
+            Format::Q8_0 => q8_0::Q8_0::ACT,
+            Format::Q4K => q4_k::Q4K::ACT,
+            Format::Q6K => q6_k::Q6K::ACT,
+        }
+    }
+
+    fn rows_per_chunk(&self) -> usize {
+        (ROW_CHUNK_BYTES / self.k).max(8)
+    }
+
+    /// Work items of an `m`-row product: (row chunk, column group) pairs.
+    fn items(&self, m: usize) -> usize {
+        m.div_ceil(self.rows_per_chunk()) * self.n.div_ceil(GROUP)
+    }
+
+    /// Runs work item `item` of the `m`-row product whose quantized input is `acts` into `dst`.
+    ///
+    /// # Safety
+    /// `acts` must be the input quantized for `F` (this matrix's format), and `dst` an output
+    /// of `m · n` floats that no one else writes at this item's (rows, columns).
+    unsafe fn item<F: Kernel>(&self, acts: &QuantizedActs, m: usize, dst: SharedOut, item: usize) {
+        let groups = self.n.div_ceil(GROUP);
+        let rows_per_chunk = self.rows_per_chunk();
+        let job = GroupJob {
+            acts,
+            n: self.n,
+            dst,
+        };
+        let (chunk, g) = (item / groups, item % groups);
+        let rows = chunk * rows_per_chunk..m.min((chunk + 1) * rows_per_chunk);
+        let group = self.data[g * self.group_bytes..].as_ptr();
+        // SAFETY: `group` starts a packed group of `acts.nb` blocks (see `pack`), `rows` lie
+        // inside `acts`, `isa` was detected on this CPU, and each (row, column) of the output
+        // is written by exactly one work item.
+        unsafe {
+            match self.isa {
+                IsaChoice::Avx512 => job.rows_avx512::<F>(group, g, rows),
+                IsaChoice::Vnni256 => job.rows_vnni256::<F>(group, g, rows),
+                IsaChoice::Avx2 => job.rows_avx2::<F>(group, g, rows),
+            }
+        }
+    }
+
+    /// # Safety
+    /// As [`Self::item`], with `acts` quantized for this matrix's format.
+    unsafe fn item_any(&self, acts: &QuantizedActs, m: usize, dst: SharedOut, item: usize) {
+        // SAFETY: forwarded.
+        unsafe {
+            match self.format {
+                Format::Q5_0 => self.item::<q5_0::Q5_0>(acts, m, dst, item),
+                Format::Q8_0 => self.item::<q8_0::Q8_0>(acts, m, dst, item),
+                Format::Q4K => self.item::<q4_k::Q4K>(acts, m, dst, item),
+                Format::Q6K => self.item::<q6_k::Q6K>(acts, m, dst, item),
+            }
+        }
+    }
+}
+
+/// `x · Wᵢᵀ` for several matrices of the same input (Q, K and V; gate and up): `x` is
+/// quantized once per activation format among them, and every product's work items run in
+/// one fork/join of the pool. Each output equals `mats[i].matmul(x, m)` bit for bit.
+pub fn matmul_many(mats: &[&PackedMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
+    let k = mats.first().map_or(0, |w| w.k);
+    assert!(
+        mats.iter().all(|w| w.k == k) && x.len() == m * k,
+        "packed matmul input shape: this is a bug"
+    );
+    let mut kinds: Vec<(ActKind, QuantizedActs)> = Vec::new();
+    for w in mats {
+        let kind = w.act_kind();
+        if !kinds.iter().any(|(k, _)| *k == kind) {
+            kinds.push((kind, QuantizedActs::new(kind, x, m, k)));
+        }
+    }
+    let mut outs: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; m * w.n]).collect();
+    let dsts: Vec<SharedOut> = outs.iter_mut().map(|o| SharedOut::new(o)).collect();
+    let acts: Vec<&QuantizedActs> = mats
+        .iter()
+        .map(|w| {
+            let kind = w.act_kind();
+            &kinds
+                .iter()
+                .find(|(k, _)| *k == kind)
+                .expect("quantized above")
+                .1
+        })
+        .collect();
+    // Item ranges of each product in one flat numbering.
+    let mut starts = Vec::with_capacity(mats.len() + 1);
+    starts.push(0);
+    for w in mats {
+        starts.push(starts.last().copied().unwrap_or(0) + w.items(m));
+    }
+    let total = starts.last().copied().unwrap_or(0);
+    candle_core::utils::barrier_pool().execute_chunked(total, |range| {
+        for item in range {
+            let i = starts.partition_point(|&s| s <= item) - 1;
+            // SAFETY: `acts[i]` is `x` quantized for `mats[i]`'s format; `dsts[i]` is its
+            // own output, each item of which one work item writes.
+            unsafe { mats[i].item_any(acts[i], m, dsts[i], item - starts[i]) };
+        }
+    });
+    outs
 }
 
 /// Reorders ggml rows into 8-column groups, `[group][block][GROUP_BLOCK_BYTES]`.

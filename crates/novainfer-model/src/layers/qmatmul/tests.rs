@@ -168,3 +168,26 @@ fn supports(isa: IsaChoice) -> bool {
         }
     }
 }
+
+#[test]
+fn products_of_one_input_together_equal_each_alone_bit_for_bit() {
+    // Q/K/V and gate/up of the demo model mix formats of both activation kinds.
+    let k = 512;
+    let cases = [
+        case(GgmlDType::Q5_0, 40, k),
+        case(GgmlDType::Q4K, 24, k),
+        case(GgmlDType::Q8_0, 17, k),
+        case(GgmlDType::Q6K, 33, k),
+    ];
+    let mats: Vec<&PackedMatrix> = cases.iter().map(|c| &c.packed).collect();
+    for m in [1, 5, 70] {
+        let x = random(m * k, 77 + m as u64);
+        let together = super::matmul_many(&mats, &x, m);
+        for (w, got) in mats.iter().zip(&together) {
+            assert!(
+                *got == w.matmul(&x, m),
+                "m={m}: a product differs when shared"
+            );
+        }
+    }
+}

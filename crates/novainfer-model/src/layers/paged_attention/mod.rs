@@ -1,0 +1,495 @@
+//! Causal grouped-query attention straight over the paged KV pool (flash-attention style).
+//!
+//! Shape of the computation, per (sequence, KV head):
+//! * the query rows are every query head of the group (Qwen2.5-0.5B: 7) of a few tokens,
+//!   so each K/V row is read and decoded once for all of them;
+//! * history is walked a tile of [`TILE`] positions at a time, looking the block table up
+//!   once per block the tile touches; a tile is decoded (f16/bf16/q8_0 → f32) into reused
+//!   per-thread scratch;
+//! * softmax is online: per tile, new running max, rescale, exponentials, weighted values;
+//! * positions are grouped in partitions of [`PART`]; each partition's (max, sum, values)
+//!   is computed from scratch and the partitions are merged in order. Decode rows with a
+//!   long history split their partitions over threads and merge afterwards; prefill rows
+//!   run their partitions one after another; both perform the same operations.
+//!
+//! Invariance: tiles and partitions are fixed in absolute positions and a row only ever
+//! reads positions `0..=its own`, so every output number is the same sequence of IEEE
+//! operations whatever the batch, the block size, the chunking of the prompt, the work
+//! split or the ISA ([`ops`]).
+
+mod ops;
+#[cfg(test)]
+mod tests;
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::parallel::SharedOut;
+use super::AttentionShape;
+use crate::forward_batch::SeqSpan;
+use crate::paged_kv::PoolLayer;
+use ops::{exp_scalar, AttnOps, Scalar, TILE};
+
+/// Positions per partition (a multiple of [`TILE`]).
+const PART: usize = 256;
+/// Tokens per prefill work item: their query rows share every K/V tile.
+const QUERY_TILE: usize = 4;
+
+/// Which implementation of [`ops`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AttnIsa {
+    Scalar,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+}
+
+impl AttnIsa {
+    /// The fastest one this CPU and head size allow.
+    pub(crate) fn detect(head_dim: usize) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if head_dim.is_multiple_of(8) && ops::Avx2::detect() {
+            return Self::Avx2;
+        }
+        let _ = head_dim;
+        Self::Scalar
+    }
+}
+
+/// `q`: `[tokens, num_heads·head_dim]` (rotated), token `t` at `positions[t]` of the sequence
+/// whose span holds it; attends to positions `0..=positions[t]` of that sequence in `layer`.
+/// Returns `[tokens, num_heads·head_dim]`.
+pub(crate) fn paged_attention(
+    q: &[f32],
+    positions: &[usize],
+    seqs: &[SeqSpan],
+    layer: PoolLayer<'_>,
+    shape: AttentionShape,
+    isa: AttnIsa,
+) -> Vec<f32> {
+    let mut out = vec![0f32; q.len()];
+    let plan = Plan::new(positions, seqs, shape);
+    let mut partials = vec![0f32; plan.partial_floats];
+    let ctx = Ctx {
+        q,
+        positions,
+        layer,
+        shape,
+        group: shape.num_heads / shape.num_kv_heads,
+        scale: 1.0 / (shape.head_dim as f32).sqrt(),
+        seqs,
+    };
+    let dst = SharedOut::new(&mut out);
+    let partial_dst = SharedOut::new(&mut partials);
+    // Split partitions left per merge: whoever finishes a group's last one merges it, so
+    // decode needs one fork/join of the pool, not two.
+    let pending: Vec<AtomicUsize> = plan
+        .merges
+        .iter()
+        .map(|m| AtomicUsize::new(m.parts))
+        .collect();
+    candle_core::utils::barrier_pool().execute_chunked(plan.items.len(), |range| {
+        for item in &plan.items[range] {
+            // SAFETY: each item writes only its own rows of `out` (its tokens × the heads of
+            // its KV head) or its own range of `partials` (see `Plan`).
+            unsafe { dispatch(isa, &ctx, item, dst, partial_dst) };
+            let Some(Split { merge: m, .. }) = item.split else {
+                continue;
+            };
+            // AcqRel: the last one sees every other item's partials of this group.
+            if pending[m].fetch_sub(1, Ordering::AcqRel) == 1 {
+                let mg = &plan.merges[m];
+                let block = mg.tokens.len() * ctx.group * (shape.head_dim + 2);
+                // SAFETY: every writer of this group's partials is done (the counter), no one
+                // else reads them, and the merge writes only its own rows of `out`.
+                unsafe {
+                    let group = partial_dst.range(mg.partial, mg.parts * block);
+                    dispatch_merge(isa, &ctx, mg, group, dst);
+                }
+            }
+        }
+    });
+    out
+}
+
+struct Ctx<'a> {
+    q: &'a [f32],
+    positions: &'a [usize],
+    seqs: &'a [SeqSpan],
+    layer: PoolLayer<'a>,
+    shape: AttentionShape,
+    group: usize,
+    scale: f32,
+}
+
+/// Query rows `tokens × (heads of kv_head)` over partitions `parts`; finished into `out`, or,
+/// for one partition of a split group, stored as a partial.
+struct Item {
+    seq: usize,
+    kv_head: usize,
+    tokens: std::ops::Range<usize>,
+    parts: std::ops::Range<usize>,
+    split: Option<Split>,
+}
+
+/// Where a split item's partial goes: `partials[partial..]`, merged by `merges[merge]`.
+#[derive(Clone, Copy)]
+struct Split {
+    partial: usize,
+    merge: usize,
+}
+
+/// Merges partitions `0..parts` of a split group, stored from `partial` on (one block of
+/// `rows·(head_dim+2)` floats per partition), into `out`; run by the item that finishes the
+/// group's last partition.
+struct Merge {
+    kv_head: usize,
+    tokens: std::ops::Range<usize>,
+    partial: usize,
+    parts: usize,
+}
+
+struct Plan {
+    items: Vec<Item>,
+    merges: Vec<Merge>,
+    partial_floats: usize,
+}
+
+impl Plan {
+    fn new(positions: &[usize], seqs: &[SeqSpan], shape: AttentionShape) -> Self {
+        let group = shape.num_heads / shape.num_kv_heads;
+        let mut plan = Plan {
+            items: Vec::new(),
+            merges: Vec::new(),
+            partial_floats: 0,
+        };
+        for (seq, span) in seqs.iter().enumerate() {
+            let tokens = span.query_start..span.query_start + span.query_len;
+            let Some(&last) = positions[tokens.clone()].iter().max() else {
+                continue;
+            };
+            let parts = last / PART + 1;
+            if span.query_len <= QUERY_TILE && parts > 1 {
+                // Decode (or a short chunk) deep into a long history: one item per partition.
+                let block = span.query_len * group * (shape.head_dim + 2);
+                for kv_head in 0..shape.num_kv_heads {
+                    let partial = plan.partial_floats;
+                    for p in 0..parts {
+                        plan.items.push(Item {
+                            seq,
+                            kv_head,
+                            tokens: tokens.clone(),
+                            parts: p..p + 1,
+                            split: Some(Split {
+                                partial: partial + p * block,
+                                merge: plan.merges.len(),
+                            }),
+                        });
+                    }
+                    plan.merges.push(Merge {
+                        kv_head,
+                        tokens: tokens.clone(),
+                        partial,
+                        parts,
+                    });
+                    plan.partial_floats += parts * block;
+                }
+                continue;
+            }
+            // Latest tokens first: they have the most history, and the pool hands items out
+            // in order, so the long ones start early and the short ones fill the tail.
+            let mut t1 = tokens.end;
+            while t1 > tokens.start {
+                let t0 = t1.saturating_sub(QUERY_TILE).max(tokens.start);
+                let last = positions[t0..t1].iter().max().copied().unwrap_or(0);
+                for kv_head in 0..shape.num_kv_heads {
+                    plan.items.push(Item {
+                        seq,
+                        kv_head,
+                        tokens: t0..t1,
+                        parts: 0..last / PART + 1,
+                        split: None,
+                    });
+                }
+                t1 = t0;
+            }
+        }
+        plan
+    }
+}
+
+/// Per-thread buffers, grown to the largest item seen and reused.
+#[derive(Default)]
+struct Scratch {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    q: Vec<f32>,
+    limit: Vec<usize>,
+    /// Running state of each row over the partitions merged so far, and of the current one.
+    m: Vec<f32>,
+    l: Vec<f32>,
+    acc: Vec<f32>,
+    pm: Vec<f32>,
+    pl: Vec<f32>,
+    pacc: Vec<f32>,
+}
+
+impl Scratch {
+    fn fit(&mut self, rows: usize, hd: usize) {
+        fn grow<T: Clone + Default>(v: &mut Vec<T>, len: usize) {
+            if v.len() < len {
+                v.resize(len, T::default());
+            }
+        }
+        grow(&mut self.k, TILE * hd);
+        grow(&mut self.v, TILE * hd);
+        for v in [&mut self.q, &mut self.acc, &mut self.pacc] {
+            grow(v, rows * hd);
+        }
+        for v in [&mut self.m, &mut self.l, &mut self.pm, &mut self.pl] {
+            grow(v, rows);
+        }
+        grow(&mut self.limit, rows);
+    }
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// # Safety
+/// `out`/`partials` must be the buffers of this call's plan, and `isa` detected on this CPU.
+unsafe fn dispatch(isa: AttnIsa, ctx: &Ctx, item: &Item, out: SharedOut, partials: SharedOut) {
+    match isa {
+        // SAFETY: forwarded.
+        AttnIsa::Scalar => unsafe { run_item(Scalar, ctx, item, out, partials) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: forwarded; AVX2/FMA/F16C were detected.
+        AttnIsa::Avx2 => unsafe { run_item_avx2(ctx, item, out, partials) },
+    }
+}
+
+/// `partials`: the merge's own group (partition 0 first).
+///
+/// # Safety
+/// As [`dispatch`].
+unsafe fn dispatch_merge(isa: AttnIsa, ctx: &Ctx, m: &Merge, partials: &[f32], out: SharedOut) {
+    match isa {
+        // SAFETY: forwarded.
+        AttnIsa::Scalar => unsafe { run_merge(Scalar, ctx, m, partials, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: forwarded; AVX2/FMA/F16C were detected.
+        AttnIsa::Avx2 => unsafe { run_merge_avx2(ctx, m, partials, out) },
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run_item_avx2(ctx: &Ctx, item: &Item, out: SharedOut, partials: SharedOut) {
+    // SAFETY: forwarded contract of `dispatch`.
+    unsafe { run_item(ops::Avx2, ctx, item, out, partials) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run_merge_avx2(ctx: &Ctx, m: &Merge, partials: &[f32], out: SharedOut) {
+    // SAFETY: forwarded contract of `dispatch_merge`.
+    unsafe { run_merge(ops::Avx2, ctx, m, partials, out) }
+}
+
+/// Folds partition state `(pm, pl, pacc)` into the running `(m, l, acc)`.
+#[inline(always)]
+unsafe fn merge_into<O: AttnOps>(
+    o: O,
+    (m, l, acc): (&mut f32, &mut f32, &mut [f32]),
+    (pm, pl, pacc): (f32, f32, &[f32]),
+) {
+    let mx = m.max(pm);
+    let (ca, cb) = (exp_scalar(*m - mx), exp_scalar(pm - mx));
+    *l = *l * ca + pl * cb;
+    // SAFETY: the caller's ISA contract.
+    unsafe { o.merge(acc, ca, pacc, cb) };
+    *m = mx;
+}
+
+/// Head `h` of the group of `kv_head` for token `t`: its output (and query) offset.
+#[inline(always)]
+fn head_offset(ctx: &Ctx, t: usize, kv_head: usize, h: usize) -> usize {
+    let hd = ctx.shape.head_dim;
+    t * ctx.shape.num_heads * hd + (kv_head * ctx.group + h) * hd
+}
+
+#[inline(always)]
+unsafe fn run_item<O: AttnOps>(o: O, ctx: &Ctx, item: &Item, out: SharedOut, partials: SharedOut) {
+    let hd = ctx.shape.head_dim;
+    let rows = item.tokens.len() * ctx.group;
+    SCRATCH.with(|cell| {
+        let sc = &mut *cell.borrow_mut();
+        sc.fit(rows, hd);
+        for (r, (t, h)) in item
+            .tokens
+            .clone()
+            .flat_map(|t| (0..ctx.group).map(move |h| (t, h)))
+            .enumerate()
+        {
+            let src = &ctx.q[head_offset(ctx, t, item.kv_head, h)..][..hd];
+            for (d, s) in sc.q[r * hd..(r + 1) * hd].iter_mut().zip(src) {
+                *d = s * ctx.scale;
+            }
+            sc.limit[r] = ctx.positions[t];
+        }
+        let table = &ctx.seqs[item.seq].block_table[..];
+        let max_limit = sc.limit[..rows].iter().copied().max().unwrap_or(0);
+        let mut s = [0f32; TILE];
+        for part in item.parts.clone() {
+            let p0 = part * PART;
+            let end = (p0 + PART).min(max_limit + 1);
+            for r in 0..rows {
+                if sc.limit[r] >= p0 {
+                    sc.pm[r] = f32::NEG_INFINITY;
+                    sc.pl[r] = 0.0;
+                    sc.pacc[r * hd..(r + 1) * hd].fill(0.0);
+                }
+            }
+            for t0 in (p0..end).step_by(TILE) {
+                let nt = TILE.min(end - t0);
+                // SAFETY: the caller's ISA contract; positions lie inside the table (checked
+                // by `ForwardBatch::validate`) and slots inside the pool (`check_slots`).
+                unsafe { gather(o, ctx, table, item.kv_head, t0, nt, sc) };
+                for r in 0..rows {
+                    if sc.limit[r] < t0 {
+                        continue;
+                    }
+                    let n = nt.min(sc.limit[r] + 1 - t0);
+                    let q = &sc.q[r * hd..(r + 1) * hd];
+                    // SAFETY: the caller's ISA contract; scratch sizes from `fit`.
+                    unsafe {
+                        o.scores(q, &sc.k, n, &mut s);
+                        let m_new = s[..n].iter().fold(sc.pm[r], |a, &b| a.max(b));
+                        let alpha = exp_scalar(sc.pm[r] - m_new);
+                        o.exp_sub(&mut s, m_new, n);
+                        let sum = s[..n].iter().fold(0f32, |a, &b| a + b);
+                        sc.pl[r] = sc.pl[r] * alpha + sum;
+                        sc.pm[r] = m_new;
+                        o.accumulate(&mut sc.pacc[r * hd..(r + 1) * hd], alpha, &s, &sc.v, n);
+                    }
+                }
+            }
+            for r in 0..rows {
+                if sc.limit[r] < p0 {
+                    continue;
+                }
+                let pacc = &sc.pacc[r * hd..(r + 1) * hd];
+                if let Some(Split { partial: base, .. }) = item.split {
+                    // SAFETY: this item owns `rows·(hd+2)` floats at `base` (see `Plan`).
+                    let dst = unsafe { partials.range(base + r * (hd + 2), hd + 2) };
+                    dst[0] = sc.pm[r];
+                    dst[1] = sc.pl[r];
+                    dst[2..].copy_from_slice(pacc);
+                } else if part == 0 {
+                    sc.m[r] = sc.pm[r];
+                    sc.l[r] = sc.pl[r];
+                    sc.acc[r * hd..(r + 1) * hd].copy_from_slice(pacc);
+                } else {
+                    let state = (
+                        &mut sc.m[r],
+                        &mut sc.l[r],
+                        &mut sc.acc[r * hd..(r + 1) * hd],
+                    );
+                    // SAFETY: the caller's ISA contract.
+                    unsafe { merge_into(o, state, (sc.pm[r], sc.pl[r], pacc)) };
+                }
+            }
+        }
+        if item.split.is_none() {
+            for (r, (t, h)) in item
+                .tokens
+                .clone()
+                .flat_map(|t| (0..ctx.group).map(move |h| (t, h)))
+                .enumerate()
+            {
+                // SAFETY: row (t, head) of `out` belongs to this item only; ISA as above.
+                unsafe {
+                    let dst = out.range(head_offset(ctx, t, item.kv_head, h), hd);
+                    o.finish(&sc.acc[r * hd..(r + 1) * hd], sc.l[r], dst);
+                }
+            }
+        }
+    });
+}
+
+#[inline(always)]
+unsafe fn run_merge<O: AttnOps>(o: O, ctx: &Ctx, mg: &Merge, partials: &[f32], out: SharedOut) {
+    let hd = ctx.shape.head_dim;
+    let rows = mg.tokens.len() * ctx.group;
+    let block = rows * (hd + 2);
+    SCRATCH.with(|cell| {
+        let sc = &mut *cell.borrow_mut();
+        sc.fit(rows, hd);
+        for (r, (t, h)) in mg
+            .tokens
+            .clone()
+            .flat_map(|t| (0..ctx.group).map(move |h| (t, h)))
+            .enumerate()
+        {
+            let at = |p: usize| &partials[p * block + r * (hd + 2)..][..hd + 2];
+            let first = at(0);
+            let (mut m, mut l) = (first[0], first[1]);
+            let acc = &mut sc.acc[..hd];
+            acc.copy_from_slice(&first[2..]);
+            for p in 1..mg.parts.min(ctx.positions[t] / PART + 1) {
+                let part = at(p);
+                // SAFETY: the caller's ISA contract.
+                unsafe {
+                    merge_into(
+                        o,
+                        (&mut m, &mut l, &mut *acc),
+                        (part[0], part[1], &part[2..]),
+                    )
+                };
+            }
+            // SAFETY: row (t, head) of `out` belongs to this merge only; ISA as above.
+            unsafe {
+                let dst = out.range(head_offset(ctx, t, mg.kv_head, h), hd);
+                o.finish(acc, l, dst);
+            }
+        }
+    });
+}
+
+/// Decodes K and V rows of positions `t0..t0+n` of `kv_head` into the scratch tiles,
+/// walking the block table one block at a time.
+#[inline(always)]
+unsafe fn gather<O: AttnOps>(
+    o: O,
+    ctx: &Ctx,
+    table: &[u32],
+    kv_head: usize,
+    t0: usize,
+    n: usize,
+    sc: &mut Scratch,
+) {
+    let PoolLayer {
+        k,
+        v,
+        dtype,
+        block_size: bs,
+        head_dim: hd,
+        head_bytes: hb,
+        slot_bytes: sb,
+    } = ctx.layer;
+    let (mut pos, end, mut j) = (t0, t0 + n, 0);
+    while pos < end {
+        let (block, within) = (table[pos / bs] as usize, pos % bs);
+        let take = (bs - within).min(end - pos);
+        for i in 0..take {
+            let at = (block * bs + within + i) * sb + kv_head * hb;
+            // SAFETY: the caller's ISA contract; `at + hb` lies in the pool (valid slot).
+            unsafe {
+                o.decode_row(dtype, &k[at..at + hb], &mut sc.k[j * hd..(j + 1) * hd]);
+                o.decode_row(dtype, &v[at..at + hb], &mut sc.v[j * hd..(j + 1) * hd]);
+            }
+            j += 1;
+        }
+        pos += take;
+    }
+}

@@ -1,0 +1,407 @@
+//! The kernel against an f64 reference at long context, and its invariances (batch, chunking,
+//! block size, work split, ISA) bit for bit, for every KV dtype.
+
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::*;
+use crate::config::Qwen2Config;
+use crate::kv_dtype::KvStorage;
+use crate::paged_kv::PagedKvCache;
+
+const DTYPES: [KvStorage; 4] = [
+    KvStorage::F32,
+    KvStorage::F16,
+    KvStorage::Bf16,
+    KvStorage::Q8_0,
+];
+
+/// Qwen2.5-0.5B's attention: 14 query heads over 2 KV heads of 64.
+const SHAPE: AttentionShape = AttentionShape {
+    num_heads: 14,
+    num_kv_heads: 2,
+    head_dim: 64,
+};
+
+fn config(shape: AttentionShape) -> Qwen2Config {
+    Qwen2Config {
+        vocab_size: 8,
+        hidden_size: shape.num_heads * shape.head_dim,
+        intermediate_size: 8,
+        num_hidden_layers: 1,
+        num_attention_heads: shape.num_heads,
+        num_key_value_heads: shape.num_kv_heads,
+        max_position_embeddings: 1 << 20,
+        rope_theta: 10_000.0,
+        rms_norm_eps: 1e-6,
+        tie_word_embeddings: false,
+        torch_dtype: None,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+    }
+}
+
+fn random(len: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..len).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+/// One sequence of `len` tokens in a pool of blocks of `bs`, its block table a scrambled
+/// order of the pool's blocks (so that paging is really exercised).
+struct Fixture {
+    pool: PagedKvCache,
+    table: Vec<u32>,
+    shape: AttentionShape,
+}
+
+impl Fixture {
+    fn new(shape: AttentionShape, len: usize, bs: usize, dtype: KvStorage, seed: u64) -> Self {
+        let blocks = len.div_ceil(bs);
+        let table: Vec<u32> = (0..blocks as u32)
+            .map(|b| (b * 7 + 3) % blocks as u32)
+            .collect();
+        let table = if blocks.is_multiple_of(7) {
+            (0..blocks as u32).rev().collect()
+        } else {
+            table
+        };
+        let mut pool = PagedKvCache::new(&config(shape), blocks, bs, dtype);
+        let row = shape.num_kv_heads * shape.head_dim;
+        // Keys large enough that softmax is far from uniform.
+        let k = random(len * row, seed, 2.0);
+        let v = random(len * row, seed + 1, 1.0);
+        let slots: Vec<usize> = (0..len)
+            .map(|p| table[p / bs] as usize * bs + p % bs)
+            .collect();
+        pool.write(0, &slots, &k, &v);
+        Self { pool, table, shape }
+    }
+
+    /// Attention of `q` rows at `positions` (one span of this sequence).
+    fn run(&self, q: &[f32], positions: &[usize], isa: AttnIsa) -> Vec<f32> {
+        let span = SeqSpan {
+            query_start: 0,
+            query_len: positions.len(),
+            block_table: self.table.clone(),
+            output: crate::forward_batch::SpanOutput::LastLogits,
+        };
+        paged_attention(q, positions, &[span], self.pool.layer(0), self.shape, isa)
+    }
+
+    /// The f64 softmax over the pool's (decoded) rows.
+    fn reference(&self, q: &[f32], positions: &[usize]) -> Vec<f64> {
+        let AttentionShape {
+            num_heads,
+            num_kv_heads,
+            head_dim: hd,
+        } = self.shape;
+        let layer = self.pool.layer(0);
+        let bs = layer.block_size;
+        let last = positions.iter().copied().max().unwrap_or(0);
+        // Every cached row decoded once: [buffer][position][kv head][hd].
+        let decoded: Vec<Vec<f64>> = [layer.k, layer.v]
+            .iter()
+            .map(|buf| {
+                let mut all = Vec::with_capacity((last + 1) * num_kv_heads * hd);
+                let mut one = vec![0f32; hd];
+                for pos in 0..=last {
+                    for g in 0..num_kv_heads {
+                        let at = (self.table[pos / bs] as usize * bs + pos % bs) * layer.slot_bytes
+                            + g * layer.head_bytes;
+                        layer
+                            .dtype
+                            .decode(&buf[at..at + layer.head_bytes], &mut one);
+                        all.extend(one.iter().map(|x| f64::from(*x)));
+                    }
+                }
+                all
+            })
+            .collect();
+        let row = |which: usize, pos: usize, g: usize| {
+            &decoded[which][(pos * num_kv_heads + g) * hd..][..hd]
+        };
+        let mut out = vec![0f64; q.len()];
+        for (t, &p) in positions.iter().enumerate() {
+            for h in 0..num_heads {
+                let g = h / (num_heads / num_kv_heads);
+                let qh = &q[(t * num_heads + h) * hd..][..hd];
+                let scores: Vec<f64> = (0..=p)
+                    .map(|j| {
+                        let k = row(0, j, g);
+                        qh.iter()
+                            .zip(k)
+                            .map(|(a, b)| f64::from(*a) * b)
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let sum: f64 = w.iter().sum();
+                let o = &mut out[(t * num_heads + h) * hd..][..hd];
+                for (j, wj) in w.iter().enumerate() {
+                    for (od, vd) in o.iter_mut().zip(row(1, j, g)) {
+                        *od += wj / sum * vd;
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+fn isas() -> Vec<AttnIsa> {
+    let mut v = vec![AttnIsa::Scalar];
+    if AttnIsa::detect(SHAPE.head_dim) != AttnIsa::Scalar {
+        v.push(AttnIsa::detect(SHAPE.head_dim));
+    }
+    v
+}
+
+#[test]
+fn exp_is_accurate_on_the_softmax_range() {
+    for i in 0..=17_400 {
+        let x = -(i as f32) * 0.005;
+        let (got, want) = (f64::from(ops::exp_scalar(x)), f64::from(x).exp());
+        assert!(
+            (got - want).abs() <= 3e-7 * want,
+            "exp({x}) = {got}, want {want}"
+        );
+    }
+    assert!(ops::exp_scalar(f32::NEG_INFINITY) < 1e-37);
+}
+
+#[test]
+fn matches_an_f64_reference_beyond_4k_positions_for_every_block_size_and_dtype() {
+    let len = 4100;
+    // Decode at the end (split over partitions), a short chunk (split) and a longer one
+    // (partitions in turn), all past 4k.
+    let cases: [Vec<usize>; 3] = [
+        vec![len - 1],
+        (len - 3..len).collect(),
+        (len - 9..len).collect(),
+    ];
+    for dtype in DTYPES {
+        for bs in [16, 32, 64] {
+            let fx = Fixture::new(SHAPE, len, bs, dtype, 11);
+            for positions in &cases {
+                let q = random(positions.len() * SHAPE.num_heads * SHAPE.head_dim, 5, 1.0);
+                let want = fx.reference(&q, positions);
+                for isa in isas() {
+                    let got = fx.run(&q, positions, isa);
+                    let err = got
+                        .iter()
+                        .zip(&want)
+                        .map(|(a, b)| (f64::from(*a) - b).abs())
+                        .fold(0f64, f64::max);
+                    assert!(
+                        err < 2e-6,
+                        "{dtype:?} bs={bs} {isa:?} {} rows: max error {err}",
+                        positions.len()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_row_is_bit_identical_however_the_prompt_is_chunked_or_the_pool_is_paged() {
+    let len = 600; // crosses two partition boundaries
+    let width = SHAPE.num_heads * SHAPE.head_dim;
+    let q = random(len * width, 9, 1.0);
+    for dtype in DTYPES {
+        let pools = [
+            Fixture::new(SHAPE, len, 16, dtype, 3),
+            Fixture::new(SHAPE, len, 64, dtype, 3),
+            Fixture::new(SHAPE, len, 1, dtype, 3),
+        ];
+        let positions: Vec<usize> = (0..len).collect();
+        let fast = AttnIsa::detect(SHAPE.head_dim);
+        let whole = pools[0].run(&q, &positions, fast);
+        // The portable path is slow (software fma): one chunking of it is enough.
+        let mut runs = vec![(AttnIsa::Scalar, 64)];
+        for chunk in [1, 7, 64, 512, len] {
+            runs.push((fast, chunk));
+        }
+        for fx in &pools {
+            for &(isa, chunk) in &runs {
+                let mut chunked = Vec::with_capacity(q.len());
+                for start in (0..len).step_by(chunk) {
+                    let end = (start + chunk).min(len);
+                    chunked.extend(fx.run(
+                        &q[start * width..end * width],
+                        &positions[start..end],
+                        isa,
+                    ));
+                }
+                assert!(
+                    chunked == whole,
+                    "{dtype:?} bs={} {isa:?} chunk {chunk} differs",
+                    fx.pool.block_size()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_row_is_bit_identical_alone_and_in_a_mixed_batch() {
+    let width = SHAPE.num_heads * SHAPE.head_dim;
+    for dtype in DTYPES {
+        // Three sequences in one pool: a long decode, a prefill chunk and a short history.
+        let lens = [700usize, 300, 20];
+        let bs = 16;
+        let total_blocks: usize = lens.iter().map(|l| l.div_ceil(bs)).sum();
+        let mut pool = PagedKvCache::new(&config(SHAPE), total_blocks, bs, dtype);
+        let row = SHAPE.num_kv_heads * SHAPE.head_dim;
+        let mut tables = Vec::new();
+        let mut next = 0u32;
+        for (i, &len) in lens.iter().enumerate() {
+            let blocks = len.div_ceil(bs) as u32;
+            // Interleave: the tables take blocks from the back of the pool forwards.
+            let table: Vec<u32> = (next..next + blocks).rev().collect();
+            next += blocks;
+            let slots: Vec<usize> = (0..len)
+                .map(|p| table[p / bs] as usize * bs + p % bs)
+                .collect();
+            pool.write(
+                0,
+                &slots,
+                &random(len * row, 20 + i as u64, 2.0),
+                &random(len * row, 30 + i as u64, 1.0),
+            );
+            tables.push(table);
+        }
+        // The batch: seq 0 decodes its last token, seq 1 runs its last 37, seq 2 its last 2.
+        let rows: [std::ops::Range<usize>; 3] = [699..700, 263..300, 18..20];
+        let mut q = Vec::new();
+        let mut positions = Vec::new();
+        let mut spans = Vec::new();
+        for (i, r) in rows.iter().enumerate() {
+            spans.push(SeqSpan {
+                query_start: positions.len(),
+                query_len: r.len(),
+                block_table: tables[i].clone(),
+                output: crate::forward_batch::SpanOutput::LastLogits,
+            });
+            positions.extend(r.clone());
+            q.extend(random(r.len() * width, 40 + i as u64, 1.0));
+        }
+        for isa in isas() {
+            let batched = paged_attention(&q, &positions, &spans, pool.layer(0), SHAPE, isa);
+            for (i, span) in spans.iter().enumerate() {
+                let range = span.query_start * width..(span.query_start + span.query_len) * width;
+                let alone_span = SeqSpan {
+                    query_start: 0,
+                    ..span.clone()
+                };
+                let alone = paged_attention(
+                    &q[range.clone()],
+                    &positions[span.query_start..span.query_start + span.query_len],
+                    &[alone_span],
+                    pool.layer(0),
+                    SHAPE,
+                    AttnIsa::Scalar,
+                );
+                assert!(
+                    batched[range] == alone[..],
+                    "{dtype:?} {isa:?}: sequence {i} differs in the batch"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn odd_head_sizes_run_on_the_portable_path() {
+    let shape = AttentionShape {
+        num_heads: 6,
+        num_kv_heads: 3,
+        head_dim: 12,
+    };
+    assert_eq!(AttnIsa::detect(12), AttnIsa::Scalar);
+    for dtype in DTYPES {
+        let fx = Fixture::new(shape, 300, 16, dtype, 1);
+        let positions: Vec<usize> = (290..300).collect();
+        let q = random(positions.len() * 6 * 12, 2, 1.0);
+        let want = fx.reference(&q, &positions);
+        let got = fx.run(&q, &positions, AttnIsa::Scalar);
+        let err = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (f64::from(*a) - b).abs())
+            .fold(0f64, f64::max);
+        assert!(err < 2e-6, "{dtype:?}: max error {err}");
+    }
+}
+
+/// The history as plain f32 rows, for the reference kernel.
+struct PlainView {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    row: usize,
+    hd: usize,
+}
+
+impl crate::layers::KvView for PlainView {
+    fn key(&self, pos: usize, kv_head: usize) -> &[f32] {
+        &self.k[pos * self.row + kv_head * self.hd..][..self.hd]
+    }
+    fn value(&self, pos: usize, kv_head: usize) -> &[f32] {
+        &self.v[pos * self.row + kv_head * self.hd..][..self.hd]
+    }
+}
+
+/// Speed of this kernel against the plain reference (the model's attention before it), on
+/// Qwen2.5-0.5B's shape: `cargo test --release -p novainfer-model --lib -- --ignored
+/// attention_speed --nocapture`. A measurement, not a test.
+#[test]
+#[ignore]
+fn attention_speed() {
+    use std::time::Instant;
+    let width = SHAPE.num_heads * SHAPE.head_dim;
+    let row = SHAPE.num_kv_heads * SHAPE.head_dim;
+    let isa = AttnIsa::detect(SHAPE.head_dim);
+    for (what, depth, queries) in [
+        ("decode, depth 4096", 4096, 1),
+        ("decode, depth 512", 512, 1),
+        ("prefill 512 (whole prompt)", 512, 512),
+        ("prefill chunk of 512 at depth 3584..4096", 4096, 512),
+    ] {
+        let q = random(queries * width, 1, 1.0);
+        let positions: Vec<usize> = (depth - queries..depth).collect();
+        let plain = PlainView {
+            k: random(depth * row, 2, 2.0),
+            v: random(depth * row, 3, 1.0),
+            row,
+            hd: SHAPE.head_dim,
+        };
+        let rows: Vec<crate::layers::QueryRow> = positions
+            .iter()
+            .map(|&position| crate::layers::QueryRow { position, seq: 0 })
+            .collect();
+        let reps = if queries == 1 { 50 } else { 1 };
+        let t = Instant::now();
+        for _ in 0..reps {
+            std::hint::black_box(crate::layers::attention(
+                &q,
+                &rows,
+                std::slice::from_ref(&plain),
+                SHAPE,
+            ));
+        }
+        let old = t.elapsed().as_secs_f64() / reps as f64;
+        let mut line = format!("{what}: reference {:.2} ms", old * 1e3);
+        for dtype in [KvStorage::F32, KvStorage::F16, KvStorage::Q8_0] {
+            let fx = Fixture::new(SHAPE, depth, 16, dtype, 2);
+            let t = Instant::now();
+            for _ in 0..reps {
+                std::hint::black_box(fx.run(&q, &positions, isa));
+            }
+            let new = t.elapsed().as_secs_f64() / reps as f64;
+            line += &format!(", {dtype:?} {:.2} ms ({:.1}x)", new * 1e3, old / new);
+        }
+        println!("{line} [one layer, {isa:?}]");
+    }
+}
