@@ -8,6 +8,7 @@
 use thiserror::Error;
 
 use crate::builder::setter;
+use crate::structured::StructuredOutput;
 
 /// A rejected parameter: which one, and why.
 #[derive(Debug, Clone, PartialEq, Error)]
@@ -57,6 +58,7 @@ pub struct SamplingParams {
     stop: StopCondition,
     logprobs: Option<usize>,
     n: usize,
+    structured: Option<StructuredOutput>,
 }
 
 /// The most completions one request may ask for: each is a sequence in the batch.
@@ -124,6 +126,10 @@ impl SamplingParams {
     pub fn n(&self) -> usize {
         self.n
     }
+    /// The constraint the output must match, if any (`structured_outputs`).
+    pub fn structured_output(&self) -> Option<&StructuredOutput> {
+        self.structured.as_ref()
+    }
     /// The parameters of completion `index` of `n`: a given seed becomes
     /// `seed + index`, so completions differ from each other yet each is
     /// reproducible, and completion 0 is what `n == 1` would give.
@@ -160,6 +166,7 @@ pub struct SamplingParamsBuilder {
     ignore_eos: bool,
     logprobs: Option<i64>,
     n: i64,
+    structured_output: Option<StructuredOutput>,
 }
 
 impl Default for SamplingParamsBuilder {
@@ -180,6 +187,7 @@ impl Default for SamplingParamsBuilder {
             ignore_eos: false,
             logprobs: None,
             n: 1,
+            structured_output: None,
         }
     }
 }
@@ -205,6 +213,10 @@ impl SamplingParamsBuilder {
     setter!(ignore_eos: bool);
     setter!(logprobs: Option<i64>);
     setter!(n: i64);
+    setter!(
+        /// Constrains the output; checked fully (compiled) only by the engine.
+        structured_output: Option<StructuredOutput>
+    );
 
     pub fn build(self) -> Result<SamplingParams, ParamError> {
         let finite = |param: &'static str, v: f32| {
@@ -301,6 +313,10 @@ impl SamplingParamsBuilder {
                 format!("must be in [1, {MAX_N}], got {}", self.n),
             ));
         }
+        if let Some(s) = &self.structured_output {
+            s.check()
+                .map_err(|reason| ParamError::new("structured_outputs", reason))?;
+        }
         Ok(SamplingParams {
             temperature,
             top_k,
@@ -318,6 +334,7 @@ impl SamplingParamsBuilder {
             },
             logprobs,
             n: self.n as usize,
+            structured: self.structured_output,
         })
     }
 }
@@ -366,6 +383,18 @@ mod tests {
         assert_eq!(rejected(b().logprobs(Some(21))).param, "logprobs");
         assert_eq!(rejected(b().n(0)).param, "n");
         assert_eq!(rejected(b().n(MAX_N as i64 + 1)).param, "n");
+        for bad in [
+            StructuredOutput::Choice(vec![]),
+            StructuredOutput::Choice(vec!["a".into(), String::new()]),
+            StructuredOutput::Regex(String::new()),
+            StructuredOutput::Grammar(" ".into()),
+            StructuredOutput::JsonSchema(String::new()),
+        ] {
+            assert_eq!(
+                rejected(b().structured_output(Some(bad))).param,
+                "structured_outputs"
+            );
+        }
         let msg = rejected(b().top_p(1.5)).to_string();
         assert!(
             msg.contains("top_p") && msg.contains("(0, 1]") && msg.contains("1.5"),
