@@ -24,11 +24,13 @@ from .errors import (
 from .async_llm import AsyncLLM
 from .llm import LLM
 from .outputs import CompletionOutput, RequestOutput, StreamDelta
+from .structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "AsyncLLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "StreamDelta",

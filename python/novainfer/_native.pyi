@@ -4,6 +4,8 @@ from collections.abc import Iterator
 from os import PathLike
 from typing import final
 
+from .structured_outputs import StructuredOutputsParams
+
 __all__ = ["Engine", "SamplingParams", "TokenStream", "__version__", "cuda_unavailable_reason", "serve"]
 __version__: str
 
@@ -31,6 +33,7 @@ class SamplingParams:
         ignore_eos: bool = False,
         logprobs: int | None = None,
         n: int = 1,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams: ...
     @property
     def temperature(self) -> float: ...
@@ -60,6 +63,8 @@ class SamplingParams:
     def logprobs(self) -> int | None: ...
     @property
     def n(self) -> int: ...
+    @property
+    def structured_outputs(self) -> StructuredOutputsParams | None: ...
 
 _Logprobs = list[dict[int, float]]
 

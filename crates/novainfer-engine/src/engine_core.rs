@@ -11,7 +11,7 @@
 //! `novainfer_core::Fork`), so the prompt is computed once.
 
 use std::collections::HashMap;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
 use novainfer_core::{
@@ -20,6 +20,7 @@ use novainfer_core::{
 };
 use novainfer_model::sampler::{SampledToken, Sampler};
 use novainfer_model::EmbedJob;
+use novainfer_structured::{CompiledGrammar, Constraint, Progress};
 
 use crate::engine::{Frontend, LoadedEngine};
 use crate::error::{EngineError, Result};
@@ -29,6 +30,8 @@ use crate::sequence::SequenceOutput;
 
 struct ActiveRequest {
     sampler: Sampler,
+    /// The request's grammar state, when its output is constrained.
+    constraint: Option<Constraint>,
     /// `n > 1`: the other completions, held back until this one's prompt is
     /// computed; then each samples its first token from the same logits.
     pending_children: Vec<PendingChild>,
@@ -40,6 +43,42 @@ type Sampled = (Vec<(RequestId, SampledToken)>, Vec<Fork>);
 struct PendingChild {
     request: Request,
     sampler: Sampler,
+    constraint: Option<Constraint>,
+}
+
+/// What the grammars said about this step's tokens, for `update`.
+#[derive(Default)]
+struct GrammarOutcomes {
+    /// Complete: the request ends with `stop` on this token.
+    finished: Vec<RequestId>,
+    /// The matcher failed (a bug in the grammar engine): the request fails.
+    failed: Vec<(RequestId, String)>,
+}
+
+/// Samples one row, masked by the request's grammar when it has one, and advances the grammar
+/// by the token; the next mask starts computing at once, off this thread, so it is ready by the
+/// time the next forward pass is.
+fn sample_row(
+    id: RequestId,
+    sampler: &mut Sampler,
+    constraint: Option<&mut Constraint>,
+    row: &mut [f32],
+    outcomes: &mut GrammarOutcomes,
+) -> SampledToken {
+    let Some(constraint) = constraint else {
+        return sampler.sample(row);
+    };
+    if let Err(e) = constraint.apply_mask(row) {
+        outcomes.failed.push((id, e.to_string()));
+        return sampler.sample(row);
+    }
+    let token = sampler.sample(row);
+    match constraint.accept(token.token_id) {
+        Ok(Progress::Finished) => outcomes.finished.push(id),
+        Ok(Progress::Continue) => constraint.prefetch(),
+        Err(e) => outcomes.failed.push((id, e.to_string())),
+    }
+    token
 }
 
 /// Counters a user can read (`llm.stats()`).
@@ -74,6 +113,7 @@ pub struct EngineCore {
     stats: EngineStats,
     /// The step's token budget, also the largest chunk of an embedding run between two steps.
     max_num_batched_tokens: usize,
+    grammar_outcomes: GrammarOutcomes,
 }
 
 impl EngineCore {
@@ -96,6 +136,7 @@ impl EngineCore {
             pending: Vec::new(),
             seed: loaded.seed,
             stats,
+            grammar_outcomes: GrammarOutcomes::default(),
         }
     }
 
@@ -121,12 +162,14 @@ impl EngineCore {
 
     /// Queues a request with ids `id .. id + n` (unique, reserved by the caller),
     /// one per completion; all their deltas go to `sink`. The prompt must already
-    /// be checked (`Frontend::prompt_token_ids`).
+    /// be checked (`Frontend::prompt_token_ids`); `grammar` is `params`' constraint, compiled
+    /// (`Frontend::compile_structured`).
     pub fn add_request(
         &mut self,
         id: RequestId,
         prompt_ids: Vec<u32>,
         params: SamplingParams,
+        grammar: Option<Arc<CompiledGrammar>>,
         sink: DeltaSink,
     ) -> Result<()> {
         let max_tokens = self.frontend.max_new_tokens(prompt_ids.len(), &params)?;
@@ -149,11 +192,17 @@ impl EngineCore {
                 .with_stop_token_ids(stop.stop_token_ids.clone())
                 .with_ignore_eos(stop.ignore_eos);
             let sampler = Sampler::new(&completion, &prompt_ids, self.seed.wrapping_add(cid.0));
-            PendingChild { request, sampler }
+            let constraint = grammar.as_ref().map(|g| Constraint::new(g.matcher()));
+            PendingChild {
+                request,
+                sampler,
+                constraint,
+            }
         });
         let parent = completions.next().expect("n >= 1 by validation");
         let active = ActiveRequest {
             sampler: parent.sampler,
+            constraint: parent.constraint,
             pending_children: completions.collect(),
         };
         self.active.insert(id, active);
@@ -255,8 +304,14 @@ impl EngineCore {
                 .get_mut(&s.request_id)
                 .expect("scheduled request is active: this is a bug");
             for mut child in std::mem::take(&mut active.pending_children) {
-                let first = child.sampler.sample(&mut row.to_vec());
                 let id = child.request.id;
+                let first = sample_row(
+                    id,
+                    &mut child.sampler,
+                    child.constraint.as_mut(),
+                    &mut row.to_vec(),
+                    &mut self.grammar_outcomes,
+                );
                 sampled.push((id, first.clone()));
                 forks.push(Fork {
                     parent: s.request_id,
@@ -267,6 +322,7 @@ impl EngineCore {
                     id,
                     ActiveRequest {
                         sampler: child.sampler,
+                        constraint: child.constraint,
                         pending_children: Vec::new(),
                     },
                 );
@@ -275,7 +331,14 @@ impl EngineCore {
                 .active
                 .get_mut(&s.request_id)
                 .expect("scheduled request is active: this is a bug");
-            sampled.push((s.request_id, active.sampler.sample(row)));
+            let token = sample_row(
+                s.request_id,
+                &mut active.sampler,
+                active.constraint.as_mut(),
+                row,
+                &mut self.grammar_outcomes,
+            );
+            sampled.push((s.request_id, token));
         }
         Ok((sampled, forks))
     }
@@ -300,18 +363,41 @@ impl EngineCore {
             .collect();
         let updates = self.scheduler.update_with_forks(out, &tokens, forks);
         let mut sampled: HashMap<RequestId, SampledToken> = sampled.into_iter().collect();
+        let outcomes = std::mem::take(&mut self.grammar_outcomes);
         for u in updates {
             let Some(token) = sampled.remove(&u.request_id) else {
                 continue;
             };
+            if let Some((_, message)) = outcomes.failed.iter().find(|(id, _)| *id == u.request_id) {
+                tracing::warn!(id = u.request_id.0, %message, "structured output failed");
+                self.active.remove(&u.request_id);
+                self.scheduler.abort_request(u.request_id);
+                self.emit(OutputEvent::Failed {
+                    id: u.request_id,
+                    error: EngineError::StepFailed {
+                        message: format!("structured output: {message}"),
+                    },
+                });
+                continue;
+            }
             self.stats.num_generated_tokens += 1;
-            if u.finish_reason.is_some() {
+            let mut finish = u.finish_reason;
+            // A complete grammar ends the request as a stop would, even on its last allowed
+            // token (the output is whole, not cut).
+            if outcomes.finished.contains(&u.request_id) {
+                if finish.is_none() {
+                    self.scheduler
+                        .finish_request(u.request_id, FinishReason::Stop);
+                }
+                finish = Some(FinishReason::Stop);
+            }
+            if finish.is_some() {
                 self.active.remove(&u.request_id);
             }
             self.emit(OutputEvent::Token {
                 id: u.request_id,
                 token,
-                finish: u.finish_reason,
+                finish,
                 num_cached_tokens: u.num_cached_tokens,
             });
         }

@@ -47,6 +47,10 @@ pub fn sampling_params(
         .ignore_eos(shared.ignore_eos.unwrap_or(false))
         .logprobs(endpoint.logprobs)
         .n(shared.n.unwrap_or(1))
+        .structured_output(crate::structured::structured_output(
+            shared.response_format.as_ref(),
+            shared.structured_outputs.as_ref(),
+        )?)
         .build()?;
     Ok(params)
 }

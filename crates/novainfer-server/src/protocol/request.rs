@@ -35,6 +35,10 @@ pub struct SharedFields {
     pub user: Option<String>,
     /// Seconds this request may take (capped by the server's `--request-timeout`).
     pub timeout: Option<f64>,
+    /// OpenAI's output constraint (see `crate::structured`).
+    pub response_format: Option<Value>,
+    /// vLLM's output constraint (see `crate::structured`).
+    pub structured_outputs: Option<Value>,
 }
 
 impl SharedFields {
@@ -67,6 +71,8 @@ pub const SHARED_FIELDS: &[&str] = &[
     "stream_options",
     "user",
     "timeout",
+    "response_format",
+    "structured_outputs",
 ];
 
 #[derive(Debug, Default, Deserialize)]
@@ -85,7 +91,6 @@ const UNSUPPORTED_FIELDS: &[&str] = &[
     "functions",
     "function_call",
     "parallel_tool_calls",
-    "response_format",
     "audio",
     "modalities",
     "prediction",
