@@ -73,3 +73,25 @@ def test_session_follow_up_reuses_the_prefix_cache(server):
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
     assert second.usage.prompt_tokens_details.cached_tokens >= 16
     assert "Rome" in second.choices[0].message.content
+
+
+def test_openai_parse_returns_a_pydantic_object(server):
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+        population_millions: float
+
+    client = server.client()
+    r = client.beta.chat.completions.parse(
+        model="qwen2.5-coder-0.5b",
+        messages=[{"role": "user", "content": "Give the capital of France as JSON."}],
+        response_format=City,
+        temperature=0,
+        max_tokens=60,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, City)
+    assert "Paris" in choice.message.parsed.name

@@ -383,8 +383,11 @@ impl EngineCore {
             self.stats.num_generated_tokens += 1;
             let mut finish = u.finish_reason;
             // A complete grammar ends the request as a stop would, even on its last allowed
-            // token (the output is whole, not cut).
-            if outcomes.finished.contains(&u.request_id) {
+            // token (the output is whole, not cut). An end token completing it stays a hidden
+            // stop token.
+            let completes_constraint =
+                outcomes.finished.contains(&u.request_id) && finish != Some(FinishReason::Stop);
+            if completes_constraint {
                 if finish.is_none() {
                     self.scheduler
                         .finish_request(u.request_id, FinishReason::Stop);
@@ -398,6 +401,7 @@ impl EngineCore {
                 id: u.request_id,
                 token,
                 finish,
+                completes_constraint,
                 num_cached_tokens: u.num_cached_tokens,
             });
         }
