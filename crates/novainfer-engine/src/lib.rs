@@ -26,3 +26,6 @@ pub use error::{EngineError, Result};
 pub use handle::{AbortHandle, EngineHandle, NextDelta, RequestStream};
 pub use output_processor::DeltaSink;
 pub use request::{Delta, Prompt, RequestOutput, TokenLogprob};
+/// Constrained decoding (llguidance): servers build tool-call grammars with
+/// `structured::tool_grammar` and pass them as `SamplingParams::structured_output`.
+pub use novainfer_structured as structured;
