@@ -196,15 +196,18 @@ mod tests {
 
     #[test]
     fn response_format_forms() {
-        assert_eq!(so(Some(json!({"type": "text"})), None).unwrap(), None);
         assert_eq!(
-            so(Some(json!({"type": "json_object"})), None).unwrap(),
+            so(Some(json!({"type": "text"})), None).expect("valid"),
+            None
+        );
+        assert_eq!(
+            so(Some(json!({"type": "json_object"})), None).expect("valid"),
             Some(StructuredOutput::JsonObject)
         );
         let rf = json!({"type": "json_schema", "json_schema":
             {"name": "x", "strict": true, "schema": {"type": "integer"}}});
         assert_eq!(
-            so(Some(rf), None).unwrap(),
+            so(Some(rf), None).expect("valid"),
             Some(StructuredOutput::JsonSchema(r#"{"type":"integer"}"#.into()))
         );
     }
@@ -212,28 +215,28 @@ mod tests {
     #[test]
     fn structured_outputs_forms() {
         assert_eq!(
-            so(None, Some(json!({"regex": "a+"}))).unwrap(),
+            so(None, Some(json!({"regex": "a+"}))).expect("valid"),
             Some(StructuredOutput::Regex("a+".into()))
         );
         assert_eq!(
-            so(None, Some(json!({"choice": ["a", "b"], "regex": null}))).unwrap(),
+            so(None, Some(json!({"choice": ["a", "b"], "regex": null}))).expect("valid"),
             Some(StructuredOutput::Choice(vec!["a".into(), "b".into()]))
         );
         assert_eq!(
-            so(None, Some(json!({"json": "{\"type\":\"string\"}"}))).unwrap(),
+            so(None, Some(json!({"json": "{\"type\":\"string\"}"}))).expect("valid"),
             Some(StructuredOutput::JsonSchema("{\"type\":\"string\"}".into()))
         );
         assert_eq!(
-            so(None, Some(json!({"grammar": "start: \"x\""}))).unwrap(),
+            so(None, Some(json!({"grammar": "start: \"x\""}))).expect("valid"),
             Some(StructuredOutput::Grammar("start: \"x\"".into()))
         );
         assert_eq!(
-            so(None, Some(json!({"json_object": true}))).unwrap(),
+            so(None, Some(json!({"json_object": true}))).expect("valid"),
             Some(StructuredOutput::JsonObject)
         );
         // text is no constraint, so it does not conflict.
         assert_eq!(
-            so(Some(json!({"type": "text"})), Some(json!({"regex": "a"}))).unwrap(),
+            so(Some(json!({"type": "text"})), Some(json!({"regex": "a"}))).expect("valid"),
             Some(StructuredOutput::Regex("a".into()))
         );
     }
