@@ -10,7 +10,7 @@ use toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
 use crate::tool_grammar::{tool_call_grammar, ToolSpec};
 use crate::{Constraint, GrammarCompiler, Progress, StructuredError, StructuredOutput};
 
-const EOS: u32 = 256 + 6;
+const EOS: u32 = 256 + 8;
 const END_OF_TEXT: u32 = EOS + 1;
 
 fn words() -> Vec<Vec<u8>> {
@@ -262,7 +262,8 @@ fn tool_call_grammar_gives_calls_valid_against_their_schemas() {
         ToolSpec {
             name: "get_weather".into(),
             parameters: Some(serde_json::json!({"type":"object",
-                "properties":{"city":{"type":"string","maxLength":4}},"required":["city"]})),
+                "properties":{"city":{"type":"string","maxLength":4}},"required":["city"],
+                "additionalProperties":false})),
         },
         ToolSpec {
             name: "ping".into(),
@@ -297,4 +298,74 @@ fn tool_call_grammar_gives_calls_valid_against_their_schemas() {
         );
     }
     assert!(seen >= 10, "{seen}");
+}
+
+#[test]
+fn auto_tool_grammar_is_free_text_until_the_trigger_then_a_valid_call() {
+    use crate::tool_grammar::auto_tool_call_grammar;
+    let compiler = compiler();
+    let tools = vec![ToolSpec {
+        name: "f".into(),
+        parameters: Some(serde_json::json!({"type":"object",
+            "properties":{"a":{"type":"boolean"}},"required":["a"],"additionalProperties":false})),
+    }];
+    let spec = auto_tool_call_grammar(&tools, true);
+    // Free text first; once the trigger is written, only the call's JSON may follow.
+    let mut c = constraint(&compiler, spec.clone());
+    for b in b"hi <tool_call>\n" {
+        let mut logits = vec![0.0f32; words().len()];
+        c.apply_mask(&mut logits).expect("mask");
+        assert!(logits[*b as usize].is_finite(), "byte {:?}", *b as char);
+        c.accept(*b as u32).expect("allowed");
+    }
+    let mut logits = vec![0.0f32; words().len()];
+    c.apply_mask(&mut logits).expect("mask");
+    let allowed: Vec<u32> = (0..logits.len() as u32)
+        .filter(|&i| logits[i as usize].is_finite())
+        .collect();
+    assert!(
+        allowed
+            .iter()
+            .all(|&t| words()[t as usize].starts_with(b"{")),
+        "{allowed:?}"
+    );
+    // Random free text never contains the trigger; random calls after it are valid.
+    let trigger = words()
+        .iter()
+        .position(|w| w == b"<tool_call>")
+        .expect("a trigger token") as u32;
+    let mut calls = 0;
+    for seed in 0..30 {
+        let mut c = constraint(&compiler, spec.clone());
+        let (text, _) = generate(&mut c, seed, 40);
+        if let Some((_, after)) = text.split_once("<tool_call>") {
+            // Written by chance: it starts a call at once.
+            let call = "\n{\"name\": \"f\", \"arguments\": {\"a\": ";
+            assert!(
+                call.starts_with(after) || after.starts_with(call),
+                "{text:?}"
+            );
+        }
+
+        let mut c = constraint(&compiler, spec.clone());
+        c.accept(b'o' as u32).expect("free text");
+        c.accept(trigger).expect("the trigger");
+        let (rest, done) = generate(&mut c, seed, 150);
+        if !done {
+            continue;
+        }
+        calls += 1;
+        for block in format!("<tool_call>{rest}").split("\n<tool_call>") {
+            let body = block
+                .trim_start_matches("<tool_call>")
+                .strip_prefix('\n')
+                .and_then(|b| b.strip_suffix("\n</tool_call>"))
+                .unwrap_or_else(|| panic!("{rest:?}"));
+            let call: Value =
+                serde_json::from_str(body).unwrap_or_else(|e| panic!("{body:?}: {e}"));
+            assert_eq!(call["name"], "f");
+            assert!(call["arguments"]["a"].is_boolean(), "{body}");
+        }
+    }
+    assert!(calls >= 10, "{calls}");
 }
