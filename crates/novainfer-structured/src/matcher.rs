@@ -188,8 +188,8 @@ impl Constraint {
         self.matcher()?.accept(token)
     }
 
-    /// A fresh copy for another completion of the same prompt is not offered: each completion
-    /// starts from the compiled grammar instead (see `CompiledGrammar::matcher`).
+    /// Whether the output so far is a complete match. (Each completion of a prompt gets its own
+    /// `Constraint` from the compiled grammar: see `CompiledGrammar::matcher`.)
     pub fn is_accepting(&mut self) -> bool {
         self.matcher().map(|m| m.is_accepting()).unwrap_or(false)
     }
