@@ -101,3 +101,23 @@ def test_fill_in_the_middle_by_suffix_and_by_infill(server):
     # ends it (EOS or a FIM token) or at n_predict.
     repo_level = client.completions.create(prompt="<|repo_name|>myproject\n" + raw, **args).choices[0].text
     assert streamed and repo_level.startswith(streamed)
+def test_openai_parse_returns_a_pydantic_object(server):
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+        population_millions: float
+
+    client = server.client()
+    r = client.beta.chat.completions.parse(
+        model="qwen2.5-coder-0.5b",
+        messages=[{"role": "user", "content": "Give the capital of France as JSON."}],
+        response_format=City,
+        temperature=0,
+        max_tokens=60,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, City)
+    assert "Paris" in choice.message.parsed.name

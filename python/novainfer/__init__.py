@@ -24,12 +24,14 @@ from .errors import (
 from .async_llm import AsyncLLM
 from .llm import LLM
 from .outputs import CompletionOutput, Logprob, RequestOutput, StreamDelta
+from .structured_outputs import StructuredOutputsParams
 from .tokenizer import Tokenizer
 
 __all__ = [
     "LLM",
     "AsyncLLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "StreamDelta",

@@ -4,6 +4,8 @@ from collections.abc import Iterator
 from os import PathLike
 from typing import final
 
+from .structured_outputs import StructuredOutputsParams
+
 __all__ = ["Engine", "SamplingParams", "TokenStream", "__version__", "cuda_unavailable_reason", "serve"]
 __version__: str
 
@@ -36,6 +38,7 @@ class SamplingParams:
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams: ...
     @property
     def temperature(self) -> float: ...
@@ -75,6 +78,7 @@ class SamplingParams:
     def skip_special_tokens(self) -> bool: ...
     @property
     def spaces_between_special_tokens(self) -> bool: ...
+    def structured_outputs(self) -> StructuredOutputsParams | None: ...
 
 #: Per token: id → (logprob, rank, decoded token).
 _Logprobs = list[dict[int, tuple[float, int, str]]]

@@ -20,6 +20,7 @@ pub mod scheduler;
 pub mod slot_cells;
 pub mod slot_kv_manager;
 pub mod slot_mapping;
+pub mod structured;
 
 pub use block_pool::BlockPool;
 pub use finish::FinishReason;
@@ -39,3 +40,4 @@ pub use scheduler::{
 pub use slot_cells::{CellShift, SeqId, SlotCells, SlotError, SlotStats};
 pub use slot_kv_manager::SlotKvManager;
 pub use slot_mapping::slot_mapping;
+pub use structured::StructuredOutput;

@@ -8,6 +8,7 @@
 use thiserror::Error;
 
 use crate::builder::setter;
+use crate::structured::StructuredOutput;
 
 /// A rejected parameter: which one, and why.
 #[derive(Debug, Clone, PartialEq, Error)]
@@ -86,6 +87,7 @@ pub struct SamplingParams {
     logit_bias: Vec<(u32, f32)>,
     min_tokens: usize,
     text: TextOptions,
+    structured: Option<StructuredOutput>,
 }
 
 /// The most completions one request may ask for: each is a sequence in the batch.
@@ -165,6 +167,10 @@ impl SamplingParams {
     pub fn text_options(&self) -> TextOptions {
         self.text
     }
+    /// The constraint the output must match, if any (`structured_outputs`).
+    pub fn structured_output(&self) -> Option<&StructuredOutput> {
+        self.structured.as_ref()
+    }
     /// The parameters of completion `index` of `n`: a given seed becomes
     /// `seed + index`, so completions differ from each other yet each is
     /// reproducible, and completion 0 is what `n == 1` would give.
@@ -206,6 +212,7 @@ pub struct SamplingParamsBuilder {
     include_stop_str_in_output: bool,
     skip_special_tokens: bool,
     spaces_between_special_tokens: bool,
+    structured_output: Option<StructuredOutput>,
 }
 
 impl Default for SamplingParamsBuilder {
@@ -231,6 +238,7 @@ impl Default for SamplingParamsBuilder {
             include_stop_str_in_output: false,
             skip_special_tokens: true,
             spaces_between_special_tokens: true,
+            structured_output: None,
         }
     }
 }
@@ -267,6 +275,10 @@ impl SamplingParamsBuilder {
     setter!(include_stop_str_in_output: bool);
     setter!(skip_special_tokens: bool);
     setter!(spaces_between_special_tokens: bool);
+    setter!(
+        /// Constrains the output; checked fully (compiled) only by the engine.
+        structured_output: Option<StructuredOutput>
+    );
 
     pub fn build(self) -> Result<SamplingParams, ParamError> {
         let finite = |param: &'static str, v: f32| {
@@ -395,6 +407,10 @@ impl SamplingParamsBuilder {
                 format!("must be in [1, {MAX_N}], got {}", self.n),
             ));
         }
+        if let Some(s) = &self.structured_output {
+            s.check()
+                .map_err(|reason| ParamError::new("structured_outputs", reason))?;
+        }
         Ok(SamplingParams {
             temperature,
             top_k,
@@ -419,6 +435,7 @@ impl SamplingParamsBuilder {
                 skip_special_tokens: self.skip_special_tokens,
                 spaces_between_special_tokens: self.spaces_between_special_tokens,
             },
+            structured: self.structured_output,
         })
     }
 }
@@ -484,6 +501,18 @@ mod tests {
             rejected(b().max_tokens(Some(4)).min_tokens(5)).param,
             "min_tokens"
         );
+        for bad in [
+            StructuredOutput::Choice(vec![]),
+            StructuredOutput::Choice(vec!["a".into(), String::new()]),
+            StructuredOutput::Regex(String::new()),
+            StructuredOutput::Grammar(" ".into()),
+            StructuredOutput::JsonSchema(String::new()),
+        ] {
+            assert_eq!(
+                rejected(b().structured_output(Some(bad))).param,
+                "structured_outputs"
+            );
+        }
         let msg = rejected(b().top_p(1.5)).to_string();
         assert!(
             msg.contains("top_p") && msg.contains("(0, 1]") && msg.contains("1.5"),

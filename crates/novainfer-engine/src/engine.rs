@@ -15,6 +15,7 @@ use crate::chat_template::{ChatMessage, ChatTemplate};
 use crate::error::{EngineError, Result};
 use crate::request::Prompt;
 use crate::tokenizer::Tokenizer;
+use novainfer_structured::{CompiledGrammar, GrammarCompiler};
 
 /// How to load and run a model.
 #[derive(Debug, Clone)]
@@ -205,6 +206,8 @@ pub struct Frontend {
     chat_template: Option<Arc<ChatTemplate>>,
     vocab_size: usize,
     max_model_len: usize,
+    /// Compiles `structured_outputs` constraints, once per distinct one.
+    grammars: Arc<GrammarCompiler>,
 }
 
 impl Frontend {
@@ -285,6 +288,27 @@ impl Frontend {
             });
         }
         Ok(())
+    }
+
+    /// The compiled grammar of the request's constraint, if it has one; a constraint that
+    /// cannot compile is an `InvalidParameter` on `structured_outputs` naming the problem.
+    /// Compiling can take a while for a large schema the first time: callers run it on their
+    /// own thread (the engine thread only clones the result).
+    pub fn compile_structured(
+        &self,
+        params: &SamplingParams,
+    ) -> Result<Option<Arc<CompiledGrammar>>> {
+        let Some(spec) = params.structured_output() else {
+            return Ok(None);
+        };
+        self.grammars.compile(spec).map(Some).map_err(|e| {
+            EngineError::InvalidParameter(ParamError::new("structured_outputs", e.to_string()))
+        })
+    }
+
+    /// The grammar compiler (e.g. to check a tool-call grammar a server builds).
+    pub fn grammar_compiler(&self) -> &Arc<GrammarCompiler> {
+        &self.grammars
     }
 
     /// How many tokens a request may generate, or why it cannot run at all.
@@ -422,8 +446,16 @@ impl LoadedEngine {
             .build()?;
         let vocab_size = weights.config().vocab_size;
         let executor = weights.into_executor(num_blocks, block_size)?;
+        let tokenizer = Arc::new(tokenizer);
+        let grammars = {
+            let tokenizer = tokenizer.clone();
+            Arc::new(GrammarCompiler::new(move || {
+                novainfer_structured::vocab::tok_env(tokenizer.inner(), tokenizer.eos_token_ids())
+            }))
+        };
         let frontend = Frontend {
-            tokenizer: Arc::new(tokenizer),
+            tokenizer,
+            grammars,
             chat_template,
             vocab_size,
             max_model_len,

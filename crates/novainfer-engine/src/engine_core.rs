@@ -14,7 +14,7 @@
 //! batches: their chunks return hidden states or every token's logits instead of a sample.
 
 use std::collections::HashMap;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
 use novainfer_core::{
@@ -22,6 +22,7 @@ use novainfer_core::{
     SchedulerOutput,
 };
 use novainfer_model::sampler::{SampledToken, Sampler};
+use novainfer_structured::{CompiledGrammar, Constraint, Progress};
 
 use crate::engine::{Frontend, LoadedEngine};
 use crate::error::{EngineError, Result};
@@ -32,6 +33,8 @@ use crate::sequence::SequenceOutput;
 
 struct ActiveRequest {
     sampler: Sampler,
+    /// The request's grammar state, when its output is constrained.
+    constraint: Option<Constraint>,
     /// `n > 1`: the other completions, held back until this one's prompt is
     /// computed; then each samples its first token from the same logits.
     pending_children: Vec<PendingChild>,
@@ -43,6 +46,42 @@ type Sampled = (Vec<(RequestId, SampledToken)>, Vec<Fork>);
 struct PendingChild {
     request: Request,
     sampler: Sampler,
+    constraint: Option<Constraint>,
+}
+
+/// What the grammars said about this step's tokens, for `update`.
+#[derive(Default)]
+struct GrammarOutcomes {
+    /// Complete: the request ends with `stop` on this token.
+    finished: Vec<RequestId>,
+    /// The matcher failed (a bug in the grammar engine): the request fails.
+    failed: Vec<(RequestId, String)>,
+}
+
+/// Samples one row, masked by the request's grammar when it has one, and advances the grammar
+/// by the token; the next mask starts computing at once, off this thread, so it is ready by the
+/// time the next forward pass is.
+fn sample_row(
+    id: RequestId,
+    sampler: &mut Sampler,
+    constraint: Option<&mut Constraint>,
+    row: &mut [f32],
+    outcomes: &mut GrammarOutcomes,
+) -> SampledToken {
+    let Some(constraint) = constraint else {
+        return sampler.sample(row);
+    };
+    if let Err(e) = constraint.apply_mask(row) {
+        outcomes.failed.push((id, e.to_string()));
+        return sampler.sample(row);
+    }
+    let token = sampler.sample(row);
+    match constraint.accept(token.token_id) {
+        Ok(Progress::Finished) => outcomes.finished.push(id),
+        Ok(Progress::Continue) => constraint.prefetch(),
+        Err(e) => outcomes.failed.push((id, e.to_string())),
+    }
+    token
 }
 
 /// Counters a user can read (`llm.stats()`).
@@ -77,6 +116,7 @@ pub struct EngineCore {
     stats: EngineStats,
     /// Embeddings and scored prompts in flight.
     prefills: HashMap<RequestId, PrefillJob>,
+    grammar_outcomes: GrammarOutcomes,
 }
 
 impl EngineCore {
@@ -98,6 +138,7 @@ impl EngineCore {
             pending: Vec::new(),
             seed: loaded.seed,
             stats,
+            grammar_outcomes: GrammarOutcomes::default(),
         }
     }
 
@@ -123,12 +164,14 @@ impl EngineCore {
 
     /// Queues a request with ids `id .. id + n` (unique, reserved by the caller),
     /// one per completion; all their deltas go to `sink`. The prompt must already
-    /// be checked (`Frontend::prompt_token_ids`).
+    /// be checked (`Frontend::prompt_token_ids`); `grammar` is `params`' constraint, compiled
+    /// (`Frontend::compile_structured`).
     pub fn add_request(
         &mut self,
         id: RequestId,
         prompt_ids: Vec<u32>,
         params: SamplingParams,
+        grammar: Option<Arc<CompiledGrammar>>,
         sink: DeltaSink,
     ) -> Result<()> {
         let max_tokens = self.frontend.max_new_tokens(prompt_ids.len(), &params)?;
@@ -152,11 +195,17 @@ impl EngineCore {
                 .with_ignore_eos(stop.ignore_eos);
             let sampler = Sampler::new(&completion, &prompt_ids, self.seed.wrapping_add(cid.0))
                 .with_eos_token_ids(&eos, stop.ignore_eos);
-            PendingChild { request, sampler }
+            let constraint = grammar.as_ref().map(|g| Constraint::new(g.matcher()));
+            PendingChild {
+                request,
+                sampler,
+                constraint,
+            }
         });
         let parent = completions.next().expect("n >= 1 by validation");
         let active = ActiveRequest {
             sampler: parent.sampler,
+            constraint: parent.constraint,
             pending_children: completions.collect(),
         };
         self.active.insert(id, active);
@@ -329,8 +378,14 @@ impl EngineCore {
             .expect("scheduled request is active: this is a bug");
         let children = std::mem::take(&mut active.pending_children);
         for mut child in children {
-            let first = child.sampler.sample(&mut row.to_vec());
             let child_id = child.request.id;
+            let first = sample_row(
+                child_id,
+                &mut child.sampler,
+                child.constraint.as_mut(),
+                &mut row.to_vec(),
+                &mut self.grammar_outcomes,
+            );
             sampled.push((child_id, first.clone()));
             forks.push(Fork {
                 parent: id,
@@ -341,6 +396,7 @@ impl EngineCore {
                 child_id,
                 ActiveRequest {
                     sampler: child.sampler,
+                    constraint: child.constraint,
                     pending_children: Vec::new(),
                 },
             );
@@ -349,7 +405,14 @@ impl EngineCore {
             .active
             .get_mut(&id)
             .expect("scheduled request is active: this is a bug");
-        sampled.push((id, active.sampler.sample(row)));
+        let token = sample_row(
+            id,
+            &mut active.sampler,
+            active.constraint.as_mut(),
+            row,
+            &mut self.grammar_outcomes,
+        );
+        sampled.push((id, token));
     }
 
     fn prompt_len(&self, id: RequestId) -> usize {
@@ -372,18 +435,45 @@ impl EngineCore {
             .collect();
         let updates = self.scheduler.update_with_forks(out, &tokens, forks);
         let mut sampled: HashMap<RequestId, SampledToken> = sampled.into_iter().collect();
+        let outcomes = std::mem::take(&mut self.grammar_outcomes);
         for u in updates {
             let Some(token) = sampled.remove(&u.request_id) else {
                 continue;
             };
+            if let Some((_, message)) = outcomes.failed.iter().find(|(id, _)| *id == u.request_id) {
+                tracing::warn!(id = u.request_id.0, %message, "structured output failed");
+                self.active.remove(&u.request_id);
+                self.scheduler.abort_request(u.request_id);
+                self.emit(OutputEvent::Failed {
+                    id: u.request_id,
+                    error: EngineError::StepFailed {
+                        message: format!("structured output: {message}"),
+                    },
+                });
+                continue;
+            }
             self.stats.num_generated_tokens += 1;
-            if u.finish_reason.is_some() {
+            let mut finish = u.finish_reason;
+            // A complete grammar ends the request as a stop would, even on its last allowed
+            // token (the output is whole, not cut). An end token completing it stays a hidden
+            // stop token.
+            let completes_constraint =
+                outcomes.finished.contains(&u.request_id) && finish != Some(FinishReason::Stop);
+            if completes_constraint {
+                if finish.is_none() {
+                    self.scheduler
+                        .finish_request(u.request_id, FinishReason::Stop);
+                }
+                finish = Some(FinishReason::Stop);
+            }
+            if finish.is_some() {
                 self.active.remove(&u.request_id);
             }
             self.emit(OutputEvent::Token {
                 id: u.request_id,
                 token,
-                finish: u.finish_reason,
+                finish,
+                completes_constraint,
                 num_cached_tokens: u.num_cached_tokens,
             });
         }

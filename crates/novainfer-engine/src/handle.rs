@@ -27,6 +27,7 @@ use std::time::Duration;
 use novainfer_core::{RequestId, SamplingParams};
 
 use novainfer_model::device::Resolved;
+use novainfer_structured::CompiledGrammar;
 
 use crate::engine::{EngineConfig, Frontend, LoadedEngine};
 use novainfer_core::FinishReason;
@@ -42,6 +43,8 @@ enum Command {
         id: RequestId,
         prompt_ids: Vec<u32>,
         params: SamplingParams,
+        /// `params`' constraint, compiled by the submitting thread.
+        grammar: Option<Arc<CompiledGrammar>>,
         deltas: DeltaSink,
     },
     /// Completions `id .. id + n` of one request.
@@ -210,12 +213,14 @@ impl EngineHandle {
         sink: DeltaSink,
     ) -> Result<AbortHandle> {
         self.frontend.max_new_tokens(prompt_ids.len(), &params)?;
+        let grammar = self.frontend.compile_structured(&params)?;
         let n = params.n();
         let id = RequestId(self.next_id.fetch_add(n as u64, Ordering::Relaxed));
         self.send(Command::Generate {
             id,
             prompt_ids,
             params,
+            grammar,
             deltas: sink,
         })?;
         Ok(AbortHandle {
@@ -372,9 +377,10 @@ fn handle(core: &mut EngineCore, command: Command) {
             id,
             prompt_ids,
             params,
+            grammar,
             deltas,
         } => {
-            if let Err(e) = core.add_request(id, prompt_ids, params, deltas.clone()) {
+            if let Err(e) = core.add_request(id, prompt_ids, params, grammar, deltas.clone()) {
                 deltas.send(Err(e));
             }
         }

@@ -27,6 +27,9 @@ pub use engine::{
 pub use engine_core::{EngineCore, EngineStats};
 pub use error::{EngineError, Result};
 pub use handle::{AbortHandle, EngineHandle, NextDelta, RequestStream};
+/// Constrained decoding (llguidance): servers build tool-call grammars with
+/// `structured::tool_grammar` and pass them as `SamplingParams::structured_output`.
+pub use novainfer_structured as structured;
 pub use output_processor::DeltaSink;
 pub use prefill::{PrefillTask, Reply};
 pub use request::{Delta, Prompt, RequestOutput, StopReason, TokenLogprob};

@@ -61,6 +61,9 @@ pub enum OutputEvent {
         id: RequestId,
         token: SampledToken,
         finish: Option<FinishReason>,
+        /// The token completes the request's output constraint: its text is output (a `Stop`
+        /// verdict otherwise means a hidden stop token) and the request ends with `stop`.
+        completes_constraint: bool,
         num_cached_tokens: usize,
     },
     /// Ended without a token (abort): the stream gets a final empty delta.
@@ -100,13 +103,19 @@ pub fn run(events: mpsc::Receiver<Vec<OutputEvent>>, finish: impl Fn(RequestId, 
                 id,
                 token,
                 finish: verdict,
+                completes_constraint,
                 num_cached_tokens,
             } => {
                 // Absent: already ended here; the engine has not caught up yet.
                 let Some(c) = live.get_mut(&id) else {
                     continue;
                 };
-                let delta = c.output.push(token, verdict).map(|mut d| {
+                let delta = if completes_constraint {
+                    c.output.push_completing(token)
+                } else {
+                    c.output.push(token, verdict)
+                };
+                let delta = delta.map(|mut d| {
                     d.index = c.index;
                     d.num_cached_tokens = num_cached_tokens;
                     d
@@ -194,6 +203,7 @@ mod tests {
                 id: RequestId(id),
                 token: token(byte),
                 finish: None,
+                completes_constraint: false,
                 num_cached_tokens: 3,
             }])
             .expect("output thread alive");

@@ -51,6 +51,22 @@ impl SequenceOutput {
     /// (`Stop` for a stop/EOS token id, `Length` for a length limit); the returned
     /// delta's `finish_reason` also covers a stop string found in its text.
     pub fn push(&mut self, sampled: SampledToken, finish: Option<FinishReason>) -> Result<Delta> {
+        self.push_token(sampled, finish, finish == Some(FinishReason::Stop))
+    }
+
+    /// The last token of an output whose constraint is now complete: unlike a stop token its
+    /// text is output, and the sequence ends with `stop`.
+    pub fn push_completing(&mut self, sampled: SampledToken) -> Result<Delta> {
+        self.push_token(sampled, Some(FinishReason::Stop), false)
+    }
+
+    /// `hidden`: the token is a stop/EOS token, whose text is never output.
+    fn push_token(
+        &mut self,
+        sampled: SampledToken,
+        finish: Option<FinishReason>,
+        hidden: bool,
+    ) -> Result<Delta> {
         let token = sampled.token_id;
         self.num_tokens += 1;
         let mut delta = Delta {
@@ -65,7 +81,7 @@ impl SequenceOutput {
                 rank: sampled.rank,
             });
         }
-        if finish == Some(FinishReason::Stop) {
+        if hidden {
             delta.text = self.stop_strings.flush();
             if self.include_stop {
                 if let Some(text) = self.detokenizer.step(token)? {
@@ -268,6 +284,21 @@ mod tests {
             stop_reason_of(&params, &ids),
             ("abc".into(), Some(StopReason::Text("b".into())))
         );
+    }
+
+    #[test]
+    fn a_token_completing_a_constraint_is_text_and_releases_what_was_held_back() {
+        let params = SamplingParams::builder()
+            .stop(vec!["}x".into()])
+            .build()
+            .expect("valid");
+        let mut seq = SequenceOutput::new(Arc::new(tiny_byte_level_tokenizer()), &params);
+        let first = seq.push(token(b'{' as u32), None).expect("push");
+        assert_eq!(first.text, "{");
+        // "}" could begin the stop string "}x", yet the output ends here: it is released.
+        let last = seq.push_completing(token(b'}' as u32)).expect("push");
+        assert_eq!(last.text, "}");
+        assert_eq!(last.finish_reason, Some(FinishReason::Stop));
     }
 
     #[test]

@@ -2,9 +2,9 @@
 
 use std::collections::HashMap;
 
-use novainfer_core::SamplingParams;
+use novainfer_core::{SamplingParams, StructuredOutput};
 use pyo3::prelude::*;
-use pyo3::types::PyString;
+use pyo3::types::{PyDict, PyString};
 
 use crate::errors::{invalid, param_error};
 
@@ -29,6 +29,71 @@ fn stop_strings(stop: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<String>> {
     }
 }
 
+/// The one constraint of a `StructuredOutputsParams` (any object with its attributes).
+fn structured_output(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<StructuredOutput>> {
+    const P: &str = "structured_outputs";
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(None);
+    };
+    let field = |name: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
+        match obj.getattr(name) {
+            Ok(v) if v.is_none() => Ok(None),
+            Ok(v) => Ok(Some(v)),
+            Err(_) => Ok(None),
+        }
+    };
+    let bad = |what: &str| invalid(P, format!("structured_outputs.{what}"));
+    let mut found: Vec<(&str, StructuredOutput)> = Vec::new();
+    if let Some(v) = field("json")? {
+        let text: String = if v.is_instance_of::<PyString>() {
+            v.extract()?
+        } else if v.is_instance_of::<PyDict>() {
+            obj.py()
+                .import("json")?
+                .call_method1("dumps", (v,))?
+                .extract()?
+        } else {
+            return Err(bad("json must be a dict or a JSON string"));
+        };
+        found.push(("json", StructuredOutput::JsonSchema(text)));
+    }
+    if let Some(v) = field("regex")? {
+        let r = v.extract().map_err(|_| bad("regex must be a string"))?;
+        found.push(("regex", StructuredOutput::Regex(r)));
+    }
+    if let Some(v) = field("choice")? {
+        if v.is_instance_of::<PyString>() {
+            return Err(bad("choice must be a list of strings"));
+        }
+        let c = v
+            .extract()
+            .map_err(|_| bad("choice must be a list of strings"))?;
+        found.push(("choice", StructuredOutput::Choice(c)));
+    }
+    if let Some(v) = field("grammar")? {
+        let g = v.extract().map_err(|_| bad("grammar must be a string"))?;
+        found.push(("grammar", StructuredOutput::Grammar(g)));
+    }
+    if let Some(v) = field("json_object")? {
+        if v.extract::<bool>()
+            .map_err(|_| bad("json_object must be a bool"))?
+        {
+            found.push(("json_object", StructuredOutput::JsonObject));
+        }
+    }
+    if found.len() > 1 {
+        let names: Vec<&str> = found.iter().map(|(n, _)| *n).collect();
+        return Err(invalid(
+            P,
+            format!(
+                "structured_outputs sets {}: give exactly one constraint",
+                names.join(" and ")
+            ),
+        ));
+    }
+    Ok(found.pop().map(|(_, s)| s))
+}
+
 #[pymethods]
 impl PySamplingParams {
     #[new]
@@ -36,13 +101,13 @@ impl PySamplingParams {
         presence_penalty=0.0, frequency_penalty=0.0, seed=None, max_tokens=Some(16), stop=None,
         stop_token_ids=None, ignore_eos=false, logprobs=None, n=1, min_tokens=0, logit_bias=None,
         include_stop_str_in_output=false, skip_special_tokens=true,
-        spaces_between_special_tokens=true),
+        spaces_between_special_tokens=true, structured_outputs=None),
         // `Some(16)` would render as `...` in the generated signature.
         text_signature = "(*, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, \
             presence_penalty=0.0, frequency_penalty=0.0, seed=None, max_tokens=16, stop=None, \
             stop_token_ids=None, ignore_eos=False, logprobs=None, n=1, min_tokens=0, logit_bias=None, \
             include_stop_str_in_output=False, skip_special_tokens=True, \
-            spaces_between_special_tokens=True)")]
+            spaces_between_special_tokens=True, structured_outputs=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         temperature: f64,
@@ -64,6 +129,7 @@ impl PySamplingParams {
         include_stop_str_in_output: bool,
         skip_special_tokens: bool,
         spaces_between_special_tokens: bool,
+        structured_outputs: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let inner = SamplingParams::builder()
             .temperature(temperature as f32)
@@ -91,6 +157,7 @@ impl PySamplingParams {
             .include_stop_str_in_output(include_stop_str_in_output)
             .skip_special_tokens(skip_special_tokens)
             .spaces_between_special_tokens(spaces_between_special_tokens)
+            .structured_output(structured_output(structured_outputs)?)
             .build()
             .map_err(param_error)?;
         Ok(Self { inner })
@@ -178,6 +245,26 @@ impl PySamplingParams {
     #[getter]
     fn spaces_between_special_tokens(&self) -> bool {
         self.inner.text_options().spaces_between_special_tokens
+    }
+    /// The output constraint as a ``StructuredOutputsParams`` (``json`` as JSON text), or
+    /// ``None``.
+    #[getter]
+    fn structured_outputs<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let Some(spec) = self.inner.structured_output() else {
+            return Ok(None);
+        };
+        let kwargs = PyDict::new(py);
+        match spec {
+            StructuredOutput::JsonSchema(s) => kwargs.set_item("json", s)?,
+            StructuredOutput::JsonObject => kwargs.set_item("json_object", true)?,
+            StructuredOutput::Regex(r) => kwargs.set_item("regex", r)?,
+            StructuredOutput::Choice(c) => kwargs.set_item("choice", c.clone())?,
+            StructuredOutput::Grammar(g) => kwargs.set_item("grammar", g)?,
+        }
+        let class = py
+            .import("novainfer.structured_outputs")?
+            .getattr("StructuredOutputsParams")?;
+        class.call((), Some(&kwargs)).map(Some)
     }
 
     fn __repr__(&self) -> String {

@@ -24,6 +24,7 @@ pub mod sessions;
 pub mod shutdown;
 pub mod sse;
 pub mod state;
+pub mod structured;
 mod ui;
 
 use std::io::Write;

@@ -57,6 +57,10 @@ pub fn sampling_params(
         .include_stop_str_in_output(shared.include_stop_str_in_output.unwrap_or(false))
         .skip_special_tokens(shared.skip_special_tokens.unwrap_or(true))
         .spaces_between_special_tokens(shared.spaces_between_special_tokens.unwrap_or(true))
+        .structured_output(crate::structured::structured_output(
+            shared.response_format.as_ref(),
+            shared.structured_outputs.as_ref(),
+        )?)
         .build()?;
     Ok(params)
 }

@@ -47,6 +47,10 @@ pub struct SharedFields {
     pub store: Option<bool>,
     pub metadata: Option<BTreeMap<String, String>>,
     pub service_tier: Option<String>,
+    /// OpenAI's output constraint (see `crate::structured`).
+    pub response_format: Option<Value>,
+    /// vLLM's output constraint (see `crate::structured`).
+    pub structured_outputs: Option<Value>,
 }
 
 impl SharedFields {
@@ -99,6 +103,8 @@ pub const SHARED_FIELDS: &[&str] = &[
     "store",
     "metadata",
     "service_tier",
+    "response_format",
+    "structured_outputs",
 ];
 
 #[derive(Debug, Default, Deserialize)]
@@ -117,7 +123,6 @@ const UNSUPPORTED_FIELDS: &[&str] = &[
     "functions",
     "function_call",
     "parallel_tool_calls",
-    "response_format",
     "audio",
     "modalities",
     "prediction",
@@ -134,7 +139,6 @@ const UNSUPPORTED_FIELDS: &[&str] = &[
     "prompt_logprobs",
     "allowed_token_ids",
     "bad_words",
-    "structured_outputs",
     "guided_json",
     "guided_regex",
     "guided_choice",

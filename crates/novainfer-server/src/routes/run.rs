@@ -139,12 +139,20 @@ pub fn prepare(
 impl Pending {
     /// Runs `work` (rendering and tokenizing the prompts, returning their ids and whatever else
     /// the endpoint needs) on a blocking thread once the tokenizing pool admits it (429 when its
-    /// queue is full), then checks each prompt against the context length.
+    /// queue is full), then checks each prompt against the context length. The same thread
+    /// compiles the request's output constraint (cached per distinct one), so a schema that
+    /// cannot compile is a 400 before the request waits for a permit.
     pub async fn tokenize<T: Send + 'static>(
         &mut self,
         work: impl FnOnce() -> Result<(Vec<Vec<u32>>, T), ApiError> + Send + 'static,
     ) -> Result<T, ApiError> {
-        let (prompts, extra) = run_tokenize(&self.app, work).await?;
+        let frontend = self.launch.model.frontend.clone();
+        let params = self.launch.params.clone();
+        let (prompts, extra) = run_tokenize(&self.app, move || {
+            frontend.compile_structured(&params)?;
+            work()
+        })
+        .await?;
         for ids in &prompts {
             self.launch
                 .model
