@@ -42,7 +42,8 @@ enum Command {
     Generate {
         id: RequestId,
         prompt_ids: Vec<u32>,
-        params: SamplingParams,
+        // Boxed: the largest field by far, and commands are moved through a channel.
+        params: Box<SamplingParams>,
         /// `params`' constraint, compiled by the submitting thread.
         grammar: Option<Arc<CompiledGrammar>>,
         deltas: DeltaSink,
@@ -219,7 +220,7 @@ impl EngineHandle {
         self.send(Command::Generate {
             id,
             prompt_ids,
-            params,
+            params: Box::new(params),
             grammar,
             deltas: sink,
         })?;
@@ -380,7 +381,7 @@ fn handle(core: &mut EngineCore, command: Command) {
             grammar,
             deltas,
         } => {
-            if let Err(e) = core.add_request(id, prompt_ids, params, grammar, deltas.clone()) {
+            if let Err(e) = core.add_request(id, prompt_ids, *params, grammar, deltas.clone()) {
                 deltas.send(Err(e));
             }
         }

@@ -295,11 +295,11 @@ fn a_mixed_step_equals_its_pieces_and_each_request_alone() {
     // Each alone, apart from any pool: the same numbers.
     let mut alone = model
         .forward(&gen, &mut model.new_cache(8), LogitsFor::LastToken)
-        .unwrap();
+        .expect("generation alone");
     alone.extend(
         model
             .forward(&score, &mut model.new_cache(8), LogitsFor::AllTokens)
-            .unwrap(),
+            .expect("scored alone"),
     );
     assert_eq!(alone, got.logits);
     let mut unit = got.hidden.clone();
@@ -309,7 +309,7 @@ fn a_mixed_step_equals_its_pieces_and_each_request_alone() {
         .sum::<f64>()
         .sqrt() as f32;
     unit.iter_mut().for_each(|x| *x /= norm);
-    let want = model.embed(&emb).unwrap();
+    let want = model.embed(&emb).expect("embedding alone");
     for (a, b) in unit.iter().zip(&want) {
         assert!((a - b).abs() < 1e-6, "embedding {a} vs {b}");
     }
