@@ -53,6 +53,14 @@ def stream_gaps(server, max_tokens: int) -> list[float]:
     return [b - a for a, b in zip(times, times[1:])]
 
 
+_unique = iter(range(10**9))
+
+
+def distinct(n: int) -> list[str]:
+    """`n` long inputs no earlier request shares a prefix with (so none is served from the prefix cache)."""
+    return [f"{next(_unique)} {LONG_TEXT}" for _ in range(n)]
+
+
 def embed(server, inputs: list[str]):
     status, headers, body = post_json(server, "/v1/embeddings", {"model": "tiny", "input": inputs})
     return status, headers, body
@@ -61,10 +69,10 @@ def embed(server, inputs: list[str]):
 def test_embeddings_beside_a_stream_do_not_stall_it(tiny_models):
     args = tiny(tiny_models, "--max-concurrent-embeddings", str(EMBEDDERS + 1), "--max-num-batched-tokens", STEP_BUDGET)
     with ServerProcess(args) as server:
-        embed(server, [LONG_TEXT])  # warm up
+        embed(server, distinct(1))  # warm up
         started = time.monotonic()
         for _ in range(5):
-            assert embed(server, [LONG_TEXT])[0] == 200
+            assert embed(server, distinct(1))[0] == 200
         one_forward = (time.monotonic() - started) / 5
         results: list[int] = []
         large: list[float] = []
@@ -72,12 +80,12 @@ def test_embeddings_beside_a_stream_do_not_stall_it(tiny_models):
 
         def large_batch() -> None:
             t0 = time.monotonic()
-            results.append(embed(server, [LONG_TEXT] * LARGE_BATCH)[0])
+            results.append(embed(server, distinct(LARGE_BATCH))[0])
             large.append(time.monotonic() - t0)
 
         def embedder() -> None:
             while not stop.is_set():
-                results.append(embed(server, [LONG_TEXT] * 4)[0])
+                results.append(embed(server, distinct(4))[0])
 
         threads = [threading.Thread(target=large_batch)]
         threads += [threading.Thread(target=embedder) for _ in range(EMBEDDERS)]
