@@ -436,12 +436,7 @@ impl Scheduler {
         out: &mut SchedulerOutput,
     ) -> bool {
         loop {
-            if self
-                .kv
-                .as_dyn_mut()
-                .allocate_slots(&self.requests[&id], num_new, &PrefixHit::none())
-                .is_some()
-            {
+            if self.try_allocate(id, num_new) {
                 return true;
             }
             let scheduled = |r: &RequestId| out.scheduled.iter().any(|s| s.request_id == *r);
@@ -459,6 +454,14 @@ impl Scheduler {
         }
     }
 
+    /// Room for `num_new` more tokens of running request `id`, if the pool has it now.
+    fn try_allocate(&mut self, id: RequestId, num_new: usize) -> bool {
+        self.kv
+            .as_dyn_mut()
+            .allocate_slots(&self.requests[&id], num_new, &PrefixHit::none())
+            .is_some()
+    }
+
     /// Allocates for running request `id`, preempting the newest running requests
     /// until it fits. False if `id` itself had to be preempted.
     fn allocate_or_preempt(
@@ -468,12 +471,7 @@ impl Scheduler {
         out: &mut SchedulerOutput,
     ) -> bool {
         loop {
-            if self
-                .kv
-                .as_dyn_mut()
-                .allocate_slots(&self.requests[&id], num_new, &PrefixHit::none())
-                .is_some()
-            {
+            if self.try_allocate(id, num_new) {
                 return true;
             }
             let victim = self
