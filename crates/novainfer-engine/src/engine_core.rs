@@ -503,11 +503,11 @@ impl EngineCore {
         }
     }
 
-    /// Next-token logits at every prompt position, computed apart from the paged pool, in one
-    /// forward or token by token: a reference for checking incremental decoding (the
-    /// engine's own scoring runs as [`PrefillTask`] requests).
-    pub fn prompt_logits(&mut self, prompt_ids: &[u32], step_by_step: bool) -> Result<Vec<f32>> {
-        self.runner.prompt_logits(prompt_ids, step_by_step)
+    /// Next-token logits at every prompt position, computed token by token apart from the paged
+    /// pool: a reference for checking incremental decoding (the engine's own scoring runs as
+    /// [`PrefillTask`] requests).
+    pub fn stepwise_prompt_logits(&mut self, prompt_ids: &[u32]) -> Result<Vec<f32>> {
+        self.runner.stepwise_prompt_logits(prompt_ids)
     }
 
     /// The device the model runs on.

@@ -394,7 +394,7 @@ fn handle(core: &mut EngineCore, command: Command) {
             task,
         } => core.add_prefill(id, prompt_ids, task),
         Command::StepwiseLogits { prompt_ids, reply } => {
-            reply(core.prompt_logits(&prompt_ids, true))
+            reply(core.stepwise_prompt_logits(&prompt_ids))
         }
         Command::Stats(reply) => reply(Ok(core.stats())),
         Command::ResetPrefixCache(reply) => {

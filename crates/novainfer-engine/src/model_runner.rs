@@ -45,8 +45,9 @@ impl ModelRunner {
         Ok(self.executor.forward(&batch)?)
     }
 
-    pub fn prompt_logits(&mut self, tokens: &[u32], step_by_step: bool) -> Result<Vec<f32>> {
-        Ok(self.executor.prompt_logits(tokens, step_by_step)?)
+    /// Logits at every prompt position, token by token apart from the pool (a reference).
+    pub fn stepwise_prompt_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        Ok(self.executor.prompt_logits(tokens, true)?)
     }
 
     fn build_batch(&self, out: &SchedulerOutput) -> ForwardBatch {
