@@ -28,14 +28,14 @@ pub use ids::{BlockId, RequestId};
 pub use kv_cache_manager::{BlockCopy, KvCacheManager, KvCacheStats, NewBlocks, PrefixHit};
 pub use kv_manager::{AnyKv, KvLayout, KvManager};
 pub use prefix_hash::{BlockHash, BlockKey, PrefixIndex};
-pub use request::{Request, RequestKind, RequestStatus};
+pub use request::{Request, RequestKind, RequestStatus, Tenant};
 pub use sampling_params::{
     ParamError, SamplingParams, SamplingParamsBuilder, StopCondition, TextOptions, MAX_LOGIT_BIAS,
     MAX_LOGPROBS, MAX_N,
 };
 pub use scheduler::{
     ChunkOutput, FinishedRequest, Fork, RequestUpdate, ScheduledRequest, Scheduler,
-    SchedulerConfig, SchedulerConfigBuilder, SchedulerOutput,
+    SchedulerConfig, SchedulerConfigBuilder, SchedulerOutput, SchedulingPolicy,
 };
 pub use slot_cells::{CellShift, SeqId, SlotCells, SlotError, SlotStats};
 pub use slot_kv_manager::SlotKvManager;

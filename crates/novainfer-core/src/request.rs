@@ -11,6 +11,8 @@
 //!      └──────────── finish ──────┴──────── finish ─────┴──► Finished(reason)
 //! ```
 
+use std::num::NonZeroU32;
+
 use crate::finish::FinishReason;
 use crate::ids::RequestId;
 
@@ -44,6 +46,24 @@ impl RequestKind {
     }
 }
 
+/// Whose share of the engine a request uses: requests of different tenants share seats in
+/// proportion to their weights (see the scheduler's fair share).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Tenant {
+    pub id: u64,
+    pub weight: NonZeroU32,
+}
+
+impl Default for Tenant {
+    /// The one tenant of an engine that does not tell requests apart.
+    fn default() -> Self {
+        Self {
+            id: 0,
+            weight: NonZeroU32::MIN,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Request {
     pub id: RequestId,
@@ -60,6 +80,12 @@ pub struct Request {
     pub ignore_eos: bool,
     /// Admission order; set by the scheduler.
     pub arrival_seq: u64,
+    /// The scheduler step the request arrived in (its age, for priority aging); set by the
+    /// scheduler.
+    pub arrival_step: u64,
+    /// Under the priority policy, lower runs first (vLLM's `priority`); ignored under FCFS.
+    pub priority: i32,
+    pub tenant: Tenant,
     pub kind: RequestKind,
     status: RequestStatus,
 }
@@ -78,6 +104,9 @@ impl Request {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             arrival_seq: 0,
+            arrival_step: 0,
+            priority: 0,
+            tenant: Tenant::default(),
             kind: RequestKind::Generate,
             status: RequestStatus::Waiting,
         }
@@ -99,6 +128,14 @@ impl Request {
     }
     pub fn with_ignore_eos(mut self, ignore_eos: bool) -> Self {
         self.ignore_eos = ignore_eos;
+        self
+    }
+    pub fn with_priority(mut self, priority: i32) -> Self {
+        self.priority = priority;
+        self
+    }
+    pub fn with_tenant(mut self, tenant: Tenant) -> Self {
+        self.tenant = tenant;
         self
     }
 

@@ -10,12 +10,20 @@
 //! Prefill-only requests (embeddings, scored prompts) are mixed in: an embedding's
 //! hidden state must be its last prompt position's "KV", and a scored prompt must get a
 //! row for every position, each equal to that position's "KV" computed alone.
+//! Requests carry priorities and tenants, under either scheduling policy. Beyond the
+//! outputs, the bound checked: the first running request (in the policy's order) is
+//! scheduled in every step once the budgets cover one token per seat, so once a request
+//! heads the running order it never waits; under the priority policy, nobody is admitted
+//! while a better-ranked (aged) request of the same tenant stays waiting, except a long
+//! prompt held back by `max_long_partial_prefills`.
 
 use std::collections::HashMap;
+use std::num::NonZeroU32;
 
 use novainfer_core::{
     slot_mapping, BlockId, ChunkOutput, FinishReason, Fork, KvLayout, Request, RequestId,
-    RequestKind, Scheduler, SchedulerConfig, SchedulerOutput,
+    RequestKind, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput, SchedulingPolicy,
+    Tenant,
 };
 use proptest::prelude::*;
 
@@ -49,6 +57,8 @@ struct Arrival {
     abort_after: Option<usize>,
     n: usize,
     kind: RequestKind,
+    priority: i32,
+    tenant: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -64,6 +74,8 @@ struct Workload {
     max_partial: Option<usize>,
     max_long_partial: Option<usize>,
     max_scored: usize,
+    policy: SchedulingPolicy,
+    aging_steps: usize,
     prefixes: Vec<Vec<u32>>,
     arrivals: Vec<Arrival>,
 }
@@ -98,12 +110,31 @@ fn workload() -> impl Strategy<Value = Workload> {
                     proptest::option::of(1usize..=2),
                     1usize..=12,
                 ),
+                (
+                    prop_oneof![
+                        Just(SchedulingPolicy::Fcfs),
+                        Just(SchedulingPolicy::Priority)
+                    ],
+                    1usize..=8,
+                ),
                 proptest::collection::vec(proptest::collection::vec(0u32..VOCAB as u32, 40), 3),
                 proptest::collection::vec(arrival(), 1..=16),
             )
         })
         .prop_map(
-            |(layout, bs, nb, mml, mnbt, mns, pc, (th, mp, mlp, ms), prefixes, arrivals)| {
+            |(
+                layout,
+                bs,
+                nb,
+                mml,
+                mnbt,
+                mns,
+                pc,
+                (th, mp, mlp, ms),
+                (policy, aging_steps),
+                prefixes,
+                arrivals,
+            )| {
                 Workload {
                     kv_layout: layout,
                     block_size: bs,
@@ -117,6 +148,8 @@ fn workload() -> impl Strategy<Value = Workload> {
                     // Long prompts need a threshold to be told apart.
                     max_long_partial: mlp.filter(|_| th.is_some()),
                     max_scored: ms,
+                    policy,
+                    aging_steps,
                     prefixes,
                     arrivals,
                 }
@@ -139,9 +172,21 @@ fn arrival() -> impl Strategy<Value = Arrival> {
             1 => Just(RequestKind::Embed),
             1 => Just(RequestKind::ScorePrompt)
         ],
+        (-2i32..=2, 0u64..3),
     )
         .prop_map(
-            |(step, prefix, prefix_len, tail, max_tokens, ignore_eos, abort_after, n, kind)| {
+            |(
+                step,
+                prefix,
+                prefix_len,
+                tail,
+                max_tokens,
+                ignore_eos,
+                abort_after,
+                n,
+                kind,
+                (priority, tenant),
+            )| {
                 Arrival {
                     step,
                     prefix,
@@ -153,6 +198,8 @@ fn arrival() -> impl Strategy<Value = Arrival> {
                     // One completion: a prefill-only request has no samples to fork from.
                     n: if kind.is_prefill_only() { 1 } else { n },
                     kind,
+                    priority,
+                    tenant,
                 }
             },
         )
@@ -264,6 +311,10 @@ impl FakeModel {
     }
 }
 
+fn ran_in(out: &SchedulerOutput, id: RequestId) -> bool {
+    out.scheduled.iter().any(|s| s.request_id == id)
+}
+
 fn check_blocks(sched: &Scheduler) {
     let layouts = sched.kv();
     let kv = layouts.as_dyn();
@@ -308,6 +359,8 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
         .max_scored_tokens_per_step(w.max_scored)
         .max_num_partial_prefills(w.max_partial)
         .max_long_partial_prefills(w.max_long_partial)
+        .policy(w.policy)
+        .priority_aging_steps(w.aging_steps)
         .build()
         .expect("the strategy only makes valid configs");
     let mut sched = Scheduler::new(cfg);
@@ -326,16 +379,31 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
     let last_arrival = w.arrivals.iter().map(|a| a.step).max().unwrap_or(0);
     let request = |i: usize, k: usize| {
         let a = &w.arrivals[i];
-        if a.kind.is_prefill_only() {
-            return Request::prefill_only(RequestId(i as u64), prompts[i].clone(), a.kind);
-        }
-        Request::new(
-            RequestId(i as u64 + CHILD * k as u64),
-            prompts[i].clone(),
-            a.max_tokens,
-        )
-        .with_eos_token_ids(vec![EOS])
-        .with_ignore_eos(a.ignore_eos)
+        // Tenant t weighs t + 1.
+        let tenant = Tenant {
+            id: a.tenant,
+            weight: NonZeroU32::new(a.tenant as u32 + 1).expect("nonzero"),
+        };
+        let r = if a.kind.is_prefill_only() {
+            Request::prefill_only(RequestId(i as u64), prompts[i].clone(), a.kind)
+        } else {
+            Request::new(
+                RequestId(i as u64 + CHILD * k as u64),
+                prompts[i].clone(),
+                a.max_tokens,
+            )
+            .with_eos_token_ids(vec![EOS])
+            .with_ignore_eos(a.ignore_eos)
+        };
+        r.with_priority(a.priority).with_tenant(tenant)
+    };
+    // Under the priority policy, a request's rank at step `now` (aged priority, arrival).
+    let rank = |r: &Request, now: usize| {
+        let aged = (now as u64 - r.arrival_step) / w.aging_steps as u64;
+        (i64::from(r.priority) - aged as i64, r.arrival_seq)
+    };
+    let is_held_long = |r: &Request| {
+        w.max_long_partial.is_some() && w.threshold.is_some_and(|t| r.num_tokens() > t)
     };
     let max_steps = 20_000;
     for step in 0..max_steps {
@@ -371,8 +439,54 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
                 "too many long partial prefills"
             );
         }
+        let waiting_before: Vec<(RequestId, Request)> = sched
+            .waiting_ids()
+            .map(|id| {
+                (
+                    id,
+                    sched
+                        .request(id)
+                        .expect("a waiting request is known")
+                        .clone(),
+                )
+            })
+            .collect();
+        let running_before: Vec<RequestId> = sched.running_ids().to_vec();
         let out = sched.schedule();
         prop_assert!(out.num_batched_tokens <= w.max_num_batched_tokens);
+        // The bound: the head of the running order never waits a step.
+        if w.max_num_batched_tokens >= w.max_num_seqs && w.max_scored >= w.max_num_seqs {
+            if let Some(head) = sched.running_ids().first() {
+                if running_before.contains(head) {
+                    prop_assert!(ran_in(&out, *head), "head {} did not run", head);
+                }
+            }
+        }
+        if w.policy == SchedulingPolicy::Priority {
+            let admitted = waiting_before.iter().filter(|(id, _)| {
+                sched
+                    .request(*id)
+                    .is_some_and(|r| r.status() == RequestStatus::Running)
+            });
+            for (id, a) in admitted {
+                for (other, o) in &waiting_before {
+                    let still_waiting = sched.request(*other).is_some_and(|r| {
+                        matches!(
+                            r.status(),
+                            RequestStatus::Waiting | RequestStatus::Preempted
+                        )
+                    });
+                    if o.tenant == a.tenant && still_waiting && rank(o, step) < rank(a, step) {
+                        prop_assert!(
+                            is_held_long(o),
+                            "{} admitted before better-ranked {}",
+                            id,
+                            other
+                        );
+                    }
+                }
+            }
+        }
         // A prefill chunk never takes a decode's place: if anything but decodes ran, every
         // decoding request that was not preempted ran too.
         let decoding: Vec<RequestId> = running.iter().filter(|r| r.1 == 1).map(|r| r.0).collect();

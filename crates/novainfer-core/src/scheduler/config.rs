@@ -4,6 +4,7 @@
 //! tokens must fit the pool on its own. That is what guarantees progress: the
 //! oldest running request can always preempt everyone else and still grow.
 
+use super::policy::SchedulingPolicy;
 use crate::builder::setter;
 use crate::kv_manager::KvLayout;
 use crate::sampling_params::ParamError;
@@ -21,6 +22,8 @@ pub struct SchedulerConfig {
     max_long_partial_prefills: Option<usize>,
     max_scored_tokens_per_step: usize,
     kv_layout: KvLayout,
+    policy: SchedulingPolicy,
+    priority_aging_steps: usize,
 }
 
 impl SchedulerConfig {
@@ -70,6 +73,15 @@ impl SchedulerConfig {
     pub fn kv_layout(&self) -> KvLayout {
         self.kv_layout
     }
+    /// FCFS or priority order (see [`SchedulingPolicy`]).
+    pub fn policy(&self) -> SchedulingPolicy {
+        self.policy
+    }
+    /// Under the priority policy, steps after which a waiting request counts one priority
+    /// level better (aging, so that nothing waits forever).
+    pub fn priority_aging_steps(&self) -> usize {
+        self.priority_aging_steps
+    }
 }
 
 /// Raw values with vLLM-like defaults; [`build`](Self::build) checks them.
@@ -86,6 +98,8 @@ pub struct SchedulerConfigBuilder {
     max_long_partial_prefills: Option<usize>,
     max_scored_tokens_per_step: usize,
     kv_layout: KvLayout,
+    policy: SchedulingPolicy,
+    priority_aging_steps: usize,
 }
 
 impl Default for SchedulerConfigBuilder {
@@ -104,6 +118,11 @@ impl Default for SchedulerConfigBuilder {
             // and a scoring chunk costs running streams about one prefill chunk's lm_head.
             max_scored_tokens_per_step: 64,
             kv_layout: KvLayout::Block,
+            policy: SchedulingPolicy::Fcfs,
+            // About 5 s of a GPU's decode steps, a minute or more of a CPU's, per level: an
+            // explicit priority rules for a while, and a difference of a few levels is made up
+            // within minutes.
+            priority_aging_steps: 256,
         }
     }
 }
@@ -120,6 +139,8 @@ impl SchedulerConfigBuilder {
     setter!(max_long_partial_prefills: Option<usize>);
     setter!(max_scored_tokens_per_step: usize);
     setter!(kv_layout: KvLayout);
+    setter!(policy: SchedulingPolicy);
+    setter!(priority_aging_steps: usize);
 
     pub fn build(self) -> Result<SchedulerConfig, ParamError> {
         let at_least = |param: &'static str, value: usize, min: usize| {
@@ -143,6 +164,7 @@ impl SchedulerConfigBuilder {
             self.max_scored_tokens_per_step,
             1,
         )?;
+        at_least("priority_aging_steps", self.priority_aging_steps, 1)?;
         if let Some(t) = self.long_prefill_token_threshold {
             at_least("long_prefill_token_threshold", t, 1)?;
         }
@@ -196,6 +218,8 @@ impl SchedulerConfigBuilder {
             max_long_partial_prefills: self.max_long_partial_prefills,
             max_scored_tokens_per_step: self.max_scored_tokens_per_step,
             kv_layout: self.kv_layout,
+            policy: self.policy,
+            priority_aging_steps: self.priority_aging_steps,
         })
     }
 }
@@ -240,6 +264,7 @@ mod tests {
             "max_scored_tokens_per_step"
         );
         assert_eq!(param(b().kv_layout(KvLayout::Slot)), "block_size");
+        assert_eq!(param(b().priority_aging_steps(0)), "priority_aging_steps");
         assert!(b()
             .kv_layout(KvLayout::Slot)
             .block_size(1)

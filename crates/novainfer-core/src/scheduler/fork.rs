@@ -50,6 +50,10 @@ impl Scheduler {
         );
         child.arrival_seq = self.next_arrival_seq;
         self.next_arrival_seq += 1;
+        // A completion of the same request: it ages, ranks and counts as its parent does.
+        child.arrival_step = parent.arrival_step;
+        child.priority = parent.priority;
+        child.tenant = parent.tenant;
         child.output_token_ids.push(first_token);
         child.num_cached_tokens = parent.num_cached_tokens;
         let id = child.id;

@@ -4,14 +4,17 @@
 //! to compute) before those still computing their prompt, so a long prefill never takes a
 //! decode's budget; each gets `min(uncomputed tokens, budget left,
 //! long_prefill_token_threshold)` new tokens, so decodes and unfinished prefill chunks share
-//! one path. If a decoding request cannot get blocks, the newest running request is
-//! preempted (recompute: blocks freed, counter back to 0, output kept, front of the waiting
-//! queue) until it fits; if it is itself the newest, it waits. A prefill chunk only preempts
-//! requests not yet scheduled this step, and otherwise waits for a later step. Then waiting
-//! requests are admitted FCFS after a prefix lookup, while budget, seq slots and blocks last;
-//! the first one that does not fit stops admission, so nobody is overtaken (no starvation),
-//! with one exception: with `max_long_partial_prefills` reached, a long prompt at the head of
-//! the queue lets shorter ones behind it in (it goes first once a long slot frees).
+//! one path. If a decoding request cannot get blocks, the last running request (the newest,
+//! or under the priority policy the worst-ranked) is preempted (recompute: blocks freed,
+//! counter back to 0, output kept, back to the waiting queue) until it fits; if it is itself
+//! the last, it waits. A prefill chunk preempts only requests after it that are not yet
+//! scheduled this step, and only when they free enough blocks; the first running request
+//! may also take from requests scheduled this step (they are taken out of the step), so it
+//! always progresses. Then waiting requests are admitted in the policy's order (see
+//! [`policy`]) after a prefix lookup, while budget, seq slots and blocks last; the first one
+//! that does not fit stops admission, so nobody is overtaken (no starvation), with one
+//! exception: with `max_long_partial_prefills` reached, a long prompt lets shorter ones
+//! behind it in (it goes first once a long slot frees).
 //!
 //! Prefill-only requests ([`RequestKind::Embed`], [`RequestKind::ScorePrompt`]) are requests
 //! like the others (chunked, inside the KV budget, preemptible) that finish once their
@@ -20,7 +23,7 @@
 //! hit (a cached position would have no row).
 //!
 //! Progress: `SchedulerConfig` guarantees one `max_model_len` request fits the pool
-//! alone, so the oldest running request can always grow.
+//! alone, so the first running request can always grow.
 //!
 //! KV layouts: the scheduler talks to its KV through [`KvManager`]; the config's
 //! `kv_layout` picks BLOCK ([`KvCacheManager`], prefix caching) or SLOT
@@ -33,12 +36,14 @@
 mod config;
 mod fork;
 mod output;
+pub mod policy;
 
 use std::collections::{HashMap, VecDeque};
 
 pub use config::{SchedulerConfig, SchedulerConfigBuilder};
 pub use fork::Fork;
 pub use output::{ChunkOutput, FinishedRequest, RequestUpdate, ScheduledRequest, SchedulerOutput};
+pub use policy::SchedulingPolicy;
 
 use crate::finish::FinishReason;
 use crate::ids::RequestId;
@@ -46,6 +51,7 @@ use crate::kv_cache_manager::{BlockCopy, KvCacheManager, KvCacheStats, PrefixHit
 use crate::kv_manager::{AnyKv, KvLayout};
 use crate::request::{Request, RequestKind, RequestStatus};
 use crate::slot_kv_manager::SlotKvManager;
+use policy::{priority_key, Seats};
 
 #[derive(Debug, Clone)]
 pub struct Scheduler {
@@ -56,6 +62,8 @@ pub struct Scheduler {
     running: Vec<RequestId>,
     finished_since_last_step: Vec<FinishedRequest>,
     next_arrival_seq: u64,
+    /// Steps scheduled so far: the clock of priority aging.
+    num_steps: u64,
     num_preemptions: u64,
     /// Copies asked for by forks since the last step; the next output carries them.
     pending_copies: Vec<BlockCopy>,
@@ -83,6 +91,7 @@ impl Scheduler {
             running: Vec::new(),
             finished_since_last_step: Vec::new(),
             next_arrival_seq: 0,
+            num_steps: 0,
             num_preemptions: 0,
             pending_copies: Vec::new(),
         }
@@ -104,6 +113,14 @@ impl Scheduler {
     }
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()
+    }
+    /// Waiting requests per priority value, lowest value first.
+    pub fn num_waiting_by_priority(&self) -> Vec<(i32, usize)> {
+        let mut counts = std::collections::BTreeMap::new();
+        for id in &self.waiting {
+            *counts.entry(self.requests[id].priority).or_insert(0) += 1;
+        }
+        counts.into_iter().collect()
     }
     /// The waiting queue, front (next to admit) first.
     pub fn waiting_ids(&self) -> impl Iterator<Item = RequestId> + '_ {
@@ -137,6 +154,7 @@ impl Scheduler {
             request.id
         );
         request.arrival_seq = self.next_arrival_seq;
+        request.arrival_step = self.num_steps;
         self.next_arrival_seq += 1;
         if let Some(detail) = self.why_never_fits(&request) {
             request.finish(FinishReason::Ignored);
@@ -188,6 +206,10 @@ impl Scheduler {
             tokens: self.config.max_num_batched_tokens(),
             scored_tokens: self.config.max_scored_tokens_per_step(),
         };
+        if self.config.policy() == SchedulingPolicy::Priority {
+            self.order_by_priority();
+        }
+        self.num_steps += 1;
         self.schedule_running(&mut budget, &mut out);
         // A preemption means the pool is tight: admitting now would only thrash.
         if out.preempted.is_empty() {
@@ -274,6 +296,16 @@ impl Scheduler {
         updates
     }
 
+    /// Sorts both queues by (aged priority, arrival): the running order is then the order in
+    /// which requests get the budget and, from the back, are preempted.
+    fn order_by_priority(&mut self) {
+        let (now, aging) = (self.num_steps, self.config.priority_aging_steps() as u64);
+        let requests = &self.requests;
+        let key = |id: &RequestId| priority_key(&requests[id], now, aging);
+        self.running.sort_by_key(key);
+        self.waiting.make_contiguous().sort_by_key(key);
+    }
+
     fn schedule_running(&mut self, budget: &mut StepBudget, out: &mut SchedulerOutput) {
         self.schedule_running_pass(true, budget, out);
         self.schedule_running_pass(false, budget, out);
@@ -303,7 +335,7 @@ impl Scheduler {
             let fits = if decoding {
                 self.allocate_or_preempt(id, num_new, out)
             } else {
-                self.allocate_or_preempt_unscheduled(id, num_new, out)
+                self.allocate_or_preempt_later(id, num_new, budget, out)
             };
             if !fits {
                 if decoding {
@@ -367,13 +399,15 @@ impl Scheduler {
 
     fn schedule_waiting(&mut self, budget: &mut StepBudget, out: &mut SchedulerOutput) {
         let mut partial = self.partial_prefills();
-        // Index into `waiting` of the next candidate: past the long prompts held back by
-        // `max_long_partial_prefills`, which keep their place at the front.
-        let mut at = 0;
-        while let Some(&id) = self.waiting.get(at) {
-            if budget.tokens == 0 || self.running.len() >= self.config.max_num_seqs() {
+        let mut seats = Seats::of(self.running.iter().map(|id| &self.requests[id]));
+        // Long prompts held back by `max_long_partial_prefills`: they keep their place in the
+        // queue and let the ones behind them in.
+        let mut held: Vec<RequestId> = Vec::new();
+        while budget.tokens > 0 && self.running.len() < self.config.max_num_seqs() {
+            let Some(at) = self.next_candidate(&seats, &held) else {
                 break;
-            }
+            };
+            let id = self.waiting[at];
             let request = &self.requests[&id];
             let hit = match request.kind {
                 RequestKind::ScorePrompt => PrefixHit::none(),
@@ -382,7 +416,7 @@ impl Scheduler {
             let num_uncomputed = request.num_tokens() - hit.num_tokens;
             let num_new = self.chunk_len(request, num_uncomputed, budget);
             if num_new == 0 {
-                break; // no scoring rows left this step; FCFS: nobody overtakes it
+                break; // no scoring rows left this step; nobody overtakes it
             }
             let left = num_uncomputed - num_new;
             if !self.within_partial_limits(request, left, partial) {
@@ -392,7 +426,7 @@ impl Scheduler {
                         .max_num_partial_prefills()
                         .is_none_or(|max| partial.0 < max);
                 if long_held {
-                    at += 1; // a short prompt behind it may go first
+                    held.push(id); // a short prompt behind it may go first
                     continue;
                 }
                 break;
@@ -403,12 +437,13 @@ impl Scheduler {
                 .allocate_slots(request, num_new, &hit)
                 .is_none()
             {
-                break; // FCFS: later requests do not overtake this one
+                break; // later requests do not overtake this one
             }
             if left > 0 {
                 partial.0 += 1;
                 partial.1 += usize::from(self.is_long(request));
             }
+            seats.take(request.tenant);
             self.waiting.remove(at);
             let request = self
                 .requests
@@ -426,32 +461,97 @@ impl Scheduler {
         }
     }
 
-    /// Like [`Self::allocate_or_preempt`] for a prefill chunk: only requests not scheduled in
-    /// this step may be preempted (the newest such first), never `id` itself. False: no room
-    /// this step.
-    fn allocate_or_preempt_unscheduled(
+    /// Index in `waiting` of the request to admit next: the first in queue order of the
+    /// tenant with the fewest running seats per unit of weight (the queue order among equals);
+    /// `held` ones are passed over.
+    fn next_candidate(&self, seats: &Seats, held: &[RequestId]) -> Option<usize> {
+        let mut best: Option<(usize, crate::request::Tenant)> = None;
+        for (i, id) in self.waiting.iter().enumerate() {
+            if held.contains(id) {
+                continue;
+            }
+            let tenant = self.requests[id].tenant;
+            match best {
+                Some((_, b)) if !seats.fewer(tenant, b) => {}
+                _ => best = Some((i, tenant)),
+            }
+        }
+        best.map(|(i, _)| i)
+    }
+
+    /// Like [`Self::allocate_or_preempt`] for a prefill chunk, with victims only among the
+    /// requests after `id` in the running order (the last first), never `id` itself, and
+    /// only if they would free enough blocks (else nobody loses progress for nothing). The
+    /// first running request may take requests already scheduled this step out of it; any
+    /// other only takes requests not scheduled yet. False: no room this step.
+    fn allocate_or_preempt_later(
         &mut self,
         id: RequestId,
         num_new: usize,
+        budget: &mut StepBudget,
         out: &mut SchedulerOutput,
     ) -> bool {
-        loop {
-            if self.try_allocate(id, num_new) {
-                return true;
+        if self.try_allocate(id, num_new) {
+            return true;
+        }
+        let Some(me) = self.running.iter().position(|r| *r == id) else {
+            return false;
+        };
+        let scheduled = |r: &RequestId| out.scheduled.iter().any(|s| s.request_id == *r);
+        let candidates: Vec<RequestId> = self.running[me + 1..]
+            .iter()
+            .rev()
+            .filter(|r| me == 0 || !scheduled(r))
+            .copied()
+            .collect();
+        let Some(victims) = self.victims_making_room(id, num_new, &candidates) else {
+            return false;
+        };
+        for victim in victims {
+            if let Some(i) = out.scheduled.iter().position(|s| s.request_id == victim) {
+                let s = out.scheduled.remove(i);
+                out.num_batched_tokens -= s.token_ids.len();
+                budget.give_back(self.requests[&victim].kind, s.token_ids.len());
             }
-            let scheduled = |r: &RequestId| out.scheduled.iter().any(|s| s.request_id == *r);
-            let Some(pos) = self.running.iter().rposition(|r| *r != id && !scheduled(r)) else {
-                return false;
-            };
-            // Only newer requests: an older one keeps its blocks (progress for the oldest).
-            let me = self.running.iter().position(|r| *r == id).unwrap_or(0);
-            if pos < me {
-                return false;
-            }
-            let victim = self.running.remove(pos);
+            self.running.retain(|r| *r != victim);
             self.preempt(victim);
             out.preempted.push(victim);
         }
+        self.try_allocate(id, num_new)
+    }
+
+    /// The shortest prefix of `candidates` whose preemption frees enough blocks for
+    /// `num_new` more tokens of `id`, counting only blocks no one else holds; `None` if even
+    /// all of them would not.
+    fn victims_making_room(
+        &self,
+        id: RequestId,
+        num_new: usize,
+        candidates: &[RequestId],
+    ) -> Option<Vec<RequestId>> {
+        let kv = self.kv.as_dyn();
+        let request = &self.requests[&id];
+        let held = kv.block_table(id).len();
+        let needed = (request.num_computed_tokens + num_new)
+            .div_ceil(kv.block_size())
+            .saturating_sub(held);
+        let mut available = kv.stats().num_free_blocks;
+        let mut holders: HashMap<crate::ids::BlockId, u32> = HashMap::new();
+        let mut victims = Vec::new();
+        for &victim in candidates {
+            if available >= needed {
+                break;
+            }
+            victims.push(victim);
+            for &block in kv.block_table(victim) {
+                let n = holders.entry(block).or_default();
+                *n += 1;
+                if *n == kv.ref_count(block) {
+                    available += 1;
+                }
+            }
+        }
+        (available >= needed).then_some(victims)
     }
 
     /// Room for `num_new` more tokens of running request `id`, if the pool has it now.
@@ -571,6 +671,14 @@ impl StepBudget {
         self.tokens -= num_tokens;
         if kind == RequestKind::ScorePrompt {
             self.scored_tokens -= num_tokens;
+        }
+    }
+
+    /// Undoes a `take` for a request taken back out of the step.
+    fn give_back(&mut self, kind: RequestKind, num_tokens: usize) {
+        self.tokens += num_tokens;
+        if kind == RequestKind::ScorePrompt {
+            self.scored_tokens += num_tokens;
         }
     }
 }

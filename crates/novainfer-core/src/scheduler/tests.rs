@@ -577,3 +577,144 @@ fn a_short_prompt_overtakes_a_long_one_held_by_the_long_prefill_limit() {
     }
     assert_eq!(admitted_at, Some(9));
 }
+
+fn priority_config(seqs: usize, num_blocks: usize, aging: usize) -> SchedulerConfig {
+    SchedulerConfig::builder()
+        .max_num_batched_tokens(64)
+        .max_num_seqs(seqs)
+        .max_model_len(24)
+        .block_size(4)
+        .num_blocks(num_blocks)
+        .policy(SchedulingPolicy::Priority)
+        .priority_aging_steps(aging)
+        .build()
+        .unwrap()
+}
+
+fn admitted(out: &SchedulerOutput) -> Vec<u64> {
+    out.scheduled
+        .iter()
+        .filter(|r| r.start_position == 0)
+        .map(|r| r.request_id.0)
+        .collect()
+}
+
+#[test]
+fn the_priority_policy_admits_lower_values_first_and_fcfs_among_equals() {
+    let mut s = Scheduler::new(priority_config(2, 32, 1000));
+    s.add_request(req(1, vec![1, 2], 4).with_priority(5));
+    s.add_request(req(2, vec![1, 2], 4).with_priority(-1));
+    s.add_request(req(3, vec![1, 2], 4).with_priority(0));
+    s.add_request(req(4, vec![1, 2], 4).with_priority(-1));
+    let (out, _) = step(&mut s, 9);
+    assert_eq!(admitted(&out), vec![2, 4]);
+    assert_eq!(s.num_waiting_by_priority(), vec![(0, 1), (5, 1)]);
+}
+
+#[test]
+fn preemption_takes_the_worst_ranked_newest_running_request() {
+    // 6 blocks of 4: three requests of 8 tokens fill the pool; a decode needs a block.
+    let mut s = Scheduler::new(priority_config(4, 6, 1000));
+    s.add_request(req(1, (0..8).collect(), 8).with_priority(0));
+    s.add_request(req(2, (10..18).collect(), 8).with_priority(3));
+    s.add_request(req(3, (20..28).collect(), 8).with_priority(1));
+    let (out, _) = step(&mut s, 9);
+    assert_eq!(admitted(&out), vec![1, 3, 2]);
+    let (out, _) = step(&mut s, 9);
+    // Request 1 (first in rank) needs a 3rd block: 2 (priority 3) goes, though 3 is newer.
+    assert_eq!(out.preempted, vec![RequestId(2)]);
+}
+
+/// The step at which request 1000 (priority 2, arriving first) is admitted to the one seat
+/// while a priority-0 request arrives every step and each runs 3 steps, if within 100 steps.
+fn admission_among_a_stream(aging: usize) -> Option<u64> {
+    let mut s = Scheduler::new(priority_config(1, 32, aging));
+    s.add_request(req(1000, vec![1, 2], 3).with_priority(2));
+    for i in 0..100u64 {
+        s.add_request(req(i, vec![1, 2], 3).with_priority(0));
+        let (out, _) = step(&mut s, 9);
+        if admitted(&out).contains(&1000) {
+            return Some(i);
+        }
+    }
+    None
+}
+
+#[test]
+fn aging_lets_a_low_priority_request_pass_a_stream_of_high_priority_ones() {
+    // Everyone ages, so only requests arriving within (2 - 0) * aging steps of request 1000
+    // can ever rank before it (and one more on the tie step): its wait is their service.
+    let aging = 5;
+    let at = admission_among_a_stream(aging).expect("the low-priority request starved");
+    let overtakers = 2 * aging as u64 + 1;
+    assert!(at <= overtakers * 3, "admitted at step {at}");
+    // Without aging it would starve.
+    assert_eq!(admission_among_a_stream(1_000_000), None);
+}
+
+fn tenant(id: u64, weight: u32) -> crate::request::Tenant {
+    crate::request::Tenant {
+        id,
+        weight: std::num::NonZeroU32::new(weight).unwrap(),
+    }
+}
+
+#[test]
+fn a_flooding_tenant_leaves_seats_to_the_others_in_proportion_to_their_weights() {
+    let cfg = SchedulerConfig::builder()
+        .max_num_batched_tokens(256)
+        .max_num_seqs(8)
+        .max_model_len(32)
+        .block_size(4)
+        .num_blocks(256)
+        .build()
+        .unwrap();
+    let mut s = Scheduler::new(cfg);
+    // Tenant 1 (weight 1) queues 40 requests before tenant 2 (weight 3) queues 40.
+    for i in 0..40 {
+        s.add_request(req(i, vec![1, 2], 4).with_tenant(tenant(1, 1)));
+    }
+    for i in 100..140 {
+        s.add_request(req(i, vec![1, 2], 4).with_tenant(tenant(2, 3)));
+    }
+    let (out, _) = step(&mut s, 9);
+    // First step: seats go 1:3 although all of tenant 1's requests came first.
+    let of = |ids: &[u64], t: u64| ids.iter().filter(|&&i| (i >= 100) == (t == 2)).count();
+    let first = admitted(&out);
+    assert_eq!((of(&first, 1), of(&first, 2)), (2, 6), "{first:?}");
+    // Over the whole run, completions keep the 1:3 ratio while both have work queued.
+    let mut done = (0, 0);
+    while done.0 + done.1 < 40 {
+        let (_, updates) = step(&mut s, 9);
+        for u in updates.iter().filter(|u| u.finish_reason.is_some()) {
+            if u.request_id.0 >= 100 {
+                done.1 += 1;
+            } else {
+                done.0 += 1;
+            }
+        }
+    }
+    assert_eq!(done, (10, 30));
+}
+
+#[test]
+fn a_prefill_chunk_preempts_nobody_when_that_would_not_make_room() {
+    // 8 blocks of 4: A (12 tokens) holds 3, B and C (8 each) 2 each; 1 is free.
+    let mut s = Scheduler::new(config(64, 4, 4, 8));
+    s.add_request(req(1, (0..12).collect(), 8));
+    s.add_request(req(2, (20..28).collect(), 8));
+    s.add_request(req(3, (40..48).collect(), 8));
+    step(&mut s, 9);
+    let mut out = SchedulerOutput::default();
+    let mut budget = StepBudget {
+        tokens: 64,
+        scored_tokens: 64,
+    };
+    // B wants 16 more tokens: 4 blocks, but only the free one and C's 2 could be had.
+    assert!(!s.allocate_or_preempt_later(RequestId(2), 16, &mut budget, &mut out));
+    assert!(out.preempted.is_empty(), "{:?}", out.preempted);
+    assert_eq!(s.num_running(), 3);
+    // 12 more tokens (3 blocks) fit once C is gone: C alone is preempted.
+    assert!(s.allocate_or_preempt_later(RequestId(2), 12, &mut budget, &mut out));
+    assert_eq!(out.preempted, vec![RequestId(3)]);
+}
