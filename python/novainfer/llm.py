@@ -77,6 +77,15 @@ class LLM:
     blocks of 32 with an f16 scale; a quarter of f32). All but ``"auto"`` and ``"bf16"`` run on the CPU only.
     The KV budget holds tokens in proportion: `stats()`'s ``kv_bytes_per_block`` follows the dtype.
 
+    Scheduling (vLLM's names): `scheduling_policy` is ``"fcfs"`` or ``"priority"`` (each request's
+    `priority`, lower first; a waiting request gains one level per `priority_aging_steps` engine steps, so
+    nothing waits forever). A prompt longer than `long_prefill_token_threshold` is computed at most that many
+    tokens per step, at most `max_long_partial_prefills` such prompts at once (shorter ones overtake them), at
+    most `max_num_partial_prefills` prompts of any length at once; running requests decode first in every
+    step. Left unset on the CPU, `max_model_len` defaults to at most 8192 and the threshold to 64 tokens per
+    thread (128 to 1024) with one long prompt at a time, so no single request holds the engine for minutes
+    (docs/scheduling.md states the rule); on a GPU they are unlimited, as in vLLM.
+
     `device` is ``"auto"`` (the first usable NVIDIA GPU when its executor can run the model, else the CPU —
     the SLOT layout and head sizes without GPU kernels run on the CPU; the choice and its reason are logged
     on the ``novainfer`` logger and kept in `device`), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. An explicit GPU
@@ -105,12 +114,21 @@ class LLM:
         enable_prefix_caching: bool = True,
         kv_layout: str = "block",
         kv_cache_dtype: str = "auto",
+        scheduling_policy: str = "fcfs",
+        priority_aging_steps: int = 256,
+        long_prefill_token_threshold: int | None = None,
+        max_num_partial_prefills: int | None = None,
+        max_long_partial_prefills: int | None = None,
     ) -> None:
         for name, value in (
             ("block_size", block_size),
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("kv_cache_bytes", 1 if kv_cache_bytes is None else kv_cache_bytes),
+            ("priority_aging_steps", priority_aging_steps),
+            ("long_prefill_token_threshold", 1 if long_prefill_token_threshold is None else long_prefill_token_threshold),
+            ("max_num_partial_prefills", 1 if max_num_partial_prefills is None else max_num_partial_prefills),
+            ("max_long_partial_prefills", 1 if max_long_partial_prefills is None else max_long_partial_prefills),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidParameterError(f"{name} must be a positive int, got {value!r}", name)
@@ -124,6 +142,10 @@ class LLM:
             raise InvalidParameterError(
                 f'kv_cache_dtype must be one of "auto", "f32", "f16", "bf16", "q8_0", got {kv_cache_dtype!r}',
                 "kv_cache_dtype",
+            )
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise InvalidParameterError(
+                f'scheduling_policy must be "fcfs" or "priority", got {scheduling_policy!r}', "scheduling_policy"
             )
         if not isinstance(device, str):
             raise InvalidParameterError(f'device must be a string such as "cuda:0", got {device!r}', "device")
@@ -155,6 +177,11 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             kv_layout=kv_layout,
             kv_cache_dtype=kv_cache_dtype,
+            scheduling_policy=scheduling_policy,
+            priority_aging_steps=priority_aging_steps,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            max_num_partial_prefills=max_num_partial_prefills,
+            max_long_partial_prefills=max_long_partial_prefills,
         )
 
         _log.info("novainfer: %s runs on %s (%s)", self.model_path, self.device, self._engine.device_reason)
@@ -248,6 +275,7 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: _native.SamplingParams | Sequence[_native.SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Completes each prompt; returns one `RequestOutput` per prompt, in order.
 
@@ -255,6 +283,8 @@ class LLM:
         ``{"prompt": text}`` / ``{"prompt_token_ids": [...]}``. `sampling_params` is one `SamplingParams` for
         all prompts or a list with one per prompt (default: `SamplingParams()`). `use_tqdm` is accepted for
         vLLM compatibility and shows nothing: the whole batch runs in one call into the engine.
+        `priority` (vLLM's) gives one int per prompt; under ``scheduling_policy="priority"`` lower values are
+        scheduled first (it changes the order of work, never a request's output).
         Ctrl-C (SIGINT) while it runs raises `KeyboardInterrupt` within about 50 ms plus the engine step in
         progress, and aborts every prompt of the batch (their KV blocks are freed).
         """
@@ -268,7 +298,16 @@ class LLM:
         prompt_list = _as_list(prompts, "prompts")
         token_ids = [self._token_ids(p) for p in prompt_list]
         params = self._params_for(len(token_ids), sampling_params)
-        results = self._engine.generate(token_ids, params)
+        priorities = None
+        if priority is not None:
+            priorities = _as_list(priority, "priority")
+            if len(priorities) != len(token_ids) or not all(
+                isinstance(p, int) and not isinstance(p, bool) and -(2**31) <= p < 2**31 for p in priorities
+            ):
+                raise InvalidParameterError(
+                    f"priority must be one 32-bit int per prompt ({len(token_ids)}), got {priority!r}", "priority"
+                )
+        results = self._engine.generate(token_ids, params, priorities)
         return [
             RequestOutput(
                 request_id=str(next(_request_ids)),

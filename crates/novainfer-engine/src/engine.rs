@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use novainfer_core::{KvLayout, ParamError, SamplingParams, SchedulerConfig};
+use novainfer_core::{KvLayout, ParamError, SamplingParams, SchedulerConfig, SchedulingPolicy};
 use novainfer_model::device::{self, Resolved};
 use novainfer_model::{
     load_weights, Checkpoint, DeviceChoice, DeviceWeights, DtypeChoice, Executor, KvCacheDtype,
@@ -12,6 +12,7 @@ use novainfer_model::{
 };
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
+use crate::cpu_defaults::CpuDefaults;
 use crate::error::{EngineError, Result};
 use crate::request::Prompt;
 use crate::tokenizer::Tokenizer;
@@ -24,8 +25,9 @@ pub struct EngineConfig {
     /// Where the forward pass runs; `auto` is the first usable GPU, else the CPU.
     pub device: DeviceChoice,
     pub dtype: DtypeChoice,
-    /// Longest prompt + output. Defaults to the model's context length, lowered
-    /// to what the KV cache can hold when that is less.
+    /// Longest prompt + output. Defaults to the model's context length (on the CPU at most
+    /// [`crate::cpu_defaults::CPU_MAX_MODEL_LEN`]), lowered to what the KV cache can hold
+    /// when that is less.
     pub max_model_len: Option<usize>,
     /// Seeds requests that bring no seed of their own (request `i` gets `seed + i`).
     pub seed: u64,
@@ -48,6 +50,18 @@ pub struct EngineConfig {
     /// Token budget of one step (decodes + prefill chunks).
     pub max_num_batched_tokens: usize,
     pub enable_prefix_caching: bool,
+    /// FCFS or priority order (vLLM's `scheduling_policy`).
+    pub scheduling_policy: SchedulingPolicy,
+    /// Under the priority policy, steps a waiting request needs to gain one priority level.
+    pub priority_aging_steps: usize,
+    /// Most tokens of one prompt computed in a step (vLLM's name). Unset: none on a GPU, the
+    /// [`CpuDefaults`] rule on the CPU.
+    pub long_prefill_token_threshold: Option<usize>,
+    /// Most prompts being prefilled at once (vLLM's name); unset: no limit.
+    pub max_num_partial_prefills: Option<usize>,
+    /// Most prompts longer than the threshold being prefilled at once (vLLM's name); unset:
+    /// none on a GPU, 1 on the CPU.
+    pub max_long_partial_prefills: Option<usize>,
 }
 
 /// 2 GiB holds 174k tokens of the 0.5B demo model (f16 K/V, the CPU's default) or 74k of a
@@ -179,6 +193,11 @@ impl EngineConfig {
             max_num_seqs: 64,
             max_num_batched_tokens: 2048,
             enable_prefix_caching: true,
+            scheduling_policy: SchedulingPolicy::Fcfs,
+            priority_aging_steps: 256,
+            long_prefill_token_threshold: None,
+            max_num_partial_prefills: None,
+            max_long_partial_prefills: None,
         }
     }
 }
@@ -433,7 +452,28 @@ impl LoadedEngine {
             },
             Ok(weights) => weights,
         };
-        let (num_blocks, max_model_len) = size_kv_cache(cfg, weights.as_ref())?;
+        let cpu =
+            (resolved.device == novainfer_model::Device::Cpu).then(CpuDefaults::for_this_machine);
+        let (num_blocks, max_model_len) =
+            size_kv_cache(cfg, weights.as_ref(), cpu.map(|d| d.max_model_len_cap))?;
+        let long_prefill_token_threshold = cfg
+            .long_prefill_token_threshold
+            .or(cpu.map(|d| d.long_prefill_token_threshold));
+        // The CPU's default long-prefill limit needs the threshold that says what is long.
+        let max_long_partial_prefills = cfg.max_long_partial_prefills.or(cpu
+            .filter(|_| long_prefill_token_threshold.is_some())
+            .map(|d| d.max_long_partial_prefills));
+        if let Some(d) = cpu {
+            tracing::info!(
+                max_model_len,
+                explicit_max_model_len = cfg.max_model_len.is_some(),
+                cpu_max_model_len_default = d.max_model_len_cap,
+                long_prefill_token_threshold,
+                max_long_partial_prefills,
+                "CPU scheduling: unset limits follow the CPU rule (see cpu_defaults.rs); \
+                 --max-model-len and --long-prefill-token-threshold override it"
+            );
+        }
         let block_size = cfg.effective_block_size();
         let scheduler = SchedulerConfig::builder()
             .kv_layout(cfg.kv_layout)
@@ -443,6 +483,11 @@ impl LoadedEngine {
             .block_size(block_size)
             .num_blocks(num_blocks)
             .enable_prefix_caching(cfg.enable_prefix_caching)
+            .policy(cfg.scheduling_policy)
+            .priority_aging_steps(cfg.priority_aging_steps)
+            .long_prefill_token_threshold(long_prefill_token_threshold)
+            .max_num_partial_prefills(cfg.max_num_partial_prefills)
+            .max_long_partial_prefills(max_long_partial_prefills)
             .build()?;
         let vocab_size = weights.config().vocab_size;
         let executor = weights.into_executor(num_blocks, block_size)?;
@@ -501,8 +546,12 @@ fn auto_fallback(choice: DeviceChoice, resolved: &Resolved, err: &ModelError) ->
 
 /// Blocks that fit in the KV budget, and the `max_model_len` they allow: an
 /// explicit `max_model_len` that cannot fit is an error naming both numbers; the
-/// default (the model's context length) is lowered to what fits.
-fn size_kv_cache(cfg: &EngineConfig, weights: &dyn DeviceWeights) -> Result<(usize, usize)> {
+/// default (the model's context length, at most `default_cap`) is lowered to what fits.
+fn size_kv_cache(
+    cfg: &EngineConfig,
+    weights: &dyn DeviceWeights,
+    default_cap: Option<usize>,
+) -> Result<(usize, usize)> {
     let model: &Qwen2Config = weights.config();
     let block_size = cfg.effective_block_size();
     let per_block = weights.kv_bytes_per_block(block_size);
@@ -534,7 +583,9 @@ fn size_kv_cache(cfg: &EngineConfig, weights: &dyn DeviceWeights) -> Result<(usi
             .into())
         }
         Some(n) => n,
-        None => model_max.min(capacity),
+        None => model_max
+            .min(capacity)
+            .min(default_cap.unwrap_or(usize::MAX)),
     };
     if max_model_len < 2 {
         return Err(ParamError::new(
@@ -667,15 +718,15 @@ mod tests {
         );
         let mut cfg = EngineConfig::new("/m");
         cfg.gpu_memory_utilization = 0.5;
-        let (blocks, max_len) = size_kv_cache(&cfg, &gpu).expect("sized");
+        let (blocks, max_len) = size_kv_cache(&cfg, &gpu, None).expect("sized");
         assert_eq!(blocks, (GIB / 2) / gpu.kv_bytes_per_block(16));
         assert_eq!(max_len, 4096, "the model's context fits");
 
         cfg.kv_cache = KvBudget::Bytes(gpu.kv_bytes_per_block(16) * 10);
-        assert_eq!(size_kv_cache(&cfg, &gpu).expect("sized").0, 10);
+        assert_eq!(size_kv_cache(&cfg, &gpu, None).expect("sized").0, 10);
 
         cfg.kv_cache = KvBudget::FractionOfAvailable(0.5);
-        let err = size_kv_cache(&cfg, &gpu).expect_err("host fraction on a GPU");
+        let err = size_kv_cache(&cfg, &gpu, None).expect_err("host fraction on a GPU");
         assert_eq!(err.param(), Some("kv_cache_fraction"));
         assert!(err.to_string().contains("gpu_memory_utilization"), "{err}");
     }
@@ -692,7 +743,7 @@ mod tests {
         let mut cfg = EngineConfig::new("/m");
         cfg.max_model_len = Some(4096);
         cfg.gpu_memory_utilization = 1e-6;
-        let err = size_kv_cache(&cfg, &gpu).expect_err("a kilobyte holds no context");
+        let err = size_kv_cache(&cfg, &gpu, None).expect_err("a kilobyte holds no context");
         assert_eq!(err.param(), Some("gpu_memory_utilization"));
     }
 }

@@ -29,6 +29,7 @@ use crate::error::{EngineError, Result};
 use crate::model_runner::ModelRunner;
 use crate::output_processor::{DeltaSink, OutputEvent};
 use crate::prefill::{PrefillJob, PrefillTask};
+use crate::request::Scheduling;
 use crate::sequence::SequenceOutput;
 
 struct ActiveRequest {
@@ -38,6 +39,8 @@ struct ActiveRequest {
     /// `n > 1`: the other completions, held back until this one's prompt is
     /// computed; then each samples its first token from the same logits.
     pending_children: Vec<PendingChild>,
+    /// When the scheduler first gave it a chunk (queue time ends, prefill time starts).
+    scheduled_at: Option<Instant>,
 }
 
 /// What one step sampled, per request, and the completions it starts.
@@ -89,6 +92,8 @@ fn sample_row(
 pub struct EngineStats {
     pub num_running: usize,
     pub num_waiting: usize,
+    /// Waiting requests per priority value, lowest value first.
+    pub num_waiting_by_priority: Vec<(i32, usize)>,
     pub num_preemptions: u64,
     pub kv: KvCacheStats,
     /// Bytes of the KV pool, and of one of its blocks (cells in the SLOT layout).
@@ -171,6 +176,7 @@ impl EngineCore {
         id: RequestId,
         prompt_ids: Vec<u32>,
         params: SamplingParams,
+        scheduling: Scheduling,
         grammar: Option<Arc<CompiledGrammar>>,
         sink: DeltaSink,
     ) -> Result<()> {
@@ -192,7 +198,9 @@ impl EngineCore {
             let request = Request::new(cid, prompt_ids.clone(), max_tokens)
                 .with_eos_token_ids(eos.clone())
                 .with_stop_token_ids(stop.stop_token_ids.clone())
-                .with_ignore_eos(stop.ignore_eos);
+                .with_ignore_eos(stop.ignore_eos)
+                .with_priority(scheduling.priority)
+                .with_tenant(scheduling.tenant);
             let sampler = Sampler::new(&completion, &prompt_ids, self.seed.wrapping_add(cid.0))
                 .with_eos_token_ids(&eos, stop.ignore_eos);
             let constraint = grammar.as_ref().map(|g| Constraint::new(g.matcher()));
@@ -207,6 +215,7 @@ impl EngineCore {
             sampler: parent.sampler,
             constraint: parent.constraint,
             pending_children: completions.collect(),
+            scheduled_at: None,
         };
         self.active.insert(id, active);
         self.scheduler.add_request(parent.request);
@@ -242,6 +251,7 @@ impl EngineCore {
         EngineStats {
             num_running: self.scheduler.num_running(),
             num_waiting: self.scheduler.num_waiting(),
+            num_waiting_by_priority: self.scheduler.num_waiting_by_priority(),
             num_preemptions: self.scheduler.num_preemptions(),
             kv: self.scheduler.kv_stats(),
             ..self.stats.clone()
@@ -258,6 +268,11 @@ impl EngineCore {
     pub fn step(&mut self) {
         let started = Instant::now();
         let out = self.scheduler.schedule();
+        for s in &out.scheduled {
+            if let Some(active) = self.active.get_mut(&s.request_id) {
+                active.scheduled_at.get_or_insert(started);
+            }
+        }
         self.report_finished(&out);
         if !out.scheduled.is_empty() {
             match self.execute(&out) {
@@ -377,6 +392,7 @@ impl EngineCore {
             .get_mut(&id)
             .expect("scheduled request is active: this is a bug");
         let children = std::mem::take(&mut active.pending_children);
+        let scheduled_at = active.scheduled_at;
         for mut child in children {
             let child_id = child.request.id;
             let first = sample_row(
@@ -398,6 +414,7 @@ impl EngineCore {
                     sampler: child.sampler,
                     constraint: child.constraint,
                     pending_children: Vec::new(),
+                    scheduled_at,
                 },
             );
         }
@@ -466,6 +483,7 @@ impl EngineCore {
                 }
                 finish = Some(FinishReason::Stop);
             }
+            let scheduled_at = self.active.get(&u.request_id).and_then(|a| a.scheduled_at);
             if finish.is_some() {
                 self.active.remove(&u.request_id);
             }
@@ -475,6 +493,7 @@ impl EngineCore {
                 finish,
                 completes_constraint,
                 num_cached_tokens: u.num_cached_tokens,
+                scheduled_at,
             });
         }
     }

@@ -36,7 +36,7 @@ use crate::engine_core::{EngineCore, EngineStats};
 use crate::error::{EngineError, Result};
 use crate::output_processor::{self, DeltaSink};
 use crate::prefill::{PrefillTask, Reply};
-use crate::request::{Delta, TokenLogprob};
+use crate::request::{Delta, Scheduling, TokenLogprob};
 
 enum Command {
     Generate {
@@ -44,6 +44,7 @@ enum Command {
         prompt_ids: Vec<u32>,
         // Boxed: the largest field by far, and commands are moved through a channel.
         params: Box<SamplingParams>,
+        scheduling: Scheduling,
         /// `params`' constraint, compiled by the submitting thread.
         grammar: Option<Arc<CompiledGrammar>>,
         deltas: DeltaSink,
@@ -190,9 +191,19 @@ impl EngineHandle {
     /// Queues a request after checking it fits; the deltas of its `n` completions
     /// arrive on the returned stream.
     pub fn submit(&self, prompt_ids: Vec<u32>, params: SamplingParams) -> Result<RequestStream> {
+        self.submit_scheduled(prompt_ids, params, Scheduling::default())
+    }
+
+    /// [`Self::submit`] with a priority and tenant.
+    pub fn submit_scheduled(
+        &self,
+        prompt_ids: Vec<u32>,
+        params: SamplingParams,
+        scheduling: Scheduling,
+    ) -> Result<RequestStream> {
         let n = params.n();
         let (deltas, rx) = mpsc::channel();
-        let abort = self.submit_to(prompt_ids, params, deltas.into())?;
+        let abort = self.submit_scheduled_to(prompt_ids, params, scheduling, deltas.into())?;
         Ok(RequestStream {
             id: abort.id,
             n,
@@ -213,6 +224,17 @@ impl EngineHandle {
         params: SamplingParams,
         sink: DeltaSink,
     ) -> Result<AbortHandle> {
+        self.submit_scheduled_to(prompt_ids, params, Scheduling::default(), sink)
+    }
+
+    /// [`Self::submit_to`] with a priority and tenant.
+    pub fn submit_scheduled_to(
+        &self,
+        prompt_ids: Vec<u32>,
+        params: SamplingParams,
+        scheduling: Scheduling,
+        sink: DeltaSink,
+    ) -> Result<AbortHandle> {
         self.frontend.max_new_tokens(prompt_ids.len(), &params)?;
         let grammar = self.frontend.compile_structured(&params)?;
         let n = params.n();
@@ -221,6 +243,7 @@ impl EngineHandle {
             id,
             prompt_ids,
             params: Box::new(params),
+            scheduling,
             grammar,
             deltas: sink,
         })?;
@@ -378,10 +401,13 @@ fn handle(core: &mut EngineCore, command: Command) {
             id,
             prompt_ids,
             params,
+            scheduling,
             grammar,
             deltas,
         } => {
-            if let Err(e) = core.add_request(id, prompt_ids, *params, grammar, deltas.clone()) {
+            let added =
+                core.add_request(id, prompt_ids, *params, scheduling, grammar, deltas.clone());
+            if let Err(e) = added {
                 deltas.send(Err(e));
             }
         }

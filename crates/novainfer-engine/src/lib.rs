@@ -3,6 +3,7 @@
 //! through which other threads submit requests.
 
 pub mod chat_template;
+pub mod cpu_defaults;
 pub mod detokenizer;
 pub mod engine;
 pub mod engine_core;
@@ -32,4 +33,4 @@ pub use handle::{AbortHandle, EngineHandle, NextDelta, RequestStream};
 pub use novainfer_structured as structured;
 pub use output_processor::DeltaSink;
 pub use prefill::{PrefillTask, Reply};
-pub use request::{Delta, Prompt, RequestOutput, StopReason, TokenLogprob};
+pub use request::{Delta, Prompt, RequestOutput, Scheduling, StopReason, TokenLogprob};

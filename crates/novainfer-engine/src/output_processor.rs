@@ -14,6 +14,7 @@
 
 use std::collections::HashMap;
 use std::sync::{mpsc, Arc};
+use std::time::Instant;
 
 use novainfer_core::{FinishReason, RequestId};
 use novainfer_model::sampler::SampledToken;
@@ -65,6 +66,8 @@ pub enum OutputEvent {
         /// verdict otherwise means a hidden stop token) and the request ends with `stop`.
         completes_constraint: bool,
         num_cached_tokens: usize,
+        /// When the request was first scheduled.
+        scheduled_at: Option<Instant>,
     },
     /// Ended without a token (abort): the stream gets a final empty delta.
     Finished { id: RequestId, reason: FinishReason },
@@ -105,6 +108,7 @@ pub fn run(events: mpsc::Receiver<Vec<OutputEvent>>, finish: impl Fn(RequestId, 
                 finish: verdict,
                 completes_constraint,
                 num_cached_tokens,
+                scheduled_at,
             } => {
                 // Absent: already ended here; the engine has not caught up yet.
                 let Some(c) = live.get_mut(&id) else {
@@ -118,6 +122,7 @@ pub fn run(events: mpsc::Receiver<Vec<OutputEvent>>, finish: impl Fn(RequestId, 
                 let delta = delta.map(|mut d| {
                     d.index = c.index;
                     d.num_cached_tokens = num_cached_tokens;
+                    d.scheduled_at = scheduled_at;
                     d
                 });
                 let ended = match &delta {
@@ -205,6 +210,7 @@ mod tests {
                 finish: None,
                 completes_constraint: false,
                 num_cached_tokens: 3,
+                scheduled_at: None,
             }])
             .expect("output thread alive");
     }

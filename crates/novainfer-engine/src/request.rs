@@ -1,6 +1,16 @@
 //! What goes into and comes out of a generation request.
 
-use novainfer_core::FinishReason;
+use std::time::Instant;
+
+use novainfer_core::{FinishReason, Tenant};
+
+/// Where a request stands in the scheduler's order: its priority (lower first, under the
+/// priority policy; vLLM's `priority`) and whose fair share it uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Scheduling {
+    pub priority: i32,
+    pub tenant: Tenant,
+}
 
 /// A prompt as text (tokenized by the engine) or as token ids.
 #[derive(Debug, Clone, PartialEq)]
@@ -44,6 +54,9 @@ pub struct Delta {
     pub stop_reason: Option<StopReason>,
     /// Prompt tokens whose KV came from the prefix cache instead of being computed.
     pub num_cached_tokens: usize,
+    /// When the engine first scheduled the request (the end of its queueing and the start of
+    /// its prefill); set on deltas that carry tokens.
+    pub scheduled_at: Option<Instant>,
 }
 
 /// A finished request.

@@ -15,7 +15,8 @@ use novainfer_core::KvLayout;
 use novainfer_engine::tokenizer::Tokenizer;
 use novainfer_engine::{
     AbortHandle, ChatMessage, Delta, EngineConfig, EngineError, EngineHandle, KvBudget, NextDelta,
-    Prompt, RequestOutput, RequestStream, StopReason, TokenLogprob, DEFAULT_GPU_MEMORY_UTILIZATION,
+    Prompt, RequestOutput, RequestStream, Scheduling, StopReason, TokenLogprob,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
 };
 use novainfer_model::device::DEVICE_SPELLINGS;
 use novainfer_model::{DeviceChoice, DtypeChoice, KvCacheDtype};
@@ -115,7 +116,9 @@ impl PyEngine {
         requantize_q5_0=false, block_size=16, kv_cache_bytes=None, kv_cache_fraction=None,
         gpu_memory_utilization=0.9, max_num_seqs=64,
         max_num_batched_tokens=2048, enable_prefix_caching=true, kv_layout="block",
-        kv_cache_dtype="auto"))]
+        kv_cache_dtype="auto", scheduling_policy="fcfs", priority_aging_steps=256,
+        long_prefill_token_threshold=None, max_num_partial_prefills=None,
+        max_long_partial_prefills=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -134,7 +137,13 @@ impl PyEngine {
         enable_prefix_caching: bool,
         kv_layout: &str,
         kv_cache_dtype: &str,
+        scheduling_policy: &str,
+        priority_aging_steps: usize,
+        long_prefill_token_threshold: Option<usize>,
+        max_num_partial_prefills: Option<usize>,
+        max_long_partial_prefills: Option<usize>,
     ) -> PyResult<Self> {
+        let scheduling_policy = scheduling_policy.parse().map_err(param_error)?;
         let kv_layout: KvLayout = kv_layout.parse().map_err(param_error)?;
         let kv_cache_dtype = KvCacheDtype::parse(kv_cache_dtype).map_err(|_| {
             invalid(
@@ -182,6 +191,11 @@ impl PyEngine {
             max_num_seqs,
             max_num_batched_tokens,
             enable_prefix_caching,
+            scheduling_policy,
+            priority_aging_steps,
+            long_prefill_token_threshold,
+            max_num_partial_prefills,
+            max_long_partial_prefills,
         };
         let handle = py
             .detach(|| EngineHandle::spawn(&cfg))
@@ -299,12 +313,26 @@ impl PyEngine {
     }
 
     /// Runs every prompt to completion; returns per prompt its completions and cached-token count.
+    /// `priority` (one per prompt) orders them under the priority policy.
+    #[pyo3(signature = (prompts, params, priority=None))]
     fn generate(
         &self,
         py: Python<'_>,
         prompts: Vec<Vec<u32>>,
         params: Vec<PyRef<'_, PySamplingParams>>,
+        priority: Option<Vec<i32>>,
     ) -> PyResult<Vec<PyOutput>> {
+        let priority = priority.unwrap_or_else(|| vec![0; prompts.len()]);
+        if priority.len() != prompts.len() {
+            return Err(invalid(
+                "priority",
+                format!(
+                    "got {} prompts but {} priorities",
+                    prompts.len(),
+                    priority.len()
+                ),
+            ));
+        }
         if prompts.len() != params.len() {
             return Err(invalid(
                 "sampling_params",
@@ -330,7 +358,15 @@ impl PyEngine {
                 let streams: Vec<RequestStream> = prompts
                     .iter()
                     .zip(&params)
-                    .map(|(prompt, p)| self.handle.submit(prompt.clone(), p.clone()))
+                    .zip(&priority)
+                    .map(|((prompt, p), &priority)| {
+                        let scheduling = Scheduling {
+                            priority,
+                            ..Scheduling::default()
+                        };
+                        self.handle
+                            .submit_scheduled(prompt.clone(), p.clone(), scheduling)
+                    })
                     .collect::<Result<_, _>>()?;
                 Ok::<_, EngineError>((prompts, streams))
             })

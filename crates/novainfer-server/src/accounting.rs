@@ -37,6 +37,8 @@ pub fn stop_reason_json(reason: Option<&StopReason>) -> Value {
 pub struct RunState {
     pub arrival: Instant,
     first_token: Option<Instant>,
+    /// When the engine first scheduled the request (the first prompt's, for several).
+    scheduled_at: Option<Instant>,
     pub choices: Vec<ChoiceState>,
     n: usize,
     prompt_lens: Vec<usize>,
@@ -48,6 +50,7 @@ impl RunState {
         Self {
             arrival,
             first_token: None,
+            scheduled_at: None,
             choices: vec![ChoiceState::default(); prompt_lens.len() * n],
             n,
             cached: vec![0; prompt_lens.len()],
@@ -74,6 +77,14 @@ impl RunState {
                 metrics
                     .ttft
                     .observe(now.duration_since(self.arrival).as_secs_f64());
+                if let Some(at) = delta.scheduled_at {
+                    self.scheduled_at = Some(at);
+                    let queued = at.saturating_duration_since(self.arrival);
+                    metrics.queue_time.observe(queued.as_secs_f64());
+                    metrics
+                        .prefill_time
+                        .observe(now.saturating_duration_since(at).as_secs_f64());
+                }
             }
             if let Some(last) = choice.last_token {
                 let per_token = now.duration_since(last).as_secs_f64() / k as f64;
@@ -91,6 +102,19 @@ impl RunState {
             choice.stop_reason = delta.stop_reason.clone();
         }
         index
+    }
+
+    /// From arrival (permit wait included) to the engine's first step for it.
+    pub fn queue_time(&self) -> Option<std::time::Duration> {
+        Some(self.scheduled_at?.saturating_duration_since(self.arrival))
+    }
+
+    /// From the engine's first step for it to its first token.
+    pub fn prefill_time(&self) -> Option<std::time::Duration> {
+        Some(
+            self.first_token?
+                .saturating_duration_since(self.scheduled_at?),
+        )
     }
 
     pub fn usage(&self) -> Usage {

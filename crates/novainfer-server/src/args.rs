@@ -83,6 +83,24 @@ pub struct ServeArgs {
     /// CPU threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// fcfs, or priority (a request's `priority`: lower runs first, with aging).
+    #[arg(long, default_value = "fcfs")]
+    pub scheduling_policy: String,
+    /// Under --scheduling-policy priority, engine steps a waiting request needs to gain one
+    /// priority level (so that nothing waits forever).
+    #[arg(long, default_value_t = 256)]
+    pub priority_aging_steps: usize,
+    /// Most tokens of one prompt computed per step (default: none on a GPU; on the CPU
+    /// 64 x threads within 128..1024, see docs/scheduling.md).
+    #[arg(long)]
+    pub long_prefill_token_threshold: Option<usize>,
+    /// Most prompts being prefilled at once (default: no limit).
+    #[arg(long)]
+    pub max_num_partial_prefills: Option<usize>,
+    /// Most prompts longer than --long-prefill-token-threshold prefilled at once; shorter ones
+    /// overtake the rest (default: none on a GPU, 1 on the CPU).
+    #[arg(long)]
+    pub max_long_partial_prefills: Option<usize>,
 
     // Serving options.
     /// Requests in the engine at once; more wait in the queue.
@@ -109,6 +127,14 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer <key>` on the API (repeatable; also NOVAINFER_API_KEY).
     #[arg(long, env = "NOVAINFER_API_KEY", value_delimiter = ',')]
     pub api_key: Vec<String>,
+    /// Share weights of the API keys, in --api-key order (default 1 each): under load each
+    /// key gets permits and engine seats in proportion to its weight.
+    #[arg(long, value_delimiter = ',')]
+    pub tenant_weights: Vec<u32>,
+    /// Requests one tenant (an API key; the `user` field when keys are off) may have queued;
+    /// past it, 429 `tenant_queue_full` (default: only --max-queued-requests applies).
+    #[arg(long)]
+    pub max_queued_requests_per_tenant: Option<usize>,
     /// Tokens (prompt + completion) each user may spend per --user-budget-window.
     #[arg(long)]
     pub user_token_budget: Option<u64>,
@@ -268,6 +294,27 @@ impl ServeArgs {
                 value: format!("{host:?}"),
             });
         }
+        if !self.tenant_weights.is_empty() && self.tenant_weights.len() != self.api_key.len() {
+            return Err(ArgsError::Range {
+                flag: "tenant-weights",
+                what: "one weight per --api-key, in the same order",
+                value: format!(
+                    "{} weights for {} keys",
+                    self.tenant_weights.len(),
+                    self.api_key.len()
+                ),
+            });
+        }
+        if let Some(w) = self.tenant_weights.iter().find(|&&w| w == 0) {
+            return Err(ArgsError::Range {
+                flag: "tenant-weights",
+                what: "a list of positive integers",
+                value: w.to_string(),
+            });
+        }
+        if let Some(n) = self.max_queued_requests_per_tenant {
+            positive("max-queued-requests-per-tenant", n > 0, n.to_string())?;
+        }
         self.check_api_keys(std::env::var_os(API_KEY_ENV).as_deref())
     }
 
@@ -358,6 +405,11 @@ impl ServeArgs {
         cfg.max_num_seqs = self.max_num_seqs;
         cfg.max_num_batched_tokens = self.max_num_batched_tokens;
         cfg.enable_prefix_caching = !self.no_enable_prefix_caching;
+        cfg.scheduling_policy = self.scheduling_policy.parse()?;
+        cfg.priority_aging_steps = self.priority_aging_steps;
+        cfg.long_prefill_token_threshold = self.long_prefill_token_threshold;
+        cfg.max_num_partial_prefills = self.max_num_partial_prefills;
+        cfg.max_long_partial_prefills = self.max_long_partial_prefills;
         Ok(cfg)
     }
 

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use novainfer_core::SamplingParams;
-use novainfer_engine::{AbortHandle, Delta, DeltaSink, EngineError, EngineHandle};
+use novainfer_engine::{AbortHandle, Delta, DeltaSink, EngineError, EngineHandle, Scheduling};
 use tokio::sync::{mpsc, Notify};
 
 use crate::error::ApiError;
@@ -45,6 +45,7 @@ impl Generation {
         handle: &Arc<EngineHandle>,
         prompts: Vec<Vec<u32>>,
         params: &SamplingParams,
+        scheduling: Scheduling,
     ) -> Result<Self, ApiError> {
         for ids in &prompts {
             handle.frontend().max_new_tokens(ids.len(), params)?;
@@ -55,7 +56,7 @@ impl Generation {
         for (i, ids) in prompts.into_iter().enumerate() {
             let tx = tx.clone();
             let sink = DeltaSink::new(move |item| tx.send((i, item)).is_ok());
-            match handle.submit_to(ids, params.clone(), sink) {
+            match handle.submit_scheduled_to(ids, params.clone(), scheduling, sink) {
                 Ok(abort) => aborts.push(abort),
                 Err(e) => {
                     // Nothing runs unless all are accepted.

@@ -5,6 +5,9 @@
 //! read another's conversation nor cancel its requests nor spend its budget. Without keys
 //! every request is the one anonymous tenant.
 
+use std::hash::{Hash, Hasher};
+use std::num::NonZeroU32;
+
 use subtle::{ConditionallySelectable, ConstantTimeEq};
 
 /// Which configured key authenticated a request (`None`: keys are off).
@@ -31,6 +34,42 @@ impl ApiKeys {
             found |= hit;
         }
         bool::from(found).then_some(Tenant(Some(index)))
+    }
+}
+
+/// Each API key's weight in the fair share (`--tenant-weights`, in `--api-key` order).
+#[derive(Debug, Clone, Default)]
+pub struct TenantWeights(Vec<NonZeroU32>);
+
+impl TenantWeights {
+    /// Zero weights are refused by the argument check; here they count as 1.
+    pub fn new(weights: &[u32]) -> Self {
+        Self(
+            weights
+                .iter()
+                .map(|&w| NonZeroU32::new(w).unwrap_or(NonZeroU32::MIN))
+                .collect(),
+        )
+    }
+
+    /// Whose share a request uses: its API key's, or with keys off its `user`'s (weight 1;
+    /// requests without a `user` share one anonymous tenant).
+    pub fn share(&self, tenant: Tenant, user: &str) -> novainfer_core::Tenant {
+        match tenant.0 {
+            Some(key) => novainfer_core::Tenant {
+                id: u64::from(key),
+                weight: self.0.get(key as usize).copied().unwrap_or(NonZeroU32::MIN),
+            },
+            None => {
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                user.hash(&mut h);
+                // The top bit set keeps user tenants apart from key indexes.
+                novainfer_core::Tenant {
+                    id: h.finish() | 1 << 63,
+                    weight: NonZeroU32::MIN,
+                }
+            }
+        }
     }
 }
 
@@ -72,6 +111,18 @@ mod tests {
             assert_eq!(keys.tenant(wrong), None);
         }
         assert!(ApiKeys::new(&[]).is_none());
+    }
+
+    #[test]
+    fn shares_follow_the_key_weights_and_users_without_keys() {
+        let w = TenantWeights::new(&[3, 1]);
+        let key0 = w.share(Tenant(Some(0)), "x");
+        assert_eq!((key0.id, key0.weight.get()), (0, 3));
+        assert_eq!(w.share(Tenant(Some(1)), "y").weight.get(), 1);
+        let (a, b) = (w.share(Tenant(None), "alice"), w.share(Tenant(None), "bob"));
+        assert_ne!(a.id, b.id);
+        assert_eq!(a, w.share(Tenant(None), "alice"));
+        assert!(a.id >= 1 << 63 && a.weight.get() == 1);
     }
 
     #[test]

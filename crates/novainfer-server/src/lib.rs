@@ -7,6 +7,7 @@ pub mod args;
 pub mod budget;
 pub mod engine_io;
 pub mod error;
+pub mod fair_admission;
 pub mod generation;
 pub mod ignored;
 pub mod indent;
@@ -35,10 +36,11 @@ pub use args::ServeArgs;
 use novainfer_engine::{EngineError, EngineHandle};
 
 use crate::budget::TokenBudget;
+use crate::fair_admission::FairAdmission;
 use crate::generation::CancelRegistry;
-use crate::keys::ApiKeys;
+use crate::keys::{ApiKeys, TenantWeights};
 use crate::lifecycle::{DrainCause, Lifecycle};
-use crate::limits::{Admission, WorkLimits};
+use crate::limits::WorkLimits;
 use crate::listener::{ConnLimits, Connections};
 use crate::metrics::ServerMetrics;
 use crate::models::{Models, ServedModel};
@@ -108,7 +110,12 @@ fn load_models(args: &ServeArgs) -> Result<Models, ServeError> {
 fn app_state(args: &ServeArgs, models: Models) -> AppState {
     AppState {
         models,
-        admission: Admission::new(args.max_concurrent_requests, args.max_queued_requests),
+        admission: FairAdmission::new(
+            args.max_concurrent_requests,
+            args.max_queued_requests,
+            args.max_queued_requests_per_tenant,
+        ),
+        tenant_weights: TenantWeights::new(&args.tenant_weights),
         work: WorkLimits::new(
             args.max_concurrent_tokenize,
             args.max_concurrent_scoring,

@@ -1,10 +1,11 @@
-//! Admission control: at most `max_concurrent` requests hold a permit (are in the engine);
-//! at most `max_queued` more wait for one; anything past that is refused at once with 429,
-//! so overload never turns into an unbounded queue or a hang. Per-user budgets are in
-//! [`crate::budget`], API keys in [`crate::keys`].
+//! Admission control for work other than generation (generation's own, fair between tenants,
+//! is [`crate::fair_admission`]): at most `max_concurrent` hold a permit; at most `max_queued`
+//! more wait for one; anything past that is refused at once with 429, so overload never turns
+//! into an unbounded queue or a hang. Per-user budgets are in [`crate::budget`], API keys in
+//! [`crate::keys`].
 //!
 //! Work that costs CPU or an engine forward before (or instead of) generating has pools of its
-//! own ([`WorkLimits`]), admitted the same way *before* the work runs: rendering and
+//! own ([`WorkLimits`]), admitted *before* the work runs: rendering and
 //! tokenizing prompts, scoring prompts (`echo` with `logprobs`), embeddings. A flood of any of
 //! them is then refused with 429 rather than piling up blocking threads or engine commands.
 
@@ -61,16 +62,6 @@ impl Ticket {
 }
 
 impl Admission {
-    /// The generation limits (`--max-concurrent-requests`).
-    pub fn new(max_concurrent: usize, max_queued: usize) -> Self {
-        Self::named(
-            "requests",
-            "max-concurrent-requests",
-            max_concurrent,
-            max_queued,
-        )
-    }
-
     /// A pool for `what`, sized by `--{flag}`.
     pub fn named(
         what: &'static str,
@@ -170,7 +161,12 @@ mod tests {
 
     #[tokio::test]
     async fn queue_overflow_is_refused_not_queued() {
-        let a = Arc::new(Admission::new(1, 1));
+        let a = Arc::new(Admission::named(
+            "requests",
+            "max-concurrent-requests",
+            1,
+            1,
+        ));
         let held = a.admit().await.expect("first runs");
         let waiter = {
             let a = a.clone();

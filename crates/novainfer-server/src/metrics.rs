@@ -67,6 +67,10 @@ pub const FINISH_REASONS: &[&str] = &["stop", "length", "abort", "error", "timeo
 /// What the server records for one served model.
 pub struct ModelMetrics {
     pub ttft: Histogram,
+    /// Arrival (permit wait included) to the engine's first step for the request.
+    pub queue_time: Histogram,
+    /// The engine's first step for the request to its first token.
+    pub prefill_time: Histogram,
     pub itl: Histogram,
     pub e2e: Histogram,
     pub prompt_tokens: AtomicU64,
@@ -79,6 +83,8 @@ impl Default for ModelMetrics {
     fn default() -> Self {
         Self {
             ttft: Histogram::new(TTFT_BUCKETS),
+            queue_time: Histogram::new(TTFT_BUCKETS),
+            prefill_time: Histogram::new(TTFT_BUCKETS),
             itl: Histogram::new(ITL_BUCKETS),
             e2e: Histogram::new(E2E_BUCKETS),
             prompt_tokens: AtomicU64::new(0),
@@ -98,11 +104,15 @@ impl ModelMetrics {
 }
 
 /// Reasons a request is refused before it reaches the engine.
-pub const REJECTIONS: &[&str] = &["server_overloaded", "token_budget_exceeded"];
+pub const REJECTIONS: &[&str] = &[
+    "server_overloaded",
+    "token_budget_exceeded",
+    "tenant_queue_full",
+];
 
 #[derive(Default)]
 pub struct ServerMetrics {
-    rejected: [AtomicU64; 2],
+    rejected: [AtomicU64; 3],
 }
 
 impl ServerMetrics {
@@ -196,6 +206,22 @@ pub fn render(
             }
         }
     }
+    let name = "novainfer:num_requests_waiting_by_priority";
+    header(
+        &mut out,
+        name,
+        "gauge",
+        "Requests waiting in the engine's queue, by priority value.",
+    );
+    for m in models {
+        for (priority, count) in m.engine.iter().flat_map(|s| &s.num_waiting_by_priority) {
+            let _ = writeln!(
+                out,
+                "{name}{{model_name=\"{}\",priority=\"{priority}\"}} {count}",
+                m.name
+            );
+        }
+    }
     type Counter = fn(&ModelMetrics) -> u64;
     let counters: &[(&str, &str, Counter)] = &[
         (
@@ -248,6 +274,26 @@ pub fn render(
             "novainfer:time_to_first_token_seconds",
             "Time from arrival to the first token.",
             |m| &m.ttft,
+        ),
+        (
+            "novainfer:request_queue_time_seconds",
+            "Time from arrival (waiting for a permit included) to the engine's first step for it.",
+            |m| &m.queue_time,
+        ),
+        (
+            "vllm:request_queue_time_seconds",
+            "Time from arrival (waiting for a permit included) to the engine's first step for it.",
+            |m| &m.queue_time,
+        ),
+        (
+            "novainfer:request_prefill_time_seconds",
+            "Time from the engine's first step for a request to its first token.",
+            |m| &m.prefill_time,
+        ),
+        (
+            "vllm:request_prefill_time_seconds",
+            "Time from the engine's first step for a request to its first token.",
+            |m| &m.prefill_time,
         ),
         (
             "novainfer:inter_token_latency_seconds",

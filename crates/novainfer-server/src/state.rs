@@ -6,16 +6,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::budget::TokenBudget;
+use crate::fair_admission::FairAdmission;
 use crate::generation::CancelRegistry;
-use crate::keys::ApiKeys;
-use crate::limits::{Admission, WorkLimits};
+use crate::keys::{ApiKeys, TenantWeights};
+use crate::limits::WorkLimits;
 use crate::metrics::ServerMetrics;
 use crate::models::Models;
 use crate::sessions::SessionStore;
 
 pub struct AppState {
     pub models: Models,
-    pub admission: Admission,
+    pub admission: FairAdmission,
+    /// Each API key's share weight (`--tenant-weights`).
+    pub tenant_weights: TenantWeights,
     pub work: WorkLimits,
     pub budget: Option<TokenBudget>,
     pub api_keys: Option<ApiKeys>,

@@ -51,6 +51,8 @@ pub struct SharedFields {
     pub response_format: Option<Value>,
     /// vLLM's output constraint (see `crate::structured`).
     pub structured_outputs: Option<Value>,
+    /// vLLM's scheduling priority: lower runs first under `--scheduling-policy priority`.
+    pub priority: Option<i32>,
 }
 
 impl SharedFields {
@@ -105,6 +107,7 @@ pub const SHARED_FIELDS: &[&str] = &[
     "service_tier",
     "response_format",
     "structured_outputs",
+    "priority",
 ];
 
 #[derive(Debug, Default, Deserialize)]
@@ -151,7 +154,6 @@ const UNSUPPORTED_FIELDS: &[&str] = &[
     "cache_salt",
     "kv_transfer_params",
     "vllm_xargs",
-    "priority",
     "request_id",
     "prompt_embeds",
     "documents",

@@ -129,6 +129,7 @@ pub async fn chat_completions(
             timeout: request_timeout(&req.shared)?,
             user: req.shared.user.clone(),
             tenant,
+            priority: req.shared.priority.unwrap_or(0),
             endpoint: "chat",
             response_id: response_id.clone(),
         },

@@ -70,6 +70,7 @@ pub async fn completions(
             timeout: request_timeout(&req.shared)?,
             user: req.shared.user.clone(),
             tenant,
+            priority: req.shared.priority.unwrap_or(0),
             endpoint: "completions",
             response_id: response_id.clone(),
         },

@@ -123,6 +123,7 @@ pub async fn infill(
             timeout: None,
             user: None,
             tenant,
+            priority: 0,
             endpoint: "infill",
             response_id: format!("infill-{}", request_id.0),
         },

@@ -12,16 +12,15 @@ use std::time::{Duration, Instant};
 use axum::body::Bytes;
 use futures_util::{Stream, StreamExt};
 use novainfer_core::SamplingParams;
-use novainfer_engine::{Delta, EngineError};
-use tokio::sync::OwnedSemaphorePermit;
+use novainfer_engine::{Delta, EngineError, Scheduling};
 
 use crate::accounting::RunState;
 use crate::budget::{check_user, ANONYMOUS};
 use crate::error::ApiError;
+use crate::fair_admission::{Permit, Ticket};
 use crate::generation::{Generation, Registration};
 use crate::keys::Tenant;
 use crate::lifecycle::{not_live, EngineFailure};
-use crate::limits::Ticket;
 use crate::models::ServedModel;
 use crate::state::{AppState, RequestId};
 
@@ -33,6 +32,8 @@ pub struct Launch {
     pub user: Option<String>,
     /// The API key the request came with: owns its cancel entry and budget.
     pub tenant: Tenant,
+    /// vLLM's `priority` (lower first under the priority policy).
+    pub priority: i32,
     pub endpoint: &'static str,
     /// The response object's id; also a cancel key.
     pub response_id: String,
@@ -60,9 +61,10 @@ pub struct Running {
     endpoint: &'static str,
     user: String,
     tenant: Tenant,
+    priority: i32,
     _registration: Registration,
     /// `None` when cancelled before it got one.
-    _permit: Option<OwnedSemaphorePermit>,
+    _permit: Option<Permit>,
 }
 
 /// Who is charged for the tokens: the `user` field, else one shared "anonymous" user.
@@ -83,6 +85,7 @@ pub struct Pending {
     deadline: Option<Instant>,
     timeout_secs: f64,
     user: String,
+    scheduling: Scheduling,
 }
 
 /// Everything that can refuse a request before any work is spent on it: shutdown, a dead
@@ -112,9 +115,13 @@ pub fn prepare(
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     };
+    let scheduling = Scheduling {
+        priority: l.priority,
+        tenant: app.tenant_weights.share(l.tenant, &user),
+    };
     let ticket = app
         .admission
-        .reserve()
+        .reserve(scheduling.tenant, scheduling.priority)
         .inspect_err(|e| app.metrics.rejected(e.code.unwrap_or_default()))?;
     let registration = app
         .cancels
@@ -133,6 +140,7 @@ pub fn prepare(
             .and_then(|d| arrival.checked_add(d)),
         timeout_secs: timeout_secs.unwrap_or_default(),
         user,
+        scheduling,
     })
 }
 
@@ -181,7 +189,9 @@ impl Pending {
         let l = self.launch;
         let prompt_lens = self.prompts.iter().map(Vec::len).collect();
         let gen = match permit {
-            Some(_) => Generation::start(&l.model.handle, self.prompts, &l.params)?,
+            Some(_) => {
+                Generation::start(&l.model.handle, self.prompts, &l.params, self.scheduling)?
+            }
             None => Generation::empty(),
         };
         self.registration.slot().arm(gen.abort_handles());
@@ -197,6 +207,7 @@ impl Pending {
             endpoint: l.endpoint,
             user: self.user,
             tenant: l.tenant,
+            priority: l.priority,
             _registration: self.registration,
             _permit: permit,
         })
@@ -322,6 +333,9 @@ impl Drop for Running {
             completion_tokens = usage.completion_tokens,
             cached_tokens = usage.prompt_tokens_details.cached_tokens,
             finish_reason = outcome,
+            priority = self.priority,
+            queue_ms = self.run.queue_time().map(|d| d.as_secs_f64() * 1e3),
+            prefill_ms = self.run.prefill_time().map(|d| d.as_secs_f64() * 1e3),
             "request"
         );
     }

@@ -1,0 +1,70 @@
+//! Scheduling defaults on the CPU, where a step that carries a prefill chunk takes seconds:
+//! what the operator did not set is chosen so that no single request holds the engine.
+//!
+//! The rule:
+//! - **`max_model_len`**: at most [`CPU_MAX_MODEL_LEN`] tokens by default. A full prompt then
+//!   prefills in a minute or two on a few cores (the 0.5B model computes ~100 prompt tokens/s
+//!   per 2 cores at 8k context), not the ten minutes of the model's 32k. An explicit
+//!   `max_model_len` always wins.
+//! - **`long_prefill_token_threshold`**: `64 × threads`, clamped to 128–1024 tokens: a step
+//!   that carries a long prompt's chunk takes about a second, so running streams keep getting
+//!   a token a second and short prompts are admitted beside it.
+//! - **`max_long_partial_prefills`**: 1. One long prompt is computed at a time; shorter ones
+//!   overtake the rest (vLLM's rule).
+
+/// The default context on the CPU.
+pub const CPU_MAX_MODEL_LEN: usize = 8192;
+
+/// What the CPU rule fills in for the knobs left unset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuDefaults {
+    pub max_model_len_cap: usize,
+    pub long_prefill_token_threshold: usize,
+    pub max_long_partial_prefills: usize,
+}
+
+impl CpuDefaults {
+    pub fn for_threads(threads: usize) -> Self {
+        Self {
+            max_model_len_cap: CPU_MAX_MODEL_LEN,
+            long_prefill_token_threshold: (64 * threads).clamp(128, 1024),
+            max_long_partial_prefills: 1,
+        }
+    }
+
+    /// For the threads the forward pass will use (`RAYON_NUM_THREADS`, else every core).
+    pub fn for_this_machine() -> Self {
+        let threads = std::env::var("RAYON_NUM_THREADS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
+            .unwrap_or(1);
+        Self::for_threads(threads)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_threshold_grows_with_threads_within_bounds() {
+        assert_eq!(
+            CpuDefaults::for_threads(1).long_prefill_token_threshold,
+            128
+        );
+        assert_eq!(
+            CpuDefaults::for_threads(2).long_prefill_token_threshold,
+            128
+        );
+        assert_eq!(
+            CpuDefaults::for_threads(8).long_prefill_token_threshold,
+            512
+        );
+        assert_eq!(
+            CpuDefaults::for_threads(64).long_prefill_token_threshold,
+            1024
+        );
+    }
+}
