@@ -8,6 +8,11 @@ streaming requests in flight until ``--num-requests`` have finished. It reports 
 over the wall time, and TTFT, TPOT (per request: time after the first token over the remaining tokens) and
 ITL (time between successive streamed tokens) at p50/p95/p99.
 
+A mixed workload (``--long-prompts N``) adds N long requests (``--long-prompt-tokens`` each, 8 output tokens)
+sent at the start, beside the short ones and outside ``--concurrency``: the report then gives the short
+requests' latencies (what the long ones cost them) and the long ones' own TTFT and end-to-end time. Compare
+the default scheduling with plain FCFS by passing ``--server-arg=--long-prefill-token-threshold=1000000``.
+
 Only the standard library is used: one thread per in-flight request, ``http.client`` for SSE.
 """
 
@@ -62,6 +67,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help="serve: target a running server instead of starting one")
     p.add_argument("--shared-prefix-tokens", type=int, default=0, help="serve: shared system-prompt tokens")
     p.add_argument("--server-arg", action="append", default=[], help="serve: extra novainfer-server argument")
+    p.add_argument("--long-prompts", type=int, default=0, help="serve: long requests mixed in (sent at the start)")
+    p.add_argument("--long-prompt-tokens", type=int, default=4096, help="serve: prompt tokens of each long request")
 
 
 class _Client:
@@ -149,6 +156,19 @@ def build_workload(client: _Client, model: str | None, args: argparse.Namespace)
     return payloads
 
 
+def build_long_requests(client: _Client, model: str | None, args: argparse.Namespace) -> list[dict]:
+    rng = random.Random(args.bench_seed + 1)
+    return [{
+        "model": model,
+        "messages": [{"role": "user", "content": _sized(client, model, rng, args.long_prompt_tokens)}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    } for _ in range(args.long_prompts)]
+
+
 def start_server(
     args: argparse.Namespace,
     *,
@@ -234,7 +254,18 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         payloads = build_workload(client, model, args)
         # Warm-up outside the clock (thread pools, allocator), with a prompt no request shares.
         client.stream_chat({**payloads[0], "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 4})
+        long_payloads = build_long_requests(client, model, args)
+        long_results: list[RequestResult] = []
+        long_threads = [
+            threading.Thread(target=lambda p=p: long_results.append(client.stream_chat(p))) for p in long_payloads
+        ]
+        started = time.perf_counter()
+        for t in long_threads:
+            t.start()
         results, wall = run_load(client, payloads, args.concurrency)
+        for t in long_threads:
+            t.join()
+        overall = time.perf_counter() - started
     finally:
         if proc is not None:
             proc.terminate()
@@ -252,4 +283,14 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         f"TPOT {s['tpot_p50_ms']:.0f}/{s['tpot_p95_ms']:.0f}/{s['tpot_p99_ms']:.0f} ms | "
         f"ITL {s['itl_p50_ms']:.0f}/{s['itl_p95_ms']:.0f}/{s['itl_p99_ms']:.0f} ms"
     )
-    return 0 if s["errors"] == 0 else 1
+    if long_results:
+        ok = [r for r in long_results if r.error is None]
+        print(
+            f"  long prompts: {len(ok)} of {len(long_results)} x {args.long_prompt_tokens} tokens | "
+            f"TTFT p50/max {percentile([r.ttft for r in ok], 50):.1f}/{max((r.ttft for r in ok), default=0):.1f} s | "
+            f"e2e max {max((r.e2e for r in ok), default=0):.1f} s (the short requests' figures are above)"
+        )
+        every = summarize(results + long_results, overall)
+        print(f"  all requests: {every['total_tok_s']:.1f} tok/s total (prompt + output) over {overall:.1f} s")
+    errors = s["errors"] + sum(r.error is not None for r in long_results)
+    return 0 if errors == 0 else 1
