@@ -171,3 +171,13 @@ def test_short_chats_finish_while_a_long_prompt_prefills_on_the_cpu_defaults():
         print({k: round(v - start, 2) for k, v in sorted(finished.items())})
         for i in range(8):
             assert finished[f"short{i}"] < first_token["long"], (finished, first_token)
+
+
+def test_streams_take_a_priority_too(tiny_models):
+    llm = LLM(tiny_models["f32"], kv_cache_bytes=8 << 20, scheduling_policy="priority")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    streamed = [t for d in llm.generate_stream(PROMPT, params, priority=-3) for t in d.token_ids]
+    assert streamed == llm.generate([PROMPT], params)[0].outputs[0].token_ids
+    with pytest.raises(InvalidParameterError) as e:
+        llm.generate_stream(PROMPT, params, priority="high")
+    assert e.value.param == "priority"

@@ -16,7 +16,7 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 
 from . import _native
-from .llm import LLM, ChatMessage, PromptInput
+from .llm import LLM, ChatMessage, PromptInput, _priority
 from .outputs import CompletionOutput, Logprob, RequestOutput, StopReason, StreamDelta, _logprobs
 
 __all__ = ["AsyncLLM"]
@@ -34,11 +34,11 @@ class AsyncLLM:
         return self.llm.device
 
     async def generate_stream(
-        self, prompt: PromptInput, sampling_params: _native.SamplingParams | None = None
+        self, prompt: PromptInput, sampling_params: _native.SamplingParams | None = None, priority: int = 0
     ) -> AsyncIterator[StreamDelta]:
-        """Yields `StreamDelta`s for one prompt as tokens are generated."""
+        """Yields `StreamDelta`s for one prompt as tokens are generated; `priority` as in `LLM.generate`."""
         (params,) = self.llm._params_for(1, sampling_params)
-        stream = self.llm._engine.stream(self.llm._token_ids(prompt), params)
+        stream = self.llm._engine.stream(self.llm._token_ids(prompt), params, _priority(priority))
         async for delta in _deltas(stream):
             yield delta
 
@@ -53,9 +53,10 @@ class AsyncLLM:
             yield delta
 
     async def generate(
-        self, prompt: PromptInput, sampling_params: _native.SamplingParams | None = None
+        self, prompt: PromptInput, sampling_params: _native.SamplingParams | None = None, priority: int = 0
     ) -> RequestOutput:
-        """Completes one prompt; concurrent calls are batched together by the engine."""
+        """Completes one prompt; concurrent calls are batched together by the engine (in `priority` order
+        under ``scheduling_policy="priority"``)."""
         token_ids = self.llm._token_ids(prompt)
         (params,) = self.llm._params_for(1, sampling_params)
         texts: list[list[str]] = [[] for _ in range(params.n)]
@@ -63,7 +64,7 @@ class AsyncLLM:
         reasons = ["abort"] * params.n
         stop_reasons: list[StopReason] = [None] * params.n
         logprobs: list[list[dict[int, Logprob]] | None] = [None] * params.n
-        async for d in self.generate_stream(token_ids, params):
+        async for d in self.generate_stream(token_ids, params, priority):
             texts[d.index].append(d.text)
             ids[d.index].extend(d.token_ids)
             if d.logprobs is not None:

@@ -39,6 +39,12 @@ def _as_list(value: object, what: str) -> list:
     return list(value)
 
 
+def _priority(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not -(2**31) <= value < 2**31:
+        raise InvalidParameterError(f"priority must be a 32-bit int, got {value!r}", "priority")
+    return value
+
+
 def _completions(raw: list[tuple[str, list[int], str, Any, Any]]) -> list[CompletionOutput]:
     return [
         CompletionOutput(i, text, ids, reason, _logprobs(logprobs), stop_reason)
@@ -301,12 +307,11 @@ class LLM:
         priorities = None
         if priority is not None:
             priorities = _as_list(priority, "priority")
-            if len(priorities) != len(token_ids) or not all(
-                isinstance(p, int) and not isinstance(p, bool) and -(2**31) <= p < 2**31 for p in priorities
-            ):
+            if len(priorities) != len(token_ids):
                 raise InvalidParameterError(
                     f"priority must be one 32-bit int per prompt ({len(token_ids)}), got {priority!r}", "priority"
                 )
+            priorities = [_priority(p) for p in priorities]
         results = self._engine.generate(token_ids, params, priorities)
         return [
             RequestOutput(
@@ -366,13 +371,13 @@ class LLM:
         ]
 
     def generate_stream(
-        self, prompt: PromptInput, sampling_params: _native.SamplingParams | None = None
+        self, prompt: PromptInput, sampling_params: _native.SamplingParams | None = None, priority: int = 0
     ) -> Iterator[StreamDelta]:
-        """Yields `StreamDelta`s for one prompt as tokens are generated.
+        """Yields `StreamDelta`s for one prompt as tokens are generated; `priority` as in `generate`.
 
         Stopping the iteration early (``break``, or closing the generator) aborts the request.
         """
-        return self._stream(self._token_ids(prompt), sampling_params)
+        return self._stream(self._token_ids(prompt), sampling_params, priority)
 
     def chat_stream(
         self, messages: Sequence[ChatMessage], sampling_params: _native.SamplingParams | None = None
@@ -381,9 +386,11 @@ class LLM:
         prompt = self.apply_chat_template(messages)
         return self._stream(self._engine.encode(prompt, False), sampling_params)
 
-    def _stream(self, token_ids: list[int], sampling_params: _native.SamplingParams | None) -> Iterator[StreamDelta]:
+    def _stream(
+        self, token_ids: list[int], sampling_params: _native.SamplingParams | None, priority: int = 0
+    ) -> Iterator[StreamDelta]:
         (params,) = self._params_for(1, sampling_params)
-        stream = self._engine.stream(token_ids, params)
+        stream = self._engine.stream(token_ids, params, _priority(priority))
 
         def deltas() -> Iterator[StreamDelta]:
             try:

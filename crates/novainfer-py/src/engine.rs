@@ -400,18 +400,24 @@ impl PyEngine {
     }
 
     /// Starts one request and returns an iterator over its deltas.
+    #[pyo3(signature = (prompt, params, priority=0))]
     fn stream(
         &self,
         py: Python<'_>,
         prompt: Vec<u32>,
         params: PyRef<'_, PySamplingParams>,
+        priority: i32,
     ) -> PyResult<PyTokenStream> {
         let params = params.inner.clone();
         let frontend = self.handle.frontend();
+        let scheduling = Scheduling {
+            priority,
+            ..Scheduling::default()
+        };
         let stream = py
             .detach(|| {
                 let prompt = frontend.prompt_token_ids(&Prompt::TokenIds(prompt))?;
-                self.handle.submit(prompt, params)
+                self.handle.submit_scheduled(prompt, params, scheduling)
             })
             .map_err(engine_error)?;
         Ok(PyTokenStream {
