@@ -369,8 +369,10 @@ mod tests {
         metrics.generation_tokens.fetch_add(7, Ordering::Relaxed);
         let server = ServerMetrics::default();
         server.rejected("server_overloaded");
+        metrics.queue_time.observe(0.2);
         let engine = EngineStats {
             num_running: 2,
+            num_waiting_by_priority: vec![(-1, 2), (0, 5)],
             kv: novainfer_core::KvCacheStats {
                 num_blocks: 10,
                 num_used_blocks: 5,
@@ -397,6 +399,11 @@ mod tests {
             "novainfer:server_requests_queued 3",
             "novainfer:request_rejections_total{reason=\"server_overloaded\"} 1",
             "# TYPE novainfer:time_to_first_token_seconds histogram",
+            "novainfer:num_requests_waiting_by_priority{model_name=\"m\",priority=\"-1\"} 2",
+            "novainfer:num_requests_waiting_by_priority{model_name=\"m\",priority=\"0\"} 5",
+            "novainfer:request_queue_time_seconds_count{model_name=\"m\"} 1",
+            "vllm:request_queue_time_seconds_count{model_name=\"m\"} 1",
+            "vllm:request_prefill_time_seconds_count{model_name=\"m\"} 0",
         ] {
             assert!(
                 text.lines().any(|l| l == line),
