@@ -7,6 +7,7 @@ GIL released.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -92,6 +93,11 @@ class LLM:
     thread (128 to 1024) with one long prompt at a time, so no single request holds the engine for minutes
     (docs/scheduling.md states the rule); on a GPU they are unlimited, as in vLLM.
 
+    `speculative_config` turns on speculative decoding, in vLLM's shape: ``{"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}`` drafts tokens by prompt
+    lookup and verifies them in the next forward pass. Outputs are the same token for token as without it
+    (greedy or sampled with a seed); `stats()` counts ``num_draft_tokens`` and ``num_accepted_tokens``.
+
     `device` is ``"auto"`` (the first usable NVIDIA GPU when its executor can run the model, else the CPU —
     the SLOT layout and head sizes without GPU kernels run on the CPU; the choice and its reason are logged
     on the ``novainfer`` logger and kept in `device`), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. An explicit GPU
@@ -125,6 +131,7 @@ class LLM:
         long_prefill_token_threshold: int | None = None,
         max_num_partial_prefills: int | None = None,
         max_long_partial_prefills: int | None = None,
+        speculative_config: Mapping[str, Any] | None = None,
     ) -> None:
         for name, value in (
             ("block_size", block_size),
@@ -148,6 +155,10 @@ class LLM:
             raise InvalidParameterError(
                 f'kv_cache_dtype must be one of "auto", "f32", "f16", "bf16", "q8_0", got {kv_cache_dtype!r}',
                 "kv_cache_dtype",
+            )
+        if speculative_config is not None and not isinstance(speculative_config, Mapping):
+            raise InvalidParameterError(
+                f"speculative_config must be a dict, got {type(speculative_config).__name__}", "speculative_config"
             )
         if scheduling_policy not in ("fcfs", "priority"):
             raise InvalidParameterError(
@@ -188,6 +199,7 @@ class LLM:
             long_prefill_token_threshold=long_prefill_token_threshold,
             max_num_partial_prefills=max_num_partial_prefills,
             max_long_partial_prefills=max_long_partial_prefills,
+            speculative_config=None if speculative_config is None else json.dumps(dict(speculative_config)),
         )
 
         _log.info("novainfer: %s runs on %s (%s)", self.model_path, self.device, self._engine.device_reason)

@@ -13,6 +13,7 @@ pub mod finish;
 pub mod ids;
 pub mod kv_cache_manager;
 pub mod kv_manager;
+pub mod ngram;
 pub mod prefix_hash;
 pub mod request;
 pub mod sampling_params;
@@ -27,6 +28,7 @@ pub use finish::FinishReason;
 pub use ids::{BlockId, RequestId};
 pub use kv_cache_manager::{BlockCopy, KvCacheManager, KvCacheStats, NewBlocks, PrefixHit};
 pub use kv_manager::{AnyKv, KvLayout, KvManager};
+pub use ngram::{NgramIndex, NgramRange};
 pub use prefix_hash::{BlockHash, BlockKey, PrefixIndex};
 pub use request::{Request, RequestKind, RequestStatus, Tenant};
 pub use sampling_params::{

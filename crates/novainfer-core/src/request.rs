@@ -87,6 +87,9 @@ pub struct Request {
     pub priority: i32,
     pub tenant: Tenant,
     pub kind: RequestKind,
+    /// Tokens proposed for the next step (speculative decoding): verified together with the
+    /// next decode. Set through [`crate::Scheduler::set_draft`]; each `schedule` consumes them.
+    pub draft_token_ids: Vec<u32>,
     status: RequestStatus,
 }
 
@@ -108,6 +111,7 @@ impl Request {
             priority: 0,
             tenant: Tenant::default(),
             kind: RequestKind::Generate,
+            draft_token_ids: Vec::new(),
             status: RequestStatus::Waiting,
         }
     }
@@ -203,6 +207,7 @@ impl Request {
         );
         self.status = RequestStatus::Preempted;
         self.num_computed_tokens = 0;
+        self.draft_token_ids.clear();
     }
 
     /// Any unfinished state → `Finished(reason)`.

@@ -10,6 +10,9 @@
 //! Prefill-only requests (embeddings, scored prompts) are mixed in: an embedding's
 //! hidden state must be its last prompt position's "KV", and a scored prompt must get a
 //! row for every position, each equal to that position's "KV" computed alone.
+//! Decoding requests get random drafts (speculative decoding), partly the model's true
+//! continuation and partly noise; the fake model confirms the drafts that match its own next
+//! tokens, and outputs must still equal the oracle's.
 //! Requests carry priorities and tenants, under either scheduling policy. Beyond the
 //! outputs, the bound checked: the first running request (in the policy's order) is
 //! scheduled in every step once the budgets cover one token per seat, so once a request
@@ -76,6 +79,9 @@ struct Workload {
     max_scored: usize,
     policy: SchedulingPolicy,
     aging_steps: usize,
+    /// Most draft tokens proposed per decode (0: no speculation), and a seed for them.
+    max_draft: usize,
+    draft_seed: u64,
     prefixes: Vec<Vec<u32>>,
     arrivals: Vec<Arrival>,
 }
@@ -116,6 +122,8 @@ fn workload() -> impl Strategy<Value = Workload> {
                         Just(SchedulingPolicy::Priority)
                     ],
                     1usize..=8,
+                    prop_oneof![Just(0usize), 1usize..=5],
+                    any::<u64>(),
                 ),
                 proptest::collection::vec(proptest::collection::vec(0u32..VOCAB as u32, 40), 3),
                 proptest::collection::vec(arrival(), 1..=16),
@@ -131,7 +139,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 mns,
                 pc,
                 (th, mp, mlp, ms),
-                (policy, aging_steps),
+                (policy, aging_steps, max_draft, draft_seed),
                 prefixes,
                 arrivals,
             )| {
@@ -150,6 +158,8 @@ fn workload() -> impl Strategy<Value = Workload> {
                     max_scored: ms,
                     policy,
                     aging_steps,
+                    max_draft,
+                    draft_seed,
                     prefixes,
                     arrivals,
                 }
@@ -272,6 +282,7 @@ impl FakeModel {
         }
         let mut sampled = Vec::new();
         for s in &out.scheduled {
+            let mut rows = Vec::new();
             let bs = self.block_size;
             let slots = slot_mapping(&s.block_table, s.start_position, s.token_ids.len(), bs);
             let mut prev = match s.start_position {
@@ -293,6 +304,7 @@ impl FakeModel {
                 );
                 prev = kv_at(prev, t, pos);
                 self.slots[slot] = Some((pos, prev));
+                rows.push(prev);
                 if s.output == ChunkOutput::PromptLogits {
                     self.rows.entry(s.request_id).or_default().insert(pos, prev);
                 }
@@ -303,11 +315,47 @@ impl FakeModel {
                     "hidden twice"
                 );
             }
-            if s.sample() {
+            if s.output == ChunkOutput::Verify {
+                // Confirm drafts while they are the model's own next tokens, then sample one.
+                let draft = s.draft_token_ids();
+                let mut tokens = Vec::new();
+                for (row, &d) in rows.iter().zip(draft) {
+                    let t = next_token(*row);
+                    tokens.push(t);
+                    if t != d {
+                        break;
+                    }
+                }
+                if tokens.len() == draft.len() && tokens == draft {
+                    tokens.push(next_token(rows[draft.len()]));
+                }
+                sampled.push((s.request_id, tokens));
+            } else if s.sample() {
                 sampled.push((s.request_id, vec![next_token(prev)]));
             }
         }
         sampled
+    }
+
+    /// A draft for a request whose tokens so far are `history`: each token the model's true
+    /// continuation or noise, by `rng`.
+    fn draft(history: &[u32], len: usize, rng: &mut u64) -> Vec<u32> {
+        let mut kv = 0;
+        for (pos, &t) in history.iter().enumerate() {
+            kv = kv_at(kv, t, pos);
+        }
+        let mut out = Vec::new();
+        for i in 0..len {
+            *rng = mix(*rng);
+            let t = if (*rng).is_multiple_of(4) {
+                (*rng >> 8) as u32 % VOCAB as u32
+            } else {
+                next_token(kv)
+            };
+            kv = kv_at(kv, t, history.len() + i);
+            out.push(t);
+        }
+        out
     }
 }
 
@@ -406,6 +454,7 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
         w.max_long_partial.is_some() && w.threshold.is_some_and(|t| r.num_tokens() > t)
     };
     let max_steps = 20_000;
+    let mut draft_rng = w.draft_seed;
     for step in 0..max_steps {
         for (i, a) in w.arrivals.iter().enumerate() {
             if a.step == step {
@@ -510,11 +559,23 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
         prop_assert!(sched.num_running() <= w.max_num_seqs);
         for s in &out.scheduled {
             let h = &history[&s.request_id];
-            let end = s.start_position + s.token_ids.len();
+            let known = s.token_ids.len() - s.draft_token_ids().len();
+            let end = s.start_position + known;
             prop_assert!(!s.token_ids.is_empty() && end <= h.len());
-            prop_assert_eq!(&s.token_ids[..], &h[s.start_position..end]);
+            prop_assert_eq!(&s.token_ids[..known], &h[s.start_position..end]);
+            if s.output == ChunkOutput::Verify {
+                let r = sched
+                    .request(s.request_id)
+                    .expect("a verified request is known");
+                prop_assert_eq!(known, 1, "drafts only extend a decode");
+                prop_assert!(r.output_token_ids.len() + s.token_ids.len() <= r.max_tokens);
+                prop_assert!(h.len() + s.token_ids.len() <= w.max_model_len);
+            }
             let kind = w.arrivals[origin(s.request_id).0].kind;
             let want = match kind {
+                RequestKind::Generate if end == h.len() && s.token_ids.len() > known => {
+                    ChunkOutput::Verify
+                }
                 RequestKind::Generate if end == h.len() => ChunkOutput::Sample,
                 RequestKind::Embed if end == h.len() => ChunkOutput::Hidden,
                 RequestKind::ScorePrompt => ChunkOutput::PromptLogits,
@@ -556,6 +617,14 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
                 .extend(&u.new_token_ids);
         }
         check_blocks(&sched);
+        if w.max_draft > 0 {
+            for id in sched.running_ids().to_vec() {
+                draft_rng = mix(draft_rng ^ id.0);
+                let len = (draft_rng % (w.max_draft as u64 + 1)) as usize;
+                let draft = FakeModel::draft(&history[&id], len, &mut draft_rng);
+                sched.set_draft(id, draft);
+            }
+        }
         if step > last_arrival && !sched.has_work() {
             prop_assert_eq!(sched.kv_stats().num_used_blocks, 0, "a block leaked");
             prop_assert_eq!(finished.len(), history.len(), "a request vanished");

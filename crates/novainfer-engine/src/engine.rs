@@ -62,6 +62,8 @@ pub struct EngineConfig {
     /// Most prompts longer than the threshold being prefilled at once (vLLM's name); unset:
     /// none on a GPU, 1 on the CPU.
     pub max_long_partial_prefills: Option<usize>,
+    /// Speculative decoding (vLLM's `speculative_config`); `None`: off.
+    pub speculative: Option<crate::speculative::SpeculativeConfig>,
 }
 
 /// 2 GiB holds 174k tokens of the 0.5B demo model (f16 K/V, the CPU's default) or 74k of a
@@ -198,6 +200,7 @@ impl EngineConfig {
             long_prefill_token_threshold: None,
             max_num_partial_prefills: None,
             max_long_partial_prefills: None,
+            speculative: None,
         }
     }
 }
@@ -215,6 +218,7 @@ pub struct LoadedEngine {
     pub frontend: Frontend,
     pub scheduler: SchedulerConfig,
     pub seed: u64,
+    pub speculative: Option<crate::speculative::SpeculativeConfig>,
 }
 
 /// The text side of the engine: tokenizer, chat template and prompt checks.
@@ -511,6 +515,7 @@ impl LoadedEngine {
             frontend,
             scheduler,
             seed: cfg.seed,
+            speculative: cfg.speculative,
         })
     }
 }

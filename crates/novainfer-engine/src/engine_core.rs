@@ -31,6 +31,7 @@ use crate::output_processor::{DeltaSink, OutputEvent};
 use crate::prefill::{PrefillJob, PrefillTask};
 use crate::request::Scheduling;
 use crate::sequence::SequenceOutput;
+use crate::speculative::Proposer;
 
 struct ActiveRequest {
     sampler: Sampler,
@@ -43,8 +44,9 @@ struct ActiveRequest {
     scheduled_at: Option<Instant>,
 }
 
-/// What one step sampled, per request, and the completions it starts.
-type Sampled = (Vec<(RequestId, SampledToken)>, Vec<Fork>);
+/// What one step sampled, per request (one token, or with drafts the confirmed ones and the
+/// next), and the completions it starts.
+type Sampled = (Vec<(RequestId, Vec<SampledToken>)>, Vec<Fork>);
 
 struct PendingChild {
     request: Request,
@@ -101,6 +103,9 @@ pub struct EngineStats {
     pub kv_bytes_per_block: usize,
     pub num_prompt_tokens_computed: u64,
     pub num_generated_tokens: u64,
+    /// Speculative decoding: draft tokens verified, and those confirmed.
+    pub num_draft_tokens: u64,
+    pub num_accepted_tokens: u64,
     pub num_steps: u64,
     /// Time spent inside `step()`.
     pub busy_seconds: f64,
@@ -122,6 +127,8 @@ pub struct EngineCore {
     /// Embeddings and scored prompts in flight.
     prefills: HashMap<RequestId, PrefillJob>,
     grammar_outcomes: GrammarOutcomes,
+    /// Drafts for speculative decoding, when on.
+    proposer: Option<Proposer>,
 }
 
 impl EngineCore {
@@ -144,6 +151,7 @@ impl EngineCore {
             seed: loaded.seed,
             stats,
             grammar_outcomes: GrammarOutcomes::default(),
+            proposer: loaded.speculative.map(Proposer::new),
         }
     }
 
@@ -279,10 +287,33 @@ impl EngineCore {
                 Ok((sampled, forks)) => self.update(&out, sampled, forks),
                 Err(e) => self.fail(&out, e),
             }
+            self.propose_drafts();
             self.stats.num_steps += 1;
         }
         self.flush();
         self.stats.busy_seconds += started.elapsed().as_secs_f64();
+    }
+
+    /// Drafts the next step's tokens for every decoding request (speculative decoding).
+    fn propose_drafts(&mut self) {
+        let Some(proposer) = self.proposer.as_mut() else {
+            return;
+        };
+        let running = self.scheduler.running_ids().to_vec();
+        for id in running {
+            let Some(request) = self.scheduler.request(id) else {
+                continue;
+            };
+            if request.kind.is_prefill_only() || request.output_token_ids.is_empty() {
+                continue;
+            }
+            let draft = proposer.propose(request);
+            if !draft.is_empty() {
+                self.scheduler.set_draft(id, draft);
+            }
+        }
+        let scheduler = &self.scheduler;
+        proposer.retain(|id| scheduler.request(id).is_some());
     }
 
     /// Ends the streams of requests the scheduler finished on its own (ignored,
@@ -348,6 +379,14 @@ impl EngineCore {
                     at += 1;
                     self.sample(s.request_id, row, &mut sampled, &mut forks);
                 }
+                ChunkOutput::Verify => {
+                    let n = s.token_ids.len();
+                    let rows = logits
+                        .get_mut(at * vocab..(at + n) * vocab)
+                        .expect("one logits row per verified token: this is a bug");
+                    at += n;
+                    self.verify(s.request_id, s.draft_token_ids(), rows, vocab, &mut sampled);
+                }
                 ChunkOutput::PromptLogits => {
                     let n = s.token_ids.len();
                     let rows = logits
@@ -378,13 +417,52 @@ impl EngineCore {
         }
     }
 
+    /// Verifies request `id`'s draft: samples the rows in order (row `i` follows draft token
+    /// `i - 1`) and stops at the first token that is not the draft's, or when the grammar ends.
+    /// Every output token is thus sampled from the target's own distribution after the
+    /// tokens before it, with the same sampler and random stream as without a draft: greedy
+    /// and seeded outputs are the same token for token, and a draft only saves forward passes.
+    fn verify(
+        &mut self,
+        id: RequestId,
+        draft: &[u32],
+        rows: &mut [f32],
+        vocab: usize,
+        sampled: &mut Vec<(RequestId, Vec<SampledToken>)>,
+    ) {
+        let active = self
+            .active
+            .get_mut(&id)
+            .expect("verified request is active: this is a bug");
+        let mut tokens = Vec::new();
+        for (i, row) in rows.chunks_exact_mut(vocab).enumerate() {
+            let token = sample_row(
+                id,
+                &mut active.sampler,
+                active.constraint.as_mut(),
+                row,
+                &mut self.grammar_outcomes,
+            );
+            let confirmed = draft.get(i) == Some(&token.token_id);
+            tokens.push(token);
+            let grammar_ended = self.grammar_outcomes.finished.contains(&id)
+                || self.grammar_outcomes.failed.iter().any(|(f, _)| *f == id);
+            if !confirmed || grammar_ended {
+                break;
+            }
+        }
+        self.stats.num_draft_tokens += draft.len() as u64;
+        self.stats.num_accepted_tokens += (tokens.len() - 1) as u64;
+        sampled.push((id, tokens));
+    }
+
     /// Samples request `id`'s next token from `row`, and the first token of each of its
     /// held-back completions (each from a copy of the row).
     fn sample(
         &mut self,
         id: RequestId,
         row: &mut [f32],
-        sampled: &mut Vec<(RequestId, SampledToken)>,
+        sampled: &mut Vec<(RequestId, Vec<SampledToken>)>,
         forks: &mut Vec<Fork>,
     ) {
         let active = self
@@ -402,7 +480,7 @@ impl EngineCore {
                 &mut row.to_vec(),
                 &mut self.grammar_outcomes,
             );
-            sampled.push((child_id, first.clone()));
+            sampled.push((child_id, vec![first.clone()]));
             forks.push(Fork {
                 parent: id,
                 child: child.request,
@@ -429,7 +507,7 @@ impl EngineCore {
             row,
             &mut self.grammar_outcomes,
         );
-        sampled.push((id, token));
+        sampled.push((id, vec![token]));
     }
 
     fn prompt_len(&self, id: RequestId) -> usize {
@@ -441,20 +519,26 @@ impl EngineCore {
     fn update(
         &mut self,
         out: &SchedulerOutput,
-        sampled: Vec<(RequestId, SampledToken)>,
+        sampled: Vec<(RequestId, Vec<SampledToken>)>,
         forks: Vec<Fork>,
     ) {
         let forked: Vec<RequestId> = forks.iter().map(|f| f.child.id).collect();
         let tokens: Vec<(RequestId, Vec<u32>)> = sampled
             .iter()
             .filter(|(id, _)| !forked.contains(id))
-            .map(|(id, t)| (*id, vec![t.token_id]))
+            .map(|(id, t)| (*id, t.iter().map(|t| t.token_id).collect()))
             .collect();
         let updates = self.scheduler.update_with_forks(out, &tokens, forks);
-        let mut sampled: HashMap<RequestId, SampledToken> = sampled.into_iter().collect();
+        let mut sampled: HashMap<RequestId, Vec<SampledToken>> = sampled.into_iter().collect();
         let outcomes = std::mem::take(&mut self.grammar_outcomes);
         for u in updates {
-            let Some(token) = sampled.remove(&u.request_id) else {
+            let Some(mut tokens) = sampled.remove(&u.request_id) else {
+                continue;
+            };
+            // The scheduler keeps tokens up to the first that ends the request.
+            let cut = u.new_token_ids.len() < tokens.len();
+            tokens.truncate(u.new_token_ids.len());
+            let Some(last) = tokens.pop() else {
                 continue;
             };
             if let Some((_, message)) = outcomes.failed.iter().find(|(id, _)| *id == u.request_id) {
@@ -469,13 +553,14 @@ impl EngineCore {
                 });
                 continue;
             }
-            self.stats.num_generated_tokens += 1;
+            self.stats.num_generated_tokens += 1 + tokens.len() as u64;
             let mut finish = u.finish_reason;
             // A complete grammar ends the request as a stop would, even on its last allowed
             // token (the output is whole, not cut). An end token completing it stays a hidden
             // stop token.
-            let completes_constraint =
-                outcomes.finished.contains(&u.request_id) && finish != Some(FinishReason::Stop);
+            let completes_constraint = !cut
+                && outcomes.finished.contains(&u.request_id)
+                && finish != Some(FinishReason::Stop);
             if completes_constraint {
                 if finish.is_none() {
                     self.scheduler
@@ -487,9 +572,20 @@ impl EngineCore {
             if finish.is_some() {
                 self.active.remove(&u.request_id);
             }
+            // Confirmed draft tokens first, each an ordinary token of the stream.
+            for token in tokens {
+                self.emit(OutputEvent::Token {
+                    id: u.request_id,
+                    token,
+                    finish: None,
+                    completes_constraint: false,
+                    num_cached_tokens: u.num_cached_tokens,
+                    scheduled_at,
+                });
+            }
             self.emit(OutputEvent::Token {
                 id: u.request_id,
-                token,
+                token: last,
                 finish,
                 completes_constraint,
                 num_cached_tokens: u.num_cached_tokens,

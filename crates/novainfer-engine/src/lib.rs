@@ -17,6 +17,7 @@ pub mod prefill;
 pub mod prompt_scores;
 pub mod request;
 pub mod sequence;
+pub mod speculative;
 pub mod stop;
 pub mod tokenizer;
 

@@ -65,7 +65,7 @@ impl ModelRunner {
                 ChunkOutput::Nothing => SpanOutput::None,
                 ChunkOutput::Sample => SpanOutput::LastLogits,
                 ChunkOutput::Hidden => SpanOutput::LastHidden,
-                ChunkOutput::PromptLogits => SpanOutput::AllLogits,
+                ChunkOutput::PromptLogits | ChunkOutput::Verify => SpanOutput::AllLogits,
             };
             batch.push_span(&s.token_ids, s.start_position, slots, table, output);
         }

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex, TryLockError};
 use std::time::Duration;
 
 use novainfer_core::KvLayout;
+use novainfer_engine::speculative::SpeculativeConfig;
 use novainfer_engine::tokenizer::Tokenizer;
 use novainfer_engine::{
     AbortHandle, ChatMessage, Delta, EngineConfig, EngineError, EngineHandle, KvBudget, NextDelta,
@@ -118,7 +119,7 @@ impl PyEngine {
         max_num_batched_tokens=2048, enable_prefix_caching=true, kv_layout="block",
         kv_cache_dtype="auto", scheduling_policy="fcfs", priority_aging_steps=256,
         long_prefill_token_threshold=None, max_num_partial_prefills=None,
-        max_long_partial_prefills=None))]
+        max_long_partial_prefills=None, speculative_config=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -142,7 +143,16 @@ impl PyEngine {
         long_prefill_token_threshold: Option<usize>,
         max_num_partial_prefills: Option<usize>,
         max_long_partial_prefills: Option<usize>,
+        speculative_config: Option<&str>,
     ) -> PyResult<Self> {
+        let speculative = speculative_config
+            .map(|json| {
+                let value: serde_json::Value = serde_json::from_str(json).map_err(|e| {
+                    invalid("speculative_config", format!("speculative_config: {e}"))
+                })?;
+                SpeculativeConfig::from_json(&value).map_err(param_error)
+            })
+            .transpose()?;
         let scheduling_policy = scheduling_policy.parse().map_err(param_error)?;
         let kv_layout: KvLayout = kv_layout.parse().map_err(param_error)?;
         let kv_cache_dtype = KvCacheDtype::parse(kv_cache_dtype).map_err(|_| {
@@ -196,6 +206,7 @@ impl PyEngine {
             long_prefill_token_threshold,
             max_num_partial_prefills,
             max_long_partial_prefills,
+            speculative,
         };
         let handle = py
             .detach(|| EngineHandle::spawn(&cfg))
@@ -228,6 +239,8 @@ impl PyEngine {
             ),
             ("num_generated_tokens", s.num_generated_tokens as f64),
             ("num_steps", s.num_steps as f64),
+            ("num_draft_tokens", s.num_draft_tokens as f64),
+            ("num_accepted_tokens", s.num_accepted_tokens as f64),
             ("busy_seconds", s.busy_seconds),
         ]))
     }

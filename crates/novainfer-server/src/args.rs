@@ -97,6 +97,10 @@ pub struct ServeArgs {
     /// Most prompts being prefilled at once (default: no limit).
     #[arg(long)]
     pub max_num_partial_prefills: Option<usize>,
+    /// Speculative decoding, as vLLM's JSON: '{"method": "ngram", "num_speculative_tokens": 4,
+    /// "prompt_lookup_min": 2, "prompt_lookup_max": 5}'. Outputs stay the same token for token.
+    #[arg(long)]
+    pub speculative_config: Option<String>,
     /// Most prompts longer than --long-prefill-token-threshold prefilled at once; shorter ones
     /// overtake the rest (default: none on a GPU, 1 on the CPU).
     #[arg(long)]
@@ -410,6 +414,15 @@ impl ServeArgs {
         cfg.long_prefill_token_threshold = self.long_prefill_token_threshold;
         cfg.max_num_partial_prefills = self.max_num_partial_prefills;
         cfg.max_long_partial_prefills = self.max_long_partial_prefills;
+        cfg.speculative = self
+            .speculative_config
+            .as_deref()
+            .map(|json| {
+                let value: serde_json::Value = serde_json::from_str(json)
+                    .map_err(|e| ParamError::new("speculative_config", format!("not JSON: {e}")))?;
+                novainfer_engine::speculative::SpeculativeConfig::from_json(&value)
+            })
+            .transpose()?;
         Ok(cfg)
     }
 

@@ -280,9 +280,7 @@ mod tests {
         let (flood, other) = (tenant(1, 1), tenant(2, 1));
         let p1 = ready(a.reserve(flood, 0));
         let _p2 = ready(a.reserve(flood, 0));
-        let mut flood_waiting: Vec<Place> = (0..5)
-            .map(|_| queued(a.reserve(flood, 0)))
-            .collect();
+        let mut flood_waiting: Vec<Place> = (0..5).map(|_| queued(a.reserve(flood, 0))).collect();
         let mut mine = queued(a.reserve(other, 0));
         drop(p1);
         // Five of the flood queued first, but the other tenant holds nothing: it goes next.

@@ -192,6 +192,30 @@ pub fn render(
             |s| s.num_preemptions as f64,
         ),
         (
+            "novainfer:spec_decode_num_draft_tokens_total",
+            "counter",
+            "Speculative decoding: draft tokens verified.",
+            |s| s.num_draft_tokens as f64,
+        ),
+        (
+            "vllm:spec_decode_num_draft_tokens_total",
+            "counter",
+            "Speculative decoding: draft tokens verified.",
+            |s| s.num_draft_tokens as f64,
+        ),
+        (
+            "novainfer:spec_decode_num_accepted_tokens_total",
+            "counter",
+            "Speculative decoding: draft tokens confirmed by the model.",
+            |s| s.num_accepted_tokens as f64,
+        ),
+        (
+            "vllm:spec_decode_num_accepted_tokens_total",
+            "counter",
+            "Speculative decoding: draft tokens confirmed by the model.",
+            |s| s.num_accepted_tokens as f64,
+        ),
+        (
             "novainfer:prompt_tokens_computed_total",
             "counter",
             "Prompt tokens the engine computed (prefix hits excluded).",

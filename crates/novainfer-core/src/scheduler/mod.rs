@@ -16,6 +16,13 @@
 //! exception: with `max_long_partial_prefills` reached, a long prompt lets shorter ones
 //! behind it in (it goes first once a long slot frees).
 //!
+//! Speculative decoding: a decoding request may carry draft tokens ([`Scheduler::set_draft`]);
+//! once every running request has had its turn, its decode is extended with the drafts into one
+//! chunk ([`ChunkOutput::Verify`]), as far as the budget left, free blocks (a draft never
+//! preempts anyone), `max_tokens` and `max_model_len` allow. `update` takes the confirmed drafts and one sampled token and rolls the
+//! counter back over the rest, so the KV of rejected drafts is never published (their slots are
+//! overwritten by the next step).
+//!
 //! Prefill-only requests ([`RequestKind::Embed`], [`RequestKind::ScorePrompt`]) are requests
 //! like the others (chunked, inside the KV budget, preemptible) that finish once their
 //! prompt is computed. A scored prompt needs a logits row per token, so the tokens being
@@ -145,6 +152,25 @@ impl Scheduler {
         self.kv.as_dyn_mut().reset_prefix_cache()
     }
 
+    /// Proposes `draft` to follow running request `id`'s next token in the next step (the
+    /// next `schedule` consumes or drops it). False, and nothing kept, unless `id` is a
+    /// generation decoding after its first output token.
+    pub fn set_draft(&mut self, id: RequestId, draft: Vec<u32>) -> bool {
+        let Some(request) = self.requests.get_mut(&id) else {
+            return false;
+        };
+        // Not before the first output token: that one is sampled from the prompt alone (and
+        // the `n > 1` completions fork from it).
+        let decoding = request.status() == RequestStatus::Running
+            && request.kind == RequestKind::Generate
+            && !request.output_token_ids.is_empty()
+            && request.num_uncomputed_tokens() == 1;
+        if decoding {
+            request.draft_token_ids = draft;
+        }
+        decoding
+    }
+
     /// Queues a new request, or finishes it as `Ignored` (reported by the next
     /// `schedule`) if its prompt can never fit. Panics on a duplicate id (a bug).
     pub fn add_request(&mut self, mut request: Request) {
@@ -215,6 +241,12 @@ impl Scheduler {
         if out.preempted.is_empty() {
             self.schedule_waiting(&mut budget, &mut out);
         }
+        // Drafts are for this step only.
+        for id in &self.running {
+            if let Some(r) = self.requests.get_mut(id) {
+                r.draft_token_ids.clear();
+            }
+        }
         out
     }
 
@@ -248,6 +280,7 @@ impl Scheduler {
             let Some(request) = self.requests.get_mut(&s.request_id) else {
                 continue;
             };
+            let start = request.num_computed_tokens;
             request.num_computed_tokens += s.token_ids.len();
             let prefill_only = request.kind.is_prefill_only();
             let mut update = RequestUpdate {
@@ -263,6 +296,14 @@ impl Scheduler {
                         s.request_id
                     )
                 });
+                let drafts = s.draft_token_ids();
+                assert!(
+                    !tokens.is_empty()
+                        && tokens.len() <= drafts.len() + 1
+                        && tokens[..tokens.len() - 1] == drafts[..tokens.len() - 1],
+                    "update: {} got {tokens:?} for draft {drafts:?}: this is a bug",
+                    s.request_id
+                );
                 for &token in tokens.iter() {
                     request.output_token_ids.push(token);
                     update.new_token_ids.push(token);
@@ -270,6 +311,11 @@ impl Scheduler {
                     if update.finish_reason.is_some() {
                         break;
                     }
+                }
+                if s.output == ChunkOutput::Verify {
+                    // Computed: the decoded token and the drafts confirmed before the last
+                    // appended token; the rejected drafts' KV is left to be overwritten.
+                    request.num_computed_tokens = start + update.new_token_ids.len();
                 }
             } else if prefill_only {
                 update.finish_reason = request.stop_reason(max_model_len);
@@ -309,6 +355,35 @@ impl Scheduler {
     fn schedule_running(&mut self, budget: &mut StepBudget, out: &mut SchedulerOutput) {
         self.schedule_running_pass(true, budget, out);
         self.schedule_running_pass(false, budget, out);
+        self.schedule_drafts(budget, out);
+    }
+
+    /// Extends this step's decodes with their drafts, in running order, from the budget every
+    /// running request has had its turn at, and only into free blocks (a draft never preempts
+    /// anyone): speculation takes nothing from anyone.
+    fn schedule_drafts(&mut self, budget: &mut StepBudget, out: &mut SchedulerOutput) {
+        for i in 0..out.scheduled.len() {
+            let s = &out.scheduled[i];
+            let id = s.request_id;
+            let Some(request) = self.requests.get_mut(&id) else {
+                continue;
+            };
+            let mut draft = std::mem::take(&mut request.draft_token_ids);
+            let is_decode = s.output == ChunkOutput::Sample && s.token_ids.len() == 1;
+            if !is_decode || draft.is_empty() {
+                continue;
+            }
+            draft.truncate(self.draft_room(&self.requests[&id], budget));
+            if draft.is_empty() || !self.try_allocate(id, 1 + draft.len()) {
+                continue;
+            }
+            budget.take(RequestKind::Generate, draft.len());
+            out.num_batched_tokens += draft.len();
+            let s = &mut out.scheduled[i];
+            s.token_ids.extend_from_slice(&draft);
+            s.output = ChunkOutput::Verify;
+            s.block_table = self.kv.as_dyn().block_table(id).to_vec();
+        }
     }
 
     /// One pass over the running requests, in admission order: the decoding ones, or the
@@ -606,6 +681,25 @@ impl Scheduler {
             RequestKind::ScorePrompt => n.min(budget.scored_tokens),
             _ => n,
         }
+    }
+
+    /// Draft tokens a decode of `request` may verify this step: what the budget leaves after
+    /// its own token (and the chunk cap), and no more than could be kept (`max_tokens`,
+    /// `max_model_len`: one sampled token always follows the confirmed drafts).
+    fn draft_room(&self, request: &Request, budget: &StepBudget) -> usize {
+        let cap = self
+            .config
+            .long_prefill_token_threshold()
+            .unwrap_or(usize::MAX);
+        let by_budget = budget.tokens.min(cap).saturating_sub(1);
+        let by_tokens = request
+            .max_tokens
+            .saturating_sub(request.output_token_ids.len() + 1);
+        let by_len = self
+            .config
+            .max_model_len()
+            .saturating_sub(request.num_tokens() + 1);
+        by_budget.min(by_tokens).min(by_len)
     }
 
     fn push_scheduled(

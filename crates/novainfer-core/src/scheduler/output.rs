@@ -22,9 +22,17 @@ pub struct ScheduledRequest {
 }
 
 impl ScheduledRequest {
-    /// True iff `update` expects a sampled token for this request.
+    /// True iff `update` expects sampled tokens for this request.
     pub fn sample(&self) -> bool {
-        self.output == ChunkOutput::Sample
+        matches!(self.output, ChunkOutput::Sample | ChunkOutput::Verify)
+    }
+
+    /// The draft tokens being verified: every token after the first of a `Verify` chunk.
+    pub fn draft_token_ids(&self) -> &[u32] {
+        match self.output {
+            ChunkOutput::Verify => &self.token_ids[1..],
+            _ => &[],
+        }
     }
 }
 
@@ -40,6 +48,10 @@ pub enum ChunkOutput {
     Hidden,
     /// Every token's logits: a chunk of a prompt being scored.
     PromptLogits,
+    /// Every token's logits for a decode with draft tokens (speculative decoding): the first
+    /// token is the request's next one, the rest its draft. `update` then takes the drafts
+    /// that the model confirmed followed by one token it sampled (1 to `len` tokens).
+    Verify,
 }
 
 /// A request that left the scheduler since the previous step.

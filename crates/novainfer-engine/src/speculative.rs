@@ -1,0 +1,203 @@
+//! Speculative decoding: the configuration (vLLM's `speculative_config`) and the proposers
+//! that draft tokens for the scheduler to verify ([`novainfer_core::Scheduler::set_draft`]).
+//!
+//! Verification ([`crate::engine_core`]) samples each verified row with the request's own
+//! sampler and stops at the first token that differs from the draft, so the output is the
+//! one decoding without speculation gives, token for token, whatever the temperature; a
+//! draft only saves forward passes.
+
+use std::collections::HashMap;
+
+use novainfer_core::{NgramIndex, NgramRange, ParamError, Request, RequestId};
+use serde_json::Value;
+
+/// How drafts are made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpeculativeMethod {
+    /// Prompt lookup: the tokens that followed the latest earlier occurrence of the
+    /// sequence's longest suffix n-gram.
+    Ngram(NgramRange),
+}
+
+/// vLLM's `speculative_config`, checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpeculativeConfig {
+    pub method: SpeculativeMethod,
+    /// Most draft tokens per request per step.
+    pub num_speculative_tokens: usize,
+}
+
+const MAX_SPECULATIVE_TOKENS: usize = 16;
+
+impl SpeculativeConfig {
+    /// From vLLM's JSON shape: `{"method": "ngram", "num_speculative_tokens": 4,
+    /// "prompt_lookup_min": 2, "prompt_lookup_max": 5}`. Errors name the field at fault.
+    pub fn from_json(value: &Value) -> Result<Self, ParamError> {
+        let err = |field: &str, why: String| {
+            ParamError::new("speculative_config", format!("{field}: {why}"))
+        };
+        let obj = value
+            .as_object()
+            .ok_or_else(|| err("speculative_config", "must be a JSON object".into()))?;
+        for key in obj.keys() {
+            if !matches!(
+                key.as_str(),
+                "method" | "num_speculative_tokens" | "prompt_lookup_min" | "prompt_lookup_max"
+            ) {
+                return Err(err(
+                    key,
+                    "unknown field (known: method, num_speculative_tokens, prompt_lookup_min, \
+                     prompt_lookup_max)"
+                        .into(),
+                ));
+            }
+        }
+        let count = |field: &str, default: Option<usize>| -> Result<usize, ParamError> {
+            match obj.get(field) {
+                None => default.ok_or_else(|| err(field, "is required".into())),
+                Some(v) => v
+                    .as_u64()
+                    .and_then(|n| usize::try_from(n).ok())
+                    .ok_or_else(|| err(field, format!("must be a non-negative integer, got {v}"))),
+            }
+        };
+        let method = match obj.get("method").and_then(Value::as_str) {
+            Some("ngram") => {
+                let min = count("prompt_lookup_min", Some(2))?;
+                let max = count("prompt_lookup_max", Some(min.max(5)))?;
+                let range = NgramRange::new(min, max).ok_or_else(|| {
+                    err(
+                        "prompt_lookup_min",
+                        format!(
+                            "need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min} and {max}"
+                        ),
+                    )
+                })?;
+                SpeculativeMethod::Ngram(range)
+            }
+            Some(other) => {
+                return Err(err(
+                    "method",
+                    format!("{other:?} is not supported here (supported: \"ngram\")"),
+                ))
+            }
+            None => return Err(err("method", "is required (\"ngram\")".into())),
+        };
+        let k = count("num_speculative_tokens", None)?;
+        if !(1..=MAX_SPECULATIVE_TOKENS).contains(&k) {
+            return Err(err(
+                "num_speculative_tokens",
+                format!("must be in 1..={MAX_SPECULATIVE_TOKENS}, got {k}"),
+            ));
+        }
+        Ok(Self {
+            method,
+            num_speculative_tokens: k,
+        })
+    }
+}
+
+/// Drafts for the running requests, kept up to date as their tokens arrive.
+#[derive(Debug)]
+pub struct Proposer {
+    config: SpeculativeConfig,
+    /// Per request: its n-gram index (prompt and output so far).
+    indexes: HashMap<RequestId, NgramIndex>,
+}
+
+impl Proposer {
+    pub fn new(config: SpeculativeConfig) -> Self {
+        Self {
+            config,
+            indexes: HashMap::new(),
+        }
+    }
+
+    /// A draft to follow `request`'s tokens so far (empty: nothing to propose).
+    pub fn propose(&mut self, request: &Request) -> Vec<u32> {
+        let SpeculativeMethod::Ngram(range) = self.config.method;
+        let index = self
+            .indexes
+            .entry(request.id)
+            .or_insert_with(|| NgramIndex::new(range));
+        // Catch up with what arrived since the last step (a whole prompt the first time).
+        let known = index.tokens().len();
+        let total = request.num_tokens();
+        if known > total {
+            *index = NgramIndex::new(range);
+        }
+        let known = index.tokens().len();
+        index.extend(&request.token_ids(known..total));
+        index.propose(self.config.num_speculative_tokens)
+    }
+
+    /// Forgets a finished request.
+    pub fn forget(&mut self, id: RequestId) {
+        self.indexes.remove(&id);
+    }
+
+    /// Keeps the indexes of requests for which `alive` holds.
+    pub fn retain(&mut self, mut alive: impl FnMut(RequestId) -> bool) {
+        self.indexes.retain(|id, _| alive(*id));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn the_config_reads_vllms_shape_and_names_bad_fields() {
+        let c =
+            SpeculativeConfig::from_json(&json!({"method": "ngram", "num_speculative_tokens": 4,
+            "prompt_lookup_min": 2, "prompt_lookup_max": 5}))
+            .unwrap();
+        assert_eq!(c.num_speculative_tokens, 4);
+        assert_eq!(
+            c.method,
+            SpeculativeMethod::Ngram(NgramRange::new(2, 5).unwrap())
+        );
+        for (bad, field) in [
+            (
+                json!({"method": "eagle", "num_speculative_tokens": 2}),
+                "method",
+            ),
+            (json!({"num_speculative_tokens": 2}), "method"),
+            (json!({"method": "ngram"}), "num_speculative_tokens"),
+            (
+                json!({"method": "ngram", "num_speculative_tokens": 0}),
+                "num_speculative_tokens",
+            ),
+            (
+                json!({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+                "prompt_lookup_max": 3}),
+                "prompt_lookup_min",
+            ),
+            (
+                json!({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}),
+                "typo",
+            ),
+            (json!([1]), "speculative_config"),
+        ] {
+            let e = SpeculativeConfig::from_json(&bad).unwrap_err();
+            assert_eq!(e.param, "speculative_config");
+            assert!(e.to_string().contains(field), "{e} should name {field}");
+        }
+    }
+
+    #[test]
+    fn the_proposer_follows_a_request_as_its_tokens_arrive() {
+        let config = SpeculativeConfig {
+            method: SpeculativeMethod::Ngram(NgramRange::new(2, 3).unwrap()),
+            num_speculative_tokens: 3,
+        };
+        let mut p = Proposer::new(config);
+        let mut r = Request::new(RequestId(1), vec![5, 6, 7, 8, 9, 5, 6], 10);
+        assert_eq!(p.propose(&r), vec![7, 8, 9]);
+        r.output_token_ids.extend([7, 1]);
+        assert!(p.propose(&r).is_empty());
+        p.forget(RequestId(1));
+        assert!(p.indexes.is_empty());
+    }
+}
