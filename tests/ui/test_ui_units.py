@@ -138,22 +138,41 @@ def test_session_fit_mirrors_the_server_merge_rule(ui_page: Page) -> None:
     changed system prompt or another model does not."""
     got = run(ui_page, "chat.js", """
       const u = (c) => ({role: 'user', content: c}), a = (c) => ({role: 'assistant', content: c});
-      const conv = {sessionHistory: null};
+      const record = {id: 's1', model: null, count: 0, hash: null};
       const first = {model: 'm', messages: [u('q1')]};
-      const out = [m.sessionFits(conv, first)];
-      m.rememberTurn(conv, first, {content: 'r1', finishReason: 'stop'});
-      out.push(m.sessionFits(conv, {model: 'm', messages: [u('q1'), a('r1'), u('q2')]}));   // next turn
-      out.push(m.sessionFits(conv, {model: 'm', messages: [u('q1')]}));                      // regenerate
-      out.push(m.sessionFits(conv, {model: 'm', messages: [u('edited')]}));                  // edit
-      out.push(m.sessionFits(conv, {model: 'm', messages: [{role: 'system', content: 's'}, u('q1'), a('r1'), u('q2')]}));
-      out.push(m.sessionFits(conv, {model: 'other', messages: [u('q1'), a('r1'), u('q2')]}));
-      const before = JSON.stringify(conv.sessionHistory);
-      m.rememberTurn(conv, first, {content: 'partial', stopped: true});                      // not stored
-      m.rememberTurn(conv, first, {content: '', error: {message: 'x'}});
-      out.push(JSON.stringify(conv.sessionHistory) === before);
+      const out = [m.sessionFits(record, first)];
+      m.rememberTurn(record, first, {content: 'r1', finishReason: 'stop'});
+      out.push(m.sessionFits(record, {model: 'm', messages: [u('q1'), a('r1'), u('q2')]}));   // next turn
+      out.push(m.sessionFits(record, {model: 'm', messages: [u('q1')]}));                      // regenerate
+      out.push(m.sessionFits(record, {model: 'm', messages: [u('edited')]}));                  // edit
+      out.push(m.sessionFits(record, {model: 'm', messages: [{role: 'system', content: 's'}, u('q1'), a('r1'), u('q2')]}));
+      out.push(m.sessionFits(record, {model: 'other', messages: [u('q1'), a('r1'), u('q2')]}));
+      const before = JSON.stringify(record);
+      m.rememberTurn(record, first, {content: 'partial', stopped: true});                      // not stored
+      m.rememberTurn(record, first, {content: '', error: {message: 'x'}});
+      out.push(JSON.stringify(record) === before);
       return out;
     """)
     assert got == [True, True, False, False, False, False, True]
+
+
+def test_each_branch_keeps_its_own_session(ui_page: Page) -> None:
+    """pickSession: a turn continuing branch A gets A's session back after branch B was used; a
+    turn that fits no stored session gets a fresh one; an unused fresh one is reused."""
+    got = run(ui_page, "chat.js", """
+      const u = (c) => ({role: 'user', content: c}), a = (c) => ({role: 'assistant', content: c});
+      let n = 0; const make = () => `s${++n}`;
+      const conv = {sessions: []};
+      const A = {model: 'm', messages: [u('qA')]};
+      const sa = m.pickSession(conv, A, make); m.rememberTurn(sa, A, {content: 'rA', finishReason: 'stop'});
+      const B = {model: 'm', messages: [u('qB')]};
+      const sb = m.pickSession(conv, B, make); m.rememberTurn(sb, B, {content: 'rB', finishReason: 'stop'});
+      const again = m.pickSession(conv, {model: 'm', messages: [u('qA'), a('rA'), u('more')]}, make);
+      const other = m.pickSession(conv, {model: 'm', messages: [u('qC')]}, make);
+      const reused = m.pickSession(conv, {model: 'm', messages: [u('qD')]}, make);
+      return [sa.id, sb.id, again.id, other.id, reused.id];
+    """)
+    assert got == ["s1", "s2", "s1", "s3", "s3"]
 
 
 def test_telemetry_rates_and_counts(ui_page: Page) -> None:
@@ -169,7 +188,7 @@ def test_telemetry_rates_and_counts(ui_page: Page) -> None:
     """)
     assert spread == {"ttftMs": 200, "tokensPerSec": 10, "rateOver": "decode", "completionTokens": 11,
                       "promptTokens": 100, "cachedTokens": 64, "totalMs": 1250, "approx": False,
-                      "finishReason": "stop"}
+                      "finishReason": "stop", "speculative": None}
     assert (burst["tokensPerSec"], burst["rateOver"], burst["finishReason"]) == (44, "request", "length")
     assert (stopped["completionTokens"], stopped["approx"], stopped["tokensPerSec"], stopped["cachedTokens"]) \
         == (6, True, 10, None)
