@@ -34,6 +34,9 @@ const state = {
 
 const modelIds = () => state.models.map((m) => m.id);
 
+// True while the page unloads: a stream that breaks then is not a server error.
+let leaving = false;
+
 const view = new MessageView($('messages'), {
   // The clicked control disappears in the re-render: keep the keyboard in the composer, where Esc stops.
   onEdit: (msg, text) => { editAndRegenerate(current(), msg, text); $('prompt').focus(); },
@@ -309,6 +312,10 @@ async function run(conv, msg, { continueFrom = null } = {}) {
     },
   });
   state.generations.delete(conv.id);
+  // The page is going away (reload, close): the stream broke because of that, not because of the
+  // server; what was saved on the way out (the partial reply, still pending) is what the next
+  // load shows, marked interrupted.
+  if (leaving) return;
   // Deleted while streaming: saving now would bring it back on the next load.
   if (!find(conv.id)) return;
   rememberTurn(session, body, msg);
@@ -573,12 +580,17 @@ function wireTools() {
     $('prompt').focus();
   });
   // A reload or close mid-reply: keep what has arrived (the next load marks it interrupted).
-  window.addEventListener('pagehide', () => {
+  const saveStreaming = () => {
     for (const id of state.generations.keys()) { const conv = find(id); if (conv) store.save(conv); }
-  });
+  };
   window.addEventListener('beforeunload', (e) => {
+    leaving = true;
+    saveStreaming();
     if (state.unsaved.size) { e.preventDefault(); e.returnValue = ''; }
+    // If the user chose to stay, this page goes on as before.
+    setTimeout(() => { leaving = false; }, 1000);
   });
+  window.addEventListener('pagehide', () => { leaving = true; saveStreaming(); });
 }
 
 function init() {
