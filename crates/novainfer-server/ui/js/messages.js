@@ -25,6 +25,7 @@ export class MessageView {
     this.busy = false;
     this.editingId = null;
     this.reasoningOpen = new Map(); // message id → open state the user chose
+    this.toolOpen = new Map(); // "message id:call index" → open state of a tool-call card
   }
 
   /** Re-renders the whole conversation. `busy`: a reply of this conversation is streaming. */
@@ -120,11 +121,13 @@ export class MessageView {
     const after = this.path.slice(this.path.indexOf(msg) + 1);
     const answered = after.some((m) => m.role === 'tool' && m.toolCallId === call.id);
     const awaiting = !msg.pending && !answered && after.every((m) => m.role === 'tool');
-    const card = h('details', { class: 'tool-call', open: true, dataset: { index: String(index) } },
+    const key = `${msg.id}:${index}`;
+    const card = h('details', { class: 'tool-call', open: this.toolOpen.get(key) ?? true, dataset: { index: String(index) } },
       h('summary', {}, icon('tool'), h('span', { class: 'tool-name' }, call.function.name || '(unnamed tool)'),
         call.id ? h('code', { class: 'tool-id' }, call.id) : null),
       h('pre', { class: 'tool-args' }, prettyJson(call.function.arguments)),
       h('div', { class: 'tool-actions' }, copyButton(call.function.arguments, 'Copy arguments')));
+    card.addEventListener('toggle', () => this.toolOpen.set(key, card.open));
     if (awaiting) {
       const area = h('textarea', { class: 'tool-result-input', rows: 2, 'aria-label': `Result of ${call.function.name}` });
       const submit = (e) => {
