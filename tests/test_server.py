@@ -82,6 +82,30 @@ def test_models_lists_every_served_model(client, server):
     assert e.value.body["code"] == "model_not_found"
 
 
+def test_server_info_describes_each_model(client, server):
+    """GET /server_info: context length (the same as /v1/models and /tokenize), device, KV layout
+    and live use, the prefix cache's hit rate, optional features."""
+    long_prompt = "the same long prompt " * 20  # several full KV blocks
+    client.completions.create(model="tiny", prompt=long_prompt, max_tokens=2)
+    client.completions.create(model="tiny", prompt=long_prompt, max_tokens=2)  # a prefix-cache hit
+    status, _, body = http(server, "GET", "/server_info")
+    assert status == 200
+    info = json.loads(body)
+    assert [m["id"] for m in info["models"]] == ["tiny", "tiny-gguf"]
+    tiny = info["models"][0]
+    cards = {m.id: m for m in client.models.list().data}
+    assert tiny["max_model_len"] == cards["tiny"].max_model_len == 512
+    assert tiny["device"] == "cpu" and tiny["device_reason"]
+    kv = tiny["kv_cache"]
+    assert (kv["layout"], kv["block_size"], kv["dtype"], kv["prefix_caching"]) == ("block", 16, "f16", True)
+    assert kv["num_blocks"] * kv["bytes_per_block"] <= kv["bytes"] <= 8 << 20
+    assert 0 <= kv["num_used_blocks"] <= kv["num_blocks"]
+    pc = tiny["prefix_cache"]
+    assert 0 < pc["hit_tokens"] <= pc["query_tokens"] and pc["hit_rate"] == pc["hit_tokens"] / pc["query_tokens"]
+    assert tiny["features"] == {"json_schema": True, "tool_calls": False, "speculative_decoding": False}
+    assert info["version"] == json.loads(http(server, "GET", "/version")[2])["version"]
+
+
 def test_health_version_and_request_ids(server):
     status, headers, body = http(server, "GET", "/health")
     assert status == 200 and headers["X-Request-Id"]

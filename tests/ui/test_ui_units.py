@@ -138,22 +138,41 @@ def test_session_fit_mirrors_the_server_merge_rule(ui_page: Page) -> None:
     changed system prompt or another model does not."""
     got = run(ui_page, "chat.js", """
       const u = (c) => ({role: 'user', content: c}), a = (c) => ({role: 'assistant', content: c});
-      const conv = {sessionHistory: null};
+      const record = {id: 's1', model: null, count: 0, hash: null};
       const first = {model: 'm', messages: [u('q1')]};
-      const out = [m.sessionFits(conv, first)];
-      m.rememberTurn(conv, first, {content: 'r1', finishReason: 'stop'});
-      out.push(m.sessionFits(conv, {model: 'm', messages: [u('q1'), a('r1'), u('q2')]}));   // next turn
-      out.push(m.sessionFits(conv, {model: 'm', messages: [u('q1')]}));                      // regenerate
-      out.push(m.sessionFits(conv, {model: 'm', messages: [u('edited')]}));                  // edit
-      out.push(m.sessionFits(conv, {model: 'm', messages: [{role: 'system', content: 's'}, u('q1'), a('r1'), u('q2')]}));
-      out.push(m.sessionFits(conv, {model: 'other', messages: [u('q1'), a('r1'), u('q2')]}));
-      const before = JSON.stringify(conv.sessionHistory);
-      m.rememberTurn(conv, first, {content: 'partial', stopped: true});                      // not stored
-      m.rememberTurn(conv, first, {content: '', error: {message: 'x'}});
-      out.push(JSON.stringify(conv.sessionHistory) === before);
+      const out = [m.sessionFits(record, first)];
+      m.rememberTurn(record, first, {content: 'r1', finishReason: 'stop'});
+      out.push(m.sessionFits(record, {model: 'm', messages: [u('q1'), a('r1'), u('q2')]}));   // next turn
+      out.push(m.sessionFits(record, {model: 'm', messages: [u('q1')]}));                      // regenerate
+      out.push(m.sessionFits(record, {model: 'm', messages: [u('edited')]}));                  // edit
+      out.push(m.sessionFits(record, {model: 'm', messages: [{role: 'system', content: 's'}, u('q1'), a('r1'), u('q2')]}));
+      out.push(m.sessionFits(record, {model: 'other', messages: [u('q1'), a('r1'), u('q2')]}));
+      const before = JSON.stringify(record);
+      m.rememberTurn(record, first, {content: 'partial', stopped: true});                      // not stored
+      m.rememberTurn(record, first, {content: '', error: {message: 'x'}});
+      out.push(JSON.stringify(record) === before);
       return out;
     """)
     assert got == [True, True, False, False, False, False, True]
+
+
+def test_each_branch_keeps_its_own_session(ui_page: Page) -> None:
+    """pickSession: a turn continuing branch A gets A's session back after branch B was used; a
+    turn that fits no stored session gets a fresh one; an unused fresh one is reused."""
+    got = run(ui_page, "chat.js", """
+      const u = (c) => ({role: 'user', content: c}), a = (c) => ({role: 'assistant', content: c});
+      let n = 0; const make = () => `s${++n}`;
+      const conv = {sessions: []};
+      const A = {model: 'm', messages: [u('qA')]};
+      const sa = m.pickSession(conv, A, make); m.rememberTurn(sa, A, {content: 'rA', finishReason: 'stop'});
+      const B = {model: 'm', messages: [u('qB')]};
+      const sb = m.pickSession(conv, B, make); m.rememberTurn(sb, B, {content: 'rB', finishReason: 'stop'});
+      const again = m.pickSession(conv, {model: 'm', messages: [u('qA'), a('rA'), u('more')]}, make);
+      const other = m.pickSession(conv, {model: 'm', messages: [u('qC')]}, make);
+      const reused = m.pickSession(conv, {model: 'm', messages: [u('qD')]}, make);
+      return [sa.id, sb.id, again.id, other.id, reused.id];
+    """)
+    assert got == ["s1", "s2", "s1", "s3", "s3"]
 
 
 def test_telemetry_rates_and_counts(ui_page: Page) -> None:
@@ -169,7 +188,152 @@ def test_telemetry_rates_and_counts(ui_page: Page) -> None:
     """)
     assert spread == {"ttftMs": 200, "tokensPerSec": 10, "rateOver": "decode", "completionTokens": 11,
                       "promptTokens": 100, "cachedTokens": 64, "totalMs": 1250, "approx": False,
-                      "finishReason": "stop"}
+                      "finishReason": "stop", "speculative": None}
     assert (burst["tokensPerSec"], burst["rateOver"], burst["finishReason"]) == (44, "request", "length")
     assert (stopped["completionTokens"], stopped["approx"], stopped["tokensPerSec"], stopped["cachedTokens"]) \
         == (6, True, 10, None)
+
+
+SERIALIZE = """
+  const ser = (n) => n.nodeType === 3 ? JSON.stringify(n.data)
+    : n.localName + (n.getAttribute('mathvariant') ? `[${n.getAttribute('mathvariant')}]` : '')
+      + (n.childNodes.length ? `(${[...n.childNodes].map(ser).join(',')})` : '');
+"""
+
+TEX_CASES = [
+    ("x^2", False, 'msup(mi("x"),mn("2"))'),
+    ("a_i^{n+1}", False, 'msubsup(mi("a"),mi("i"),mrow(mi("n"),mo("+"),mn("1")))'),
+    ("\\frac{a}{b}", False, 'mfrac(mi("a"),mi("b"))'),
+    ("\\frac12", False, 'mfrac(mn("1"),mn("2"))'),
+    ("\\sqrt[3]{x}", False, 'mroot(mi("x"),mn("3"))'),
+    ("\\sqrt{2}", False, 'msqrt(mn("2"))'),
+    ("\\alpha \\le \\Omega", False, 'mi("α"),mo("≤"),mi[normal]("Ω")'),
+    ("\\sum_{i=1}^n i", True, 'munderover(mo("∑"),mrow(mi("i"),mo("="),mn("1")),mi("n")),mi("i")'),
+    ("\\sum_{i=1}^n i", False, 'msubsup(mo("∑"),mrow(mi("i"),mo("="),mn("1")),mi("n")),mi("i")'),
+    ("\\int_0^1 f", True, 'msubsup(mo("∫"),mn("0"),mn("1")),mi("f")'),
+    ("\\lim_{x \\to 0}", True, 'munder(mi("lim"),mrow(mi("x"),mo("→"),mn("0")))'),
+    ("\\sin x", False, 'mi("sin"),mi("x")'),
+    ("\\mathbb{R}^n", False, 'msup(mi[normal]("ℝ"),mi("n"))'),
+    ("\\mathcal{L}", False, 'mi[normal]("ℒ")'),
+    ("\\text{if } x>0", False, 'mtext("if "),mi("x"),mo(">"),mn("0")'),
+    ("\\hat{x}", False, 'mover(mi("x"),mo("^"))'),
+    ("\\left( x \\right]", False, 'mrow(mo("("),mi("x"),mo("]"))'),
+    ("\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", False,
+     'mrow(mo("("),mtable(mtr(mtd(mn("1")),mtd(mn("2"))),mtr(mtd(mn("3")),mtd(mn("4")))),mo(")"))'),
+    ("f(x) = \\begin{cases} 1 & x > 0 \\\\ 0 & \\text{else} \\end{cases}", False,
+     'mi("f"),mo("("),mi("x"),mo(")"),mo("="),mrow(mo("{"),mtable(mtr(mtd(mn("1")),mtd(mrow(mi("x"),mo(">"),mn("0")))),'
+     'mtr(mtd(mn("0")),mtd(mtext("else")))))'),
+    ("\\binom{n}{k}", False, 'mrow(mo("("),mfrac(mi("n"),mi("k")),mo(")"))'),
+    ("a - b * c'", False, 'mi("a"),mo("−"),mi("b"),mo("∗"),msup(mi("c"),mo("′"))'),
+    ("\\unknowncmd", False, 'mtext("\\\\unknowncmd")'),
+    ("<script>", False, 'mo("<"),mi("s"),mi("c"),mi("r"),mi("i"),mi("p"),mi("t"),mo(">")'),
+]
+
+
+@pytest.mark.parametrize(("tex", "display", "tree"), TEX_CASES, ids=[c[0][:24] for c in TEX_CASES])
+def test_tex_to_mathml(ui_page: Page, tex: str, display: bool, tree: str) -> None:
+    got = run(ui_page, "math.js", SERIALIZE + """
+      const math = m.renderTex(arg[0], {display: arg[1]});
+      if (math.getAttribute('display') !== (arg[1] ? 'block' : 'inline')) return 'bad display';
+      if (math.querySelector('annotation').textContent !== arg[0]) return 'bad annotation';
+      return [...math.querySelector('semantics > mrow').childNodes].map(ser).join(',');
+    """, [tex, display])
+    assert got == tree
+
+
+def test_tex_errors_are_typed(ui_page: Page) -> None:
+    """Source that cannot be parsed throws TexError (the caller then shows the source)."""
+    got = run(ui_page, "math.js", """
+      return arg.map((src) => { try { m.renderTex(src); return 'ok'; } catch (e) { return e instanceof m.TexError ? 'TexError' : String(e); } });
+    """, ["\\frac{a", "x}", "\\left( x", "\\begin{matrix} a", "a^b^c", "\\begin{nope}x\\end{nope}", "\\"])
+    assert got == ["TexError"] * 7
+
+
+MATH_MARKDOWN = [
+    ("costs $5 and $10.", "costs $5 and $10.", 0),
+    ("inline $x^2$ here", "inline  here", 1),
+    ("\\(a+b\\) and \\[c\\]", " and ", 2),
+    ("$$\n\\frac{1}{2}\n$$", "", 1),
+    ("\\$x\\$ escaped", "$x$ escaped", 0),
+    ("`$x$` in code", "$x$ in code", 0),
+]
+
+
+@pytest.mark.parametrize(("source", "text", "formulas"), MATH_MARKDOWN, ids=[c[0][:20] for c in MATH_MARKDOWN])
+def test_markdown_math_delimiters(ui_page: Page, source: str, text: str, formulas: int) -> None:
+    """Which dollars make math (pandoc's rule for $…$) and which stay text; text outside formulas is kept."""
+    got = run(ui_page, "markdown.js", """
+      const d = document.createElement('div'); d.append(m.renderMarkdown(arg));
+      const n = d.querySelectorAll('math').length;
+      d.querySelectorAll('math').forEach((x) => x.remove());
+      return [d.textContent, n];
+    """, source)
+    assert got == [text, formulas]
+
+
+def test_math_block_streaming_shows_source_until_closed(ui_page: Page) -> None:
+    got = run(ui_page, "markdown.js", """
+      const d = document.createElement('div'); d.append(m.renderMarkdown('$$\\n\\\\frac{1}{'));
+      return [d.querySelectorAll('math').length, d.querySelector('.math-pending')?.textContent];
+    """)
+    assert got == [0, "\\frac{1}{"]
+
+
+TREE_SCRIPT = """
+  const msg = (id, role) => ({id, role, content: id});
+  const conv = {messages: [], active: {}};
+  const ids = () => m.pathOf(conv).map((x) => x.id);
+  const out = {};
+  const q1 = m.addChild(conv, null, msg('q1', 'user'));
+  const r1 = m.addChild(conv, 'q1', msg('r1', 'assistant'));
+  const q2 = m.addChild(conv, 'r1', msg('q2', 'user'));
+  m.addChild(conv, 'q2', msg('r2', 'assistant'));
+  out.linear = ids();
+  const e1 = m.addSibling(conv, q1, msg('e1', 'user'));              // edit q1
+  m.addChild(conv, 'e1', msg('s1', 'assistant'));
+  out.edited = ids();
+  m.select(conv, q1);                                                  // back to version 1
+  out.back = ids();
+  out.siblings = m.siblingsOf(conv, q1).map((x) => x.id);
+  m.addSibling(conv, r1, msg('r1b', 'assistant'));                     // regenerate r1
+  out.regenerated = ids();
+  m.select(conv, r1);
+  out.oldReply = ids();                                                // r1's own branch comes back
+  m.removeMessage(conv, r1);                                           // delete one message
+  out.deleted = ids();
+  m.select(conv, e1);
+  m.removeSubtree(conv, e1);
+  out.subtree = [ids(), conv.messages.map((x) => x.id)];
+  const flat = {messages: [msg('a', 'user'), msg('b', 'assistant'), msg('c', 'user')]};
+  m.migrate(flat);
+  out.migrated = [m.pathOf(flat).map((x) => x.id), flat.messages.map((x) => x.parentId)];
+  return out;
+"""
+
+
+def test_conversation_tree(ui_page: Page) -> None:
+    """Versions sit beside each other; the path follows the chosen version and, below it, the
+    branch last shown there; deleting one message keeps its children; old flat lists migrate."""
+    got = run(ui_page, "tree.js", TREE_SCRIPT)
+    assert got["linear"] == ["q1", "r1", "q2", "r2"]
+    assert got["edited"] == ["e1", "s1"]
+    assert got["back"] == ["q1", "r1", "q2", "r2"]
+    assert got["siblings"] == ["q1", "e1"]
+    assert got["regenerated"] == ["q1", "r1b"]
+    assert got["oldReply"] == ["q1", "r1", "q2", "r2"]
+    assert got["deleted"] == ["q1", "q2", "r2"]
+    assert got["subtree"] == [["q1", "q2", "r2"], ["q1", "q2", "r2", "r1b"]]
+    assert got["migrated"] == [["a", "b", "c"], [None, "a", "b"]]
+
+
+def test_tool_call_fragments_merge(ui_page: Page) -> None:
+    """delta.tool_calls fragments fold into whole calls by index (OpenAI's streaming shape)."""
+    got = run(ui_page, "chat.js", """
+      let calls = [];
+      for (const f of arg) calls = m.mergeToolCallDeltas(calls, f);
+      return calls;
+    """, [[{"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": ""}}],
+          [{"index": 0, "function": {"arguments": '{"a":'}}, {"index": 1, "id": "c2", "function": {"name": "g"}}],
+          [{"index": 0, "function": {"arguments": "1}"}}, {"index": 1, "function": {"arguments": "{}"}}]])
+    assert got == [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}},
+                   {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]

@@ -94,13 +94,20 @@ fn load_models(args: &ServeArgs) -> Result<Models, ServeError> {
             return Err(ServeError::DuplicateName(name));
         }
         tracing::info!(model = %name, path = %path.display(), "loading model");
-        let handle = EngineHandle::spawn(&args.engine_config(path.clone())?).map_err(|source| {
-            ServeError::Load {
-                model: spec.clone(),
-                source,
-            }
+        let config = args.engine_config(path.clone())?;
+        let handle = EngineHandle::spawn(&config).map_err(|source| ServeError::Load {
+            model: spec.clone(),
+            source,
         })?;
-        let served = ServedModel::new(name, path, handle, args.reasoning_parser, created);
+        let kv_config = models::KvConfig::new(&config, handle.device().device);
+        let served = ServedModel::new(
+            name,
+            path,
+            handle,
+            args.reasoning_parser,
+            created,
+            kv_config,
+        );
         tracing::info!(model = %served.name, max_model_len = served.frontend.max_model_len(), reasoning = served.reasoning, "model ready");
         models.push(Arc::new(served));
     }

@@ -4,7 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use novainfer_engine::{EngineHandle, Frontend};
+use novainfer_engine::{EngineConfig, EngineHandle, Frontend};
+use novainfer_model::{Device, KvCacheDtype};
 
 use crate::args::ReasoningParser;
 use crate::error::ApiError;
@@ -80,6 +81,36 @@ pub fn resolve(spec: &str) -> Result<(PathBuf, String), ResolveError> {
     }
 }
 
+/// How a model's KV cache is laid out, as configured (the engine keeps these inside; the
+/// Web UI and `/server_info` show them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvConfig {
+    /// `block` (paged, prefix caching) or `slot` (one cell per token).
+    pub layout: &'static str,
+    /// Tokens per block (1 in the slot layout).
+    pub block_size: usize,
+    /// The storage actually used: `auto` resolved for the device the model runs on.
+    pub dtype: &'static str,
+    pub prefix_caching: bool,
+}
+
+impl KvConfig {
+    pub fn new(cfg: &EngineConfig, device: Device) -> Self {
+        let dtype = match (device, cfg.kv_cache_dtype) {
+            (Device::Cpu, d) => d.for_cpu().as_str(),
+            // The GPU pool is bf16 only (the engine refuses, or moves to the CPU, otherwise).
+            (Device::Cuda(_), KvCacheDtype::Auto) => "bf16",
+            (Device::Cuda(_), d) => d.as_str(),
+        };
+        Self {
+            layout: cfg.kv_layout.as_str(),
+            block_size: cfg.effective_block_size(),
+            dtype,
+            prefix_caching: cfg.enable_prefix_caching && cfg.kv_layout.as_str() == "block",
+        }
+    }
+}
+
 pub struct ServedModel {
     pub name: String,
     pub path: PathBuf,
@@ -89,6 +120,7 @@ pub struct ServedModel {
     /// Split `</think>` reasoning out of chat replies.
     pub reasoning: bool,
     pub metrics: ModelMetrics,
+    pub kv_config: KvConfig,
 }
 
 impl ServedModel {
@@ -98,6 +130,7 @@ impl ServedModel {
         handle: EngineHandle,
         parser: ReasoningParser,
         created: u64,
+        kv_config: KvConfig,
     ) -> Self {
         let frontend = handle.frontend().clone();
         let reasoning = match parser {
@@ -113,6 +146,7 @@ impl ServedModel {
             created,
             reasoning,
             metrics: ModelMetrics::default(),
+            kv_config,
         }
     }
 }
@@ -155,6 +189,20 @@ mod tests {
         let (path, name) = resolve(dir.to_str().expect("utf-8 temp dir")).expect("exists");
         assert_eq!(path, dir);
         assert!(!name.is_empty());
+    }
+
+    #[test]
+    fn kv_dtype_auto_is_resolved_for_the_device() {
+        let mut cfg = EngineConfig::new("/m");
+        assert_eq!(KvConfig::new(&cfg, Device::Cpu).dtype, "f16");
+        assert_eq!(KvConfig::new(&cfg, Device::Cuda(0)).dtype, "bf16");
+        cfg.kv_cache_dtype = KvCacheDtype::parse("q8_0").expect("known dtype");
+        let kv = KvConfig::new(&cfg, Device::Cpu);
+        assert_eq!(
+            (kv.dtype, kv.layout, kv.block_size),
+            ("q8_0", "block", cfg.block_size)
+        );
+        assert!(kv.prefix_caching);
     }
 
     #[test]

@@ -6,6 +6,7 @@ mod chat;
 mod completions;
 mod embeddings;
 mod infill;
+mod info;
 mod misc;
 mod run;
 
@@ -44,6 +45,7 @@ pub fn router(state: Arc<AppState>, cors_origins: &[String]) -> Router {
         .route("/v1/requests/{id}/cancel", post(misc::cancel))
         .route("/tokenize", post(misc::tokenize))
         .route("/detokenize", post(misc::detokenize))
+        .route("/server_info", get(info::server_info))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,

@@ -1,4 +1,4 @@
-//! The server's OpenAI-compatible API as the UI uses it: model list, streamed chat, cancel.
+//! The server's API as the UI uses it: model list, server info, tokenize, streamed chat, cancel.
 //!
 //! Invariants: every failure surfaces as an `ApiError` carrying what a person needs to act
 //! (HTTP status, the server's message, Retry-After seconds, whether retrying can help); an abort
@@ -73,12 +73,33 @@ async function send(url, init) {
   }
 }
 
-/** GET /v1/models → array of model ids. */
+/** GET /v1/models → the model cards ({id, max_model_len, ...}) with a string id. */
 export async function listModels() {
   const response = await send('v1/models', { headers: headers() });
   if (!response.ok) throw await errorFromResponse(response);
   const body = await response.json();
-  return (body?.data ?? []).map((m) => m.id).filter((id) => typeof id === 'string');
+  return (body?.data ?? []).filter((m) => m && typeof m.id === 'string');
+}
+
+/**
+ * GET /server_info → {version, models: [{id, max_model_len, device, kv_cache, prefix_cache,
+ * features}]}, or null from a server without it (older builds, other OpenAI servers).
+ */
+export async function serverInfo() {
+  const response = await send('server_info', { headers: headers() });
+  if (response.status === 404) return null;
+  if (!response.ok) throw await errorFromResponse(response);
+  return response.json();
+}
+
+/** POST /tokenize with chat messages → {count, max_model_len}. */
+export async function tokenizeChat(model, messages, addGenerationPrompt) {
+  const response = await send('tokenize', {
+    method: 'POST', headers: headers({ 'Content-Type': 'application/json' }),
+    body: JSON.stringify({ model, messages, add_generation_prompt: addGenerationPrompt }),
+  });
+  if (!response.ok) throw await errorFromResponse(response);
+  return response.json();
 }
 
 /**

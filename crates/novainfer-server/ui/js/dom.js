@@ -48,6 +48,10 @@ const ICONS = {
   ],
   bolt: [['path', { d: 'M13 3L5 14h6l-1 7 8-11h-6l1-7z' }]],
   chat: [['path', { d: 'M5 5h14v10H9l-4 4V5z' }]],
+  left: [['path', { d: 'M15 6l-6 6 6 6' }]],
+  right: [['path', { d: 'M9 6l6 6-6 6' }]],
+  continue: [['path', { d: 'M5 12h11M12 7l5 5-5 5M20 5v14' }]],
+  tool: [['path', { d: 'M14 6a4 4 0 0 0 5 5l-8 8a2 2 0 0 1-3-3l8-8a4 4 0 0 0-2-2z' }]],
 };
 
 /** An inline SVG icon, hidden from assistive technology (its button carries the label). */

@@ -8,10 +8,12 @@
 //! Supported: ATX headings, paragraphs (single newlines are line breaks, as chat users expect),
 //! fenced code (``` or ~~~, an unclosed fence renders while streaming), block quotes, ordered and
 //! unordered lists (nested by indentation, task boxes), GFM tables, thematic breaks; inline code,
-//! **strong**, *em*, ~~strike~~, [links](url), <autolinks> and bare URLs, backslash escapes.
+//! **strong**, *em*, ~~strike~~, [links](url), <autolinks> and bare URLs, backslash escapes;
+//! TeX math (`$…$`, `\(…\)` inline, `$$…$$` and `\[…\]` display) through math.js's MathML.
 
 import { h } from './dom.js';
 import { highlight } from './highlight.js';
+import { renderTex } from './math.js';
 
 const FENCE_RE = /^ {0,3}(`{3,}|~{3,})\s*([^\s`]*)[^`]*$/;
 const HEADING_RE = /^ {0,3}(#{1,6})(?:[ \t]+(.*?))?(?:[ \t]+#+)?[ \t]*$/;
@@ -19,6 +21,7 @@ const HR_RE = /^ {0,3}([-*_])(?:[ \t]*\1){2,}[ \t]*$/;
 const QUOTE_RE = /^ {0,3}> ?/;
 const LIST_RE = /^( {0,12})([-*+]|\d{1,9}[.)])([ \t]+|$)(.*)$/;
 const TABLE_DELIM_RE = /^ {0,3}\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$/;
+const MATH_BLOCK_RE = /^ {0,3}(\$\$|\\\[)/;
 
 /**
  * Renders Markdown to a fragment. `options.onCopyCode(text, button)` is called by code-block copy
@@ -51,6 +54,8 @@ export function parseBlocks(src) {
     } else if (HR_RE.test(line)) {
       blocks.push({ type: 'hr' });
       i += 1;
+    } else if ((m = MATH_BLOCK_RE.exec(line)) && isMathBlock(lines, i, m[1])) {
+      i = parseMathBlock(lines, i, m[1], blocks);
     } else if (QUOTE_RE.test(line)) {
       const inner = [];
       while (i < lines.length && !isBlank(lines[i]) && QUOTE_RE.test(lines[i])) {
@@ -83,9 +88,39 @@ function isListStartAllowedEmpty(lines, i) {
   return i + 1 < lines.length && LIST_RE.test(lines[i + 1]);
 }
 
+function closerOf(opener) { return opener === '$$' ? '$$' : '\\]'; }
+
+// `$$` opens a display formula when the line is `$$…$$` alone or the formula goes on below it
+// (the closer on a later line, or none yet while the reply streams).
+function isMathBlock(lines, i, opener) {
+  const rest = lines[i].trim().slice(opener.length);
+  const close = rest.indexOf(closerOf(opener));
+  return close < 0 || rest.slice(close + 2).trim() === '';
+}
+
+function parseMathBlock(lines, start, opener, blocks) {
+  const closer = closerOf(opener);
+  let rest = lines[start].trim().slice(opener.length);
+  const body = [];
+  let i = start;
+  let closed = false;
+  for (;;) {
+    const at = rest.indexOf(closer);
+    if (at >= 0) { body.push(rest.slice(0, at)); closed = true; i += 1; break; }
+    body.push(rest);
+    i += 1;
+    if (i >= lines.length) break;
+    rest = lines[i];
+  }
+  blocks.push({ type: 'math', text: body.join('\n').trim(), closed });
+  return i;
+}
+
 function startsBlock(lines, i) {
   const line = lines[i];
   if (FENCE_RE.test(line) || HEADING_RE.test(line) || HR_RE.test(line) || QUOTE_RE.test(line)) return true;
+  const math = MATH_BLOCK_RE.exec(line);
+  if (math && isMathBlock(lines, i, math[1])) return true;
   const m = LIST_RE.exec(line);
   // Like CommonMark, only "1." may interrupt a paragraph among ordered markers ("in 2019. we…").
   if (m && m[4].trim() !== '' && (/^[-*+]$/.test(m[2]) || /^1[.)]$/.test(m[2]))) return true;
@@ -218,6 +253,7 @@ function renderBlock(block, options) {
     case 'code': return renderCode(block, options);
     case 'list': return renderList(block, options);
     case 'table': return renderTable(block);
+    case 'math': return renderMathBlock(block);
     default: throw new Error(`unknown block type ${block.type}: this is a bug`);
   }
 }
@@ -259,6 +295,51 @@ function renderCode(block, options) {
     h('pre', { tabindex: '0' }, code));
 }
 
+function renderMathBlock(block) {
+  // An unclosed formula is still streaming: show its source until the closer arrives.
+  if (!block.closed) return h('pre', { class: 'math-pending' }, block.text);
+  return h('div', { class: 'math-block', tabindex: '0' }, mathOrSource(block.text, true));
+}
+
+/** The formula as MathML, or (when it does not parse) its source, marked, with the reason. */
+function mathOrSource(tex, display) {
+  try {
+    return renderTex(tex, { display });
+  } catch (err) {
+    const delim = display ? '$$' : '$';
+    return h('code', { class: 'math-error', title: `Not rendered: ${err.message}` }, `${delim}${tex}${delim}`);
+  }
+}
+
+/** `$…$` (pandoc's rule: no space inside the dollars, no digit right after the closer, so
+ * "$5 and $10" stays text), `$$…$$`, `\(…\)` and `\[…\]`. Returns {node, end} or null. */
+function parseInlineMath(text, i) {
+  const c = text[i];
+  const next = text[i + 1];
+  if (c === '\\' && (next === '(' || next === '[')) {
+    const closer = next === '(' ? '\\)' : '\\]';
+    const end = text.indexOf(closer, i + 2);
+    if (end < 0 || end === i + 2) return null;
+    return { node: mathOrSource(text.slice(i + 2, end), next === '['), end: end + 2 };
+  }
+  if (c !== '$') return null;
+  if (next === '$') {
+    const end = text.indexOf('$$', i + 2);
+    if (end < 0 || end === i + 2) return null;
+    return { node: mathOrSource(text.slice(i + 2, end), true), end: end + 2 };
+  }
+  if (next === undefined || /\s/.test(next)) return null;
+  for (let k = i + 1; k < text.length; k += 1) {
+    if (text[k] === '\\') { k += 1; continue; }
+    if (text[k] === '\n' && text[k + 1] === '\n') return null;
+    if (text[k] === '$') {
+      if (/\s/.test(text[k - 1]) || /[0-9]/.test(text[k + 1] || '')) return null;
+      return { node: mathOrSource(text.slice(i + 1, k), false), end: k + 1 };
+    }
+  }
+  return null;
+}
+
 // ---------------------------------------------------------------- inlines
 
 const ESCAPABLE = /[!-/:-@[-`{-~]/;
@@ -292,6 +373,10 @@ export function parseInline(text) {
   let i = 0;
   while (i < text.length) {
     const c = text[i];
+    if (c === '$' || (c === '\\' && (text[i + 1] === '(' || text[i + 1] === '['))) {
+      const math = parseInlineMath(text, i);
+      if (math) { flush(); out.push(math.node); i = math.end; continue; }
+    }
     if (c === '\\' && i + 1 < text.length) {
       if (text[i + 1] === '\n') { flush(); out.push(h('br')); i += 2; continue; }
       if (ESCAPABLE.test(text[i + 1])) { buf += text[i + 1]; i += 2; continue; }

@@ -4,13 +4,18 @@
 //! the sanitizing Markdown renderer only; a message's DOM is keyed by `data-id` so a streaming
 //! update touches one article; the streaming reply's body is an aria-live region that is
 //! aria-busy until the reply ends, so screen readers read it once, whole, instead of per token.
+//! What is shown is the conversation's active path (tree.js); a message with other versions
+//! (siblings) carries `‹ 2/3 ›` to switch between them.
 
 import { announce, copyText, h, icon, iconButton } from './dom.js';
 import { renderMarkdown } from './markdown.js';
+import { prettyJson } from './transfer.js';
+import { pathOf, siblingsOf } from './tree.js';
 
 export class MessageView {
   /**
-   * handlers: onEdit(msg, text), onRegenerate(msg), onRetry(msg), onSuggestion(text); all receive
+   * handlers: onEdit(msg, text), onRegenerate(msg), onRetry(msg), onContinue(msg), onDelete(msg),
+   * onSelectVersion(msg), onToolResult(assistantMsg, call, text), onSuggestion(text); all receive
    * message objects from the conversation passed to render().
    */
   constructor(container, handlers) {
@@ -20,6 +25,7 @@ export class MessageView {
     this.busy = false;
     this.editingId = null;
     this.reasoningOpen = new Map(); // message id → open state the user chose
+    this.toolOpen = new Map(); // "message id:call index" → open state of a tool-call card
   }
 
   /** Re-renders the whole conversation. `busy`: a reply of this conversation is streaming. */
@@ -31,13 +37,13 @@ export class MessageView {
     this.conv = conv;
     this.busy = busy;
     this.container.replaceChildren();
-    if (conv.messages.length === 0) {
+    this.path = pathOf(conv);
+    if (this.path.length === 0) {
       this.container.append(emptyState(emptyHint, this.handlers.onSuggestion));
       return;
     }
-    const lastAssistant = [...conv.messages].reverse().find((m) => m.role === 'assistant');
-    for (const msg of conv.messages) {
-      this.container.append(this.article(msg, msg === lastAssistant));
+    for (const msg of this.path) {
+      this.container.append(this.article(msg, msg === this.path[this.path.length - 1]));
     }
     if (follow) this.scrollToEnd(true); else this.container.scrollTop = keepScroll;
   }
@@ -51,8 +57,7 @@ export class MessageView {
     const old = this.container.querySelector(`article[data-id="${msg.id}"]`);
     if (!old) return;
     const follow = this.nearBottom();
-    const lastAssistant = [...this.conv.messages].reverse().find((m) => m.role === 'assistant');
-    const fresh = this.article(msg, msg === lastAssistant);
+    const fresh = this.article(msg, msg === this.path[this.path.length - 1]);
     for (const selector of [':scope > .msg-body', ':scope > details.reasoning']) {
       const kept = old.querySelector(selector);
       const next = fresh.querySelector(selector);
@@ -78,8 +83,61 @@ export class MessageView {
     if (force || this.nearBottom()) this.container.scrollTop = this.container.scrollHeight;
   }
 
-  article(msg, isLastAssistant) {
-    return msg.role === 'user' ? this.userArticle(msg) : this.assistantArticle(msg, isLastAssistant);
+  article(msg, isLast) {
+    if (msg.role === 'user') return this.userArticle(msg);
+    if (msg.role === 'tool') return this.toolArticle(msg);
+    return this.assistantArticle(msg, isLast);
+  }
+
+  /** `‹ 2/3 ›` between the versions of a message, or nothing when it has none. */
+  versions(msg) {
+    const siblings = siblingsOf(this.conv, msg);
+    if (siblings.length < 2) return null;
+    const at = siblings.indexOf(msg);
+    const go = (k) => () => this.handlers.onSelectVersion(siblings[k]);
+    return h('span', { class: 'versions', role: 'group', 'aria-label': 'Versions' },
+      iconButton('left', 'Previous version', go(at - 1), { class: 'icon-btn version-prev', disabled: at === 0 || this.busy }),
+      h('span', { class: 'version-count' }, `${at + 1}/${siblings.length}`),
+      iconButton('right', 'Next version', go(at + 1), { class: 'icon-btn version-next', disabled: at === siblings.length - 1 || this.busy }));
+  }
+
+  deleteButton(msg) {
+    return iconButton('trash', 'Delete message', () => this.handlers.onDelete(msg), { disabled: this.busy, class: 'icon-btn delete-msg-btn' });
+  }
+
+  toolArticle(msg) {
+    const article = h('article', { class: 'msg msg-tool', dataset: { id: msg.id }, 'aria-label': 'Tool result' });
+    article.append(
+      h('h2', { class: 'msg-role' }, h('span', { class: 'avatar', 'aria-hidden': 'true' }, icon('tool')),
+        `Tool result${msg.toolName ? ` · ${msg.toolName}` : ''}`, msg.toolCallId ? h('code', { class: 'tool-id' }, msg.toolCallId) : null),
+      h('pre', { class: 'msg-body tool-result' }, prettyJson(msg.content)),
+      h('div', { class: 'msg-actions' }, this.versions(msg), copyButton(msg.content, 'Copy tool result'), this.deleteButton(msg)));
+    return article;
+  }
+
+  /** A tool call as a collapsible card: name, id, arguments pretty-printed; a result form under it. */
+  toolCallCard(msg, call, index) {
+    // The results given so far follow the call in the path; the form stays until this one has one.
+    const after = this.path.slice(this.path.indexOf(msg) + 1);
+    const answered = after.some((m) => m.role === 'tool' && m.toolCallId === call.id);
+    const awaiting = !msg.pending && !answered && after.every((m) => m.role === 'tool');
+    const key = `${msg.id}:${index}`;
+    const card = h('details', { class: 'tool-call', open: this.toolOpen.get(key) ?? true, dataset: { index: String(index) } },
+      h('summary', {}, icon('tool'), h('span', { class: 'tool-name' }, call.function.name || '(unnamed tool)'),
+        call.id ? h('code', { class: 'tool-id' }, call.id) : null),
+      h('pre', { class: 'tool-args' }, prettyJson(call.function.arguments)),
+      h('div', { class: 'tool-actions' }, copyButton(call.function.arguments, 'Copy arguments')));
+    card.addEventListener('toggle', () => this.toolOpen.set(key, card.open));
+    if (awaiting) {
+      const area = h('textarea', { class: 'tool-result-input', rows: 2, 'aria-label': `Result of ${call.function.name}` });
+      const submit = (e) => {
+        e.preventDefault();
+        if (area.value.trim()) this.handlers.onToolResult(msg, call, area.value);
+      };
+      card.append(h('form', { class: 'tool-result-form', onsubmit: submit }, area,
+        h('button', { type: 'submit', class: 'btn btn-small', disabled: this.busy }, 'Add result')));
+    }
+    return card;
   }
 
   userArticle(msg) {
@@ -88,17 +146,20 @@ export class MessageView {
       article.append(this.editForm(msg));
       return article;
     }
+    if (siblingsOf(this.conv, msg).length > 1) article.classList.add('has-versions');
     article.append(
       h('h2', { class: 'msg-role visually-hidden' }, 'You'),
       h('div', { class: 'msg-body user-text' }, msg.content),
       h('div', { class: 'msg-actions' },
+        this.versions(msg),
         copyButton(msg.content, 'Copy message'),
-        iconButton('edit', 'Edit message', () => this.startEdit(msg.id), { disabled: this.busy, class: 'icon-btn edit-btn' })),
+        iconButton('edit', 'Edit message', () => this.startEdit(msg.id), { disabled: this.busy, class: 'icon-btn edit-btn' }),
+        this.deleteButton(msg)),
     );
     return article;
   }
 
-  assistantArticle(msg, isLastAssistant) {
+  assistantArticle(msg, isLast) {
     const label = msg.model ? `Assistant (${msg.model})` : 'Assistant';
     const article = h('article', { class: 'msg msg-assistant', dataset: { id: msg.id }, 'aria-label': label });
     if (msg.pending) article.classList.add('streaming');
@@ -124,18 +185,30 @@ export class MessageView {
       tail.append(h('span', { class: 'cursor', 'aria-hidden': 'true' }));
     }
     article.append(body);
+    (msg.toolCalls || []).forEach((call, k) => article.append(this.toolCallCard(msg, call, k)));
 
     if (msg.stopped) article.append(h('p', { class: 'msg-note' }, 'Stopped.'));
+    if (msg.interrupted) {
+      article.append(h('p', { class: 'msg-note msg-interrupted' },
+        'Interrupted: the page was closed or reloaded while this reply streamed; the text above is what had arrived.'));
+    }
     if (msg.error) article.append(this.errorBox(msg));
     if (!msg.pending) {
-      const actions = h('div', { class: 'msg-actions' });
+      const actions = h('div', { class: 'msg-actions' }, this.versions(msg));
       if (msg.content) actions.append(copyButton(msg.content, 'Copy reply'));
-      if (isLastAssistant && !msg.error) {
+      if (!msg.error) {
         actions.append(iconButton('regenerate', 'Regenerate reply', () => this.handlers.onRegenerate(msg),
           { disabled: this.busy, class: 'icon-btn regen-btn' }));
       }
+      // A cut-off reply (max tokens, Stop, a reload) can be continued where it ended.
+      const cutOff = msg.finishReason === 'length' || msg.stopped || msg.interrupted;
+      if (isLast && cutOff && msg.content && !msg.error) {
+        actions.append(h('button', { type: 'button', class: 'btn btn-small continue-btn', disabled: this.busy,
+          onclick: () => this.handlers.onContinue(msg) }, icon('continue'), 'Continue'));
+      }
+      actions.append(this.deleteButton(msg));
       // A request that failed before any text has nothing worth measuring.
-      if (msg.telemetry && (msg.content || msg.reasoning)) actions.append(telemetryLine(msg.telemetry));
+      if (msg.telemetry && (msg.content || msg.reasoning || msg.toolCalls?.length)) actions.append(telemetryLine(msg.telemetry));
       article.append(actions);
     }
     return article;
@@ -198,7 +271,7 @@ export class MessageView {
     return h('form', { class: 'edit-form', onsubmit: (e) => { e.preventDefault(); finish(true); } },
       area,
       h('div', { class: 'edit-buttons' },
-        h('span', { class: 'hint' }, 'Later messages will be replaced.'),
+        h('span', { class: 'hint' }, 'Saved as a new version; the current one stays (‹ › switches).'),
         h('button', { type: 'button', class: 'btn', onclick: () => finish(false) }, 'Cancel'),
         h('button', { type: 'submit', class: 'btn btn-primary save-edit' }, 'Save & regenerate')));
   }
@@ -249,10 +322,16 @@ export function telemetryLine(t) {
   const items = [];
   if (t.promptTokens !== null && t.cachedTokens !== null) {
     const hit = t.cachedTokens > 0;
+    const rate = t.promptTokens > 0 ? Math.round((100 * t.cachedTokens) / t.promptTokens) : 0;
     items.push(h('span', {
       class: `tele tele-cache${hit ? ' hit' : ''}`,
-      title: 'Prompt tokens whose KV was reused from earlier turns (prefix cache) instead of recomputed',
-    }, icon('bolt'), `${t.cachedTokens}/${t.promptTokens} prompt tokens cached`));
+      title: 'Prompt tokens whose KV was reused from earlier turns (prefix cache) instead of recomputed, and the hit rate',
+    }, icon('bolt'), `${t.cachedTokens}/${t.promptTokens} prompt tokens cached (${rate}%)`));
+  }
+  if (t.speculative) {
+    const s = t.speculative;
+    items.push(h('span', { class: 'tele tele-spec', title: 'Speculative decoding: draft tokens the model accepted' },
+      `${Math.round(s.rate * 100)}% drafts accepted (${s.accepted}/${s.draft})`));
   }
   if (t.tokensPerSec !== null) {
     const over = t.rateOver === 'request' ? 'over the whole request, TTFT included' : 'after the first token';
@@ -264,6 +343,9 @@ export function telemetryLine(t) {
   }
   items.push(h('span', { class: 'tele tele-tokens', title: t.approx ? 'Counted from streamed pieces' : 'Completion tokens' },
     `${t.approx ? '≈' : ''}${t.completionTokens} tokens`));
+  if (t.finishReason === 'tool_calls') {
+    items.push(h('span', { class: 'tele tele-finish', title: 'The reply ended to call tools' }, 'tool calls'));
+  }
   if (t.finishReason === 'length') {
     items.push(h('span', { class: 'tele tele-finish', title: 'The reply hit the max tokens limit' }, 'max tokens reached'));
   }
