@@ -73,7 +73,7 @@ def test_priority_field_and_queue_and_prefill_metrics(tiny_models):
 def test_the_cpu_defaults_are_chosen_and_logged_and_explicit_values_win(tiny_models):
     with ServerProcess(tiny(tiny_models), env={"RAYON_NUM_THREADS": "2"}) as server:
         logs = server.logs()
-        assert "long_prefill_token_threshold=128" in logs and "max_long_partial_prefills=1" in logs, logs
+        assert "long_prefill_token_threshold=256" in logs and "max_long_partial_prefills=1" in logs, logs
     with ServerProcess(tiny(tiny_models, "--long-prefill-token-threshold", "300")) as server:
         assert "long_prefill_token_threshold=300" in server.logs()
 
@@ -136,8 +136,8 @@ def test_short_chats_finish_while_a_long_prompt_prefills_on_the_cpu_defaults():
     from novainfer.fetch import fetch_model
 
     fetch_model("qwen2.5-coder-0.5b", progress=False)
-    # Two threads: the CPU rule then gives a 128-token threshold, so the long prompt (~2,400 tokens) takes about
-    # 19 steps to prefill, while each short chat is admitted beside it and decodes a token in every step.
+    # Two threads: the CPU rule then gives a 256-token threshold, so the long prompt (~3,000 tokens) takes about
+    # 12 steps to prefill, while each short chat is admitted beside it and decodes a token in every step.
     args = ["--model", "qwen2.5-coder-0.5b", "--device", "cpu", "--kv-cache-bytes", str(256 << 20)]
     with ServerProcess(args, env={"RAYON_NUM_THREADS": "2"}) as server:
         finished: dict[str, float] = {}
@@ -157,7 +157,7 @@ def test_short_chats_finish_while_a_long_prompt_prefills_on_the_cpu_defaults():
                         first_token.setdefault(name, time.monotonic())
             finished[name] = time.monotonic()
 
-        long = threading.Thread(target=chat, args=("long", LONG_SENTENCE * 120 + "Summarize.", 2))
+        long = threading.Thread(target=chat, args=("long", LONG_SENTENCE * 150 + "Summarize.", 2))
         long.start()
         time.sleep(0.5)  # the long prompt is admitted and prefilling
         shorts = [threading.Thread(target=chat, args=(f"short{i}", f"Say the number {i}.", 6)) for i in range(8)]

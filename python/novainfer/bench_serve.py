@@ -292,5 +292,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         )
         every = summarize(results + long_results, overall)
         print(f"  all requests: {every['total_tok_s']:.1f} tok/s total (prompt + output) over {overall:.1f} s")
-    errors = s["errors"] + sum(r.error is not None for r in long_results)
+    failed = [r.error for r in results + long_results if r.error is not None]
+    if failed:
+        print(f"  first error: {failed[0]}")
+    errors = len(failed)
     return 0 if errors == 0 else 1

@@ -89,8 +89,8 @@ class LLM:
     nothing waits forever). A prompt longer than `long_prefill_token_threshold` is computed at most that many
     tokens per step, at most `max_long_partial_prefills` such prompts at once (shorter ones overtake them), at
     most `max_num_partial_prefills` prompts of any length at once; running requests decode first in every
-    step. Left unset on the CPU, `max_model_len` defaults to at most 8192 and the threshold to 64 tokens per
-    thread (128 to 1024) with one long prompt at a time, so no single request holds the engine for minutes
+    step. Left unset on the CPU, `max_model_len` defaults to at most 8192 and the threshold to 128 tokens per
+    thread (256 to 2048) with one long prompt at a time, so no single request holds the engine for minutes
     (docs/scheduling.md states the rule); on a GPU they are unlimited, as in vLLM.
 
     `speculative_config` turns on speculative decoding, in vLLM's shape: ``{"method": "ngram",

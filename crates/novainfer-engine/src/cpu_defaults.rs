@@ -6,9 +6,11 @@
 //!   prefills in a minute or two on a few cores (the 0.5B model computes ~100 prompt tokens/s
 //!   per 2 cores at 8k context), not the ten minutes of the model's 32k. An explicit
 //!   `max_model_len` always wins.
-//! - **`long_prefill_token_threshold`**: `64 × threads`, clamped to 128–1024 tokens: a step
-//!   that carries a long prompt's chunk takes about a second, so running streams keep getting
-//!   a token a second and short prompts are admitted beside it.
+//! - **`long_prefill_token_threshold`**: `128 × threads`, clamped to 256–2048 tokens: a step
+//!   that carries a long prompt's chunk takes one to two seconds, so running streams keep
+//!   getting a token every second or two, and ordinary chat prompts (a few hundred tokens)
+//!   count as short: they are admitted whole beside the long one instead of queueing for its
+//!   long-prefill slot.
 //! - **`max_long_partial_prefills`**: 1. One long prompt is computed at a time; shorter ones
 //!   overtake the rest (vLLM's rule).
 
@@ -27,7 +29,7 @@ impl CpuDefaults {
     pub fn for_threads(threads: usize) -> Self {
         Self {
             max_model_len_cap: CPU_MAX_MODEL_LEN,
-            long_prefill_token_threshold: (64 * threads).clamp(128, 1024),
+            long_prefill_token_threshold: (128 * threads).clamp(256, 2048),
             max_long_partial_prefills: 1,
         }
     }
@@ -50,21 +52,10 @@ mod tests {
 
     #[test]
     fn the_threshold_grows_with_threads_within_bounds() {
+        let threshold = |threads| CpuDefaults::for_threads(threads).long_prefill_token_threshold;
         assert_eq!(
-            CpuDefaults::for_threads(1).long_prefill_token_threshold,
-            128
-        );
-        assert_eq!(
-            CpuDefaults::for_threads(2).long_prefill_token_threshold,
-            128
-        );
-        assert_eq!(
-            CpuDefaults::for_threads(8).long_prefill_token_threshold,
-            512
-        );
-        assert_eq!(
-            CpuDefaults::for_threads(64).long_prefill_token_threshold,
-            1024
+            [threshold(1), threshold(2), threshold(8), threshold(64)],
+            [256, 256, 1024, 2048]
         );
     }
 }

@@ -91,7 +91,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 256)]
     pub priority_aging_steps: usize,
     /// Most tokens of one prompt computed per step (default: none on a GPU; on the CPU
-    /// 64 x threads within 128..1024, see docs/scheduling.md).
+    /// 128 x threads within 256..2048, see docs/scheduling.md).
     #[arg(long)]
     pub long_prefill_token_threshold: Option<usize>,
     /// Most prompts being prefilled at once (default: no limit).
