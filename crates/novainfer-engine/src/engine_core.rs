@@ -31,7 +31,7 @@ use crate::output_processor::{DeltaSink, OutputEvent};
 use crate::prefill::{PrefillJob, PrefillTask};
 use crate::request::Scheduling;
 use crate::sequence::SequenceOutput;
-use crate::speculative::Proposer;
+use crate::speculative::{Proposer, MAX_BATCH_TO_DRAFT};
 
 struct ActiveRequest {
     sampler: Sampler,
@@ -300,6 +300,16 @@ impl EngineCore {
             return;
         };
         let running = self.scheduler.running_ids().to_vec();
+        let decoding = running
+            .iter()
+            .filter_map(|id| self.scheduler.request(*id))
+            .filter(|r| !r.kind.is_prefill_only() && !r.output_token_ids.is_empty())
+            .count();
+        let scheduler = &self.scheduler;
+        proposer.retain(|id| scheduler.request(id).is_some());
+        if decoding > MAX_BATCH_TO_DRAFT {
+            return;
+        }
         for id in running {
             let Some(request) = self.scheduler.request(id) else {
                 continue;
@@ -312,8 +322,6 @@ impl EngineCore {
                 self.scheduler.set_draft(id, draft);
             }
         }
-        let scheduler = &self.scheduler;
-        proposer.retain(|id| scheduler.request(id).is_some());
     }
 
     /// Ends the streams of requests the scheduler finished on its own (ignored,
@@ -451,8 +459,12 @@ impl EngineCore {
                 break;
             }
         }
+        let accepted = tokens.len() - 1;
         self.stats.num_draft_tokens += draft.len() as u64;
-        self.stats.num_accepted_tokens += (tokens.len() - 1) as u64;
+        self.stats.num_accepted_tokens += accepted as u64;
+        if let Some(proposer) = self.proposer.as_mut() {
+            proposer.record(id, draft.len(), accepted);
+        }
         sampled.push((id, tokens));
     }
 

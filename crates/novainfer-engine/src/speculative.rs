@@ -97,12 +97,42 @@ impl SpeculativeConfig {
     }
 }
 
-/// Drafts for the running requests, kept up to date as their tokens arrive.
+/// Past this many decoding requests in a step, nothing is drafted: the batch then reads each
+/// weight once for many rows already, so a draft's rows cost compute the batch needs itself.
+pub const MAX_BATCH_TO_DRAFT: usize = 16;
+
+/// A request's recent acceptance, which sizes its drafts.
+#[derive(Debug, Clone, Copy)]
+struct Acceptance {
+    /// Moving average of the accepted share of drafted tokens.
+    rate: f32,
+    /// Steps left without drafting after a run of rejections.
+    pause: u32,
+}
+
+impl Default for Acceptance {
+    /// A new request is trusted with full drafts until it shows otherwise.
+    fn default() -> Self {
+        Self {
+            rate: 1.0,
+            pause: 0,
+        }
+    }
+}
+
+/// Below this acceptance a request pauses drafting for [`PAUSE_STEPS`] steps, then tries again
+/// with one token: a workload with nothing to look up wastes almost nothing.
+const MIN_RATE: f32 = 0.2;
+const PAUSE_STEPS: u32 = 16;
+
+/// Drafts for the running requests, kept up to date as their tokens arrive, sized by each
+/// one's recent acceptance (adaptive k).
 #[derive(Debug)]
 pub struct Proposer {
     config: SpeculativeConfig,
     /// Per request: its n-gram index (prompt and output so far).
     indexes: HashMap<RequestId, NgramIndex>,
+    acceptance: HashMap<RequestId, Acceptance>,
 }
 
 impl Proposer {
@@ -110,11 +140,39 @@ impl Proposer {
         Self {
             config,
             indexes: HashMap::new(),
+            acceptance: HashMap::new(),
+        }
+    }
+
+    /// How many tokens to draft for `id` now: the configured number scaled by its recent
+    /// acceptance (at least one), or none while it pauses after a run of rejections.
+    fn draft_len(&mut self, id: RequestId) -> usize {
+        let a = self.acceptance.entry(id).or_default();
+        if a.pause > 0 {
+            a.pause -= 1;
+            return 0;
+        }
+        let k = self.config.num_speculative_tokens;
+        ((k as f32 * a.rate).ceil() as usize).clamp(1, k)
+    }
+
+    /// What the verification of `id`'s draft of `drafted` tokens confirmed.
+    pub fn record(&mut self, id: RequestId, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        let a = self.acceptance.entry(id).or_default();
+        a.rate = 0.5 * a.rate + 0.5 * accepted as f32 / drafted as f32;
+        if a.rate < MIN_RATE {
+            a.pause = PAUSE_STEPS;
+            // After the pause, one token to probe with; a hit grows the draft again.
+            a.rate = 1.0 / self.config.num_speculative_tokens as f32;
         }
     }
 
     /// A draft to follow `request`'s tokens so far (empty: nothing to propose).
     pub fn propose(&mut self, request: &Request) -> Vec<u32> {
+        let k = self.draft_len(request.id);
         let SpeculativeMethod::Ngram(range) = self.config.method;
         let index = self
             .indexes
@@ -128,7 +186,7 @@ impl Proposer {
         }
         let known = index.tokens().len();
         index.extend(&request.token_ids(known..total));
-        index.propose(self.config.num_speculative_tokens)
+        index.propose(k)
     }
 
     /// Forgets a finished request.
@@ -136,9 +194,11 @@ impl Proposer {
         self.indexes.remove(&id);
     }
 
-    /// Keeps the indexes of requests for which `alive` holds.
+    /// Keeps the state of requests for which `alive` holds.
     pub fn retain(&mut self, mut alive: impl FnMut(RequestId) -> bool) {
         self.indexes.retain(|id, _| alive(*id));
+        self.acceptance
+            .retain(|id, _| self.indexes.contains_key(id));
     }
 }
 
@@ -152,11 +212,11 @@ mod tests {
         let c =
             SpeculativeConfig::from_json(&json!({"method": "ngram", "num_speculative_tokens": 4,
             "prompt_lookup_min": 2, "prompt_lookup_max": 5}))
-            .unwrap();
+            .expect("valid");
         assert_eq!(c.num_speculative_tokens, 4);
         assert_eq!(
             c.method,
-            SpeculativeMethod::Ngram(NgramRange::new(2, 5).unwrap())
+            SpeculativeMethod::Ngram(NgramRange::new(2, 5).expect("valid"))
         );
         for (bad, field) in [
             (
@@ -180,7 +240,7 @@ mod tests {
             ),
             (json!([1]), "speculative_config"),
         ] {
-            let e = SpeculativeConfig::from_json(&bad).unwrap_err();
+            let e = SpeculativeConfig::from_json(&bad).expect_err("refused");
             assert_eq!(e.param, "speculative_config");
             assert!(e.to_string().contains(field), "{e} should name {field}");
         }
@@ -189,7 +249,7 @@ mod tests {
     #[test]
     fn the_proposer_follows_a_request_as_its_tokens_arrive() {
         let config = SpeculativeConfig {
-            method: SpeculativeMethod::Ngram(NgramRange::new(2, 3).unwrap()),
+            method: SpeculativeMethod::Ngram(NgramRange::new(2, 3).expect("valid")),
             num_speculative_tokens: 3,
         };
         let mut p = Proposer::new(config);
@@ -199,5 +259,27 @@ mod tests {
         assert!(p.propose(&r).is_empty());
         p.forget(RequestId(1));
         assert!(p.indexes.is_empty());
+    }
+
+    #[test]
+    fn drafts_shrink_with_rejections_pause_and_grow_back() {
+        let config = SpeculativeConfig {
+            method: SpeculativeMethod::Ngram(NgramRange::new(1, 2).expect("valid")),
+            num_speculative_tokens: 4,
+        };
+        let mut p = Proposer::new(config);
+        let id = RequestId(1);
+        assert_eq!(p.draft_len(id), 4);
+        p.record(id, 4, 1); // rate 0.625
+        assert_eq!(p.draft_len(id), 3);
+        p.record(id, 3, 0); // 0.31
+        p.record(id, 2, 0); // 0.16: pause
+        for _ in 0..PAUSE_STEPS {
+            assert_eq!(p.draft_len(id), 0);
+        }
+        assert_eq!(p.draft_len(id), 1);
+        p.record(id, 1, 1);
+        p.record(id, 2, 2);
+        assert_eq!(p.draft_len(id), 4);
     }
 }
