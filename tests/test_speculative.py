@@ -64,3 +64,86 @@ def test_a_bad_speculative_config_names_its_field(tiny_models, config, field):
     with pytest.raises(InvalidParameterError) as e:
         LLM(tiny_models["f32"], kv_cache_bytes=8 << 20, speculative_config=config)
     assert e.value.param == "speculative_config" and field in str(e.value)
+
+
+def test_the_server_streams_with_speculation_and_a_client_gone_mid_verification_frees_every_block(tiny_models):
+    import json
+    import urllib.request
+
+    from server_process import ServerProcess
+    from test_server import KV, post_json
+
+    args = ["--model", str(tiny_models["f32"]), "--served-model-name", "tiny", *KV, "--kv-cache-dtype", "f32"]
+    plain = LLM(tiny_models["f32"], kv_cache_bytes=8 << 20, kv_cache_dtype="f32")
+    want = plain.generate([PROMPT * 3], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    with ServerProcess([*args, "--speculative-config", json.dumps(NGRAM)]) as server:
+        payload = {"model": "tiny", "prompt": PROMPT * 3, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        code, _, body = post_json(server, "/v1/completions", payload)
+        assert code == 200 and json.loads(body)["choices"][0]["text"] == want.outputs[0].text
+        req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps({**payload, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        text = ""
+        with urllib.request.urlopen(req, timeout=60) as r:
+            for raw in r:
+                if raw.startswith(b"data: {"):
+                    text += json.loads(raw[6:])["choices"][0]["text"]
+        assert text == want.outputs[0].text
+        m = server.metrics()
+        assert m['vllm:spec_decode_num_draft_tokens_total{model_name="tiny"}'] > 0
+        assert 0 < m['novainfer:spec_decode_num_accepted_tokens_total{model_name="tiny"}']
+        # A long stream abandoned after a few chunks: its blocks (drafts' included) all come back.
+        long = {**payload, "max_tokens": 400, "stream": True}
+        req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(long).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        r = urllib.request.urlopen(req, timeout=60)
+        for _ in range(6):
+            r.readline()
+        r.close()
+        server.wait_idle("tiny", timeout=20)
+    with pytest.raises(RuntimeError, match="speculative_config"):
+        ServerProcess([*args, "--speculative-config", '{"method": "ngram"}'], timeout=30)
+
+
+CODE = '''def area(width, height):
+    return width * height
+
+
+def perimeter(width, height):
+    return 2 * (width + height)
+'''
+
+
+def chat_prompts() -> list[list[dict]]:
+    """24 chats; most ask the model to repeat text it was given, where prompt lookup pays."""
+    asks = [f"Rewrite this code with `{a}` renamed to `{b}`:\n{CODE}" for a, b in
+            [("width", "w"), ("height", "h"), ("area", "surface"), ("perimeter", "border")]]
+    asks += [f"Copy this list exactly, then add one item: {', '.join(str(i) for i in range(n, n + 12))}"
+             for n in range(0, 80, 10)]
+    asks += ["What is the capital of France?", "Write a haiku about rust.", "Explain a mutex in one sentence.",
+             "Name three sorting algorithms.", "What does HTTP stand for?", "Say hello in Spanish.",
+             "Give a Python one-liner to reverse a string.", "What is 17 * 23?",
+             "Translate 'good morning' to German.", "What is a prime number?", "Describe a cat.",
+             "List the planets."]
+    return [[{"role": "user", "content": a}] for a in asks]
+
+
+@pytest.mark.slow
+def test_greedy_with_ngram_speculation_equals_plain_on_the_real_model_batched_chunked_and_preempted():
+    from novainfer.fetch import fetch_model
+
+    path = fetch_model("qwen2.5-coder-0.5b", progress=False)
+    # 16 at a time, prompts chunked (128 tokens a step) and a pool small enough to preempt.
+    common = {"device": "cpu", "max_num_seqs": 16, "max_num_batched_tokens": 128, "kv_cache_bytes": 12 << 20}
+    params = SamplingParams(temperature=0, max_tokens=32)
+    plain = LLM(path, **common)
+    want = plain.chat(chat_prompts(), params)
+    spec = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **common)
+    got = spec.chat(chat_prompts(), params)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids, (w.outputs[0].text, g.outputs[0].text)
+    stats, base = spec.stats(), plain.stats()
+    print(f"steps {base['num_steps']:.0f} -> {stats['num_steps']:.0f}; accepted "
+          f"{stats['num_accepted_tokens']:.0f}/{stats['num_draft_tokens']:.0f} drafts; preemptions "
+          f"{base['num_preemptions']:.0f}/{stats['num_preemptions']:.0f}")
+    assert base["num_preemptions"] > 0, "the pool was meant to be tight enough to preempt"
+    assert stats["num_accepted_tokens"] > 0 and stats["kv_used_blocks"] == 0
