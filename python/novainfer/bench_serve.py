@@ -180,7 +180,7 @@ def start_server(
     `extra`; returns the process and its URL once it listens."""
     program = program or [sys.executable, "-m", "novainfer.server"]
     cmd = [*program, "--host", "127.0.0.1", "--port", "0", "--model", args.model,
-           "--max-num-seqs", str(max(args.concurrency, 1)), "--kv-layout", args.kv_layout,
+           "--max-num-seqs", str(max(args.concurrency + getattr(args, "long_prompts", 0), 1)), "--kv-layout", args.kv_layout,
            "--kv-cache-dtype", args.kv_cache_dtype, *(extra or [])]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
