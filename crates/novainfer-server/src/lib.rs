@@ -25,6 +25,7 @@ pub mod shutdown;
 pub mod sse;
 pub mod state;
 pub mod structured;
+pub mod tools;
 mod ui;
 
 use std::io::Write;
