@@ -26,6 +26,7 @@ pub mod sse;
 pub mod state;
 pub mod structured;
 pub mod tools;
+pub mod transform;
 mod ui;
 
 use std::io::Write;
