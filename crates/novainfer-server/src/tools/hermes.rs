@@ -17,6 +17,9 @@
 //! - a call is recognised once `{"name": <string>, "arguments":` follows the tag (the order
 //!   the chat template shows the model and the tool grammar enforces); a block that does not
 //!   start that way is content, tag included;
+//! - small models often write the call without its tags: an output (or the text after a call)
+//!   that opens with `{"name": <string>, "arguments":` is a bare call, ending at its `}` (the
+//!   `auto` tool grammar treats such outputs the same way);
 //! - arguments are passed on only as far as they stay valid JSON ([`JsonPrefix`]), so a
 //!   `</tool_call>` or `}` inside a string does not end them. If they break, the call ends
 //!   there and the rest is content; if the output ends inside them (`max_tokens`), the call
@@ -47,15 +50,27 @@ pub enum ToolEvent {
 
 #[derive(Debug)]
 enum State {
+    /// At the start of the output or after a call: the whitespace read so far (a `{` next
+    /// opens a bare call).
+    Start(String),
     Text,
-    /// After `<tool_call>`: the text read so far of the call's head.
-    Head(String),
+    /// The text read so far of a call's head; `tagged`: after `<tool_call>`, else a bare call
+    /// after `lead` (whitespace, content if this is no call).
+    Head {
+        buf: String,
+        tagged: bool,
+        lead: String,
+    },
     Arguments {
         json: JsonPrefix,
         started: bool,
+        tagged: bool,
     },
-    /// After the arguments: the text read so far of `}` and `</tool_call>`.
-    Tail(String),
+    /// After the arguments: the text read so far of `}` (and `</tool_call>`, `tagged`).
+    Tail {
+        buf: String,
+        tagged: bool,
+    },
 }
 
 /// How far a text matches a pattern it must start with.
@@ -141,10 +156,11 @@ fn head(text: &str) -> Match<String> {
     Match::Yes(c.at, name)
 }
 
-/// `}` and `</tool_call>` (any whitespace) at the start of `text`.
-fn tail(text: &str) -> Match<()> {
+/// `}` and, `tagged`, `</tool_call>` (any whitespace) at the start of `text`.
+fn tail(text: &str, tagged: bool) -> Match<()> {
     let mut c = Cursor { text, at: 0 };
-    for lit in ["}", CLOSE] {
+    let closing: &[&str] = if tagged { &["}", CLOSE] } else { &["}"] };
+    for lit in closing {
         c.ws();
         if let Some(m) = c.literal(lit) {
             return m;
@@ -175,7 +191,7 @@ impl Default for ToolCallParser {
 impl ToolCallParser {
     pub fn new() -> Self {
         Self {
-            state: State::Text,
+            state: State::Start(String::new()),
             pending: String::new(),
             calls: 0,
             held: String::new(),
@@ -244,13 +260,34 @@ impl ToolCallParser {
     fn run(&mut self, at_end: bool) {
         loop {
             match std::mem::replace(&mut self.state, State::Text) {
+                State::Start(mut lead) => {
+                    let rest = self.pending.trim_start_matches([' ', '\t', '\n', '\r']);
+                    let ws = self.pending.len() - rest.len();
+                    lead.extend(self.pending.drain(..ws));
+                    if self.pending.starts_with('{') {
+                        self.state = State::Head {
+                            buf: String::new(),
+                            tagged: false,
+                            lead,
+                        };
+                    } else if self.pending.is_empty() && !at_end {
+                        self.state = State::Start(lead);
+                        return;
+                    } else {
+                        self.content(&lead);
+                    }
+                }
                 State::Text => {
                     if let Some(at) = self.pending.find(OPEN) {
                         let before: String = self.pending.drain(..at + OPEN.len()).collect();
                         self.content(&before[..at]);
                         // Whitespace between calls is dropped.
                         self.held.clear();
-                        self.state = State::Head(String::new());
+                        self.state = State::Head {
+                            buf: String::new(),
+                            tagged: true,
+                            lead: String::new(),
+                        };
                         continue;
                     }
                     let keep = if at_end {
@@ -262,11 +299,18 @@ impl ToolCallParser {
                     self.content(&emit);
                     return;
                 }
-                State::Head(mut buf) => {
+                State::Head {
+                    mut buf,
+                    tagged,
+                    lead,
+                } => {
                     buf.push_str(&std::mem::take(&mut self.pending));
+                    // What the head was, if it is no call.
+                    let opening = if tagged { OPEN } else { lead.as_str() };
                     match head(&buf) {
                         Match::Yes(end, name) => {
                             self.pending = buf.split_off(end);
+                            self.held.clear();
                             self.emit(ToolEvent::CallStart {
                                 index: self.calls,
                                 name,
@@ -275,24 +319,30 @@ impl ToolCallParser {
                             self.state = State::Arguments {
                                 json: JsonPrefix::new(),
                                 started: false,
+                                tagged,
                             };
                         }
                         Match::No => {
-                            // Not a call: the tag is content, and the rest is read again as text.
-                            self.content(OPEN);
+                            // Not a call: its opening is content, and the rest is read again
+                            // as text.
+                            self.content(opening);
                             self.pending = buf;
                         }
                         Match::Partial if at_end => {
-                            self.content(&format!("{OPEN}{buf}"));
+                            self.content(&format!("{opening}{buf}"));
                             return;
                         }
                         Match::Partial => {
-                            self.state = State::Head(buf);
+                            self.state = State::Head { buf, tagged, lead };
                             return;
                         }
                     }
                 }
-                State::Arguments { mut json, started } => {
+                State::Arguments {
+                    mut json,
+                    started,
+                    tagged,
+                } => {
                     let index = self.calls - 1;
                     let (used, next) = arguments(&mut json, started, &self.pending);
                     let text: String = self.pending.drain(..used).collect();
@@ -311,23 +361,35 @@ impl ToolCallParser {
                         ArgumentsEnd::Open if at_end => return,
                         ArgumentsEnd::Open => {
                             let started = started || !text.is_empty();
-                            self.state = State::Arguments { json, started };
+                            self.state = State::Arguments {
+                                json,
+                                started,
+                                tagged,
+                            };
                             return;
                         }
-                        ArgumentsEnd::Ended => self.state = State::Tail(String::new()),
+                        ArgumentsEnd::Ended => {
+                            self.state = State::Tail {
+                                buf: String::new(),
+                                tagged,
+                            }
+                        }
                         // The call ends with what it has; the rest is text.
                         ArgumentsEnd::Broken => {}
                     }
                 }
-                State::Tail(mut buf) => {
+                State::Tail { mut buf, tagged } => {
                     buf.push_str(&std::mem::take(&mut self.pending));
-                    match tail(&buf) {
-                        Match::Yes(end, ()) => self.pending = buf.split_off(end),
+                    match tail(&buf, tagged) {
+                        Match::Yes(end, ()) => {
+                            self.pending = buf.split_off(end);
+                            self.state = State::Start(String::new());
+                        }
                         Match::No => self.pending = buf,
                         // Cut inside the closing tag: the call is whole, the rest is syntax.
                         Match::Partial if at_end => return,
                         Match::Partial => {
-                            self.state = State::Tail(buf);
+                            self.state = State::Tail { buf, tagged };
                             return;
                         }
                     }
@@ -477,6 +539,38 @@ mod tests {
             "x <tool_call>\n{\"arguments\": {}, \"name\": \"f\"}\n</tool_call>",
             "<tool_call>\n{\"name\": \"a\\qb\", \"arguments\": {}}",
             "a < b <tool x",
+        ] {
+            check(text, text, &[], false);
+        }
+    }
+
+    #[test]
+    fn bare_calls_without_tags() {
+        check(
+            "{\"name\": \"f\", \"arguments\": {\"a\": \"}\"}}",
+            "",
+            &[("f", "{\"a\": \"}\"}")],
+            true,
+        );
+        check(
+            "\n{\"name\": \"f\", \"arguments\": {}}\n{\"name\": \"g\", \"arguments\": {\"x\": [1]}}\n",
+            "",
+            &[("f", "{}"), ("g", "{\"x\": [1]}")],
+            true,
+        );
+        check(
+            "{\"name\": \"f\", \"arguments\": 7}\nDone.",
+            "\nDone.",
+            &[("f", "7")],
+            false,
+        );
+        // Only where a call may start, and only in the call's shape.
+        for text in [
+            "{\"a\": 1}",
+            "  {\"name\": \"f\"}",
+            "Sure: {\"name\": \"f\", \"arguments\": {}}",
+            "{",
+            " \n ",
         ] {
             check(text, text, &[], false);
         }
