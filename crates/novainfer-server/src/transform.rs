@@ -16,6 +16,19 @@ pub struct ChatPiece {
     pub calls: Vec<ToolCallOut>,
 }
 
+impl ChatPiece {
+    /// Appends `more`, the next piece of the same output.
+    pub fn extend(&mut self, more: ChatPiece) {
+        self.reasoning.push_str(&more.reasoning);
+        self.content.push_str(&more.content);
+        self.calls = merge_calls(
+            std::mem::take(&mut self.calls)
+                .into_iter()
+                .chain(more.calls),
+        );
+    }
+}
+
 /// One choice's transforms.
 #[derive(Debug)]
 pub struct ChatTransform {
@@ -64,10 +77,7 @@ impl ChatTransform {
     /// A whole output at once.
     pub fn all(mut self, text: &str) -> (ChatPiece, bool) {
         let mut piece = self.push(text);
-        let tail = self.finish();
-        piece.reasoning.push_str(&tail.reasoning);
-        piece.content.push_str(&tail.content);
-        piece.calls = merge_calls(piece.calls.into_iter().chain(tail.calls));
+        piece.extend(self.finish());
         (piece, self.called())
     }
 

@@ -337,10 +337,7 @@ impl Renderer for ChatRenderer {
         let transform = &mut self.transforms[index];
         let mut piece = transform.push(&delta.text);
         if delta.finish_reason.is_some() {
-            let tail = transform.finish();
-            piece.reasoning.push_str(&tail.reasoning);
-            piece.content.push_str(&tail.content);
-            piece.calls.extend(tail.calls);
+            piece.extend(transform.finish());
         }
         let called = transform.called();
         let tokenizer = running.model.frontend.tokenizer();
