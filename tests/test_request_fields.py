@@ -162,7 +162,7 @@ def test_true_no_ops_are_accepted_and_change_nothing(server):
 
 @pytest.mark.parametrize("field,value", [
     ("bogus_field", 1), ("use_beam_search", True), ("best_of", 2), ("prompt_logprobs", 1),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"),
 ])
 def test_other_fields_are_refused_by_name(server, field, value):
     for path, body in (("/v1/completions", {"model": "tiny", "prompt": PROMPT}),

@@ -307,7 +307,7 @@ def test_bad_chat_requests_are_400(server):
     for payload, param in [
         ({"model": "tiny", "messages": "hi"}, "messages"),
         ({"model": "tiny", "messages": []}, "messages"),
-        ({"model": "tiny", "messages": [{"role": "tool", "content": "x"}]}, "messages"),
+        ({"model": "tiny", "messages": [{"role": "function", "content": "x"}]}, "messages"),
         ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ]:

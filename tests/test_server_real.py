@@ -121,3 +121,51 @@ def test_openai_parse_returns_a_pydantic_object(server):
     assert choice.finish_reason == "stop"
     assert isinstance(choice.message.parsed, City)
     assert "Paris" in choice.message.parsed.name
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city"]}
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city",
+                                                   "parameters": WEATHER}}]
+WEATHER_QUESTION = [{"role": "user", "content": "What's the weather like in Paris right now?"}]
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_calls_validate_streamed_and_not(server, choice):
+    """The 0.5B model calls the tool (under `auto` it writes the call's JSON without tags, which counts as a call)
+    with arguments valid against the schema; the stream reassembles into the same call."""
+    import jsonschema
+
+    from test_tools import reassemble
+
+    client = server.client()
+    args = dict(model="qwen2.5-coder-0.5b", messages=WEATHER_QUESTION, tools=WEATHER_TOOLS, tool_choice=choice,
+                temperature=0, max_tokens=40)
+    r = client.chat.completions.create(**args)
+    assert r.choices[0].finish_reason == "tool_calls", r
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, WEATHER)
+    assert "Paris" in arguments["city"]
+    content, streamed, finish = reassemble(client.chat.completions.create(**args, stream=True))
+    assert (content, finish) == ("", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in streamed] == [(call.function.name, call.function.arguments)]
+
+
+def test_a_tool_result_gets_a_final_answer(server):
+    """The call and its result sent back (as the OpenAI client sends them) give an answer in words. Greedy, the 0.5B
+    coder model repeats its call after a bare tool result, so the user asks for the answer in words."""
+    client = server.client()
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}
+    messages = WEATHER_QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 degrees Celsius, sunny"},
+        {"role": "user", "content": "So, what is the weather in Paris? Answer in words."},
+    ]
+    r = client.chat.completions.create(model="qwen2.5-coder-0.5b", messages=messages, tools=WEATHER_TOOLS,
+                                       temperature=0, max_tokens=40)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert "22" in choice.message.content and "sunny" in choice.message.content

@@ -171,6 +171,8 @@ def test_unconstrained_requests_in_the_same_batch_are_unaffected(client):
         ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", ""),
         ({"structured_outputs": {"grammar": "start: nothing_here"}}, "structured_outputs", "nothing_here"),
         ({"structured_outputs": {"json": {"type": "no-such-type"}}}, "structured_outputs", "no-such-type"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}},
+         "response_format", "no-such-type"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
         ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "structural_tag"),
     ],

@@ -132,7 +132,7 @@ class Engine:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
     def apply_chat_template(
         self,
-        messages: list[tuple[str, str]],
+        messages: str,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: str | None = None,

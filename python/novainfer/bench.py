@@ -12,6 +12,12 @@
   budget), reporting tokens/s, the pool's bytes, the KV watermark (most blocks/cells in use, and their bytes),
   and whether the two produced the same tokens.
 
+- ``structured``: decode speed with a JSON Schema constraint against none, on the same chat prompts, at batch 1
+  and at batch `--num-requests` (16 by default); the runs alternate constrained and unconstrained so a busy
+  machine slows both alike, and the median of `--repeat` runs is reported, with the process's CPU time per token
+  (which other programs disturb less than the wall clock). Outputs are `--decode-tokens` long (EOS ignored; the
+  schema's array needs more items than that, so no constrained output ends early). The mask's own time per
+  token: ``cargo bench -p novainfer-engine --bench grammar_mask``.
 - ``serve``: the HTTP server under a bounded streaming chat load (see `bench_serve`).
 
 Prompts are fixed pseudo-random token ids (a seeded LCG), so runs are comparable across machines.
@@ -28,7 +34,10 @@ from collections.abc import Callable
 from ._native import SamplingParams
 from .llm import LLM
 
-__all__ = ["add_bench_args", "run_bench", "bench_latency", "bench_throughput", "bench_prefix", "bench_kv_layout"]
+__all__ = [
+    "add_bench_args", "run_bench", "bench_latency", "bench_throughput", "bench_prefix", "bench_kv_layout",
+    "bench_structured",
+]
 
 
 def _prompt(n: int, vocab: int, seed: int = 12345) -> list[int]:
@@ -139,9 +148,108 @@ def bench_kv_layout(
     }, [o.outputs[0].token_ids for o in outputs]
 
 
+# Long enough that no output ends inside a run: `minItems` keeps the array open past the token budget.
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "people": {
+            "type": "array",
+            "minItems": 100,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 24},
+                    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                    "email": {"type": "string", "maxLength": 40},
+                    "role": {"enum": ["dev", "ops", "pm", "design"]},
+                },
+                "required": ["name", "age", "email", "role"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["people"],
+    "additionalProperties": False,
+}
+
+
+def _decode_speed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, float]:
+    """Decode speed of `prompts` run together: tokens after each stream's first, over the time from the first
+    stream's first token to the last stream's end (the short prompts are computed before any decoding).
+    Returns (tok/s, CPU ms per token): the process's CPU time (all threads) over the same window, which other
+    programs on a shared machine disturb much less than the wall clock."""
+    import threading
+
+    firsts: list[tuple[float, float]] = []
+    ends: list[tuple[float, float]] = []
+    counts: list[int] = []
+    lock = threading.Lock()
+    streams = [llm._engine.stream(p, params) for p in prompts]
+
+    def clocks() -> tuple[float, float]:
+        return time.perf_counter(), time.process_time()
+
+    def drain(stream: object) -> None:
+        first, count = None, 0
+        for delta in stream:  # type: ignore[attr-defined]
+            count += len(delta[1])
+            if first is None:
+                first = clocks()
+        with lock:
+            firsts.append(first or clocks())
+            ends.append(clocks())
+            counts.append(count)
+
+    threads = [threading.Thread(target=drain, args=(s,)) for s in streams]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = params.max_tokens
+    assert all(c == expected for c in counts), f"bench outputs ended early ({counts}): this is a bug"
+    (wall0, cpu0), (wall1, cpu1) = min(firsts), max(ends)
+    tokens = sum(c - 1 for c in counts)
+    return tokens / max(wall1 - wall0, 1e-9), 1e3 * (cpu1 - cpu0) / max(tokens, 1)
+
+
+def bench_structured(llm: LLM, batch: int, decode_tokens: int, repeat: int) -> dict[str, float]:
+    """Median decode tok/s of `batch` chat prompts with and without `BENCH_SCHEMA`, runs alternating."""
+    import json
+    import statistics
+
+    from .structured_outputs import StructuredOutputsParams
+
+    prompts = [
+        llm.encode(
+            llm.apply_chat_template([{"role": "user", "content": f"List {100 + i} people as JSON, with name, age, "
+                                      "email and role."}]),
+            add_special_tokens=False,
+        )
+        for i in range(batch)
+    ]
+    common = {"temperature": 0.0, "max_tokens": decode_tokens, "ignore_eos": True}
+    plain = SamplingParams(**common)
+    constrained = SamplingParams(**common, structured_outputs=StructuredOutputsParams(json=json.dumps(BENCH_SCHEMA)))
+    # One unmeasured run of each: the first constrained request compiles the grammar.
+    _decode_speed(llm, prompts[:1], plain)
+    _decode_speed(llm, prompts[:1], constrained)
+    runs: dict[str, list[tuple[float, float]]] = {"unconstrained": [], "json_schema": []}
+    for _ in range(repeat):
+        runs["unconstrained"].append(_decode_speed(llm, prompts, plain))
+        runs["json_schema"].append(_decode_speed(llm, prompts, constrained))
+    out: dict[str, float] = {}
+    for name, results in runs.items():
+        out[name] = statistics.median(r[0] for r in results)
+        out[f"{name}_cpu_ms"] = statistics.median(r[1] for r in results)
+    return out
+
+
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """The `novainfer bench` options (the model options are added by the CLI)."""
-    p.add_argument("mode", nargs="?", choices=["latency", "throughput", "prefix", "kv-layout", "serve", "soak"], default="latency")
+    p.add_argument(
+        "mode", nargs="?", choices=["latency", "throughput", "prefix", "kv-layout", "structured", "serve", "soak"],
+        default="latency",
+    )
     p.add_argument("--prompt-tokens", type=int, default=512, help="latency: prompt length")
     p.add_argument("--decode-tokens", type=int, default=128, help="latency: tokens to decode")
     p.add_argument("--repeat", type=int, default=3, help="latency: runs; the best is reported")
@@ -173,6 +281,19 @@ def run_bench(llm: LLM, args: argparse.Namespace, make_llm: Callable[..., LLM] |
             f"{head} prompt={args.prompt_tokens} prefill={prefill:.1f} tok/s "
             f"decode={decode:.1f} tok/s (best of {args.repeat})"
         )
+        return 0
+    if args.mode == "structured":
+        parts = []
+        for batch in (1, args.num_requests):
+            r = bench_structured(llm, batch, args.decode_tokens, args.repeat)
+            overhead = 100 * (1 - r["json_schema"] / r["unconstrained"])
+            cpu_overhead = 100 * (r["json_schema_cpu_ms"] / r["unconstrained_cpu_ms"] - 1)
+            parts.append(
+                f"batch {batch}: unconstrained={r['unconstrained']:.1f} json_schema={r['json_schema']:.1f} tok/s "
+                f"(overhead {overhead:.1f}%), CPU per token {r['unconstrained_cpu_ms']:.1f} vs "
+                f"{r['json_schema_cpu_ms']:.1f} ms ({cpu_overhead:+.1f}%)"
+            )
+        print(f"{head} decode={args.decode_tokens} (median of {args.repeat}) | " + " | ".join(parts))
         return 0
     if args.mode == "prefix":
         engines = {"on": llm, "off": make_llm(enable_prefix_caching=False) if make_llm else None}

@@ -243,6 +243,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """The prompt text the model's chat template makes of `messages` (as transformers renders it); see
         `chat` for the options."""
@@ -252,6 +253,7 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
 
     def _token_ids(self, prompt: object) -> list[int]:
@@ -345,6 +347,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Replies to one conversation (a list of messages) or to several (a list of such lists).
 
@@ -352,6 +355,13 @@ class LLM:
         (`add_generation_prompt`); with `continue_final_message` (and ``add_generation_prompt=False``) the
         model continues the last message instead. `chat_template_kwargs` are extra template variables
         (``{"enable_thinking": False}``). `use_tqdm` is accepted and shows nothing, as in `generate`.
+
+        `tools` (OpenAI's ``[{"type": "function", "function": {"name", "description", "parameters"}}]``)
+        are shown to the model by its chat template, as in vLLM; messages may carry tool calling's fields
+        (an assistant's ``tool_calls``, whose ``arguments`` may be a JSON string, and a ``tool`` message's
+        ``tool_call_id``). As in vLLM, the output is the model's text: calls appear in it in the model's own
+        format (``<tool_call>{...}</tool_call>`` for Qwen2.5), neither parsed nor constrained; the server's
+        chat endpoint does both.
         """
         if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
             raise InvalidParameterError(f"use_tqdm must be a bool or a callable, got {use_tqdm!r}", "use_tqdm")
@@ -364,6 +374,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
             )
             for c in conversations
         ]

@@ -18,24 +18,58 @@ def _as_list(value: object, what: str) -> list:
     return list(value)
 
 
-def message_pairs(messages: object) -> list[tuple[str, str]]:
-    """`messages` as `(role, content)` pairs; `content` may be a list of ``{"type": "text"}`` parts, joined
-    with newlines as vLLM joins them."""
-    pairs = []
+def _text(content: object, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, list) and all(
+        isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return "\n".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise InvalidParameterError(
+            f"messages[{i}].content must be a string or a list of text parts, got {content!r}", "messages"
+        )
+    return content
+
+
+def _tool_call(call: object, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise InvalidParameterError(f"{where} must be {{'function': {{'name': ..., 'arguments': ...}}}}", "messages")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        # The template prints arguments as JSON: a string would reach the model quoted (vLLM parses it too).
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as e:
+            raise InvalidParameterError(f"{where}.function.arguments is not valid JSON: {e}", "messages") from e
+    out: dict[str, Any] = {"name": function["name"], "arguments": {} if arguments is None else arguments}
+    if call.get("id") is not None:  # type: ignore[union-attr]
+        out["id"] = str(call["id"])  # type: ignore[index]
+    return out
+
+
+def messages_json(messages: object) -> str:
+    """`messages` as the engine takes them: OpenAI-style dicts (`role`, `content` as a string or a list of
+    ``{"type": "text"}`` parts joined with newlines as vLLM joins them, and tool calling's `name`,
+    `tool_calls`, `tool_call_id`), as JSON."""
+    out = []
     for i, message in enumerate(_as_list(messages, "messages")):
-        if not isinstance(message, Mapping):
-            raise InvalidParameterError(f"messages[{i}] must be a dict with 'role' and 'content'", "messages")
-        role, content = message.get("role"), message.get("content")
-        if isinstance(content, list) and all(
-            isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-        ):
-            content = "\n".join(p["text"] for p in content)
-        if not isinstance(role, str) or not isinstance(content, str):
-            raise InvalidParameterError(
-                f"messages[{i}] needs string 'role' and 'content', got {dict(message)!r}", "messages"
-            )
-        pairs.append((role, content))
-    return pairs
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise InvalidParameterError(f"messages[{i}] must be a dict with a string 'role'", "messages")
+        if "content" not in message and not message.get("tool_calls"):
+            raise InvalidParameterError(f"messages[{i}] needs 'content', got {dict(message)!r}", "messages")
+        m: dict[str, Any] = {"role": message["role"], "content": _text(message.get("content"), i)}
+        for key in ("name", "tool_call_id"):
+            if message.get(key) is not None:
+                m[key] = str(message[key])
+        calls = message.get("tool_calls") or []
+        m["tool_calls"] = [_tool_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
+        out.append(m)
+    try:
+        return json.dumps(out)
+    except (TypeError, ValueError) as e:
+        raise InvalidParameterError(f"messages must hold JSON values: {e}", "messages") from e
 
 
 def render_chat(
@@ -45,21 +79,28 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
     """The prompt text of a conversation, with vLLM's chat options (see `LLM.chat`)."""
     if continue_final_message and add_generation_prompt:
         raise InvalidParameterError(
             "continue_final_message needs add_generation_prompt=False", "continue_final_message"
         )
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+        raise InvalidParameterError("chat_template_kwargs must be a dict", "chat_template_kwargs")
+    variables: dict[str, Any] = {}
+    if tools is not None:
+        if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+            raise InvalidParameterError("tools must be a list of tool dicts", "tools")
+        variables["tools"] = [dict(t) for t in tools]
+    variables.update(chat_template_kwargs or {})
     kwargs = None
-    if chat_template_kwargs is not None:
-        if not isinstance(chat_template_kwargs, Mapping):
-            raise InvalidParameterError("chat_template_kwargs must be a dict", "chat_template_kwargs")
+    if variables:
         try:
-            kwargs = json.dumps(dict(chat_template_kwargs))
+            kwargs = json.dumps(variables)
         except (TypeError, ValueError) as e:
             raise InvalidParameterError(f"chat_template_kwargs must be JSON values: {e}", "chat_template_kwargs") from e
-    return engine.apply_chat_template(message_pairs(messages), add_generation_prompt, continue_final_message, kwargs)
+    return engine.apply_chat_template(messages_json(messages), add_generation_prompt, continue_final_message, kwargs)
 
 
 class Tokenizer:

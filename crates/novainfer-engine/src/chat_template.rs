@@ -21,10 +21,34 @@ use serde::{Deserialize, Serialize};
 
 const TEMPLATE_NAME: &str = "chat_template";
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One message of a conversation. Besides `role` and `content`, the fields OpenAI's tool
+/// calling adds: an assistant's `tool_calls`, a tool result's `tool_call_id`, and the
+/// optional `name` of the author; templates read them as transformers passes them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Calls an assistant message made (shown to the template as
+    /// `{"id", "type": "function", "function": {"name", "arguments"}}`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallMessage>,
+    /// For a `tool` message: the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+/// A function call made in an earlier assistant turn.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolCallMessage {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    pub name: String,
+    /// The arguments as a JSON value (an object, normally): templates print them with
+    /// `tojson`, so an OpenAI client's arguments *string* must be parsed first, or the
+    /// model would see it quoted (vLLM parses it too).
+    pub arguments: serde_json::Value,
 }
 
 impl ChatMessage {
@@ -32,6 +56,9 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            name: None,
+            tool_calls: Vec::new(),
+            tool_call_id: None,
         }
     }
 }
@@ -164,11 +191,42 @@ pub fn continue_final_message(
     Ok(rendered[..end].to_owned())
 }
 
+/// A message as templates see it: fields a message lacks are undefined (not `None`), as
+/// in the dicts transformers passes, so `message.tool_calls is defined` works.
 fn message_value(message: &ChatMessage) -> Value {
-    Value::from_pairs([
-        ("role", message.role.as_str()),
-        ("content", message.content.as_str()),
-    ])
+    let mut fields: Vec<(&str, Value)> = vec![
+        ("role", Value::from(message.role.as_str())),
+        ("content", Value::from(message.content.as_str())),
+    ];
+    if let Some(name) = &message.name {
+        fields.push(("name", Value::from(name.as_str())));
+    }
+    if !message.tool_calls.is_empty() {
+        let calls: Vec<Value> = message
+            .tool_calls
+            .iter()
+            .map(|call| {
+                let mut call_fields: Vec<(&str, Value)> = Vec::with_capacity(3);
+                if let Some(id) = &call.id {
+                    call_fields.push(("id", Value::from(id.as_str())));
+                }
+                call_fields.push(("type", Value::from("function")));
+                call_fields.push((
+                    "function",
+                    Value::from_pairs([
+                        ("name", Value::from(call.name.as_str())),
+                        ("arguments", json_value(call.arguments.clone())),
+                    ]),
+                ));
+                Value::from_pairs(call_fields)
+            })
+            .collect();
+        fields.push(("tool_calls", Value::from(calls)));
+    }
+    if let Some(id) = &message.tool_call_id {
+        fields.push(("tool_call_id", Value::from(id.as_str())));
+    }
+    Value::from_pairs(fields)
 }
 
 /// JSON into template values, keeping object key order (Python dicts keep it too).
@@ -371,6 +429,50 @@ mod tests {
         assert_eq!(
             text,
             "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"Get the weather — «now»\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}, \"days\": {\"type\": \"integer\", \"default\": 1.5e-07}}, \"required\": [\"city\"]}}}\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn qwen_renders_tool_calls_and_tool_results() {
+        let tools = json!([{"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+        let call = |id: &str, city: &str| ToolCallMessage {
+            id: Some(id.into()),
+            name: "get_weather".into(),
+            arguments: json!({"city": city}),
+        };
+        let mut assistant = ChatMessage::new("assistant", "");
+        assistant.tool_calls = vec![call("call_1", "Paris"), call("call_2", "Rome")];
+        let mut first = ChatMessage::new("tool", "22C");
+        first.tool_call_id = Some("call_1".into());
+        first.name = Some("get_weather".into());
+        let mut second = ChatMessage::new("tool", "25C");
+        second.tool_call_id = Some("call_2".into());
+        let messages = vec![
+            ChatMessage::new("user", "Weather in Paris and Rome?"),
+            assistant,
+            first,
+            second,
+        ];
+        let text = qwen()
+            .render(&messages, true, Some(json!({"tools": tools})))
+            .expect("renders");
+        // jinja2 configured as transformers, on the same messages as OpenAI-style dicts.
+        assert_eq!(
+            text,
+            "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}}}}\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n<|im_start|>user\nWeather in Paris and Rome?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n22C\n</tool_response>\n<tool_response>\n25C\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        );
+        let name_and_id = ChatTemplate::new(
+            "{% for m in messages %}{{ m.name is defined }}/{{ m.tool_call_id }}/{{ m.tool_calls is defined }};{% endfor %}",
+            None,
+            None,
+        )
+        .expect("compiles")
+        .render(&messages, false, None)
+        .expect("renders");
+        assert_eq!(
+            name_and_id,
+            "False//False;False//True;True/call_1/False;False/call_2/False;"
         );
     }
 

@@ -21,7 +21,7 @@ pub mod speculative;
 pub mod stop;
 pub mod tokenizer;
 
-pub use chat_template::ChatMessage;
+pub use chat_template::{ChatMessage, ToolCallMessage};
 pub use engine::{
     EngineConfig, Frontend, KvBudget, LoadedEngine, DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_KV_CACHE_BYTES,

@@ -297,19 +297,19 @@ impl PyEngine {
             .map_err(|e| engine_error(e.into()))
     }
 
-    /// `messages` as `(role, content)` pairs; `chat_template_kwargs` as a JSON object string.
+    /// `messages` as a JSON list of `{role, content, name?, tool_calls?, tool_call_id?}` (a
+    /// tool call: `{id?, name, arguments}`, the arguments a JSON value); `chat_template_kwargs`
+    /// as a JSON object string.
     #[pyo3(signature = (messages, add_generation_prompt=true, continue_final_message=false, chat_template_kwargs=None))]
     fn apply_chat_template(
         &self,
-        messages: Vec<(String, String)>,
+        messages: &str,
         add_generation_prompt: bool,
         continue_final_message: bool,
         chat_template_kwargs: Option<&str>,
     ) -> PyResult<String> {
-        let messages: Vec<ChatMessage> = messages
-            .into_iter()
-            .map(|(r, c)| ChatMessage::new(r, c))
-            .collect();
+        let messages: Vec<ChatMessage> = serde_json::from_str(messages)
+            .map_err(|e| invalid("messages", format!("not a list of messages: {e}")))?;
         let extra = chat_template_kwargs
             .map(serde_json::from_str::<serde_json::Value>)
             .transpose()

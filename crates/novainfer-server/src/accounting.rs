@@ -133,6 +133,15 @@ impl RunState {
             .unwrap_or("abort")
     }
 
+    /// Choices that never got their last delta (cancelled while queued).
+    pub fn unfinished(&self) -> impl Iterator<Item = usize> + '_ {
+        self.choices
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.finish_reason.is_none())
+            .map(|(index, _)| index)
+    }
+
     pub fn all_finished(&self) -> bool {
         self.choices.iter().all(|c| c.finish_reason.is_some())
     }

@@ -1,5 +1,5 @@
-//! Fields accepted as true no-ops (`store`, `metadata`, `service_tier`, `tools: []`,
-//! `tool_choice: "none"` without tools, and /infill's performance hints): each is logged once
+//! Fields accepted as true no-ops (`store`, `metadata`, `service_tier`, and /infill's
+//! performance hints): each is logged once
 //! per process, so an operator learns that clients send it without a line per request.
 
 use std::collections::HashSet;

@@ -26,6 +26,8 @@ pub mod shutdown;
 pub mod sse;
 pub mod state;
 pub mod structured;
+pub mod tools;
+pub mod transform;
 mod ui;
 
 use std::io::Write;

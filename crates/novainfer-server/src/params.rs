@@ -1,7 +1,7 @@
 //! From request fields to the engine's `SamplingParams`: OpenAI defaults filled in, every
 //! value checked by `SamplingParams::builder().build()`, which names the parameter at fault.
 
-use novainfer_core::SamplingParams;
+use novainfer_core::{SamplingParams, StructuredOutput};
 
 use crate::args::MAX_TIMEOUT_SECS;
 use crate::error::ApiError;
@@ -19,6 +19,9 @@ pub struct EndpointParams {
     /// Token ids that end this endpoint's outputs besides the request's own (`/infill`: the
     /// FIM and repo-level tokens, which end a middle as llama.cpp ends it on them).
     pub extra_stop_token_ids: Vec<u32>,
+    /// The endpoint's own output constraint (chat's tool-call grammar); a request that also
+    /// sets `response_format` or `structured_outputs` is refused.
+    pub constraint: Option<StructuredOutput>,
 }
 
 pub fn sampling_params(
@@ -57,12 +60,30 @@ pub fn sampling_params(
         .include_stop_str_in_output(shared.include_stop_str_in_output.unwrap_or(false))
         .skip_special_tokens(shared.skip_special_tokens.unwrap_or(true))
         .spaces_between_special_tokens(shared.spaces_between_special_tokens.unwrap_or(true))
-        .structured_output(crate::structured::structured_output(
-            shared.response_format.as_ref(),
-            shared.structured_outputs.as_ref(),
-        )?)
+        .structured_output(constraint(shared, endpoint.constraint)?)
         .build()?;
     Ok(params)
+}
+
+/// The request's output constraint: its own (`response_format`, `structured_outputs`) or the
+/// endpoint's, never both (the two would have to hold at once).
+fn constraint(
+    shared: &SharedFields,
+    endpoint: Option<StructuredOutput>,
+) -> Result<Option<StructuredOutput>, ApiError> {
+    let own = crate::structured::structured_output(
+        shared.response_format.as_ref(),
+        shared.structured_outputs.as_ref(),
+    )?;
+    match (own, endpoint) {
+        (Some(_), Some(_)) => Err(ApiError::invalid_param(
+            "tool_choice",
+            "tool calls are constrained by their own grammar, so `response_format` and \
+             `structured_outputs` cannot be combined with tool_choice \"auto\", \"required\" \
+             or a named function (tool_choice \"none\" can)",
+        )),
+        (own, endpoint) => Ok(own.or(endpoint)),
+    }
 }
 
 /// OpenAI's `logit_bias`: token ids as JSON object keys (strings). Ranges are checked by the
@@ -110,6 +131,7 @@ mod tests {
                 default_max_tokens: Some(16),
                 logprobs: None,
                 extra_stop_token_ids: Vec::new(),
+                constraint: None,
             },
         )
     }
@@ -180,6 +202,7 @@ mod tests {
                 default_max_tokens: None,
                 logprobs: Some(99),
                 extra_stop_token_ids: Vec::new(),
+                constraint: None,
             },
         )
         .expect_err("max_tokens 0");
@@ -216,6 +239,39 @@ mod tests {
         })
         .expect_err("min_tokens > max_tokens");
         assert_eq!(e.param.as_deref(), Some("min_tokens"));
+    }
+
+    #[test]
+    fn an_endpoint_constraint_excludes_the_requests_own() {
+        let endpoint = |shared: &SharedFields| {
+            sampling_params(
+                shared,
+                EndpointParams {
+                    max_tokens: None,
+                    default_max_tokens: None,
+                    logprobs: None,
+                    extra_stop_token_ids: Vec::new(),
+                    constraint: Some(StructuredOutput::Regex("a".into())),
+                },
+            )
+        };
+        let p = endpoint(&SharedFields::default()).expect("alone");
+        assert_eq!(
+            p.structured_output(),
+            Some(&StructuredOutput::Regex("a".into()))
+        );
+        let p = endpoint(&SharedFields {
+            response_format: Some(json!({"type": "text"})),
+            ..Default::default()
+        })
+        .expect("text is no constraint");
+        assert!(p.structured_output().is_some());
+        let e = endpoint(&SharedFields {
+            response_format: Some(json!({"type": "json_object"})),
+            ..Default::default()
+        })
+        .expect_err("two constraints");
+        assert_eq!(e.param.as_deref(), Some("tool_choice"));
     }
 
     #[test]

@@ -39,7 +39,7 @@ pub fn prompt_opens_thinking(prompt: &str) -> bool {
 }
 
 /// Length of the longest suffix of `text` that is a proper prefix of `tag`.
-fn partial_tag_len(text: &str, tag: &str) -> usize {
+pub(crate) fn partial_tag_len(text: &str, tag: &str) -> usize {
     (1..tag.len())
         .rev()
         .find(|&n| {

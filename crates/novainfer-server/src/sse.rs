@@ -4,8 +4,25 @@
 //! Invariant: JSON is serialized without raw newlines (serde_json escapes them inside
 //! strings), so every event is exactly one `data:` line followed by a blank line.
 
-use axum::body::Bytes;
+use std::convert::Infallible;
+
+use axum::body::{Body, Bytes};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
 use serde::Serialize;
+
+/// A `text/event-stream` response of `body`'s events.
+pub fn response(body: impl futures_util::Stream<Item = Bytes> + Send + 'static) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        Body::from_stream(body.map(Ok::<_, Infallible>)),
+    )
+        .into_response()
+}
 
 pub fn data<T: Serialize>(value: &T) -> Bytes {
     let json = serde_json::to_string(value).unwrap_or_else(|e| {

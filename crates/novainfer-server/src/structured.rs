@@ -31,6 +31,16 @@ pub fn structured_output(
     }
 }
 
+/// The field that set the request's constraint, which a constraint that cannot compile is
+/// reported on: `response_format` unless it is absent or `text` (then `structured_outputs`;
+/// a request with both constraining is refused before anything compiles).
+pub fn constraint_field(response_format: Option<&Value>) -> &'static str {
+    match response_format {
+        Some(rf) if rf.get("type").and_then(Value::as_str) != Some("text") => "response_format",
+        _ => "structured_outputs",
+    }
+}
+
 fn object<'a>(param: &str, v: &'a Value) -> Result<&'a Map<String, Value>, ApiError> {
     v.as_object().ok_or_else(|| {
         ApiError::invalid_param(
@@ -210,6 +220,17 @@ mod tests {
             so(Some(rf), None).expect("valid"),
             Some(StructuredOutput::JsonSchema(r#"{"type":"integer"}"#.into()))
         );
+    }
+
+    #[test]
+    fn compile_errors_name_the_field_that_set_the_constraint() {
+        let schema = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}});
+        assert_eq!(constraint_field(Some(&schema)), "response_format");
+        assert_eq!(
+            constraint_field(Some(&json!({"type": "text"}))),
+            "structured_outputs"
+        );
+        assert_eq!(constraint_field(None), "structured_outputs");
     }
 
     #[test]

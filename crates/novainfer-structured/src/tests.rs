@@ -369,3 +369,46 @@ fn auto_tool_grammar_is_free_text_until_the_trigger_then_a_valid_call() {
     }
     assert!(calls >= 10, "{calls}");
 }
+
+#[test]
+fn auto_tool_grammar_takes_an_opening_brace_as_bare_calls() {
+    use crate::tool_grammar::auto_tool_call_grammar;
+    let compiler = compiler();
+    let tools = vec![ToolSpec {
+        name: "f".into(),
+        parameters: Some(serde_json::json!({"type":"object",
+            "properties":{"a":{"type":"boolean"}},"required":["a"],"additionalProperties":false})),
+    }];
+    let check_bare = |text: &str| {
+        for line in text.trim_start().split('\n') {
+            let call: Value =
+                serde_json::from_str(line).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+            assert_eq!(call["name"], "f", "{text:?}");
+            assert!(call["arguments"]["a"].is_boolean(), "{text:?}");
+        }
+    };
+    let mut calls = 0;
+    for (seed, lead) in (0..30).zip([&b""[..], b"\n", b" \n"].into_iter().cycle()) {
+        for parallel in [true, false] {
+            let mut c = constraint(&compiler, auto_tool_call_grammar(&tools, parallel));
+            for &b in lead.iter().chain(b"{") {
+                c.accept(b as u32).expect("whitespace, then a brace");
+            }
+            let (rest, done) = generate(&mut c, seed, 150);
+            if !done {
+                continue;
+            }
+            calls += 1;
+            let text = format!("{}{{{rest}", String::from_utf8_lossy(lead));
+            check_bare(&text);
+            assert!(parallel || !text.trim().contains('\n'), "one call: {text:?}");
+        }
+        // From scratch: free text never opens a JSON object unless it is a valid call.
+        let mut c = constraint(&compiler, auto_tool_call_grammar(&tools, true));
+        let (text, done) = generate(&mut c, seed, 150);
+        if done && text.trim_start().starts_with('{') {
+            check_bare(&text);
+        }
+    }
+    assert!(calls >= 20, "{calls}");
+}

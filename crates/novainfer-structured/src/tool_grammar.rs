@@ -72,18 +72,28 @@ pub fn tool_call_grammar(tools: &[ToolSpec], parallel: bool) -> StructuredOutput
     ))
 }
 
+/// Text that starts a bare JSON object (after optional whitespace).
+const OPENS_JSON: &str = r"[ \t\r\n]*\{(?s:.*)";
+
 /// `tool_choice: "auto"`: free text, unconstrained until the model writes `<tool_call>`; from
 /// there on the call (and, `parallel`, any further calls) must be valid, and nothing follows
 /// the last call. Free text never contains `<tool_call>` (that would start a call).
+///
+/// Small models given tools often write the call's JSON without the tag (Qwen2.5-Coder-0.5B
+/// does, greedily): an output that opens a JSON object is taken as bare calls, one per line,
+/// constrained the same way. So free text never starts with `{`.
 pub fn auto_tool_call_grammar(tools: &[ToolSpec], parallel: bool) -> StructuredOutput {
     let schema = call_schema(tools);
     let repeat = repeat(parallel);
+    let bare_repeat = if parallel { "(\"\\n\" body)*" } else { "" };
     // `pre` is a lazy lexeme ending at the trigger, alive beside `TEXT`, so the trigger is
     // recognised wherever it starts; `TEXT` is all text free of it.
     StructuredOutput::Grammar(format!(
-        "start: TEXT | pre \"\\n\" body \"\\n</tool_call>\" {repeat}\n\
-         pre[suffix=\"<tool_call>\"]: /(?s:.*)/\n\
-         TEXT: /(?s:.+)/ & ~/(?s:.*<tool_call>.*)/\n\
+        "start: TEXT | pre \"\\n\" body \"\\n</tool_call>\" {repeat} | bare\n\
+         bare: body {bare_repeat} | WS body {bare_repeat}\n\
+         pre[suffix=\"<tool_call>\"]: /(?s:.*)/ & ~/{OPENS_JSON}/\n\
+         TEXT: /(?s:.+)/ & ~/(?s:.*<tool_call>.*)/ & ~/{OPENS_JSON}/\n\
+         WS: /[ \\t\\r\\n]+/\n\
          call: \"<tool_call>\\n\" body \"\\n</tool_call>\"\n\
          body: %json {schema}\n"
     ))

@@ -1,7 +1,7 @@
 //! Converting the loosely typed JSON fields (`prompt`, `input`, `stop`, `messages`) into
 //! engine types, with errors that say which shape was expected.
 
-use novainfer_engine::{ChatMessage, Prompt};
+use novainfer_engine::{ChatMessage, Prompt, ToolCallMessage};
 use serde_json::Value;
 
 use super::request::json_type;
@@ -151,7 +151,9 @@ fn content_text(value: Option<&Value>, i: usize) -> Result<String, ApiError> {
     }
 }
 
-/// `messages`: a list of `{role, content}` with roles system (or developer), user, assistant.
+/// `messages`: a list of `{role, content}` with roles system (or developer), user, assistant
+/// and tool, plus tool calling's fields: `name`, an assistant's `tool_calls`, a tool result's
+/// `tool_call_id`.
 pub fn messages(value: &Value) -> Result<Vec<ChatMessage>, ApiError> {
     let Value::Array(items) = value else {
         return Err(ApiError::invalid_param(
@@ -162,27 +164,113 @@ pub fn messages(value: &Value) -> Result<Vec<ChatMessage>, ApiError> {
     items
         .iter()
         .enumerate()
-        .map(|(i, m)| {
-            let Value::Object(fields) = m else {
-                return Err(ApiError::invalid_param("messages", format!("messages[{i}] must be an object, got {}", json_type(m))));
-            };
-            if let Some(k) = fields.keys().find(|k| !["role", "content", "name", "reasoning_content"].contains(&k.as_str())) {
-                return Err(ApiError::invalid_param("messages", format!("messages[{i}] has an unsupported field `{k}`")));
-            }
-            let role = match fields.get("role").and_then(Value::as_str) {
-                Some("developer") => "system",
-                Some(r @ ("system" | "user" | "assistant")) => r,
-                Some(r) => {
-                    return Err(ApiError::invalid_param(
-                        "messages",
-                        format!("messages[{i}].role {r:?} is not supported; use system, developer, user or assistant"),
-                    ))
-                }
-                None => return Err(ApiError::invalid_param("messages", format!("messages[{i}] needs a string `role`"))),
-            };
-            Ok(ChatMessage::new(role, content_text(fields.get("content"), i)?))
-        })
+        .map(|(i, m)| message(i, m))
         .collect()
+}
+
+fn message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
+    let err = |why: String| ApiError::invalid_param("messages", format!("messages[{i}]{why}"));
+    let Value::Object(fields) = m else {
+        return Err(err(format!(" must be an object, got {}", json_type(m))));
+    };
+    const FIELDS: [&str; 6] = [
+        "role",
+        "content",
+        "name",
+        "reasoning_content",
+        "tool_calls",
+        "tool_call_id",
+    ];
+    if let Some(k) = fields.keys().find(|k| !FIELDS.contains(&k.as_str())) {
+        return Err(err(format!(" has an unsupported field `{k}`")));
+    }
+    let role = match fields.get("role").and_then(Value::as_str) {
+        Some("developer") => "system",
+        Some(r @ ("system" | "user" | "assistant" | "tool")) => r,
+        Some(r) => {
+            return Err(err(format!(
+                ".role {r:?} is not supported; use system, developer, user, assistant or tool"
+            )))
+        }
+        None => return Err(err(" needs a string `role`".into())),
+    };
+    let mut message = ChatMessage::new(role, content_text(fields.get("content"), i)?);
+    let string = |key: &str| match fields.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(other) => Err(err(format!(
+            ".{key} must be a string, got {}",
+            json_type(other)
+        ))),
+    };
+    message.name = string("name")?;
+    message.tool_call_id = string("tool_call_id")?;
+    match fields.get("tool_calls") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(calls)) if role == "assistant" => {
+            message.tool_calls = calls
+                .iter()
+                .enumerate()
+                .map(|(j, call)| {
+                    tool_call(call).map_err(|why| err(format!(".tool_calls[{j}]{why}")))
+                })
+                .collect::<Result<_, _>>()?;
+        }
+        Some(_) if role != "assistant" => {
+            return Err(err(
+                " has `tool_calls`, which only assistant messages may have".into(),
+            ))
+        }
+        Some(other) => {
+            return Err(err(format!(
+                ".tool_calls must be a list, got {}",
+                json_type(other)
+            )))
+        }
+    }
+    Ok(message)
+}
+
+/// One call of an assistant message, `{"id", "type": "function", "function": {"name",
+/// "arguments"}}`. OpenAI sends the arguments as a JSON string: parsed here, since the chat
+/// template prints them as JSON (a string would reach the model quoted).
+fn tool_call(call: &Value) -> Result<ToolCallMessage, String> {
+    let Value::Object(call) = call else {
+        return Err(format!(" must be an object, got {}", json_type(call)));
+    };
+    if let Some(k) = call
+        .keys()
+        .find(|k| !["id", "type", "function"].contains(&k.as_str()))
+    {
+        return Err(format!(" has an unsupported field `{k}`"));
+    }
+    if !matches!(call.get("type"), None | Some(Value::Null))
+        && call.get("type").and_then(Value::as_str) != Some("function")
+    {
+        return Err(".type must be \"function\"".into());
+    }
+    let id = match call.get("id") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(id)) => Some(id.clone()),
+        Some(other) => return Err(format!(".id must be a string, got {}", json_type(other))),
+    };
+    let Some(Value::Object(function)) = call.get("function") else {
+        return Err(" needs a `function` object".into());
+    };
+    let Some(name) = function.get("name").and_then(Value::as_str) else {
+        return Err(".function needs a string `name`".into());
+    };
+    let arguments = match function.get("arguments") {
+        None | Some(Value::Null) => Value::Object(Default::default()),
+        Some(Value::String(text)) => serde_json::from_str(text)
+            .map_err(|e| format!(".function.arguments is not valid JSON ({e}): {text:?}"))?,
+        Some(value) => value.clone(),
+    };
+    Ok(ToolCallMessage {
+        id,
+        name: name.to_owned(),
+        arguments,
+    })
 }
 
 #[cfg(test)]
@@ -247,7 +335,11 @@ mod tests {
         for bad in [
             json!({}),
             json!([1]),
-            json!([{"role": "tool", "content": "x"}]),
+            json!([{"role": "function", "content": "x"}]),
+            json!([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]),
+            json!([{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]),
+            json!([{"role": "assistant", "tool_calls": {}}]),
+            json!([{"role": "tool", "content": "x", "tool_call_id": 3}]),
             json!([{"content": "x"}]),
             json!([{"role": "user", "content": 3}]),
             json!([{"role": "user", "content": [{"type": "image_url"}]}]),
@@ -255,5 +347,35 @@ mod tests {
         ] {
             assert!(messages(&bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn tool_calls_and_results() {
+        let m = messages(&json!([
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": [1]}"}},
+                {"function": {"name": "g", "arguments": {"b": 2}}}]},
+            {"role": "tool", "content": "42", "tool_call_id": "call_1", "name": "f"},
+        ]))
+        .expect("valid test input");
+        assert_eq!(m[0].content, "");
+        assert_eq!(
+            m[0].tool_calls,
+            vec![
+                ToolCallMessage {
+                    id: Some("call_1".into()),
+                    name: "f".into(),
+                    arguments: json!({"a": [1]})
+                },
+                ToolCallMessage {
+                    id: None,
+                    name: "g".into(),
+                    arguments: json!({"b": 2})
+                },
+            ]
+        );
+        assert_eq!((m[1].role.as_str(), m[1].content.as_str()), ("tool", "42"));
+        assert_eq!(m[1].tool_call_id.as_deref(), Some("call_1"));
+        assert_eq!(m[1].name.as_deref(), Some("f"));
     }
 }

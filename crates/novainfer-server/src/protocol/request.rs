@@ -121,11 +121,8 @@ pub struct StreamOptions {
 const UNSUPPORTED_FIELDS: &[&str] = &[
     // OpenAI
     "best_of",
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
-    "parallel_tool_calls",
     "audio",
     "modalities",
     "prediction",
@@ -164,27 +161,6 @@ const UNSUPPORTED_FIELDS: &[&str] = &[
     "include_reasoning",
 ];
 
-/// Removes `tools: []` (or null) and `tool_choice: "none"` with no tools: they ask for
-/// nothing, so they are true no-ops; returns their names for the log-once note. Any other
-/// value stays and is refused by name.
-pub fn strip_noop_tool_fields(map: &mut Map<String, Value>) -> Vec<&'static str> {
-    let mut stripped = Vec::new();
-    let no_tools = match map.get("tools") {
-        None => true,
-        Some(Value::Null) => true,
-        Some(Value::Array(a)) => a.is_empty(),
-        Some(_) => false,
-    };
-    if no_tools && map.remove("tools").is_some() {
-        stripped.push("tools");
-    }
-    if no_tools && map.get("tool_choice").and_then(Value::as_str) == Some("none") {
-        map.remove("tool_choice");
-        stripped.push("tool_choice");
-    }
-    stripped
-}
-
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CompletionFields {
@@ -210,6 +186,10 @@ pub struct ChatFields {
     pub continue_final_message: Option<bool>,
     /// vLLM: extra variables for the chat template (e.g. `enable_thinking`).
     pub chat_template_kwargs: Option<Map<String, Value>>,
+    /// Tool calling (see `crate::tools`).
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -311,18 +291,16 @@ fn reject_unsupported(map: &Map<String, Value>) -> Result<(), ApiError> {
 
 /// Parses a completions or chat body: shared fields and the endpoint's own fields `T`.
 pub fn parse_generation<T: DeserializeOwned>(bytes: &[u8]) -> Result<GenerationBody<T>, ApiError> {
-    let mut map = object(bytes)?;
-    let mut ignored = strip_noop_tool_fields(&mut map);
+    let map = object(bytes)?;
     reject_unsupported(&map)?;
     let (shared, own): (Map<_, _>, Map<_, _>) = map
         .into_iter()
         .partition(|(k, _)| SHARED_FIELDS.contains(&k.as_str()));
     let shared: SharedFields = typed(Value::Object(shared))?;
-    ignored.extend(shared.ignored_fields());
     Ok(GenerationBody {
         own: typed(Value::Object(own))?,
+        ignored: shared.ignored_fields(),
         shared,
-        ignored,
     })
 }
 
@@ -361,11 +339,14 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("max_token"));
         let e = chat(r#"{"max_tokens":5}"#).expect_err("missing field");
         assert_eq!(e.param.as_deref(), Some("messages"));
-        let e = chat(r#"{"messages":[],"tools":[{"type":"function"}]}"#).expect_err("unsupported");
+        let e = chat(r#"{"messages":[],"functions":[]}"#).expect_err("unsupported");
         assert!(e.message.contains("not supported"), "{}", e.message);
+        assert_eq!(e.param.as_deref(), Some("functions"));
+        let e = chat(r#"{"messages":[],"parallel_tool_calls":1}"#).expect_err("typed");
+        assert_eq!(e.param.as_deref(), Some("parallel_tool_calls"));
+        let e = parse_generation::<CompletionFields>(br#"{"prompt":"x","tools":[]}"#)
+            .expect_err("chat only");
         assert_eq!(e.param.as_deref(), Some("tools"));
-        let e = chat(r#"{"messages":[],"tool_choice":"auto"}"#).expect_err("unsupported");
-        assert_eq!(e.param.as_deref(), Some("tool_choice"));
         let e = chat(r#"{"messages":[],"use_beam_search":true}"#).expect_err("vLLM extra");
         assert_eq!(e.param.as_deref(), Some("use_beam_search"));
         let e =
@@ -380,10 +361,8 @@ mod tests {
                 "metadata":{"k":"v"},"service_tier":"auto","min_tokens":2}"#,
         )
         .expect("no-ops accepted");
-        assert_eq!(
-            r.ignored,
-            vec!["tools", "tool_choice", "store", "metadata", "service_tier"]
-        );
+        assert_eq!(r.ignored, vec!["store", "metadata", "service_tier"]);
+        assert_eq!(r.own.tool_choice, Some(Value::from("none")));
         assert_eq!(r.shared.min_tokens, Some(2));
         let e = chat(r#"{"messages":[],"metadata":{"k":1}}"#).expect_err("typed");
         assert_eq!(e.param.as_deref(), Some("metadata"));

@@ -90,6 +90,31 @@ pub struct ChatMessageOut {
     pub content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallOut>>,
+}
+
+/// A tool call in a message, or a piece of one in a stream chunk: the first piece of a call
+/// has its `index`, `id`, `type` and `function.name`; later ones its `index` and more
+/// `function.arguments` (a JSON text, split anywhere).
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct ToolCallOut {
+    /// Stream chunks only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionCallOut,
+}
+
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct FunctionCallOut {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub arguments: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]

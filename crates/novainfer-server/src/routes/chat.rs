@@ -1,19 +1,22 @@
-//! `POST /v1/chat/completions`: a conversation rendered with the model's chat template,
-//! optionally continued from a server-kept session, streamed as `chat.completion.chunk`s
-//! (the first delta of each choice carries the role) or returned whole; reasoning models
-//! get `reasoning_content` split from `content`.
+//! `POST /v1/chat/completions`: a conversation (and its tools) rendered with the model's chat
+//! template, optionally continued from a server-kept session, streamed as
+//! `chat.completion.chunk`s (the first delta of each choice carries the role) or returned
+//! whole. The output goes through the chat transforms (`crate::transform`): reasoning models
+//! get `reasoning_content` split from `content`, and requests with tools get `tool_calls`.
 
 use std::sync::Arc;
 use std::time::Instant;
 
+use axum::body::Bytes;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::{extract::State, Extension};
-use novainfer_engine::{ChatMessage, Prompt, StopReason};
+use novainfer_engine::{ChatMessage, Delta, Prompt, StopReason};
+use serde_json::{Map, Value};
 
-use super::completions::sse_response;
-use super::run::{prepare, stream_after_start, Event, Launch, Pending, Running};
-use super::{JsonBody, LoggedByHandler};
+use super::driver::{each_choice, respond, Flow, Renderer};
+use super::run::{prepare, Launch, Running};
+use super::JsonBody;
 use crate::accounting::{chat_logprobs, stop_reason_json};
 use crate::error::ApiError;
 use crate::keys::Tenant;
@@ -21,12 +24,14 @@ use crate::params::{request_timeout, sampling_params, EndpointParams};
 use crate::protocol::inputs;
 use crate::protocol::request::{parse_generation, ChatRequest};
 use crate::protocol::response::{
-    unix_now, ChatChoice, ChatCompletion, ChatMessageOut, Usage, SYSTEM_FINGERPRINT,
+    unix_now, ChatChoice, ChatCompletion, ChatLogprobs, ChatMessageOut, Usage, SYSTEM_FINGERPRINT,
 };
-use crate::reasoning::{prompt_opens_thinking, ReasoningSplitter, Split};
+use crate::reasoning::{prompt_opens_thinking, ReasoningSplitter};
 use crate::sessions::MAX_SESSION_ID_LEN;
 use crate::sse;
 use crate::state::{AppState, RequestId};
+use crate::tools::Tools;
+use crate::transform::{finish_reason, ChatPiece, ChatTransform};
 
 /// Where to store the finished turn.
 struct SessionTurn {
@@ -78,11 +83,12 @@ pub async fn chat_completions(
             "continue_final_message needs add_generation_prompt: false",
         ));
     }
-    let template_kwargs = req
-        .own
-        .chat_template_kwargs
-        .clone()
-        .map(serde_json::Value::Object);
+    let tools = Tools::parse(
+        req.own.tools.as_ref(),
+        req.own.tool_choice.as_ref(),
+        req.own.parallel_tool_calls,
+    )?;
+    let template_vars = template_vars(tools.as_ref(), req.own.chat_template_kwargs.clone());
     let messages = inputs::messages(&req.own.messages)?;
     let session = session_id(req.own.session_id.clone(), &headers)?;
     let logprobs = match (req.own.logprobs.unwrap_or(false), req.own.top_logprobs) {
@@ -95,6 +101,11 @@ pub async fn chat_completions(
         }
         (false, None) => None,
     };
+    let tool_grammar = tools.as_ref().and_then(Tools::grammar);
+    let constraint_field = match tool_grammar {
+        Some(_) => "tools",
+        None => crate::structured::constraint_field(req.shared.response_format.as_ref()),
+    };
     let params = sampling_params(
         &req.shared,
         EndpointParams {
@@ -102,6 +113,7 @@ pub async fn chat_completions(
             default_max_tokens: None,
             logprobs,
             extra_stop_token_ids: Vec::new(),
+            constraint: tool_grammar,
         },
     )?;
     let conversation = match &session {
@@ -118,7 +130,6 @@ pub async fn chat_completions(
     }
     let response_id = format!("chatcmpl-{}", request_id.0);
     let stream = req.shared.stream.unwrap_or(false);
-    let include_usage = req.shared.include_usage();
     let mut pending = prepare(
         &app,
         &request_id,
@@ -132,6 +143,7 @@ pub async fn chat_completions(
             priority: req.shared.priority.unwrap_or(0),
             endpoint: "chat",
             response_id: response_id.clone(),
+            constraint_field,
         },
     )?;
     let frontend = model.frontend.clone();
@@ -142,7 +154,7 @@ pub async fn chat_completions(
                 &rendered,
                 add_generation_prompt,
                 continue_final,
-                template_kwargs,
+                template_vars,
             )?;
             // The template already placed every special token: add none (as transformers does).
             let ids = frontend.tokenizer().encode(&text, false)?;
@@ -150,33 +162,40 @@ pub async fn chat_completions(
             Ok((vec![ids], text))
         })
         .await?;
-    let shape = Shape {
-        id: response_id,
-        model: model.name.clone(),
-        created: unix_now(),
-        reasoning: model.reasoning,
-        thinking_opened: prompt_opens_thinking(&prompt_text),
+    let renderer = ChatRenderer {
+        shape: Shape {
+            id: response_id,
+            model: model.name.clone(),
+            created: unix_now(),
+        },
+        reasoning: model.reasoning.then(|| prompt_opens_thinking(&prompt_text)),
+        tool_calls: tools.as_ref().is_some_and(Tools::parses_calls),
+        transforms: Vec::new(),
+        stream,
+        include_usage: req.shared.include_usage(),
+        app: app.clone(),
+        turn: session.map(|id| SessionTurn {
+            tenant,
+            id,
+            conversation,
+        }),
     };
-    let turn = session.map(|id| SessionTurn {
-        tenant,
-        id,
-        conversation,
-    });
-    let mut response = if stream {
-        streaming(app, pending, shape, include_usage, turn)
-    } else {
-        whole(app, pending.start().await?, shape, turn).await?
-    };
-    response.extensions_mut().insert(LoggedByHandler);
-    Ok(response)
+    respond(pending, renderer, stream, app.keep_alive).await
 }
 
+/// The template's variables besides the messages: the tools, overridden by the request's
+/// own `chat_template_kwargs`.
+fn template_vars(tools: Option<&Tools>, kwargs: Option<Map<String, Value>>) -> Option<Value> {
+    let mut vars = tools.map(Tools::template_vars).unwrap_or_default();
+    vars.extend(kwargs.unwrap_or_default());
+    (!vars.is_empty()).then_some(Value::Object(vars))
+}
+
+/// The response's identity, shared by its objects and chunks.
 struct Shape {
     id: String,
     model: String,
     created: u64,
-    reasoning: bool,
-    thinking_opened: bool,
 }
 
 impl Shape {
@@ -201,10 +220,10 @@ impl Shape {
         &self,
         index: usize,
         delta: ChatMessageOut,
-        logprobs: Option<crate::protocol::response::ChatLogprobs>,
+        logprobs: Option<ChatLogprobs>,
         finish: Option<&'static str>,
         stop_reason: Option<&StopReason>,
-    ) -> ChatCompletion {
+    ) -> Bytes {
         let choice = ChatChoice {
             index,
             message: None,
@@ -213,18 +232,7 @@ impl Shape {
             finish_reason: finish,
             stop_reason: stop_reason_json(stop_reason),
         };
-        self.object("chat.completion.chunk", vec![choice], None)
-    }
-
-    fn split(&self, text: &str) -> Split {
-        if self.reasoning {
-            ReasoningSplitter::split_all(self.thinking_opened, text)
-        } else {
-            Split {
-                reasoning: String::new(),
-                content: text.to_owned(),
-            }
-        }
+        sse::data(&self.object("chat.completion.chunk", vec![choice], None))
     }
 }
 
@@ -232,129 +240,177 @@ fn non_empty(s: String) -> Option<String> {
     (!s.is_empty()).then_some(s)
 }
 
-/// Stores the turn when the first choice finished normally.
-fn remember(app: &AppState, running: &Running, shape: &Shape, turn: Option<SessionTurn>) {
-    let Some(turn) = turn else { return };
-    let Some(first) = running.run.choices.first() else {
-        return;
-    };
-    if matches!(first.finish_reason, Some("stop" | "length")) {
-        let reply = shape.split(&first.text).content;
-        app.sessions.store(
-            turn.tenant,
-            &running.model.name,
-            &turn.id,
-            turn.conversation,
-            reply,
-            Instant::now(),
-        );
+/// Renders `chat.completion` objects and chunks.
+struct ChatRenderer {
+    shape: Shape,
+    /// Split reasoning off (`Some(true)`: the prompt opened `<think>`).
+    reasoning: Option<bool>,
+    /// Read the content for tool calls.
+    tool_calls: bool,
+    /// Stream: each choice's transforms.
+    transforms: Vec<ChatTransform>,
+    stream: bool,
+    include_usage: bool,
+    app: Arc<AppState>,
+    turn: Option<SessionTurn>,
+}
+
+impl ChatRenderer {
+    fn transform(&self) -> ChatTransform {
+        ChatTransform::new(self.reasoning, self.tool_calls)
+    }
+
+    /// Stores the turn when the first choice finished normally: the reply as the model wrote
+    /// it (tool calls included), less its reasoning, so the next prompt repeats it exactly.
+    fn remember(&mut self, running: &Running) {
+        let Some(turn) = self.turn.take() else { return };
+        let Some(first) = running.run.choices.first() else {
+            return;
+        };
+        if matches!(first.finish_reason, Some("stop" | "length")) {
+            let reply = match self.reasoning {
+                Some(opened) => ReasoningSplitter::split_all(opened, &first.text).content,
+                None => first.text.clone(),
+            };
+            self.app.sessions.store(
+                turn.tenant,
+                &running.model.name,
+                &turn.id,
+                turn.conversation,
+                reply,
+                Instant::now(),
+            );
+        }
+    }
+
+    /// The chunks of one piece of choice `index`: its text (with the delta's logprobs), then
+    /// its tool calls.
+    fn piece_chunks(
+        &self,
+        index: usize,
+        piece: ChatPiece,
+        logprobs: Option<ChatLogprobs>,
+    ) -> Vec<Bytes> {
+        let mut chunks = Vec::new();
+        let has_text = !piece.content.is_empty() || !piece.reasoning.is_empty();
+        if has_text || logprobs.is_some() {
+            let out = ChatMessageOut {
+                content: non_empty(piece.content),
+                reasoning_content: non_empty(piece.reasoning),
+                ..ChatMessageOut::default()
+            };
+            chunks.push(self.shape.chunk(index, out, logprobs, None, None));
+        }
+        if !piece.calls.is_empty() {
+            let out = ChatMessageOut {
+                tool_calls: Some(piece.calls),
+                ..ChatMessageOut::default()
+            };
+            chunks.push(self.shape.chunk(index, out, None, None, None));
+        }
+        chunks
     }
 }
 
-async fn whole(
-    app: Arc<AppState>,
-    mut running: Running,
-    shape: Shape,
-    turn: Option<SessionTurn>,
-) -> Result<Response, ApiError> {
-    running.collect().await?;
-    remember(&app, &running, &shape, turn);
-    let tokenizer = running.model.frontend.tokenizer().clone();
-    let choices = running
-        .run
-        .choices
-        .iter()
-        .enumerate()
-        .map(|(index, c)| {
-            let split = shape.split(&c.text);
+impl Renderer for ChatRenderer {
+    fn opening(&mut self, running: &Running) -> Vec<Bytes> {
+        if !self.stream {
+            return Vec::new();
+        }
+        let num_choices = running.run.choices.len();
+        self.transforms = (0..num_choices).map(|_| self.transform()).collect();
+        (0..num_choices)
+            .map(|index| {
+                let role = ChatMessageOut {
+                    role: Some("assistant"),
+                    content: Some(String::new()),
+                    ..ChatMessageOut::default()
+                };
+                self.shape.chunk(index, role, None, None, None)
+            })
+            .collect()
+    }
+
+    fn delta(&mut self, running: &Running, index: usize, delta: &Delta) -> (Vec<Bytes>, Flow) {
+        if !self.stream {
+            return (Vec::new(), Flow::Continue);
+        }
+        let transform = &mut self.transforms[index];
+        let mut piece = transform.push(&delta.text);
+        if delta.finish_reason.is_some() {
+            piece.extend(transform.finish());
+        }
+        let called = transform.called();
+        let tokenizer = running.model.frontend.tokenizer();
+        let logprobs =
+            (!delta.logprobs.is_empty()).then(|| chat_logprobs(tokenizer, &delta.logprobs));
+        let mut chunks = self.piece_chunks(index, piece, logprobs);
+        if let Some(reason) = delta.finish_reason {
+            chunks.push(self.shape.chunk(
+                index,
+                ChatMessageOut::default(),
+                None,
+                Some(finish_reason(reason.as_str(), called)),
+                delta.stop_reason.as_ref(),
+            ));
+        }
+        (chunks, Flow::Continue)
+    }
+
+    fn closing(&mut self, running: &Running) -> Vec<Bytes> {
+        // Choices that never got their final delta (cancelled while queued) end here.
+        let mut chunks: Vec<Bytes> = running
+            .run
+            .unfinished()
+            .map(|index| {
+                self.shape
+                    .chunk(index, ChatMessageOut::default(), None, Some("abort"), None)
+            })
+            .collect();
+        self.remember(running);
+        if self.include_usage {
+            let usage = self.shape.object(
+                "chat.completion.chunk",
+                Vec::new(),
+                Some(running.run.usage()),
+            );
+            chunks.push(sse::data(&usage));
+        }
+        chunks
+    }
+
+    fn whole(mut self, running: &Running) -> Response {
+        self.remember(running);
+        let choices = each_choice(running, |tokenizer, index, c| {
+            let (piece, called) = self.transform().all(&c.text);
+            let calls: Vec<_> = piece
+                .calls
+                .into_iter()
+                .map(|call| crate::protocol::response::ToolCallOut {
+                    index: None,
+                    ..call
+                })
+                .collect();
             ChatChoice {
                 index,
                 message: Some(ChatMessageOut {
                     role: Some("assistant"),
-                    content: Some(split.content),
-                    reasoning_content: if shape.reasoning {
-                        non_empty(split.reasoning)
+                    // With calls and no text, content is absent (OpenAI's null).
+                    content: if calls.is_empty() {
+                        Some(piece.content)
                     } else {
-                        None
+                        non_empty(piece.content)
                     },
+                    reasoning_content: self.reasoning.and_then(|_| non_empty(piece.reasoning)),
+                    tool_calls: (!calls.is_empty()).then_some(calls),
                 }),
                 delta: None,
-                logprobs: (!c.logprobs.is_empty()).then(|| chat_logprobs(&tokenizer, &c.logprobs)),
-                finish_reason: Some(c.finish_reason.unwrap_or("abort")),
+                logprobs: (!c.logprobs.is_empty()).then(|| chat_logprobs(tokenizer, &c.logprobs)),
+                finish_reason: Some(finish_reason(c.finish_reason.unwrap_or("abort"), called)),
                 stop_reason: stop_reason_json(c.stop_reason.as_ref()),
             }
-        })
-        .collect();
-    let usage = running.run.usage();
-    Ok(axum::Json(shape.object("chat.completion", choices, Some(usage))).into_response())
-}
-
-fn streaming(
-    app: Arc<AppState>,
-    pending: Pending,
-    shape: Shape,
-    include_usage: bool,
-    turn: Option<SessionTurn>,
-) -> Response {
-    let period = app.keep_alive;
-    let keep_alive = Some(period);
-    let body = stream_after_start(pending, period, move |mut running: Running| {
-        async_stream::stream! {
-            let tokenizer = running.model.frontend.tokenizer().clone();
-            let num_choices = running.run.choices.len();
-            let mut splitters = vec![ReasoningSplitter::new(shape.thinking_opened); num_choices];
-            for index in 0..num_choices {
-                let role = ChatMessageOut { role: Some("assistant"), content: Some(String::new()), reasoning_content: None };
-                yield sse::data(&shape.chunk(index, role, None, None, None));
-            }
-            loop {
-                match running.next_event(keep_alive).await {
-                    Event::Delta(prompt, delta) => {
-                        let index = running.record(prompt, &delta);
-                        let mut split = if shape.reasoning {
-                            splitters[index].push(&delta.text)
-                        } else {
-                            Split { reasoning: String::new(), content: delta.text.clone() }
-                        };
-                        if delta.finish_reason.is_some() && shape.reasoning {
-                            let tail = splitters[index].finish();
-                            split.reasoning.push_str(&tail.reasoning);
-                            split.content.push_str(&tail.content);
-                        }
-                        let logprobs = (!delta.logprobs.is_empty()).then(|| chat_logprobs(&tokenizer, &delta.logprobs));
-                        let has_text = !split.content.is_empty() || !split.reasoning.is_empty();
-                        if has_text || logprobs.is_some() {
-                            let out = ChatMessageOut { role: None, content: non_empty(split.content), reasoning_content: non_empty(split.reasoning) };
-                            yield sse::data(&shape.chunk(index, out, logprobs, None, None));
-                        }
-                        if let Some(reason) = delta.finish_reason {
-                            yield sse::data(&shape.chunk(index, ChatMessageOut::default(), None, Some(reason.as_str()), delta.stop_reason.as_ref()));
-                        }
-                    }
-                    Event::KeepAlive => yield sse::keep_alive(),
-                    Event::Failed(e) => {
-                        yield sse::data(&ApiError::from(e).body());
-                        break;
-                    }
-                    Event::TimedOut => {
-                        yield sse::data(&running.timeout_error().body());
-                        break;
-                    }
-                    Event::Ended => {
-                        // Choices that never got their final delta (cancelled while queued) end here.
-                        for (index, _) in running.run.choices.iter().enumerate().filter(|(_, c)| c.finish_reason.is_none()) {
-                            yield sse::data(&shape.chunk(index, ChatMessageOut::default(), None, Some("abort"), None));
-                        }
-                        remember(&app, &running, &shape, turn);
-                        if include_usage {
-                            yield sse::data(&shape.object("chat.completion.chunk", Vec::new(), Some(running.run.usage())));
-                        }
-                        break;
-                    }
-                }
-            }
-            yield sse::done();
-        }
-    });
-    sse_response(body)
+        });
+        let usage = running.run.usage();
+        axum::Json(self.shape.object("chat.completion", choices, Some(usage))).into_response()
+    }
 }

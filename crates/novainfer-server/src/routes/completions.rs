@@ -1,23 +1,21 @@
 //! `POST /v1/completions`: one or more prompts (text or token ids), `n` completions each,
 //! streamed as `text_completion` chunks or returned whole.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
-use futures_util::StreamExt;
 use novainfer_engine::fim::FimTokens;
 use novainfer_engine::tokenizer::Tokenizer;
-use novainfer_engine::{EngineHandle, Prompt, TokenLogprob};
+use novainfer_engine::{Delta, EngineHandle, Prompt, TokenLogprob};
 use serde_json::Value;
 
-use super::run::{prepare, stream_after_start, Event, Launch, Pending, Running};
-use super::{JsonBody, LoggedByHandler};
+use super::driver::{each_choice, respond, Flow, Renderer};
+use super::run::{prepare, Launch, Running};
+use super::JsonBody;
 use crate::accounting::{completion_logprobs, extend_completion_logprobs, stop_reason_json};
 use crate::engine_io;
 use crate::error::ApiError;
@@ -53,6 +51,7 @@ pub async fn completions(
             default_max_tokens: Some(16),
             logprobs: req.own.logprobs,
             extra_stop_token_ids: Vec::new(),
+            constraint: None,
         },
     )?;
     let echo_logprobs = params.logprobs().filter(|_| echo);
@@ -73,6 +72,9 @@ pub async fn completions(
             priority: req.shared.priority.unwrap_or(0),
             endpoint: "completions",
             response_id: response_id.clone(),
+            constraint_field: crate::structured::constraint_field(
+                req.shared.response_format.as_ref(),
+            ),
         },
     )?;
     let frontend = model.frontend.clone();
@@ -114,14 +116,11 @@ pub async fn completions(
         created: unix_now(),
         echoes: if echo { echoes } else { Vec::new() },
         n,
+        offsets: Vec::new(),
+        stream,
+        include_usage,
     };
-    let mut response = if stream {
-        streaming(app, pending, shape, include_usage)
-    } else {
-        whole(pending.start().await?, shape).await?
-    };
-    response.extensions_mut().insert(LoggedByHandler);
-    Ok(response)
+    respond(pending, shape, stream, app.keep_alive).await
 }
 
 /// `suffix` (fill-in-the-middle) needs text prompts (the prefixes) and no `echo`.
@@ -177,6 +176,7 @@ async fn score_prompts(
     Ok(())
 }
 
+/// Renders `text_completion` objects and chunks.
 struct Shape {
     id: String,
     model: String,
@@ -184,6 +184,10 @@ struct Shape {
     /// One per prompt (empty unless `echo`).
     echoes: Vec<Echo>,
     n: usize,
+    /// Stream: per choice, the length of its text so far (logprobs' `text_offset`).
+    offsets: Vec<usize>,
+    stream: bool,
+    include_usage: bool,
 }
 
 impl Shape {
@@ -229,24 +233,86 @@ impl Shape {
     }
 }
 
-async fn whole(mut running: Running, shape: Shape) -> Result<Response, ApiError> {
-    running.collect().await?;
-    let tokenizer = running.model.frontend.tokenizer().clone();
-    let choices = running
-        .run
-        .choices
-        .iter()
-        .enumerate()
-        .map(|(index, c)| {
-            let echo = shape.echo_text(index);
-            let logprobs = match shape.echo_logprobs(&tokenizer, index) {
+impl Renderer for Shape {
+    fn opening(&mut self, running: &Running) -> Vec<Bytes> {
+        let tokenizer = running.model.frontend.tokenizer();
+        self.offsets = vec![0; running.run.choices.len()];
+        if self.echoes.is_empty() || !self.stream {
+            return Vec::new();
+        }
+        (0..self.offsets.len())
+            .map(|index| {
+                let echo = self.echo_text(index).to_owned();
+                self.offsets[index] = echo.len();
+                let logprobs = self.echo_logprobs(tokenizer, index);
+                let choice = CompletionChoice {
+                    index,
+                    text: echo,
+                    logprobs,
+                    finish_reason: None,
+                    stop_reason: Value::Null,
+                };
+                sse::data(&self.completion(vec![choice], None))
+            })
+            .collect()
+    }
+
+    fn delta(&mut self, running: &Running, index: usize, delta: &Delta) -> (Vec<Bytes>, Flow) {
+        if !self.stream {
+            return (Vec::new(), Flow::Continue);
+        }
+        let tokenizer = running.model.frontend.tokenizer();
+        let logprobs = (!delta.logprobs.is_empty())
+            .then(|| completion_logprobs(tokenizer, &delta.logprobs, self.offsets[index]));
+        self.offsets[index] += delta.text.len();
+        let choice = CompletionChoice {
+            index,
+            text: delta.text.clone(),
+            logprobs,
+            finish_reason: delta.finish_reason.map(|r| r.as_str()),
+            stop_reason: stop_reason_json(delta.stop_reason.as_ref()),
+        };
+        (
+            vec![sse::data(&self.completion(vec![choice], None))],
+            Flow::Continue,
+        )
+    }
+
+    fn closing(&mut self, running: &Running) -> Vec<Bytes> {
+        // Choices that never got their final delta (cancelled while queued) end here.
+        let mut events: Vec<Bytes> = running
+            .run
+            .unfinished()
+            .map(|index| {
+                let choice = CompletionChoice {
+                    index,
+                    text: String::new(),
+                    logprobs: None,
+                    finish_reason: Some("abort"),
+                    stop_reason: Value::Null,
+                };
+                sse::data(&self.completion(vec![choice], None))
+            })
+            .collect();
+        if self.include_usage {
+            events.push(sse::data(
+                &self.completion(Vec::new(), Some(running.run.usage())),
+            ));
+        }
+        events
+    }
+
+    fn whole(self, running: &Running) -> Response {
+        let choices = each_choice(running, |tokenizer, index, c| {
+            let echo = self.echo_text(index);
+            let logprobs = match self.echo_logprobs(tokenizer, index) {
                 Some(mut lp) => {
                     let generated = c.logprobs.iter().map(|lp| (lp.token_id, Some(lp)));
-                    extend_completion_logprobs(&mut lp, &tokenizer, generated, echo.len());
+                    extend_completion_logprobs(&mut lp, tokenizer, generated, echo.len());
                     Some(lp)
                 }
                 None => (!c.logprobs.is_empty())
-                    .then(|| completion_logprobs(&tokenizer, &c.logprobs, echo.len())),
+                    .then(|| completion_logprobs(tokenizer, &c.logprobs, echo.len())),
             };
             CompletionChoice {
                 index,
@@ -255,78 +321,7 @@ async fn whole(mut running: Running, shape: Shape) -> Result<Response, ApiError>
                 finish_reason: Some(c.finish_reason.unwrap_or("abort")),
                 stop_reason: stop_reason_json(c.stop_reason.as_ref()),
             }
-        })
-        .collect();
-    Ok(axum::Json(shape.completion(choices, Some(running.run.usage()))).into_response())
-}
-
-fn streaming(app: Arc<AppState>, pending: Pending, shape: Shape, include_usage: bool) -> Response {
-    let period = app.keep_alive;
-    let keep_alive = Some(period);
-    let body = stream_after_start(pending, period, move |mut running: Running| {
-        async_stream::stream! {
-            let tokenizer = running.model.frontend.tokenizer().clone();
-            let mut offsets = vec![0usize; running.run.choices.len()];
-            if !shape.echoes.is_empty() {
-                for (index, offset) in offsets.iter_mut().enumerate() {
-                    let echo = shape.echo_text(index).to_owned();
-                    *offset = echo.len();
-                    let logprobs = shape.echo_logprobs(&tokenizer, index);
-                    let choice = CompletionChoice { index, text: echo, logprobs, finish_reason: None, stop_reason: Value::Null };
-                    yield sse::data(&shape.completion(vec![choice], None));
-                }
-            }
-            loop {
-                match running.next_event(keep_alive).await {
-                    Event::Delta(prompt, delta) => {
-                        let index = running.record(prompt, &delta);
-                        let logprobs = (!delta.logprobs.is_empty())
-                            .then(|| completion_logprobs(&tokenizer, &delta.logprobs, offsets[index]));
-                        offsets[index] += delta.text.len();
-                        let choice = CompletionChoice {
-                            index,
-                            text: delta.text,
-                            logprobs,
-                            finish_reason: delta.finish_reason.map(|r| r.as_str()),
-                            stop_reason: stop_reason_json(delta.stop_reason.as_ref()),
-                        };
-                        yield sse::data(&shape.completion(vec![choice], None));
-                    }
-                    Event::KeepAlive => yield sse::keep_alive(),
-                    Event::Failed(e) => {
-                        yield sse::data(&ApiError::from(e).body());
-                        break;
-                    }
-                    Event::TimedOut => {
-                        yield sse::data(&running.timeout_error().body());
-                        break;
-                    }
-                    Event::Ended => {
-                        // Choices that never got their final delta (cancelled while queued) end here.
-                        for (index, _) in running.run.choices.iter().enumerate().filter(|(_, c)| c.finish_reason.is_none()) {
-                            let choice = CompletionChoice { index, text: String::new(), logprobs: None, finish_reason: Some("abort"), stop_reason: Value::Null };
-                            yield sse::data(&shape.completion(vec![choice], None));
-                        }
-                        if include_usage {
-                            yield sse::data(&shape.completion(Vec::new(), Some(running.run.usage())));
-                        }
-                        break;
-                    }
-                }
-            }
-            yield sse::done();
-        }
-    });
-    sse_response(body)
-}
-
-pub fn sse_response(body: impl futures_util::Stream<Item = Bytes> + Send + 'static) -> Response {
-    (
-        [
-            (header::CONTENT_TYPE, "text/event-stream"),
-            (header::CACHE_CONTROL, "no-cache"),
-        ],
-        Body::from_stream(body.map(Ok::<_, Infallible>)),
-    )
-        .into_response()
+        });
+        axum::Json(self.completion(choices, Some(running.run.usage()))).into_response()
+    }
 }

@@ -11,6 +11,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use axum::body::Bytes;
 use axum::response::{IntoResponse, Response};
 use axum::{extract::State, Extension};
 use novainfer_core::FinishReason;
@@ -18,9 +19,9 @@ use novainfer_engine::fim::{ExtraChunk, FimTokens};
 use novainfer_engine::{Delta, Prompt, StopReason};
 use serde_json::{json, Map, Value};
 
-use super::completions::sse_response;
-use super::run::{prepare, stream_after_start, Event, Launch, Running};
-use super::{JsonBody, LoggedByHandler};
+use super::driver::{respond, Flow, Renderer};
+use super::run::{prepare, Launch, Running};
+use super::JsonBody;
 use crate::error::ApiError;
 use crate::indent::IndentLimit;
 use crate::keys::Tenant;
@@ -96,6 +97,7 @@ pub async fn infill(
             default_max_tokens: None,
             logprobs: None,
             extra_stop_token_ids: fim.all(),
+            constraint: None,
         },
     )?;
     let settings = json!({
@@ -126,6 +128,8 @@ pub async fn infill(
             priority: 0,
             endpoint: "infill",
             response_id: format!("infill-{}", request_id.0),
+            // /infill has no constraint of its own.
+            constraint_field: "structured_outputs",
         },
     )?;
     let frontend = model.frontend.clone();
@@ -158,6 +162,7 @@ pub async fn infill(
             Ok((vec![ids], (len, built.extra_tokens_dropped > 0)))
         })
         .await?;
+    let stream = req.stream.unwrap_or(false);
     let state = InfillState {
         model: model.name.clone(),
         indent: Some(IndentLimit::new(n_indent)),
@@ -167,15 +172,10 @@ pub async fn infill(
         settings,
         prompt_tokens,
         truncated,
+        stream,
         ..InfillState::default()
     };
-    let mut response = if req.stream.unwrap_or(false) {
-        streaming(app, pending, state)
-    } else {
-        whole(pending.start().await?, state).await?
-    };
-    response.extensions_mut().insert(LoggedByHandler);
-    Ok(response)
+    respond(pending, state, stream, app.keep_alive).await
 }
 
 /// What the response reports, folded from the deltas.
@@ -198,17 +198,12 @@ struct InfillState {
     last_token: Option<Instant>,
     stop_type: &'static str,
     stopping_word: String,
-}
-
-/// Whether the output goes on after a delta, and if not, the finish reason to log.
-enum Next {
-    More,
-    End(&'static str),
+    stream: bool,
 }
 
 impl InfillState {
     /// Folds in one delta; returns the text it adds and whether the output ends here.
-    fn push(&mut self, delta: &Delta, now: Instant) -> (String, Next) {
+    fn push(&mut self, delta: &Delta, now: Instant) -> (String, Flow) {
         if !delta.token_ids.is_empty() {
             self.first_token.get_or_insert(now);
             self.last_token = Some(now);
@@ -224,7 +219,7 @@ impl InfillState {
         self.content.push_str(&keep);
         if cut {
             self.stop_type = "limit";
-            return (keep, Next::End("length"));
+            return (keep, Flow::Stop("length"));
         }
         if let Some(reason) = delta.finish_reason {
             self.stop_type = match (reason, &delta.stop_reason) {
@@ -236,7 +231,7 @@ impl InfillState {
                 (FinishReason::Length, _) => "limit",
                 _ => "none",
             };
-            return (keep, Next::End(reason.as_str()));
+            return (keep, Flow::Stop(reason.as_str()));
         }
         let overdue = match (self.t_max_predict, self.first_token) {
             (Some(limit), Some(first)) => now.duration_since(first) > limit,
@@ -244,9 +239,9 @@ impl InfillState {
         };
         if overdue && self.has_new_line {
             self.stop_type = "limit";
-            return (keep, Next::End("length"));
+            return (keep, Flow::Stop("length"));
         }
-        (keep, Next::More)
+        (keep, Flow::Continue)
     }
 
     fn timings(&self) -> Value {
@@ -336,68 +331,31 @@ fn select_fields(object: Value, fields: Option<&[String]>) -> Value {
     Value::Object(out)
 }
 
-/// Ends a generation that `state` stopped before the engine did (n_indent, time limit).
-fn end(running: &mut Running, delta: &Delta, reason: &'static str) {
-    if delta.finish_reason.is_none() {
-        running.gen.abort();
-    }
-    running.outcome = Some(reason);
-}
+impl Renderer for InfillState {
+    const DONE: bool = false;
 
-async fn whole(mut running: Running, mut state: InfillState) -> Result<Response, ApiError> {
-    state.started = Some(Instant::now());
-    loop {
-        match running.next_event(None).await {
-            Event::Delta(prompt, delta) => {
-                running.record(prompt, &delta);
-                if let (_, Next::End(reason)) = state.push(&delta, Instant::now()) {
-                    end(&mut running, &delta, reason);
-                    break;
-                }
-            }
-            Event::Failed(e) => return Err(e.into()),
-            Event::TimedOut => return Err(running.timeout_error()),
-            Event::KeepAlive => {}
-            Event::Ended => break,
-        }
+    fn opening(&mut self, _running: &Running) -> Vec<Bytes> {
+        self.started = Some(Instant::now());
+        Vec::new()
     }
-    Ok(axum::Json(state.last(false)).into_response())
-}
 
-fn streaming(app: Arc<AppState>, pending: super::run::Pending, mut state: InfillState) -> Response {
-    let period = app.keep_alive;
-    let body = stream_after_start(pending, period, move |mut running: Running| {
-        async_stream::stream! {
-            state.started = Some(Instant::now());
-            loop {
-                match running.next_event(Some(period)).await {
-                    Event::Delta(prompt, delta) => {
-                        running.record(prompt, &delta);
-                        let (text, next) = state.push(&delta, Instant::now());
-                        if !text.is_empty() || !delta.token_ids.is_empty() {
-                            yield sse::data(&state.chunk(text, &delta.token_ids));
-                        }
-                        if let Next::End(reason) = next {
-                            end(&mut running, &delta, reason);
-                            break;
-                        }
-                    }
-                    Event::KeepAlive => yield sse::keep_alive(),
-                    Event::Failed(e) => {
-                        yield sse::data(&ApiError::from(e).body());
-                        return;
-                    }
-                    Event::TimedOut => {
-                        yield sse::data(&running.timeout_error().body());
-                        return;
-                    }
-                    Event::Ended => break,
-                }
-            }
-            yield sse::data(&state.last(true));
-        }
-    });
-    sse_response(body)
+    fn delta(&mut self, _running: &Running, _index: usize, delta: &Delta) -> (Vec<Bytes>, Flow) {
+        let (text, flow) = self.push(delta, Instant::now());
+        let events = if self.stream && (!text.is_empty() || !delta.token_ids.is_empty()) {
+            vec![sse::data(&self.chunk(text, &delta.token_ids))]
+        } else {
+            Vec::new()
+        };
+        (events, flow)
+    }
+
+    fn closing(&mut self, _running: &Running) -> Vec<Bytes> {
+        vec![sse::data(&self.last(true))]
+    }
+
+    fn whole(self, _running: &Running) -> Response {
+        axum::Json(self.last(false)).into_response()
+    }
 }
 
 #[cfg(test)]
@@ -430,7 +388,10 @@ mod tests {
         };
         let now = Instant::now();
         let mut s = InfillState::default();
-        assert!(matches!(s.push(&delta("a", None, None), now).1, Next::More));
+        assert!(matches!(
+            s.push(&delta("a", None, None), now).1,
+            Flow::Continue
+        ));
         let (_, next) = s.push(
             &delta(
                 "",
@@ -439,7 +400,7 @@ mod tests {
             ),
             now,
         );
-        assert!(matches!(next, Next::End("stop")));
+        assert!(matches!(next, Flow::Stop("stop")));
         assert_eq!((s.stop_type, s.stopping_word.as_str()), ("word", "\n\n"));
         let mut s = InfillState {
             indent: Some(IndentLimit::new(4)),
@@ -447,7 +408,7 @@ mod tests {
         };
         let (kept, next) = s.push(&delta("x\n  y", None, None), now);
         assert_eq!(kept, "x\n  ");
-        assert!(matches!(next, Next::End("length")));
+        assert!(matches!(next, Flow::Stop("length")));
         assert_eq!(s.stop_type, "limit");
         let mut s = InfillState {
             t_max_predict: Some(Duration::ZERO),
@@ -457,11 +418,11 @@ mod tests {
         let later = now + Duration::from_millis(5);
         assert!(matches!(
             s.push(&delta(" more", None, None), later).1,
-            Next::More
+            Flow::Continue
         ));
         assert!(matches!(
             s.push(&delta("\n", None, None), later).1,
-            Next::End(_)
+            Flow::Stop(_)
         ));
     }
 }

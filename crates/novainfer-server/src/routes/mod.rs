@@ -4,6 +4,7 @@
 
 mod chat;
 mod completions;
+mod driver;
 mod embeddings;
 mod infill;
 mod info;

@@ -37,6 +37,9 @@ pub struct Launch {
     pub endpoint: &'static str,
     /// The response object's id; also a cancel key.
     pub response_id: String,
+    /// The request field that set its output constraint (`response_format`,
+    /// `structured_outputs`, `tools`): a constraint that cannot compile is a 400 naming it.
+    pub constraint_field: &'static str,
 }
 
 pub enum Event {
@@ -156,8 +159,11 @@ impl Pending {
     ) -> Result<T, ApiError> {
         let frontend = self.launch.model.frontend.clone();
         let params = self.launch.params.clone();
+        let field = self.launch.constraint_field;
         let (prompts, extra) = run_tokenize(&self.app, move || {
-            frontend.compile_structured(&params)?;
+            frontend
+                .compile_structured(&params)
+                .map_err(|e| ApiError::from(e).with_param(field))?;
             work()
         })
         .await?;
@@ -278,21 +284,6 @@ impl Running {
 
     pub fn timeout_error(&self) -> ApiError {
         ApiError::timeout(self.timeout_secs)
-    }
-
-    /// Runs to the end without streaming: every delta recorded, or the error that stopped it.
-    pub async fn collect(&mut self) -> Result<(), ApiError> {
-        loop {
-            match self.next_event(None).await {
-                Event::Delta(prompt, delta) => {
-                    self.record(prompt, &delta);
-                }
-                Event::Failed(e) => return Err(e.into()),
-                Event::TimedOut => return Err(self.timeout_error()),
-                Event::KeepAlive => {}
-                Event::Ended => return Ok(()),
-            }
-        }
     }
 }
 
