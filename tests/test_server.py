@@ -102,7 +102,7 @@ def test_server_info_describes_each_model(client, server):
     assert 0 <= kv["num_used_blocks"] <= kv["num_blocks"]
     pc = tiny["prefix_cache"]
     assert 0 < pc["hit_tokens"] <= pc["query_tokens"] and pc["hit_rate"] == pc["hit_tokens"] / pc["query_tokens"]
-    assert tiny["features"] == {"json_schema": True, "tool_calls": False, "speculative_decoding": False}
+    assert tiny["features"] == {"json_schema": True, "tool_calls": True, "speculative_decoding": False}
     assert info["version"] == json.loads(http(server, "GET", "/version")[2])["version"]
 
 

@@ -102,7 +102,7 @@ fn load_models(args: &ServeArgs) -> Result<Models, ServeError> {
             source,
         })?;
         let kv_config = models::KvConfig::new(&config, handle.device().device);
-        let served = ServedModel::new(
+        let mut served = ServedModel::new(
             name,
             path,
             handle,
@@ -110,6 +110,7 @@ fn load_models(args: &ServeArgs) -> Result<Models, ServeError> {
             created,
             kv_config,
         );
+        served.speculative = config.speculative.is_some();
         tracing::info!(model = %served.name, max_model_len = served.frontend.max_model_len(), reasoning = served.reasoning, "model ready");
         models.push(Arc::new(served));
     }

@@ -121,6 +121,8 @@ pub struct ServedModel {
     pub reasoning: bool,
     pub metrics: ModelMetrics,
     pub kv_config: KvConfig,
+    /// Whether the engine drafts tokens (`--speculative-config`).
+    pub speculative: bool,
 }
 
 impl ServedModel {
@@ -147,6 +149,7 @@ impl ServedModel {
             reasoning,
             metrics: ModelMetrics::default(),
             kv_config,
+            speculative: false,
         }
     }
 }

@@ -13,14 +13,15 @@ use crate::engine_io;
 use crate::models::ServedModel;
 use crate::state::AppState;
 
-/// Optional features a client may offer only when the server has them. `tool_calls` becomes true
-/// when server-side tool calling (`tools` in chat requests) lands; speculative decoding when
-/// the engine speculates (the UI then shows `usage.speculative` acceptance, see docs/webui.md).
-const FEATURES: [(&str, bool); 3] = [
-    ("json_schema", true),
-    ("tool_calls", false),
-    ("speculative_decoding", false),
-];
+/// Optional features a client may offer only when the server has them: `json_schema` and
+/// `tool_calls` always; `speculative_decoding` when the model's engine drafts tokens.
+fn features(m: &ServedModel) -> [(&'static str, bool); 3] {
+    [
+        ("json_schema", true),
+        ("tool_calls", true),
+        ("speculative_decoding", m.speculative),
+    ]
+}
 
 pub async fn server_info(State(app): State<Arc<AppState>>) -> Response {
     let mut models = Vec::with_capacity(app.models.0.len());
@@ -39,7 +40,7 @@ pub async fn server_info(State(app): State<Arc<AppState>>) -> Response {
 fn model_info(m: &ServedModel, stats: Option<&EngineStats>) -> Value {
     let device = m.handle.device();
     let kv = &m.kv_config;
-    let features: serde_json::Map<String, Value> = FEATURES
+    let features: serde_json::Map<String, Value> = features(m)
         .iter()
         .map(|(name, on)| ((*name).to_owned(), Value::Bool(*on)))
         .collect();
