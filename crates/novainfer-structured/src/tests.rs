@@ -401,7 +401,10 @@ fn auto_tool_grammar_takes_an_opening_brace_as_bare_calls() {
             calls += 1;
             let text = format!("{}{{{rest}", String::from_utf8_lossy(lead));
             check_bare(&text);
-            assert!(parallel || !text.trim().contains('\n'), "one call: {text:?}");
+            assert!(
+                parallel || !text.trim().contains('\n'),
+                "one call: {text:?}"
+            );
         }
         // From scratch: free text never opens a JSON object unless it is a valid call.
         let mut c = constraint(&compiler, auto_tool_call_grammar(&tools, true));
