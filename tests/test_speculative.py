@@ -147,3 +147,17 @@ def test_greedy_with_ngram_speculation_equals_plain_on_the_real_model_batched_ch
           f"{base['num_preemptions']:.0f}/{stats['num_preemptions']:.0f}")
     assert base["num_preemptions"] > 0, "the pool was meant to be tight enough to preempt"
     assert stats["num_accepted_tokens"] > 0 and stats["kv_used_blocks"] == 0
+
+
+def test_constrained_outputs_are_the_same_with_speculation(tiny_models):
+    from novainfer import StructuredOutputsParams
+
+    common = {"kv_cache_bytes": 8 << 20}
+    plain = LLM(tiny_models["f32"], **common)
+    spec = LLM(tiny_models["f32"], speculative_config=NGRAM, **common)
+    for constraint in (StructuredOutputsParams(regex="(ab|cd){3,12}x"), StructuredOutputsParams(choice=["yes", "no"])):
+        params = SamplingParams(temperature=0.7, seed=3, max_tokens=40, structured_outputs=constraint)
+        want = plain.generate(prompts(), params)
+        got = spec.generate(prompts(), params)
+        assert [g.outputs[0].text for g in got] == [w.outputs[0].text for w in want]
+        assert [g.outputs[0].finish_reason for g in got] == [w.outputs[0].finish_reason for w in want]
