@@ -6,8 +6,10 @@
 //!   `q = round(x/d)` with the unrounded `d`; we keep `Σq` per block for the
 //!   kernels' offset corrections.
 //! * Q8_K style (for Q4_K/Q6_K weights): 256-value blocks, `d = max/-127` of the
-//!   signed extreme, `q = clamp(round(x/d))`; we keep the 16-value sums and the
-//!   32-value sums packed as i16 pairs for `madd_epi16`.
+//!   signed extreme, `q = clamp(round(x/d))` (|q| ≤ 127: `max` itself maps to
+//!   -127); we keep the 16-value sums, the 32-value sums packed as i16 pairs for
+//!   `madd_epi16` (Q4_K's mins), and `q + 128` as u8 (Q6_K's AVX2 kernel, whose
+//!   `maddubs` wants the unsigned operand on the activation side).
 //!
 //! Rows are quantized independently: a row's integers never depend on the others.
 
@@ -15,8 +17,10 @@ use half::f16;
 
 pub(super) const QK8_0: usize = 32;
 pub(super) const QK_K: usize = 256;
-/// Per Q8_K block: 16 sums of 16 values, then 4 i32 holding (sum32[2t], sum32[2t+1]) as i16.
+/// Per Q8_K block: 16 sums of 16 values, then at [`K_PAIRS32`] 4 i32 holding
+/// (sum32[2t], sum32[2t+1]) as i16.
 pub(super) const K_SUMS: usize = 16 + 4;
+pub(super) const K_PAIRS32: usize = 16;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum ActKind {
@@ -31,6 +35,8 @@ pub(super) struct QuantizedActs {
     pub nb: usize,
     /// `[m, k]`.
     pub qs: Vec<i8>,
+    /// Q8_K only: `qs + 128` as u8, `[m, k]` (empty for Q8_0).
+    pub qs_u8: Vec<u8>,
     /// `[m, nb]` block scales.
     pub d: Vec<f32>,
     /// `[m, nb]` (Q8_0: Σq) or `[m, nb, K_SUMS]` (Q8_K).
@@ -59,7 +65,14 @@ impl QuantizedActs {
             sums.push(unsafe { round_block_avx2(xb, inv, qb) });
             d.push(f16::from_f32(scale).to_f32());
         }
-        Self { k, nb, qs, d, sums }
+        Self {
+            k,
+            nb,
+            qs,
+            qs_u8: Vec::new(),
+            d,
+            sums,
+        }
     }
 
     fn q8k(x: &[f32], m: usize, k: usize) -> Self {
@@ -86,19 +99,31 @@ impl QuantizedActs {
                 *q = (iscale * v).round().clamp(-128.0, 127.0) as i8;
             }
             d.push(1.0 / iscale);
-            let s16: Vec<i32> = qb
-                .chunks_exact(16)
-                .map(|c| c.iter().map(|&q| i32::from(q)).sum())
-                .collect();
+            let s16: [i32; 16] = std::array::from_fn(|g| {
+                qb[16 * g..16 * g + 16].iter().map(|&q| i32::from(q)).sum()
+            });
             sums.extend_from_slice(&s16);
             for t in 0..4 {
                 let lo = (s16[4 * t] + s16[4 * t + 1]) as i16;
                 let hi = (s16[4 * t + 2] + s16[4 * t + 3]) as i16;
-                sums.push(i32::from(lo as u16) | (i32::from(hi) << 16));
+                sums.push(i16_pair(lo, hi));
             }
         }
-        Self { k, nb, qs, d, sums }
+        let qs_u8 = qs.iter().map(|&q| (q as u8) ^ 0x80).collect();
+        Self {
+            k,
+            nb,
+            qs,
+            qs_u8,
+            d,
+            sums,
+        }
     }
+}
+
+/// One i32 holding `lo` in its low and `hi` in its high 16 bits (a `madd_epi16` operand).
+fn i16_pair(lo: i16, hi: i16) -> i32 {
+    i32::from(lo as u16) | (i32::from(hi) << 16)
 }
 
 /// `q = round(x·inv)` (ties away from zero, like `f32::round`) for one 32-value

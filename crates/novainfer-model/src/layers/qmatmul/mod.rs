@@ -41,6 +41,11 @@ const GROUP: usize = 16;
 /// Activation bytes per row chunk: one chunk's quantized rows should stay in L2
 /// while every column group streams past them.
 const ROW_CHUNK_BYTES: usize = 256 * 1024;
+/// k-values per slab: a work item runs all its row tiles over one slab of blocks
+/// before the next, so the slab of its group's weights (≤ 14 KiB for 16 columns in
+/// every format) stays in L1 across the tiles instead of streaming from L2 once per
+/// tile (measured on AVX2: Q6_K at k = 8960 was ~1.5x slower per MAC than at k = 1536).
+const SLAB_K: usize = 1024;
 
 /// One quant format's packing and micro-kernel.
 trait Kernel {
@@ -54,23 +59,47 @@ trait Kernel {
     /// Rows per AVX-512 tile: more rows reuse each unpacked weight chunk more, but
     /// past this the accumulators spill (measured per format on Zen 5).
     const WIDE_TILE: usize;
+    /// Rows per plain-AVX2 tile (4 or 6; 16 ymm registers bound it).
+    const AVX2_TILE: usize = 4;
 
     /// Packs the same block index of up to 16 rows of `W` (`None`: padding column,
     /// left zero) into `out` (`GROUP_BLOCK_BYTES`, zero-initialised).
     fn pack_block(cols: &[Option<&[u8]>; GROUP], out: &mut [u8]);
 
     /// Rows `row0..row0+R` of `acts` times columns `col_off..col_off+S::LANES` of
-    /// the group at `group`; lane l of result r is output (row0 + r, col_off + l).
+    /// the group at `group`, over k-blocks `blocks`, accumulated onto `facc` one block
+    /// at a time in order; lane l of result r is output (row0 + r, col_off + l).
     ///
     /// # Safety
-    /// `group` must point at `acts.nb` packed blocks; `col_off + S::LANES ≤ GROUP`;
-    /// the rows must exist in `acts`; the CPU must support `S`.
+    /// `group` must point at `acts.nb` packed blocks; `blocks` must lie in `0..acts.nb`;
+    /// `col_off + S::LANES ≤ GROUP`; the rows must exist in `acts`; the CPU must support `S`.
     unsafe fn tile<S: Simd, const R: usize>(
         group: *const u8,
         col_off: usize,
         acts: &QuantizedActs,
         row0: usize,
+        blocks: Range<usize>,
+        facc: [S::F; R],
     ) -> [S::F; R];
+
+    /// [`Kernel::tile`] on plain AVX2. A format overrides it where a hand-written AVX2
+    /// kernel beats the generic one; the override must compute the same exact integer
+    /// sums and the same f32 operations, so its bits equal every other path's.
+    ///
+    /// # Safety
+    /// As [`Kernel::tile`] with `S = Avx2`.
+    #[inline(always)]
+    unsafe fn tile_avx2<const R: usize>(
+        group: *const u8,
+        col_off: usize,
+        acts: &QuantizedActs,
+        row0: usize,
+        blocks: Range<usize>,
+        facc: [std::arch::x86_64::__m256; R],
+    ) -> [std::arch::x86_64::__m256; R] {
+        // SAFETY: forwarded.
+        unsafe { Self::tile::<Avx2, R>(group, col_off, acts, row0, blocks, facc) }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -169,8 +198,16 @@ impl PackedMatrix {
         }
     }
 
+    /// A multiple of every tile height (4, 6, 8) where it can be, so that only the last
+    /// chunk of a product ends in short tiles (at k = 8960 the old 29-row chunks ran 5 of
+    /// every 29 rows as single-row tiles).
     fn rows_per_chunk(&self) -> usize {
-        (ROW_CHUNK_BYTES / self.k).max(8)
+        let rows = ROW_CHUNK_BYTES / self.k;
+        if rows >= 24 {
+            rows / 24 * 24
+        } else {
+            rows.max(8)
+        }
     }
 
     /// Work items of an `m`-row product: (row chunk, column group) pairs.
@@ -319,12 +356,18 @@ impl GroupJob<'_> {
     #[target_feature(enable = "avx2,fma")]
     unsafe fn rows_avx2<F: Kernel>(&self, group: *const u8, g: usize, rows: Range<usize>) {
         // SAFETY: forwarded contract of `run`; these features were detected.
-        unsafe { self.rows::<F, Avx2, 4>(group, g, rows) }
+        unsafe {
+            match F::AVX2_TILE {
+                6 => self.rows::<F, Avx2, 6>(group, g, rows),
+                _ => self.rows::<F, Avx2, 4>(group, g, rows),
+            }
+        }
     }
 
-    /// Full tiles of `TILE` rows, then single rows, for each `S::LANES`-wide slice of
-    /// the group; every path runs the same per-element sequence, so where a row
-    /// falls does not change its bits.
+    /// Full tiles of `TILE` rows, then tiles of 2 and 1, for each `S::LANES`-wide slice of
+    /// the group, one k-slab of [`SLAB_K`] values at a time; every path runs the same
+    /// per-element sequence (blocks in order onto one f32 accumulator, carried between
+    /// slabs in the output), so where a row falls does not change its bits.
     #[inline(always)]
     unsafe fn rows<F: Kernel, S: Simd, const TILE: usize>(
         &self,
@@ -332,25 +375,100 @@ impl GroupJob<'_> {
         g: usize,
         rows: Range<usize>,
     ) {
-        for col_off in (0..GROUP).step_by(S::LANES) {
-            if g * GROUP + col_off >= self.n {
-                break;
-            }
-            let mut r = rows.start;
-            // SAFETY: forwarded contract of `run`; `col_off + LANES ≤ GROUP`.
-            unsafe {
-                while r + TILE <= rows.end {
-                    let tile = F::tile::<S, TILE>(group, col_off, self.acts, r);
-                    self.store::<S, TILE>(tile, r, g * GROUP + col_off);
-                    r += TILE;
+        let nb = self.acts.nb;
+        if rows.len() == 1 && S::LANES < GROUP {
+            // SAFETY: forwarded contract of `run`.
+            unsafe { self.single_row::<F, S>(group, g, rows.start) };
+            return;
+        }
+        let slab = (SLAB_K / F::BLOCK_K).max(1);
+        for b0 in (0..nb).step_by(slab) {
+            let blocks = b0..nb.min(b0 + slab);
+            for col_off in (0..GROUP).step_by(S::LANES) {
+                let col0 = g * GROUP + col_off;
+                if col0 >= self.n {
+                    break;
                 }
-                while r < rows.end {
-                    let tile = F::tile::<S, 1>(group, col_off, self.acts, r);
-                    self.store::<S, 1>(tile, r, g * GROUP + col_off);
-                    r += 1;
+                let mut r = rows.start;
+                // SAFETY: forwarded contract of `run`; `col_off + LANES ≤ GROUP`.
+                unsafe {
+                    while r + TILE <= rows.end {
+                        let facc = self.carried::<S, TILE>(b0, r, col0);
+                        let tile = S::kernel_tile::<F, TILE>(
+                            group,
+                            col_off,
+                            self.acts,
+                            r,
+                            blocks.clone(),
+                            facc,
+                        );
+                        self.store::<S, TILE>(tile, r, col0);
+                        r += TILE;
+                    }
+                    while TILE > 2 && r + 2 <= rows.end {
+                        let facc = self.carried::<S, 2>(b0, r, col0);
+                        let tile =
+                            S::kernel_tile::<F, 2>(group, col_off, self.acts, r, blocks.clone(), facc);
+                        self.store::<S, 2>(tile, r, col0);
+                        r += 2;
+                    }
+                    while r < rows.end {
+                        let facc = self.carried::<S, 1>(b0, r, col0);
+                        let tile =
+                            S::kernel_tile::<F, 1>(group, col_off, self.acts, r, blocks.clone(), facc);
+                        self.store::<S, 1>(tile, r, col0);
+                        r += 1;
+                    }
                 }
             }
         }
+    }
+
+    /// One row (a decode GEMV) against the whole group: both column halves block by
+    /// block, so each weight line is used completely while it is in L1 and the stream
+    /// from memory never waits on a pass that only re-reads L1 (measured ~10% faster
+    /// than half by half for Q4_K/Q6_K at m = 1 on AVX2). Same per-element sequence as
+    /// [`Self::rows`].
+    #[inline(always)]
+    unsafe fn single_row<F: Kernel, S: Simd>(&self, group: *const u8, g: usize, row: usize) {
+        const HALVES: usize = 2;
+        debug_assert_eq!(S::LANES * HALVES, GROUP);
+        let halves = if g * GROUP + S::LANES < self.n { 2 } else { 1 };
+        // SAFETY: forwarded contract of `run`; `col_off + LANES ≤ GROUP`.
+        unsafe {
+            let mut facc = [[S::zerof(); 1]; HALVES];
+            for b in 0..self.acts.nb {
+                for (h, f) in facc.iter_mut().enumerate().take(halves) {
+                    *f = S::kernel_tile::<F, 1>(group, h * S::LANES, self.acts, row, b..b + 1, *f);
+                }
+            }
+            for (h, f) in facc.into_iter().enumerate().take(halves) {
+                self.store::<S, 1>(f, row, g * GROUP + h * S::LANES);
+            }
+        }
+    }
+
+    /// The accumulators a slab starting at block `b0` continues from: zero for the
+    /// first slab, else what the previous slab stored (the real columns; padding
+    /// lanes are zero and never stored).
+    #[inline(always)]
+    unsafe fn carried<S: Simd, const R: usize>(&self, b0: usize, row0: usize, col0: usize) -> [S::F; R] {
+        // SAFETY: the CPU supports `S` (the caller's contract).
+        let mut facc = [unsafe { S::zerof() }; R];
+        if b0 == 0 {
+            return facc;
+        }
+        let cols = S::LANES.min(self.n - col0);
+        for (r, f) in facc.iter_mut().enumerate() {
+            let mut lanes = [0f32; GROUP];
+            // SAFETY: the row segment `(row0 + r)·n + col0 .. + cols` lies in `out` and
+            // belongs to this item only; `lanes` holds ≥ LANES f32.
+            unsafe {
+                lanes[..cols].copy_from_slice(self.dst.range((row0 + r) * self.n + col0, cols));
+                *f = S::loadf(lanes.as_ptr() as *const u8);
+            }
+        }
+        facc
     }
 
     /// Writes the lanes that are real columns (`col0 + l < n`).
