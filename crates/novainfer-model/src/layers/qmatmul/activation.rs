@@ -29,6 +29,7 @@ pub(super) enum ActKind {
 }
 
 /// `m` rows of `k` quantized activations.
+#[derive(Default)]
 pub(super) struct QuantizedActs {
     pub k: usize,
     /// Blocks per row (`k / 32` or `k / 256`).
@@ -44,18 +45,34 @@ pub(super) struct QuantizedActs {
 }
 
 impl QuantizedActs {
+    #[cfg(test)]
     pub fn new(kind: ActKind, x: &[f32], m: usize, k: usize) -> Self {
+        let mut acts = Self::default();
+        acts.fill(kind, x, m, k);
+        acts
+    }
+
+    /// Quantizes `x` (`[m, k]`) into these buffers, reusing their capacity.
+    pub fn fill(&mut self, kind: ActKind, x: &[f32], m: usize, k: usize) {
         match kind {
-            ActKind::Q8_0 => Self::q8_0(x, m, k),
-            ActKind::Q8K => Self::q8k(x, m, k),
+            ActKind::Q8_0 => self.q8_0(x, m, k),
+            ActKind::Q8K => self.q8k(x, m, k),
         }
     }
 
-    fn q8_0(x: &[f32], m: usize, k: usize) -> Self {
-        let nb = k / QK8_0;
-        let mut qs = vec![0i8; m * k];
-        let mut d = Vec::with_capacity(m * nb);
-        let mut sums = Vec::with_capacity(m * nb);
+    fn reset(&mut self, m: usize, k: usize, block: usize) {
+        self.k = k;
+        self.nb = k / block;
+        self.qs.clear();
+        self.qs.resize(m * k, 0);
+        self.qs_u8.clear();
+        self.d.clear();
+        self.sums.clear();
+    }
+
+    fn q8_0(&mut self, x: &[f32], m: usize, k: usize) {
+        self.reset(m, k, QK8_0);
+        let Self { qs, d, sums, .. } = self;
         for (xb, qb) in x.chunks_exact(QK8_0).zip(qs.chunks_exact_mut(QK8_0)) {
             let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
             let scale = amax / 127.0;
@@ -65,21 +82,13 @@ impl QuantizedActs {
             sums.push(unsafe { round_block_avx2(xb, inv, qb) });
             d.push(f16::from_f32(scale).to_f32());
         }
-        Self {
-            k,
-            nb,
-            qs,
-            qs_u8: Vec::new(),
-            d,
-            sums,
-        }
     }
 
-    fn q8k(x: &[f32], m: usize, k: usize) -> Self {
-        let nb = k / QK_K;
-        let mut qs = vec![0i8; m * k];
-        let mut d = Vec::with_capacity(m * nb);
-        let mut sums = Vec::with_capacity(m * nb * K_SUMS);
+    fn q8k(&mut self, x: &[f32], m: usize, k: usize) {
+        self.reset(m, k, QK_K);
+        let Self {
+            qs, qs_u8, d, sums, ..
+        } = self;
         for (xb, qb) in x.chunks_exact(QK_K).zip(qs.chunks_exact_mut(QK_K)) {
             // The signed value of largest magnitude (first one on ties), as ggml picks it.
             let (mut amax, mut max) = (0f32, 0f32);
@@ -109,15 +118,7 @@ impl QuantizedActs {
                 sums.push(i16_pair(lo, hi));
             }
         }
-        let qs_u8 = qs.iter().map(|&q| (q as u8) ^ 0x80).collect();
-        Self {
-            k,
-            nb,
-            qs,
-            qs_u8,
-            d,
-            sums,
-        }
+        qs_u8.extend(qs.iter().map(|&q| (q as u8) ^ 0x80));
     }
 }
 

@@ -27,6 +27,7 @@ mod simd;
 #[cfg(test)]
 mod tests;
 
+use std::cell::RefCell;
 use std::ops::Range;
 
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -162,31 +163,14 @@ impl PackedMatrix {
 
     /// `x`: `[m, k]` → `[m, n]`.
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
-        assert_eq!(
-            x.len(),
-            m * self.k,
-            "packed matmul input shape: this is a bug"
-        );
-        let mut out = vec![0f32; m * self.n];
-        match self.format {
-            Format::Q5_0 => self.run::<q5_0::Q5_0>(x, m, &mut out),
-            Format::Q8_0 => self.run::<q8_0::Q8_0>(x, m, &mut out),
-            Format::Q4K => self.run::<q4_k::Q4K>(x, m, &mut out),
-            Format::Q6K => self.run::<q6_k::Q6K>(x, m, &mut out),
-        }
+        let mut out = Vec::new();
+        self.matmul_into(x, m, &mut out);
         out
     }
 
-    fn run<F: Kernel>(&self, x: &[f32], m: usize, out: &mut [f32]) {
-        let acts = QuantizedActs::new(F::ACT, x, m, self.k);
-        let items = self.items(m);
-        let dst = SharedOut::new(out);
-        candle_core::utils::barrier_pool().execute_chunked(items, |range| {
-            for item in range {
-                // SAFETY: `acts` quantizes `x` for this format; `dst` is this product's output.
-                unsafe { self.item::<F>(&acts, m, dst, item) };
-            }
-        });
+    /// [`Self::matmul`] into `out` (resized to `m · n`, its capacity reused).
+    pub fn matmul_into(&self, x: &[f32], m: usize, out: &mut Vec<f32>) {
+        matmul_many_into(&[self], x, m, &mut [out]);
     }
 
     fn act_kind(&self) -> ActKind {
@@ -258,51 +242,82 @@ impl PackedMatrix {
     }
 }
 
+/// Most matrices one [`matmul_many_into`] takes (Q, K and V).
+pub const MAX_MANY: usize = 4;
+
+thread_local! {
+    /// Quantized activations of the calling thread, one per [`ActKind`], reused across
+    /// products so that a decode step allocates nothing once they have grown.
+    static ACTS: RefCell<[QuantizedActs; 2]> = RefCell::new(Default::default());
+}
+
 /// `x · Wᵢᵀ` for several matrices of the same input (Q, K and V; gate and up): `x` is
 /// quantized once per activation format among them, and every product's work items run in
 /// one fork/join of the pool. Each output equals `mats[i].matmul(x, m)` bit for bit.
 pub fn matmul_many(mats: &[&PackedMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
+    let mut outs: Vec<Vec<f32>> = mats.iter().map(|_| Vec::new()).collect();
+    let mut refs: Vec<&mut Vec<f32>> = outs.iter_mut().collect();
+    matmul_many_into(mats, x, m, &mut refs);
+    outs
+}
+
+/// [`matmul_many`] into `outs[i]` (each resized to `m · nᵢ`, its capacity reused); at most
+/// [`MAX_MANY`] matrices. Allocates nothing once the buffers have grown.
+pub fn matmul_many_into(mats: &[&PackedMatrix], x: &[f32], m: usize, outs: &mut [&mut Vec<f32>]) {
     let k = mats.first().map_or(0, |w| w.k);
     assert!(
-        mats.iter().all(|w| w.k == k) && x.len() == m * k,
-        "packed matmul input shape: this is a bug"
+        mats.len() <= MAX_MANY
+            && outs.len() == mats.len()
+            && mats.iter().all(|w| w.k == k)
+            && x.len() == m * k,
+        "packed matmul shapes: this is a bug"
     );
-    let mut kinds: Vec<(ActKind, QuantizedActs)> = Vec::new();
-    for w in mats {
-        let kind = w.act_kind();
-        if !kinds.iter().any(|(k, _)| *k == kind) {
-            kinds.push((kind, QuantizedActs::new(kind, x, m, k)));
-        }
-    }
-    let mut outs: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; m * w.n]).collect();
-    let dsts: Vec<SharedOut> = outs.iter_mut().map(|o| SharedOut::new(o)).collect();
-    let acts: Vec<&QuantizedActs> = mats
-        .iter()
-        .map(|w| {
+    let slot = |kind: ActKind| match kind {
+        ActKind::Q8_0 => 0,
+        ActKind::Q8K => 1,
+    };
+    ACTS.with(|cell| {
+        // A nested call (none today) would find the buffers taken: it gets its own.
+        let mut own: [QuantizedActs; 2] = Default::default();
+        let mut borrowed = cell.try_borrow_mut();
+        let acts: &mut [QuantizedActs; 2] = match borrowed.as_deref_mut() {
+            Ok(acts) => acts,
+            Err(_) => &mut own,
+        };
+        let mut filled = [false; 2];
+        for w in mats {
             let kind = w.act_kind();
-            &kinds
-                .iter()
-                .find(|(k, _)| *k == kind)
-                .expect("quantized above")
-                .1
-        })
-        .collect();
-    // Item ranges of each product in one flat numbering.
-    let mut starts = Vec::with_capacity(mats.len() + 1);
-    starts.push(0);
-    for w in mats {
-        starts.push(starts.last().copied().unwrap_or(0) + w.items(m));
-    }
-    let total = starts.last().copied().unwrap_or(0);
-    candle_core::utils::barrier_pool().execute_chunked(total, |range| {
-        for item in range {
-            let i = starts.partition_point(|&s| s <= item) - 1;
-            // SAFETY: `acts[i]` is `x` quantized for `mats[i]`'s format; `dsts[i]` is its
-            // own output, each item of which one work item writes.
-            unsafe { mats[i].item_any(acts[i], m, dsts[i], item - starts[i]) };
+            if !filled[slot(kind)] {
+                acts[slot(kind)].fill(kind, x, m, k);
+                filled[slot(kind)] = true;
+            }
         }
+        let acts: &[QuantizedActs; 2] = acts;
+        let mut dsts = [None; MAX_MANY];
+        for ((w, out), dst) in mats.iter().zip(outs.iter_mut()).zip(&mut dsts) {
+            out.clear();
+            out.resize(m * w.n, 0.0);
+            *dst = Some(SharedOut::new(out));
+        }
+        // Item ranges of each product in one flat numbering.
+        let mut starts = [0usize; MAX_MANY + 1];
+        for (i, w) in mats.iter().enumerate() {
+            starts[i + 1] = starts[i] + w.items(m);
+        }
+        let starts = &starts[..=mats.len()];
+        let total = starts[mats.len()];
+        candle_core::utils::barrier_pool().execute_chunked(total, |range| {
+            for item in range {
+                let i = starts.partition_point(|&s| s <= item) - 1;
+                let dst = dsts[i].expect("one output per matrix");
+                // SAFETY: `acts[slot]` is `x` quantized for `mats[i]`'s format; `dst` is its
+                // own output, each item of which one work item writes.
+                unsafe {
+                    mats[i].item_any(&acts[slot(mats[i].act_kind())], m, dst, item - starts[i])
+                };
+            }
+        });
     });
-    outs
 }
 
 /// Reorders ggml rows into 8-column groups, `[group][block][GROUP_BLOCK_BYTES]`.
