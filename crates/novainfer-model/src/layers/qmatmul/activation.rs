@@ -104,8 +104,11 @@ impl QuantizedActs {
                 continue;
             }
             let iscale = -127f32 / max;
-            for (q, &v) in qb.iter_mut().zip(xb) {
-                *q = (iscale * v).round().clamp(-128.0, 127.0) as i8;
+            // `round(iscale·v)` clamped to i8, 32 values at a time (the packs saturate, which
+            // is the clamp); bit-identical to the scalar definition (tested below).
+            for (x32, q32) in xb.chunks_exact(QK8_0).zip(qb.chunks_exact_mut(QK8_0)) {
+                // SAFETY: 32 values each; AVX2 was detected before any packed matrix was built.
+                unsafe { round_block_avx2(x32, iscale, q32) };
             }
             d.push(1.0 / iscale);
             let s16: [i32; 16] = std::array::from_fn(|g| {
@@ -170,6 +173,38 @@ unsafe fn round_block_avx2(x: &[f32], inv: f32, q: &mut [i8]) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Q8_K rows quantize to ggml's integers: `clamp(round(x·(-127/max)))`, ties included.
+    #[test]
+    fn q8k_rounding_matches_scalar_round() {
+        let mut x: Vec<f32> = (0..2048)
+            .map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 77.0)
+            .collect();
+        // A block whose extreme is negative, and one with exact ties (max -127 → iscale 1).
+        x[256..264].copy_from_slice(&[-127.0, 0.5, -0.5, 1.5, -1.5, 126.5, -126.5, 2.4999998]);
+        x[512..768].iter_mut().for_each(|v| *v = 0.0);
+        let acts = QuantizedActs::new(ActKind::Q8K, &x, 1, x.len());
+        for (b, (xb, qb)) in x.chunks_exact(QK_K).zip(acts.qs.chunks_exact(QK_K)).enumerate() {
+            let (mut amax, mut max) = (0f32, 0f32);
+            for &v in xb {
+                if amax < v.abs() {
+                    amax = v.abs();
+                    max = v;
+                }
+            }
+            let want: Vec<i8> = if amax == 0.0 {
+                vec![0; QK_K]
+            } else {
+                let iscale = -127f32 / max;
+                xb.iter()
+                    .map(|&v| (iscale * v).round().clamp(-128.0, 127.0) as i8)
+                    .collect()
+            };
+            assert_eq!(qb, &want[..], "block {b}");
+            let u8s: Vec<u8> = want.iter().map(|&q| (q as u8) ^ 0x80).collect();
+            assert_eq!(&acts.qs_u8[b * QK_K..(b + 1) * QK_K], &u8s[..], "block {b} as u8");
+        }
+    }
 
     /// The SIMD rounding must give the integers of the scalar definition, ties included.
     #[test]
