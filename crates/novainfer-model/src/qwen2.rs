@@ -15,7 +15,9 @@ use crate::error::{ModelError, Result};
 use crate::forward_batch::{ForwardBatch, ForwardOutput, SpanOutput};
 use crate::kv_cache::SequenceKvCache;
 use crate::kv_dtype::{KvCacheDtype, KvStorage};
-use crate::layers::ops::{add_in_place, normalize_l2, rms_norm, rms_norm_into, silu_mul_into, Rope, RopeAngles};
+use crate::layers::ops::{
+    add_in_place, normalize_l2, rms_norm, rms_norm_into, silu_mul_into, Rope, RopeAngles,
+};
 use crate::layers::paged_attention::{paged_attention_into, AttnIsa, Plan as AttnPlan};
 use crate::layers::{AttentionShape, Embedding, Linear};
 use crate::loader::{CheckedSource, Checkpoint, ModelFormat, RawTensor, TensorSource};
@@ -324,7 +326,12 @@ impl Qwen2Model {
     }
 
     /// The final norm of the rows each span asks for, and the logits of those that want them.
-    fn outputs(&self, batch: &ForwardBatch, ws: &mut Workspace, out: &mut ForwardOutput) -> Result<()> {
+    fn outputs(
+        &self,
+        batch: &ForwardBatch,
+        ws: &mut Workspace,
+        out: &mut ForwardOutput,
+    ) -> Result<()> {
         let h = self.cfg.hidden_size;
         let eps = self.cfg.rms_norm_eps;
         let Workspace {
@@ -344,7 +351,8 @@ impl Qwen2Model {
         if !rows.is_empty() {
             gather(rows, selected);
             rms_norm_into(selected, &self.norm, eps, normed);
-            self.lm_head.forward_into(normed, rows.len(), &mut out.logits)?;
+            self.lm_head
+                .forward_into(normed, rows.len(), &mut out.logits)?;
         }
         batch.hidden_indices_into(rows);
         gather(rows, selected);
@@ -368,14 +376,20 @@ impl Qwen2Model {
 
     /// Embeds `batch`, writes its K/V and runs every decoder layer, leaving the residual
     /// stream `[tokens, hidden]` before the final norm in `ws.hidden`.
-    fn run_layers(&self, batch: &ForwardBatch, kv: &mut PagedKvCache, ws: &mut Workspace) -> Result<()> {
+    fn run_layers(
+        &self,
+        batch: &ForwardBatch,
+        kv: &mut PagedKvCache,
+        ws: &mut Workspace,
+    ) -> Result<()> {
         let vocab_size = self.cfg.vocab_size;
         if let Some(&id) = batch.token_ids.iter().find(|&&t| t as usize >= vocab_size) {
             return Err(ModelError::TokenOutOfRange { id, vocab_size });
         }
         batch.validate(kv.block_size())?;
         kv.check_slots(&batch.slot_mapping)?;
-        self.embed_tokens.forward_into(&batch.token_ids, &mut ws.hidden)?;
+        self.embed_tokens
+            .forward_into(&batch.token_ids, &mut ws.hidden)?;
         self.rope.angles_into(&batch.positions, &mut ws.angles);
         for (i, layer) in self.layers.iter().enumerate() {
             self.block(i, layer, batch, kv, ws)?;

@@ -80,7 +80,13 @@ fn step(batch: &mut ForwardBatch, tables: &[Vec<u32>], pos: usize) {
     batch.clear();
     for (s, table) in tables.iter().enumerate() {
         let slot = table[pos / BLOCK_SIZE] as usize * BLOCK_SIZE + pos % BLOCK_SIZE;
-        batch.push(&[(s * 7 + pos) as u32 % 40], pos, vec![slot], table.clone(), true);
+        batch.push(
+            &[(s * 7 + pos) as u32 % 40],
+            pos,
+            vec![slot],
+            table.clone(),
+            true,
+        );
     }
 }
 
@@ -91,7 +97,11 @@ fn allocations_per_step(quantized: bool) -> Vec<usize> {
     let blocks_per_seq = DEPTH.div_ceil(BLOCK_SIZE);
     let mut kv = PagedKvCache::new(&cfg, SEQS * blocks_per_seq, BLOCK_SIZE, model.kv_dtype());
     let tables: Vec<Vec<u32>> = (0..SEQS)
-        .map(|s| (s * blocks_per_seq..(s + 1) * blocks_per_seq).map(|b| b as u32).collect())
+        .map(|s| {
+            (s * blocks_per_seq..(s + 1) * blocks_per_seq)
+                .map(|b| b as u32)
+                .collect()
+        })
         .collect();
     let mut batch = ForwardBatch::default();
     let mut out = ForwardOutput::default();
@@ -117,8 +127,12 @@ fn allocations_per_step(quantized: bool) -> Vec<usize> {
 fn a_decode_step_allocates_nothing_after_warm_up() {
     for quantized in [false, true] {
         let counts = allocations_per_step(quantized);
-        let allocating: Vec<(usize, usize)> =
-            counts.iter().copied().enumerate().filter(|&(_, c)| c > 0).collect();
+        let allocating: Vec<(usize, usize)> = counts
+            .iter()
+            .copied()
+            .enumerate()
+            .filter(|&(_, c)| c > 0)
+            .collect();
         assert!(
             allocating.is_empty(),
             "quantized={quantized}: (step, allocations) of the steps that allocated: {allocating:?}"

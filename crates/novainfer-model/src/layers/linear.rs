@@ -112,20 +112,24 @@ impl Linear {
     ) -> Result<()> {
         let mut packed: [Option<&PackedMatrix>; MAX_MANY] = [None; MAX_MANY];
         let all_packed = layers.len() <= MAX_MANY
-            && layers.iter().zip(&mut packed).all(|(l, p)| match &l.weight {
-                Weight::Packed(w) => {
-                    *p = Some(w);
-                    true
-                }
-                _ => false,
-            });
+            && layers
+                .iter()
+                .zip(&mut packed)
+                .all(|(l, p)| match &l.weight {
+                    Weight::Packed(w) => {
+                        *p = Some(w);
+                        true
+                    }
+                    _ => false,
+                });
         if !all_packed {
             for (l, y) in layers.iter().zip(outs.iter_mut()) {
                 l.forward_into(x, rows, y)?;
             }
             return Ok(());
         }
-        let mut mats: [&PackedMatrix; MAX_MANY] = [packed[0].expect("at least one layer"); MAX_MANY];
+        let mut mats: [&PackedMatrix; MAX_MANY] =
+            [packed[0].expect("at least one layer"); MAX_MANY];
         for (m, p) in mats.iter_mut().zip(&packed) {
             if let Some(p) = p {
                 *m = p;
@@ -185,17 +189,22 @@ impl Embedding {
                     match table.dtype() {
                         DType::F32 => {
                             let data = cpu.as_slice::<f32>()?;
-                            ids.iter().for_each(|&id| out.extend_from_slice(&data[row(id)]));
+                            ids.iter()
+                                .for_each(|&id| out.extend_from_slice(&data[row(id)]));
                             return Ok(());
                         }
                         DType::F16 => {
                             let data = cpu.as_slice::<half::f16>()?;
-                            ids.iter().for_each(|&id| out.extend(data[row(id)].iter().map(|v| v.to_f32())));
+                            ids.iter().for_each(|&id| {
+                                out.extend(data[row(id)].iter().map(|v| v.to_f32()))
+                            });
                             return Ok(());
                         }
                         DType::BF16 => {
                             let data = cpu.as_slice::<half::bf16>()?;
-                            ids.iter().for_each(|&id| out.extend(data[row(id)].iter().map(|v| v.to_f32())));
+                            ids.iter().for_each(|&id| {
+                                out.extend(data[row(id)].iter().map(|v| v.to_f32()))
+                            });
                             return Ok(());
                         }
                         _ => {}

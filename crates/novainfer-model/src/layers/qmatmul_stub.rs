@@ -33,7 +33,12 @@ pub fn matmul_many(mats: &[&PackedMatrix], _x: &[f32], _m: usize) -> Vec<Vec<f32
 }
 
 /// Never called: no `PackedMatrix` exists off x86-64.
-pub fn matmul_many_into(mats: &[&PackedMatrix], _x: &[f32], _m: usize, _outs: &mut [&mut Vec<f32>]) {
+pub fn matmul_many_into(
+    mats: &[&PackedMatrix],
+    _x: &[f32],
+    _m: usize,
+    _outs: &mut [&mut Vec<f32>],
+) {
     if let Some(w) = mats.first() {
         match **w {}
     }

@@ -184,7 +184,11 @@ mod tests {
         x[256..264].copy_from_slice(&[-127.0, 0.5, -0.5, 1.5, -1.5, 126.5, -126.5, 2.4999998]);
         x[512..768].iter_mut().for_each(|v| *v = 0.0);
         let acts = QuantizedActs::new(ActKind::Q8K, &x, 1, x.len());
-        for (b, (xb, qb)) in x.chunks_exact(QK_K).zip(acts.qs.chunks_exact(QK_K)).enumerate() {
+        for (b, (xb, qb)) in x
+            .chunks_exact(QK_K)
+            .zip(acts.qs.chunks_exact(QK_K))
+            .enumerate()
+        {
             let (mut amax, mut max) = (0f32, 0f32);
             for &v in xb {
                 if amax < v.abs() {
@@ -202,7 +206,11 @@ mod tests {
             };
             assert_eq!(qb, &want[..], "block {b}");
             let u8s: Vec<u8> = want.iter().map(|&q| (q as u8) ^ 0x80).collect();
-            assert_eq!(&acts.qs_u8[b * QK_K..(b + 1) * QK_K], &u8s[..], "block {b} as u8");
+            assert_eq!(
+                &acts.qs_u8[b * QK_K..(b + 1) * QK_K],
+                &u8s[..],
+                "block {b} as u8"
+            );
         }
     }
 

@@ -422,15 +422,27 @@ impl GroupJob<'_> {
                     }
                     while TILE > 2 && r + 2 <= rows.end {
                         let facc = self.carried::<S, 2>(b0, r, col0);
-                        let tile =
-                            S::kernel_tile::<F, 2>(group, col_off, self.acts, r, blocks.clone(), facc);
+                        let tile = S::kernel_tile::<F, 2>(
+                            group,
+                            col_off,
+                            self.acts,
+                            r,
+                            blocks.clone(),
+                            facc,
+                        );
                         self.store::<S, 2>(tile, r, col0);
                         r += 2;
                     }
                     while r < rows.end {
                         let facc = self.carried::<S, 1>(b0, r, col0);
-                        let tile =
-                            S::kernel_tile::<F, 1>(group, col_off, self.acts, r, blocks.clone(), facc);
+                        let tile = S::kernel_tile::<F, 1>(
+                            group,
+                            col_off,
+                            self.acts,
+                            r,
+                            blocks.clone(),
+                            facc,
+                        );
                         self.store::<S, 1>(tile, r, col0);
                         r += 1;
                     }
@@ -467,7 +479,12 @@ impl GroupJob<'_> {
     /// first slab, else what the previous slab stored (the real columns; padding
     /// lanes are zero and never stored).
     #[inline(always)]
-    unsafe fn carried<S: Simd, const R: usize>(&self, b0: usize, row0: usize, col0: usize) -> [S::F; R] {
+    unsafe fn carried<S: Simd, const R: usize>(
+        &self,
+        b0: usize,
+        row0: usize,
+        col0: usize,
+    ) -> [S::F; R] {
         // SAFETY: the CPU supports `S` (the caller's contract).
         let mut facc = [unsafe { S::zerof() }; R];
         if b0 == 0 {

@@ -82,7 +82,10 @@ impl Kernel for Q6K {
             let offset: i32 = (0..16)
                 .map(|g| {
                     let sc = i32::from(raw[192 + g] as i8);
-                    let sum: i32 = q[16 * g..16 * g + 16].iter().map(|&v| i32::from(v) - 32).sum();
+                    let sum: i32 = q[16 * g..16 * g + 16]
+                        .iter()
+                        .map(|&v| i32::from(v) - 32)
+                        .sum();
                     128 * sc * sum
                 })
                 .sum();
@@ -179,9 +182,8 @@ unsafe fn tile_avx2<const R: usize>(
         for b in blocks {
             let blk = group.add(b * Q6K::GROUP_BLOCK_BYTES);
             let planes = blk.add(4 * col_off);
-            let acts_at: [*const u8; R] = std::array::from_fn(|r| {
-                acts.qs_u8.as_ptr().add((row0 + r) * acts.k + b * QK_K)
-            });
+            let acts_at: [*const u8; R] =
+                std::array::from_fn(|r| acts.qs_u8.as_ptr().add((row0 + r) * acts.k + b * QK_K));
             let mut isum = [_mm256_setzero_si256(); R];
             quarter_avx2::<0, R>(blk.add(col_off), planes, &acts_at, &mut isum);
             quarter_avx2::<1, R>(blk.add(col_off), planes, &acts_at, &mut isum);

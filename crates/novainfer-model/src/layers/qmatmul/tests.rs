@@ -196,7 +196,9 @@ fn products_of_one_input_together_equal_each_alone_bit_for_bit() {
 /// quants 0 and their maximum), with block scales `d`/`dmin` kept small and finite.
 fn raw_k_rows(n: usize, k: usize, block_bytes: usize, f16_at: &[usize], seed: u64) -> Vec<u8> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut raw: Vec<u8> = (0..n * k / 256 * block_bytes).map(|_| rng.random()).collect();
+    let mut raw: Vec<u8> = (0..n * k / 256 * block_bytes)
+        .map(|_| rng.random())
+        .collect();
     for block in raw.chunks_exact_mut(block_bytes) {
         for &at in f16_at {
             let d = half::f16::from_f32(rng.random_range(-0.01f32..0.01));
@@ -206,13 +208,26 @@ fn raw_k_rows(n: usize, k: usize, block_bytes: usize, f16_at: &[usize], seed: u6
     raw
 }
 
-fn packed_from_raw(format: super::Format, raw: &[u8], n: usize, k: usize, isa: IsaChoice) -> PackedMatrix {
+fn packed_from_raw(
+    format: super::Format,
+    raw: &[u8],
+    n: usize,
+    k: usize,
+    isa: IsaChoice,
+) -> PackedMatrix {
     let (group_bytes, data) = match format {
         super::Format::Q6K => super::pack::<super::q6_k::Q6K>(raw, n, k),
         super::Format::Q4K => super::pack::<super::q4_k::Q4K>(raw, n, k),
         _ => unreachable!("K-quant formats only"),
     };
-    PackedMatrix { format, isa, n, k, group_bytes, data }
+    PackedMatrix {
+        format,
+        isa,
+        n,
+        k,
+        group_bytes,
+        data,
+    }
 }
 
 /// Activations whose rows hit the quantizer's extremes: a row of equal values quantizes
@@ -305,7 +320,10 @@ fn reference_q4k(raw: &[u8], n: usize, k: usize, x: &[f32], m: usize) -> Vec<f32
 fn assert_bits_equal(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(g.to_bits() == w.to_bits(), "{what}: element {i}: kernel {g}, reference {w}");
+        assert!(
+            g.to_bits() == w.to_bits(),
+            "{what}: element {i}: kernel {g}, reference {w}"
+        );
     }
 }
 
