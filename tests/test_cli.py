@@ -57,6 +57,15 @@ def test_bench_reports_prefill_and_decode(tiny_models):
     assert "prefill=" in res.stdout and "decode=" in res.stdout
 
 
+def test_bench_batched_reports_aggregate_decode(tiny_models):
+    res = _cli(
+        "bench", "batched", "--model", str(tiny_models["f32"]), "--num-seqs", "3",
+        "--prompt-tokens", "8", "--decode-tokens", "4", "--repeat", "1",
+    )
+    assert res.returncode == 0, res.stderr
+    assert "seqs=3" in res.stdout and "prefill=" in res.stdout and "aggregate" in res.stdout
+
+
 def test_bench_throughput_compares_batched_and_serial(tiny_models):
     res = _cli(
         "bench", "throughput", "--model", str(tiny_models["f32"]), "--num-requests", "4",

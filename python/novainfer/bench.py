@@ -12,6 +12,9 @@
   budget), reporting tokens/s, the pool's bytes, the KV watermark (most blocks/cells in use, and their bytes),
   and whether the two produced the same tokens.
 
+- ``batched``: ``--num-seqs`` sequences of ``--prompt-tokens`` each decoding ``--decode-tokens`` together, as
+  llama.cpp's ``llama-batched-bench`` does: prefill time is that of the same prompts with one output token, and the
+  aggregate decode speed is the remaining tokens of all sequences over the remaining time.
 - ``structured``: decode speed with a JSON Schema constraint against none, on the same chat prompts, at batch 1
   and at batch `--num-requests` (16 by default); the runs alternate constrained and unconstrained so a busy
   machine slows both alike, and the median of `--repeat` runs is reported, with the process's CPU time per token
@@ -35,7 +38,13 @@ from ._native import SamplingParams
 from .llm import LLM
 
 __all__ = [
-    "add_bench_args", "run_bench", "bench_latency", "bench_throughput", "bench_prefix", "bench_kv_layout",
+    "add_bench_args",
+    "run_bench",
+    "bench_latency",
+    "bench_batched",
+    "bench_throughput",
+    "bench_prefix",
+    "bench_kv_layout",
     "bench_structured",
 ]
 
@@ -69,6 +78,24 @@ def bench_latency(llm: LLM, prompt_tokens: int, decode_tokens: int) -> tuple[flo
     end = time.perf_counter()
     assert first is not None and count == decode_tokens, "bench run ended early: this is a bug"
     return prompt_tokens / (first - start), (count - 1) / max(end - first, 1e-9)
+
+
+def bench_batched(llm: LLM, num_seqs: int, prompt_tokens: int, decode_tokens: int) -> tuple[float, float]:
+    """Returns (prefill tok/s, aggregate decode tok/s) of `num_seqs` distinct prompts decoded together."""
+    if decode_tokens < 2:
+        raise ValueError("bench batched needs --decode-tokens >= 2")
+    prompts = [_prompt(prompt_tokens, _vocab(llm), seed=1000 + i) for i in range(num_seqs)]
+
+    def run(max_tokens: int) -> float:
+        llm.reset_prefix_cache()
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        return time.perf_counter() - start
+
+    prefill = run(1)
+    total = run(decode_tokens)
+    return num_seqs * prompt_tokens / prefill, num_seqs * (decode_tokens - 1) / max(total - prefill, 1e-9)
 
 
 def _workload(
@@ -247,12 +274,15 @@ def bench_structured(llm: LLM, batch: int, decode_tokens: int, repeat: int) -> d
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """The `novainfer bench` options (the model options are added by the CLI)."""
     p.add_argument(
-        "mode", nargs="?", choices=["latency", "throughput", "prefix", "kv-layout", "structured", "serve", "soak"],
+        "mode",
+        nargs="?",
+        choices=["latency", "batched", "throughput", "prefix", "kv-layout", "structured", "serve", "soak"],
         default="latency",
     )
-    p.add_argument("--prompt-tokens", type=int, default=512, help="latency: prompt length")
-    p.add_argument("--decode-tokens", type=int, default=128, help="latency: tokens to decode")
-    p.add_argument("--repeat", type=int, default=3, help="latency: runs; the best is reported")
+    p.add_argument("--prompt-tokens", type=int, default=512, help="latency, batched: prompt length")
+    p.add_argument("--decode-tokens", type=int, default=128, help="latency, batched: tokens to decode")
+    p.add_argument("--repeat", type=int, default=3, help="latency, batched: runs; the best is reported")
+    p.add_argument("--num-seqs", type=int, default=8, help="batched: sequences decoded together")
     p.add_argument("--num-requests", type=int, default=16, help="throughput: requests")
     p.add_argument("--prompt-range", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     p.add_argument("--output-range", type=int, nargs=2, default=(32, 128), metavar=("MIN", "MAX"))
@@ -294,6 +324,16 @@ def run_bench(llm: LLM, args: argparse.Namespace, make_llm: Callable[..., LLM] |
                 f"{r['json_schema_cpu_ms']:.1f} ms ({cpu_overhead:+.1f}%)"
             )
         print(f"{head} decode={args.decode_tokens} (median of {args.repeat}) | " + " | ".join(parts))
+        return 0
+    if args.mode == "batched":
+        results = [
+            bench_batched(llm, args.num_seqs, args.prompt_tokens, args.decode_tokens) for _ in range(args.repeat)
+        ]
+        print(
+            f"{head} seqs={args.num_seqs} prompt={args.prompt_tokens} decode={args.decode_tokens} "
+            f"prefill={max(r[0] for r in results):.1f} tok/s "
+            f"decode={max(r[1] for r in results):.1f} tok/s aggregate (best of {args.repeat})"
+        )
         return 0
     if args.mode == "prefix":
         engines = {"on": llm, "off": make_llm(enable_prefix_caching=False) if make_llm else None}

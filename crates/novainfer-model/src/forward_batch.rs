@@ -98,9 +98,24 @@ impl ForwardBatch {
         self.token_ids.len()
     }
 
+    /// Empties the batch, keeping its buffers' capacity.
+    pub fn clear(&mut self) {
+        self.token_ids.clear();
+        self.positions.clear();
+        self.slot_mapping.clear();
+        self.seqs.clear();
+    }
+
     /// Rows (flattened token indices) whose logits are returned, in order.
     pub fn logits_indices(&self) -> Vec<usize> {
         let mut rows = Vec::new();
+        self.logits_indices_into(&mut rows);
+        rows
+    }
+
+    /// [`Self::logits_indices`] into `rows` (its capacity reused).
+    pub fn logits_indices_into(&self, rows: &mut Vec<usize>) {
+        rows.clear();
         for s in self.seqs.iter().filter(|s| s.query_len > 0) {
             let all = s.query_start..s.query_start + s.query_len;
             match s.output {
@@ -109,16 +124,24 @@ impl ForwardBatch {
                 SpanOutput::None | SpanOutput::LastHidden => {}
             }
         }
-        rows
     }
 
     /// Rows whose final hidden state is returned, in order.
     pub fn hidden_indices(&self) -> Vec<usize> {
-        self.seqs
-            .iter()
-            .filter(|s| s.output == SpanOutput::LastHidden && s.query_len > 0)
-            .map(|s| s.query_start + s.query_len - 1)
-            .collect()
+        let mut rows = Vec::new();
+        self.hidden_indices_into(&mut rows);
+        rows
+    }
+
+    /// [`Self::hidden_indices`] into `rows` (its capacity reused).
+    pub fn hidden_indices_into(&self, rows: &mut Vec<usize>) {
+        rows.clear();
+        rows.extend(
+            self.seqs
+                .iter()
+                .filter(|s| s.output == SpanOutput::LastHidden && s.query_len > 0)
+                .map(|s| s.query_start + s.query_len - 1),
+        );
     }
 
     /// Whether every span asks for at most its last token's logits (a plain generation step).

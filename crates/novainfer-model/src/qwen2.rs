@@ -6,7 +6,7 @@
 //! MLP do not.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Tensor};
 
@@ -15,8 +15,10 @@ use crate::error::{ModelError, Result};
 use crate::forward_batch::{ForwardBatch, ForwardOutput, SpanOutput};
 use crate::kv_cache::SequenceKvCache;
 use crate::kv_dtype::{KvCacheDtype, KvStorage};
-use crate::layers::ops::{add_in_place, normalize_l2, rms_norm, silu_mul, Rope, RopeAngles};
-use crate::layers::paged_attention::{paged_attention, AttnIsa};
+use crate::layers::ops::{
+    add_in_place, normalize_l2, rms_norm, rms_norm_into, silu_mul_into, Rope, RopeAngles,
+};
+use crate::layers::paged_attention::{paged_attention_into, AttnIsa, Plan as AttnPlan};
 use crate::layers::{AttentionShape, Embedding, Linear};
 use crate::loader::{CheckedSource, Checkpoint, ModelFormat, RawTensor, TensorSource};
 use crate::paged_kv::PagedKvCache;
@@ -100,6 +102,30 @@ pub struct Qwen2Model {
     rope: Rope,
     kv_dtype: KvStorage,
     attn_isa: AttnIsa,
+    /// Buffers of finished forwards, handed to the next ones (see [`Workspace`]).
+    workspaces: Mutex<Vec<Workspace>>,
+}
+
+/// Every buffer one forward pass needs, kept between passes so that a decode step
+/// allocates nothing once they have grown to its size. A forward takes one from the
+/// model's stack (or makes one when concurrent forwards took them all) and returns it.
+#[derive(Default)]
+struct Workspace {
+    hidden: Vec<f32>,
+    x: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    act: Vec<f32>,
+    angles: RopeAngles,
+    plan: AttnPlan,
+    rows: Vec<usize>,
+    selected: Vec<f32>,
+    normed: Vec<f32>,
 }
 
 /// A loaded model plus what the engine needs from its files (tokenizer, templates).
@@ -169,6 +195,7 @@ impl Qwen2Model {
             norm,
             lm_head,
             rope,
+            workspaces: Mutex::new(Vec::new()),
         })
     }
 
@@ -225,18 +252,22 @@ impl Qwen2Model {
         if batch.num_tokens() == 0 {
             return Ok(Vec::new());
         }
-        let hidden = self.run_layers(batch, kv)?;
-        let h = self.cfg.hidden_size;
-        let selected: Vec<f32> = match which {
-            LogitsFor::AllTokens => hidden,
-            LogitsFor::LastToken => batch
-                .logits_indices()
-                .iter()
-                .flat_map(|&r| hidden[r * h..(r + 1) * h].iter().copied())
-                .collect(),
-        };
-        let normed = rms_norm(&selected, &self.norm, self.cfg.rms_norm_eps);
-        self.lm_head.forward(&normed, selected.len() / h)
+        let mut ws = self.take_workspace();
+        let result = self.run_layers(batch, kv, &mut ws).and_then(|()| {
+            let h = self.cfg.hidden_size;
+            let selected: Vec<f32> = match which {
+                LogitsFor::AllTokens => ws.hidden.clone(),
+                LogitsFor::LastToken => batch
+                    .logits_indices()
+                    .iter()
+                    .flat_map(|&r| ws.hidden[r * h..(r + 1) * h].iter().copied())
+                    .collect(),
+            };
+            let normed = rms_norm(&selected, &self.norm, self.cfg.rms_norm_eps);
+            self.lm_head.forward(&normed, selected.len() / h)
+        });
+        self.return_workspace(ws);
+        result
     }
 
     /// Embedding of a whole text: the final (normed) hidden state of its last token,
@@ -266,89 +297,165 @@ impl Qwen2Model {
         batch: &ForwardBatch,
         kv: &mut PagedKvCache,
     ) -> Result<ForwardOutput> {
-        if batch.num_tokens() == 0 {
-            return Ok(ForwardOutput::default());
-        }
-        let hidden = self.run_layers(batch, kv)?;
-        let h = self.cfg.hidden_size;
-        let final_norm = |rows: &[usize]| {
-            let selected: Vec<f32> = rows
-                .iter()
-                .flat_map(|&r| hidden[r * h..(r + 1) * h].iter().copied())
-                .collect();
-            rms_norm(&selected, &self.norm, self.cfg.rms_norm_eps)
-        };
-        let logits_rows = batch.logits_indices();
-        let logits = if logits_rows.is_empty() {
-            Vec::new()
-        } else {
-            self.lm_head
-                .forward(&final_norm(&logits_rows), logits_rows.len())?
-        };
-        Ok(ForwardOutput {
-            logits,
-            hidden: final_norm(&batch.hidden_indices()),
-        })
+        let mut out = ForwardOutput::default();
+        self.forward_outputs_into(batch, kv, &mut out)?;
+        Ok(out)
     }
 
-    /// Embeds `batch`, writes its K/V and runs every decoder layer; returns the
-    /// residual stream `[tokens, hidden]` before the final norm.
-    fn run_layers(&self, batch: &ForwardBatch, kv: &mut PagedKvCache) -> Result<Vec<f32>> {
+    /// [`Self::forward_outputs`] into `out` (its buffers' capacity reused). With packed
+    /// (GGUF Q4_K/Q5_0/Q6_K/Q8_0) or dense f32 matmuls and an f32/f16/bf16 embedding table,
+    /// a step allocates nothing once the model's workspace and `out` have grown to its size
+    /// (tests/decode_allocations.rs counts).
+    pub fn forward_outputs_into(
+        &self,
+        batch: &ForwardBatch,
+        kv: &mut PagedKvCache,
+        out: &mut ForwardOutput,
+    ) -> Result<()> {
+        out.logits.clear();
+        out.hidden.clear();
+        if batch.num_tokens() == 0 {
+            return Ok(());
+        }
+        let mut ws = self.take_workspace();
+        let result = self
+            .run_layers(batch, kv, &mut ws)
+            .and_then(|()| self.outputs(batch, &mut ws, out));
+        self.return_workspace(ws);
+        result
+    }
+
+    /// The final norm of the rows each span asks for, and the logits of those that want them.
+    fn outputs(
+        &self,
+        batch: &ForwardBatch,
+        ws: &mut Workspace,
+        out: &mut ForwardOutput,
+    ) -> Result<()> {
+        let h = self.cfg.hidden_size;
+        let eps = self.cfg.rms_norm_eps;
+        let Workspace {
+            hidden,
+            rows,
+            selected,
+            normed,
+            ..
+        } = ws;
+        let gather = |rows: &[usize], selected: &mut Vec<f32>| {
+            selected.clear();
+            for &r in rows {
+                selected.extend_from_slice(&hidden[r * h..(r + 1) * h]);
+            }
+        };
+        batch.logits_indices_into(rows);
+        if !rows.is_empty() {
+            gather(rows, selected);
+            rms_norm_into(selected, &self.norm, eps, normed);
+            self.lm_head
+                .forward_into(normed, rows.len(), &mut out.logits)?;
+        }
+        batch.hidden_indices_into(rows);
+        gather(rows, selected);
+        rms_norm_into(selected, &self.norm, eps, &mut out.hidden);
+        Ok(())
+    }
+
+    fn take_workspace(&self) -> Workspace {
+        self.workspaces
+            .lock()
+            .ok()
+            .and_then(|mut stack| stack.pop())
+            .unwrap_or_default()
+    }
+
+    fn return_workspace(&self, ws: Workspace) {
+        if let Ok(mut stack) = self.workspaces.lock() {
+            stack.push(ws);
+        }
+    }
+
+    /// Embeds `batch`, writes its K/V and runs every decoder layer, leaving the residual
+    /// stream `[tokens, hidden]` before the final norm in `ws.hidden`.
+    fn run_layers(
+        &self,
+        batch: &ForwardBatch,
+        kv: &mut PagedKvCache,
+        ws: &mut Workspace,
+    ) -> Result<()> {
         let vocab_size = self.cfg.vocab_size;
         if let Some(&id) = batch.token_ids.iter().find(|&&t| t as usize >= vocab_size) {
             return Err(ModelError::TokenOutOfRange { id, vocab_size });
         }
         batch.validate(kv.block_size())?;
         kv.check_slots(&batch.slot_mapping)?;
-        let mut hidden = self.embed_tokens.forward(&batch.token_ids)?;
-        let angles = self.rope.angles(&batch.positions);
+        self.embed_tokens
+            .forward_into(&batch.token_ids, &mut ws.hidden)?;
+        self.rope.angles_into(&batch.positions, &mut ws.angles);
         for (i, layer) in self.layers.iter().enumerate() {
-            self.block(i, layer, &mut hidden, batch, &angles, kv)?;
+            self.block(i, layer, batch, kv, ws)?;
         }
-        Ok(hidden)
+        Ok(())
     }
 
     fn block(
         &self,
         index: usize,
         layer: &DecoderLayer,
-        hidden: &mut [f32],
         batch: &ForwardBatch,
-        angles: &RopeAngles,
         kv: &mut PagedKvCache,
+        ws: &mut Workspace,
     ) -> Result<()> {
         let cfg = &self.cfg;
         let n = batch.num_tokens();
         let eps = cfg.rms_norm_eps;
-        let x = rms_norm(hidden, &layer.input_layernorm, eps);
-        let [mut q, mut k, v]: [Vec<f32>; 3] =
-            Linear::forward_many(&[&layer.q_proj, &layer.k_proj, &layer.v_proj], &x, n)?
-                .try_into()
-                .expect("three projections give three outputs: this is a bug");
-        angles.apply(&mut q, cfg.head_dim());
-        angles.apply(&mut k, cfg.head_dim());
-        kv.write(index, &batch.slot_mapping, &k, &v);
+        let Workspace {
+            hidden,
+            x,
+            q,
+            k,
+            v,
+            attn,
+            proj,
+            gate,
+            up,
+            act,
+            angles,
+            plan,
+            ..
+        } = ws;
+        rms_norm_into(hidden, &layer.input_layernorm, eps, x);
+        Linear::forward_many_into(
+            &[&layer.q_proj, &layer.k_proj, &layer.v_proj],
+            x,
+            n,
+            &mut [q, k, v],
+        )?;
+        angles.apply(q, cfg.head_dim());
+        angles.apply(k, cfg.head_dim());
+        kv.write(index, &batch.slot_mapping, k, v);
         let shape = AttentionShape {
             num_heads: cfg.num_attention_heads,
             num_kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim(),
         };
-        let attn = paged_attention(
-            &q,
+        paged_attention_into(
+            q,
             &batch.positions,
             &batch.seqs,
             kv.layer(index),
             shape,
             self.attn_isa,
+            plan,
+            attn,
         );
-        add_in_place(hidden, &layer.o_proj.forward(&attn, n)?);
+        layer.o_proj.forward_into(attn, n, proj)?;
+        add_in_place(hidden, proj);
 
-        let x = rms_norm(hidden, &layer.post_attention_layernorm, eps);
-        let [gate, up]: [Vec<f32>; 2] =
-            Linear::forward_many(&[&layer.gate_proj, &layer.up_proj], &x, n)?
-                .try_into()
-                .expect("two projections give two outputs: this is a bug");
-        add_in_place(hidden, &layer.down_proj.forward(&silu_mul(&gate, &up), n)?);
+        rms_norm_into(hidden, &layer.post_attention_layernorm, eps, x);
+        Linear::forward_many_into(&[&layer.gate_proj, &layer.up_proj], x, n, &mut [gate, up])?;
+        silu_mul_into(gate, up, act);
+        layer.down_proj.forward_into(act, n, proj)?;
+        add_in_place(hidden, proj);
         Ok(())
     }
 }

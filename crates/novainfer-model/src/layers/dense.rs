@@ -16,12 +16,20 @@ const COL_CHUNK: usize = 16;
 
 /// `x`: `[rows, k]`, `w`: `[n, k]` → `[rows, n]`.
 pub fn matmul_f32(x: &[f32], rows: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
+    let mut y = Vec::new();
+    matmul_f32_into(x, rows, w, n, k, &mut y);
+    y
+}
+
+/// [`matmul_f32`] into `y` (resized to `rows · n`, its capacity reused).
+pub fn matmul_f32_into(x: &[f32], rows: usize, w: &[f32], n: usize, k: usize, y: &mut Vec<f32>) {
     debug_assert!(
-        x.len() == rows * k && w.len() == n * k,
+        x.len() == rows * k && w.len() >= n * k,
         "dense matmul shapes: this is a bug"
     );
-    let mut y = vec![0f32; rows * n];
-    let out = SharedOut::new(&mut y);
+    y.clear();
+    y.resize(rows * n, 0.0);
+    let out = SharedOut::new(y);
     let col_chunks = n.div_ceil(COL_CHUNK);
     let row_tiles = rows.div_ceil(ROW_TILE);
     candle_core::utils::barrier_pool().execute_chunked(col_chunks * row_tiles, |items| {
@@ -39,7 +47,6 @@ pub fn matmul_f32(x: &[f32], rows: usize, w: &[f32], n: usize, k: usize) -> Vec<
             }
         }
     });
-    y
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 
 use crate::error::Result;
-use crate::layers::qmatmul::PackedMatrix;
+use crate::layers::qmatmul::{PackedMatrix, MAX_MANY};
 
 enum Weight {
     /// `[out, in]` in the storage dtype; activations are cast to it for the matmul.
@@ -55,52 +55,91 @@ impl Linear {
 
     /// `x`: `[rows, in]` → `[rows, out]`.
     pub fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        let mut y = Vec::new();
+        self.forward_into(x, rows, &mut y)?;
+        Ok(y)
+    }
+
+    /// [`Self::forward`] into `y` (its capacity reused). Our packed kernels and the dense f32
+    /// path allocate nothing once `y` has grown; candle's paths (other quant types, bf16/f16
+    /// dense weights) allocate their tensors.
+    pub fn forward_into(&self, x: &[f32], rows: usize, y: &mut Vec<f32>) -> Result<()> {
         debug_assert_eq!(
             x.len(),
             rows * self.in_features,
             "linear input shape: this is a bug"
         );
         let xt = || Tensor::from_slice(x, (rows, self.in_features), &Device::Cpu);
-        let mut y = match &self.weight {
-            Weight::Packed(w) => w.matmul(x, rows),
-            Weight::Quantized(w) => to_vec(w.forward(&xt()?)?)?,
+        match &self.weight {
+            Weight::Packed(w) => w.matmul_into(x, rows, y),
+            Weight::Quantized(w) => *y = to_vec(w.forward(&xt()?)?)?,
             Weight::Dense(w) if w.dtype() == DType::F32 && w.is_contiguous() => {
                 let (storage, layout) = w.storage_and_layout();
                 let candle_core::Storage::Cpu(cpu) = &*storage else {
                     unreachable!("weights are loaded on the CPU: this is a bug")
                 };
                 let data = &cpu.as_slice::<f32>()?[layout.start_offset()..];
-                super::dense::matmul_f32(x, rows, data, self.out_features, self.in_features)
+                super::dense::matmul_f32_into(x, rows, data, self.out_features, self.in_features, y)
             }
-            Weight::Dense(w) => to_vec(
-                xt()?
-                    .to_dtype(w.dtype())?
-                    .matmul(&w.t()?)?
-                    .to_dtype(DType::F32)?,
-            )?,
-        };
-        self.add_bias(&mut y);
-        Ok(y)
+            Weight::Dense(w) => {
+                *y = to_vec(
+                    xt()?
+                        .to_dtype(w.dtype())?
+                        .matmul(&w.t()?)?
+                        .to_dtype(DType::F32)?,
+                )?
+            }
+        }
+        self.add_bias(y);
+        Ok(())
     }
 
     /// `forward` of several layers on the same input: the quantized matmuls share one int8
     /// quantization of `x` and one fork/join of the pool; results equal `forward`'s bit for bit.
     pub fn forward_many(layers: &[&Linear], x: &[f32], rows: usize) -> Result<Vec<Vec<f32>>> {
-        let packed: Option<Vec<&PackedMatrix>> = layers
-            .iter()
-            .map(|l| match &l.weight {
-                Weight::Packed(w) => Some(w),
-                _ => None,
-            })
-            .collect();
-        let Some(packed) = packed else {
-            return layers.iter().map(|l| l.forward(x, rows)).collect();
-        };
-        let mut outs = super::qmatmul::matmul_many(&packed, x, rows);
-        for (l, y) in layers.iter().zip(&mut outs) {
+        let mut outs: Vec<Vec<f32>> = layers.iter().map(|_| Vec::new()).collect();
+        let mut refs: Vec<&mut Vec<f32>> = outs.iter_mut().collect();
+        Self::forward_many_into(layers, x, rows, &mut refs)?;
+        Ok(outs)
+    }
+
+    /// [`Self::forward_many`] into `outs` (at most [`MAX_MANY`] layers; capacities reused).
+    pub fn forward_many_into(
+        layers: &[&Linear],
+        x: &[f32],
+        rows: usize,
+        outs: &mut [&mut Vec<f32>],
+    ) -> Result<()> {
+        let mut packed: [Option<&PackedMatrix>; MAX_MANY] = [None; MAX_MANY];
+        let all_packed = layers.len() <= MAX_MANY
+            && layers
+                .iter()
+                .zip(&mut packed)
+                .all(|(l, p)| match &l.weight {
+                    Weight::Packed(w) => {
+                        *p = Some(w);
+                        true
+                    }
+                    _ => false,
+                });
+        if !all_packed {
+            for (l, y) in layers.iter().zip(outs.iter_mut()) {
+                l.forward_into(x, rows, y)?;
+            }
+            return Ok(());
+        }
+        let mut mats: [&PackedMatrix; MAX_MANY] =
+            [packed[0].expect("at least one layer"); MAX_MANY];
+        for (m, p) in mats.iter_mut().zip(&packed) {
+            if let Some(p) = p {
+                *m = p;
+            }
+        }
+        super::qmatmul::matmul_many_into(&mats[..layers.len()], x, rows, outs);
+        for (l, y) in layers.iter().zip(outs.iter_mut()) {
             l.add_bias(y);
         }
-        Ok(outs)
+        Ok(())
     }
 
     fn add_bias(&self, y: &mut [f32]) {
@@ -126,6 +165,58 @@ pub enum Embedding {
 impl Embedding {
     /// `ids` → `[ids.len(), hidden]` in f32.
     pub fn forward(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        self.forward_into(ids, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Self::forward`] into `out` (its capacity reused). Rows of a dense f32/f16/bf16 table
+    /// are copied without allocating; quantized tables go through candle's dequantization.
+    pub fn forward_into(&self, ids: &[u32], out: &mut Vec<f32>) -> Result<()> {
+        if let Embedding::Dense(table) = self {
+            if table.is_contiguous() {
+                let (vocab, hidden) = table.dims2()?;
+                let (storage, layout) = table.storage_and_layout();
+                if let candle_core::Storage::Cpu(cpu) = &*storage {
+                    let start = layout.start_offset();
+                    // Ids were range-checked by the caller; a bad one is a bug, not user input.
+                    let row = |id: u32| {
+                        let r = id as usize;
+                        assert!(r < vocab, "token id {id} out of range: this is a bug");
+                        start + r * hidden..start + (r + 1) * hidden
+                    };
+                    out.clear();
+                    match table.dtype() {
+                        DType::F32 => {
+                            let data = cpu.as_slice::<f32>()?;
+                            ids.iter()
+                                .for_each(|&id| out.extend_from_slice(&data[row(id)]));
+                            return Ok(());
+                        }
+                        DType::F16 => {
+                            let data = cpu.as_slice::<half::f16>()?;
+                            ids.iter().for_each(|&id| {
+                                out.extend(data[row(id)].iter().map(|v| v.to_f32()))
+                            });
+                            return Ok(());
+                        }
+                        DType::BF16 => {
+                            let data = cpu.as_slice::<half::bf16>()?;
+                            ids.iter().for_each(|&id| {
+                                out.extend(data[row(id)].iter().map(|v| v.to_f32()))
+                            });
+                            return Ok(());
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+        *out = self.forward_candle(ids)?;
+        Ok(())
+    }
+
+    fn forward_candle(&self, ids: &[u32]) -> Result<Vec<f32>> {
         let ids = Tensor::from_slice(ids, ids.len(), &Device::Cpu)?;
         let rows = match self {
             Embedding::Dense(table) => table.index_select(&ids, 0)?,

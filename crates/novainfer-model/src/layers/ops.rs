@@ -3,8 +3,15 @@
 /// `x · rsqrt(mean(x²) + eps) · w` per row, accumulated in f64 so the result does
 /// not depend on how the row is split for SIMD.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f64) -> Vec<f32> {
-    let dim = weight.len();
     let mut out = Vec::with_capacity(x.len());
+    rms_norm_into(x, weight, eps, &mut out);
+    out
+}
+
+/// [`rms_norm`] into `out` (its capacity reused).
+pub fn rms_norm_into(x: &[f32], weight: &[f32], eps: f64, out: &mut Vec<f32>) {
+    let dim = weight.len();
+    out.clear();
     for row in x.chunks_exact(dim) {
         let mean_sq = row
             .iter()
@@ -14,15 +21,23 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f64) -> Vec<f32> {
         let scale = (1.0 / (mean_sq + eps).sqrt()) as f32;
         out.extend(row.iter().zip(weight).map(|(&v, &w)| v * scale * w));
     }
-    out
 }
 
 /// `silu(gate) · up`, the SwiGLU activation.
 pub fn silu_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
-    gate.iter()
-        .zip(up)
-        .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
-        .collect()
+    let mut out = Vec::with_capacity(gate.len());
+    silu_mul_into(gate, up, &mut out);
+    out
+}
+
+/// [`silu_mul`] into `out` (its capacity reused).
+pub fn silu_mul_into(gate: &[f32], up: &[f32], out: &mut Vec<f32>) {
+    out.clear();
+    out.extend(
+        gate.iter()
+            .zip(up)
+            .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u),
+    );
 }
 
 /// Scales `v` to unit L2 norm, summing in f64 (an embedding's last step, on every device).
@@ -65,22 +80,29 @@ impl Rope {
     /// The cos and sin of every rotation of `positions`, computed once for a whole step:
     /// every layer rotates its q and k by the same angles.
     pub fn angles(&self, positions: &[usize]) -> RopeAngles {
+        let mut angles = RopeAngles::default();
+        self.angles_into(positions, &mut angles);
+        angles
+    }
+
+    /// [`Self::angles`] into `angles` (its capacity reused).
+    pub fn angles_into(&self, positions: &[usize], angles: &mut RopeAngles) {
         let half = self.inv_freq.len();
-        let mut cos = Vec::with_capacity(positions.len() * half);
-        let mut sin = Vec::with_capacity(positions.len() * half);
+        angles.half = half;
+        angles.cos.clear();
+        angles.sin.clear();
         for &pos in positions {
             for f in &self.inv_freq {
                 let angle = pos as f64 * f;
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
+                angles.cos.push(angle.cos() as f32);
+                angles.sin.push(angle.sin() as f32);
             }
         }
-        RopeAngles { half, cos, sin }
     }
 }
 
 /// [`Rope::angles`]: `[rows, head_dim/2]` cosines and sines.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct RopeAngles {
     half: usize,
     cos: Vec<f32>,

@@ -5,6 +5,9 @@ use candle_core::quantized::QTensor;
 
 use crate::error::Result;
 
+/// Most matrices one [`matmul_many_into`] takes.
+pub const MAX_MANY: usize = 4;
+
 pub enum PackedMatrix {}
 
 impl PackedMatrix {
@@ -15,6 +18,10 @@ impl PackedMatrix {
     pub fn matmul(&self, _x: &[f32], _m: usize) -> Vec<f32> {
         match *self {}
     }
+
+    pub fn matmul_into(&self, _x: &[f32], _m: usize, _out: &mut Vec<f32>) {
+        match *self {}
+    }
 }
 
 /// Never called: no `PackedMatrix` exists off x86-64.
@@ -22,5 +29,17 @@ pub fn matmul_many(mats: &[&PackedMatrix], _x: &[f32], _m: usize) -> Vec<Vec<f32
     match mats.first() {
         Some(w) => match **w {},
         None => Vec::new(),
+    }
+}
+
+/// Never called: no `PackedMatrix` exists off x86-64.
+pub fn matmul_many_into(
+    mats: &[&PackedMatrix],
+    _x: &[f32],
+    _m: usize,
+    _outs: &mut [&mut Vec<f32>],
+) {
+    if let Some(w) = mats.first() {
+        match **w {}
     }
 }

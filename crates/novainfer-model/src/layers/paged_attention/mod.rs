@@ -58,6 +58,7 @@ impl AttnIsa {
 /// `q`: `[tokens, num_heads·head_dim]` (rotated), token `t` at `positions[t]` of the sequence
 /// whose span holds it; attends to positions `0..=positions[t]` of that sequence in `layer`.
 /// Returns `[tokens, num_heads·head_dim]`.
+#[cfg(test)]
 pub(crate) fn paged_attention(
     q: &[f32],
     positions: &[usize],
@@ -66,9 +67,31 @@ pub(crate) fn paged_attention(
     shape: AttentionShape,
     isa: AttnIsa,
 ) -> Vec<f32> {
-    let mut out = vec![0f32; q.len()];
-    let plan = Plan::new(positions, seqs, shape);
-    let mut partials = vec![0f32; plan.partial_floats];
+    let mut out = Vec::new();
+    let mut plan = Plan::default();
+    paged_attention_into(q, positions, seqs, layer, shape, isa, &mut plan, &mut out);
+    out
+}
+
+/// [`paged_attention`] into `out`, with `plan`'s buffers reused: allocates nothing once both
+/// have grown to the step's size.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn paged_attention_into(
+    q: &[f32],
+    positions: &[usize],
+    seqs: &[SeqSpan],
+    layer: PoolLayer<'_>,
+    shape: AttentionShape,
+    isa: AttnIsa,
+    plan: &mut Plan,
+    out: &mut Vec<f32>,
+) {
+    out.clear();
+    out.resize(q.len(), 0.0);
+    plan.build(positions, seqs, shape);
+    // The partials' heap buffer is written only through this pointer below.
+    let partial_dst = SharedOut::new(&mut plan.partials);
+    let plan = &*plan;
     let ctx = Ctx {
         q,
         positions,
@@ -78,15 +101,10 @@ pub(crate) fn paged_attention(
         scale: 1.0 / (shape.head_dim as f32).sqrt(),
         seqs,
     };
-    let dst = SharedOut::new(&mut out);
-    let partial_dst = SharedOut::new(&mut partials);
+    let dst = SharedOut::new(out);
     // Split partitions left per merge: whoever finishes a group's last one merges it, so
     // decode needs one fork/join of the pool, not two.
-    let pending: Vec<AtomicUsize> = plan
-        .merges
-        .iter()
-        .map(|m| AtomicUsize::new(m.parts))
-        .collect();
+    let pending = &plan.pending;
     candle_core::utils::barrier_pool().execute_chunked(plan.items.len(), |range| {
         for item in &plan.items[range] {
             // SAFETY: each item writes only its own rows of `out` (its tokens × the heads of
@@ -108,7 +126,6 @@ pub(crate) fn paged_attention(
             }
         }
     });
-    out
 }
 
 struct Ctx<'a> {
@@ -148,20 +165,26 @@ struct Merge {
     parts: usize,
 }
 
-struct Plan {
+/// The work items of one attention call and the buffers they share; kept between calls
+/// (one per forward) so a decode step allocates nothing once they have grown.
+#[derive(Default)]
+pub(crate) struct Plan {
     items: Vec<Item>,
     merges: Vec<Merge>,
     partial_floats: usize,
+    /// Split items' partial results, `partial_floats` long.
+    partials: Vec<f32>,
+    /// Per merge, the split partitions not finished yet.
+    pending: Vec<AtomicUsize>,
 }
 
 impl Plan {
-    fn new(positions: &[usize], seqs: &[SeqSpan], shape: AttentionShape) -> Self {
+    fn build(&mut self, positions: &[usize], seqs: &[SeqSpan], shape: AttentionShape) {
         let group = shape.num_heads / shape.num_kv_heads;
-        let mut plan = Plan {
-            items: Vec::new(),
-            merges: Vec::new(),
-            partial_floats: 0,
-        };
+        let plan = self;
+        plan.items.clear();
+        plan.merges.clear();
+        plan.partial_floats = 0;
         for (seq, span) in seqs.iter().enumerate() {
             let tokens = span.query_start..span.query_start + span.query_len;
             let Some(&last) = positions[tokens.clone()].iter().max() else {
@@ -213,7 +236,11 @@ impl Plan {
                 t1 = t0;
             }
         }
-        plan
+        plan.partials.clear();
+        plan.partials.resize(plan.partial_floats, 0.0);
+        plan.pending.clear();
+        plan.pending
+            .extend(plan.merges.iter().map(|m| AtomicUsize::new(m.parts)));
     }
 }
 

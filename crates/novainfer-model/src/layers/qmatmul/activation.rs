@@ -6,8 +6,10 @@
 //!   `q = round(x/d)` with the unrounded `d`; we keep `Σq` per block for the
 //!   kernels' offset corrections.
 //! * Q8_K style (for Q4_K/Q6_K weights): 256-value blocks, `d = max/-127` of the
-//!   signed extreme, `q = clamp(round(x/d))`; we keep the 16-value sums and the
-//!   32-value sums packed as i16 pairs for `madd_epi16`.
+//!   signed extreme, `q = clamp(round(x/d))` (|q| ≤ 127: `max` itself maps to
+//!   -127); we keep the 16-value sums, the 32-value sums packed as i16 pairs for
+//!   `madd_epi16` (Q4_K's mins), and `q + 128` as u8 (Q6_K's AVX2 kernel, whose
+//!   `maddubs` wants the unsigned operand on the activation side).
 //!
 //! Rows are quantized independently: a row's integers never depend on the others.
 
@@ -15,8 +17,10 @@ use half::f16;
 
 pub(super) const QK8_0: usize = 32;
 pub(super) const QK_K: usize = 256;
-/// Per Q8_K block: 16 sums of 16 values, then 4 i32 holding (sum32[2t], sum32[2t+1]) as i16.
+/// Per Q8_K block: 16 sums of 16 values, then at [`K_PAIRS32`] 4 i32 holding
+/// (sum32[2t], sum32[2t+1]) as i16.
 pub(super) const K_SUMS: usize = 16 + 4;
+pub(super) const K_PAIRS32: usize = 16;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum ActKind {
@@ -25,12 +29,15 @@ pub(super) enum ActKind {
 }
 
 /// `m` rows of `k` quantized activations.
+#[derive(Default)]
 pub(super) struct QuantizedActs {
     pub k: usize,
     /// Blocks per row (`k / 32` or `k / 256`).
     pub nb: usize,
     /// `[m, k]`.
     pub qs: Vec<i8>,
+    /// Q8_K only: `qs + 128` as u8, `[m, k]` (empty for Q8_0).
+    pub qs_u8: Vec<u8>,
     /// `[m, nb]` block scales.
     pub d: Vec<f32>,
     /// `[m, nb]` (Q8_0: Σq) or `[m, nb, K_SUMS]` (Q8_K).
@@ -38,18 +45,34 @@ pub(super) struct QuantizedActs {
 }
 
 impl QuantizedActs {
+    #[cfg(test)]
     pub fn new(kind: ActKind, x: &[f32], m: usize, k: usize) -> Self {
+        let mut acts = Self::default();
+        acts.fill(kind, x, m, k);
+        acts
+    }
+
+    /// Quantizes `x` (`[m, k]`) into these buffers, reusing their capacity.
+    pub fn fill(&mut self, kind: ActKind, x: &[f32], m: usize, k: usize) {
         match kind {
-            ActKind::Q8_0 => Self::q8_0(x, m, k),
-            ActKind::Q8K => Self::q8k(x, m, k),
+            ActKind::Q8_0 => self.q8_0(x, m, k),
+            ActKind::Q8K => self.q8k(x, m, k),
         }
     }
 
-    fn q8_0(x: &[f32], m: usize, k: usize) -> Self {
-        let nb = k / QK8_0;
-        let mut qs = vec![0i8; m * k];
-        let mut d = Vec::with_capacity(m * nb);
-        let mut sums = Vec::with_capacity(m * nb);
+    fn reset(&mut self, m: usize, k: usize, block: usize) {
+        self.k = k;
+        self.nb = k / block;
+        self.qs.clear();
+        self.qs.resize(m * k, 0);
+        self.qs_u8.clear();
+        self.d.clear();
+        self.sums.clear();
+    }
+
+    fn q8_0(&mut self, x: &[f32], m: usize, k: usize) {
+        self.reset(m, k, QK8_0);
+        let Self { qs, d, sums, .. } = self;
         for (xb, qb) in x.chunks_exact(QK8_0).zip(qs.chunks_exact_mut(QK8_0)) {
             let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
             let scale = amax / 127.0;
@@ -59,14 +82,13 @@ impl QuantizedActs {
             sums.push(unsafe { round_block_avx2(xb, inv, qb) });
             d.push(f16::from_f32(scale).to_f32());
         }
-        Self { k, nb, qs, d, sums }
     }
 
-    fn q8k(x: &[f32], m: usize, k: usize) -> Self {
-        let nb = k / QK_K;
-        let mut qs = vec![0i8; m * k];
-        let mut d = Vec::with_capacity(m * nb);
-        let mut sums = Vec::with_capacity(m * nb * K_SUMS);
+    fn q8k(&mut self, x: &[f32], m: usize, k: usize) {
+        self.reset(m, k, QK_K);
+        let Self {
+            qs, qs_u8, d, sums, ..
+        } = self;
         for (xb, qb) in x.chunks_exact(QK_K).zip(qs.chunks_exact_mut(QK_K)) {
             // The signed value of largest magnitude (first one on ties), as ggml picks it.
             let (mut amax, mut max) = (0f32, 0f32);
@@ -82,23 +104,30 @@ impl QuantizedActs {
                 continue;
             }
             let iscale = -127f32 / max;
-            for (q, &v) in qb.iter_mut().zip(xb) {
-                *q = (iscale * v).round().clamp(-128.0, 127.0) as i8;
+            // `round(iscale·v)` clamped to i8, 32 values at a time (the packs saturate, which
+            // is the clamp); bit-identical to the scalar definition (tested below).
+            for (x32, q32) in xb.chunks_exact(QK8_0).zip(qb.chunks_exact_mut(QK8_0)) {
+                // SAFETY: 32 values each; AVX2 was detected before any packed matrix was built.
+                unsafe { round_block_avx2(x32, iscale, q32) };
             }
             d.push(1.0 / iscale);
-            let s16: Vec<i32> = qb
-                .chunks_exact(16)
-                .map(|c| c.iter().map(|&q| i32::from(q)).sum())
-                .collect();
+            let s16: [i32; 16] = std::array::from_fn(|g| {
+                qb[16 * g..16 * g + 16].iter().map(|&q| i32::from(q)).sum()
+            });
             sums.extend_from_slice(&s16);
             for t in 0..4 {
                 let lo = (s16[4 * t] + s16[4 * t + 1]) as i16;
                 let hi = (s16[4 * t + 2] + s16[4 * t + 3]) as i16;
-                sums.push(i32::from(lo as u16) | (i32::from(hi) << 16));
+                sums.push(i16_pair(lo, hi));
             }
         }
-        Self { k, nb, qs, d, sums }
+        qs_u8.extend(qs.iter().map(|&q| (q as u8) ^ 0x80));
     }
+}
+
+/// One i32 holding `lo` in its low and `hi` in its high 16 bits (a `madd_epi16` operand).
+fn i16_pair(lo: i16, hi: i16) -> i32 {
+    i32::from(lo as u16) | (i32::from(hi) << 16)
 }
 
 /// `q = round(x·inv)` (ties away from zero, like `f32::round`) for one 32-value
@@ -144,6 +173,46 @@ unsafe fn round_block_avx2(x: &[f32], inv: f32, q: &mut [i8]) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Q8_K rows quantize to ggml's integers: `clamp(round(x·(-127/max)))`, ties included.
+    #[test]
+    fn q8k_rounding_matches_scalar_round() {
+        let mut x: Vec<f32> = (0..2048)
+            .map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 77.0)
+            .collect();
+        // A block whose extreme is negative, and one with exact ties (max -127 → iscale 1).
+        x[256..264].copy_from_slice(&[-127.0, 0.5, -0.5, 1.5, -1.5, 126.5, -126.5, 2.4999998]);
+        x[512..768].iter_mut().for_each(|v| *v = 0.0);
+        let acts = QuantizedActs::new(ActKind::Q8K, &x, 1, x.len());
+        for (b, (xb, qb)) in x
+            .chunks_exact(QK_K)
+            .zip(acts.qs.chunks_exact(QK_K))
+            .enumerate()
+        {
+            let (mut amax, mut max) = (0f32, 0f32);
+            for &v in xb {
+                if amax < v.abs() {
+                    amax = v.abs();
+                    max = v;
+                }
+            }
+            let want: Vec<i8> = if amax == 0.0 {
+                vec![0; QK_K]
+            } else {
+                let iscale = -127f32 / max;
+                xb.iter()
+                    .map(|&v| (iscale * v).round().clamp(-128.0, 127.0) as i8)
+                    .collect()
+            };
+            assert_eq!(qb, &want[..], "block {b}");
+            let u8s: Vec<u8> = want.iter().map(|&q| (q as u8) ^ 0x80).collect();
+            assert_eq!(
+                &acts.qs_u8[b * QK_K..(b + 1) * QK_K],
+                &u8s[..],
+                "block {b} as u8"
+            );
+        }
+    }
 
     /// The SIMD rounding must give the integers of the scalar definition, ties included.
     #[test]

@@ -27,6 +27,7 @@ mod simd;
 #[cfg(test)]
 mod tests;
 
+use std::cell::RefCell;
 use std::ops::Range;
 
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -41,6 +42,11 @@ const GROUP: usize = 16;
 /// Activation bytes per row chunk: one chunk's quantized rows should stay in L2
 /// while every column group streams past them.
 const ROW_CHUNK_BYTES: usize = 256 * 1024;
+/// k-values per slab: a work item runs all its row tiles over one slab of blocks
+/// before the next, so the slab of its group's weights (≤ 14 KiB for 16 columns in
+/// every format) stays in L1 across the tiles instead of streaming from L2 once per
+/// tile (measured on AVX2: Q6_K at k = 8960 was ~1.5x slower per MAC than at k = 1536).
+const SLAB_K: usize = 1024;
 
 /// One quant format's packing and micro-kernel.
 trait Kernel {
@@ -54,23 +60,47 @@ trait Kernel {
     /// Rows per AVX-512 tile: more rows reuse each unpacked weight chunk more, but
     /// past this the accumulators spill (measured per format on Zen 5).
     const WIDE_TILE: usize;
+    /// Rows per plain-AVX2 tile (4 or 6; 16 ymm registers bound it).
+    const AVX2_TILE: usize = 4;
 
     /// Packs the same block index of up to 16 rows of `W` (`None`: padding column,
     /// left zero) into `out` (`GROUP_BLOCK_BYTES`, zero-initialised).
     fn pack_block(cols: &[Option<&[u8]>; GROUP], out: &mut [u8]);
 
     /// Rows `row0..row0+R` of `acts` times columns `col_off..col_off+S::LANES` of
-    /// the group at `group`; lane l of result r is output (row0 + r, col_off + l).
+    /// the group at `group`, over k-blocks `blocks`, accumulated onto `facc` one block
+    /// at a time in order; lane l of result r is output (row0 + r, col_off + l).
     ///
     /// # Safety
-    /// `group` must point at `acts.nb` packed blocks; `col_off + S::LANES ≤ GROUP`;
-    /// the rows must exist in `acts`; the CPU must support `S`.
+    /// `group` must point at `acts.nb` packed blocks; `blocks` must lie in `0..acts.nb`;
+    /// `col_off + S::LANES ≤ GROUP`; the rows must exist in `acts`; the CPU must support `S`.
     unsafe fn tile<S: Simd, const R: usize>(
         group: *const u8,
         col_off: usize,
         acts: &QuantizedActs,
         row0: usize,
+        blocks: Range<usize>,
+        facc: [S::F; R],
     ) -> [S::F; R];
+
+    /// [`Kernel::tile`] on plain AVX2. A format overrides it where a hand-written AVX2
+    /// kernel beats the generic one; the override must compute the same exact integer
+    /// sums and the same f32 operations, so its bits equal every other path's.
+    ///
+    /// # Safety
+    /// As [`Kernel::tile`] with `S = Avx2`.
+    #[inline(always)]
+    unsafe fn tile_avx2<const R: usize>(
+        group: *const u8,
+        col_off: usize,
+        acts: &QuantizedActs,
+        row0: usize,
+        blocks: Range<usize>,
+        facc: [std::arch::x86_64::__m256; R],
+    ) -> [std::arch::x86_64::__m256; R] {
+        // SAFETY: forwarded.
+        unsafe { Self::tile::<Avx2, R>(group, col_off, acts, row0, blocks, facc) }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,31 +163,14 @@ impl PackedMatrix {
 
     /// `x`: `[m, k]` → `[m, n]`.
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
-        assert_eq!(
-            x.len(),
-            m * self.k,
-            "packed matmul input shape: this is a bug"
-        );
-        let mut out = vec![0f32; m * self.n];
-        match self.format {
-            Format::Q5_0 => self.run::<q5_0::Q5_0>(x, m, &mut out),
-            Format::Q8_0 => self.run::<q8_0::Q8_0>(x, m, &mut out),
-            Format::Q4K => self.run::<q4_k::Q4K>(x, m, &mut out),
-            Format::Q6K => self.run::<q6_k::Q6K>(x, m, &mut out),
-        }
+        let mut out = Vec::new();
+        self.matmul_into(x, m, &mut out);
         out
     }
 
-    fn run<F: Kernel>(&self, x: &[f32], m: usize, out: &mut [f32]) {
-        let acts = QuantizedActs::new(F::ACT, x, m, self.k);
-        let items = self.items(m);
-        let dst = SharedOut::new(out);
-        candle_core::utils::barrier_pool().execute_chunked(items, |range| {
-            for item in range {
-                // SAFETY: `acts` quantizes `x` for this format; `dst` is this product's output.
-                unsafe { self.item::<F>(&acts, m, dst, item) };
-            }
-        });
+    /// [`Self::matmul`] into `out` (resized to `m · n`, its capacity reused).
+    pub fn matmul_into(&self, x: &[f32], m: usize, out: &mut Vec<f32>) {
+        matmul_many_into(&[self], x, m, &mut [out]);
     }
 
     fn act_kind(&self) -> ActKind {
@@ -169,8 +182,16 @@ impl PackedMatrix {
         }
     }
 
+    /// A multiple of every tile height (4, 6, 8) where it can be, so that only the last
+    /// chunk of a product ends in short tiles (at k = 8960 the old 29-row chunks ran 5 of
+    /// every 29 rows as single-row tiles).
     fn rows_per_chunk(&self) -> usize {
-        (ROW_CHUNK_BYTES / self.k).max(8)
+        let rows = ROW_CHUNK_BYTES / self.k;
+        if rows >= 24 {
+            rows / 24 * 24
+        } else {
+            rows.max(8)
+        }
     }
 
     /// Work items of an `m`-row product: (row chunk, column group) pairs.
@@ -221,51 +242,82 @@ impl PackedMatrix {
     }
 }
 
+/// Most matrices one [`matmul_many_into`] takes (Q, K and V).
+pub const MAX_MANY: usize = 4;
+
+thread_local! {
+    /// Quantized activations of the calling thread, one per [`ActKind`], reused across
+    /// products so that a decode step allocates nothing once they have grown.
+    static ACTS: RefCell<[QuantizedActs; 2]> = RefCell::new(Default::default());
+}
+
 /// `x · Wᵢᵀ` for several matrices of the same input (Q, K and V; gate and up): `x` is
 /// quantized once per activation format among them, and every product's work items run in
 /// one fork/join of the pool. Each output equals `mats[i].matmul(x, m)` bit for bit.
 pub fn matmul_many(mats: &[&PackedMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
+    let mut outs: Vec<Vec<f32>> = mats.iter().map(|_| Vec::new()).collect();
+    let mut refs: Vec<&mut Vec<f32>> = outs.iter_mut().collect();
+    matmul_many_into(mats, x, m, &mut refs);
+    outs
+}
+
+/// [`matmul_many`] into `outs[i]` (each resized to `m · nᵢ`, its capacity reused); at most
+/// [`MAX_MANY`] matrices. Allocates nothing once the buffers have grown.
+pub fn matmul_many_into(mats: &[&PackedMatrix], x: &[f32], m: usize, outs: &mut [&mut Vec<f32>]) {
     let k = mats.first().map_or(0, |w| w.k);
     assert!(
-        mats.iter().all(|w| w.k == k) && x.len() == m * k,
-        "packed matmul input shape: this is a bug"
+        mats.len() <= MAX_MANY
+            && outs.len() == mats.len()
+            && mats.iter().all(|w| w.k == k)
+            && x.len() == m * k,
+        "packed matmul shapes: this is a bug"
     );
-    let mut kinds: Vec<(ActKind, QuantizedActs)> = Vec::new();
-    for w in mats {
-        let kind = w.act_kind();
-        if !kinds.iter().any(|(k, _)| *k == kind) {
-            kinds.push((kind, QuantizedActs::new(kind, x, m, k)));
-        }
-    }
-    let mut outs: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; m * w.n]).collect();
-    let dsts: Vec<SharedOut> = outs.iter_mut().map(|o| SharedOut::new(o)).collect();
-    let acts: Vec<&QuantizedActs> = mats
-        .iter()
-        .map(|w| {
+    let slot = |kind: ActKind| match kind {
+        ActKind::Q8_0 => 0,
+        ActKind::Q8K => 1,
+    };
+    ACTS.with(|cell| {
+        // A nested call (none today) would find the buffers taken: it gets its own.
+        let mut own: [QuantizedActs; 2] = Default::default();
+        let mut borrowed = cell.try_borrow_mut();
+        let acts: &mut [QuantizedActs; 2] = match borrowed.as_deref_mut() {
+            Ok(acts) => acts,
+            Err(_) => &mut own,
+        };
+        let mut filled = [false; 2];
+        for w in mats {
             let kind = w.act_kind();
-            &kinds
-                .iter()
-                .find(|(k, _)| *k == kind)
-                .expect("quantized above")
-                .1
-        })
-        .collect();
-    // Item ranges of each product in one flat numbering.
-    let mut starts = Vec::with_capacity(mats.len() + 1);
-    starts.push(0);
-    for w in mats {
-        starts.push(starts.last().copied().unwrap_or(0) + w.items(m));
-    }
-    let total = starts.last().copied().unwrap_or(0);
-    candle_core::utils::barrier_pool().execute_chunked(total, |range| {
-        for item in range {
-            let i = starts.partition_point(|&s| s <= item) - 1;
-            // SAFETY: `acts[i]` is `x` quantized for `mats[i]`'s format; `dsts[i]` is its
-            // own output, each item of which one work item writes.
-            unsafe { mats[i].item_any(acts[i], m, dsts[i], item - starts[i]) };
+            if !filled[slot(kind)] {
+                acts[slot(kind)].fill(kind, x, m, k);
+                filled[slot(kind)] = true;
+            }
         }
+        let acts: &[QuantizedActs; 2] = acts;
+        let mut dsts = [None; MAX_MANY];
+        for ((w, out), dst) in mats.iter().zip(outs.iter_mut()).zip(&mut dsts) {
+            out.clear();
+            out.resize(m * w.n, 0.0);
+            *dst = Some(SharedOut::new(out));
+        }
+        // Item ranges of each product in one flat numbering.
+        let mut starts = [0usize; MAX_MANY + 1];
+        for (i, w) in mats.iter().enumerate() {
+            starts[i + 1] = starts[i] + w.items(m);
+        }
+        let starts = &starts[..=mats.len()];
+        let total = starts[mats.len()];
+        candle_core::utils::barrier_pool().execute_chunked(total, |range| {
+            for item in range {
+                let i = starts.partition_point(|&s| s <= item) - 1;
+                let dst = dsts[i].expect("one output per matrix");
+                // SAFETY: `acts[slot]` is `x` quantized for `mats[i]`'s format; `dst` is its
+                // own output, each item of which one work item writes.
+                unsafe {
+                    mats[i].item_any(&acts[slot(mats[i].act_kind())], m, dst, item - starts[i])
+                };
+            }
+        });
     });
-    outs
 }
 
 /// Reorders ggml rows into 8-column groups, `[group][block][GROUP_BLOCK_BYTES]`.
@@ -319,12 +371,18 @@ impl GroupJob<'_> {
     #[target_feature(enable = "avx2,fma")]
     unsafe fn rows_avx2<F: Kernel>(&self, group: *const u8, g: usize, rows: Range<usize>) {
         // SAFETY: forwarded contract of `run`; these features were detected.
-        unsafe { self.rows::<F, Avx2, 4>(group, g, rows) }
+        unsafe {
+            match F::AVX2_TILE {
+                6 => self.rows::<F, Avx2, 6>(group, g, rows),
+                _ => self.rows::<F, Avx2, 4>(group, g, rows),
+            }
+        }
     }
 
-    /// Full tiles of `TILE` rows, then single rows, for each `S::LANES`-wide slice of
-    /// the group; every path runs the same per-element sequence, so where a row
-    /// falls does not change its bits.
+    /// Full tiles of `TILE` rows, then tiles of 2 and 1, for each `S::LANES`-wide slice of
+    /// the group, one k-slab of [`SLAB_K`] values at a time; every path runs the same
+    /// per-element sequence (blocks in order onto one f32 accumulator, carried between
+    /// slabs in the output), so where a row falls does not change its bits.
     #[inline(always)]
     unsafe fn rows<F: Kernel, S: Simd, const TILE: usize>(
         &self,
@@ -332,25 +390,117 @@ impl GroupJob<'_> {
         g: usize,
         rows: Range<usize>,
     ) {
-        for col_off in (0..GROUP).step_by(S::LANES) {
-            if g * GROUP + col_off >= self.n {
-                break;
-            }
-            let mut r = rows.start;
-            // SAFETY: forwarded contract of `run`; `col_off + LANES ≤ GROUP`.
-            unsafe {
-                while r + TILE <= rows.end {
-                    let tile = F::tile::<S, TILE>(group, col_off, self.acts, r);
-                    self.store::<S, TILE>(tile, r, g * GROUP + col_off);
-                    r += TILE;
+        let nb = self.acts.nb;
+        if rows.len() == 1 && S::LANES < GROUP {
+            // SAFETY: forwarded contract of `run`.
+            unsafe { self.single_row::<F, S>(group, g, rows.start) };
+            return;
+        }
+        let slab = (SLAB_K / F::BLOCK_K).max(1);
+        for b0 in (0..nb).step_by(slab) {
+            let blocks = b0..nb.min(b0 + slab);
+            for col_off in (0..GROUP).step_by(S::LANES) {
+                let col0 = g * GROUP + col_off;
+                if col0 >= self.n {
+                    break;
                 }
-                while r < rows.end {
-                    let tile = F::tile::<S, 1>(group, col_off, self.acts, r);
-                    self.store::<S, 1>(tile, r, g * GROUP + col_off);
-                    r += 1;
+                let mut r = rows.start;
+                // SAFETY: forwarded contract of `run`; `col_off + LANES ≤ GROUP`.
+                unsafe {
+                    while r + TILE <= rows.end {
+                        let facc = self.carried::<S, TILE>(b0, r, col0);
+                        let tile = S::kernel_tile::<F, TILE>(
+                            group,
+                            col_off,
+                            self.acts,
+                            r,
+                            blocks.clone(),
+                            facc,
+                        );
+                        self.store::<S, TILE>(tile, r, col0);
+                        r += TILE;
+                    }
+                    while TILE > 2 && r + 2 <= rows.end {
+                        let facc = self.carried::<S, 2>(b0, r, col0);
+                        let tile = S::kernel_tile::<F, 2>(
+                            group,
+                            col_off,
+                            self.acts,
+                            r,
+                            blocks.clone(),
+                            facc,
+                        );
+                        self.store::<S, 2>(tile, r, col0);
+                        r += 2;
+                    }
+                    while r < rows.end {
+                        let facc = self.carried::<S, 1>(b0, r, col0);
+                        let tile = S::kernel_tile::<F, 1>(
+                            group,
+                            col_off,
+                            self.acts,
+                            r,
+                            blocks.clone(),
+                            facc,
+                        );
+                        self.store::<S, 1>(tile, r, col0);
+                        r += 1;
+                    }
                 }
             }
         }
+    }
+
+    /// One row (a decode GEMV) against the whole group: both column halves block by
+    /// block, so each weight line is used completely while it is in L1 and the stream
+    /// from memory never waits on a pass that only re-reads L1 (measured ~10% faster
+    /// than half by half for Q4_K/Q6_K at m = 1 on AVX2). Same per-element sequence as
+    /// [`Self::rows`].
+    #[inline(always)]
+    unsafe fn single_row<F: Kernel, S: Simd>(&self, group: *const u8, g: usize, row: usize) {
+        const HALVES: usize = 2;
+        debug_assert_eq!(S::LANES * HALVES, GROUP);
+        let halves = if g * GROUP + S::LANES < self.n { 2 } else { 1 };
+        // SAFETY: forwarded contract of `run`; `col_off + LANES ≤ GROUP`.
+        unsafe {
+            let mut facc = [[S::zerof(); 1]; HALVES];
+            for b in 0..self.acts.nb {
+                for (h, f) in facc.iter_mut().enumerate().take(halves) {
+                    *f = S::kernel_tile::<F, 1>(group, h * S::LANES, self.acts, row, b..b + 1, *f);
+                }
+            }
+            for (h, f) in facc.into_iter().enumerate().take(halves) {
+                self.store::<S, 1>(f, row, g * GROUP + h * S::LANES);
+            }
+        }
+    }
+
+    /// The accumulators a slab starting at block `b0` continues from: zero for the
+    /// first slab, else what the previous slab stored (the real columns; padding
+    /// lanes are zero and never stored).
+    #[inline(always)]
+    unsafe fn carried<S: Simd, const R: usize>(
+        &self,
+        b0: usize,
+        row0: usize,
+        col0: usize,
+    ) -> [S::F; R] {
+        // SAFETY: the CPU supports `S` (the caller's contract).
+        let mut facc = [unsafe { S::zerof() }; R];
+        if b0 == 0 {
+            return facc;
+        }
+        let cols = S::LANES.min(self.n - col0);
+        for (r, f) in facc.iter_mut().enumerate() {
+            let mut lanes = [0f32; GROUP];
+            // SAFETY: the row segment `(row0 + r)·n + col0 .. + cols` lies in `out` and
+            // belongs to this item only; `lanes` holds ≥ LANES f32.
+            unsafe {
+                lanes[..cols].copy_from_slice(self.dst.range((row0 + r) * self.n + col0, cols));
+                *f = S::loadf(lanes.as_ptr() as *const u8);
+            }
+        }
+        facc
     }
 
     /// Writes the lanes that are real columns (`col0 + l < n`).

@@ -13,7 +13,9 @@
 //! i32; then `acc = fma(f32(isum), dw·da, acc); acc = fnma(f32(imin), dmin·da, acc)`
 //! per block in order, independent of the tile height and vector width.
 
-use super::activation::{ActKind, QuantizedActs, K_SUMS, QK_K};
+use std::ops::Range;
+
+use super::activation::{ActKind, QuantizedActs, K_PAIRS32, K_SUMS, QK_K};
 use super::simd::Simd;
 use super::{Kernel, GROUP};
 
@@ -25,7 +27,7 @@ const MINS: usize = SC + 8 * GROUP;
 const QS: usize = MINS + 4 * 2 * GROUP;
 
 /// ggml's `get_scale_min_k4`: the 6-bit (scale, min) of sub-block `j`.
-fn scale_min(j: usize, q: &[u8]) -> (u8, u8) {
+pub(super) fn scale_min(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
@@ -73,14 +75,15 @@ impl Kernel for Q4K {
         col_off: usize,
         acts: &QuantizedActs,
         row0: usize,
+        blocks: Range<usize>,
+        mut facc: [S::F; R],
     ) -> [S::F; R] {
         // SAFETY: `group` points at `acts.nb` packed blocks of this layout, columns
         // `col_off..col_off+LANES` lie in the group and rows `row0..row0+R` exist in
         // `acts` (the driver's contract); the CPU supports `S`.
         unsafe {
             let low4 = S::splat8(0x0F);
-            let mut facc = [S::zerof(); R];
-            for b in 0..acts.nb {
+            for b in blocks {
                 let blk = group.add(b * Self::GROUP_BLOCK_BYTES);
                 let mut isum = [S::zero(); R];
                 for s in 0..8 {
@@ -103,7 +106,7 @@ impl Kernel for Q4K {
                 let dmin = S::loadf(blk.add(DMIN + 4 * col_off));
                 for (r, (f, t)) in facc.iter_mut().zip(isum).enumerate() {
                     let i = (row0 + r) * acts.nb + b;
-                    let sums = &acts.sums[i * K_SUMS + 16..i * K_SUMS + 20];
+                    let sums = &acts.sums[i * K_SUMS + K_PAIRS32..i * K_SUMS + K_PAIRS32 + 4];
                     let mut imin = S::zero();
                     for (p, &pair) in sums.iter().enumerate() {
                         let m = S::u8_i16(blk.add(MINS + 2 * GROUP * p + 2 * col_off));

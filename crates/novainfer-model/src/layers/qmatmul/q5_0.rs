@@ -16,6 +16,8 @@
 //! over blocks in order, whatever the tile height or vector width: this is what
 //! makes a row's result independent of the batch.
 
+use std::ops::Range;
+
 use super::activation::{ActKind, QuantizedActs, QK8_0};
 use super::simd::Simd;
 use super::{Kernel, GROUP};
@@ -57,6 +59,8 @@ impl Kernel for Q5_0 {
         col_off: usize,
         acts: &QuantizedActs,
         row0: usize,
+        blocks: Range<usize>,
+        mut facc: [S::F; R],
     ) -> [S::F; R] {
         // SAFETY: `group` points at `acts.nb` packed blocks of this layout, columns
         // `col_off..col_off+LANES` lie in the group and rows `row0..row0+R` exist in
@@ -64,8 +68,7 @@ impl Kernel for Q5_0 {
         unsafe {
             let low4 = S::splat8(0x0F);
             let bit4 = S::splat8(0x10);
-            let mut facc = [S::zerof(); R];
-            for b in 0..acts.nb {
+            for b in blocks {
                 let blk = group.add(b * Self::GROUP_BLOCK_BYTES + 4 * col_off);
                 let qh = S::load(blk.add(QH));
                 let mut acc = [S::zero(); R];

@@ -4,15 +4,29 @@
 //! scale: `w = d·sc·(q - 32)`, `q` in 0..=63 split into a low nibble and 2 high
 //! bits. We decode `q` at load time and re-split it into planes that one shift and
 //! mask turn into chunk `c` (k = 4c..4c+3) of all columns. Packed layout, per
-//! 16-column group and block (3392 bytes; column j at bytes 4j..4j+4 of each plane row):
+//! 16-column group and block (3456 bytes; column j at bytes 4j..4j+4 of each plane row):
 //! ```text
-//! [ d: f32 × 16 ][ sc: [16 sub][16 col] i8 ][ lo: 32 × 64 B ][ hi: 16 × 64 B ]
+//! [ d: f32 × 16 ][ sc: [16 sub][16 col] i8 ][ lo: 32 × 64 B ][ hi: 16 × 64 B ][ offset: i32 × 16 ]
 //!   lo[i], byte t: low nibble = q(4i+t) & 15, high nibble = q(128+4i+t) & 15
 //!   hi[i], byte t: bits 2T..2T+1 = q(4(i+16T)+t) >> 4, T = 0..3
+//!   offset = 128·Σ_g sc_g·Σ (q - 32)   (read by the AVX2 tile only)
 //! ```
 //! Per (row, column): `isum = Σ_g sc_g·(Σ q·a - 32·Σa_g)` exact in i32, then
 //! `acc = fma(f32(isum), dw·da, acc)` per block in order, independent of the tile
 //! height and vector width.
+//!
+//! Plain AVX2 has its own tile ([`Kernel::tile_avx2`] below): without `vpdpbusd` the
+//! generic form costs a widening `madd` per 4 k-values and a `mullo` per sub-block and
+//! row, and its three accumulator sets overflow the 16 ymm registers. The AVX2 tile
+//! multiplies `a + 128` (u8) by `q - 32` (i8) with `maddubs`, adds two chunks' pair sums
+//! in i16 (|255·32·2·2| = 32640 fits), applies the sub-block scale in the widening `madd`
+//! itself (`(sc, sc)` i16 pairs), and subtracts the weights-only `offset` once per block:
+//! `Σ sc·Σ (a + 128)(q - 32) - offset` is the same integer `isum`, followed by the same f32
+//! operations, so it is bit-identical to the generic tile.
+
+use std::arch::x86_64::*;
+
+use std::ops::Range;
 
 use super::activation::{ActKind, QuantizedActs, K_SUMS, QK_K};
 use super::simd::Simd;
@@ -23,9 +37,10 @@ pub(super) struct Q6K;
 const SC: usize = 4 * GROUP;
 const LO: usize = SC + 16 * GROUP;
 const HI: usize = LO + 32 * 4 * GROUP;
+const OFFSET: usize = HI + 16 * 4 * GROUP;
 
 /// The 256 unsigned 6-bit values of one ggml Q6_K block, in k order.
-fn decode(raw: &[u8]) -> [u8; QK_K] {
+pub(super) fn decode(raw: &[u8]) -> [u8; QK_K] {
     let (ql, qh) = (&raw[0..128], &raw[128..192]);
     let mut q = [0u8; QK_K];
     for half in 0..2 {
@@ -44,8 +59,9 @@ impl Kernel for Q6K {
     const ACT: ActKind = ActKind::Q8K;
     const BLOCK_K: usize = QK_K;
     const RAW_BLOCK_BYTES: usize = 210;
-    const GROUP_BLOCK_BYTES: usize = HI + 16 * 4 * GROUP;
+    const GROUP_BLOCK_BYTES: usize = OFFSET + 4 * GROUP;
     const WIDE_TILE: usize = 4;
+    const AVX2_TILE: usize = 6;
 
     fn pack_block(cols: &[Option<&[u8]>; GROUP], out: &mut [u8]) {
         for (j, raw) in cols.iter().enumerate() {
@@ -62,6 +78,18 @@ impl Kernel for Q6K {
                         (q[4 * i + t] & 0xF) | ((q[128 + 4 * i + t] & 0xF) << 4);
                 }
             }
+            // 128·Σ_g sc_g·Σ (q - 32): what the AVX2 tile's `a + 128` adds to the block sum.
+            let offset: i32 = (0..16)
+                .map(|g| {
+                    let sc = i32::from(raw[192 + g] as i8);
+                    let sum: i32 = q[16 * g..16 * g + 16]
+                        .iter()
+                        .map(|&v| i32::from(v) - 32)
+                        .sum();
+                    128 * sc * sum
+                })
+                .sum();
+            out[OFFSET + 4 * j..OFFSET + 4 * j + 4].copy_from_slice(&offset.to_le_bytes());
             for i in 0..16 {
                 for t in 0..4 {
                     out[HI + 4 * GROUP * i + 4 * j + t] = (0..4).fold(0u8, |acc, hi| {
@@ -78,6 +106,8 @@ impl Kernel for Q6K {
         col_off: usize,
         acts: &QuantizedActs,
         row0: usize,
+        blocks: Range<usize>,
+        mut facc: [S::F; R],
     ) -> [S::F; R] {
         // SAFETY: `group` points at `acts.nb` packed blocks of this layout, columns
         // `col_off..col_off+LANES` lie in the group and rows `row0..row0+R` exist in
@@ -85,8 +115,7 @@ impl Kernel for Q6K {
         unsafe {
             let low4 = S::splat8(0x0F);
             let bits45 = S::splat8(0x30);
-            let mut facc = [S::zerof(); R];
-            for b in 0..acts.nb {
+            for b in blocks {
                 let blk = group.add(b * Self::GROUP_BLOCK_BYTES);
                 let planes = blk.add(4 * col_off);
                 let mut isum = [S::zero(); R];
@@ -116,6 +145,115 @@ impl Kernel for Q6K {
                 }
             }
             facc
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn tile_avx2<const R: usize>(
+        group: *const u8,
+        col_off: usize,
+        acts: &QuantizedActs,
+        row0: usize,
+        blocks: Range<usize>,
+        facc: [__m256; R],
+    ) -> [__m256; R] {
+        // SAFETY: forwarded.
+        unsafe { tile_avx2::<R>(group, col_off, acts, row0, blocks, facc) }
+    }
+}
+
+/// Rows `row0..row0+R` × columns `col_off..col_off+8` on plain AVX2 (see the module docs).
+///
+/// # Safety
+/// [`Kernel::tile`]'s contract with `S = Avx2`.
+#[inline(always)]
+unsafe fn tile_avx2<const R: usize>(
+    group: *const u8,
+    col_off: usize,
+    acts: &QuantizedActs,
+    row0: usize,
+    blocks: Range<usize>,
+    mut facc: [__m256; R],
+) -> [__m256; R] {
+    // SAFETY: `group` points at `acts.nb` packed blocks, the columns lie in the group,
+    // rows `row0..row0+R` exist in `acts` (so every activation read below is in bounds),
+    // and the caller runs with AVX2/FMA enabled.
+    unsafe {
+        for b in blocks {
+            let blk = group.add(b * Q6K::GROUP_BLOCK_BYTES);
+            let planes = blk.add(4 * col_off);
+            let acts_at: [*const u8; R] =
+                std::array::from_fn(|r| acts.qs_u8.as_ptr().add((row0 + r) * acts.k + b * QK_K));
+            let mut isum = [_mm256_setzero_si256(); R];
+            quarter_avx2::<0, R>(blk.add(col_off), planes, &acts_at, &mut isum);
+            quarter_avx2::<1, R>(blk.add(col_off), planes, &acts_at, &mut isum);
+            quarter_avx2::<2, R>(blk.add(col_off), planes, &acts_at, &mut isum);
+            quarter_avx2::<3, R>(blk.add(col_off), planes, &acts_at, &mut isum);
+            let offset = _mm256_loadu_si256(planes.add(OFFSET) as *const __m256i);
+            let dw = _mm256_loadu_ps(planes as *const f32);
+            for (r, (f, t)) in facc.iter_mut().zip(isum).enumerate() {
+                let t = _mm256_sub_epi32(t, offset);
+                let da = _mm256_set1_ps(*acts.d.get_unchecked((row0 + r) * acts.nb + b));
+                *f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dw, da), *f);
+            }
+        }
+        facc
+    }
+}
+
+/// Sub-blocks `4T..4T+4` (chunks `16T..16T+16`, whose high bits sit at field `T` of the
+/// `hi` plane and whose low bits in the low (`T < 2`) or high nibbles of `lo`) into `isum`:
+/// `Σ sc·Σ (a + 128)·(q - 32)` per row and column.
+///
+/// # Safety
+/// `blk_cols` is the block plus `col_off` (the scales), `planes` the block plus
+/// `4·col_off`; `acts_at[r]` points at row r's `a + 128` bytes of this block; AVX2 is enabled.
+#[inline(always)]
+unsafe fn quarter_avx2<const T: usize, const R: usize>(
+    blk_cols: *const u8,
+    planes: *const u8,
+    acts_at: &[*const u8; R],
+    isum: &mut [__m256i; R],
+) {
+    // SAFETY: the caller's contract; every offset below stays inside one packed block.
+    unsafe {
+        let low4 = _mm256_set1_epi8(0x0F);
+        let bits45 = _mm256_set1_epi8(0x30);
+        let m32 = _mm256_set1_epi8(32);
+        let lo_row = 16 * (T % 2);
+        // Chunk `16T + i` as signed `q - 32` in every byte.
+        let chunk = |i: usize| {
+            let v = _mm256_loadu_si256(planes.add(LO + 4 * GROUP * (lo_row + i)) as *const __m256i);
+            let nib = if T < 2 { v } else { _mm256_srli_epi16::<4>(v) };
+            let h = _mm256_loadu_si256(planes.add(HI + 4 * GROUP * i) as *const __m256i);
+            let h = match T {
+                0 => _mm256_slli_epi16::<4>(h),
+                1 => _mm256_slli_epi16::<2>(h),
+                2 => h,
+                _ => _mm256_srli_epi16::<2>(h),
+            };
+            let q = _mm256_or_si256(_mm256_and_si256(nib, low4), _mm256_and_si256(h, bits45));
+            _mm256_sub_epi8(q, m32)
+        };
+        for s in 0..4 {
+            let sc8 = _mm_loadl_epi64(blk_cols.add(SC + GROUP * (4 * T + s)) as *const __m128i);
+            // (sc, sc) as i16 in every 32-bit lane.
+            let scv = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc8, sc8));
+            for pair in 0..2 {
+                let i = 4 * s + 2 * pair;
+                let (w0, w1) = (chunk(i), chunk(i + 1));
+                for (t, &a) in isum.iter_mut().zip(acts_at) {
+                    let a = a.add(64 * T + 4 * i);
+                    let a0 = _mm256_set1_epi32(std::ptr::read_unaligned(a as *const i32));
+                    let a1 = _mm256_set1_epi32(std::ptr::read_unaligned(a.add(4) as *const i32));
+                    // Pair sums ≤ 255·32·2 = 16320, two chunks' ≤ 32640: exact in i16.
+                    let p = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(a0, w0),
+                        _mm256_maddubs_epi16(a1, w1),
+                    );
+                    *t = _mm256_add_epi32(*t, _mm256_madd_epi16(p, scv));
+                }
+            }
         }
     }
 }

@@ -7,6 +7,8 @@
 //! per block, so the int sums are exact and ISA-independent. The f32
 //! accumulation order is the same as Q5_0's (see there).
 
+use std::ops::Range;
+
 use super::activation::{ActKind, QuantizedActs, QK8_0};
 use super::simd::Simd;
 use super::{Kernel, GROUP};
@@ -40,13 +42,14 @@ impl Kernel for Q8_0 {
         col_off: usize,
         acts: &QuantizedActs,
         row0: usize,
+        blocks: Range<usize>,
+        mut facc: [S::F; R],
     ) -> [S::F; R] {
         // SAFETY: `group` points at `acts.nb` packed blocks of this layout, columns
         // `col_off..col_off+LANES` lie in the group and rows `row0..row0+R` exist in
         // `acts` (the driver's contract); the CPU supports `S`.
         unsafe {
-            let mut facc = [S::zerof(); R];
-            for b in 0..acts.nb {
+            for b in blocks {
                 let blk = group.add(b * Self::GROUP_BLOCK_BYTES + 4 * col_off);
                 let mut acc = [S::zero(); R];
                 for c in 0..8 {

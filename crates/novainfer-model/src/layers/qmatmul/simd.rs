@@ -9,6 +9,10 @@
 //! * each f32 lane sees the same IEEE operations (cvt, mul, fma) whatever the width.
 
 use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::activation::QuantizedActs;
+use super::Kernel;
 
 /// One instruction set as seen by the kernels. Lane `l` of every vector belongs to
 /// output column `l` of the columns being computed.
@@ -59,6 +63,21 @@ pub(super) trait Simd: Copy {
     unsafe fn fma(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
     /// `c - a·b`, one rounding.
     unsafe fn fnma(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
+
+    /// `K`'s tile on this ISA: [`Kernel::tile`], or on plain AVX2 [`Kernel::tile_avx2`]
+    /// (a format's hand-written kernel where it has one). Contract of [`Kernel::tile`].
+    #[inline(always)]
+    unsafe fn kernel_tile<K: Kernel, const R: usize>(
+        group: *const u8,
+        col_off: usize,
+        acts: &QuantizedActs,
+        row0: usize,
+        blocks: Range<usize>,
+        facc: [Self::F; R],
+    ) -> [Self::F; R] {
+        // SAFETY: forwarded.
+        unsafe { K::tile::<Self, R>(group, col_off, acts, row0, blocks, facc) }
+    }
 }
 
 /// Plain AVX2 (the crate's baseline, x86-64-v3).
@@ -181,6 +200,19 @@ macro_rules! ymm_common {
 impl Simd for Avx2 {
     const S8_OFFSET: i32 = 0;
     ymm_common!();
+
+    #[inline(always)]
+    unsafe fn kernel_tile<K: Kernel, const R: usize>(
+        group: *const u8,
+        col_off: usize,
+        acts: &QuantizedActs,
+        row0: usize,
+        blocks: Range<usize>,
+        facc: [__m256; R],
+    ) -> [__m256; R] {
+        // SAFETY: forwarded.
+        unsafe { K::tile_avx2::<R>(group, col_off, acts, row0, blocks, facc) }
+    }
 
     #[inline(always)]
     unsafe fn dot_u6(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {

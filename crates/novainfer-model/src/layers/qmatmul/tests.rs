@@ -191,3 +191,167 @@ fn products_of_one_input_together_equal_each_alone_bit_for_bit() {
         }
     }
 }
+
+/// Raw ggml K-quant rows whose every byte is random (so scales reach -128 and 127 and the
+/// quants 0 and their maximum), with block scales `d`/`dmin` kept small and finite.
+fn raw_k_rows(n: usize, k: usize, block_bytes: usize, f16_at: &[usize], seed: u64) -> Vec<u8> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut raw: Vec<u8> = (0..n * k / 256 * block_bytes)
+        .map(|_| rng.random())
+        .collect();
+    for block in raw.chunks_exact_mut(block_bytes) {
+        for &at in f16_at {
+            let d = half::f16::from_f32(rng.random_range(-0.01f32..0.01));
+            block[at..at + 2].copy_from_slice(&d.to_le_bytes());
+        }
+    }
+    raw
+}
+
+fn packed_from_raw(
+    format: super::Format,
+    raw: &[u8],
+    n: usize,
+    k: usize,
+    isa: IsaChoice,
+) -> PackedMatrix {
+    let (group_bytes, data) = match format {
+        super::Format::Q6K => super::pack::<super::q6_k::Q6K>(raw, n, k),
+        super::Format::Q4K => super::pack::<super::q4_k::Q4K>(raw, n, k),
+        _ => unreachable!("K-quant formats only"),
+    };
+    PackedMatrix {
+        format,
+        isa,
+        n,
+        k,
+        group_bytes,
+        data,
+    }
+}
+
+/// Activations whose rows hit the quantizer's extremes: a row of equal values quantizes
+/// to ±127 everywhere (the largest i16 pair sums the AVX2 kernels can see), the rest random.
+fn extreme_acts(m: usize, k: usize, seed: u64) -> Vec<f32> {
+    let mut x = random(m * k, seed);
+    for (r, row) in x.chunks_exact_mut(k).enumerate() {
+        match r % 4 {
+            0 => row.fill(1.0),
+            1 => row.fill(-0.5),
+            _ => {}
+        }
+    }
+    x
+}
+
+/// The scalar definition of the Q6_K product: per (row, column, block) the exact integer
+/// `Σ_g sc_g·Σ (q - 32)·a`, then `acc = fma(isum, d_w·d_a, acc)` block by block.
+fn reference_q6k(raw: &[u8], n: usize, k: usize, x: &[f32], m: usize) -> Vec<f32> {
+    use super::activation::{ActKind, QuantizedActs};
+    let acts = QuantizedActs::new(ActKind::Q8K, x, m, k);
+    let nb = k / 256;
+    let mut out = vec![0f32; m * n];
+    for r in 0..m {
+        for j in 0..n {
+            let mut acc = 0f32;
+            for b in 0..nb {
+                let blk = &raw[(j * nb + b) * 210..(j * nb + b + 1) * 210];
+                let q = super::q6_k::decode(blk);
+                let a = &acts.qs[r * k + 256 * b..r * k + 256 * (b + 1)];
+                let isum: i32 = (0..16)
+                    .map(|g| {
+                        let sc = i32::from(blk[192 + g] as i8);
+                        let dot: i32 = (16 * g..16 * g + 16)
+                            .map(|i| (i32::from(q[i]) - 32) * i32::from(a[i]))
+                            .sum();
+                        sc * dot
+                    })
+                    .sum();
+                let dw = half::f16::from_le_bytes([blk[208], blk[209]]).to_f32();
+                acc = (isum as f32).mul_add(dw * acts.d[r * nb + b], acc);
+            }
+            out[r * n + j] = acc;
+        }
+    }
+    out
+}
+
+/// The scalar definition of the Q4_K product: exact `isum = Σ_s sc_s·Σ q·a` and
+/// `imin = Σ_s m_s·Σa_s`, then `acc = fma(isum, d·d_a, acc)`, `acc = acc - imin·(dmin·d_a)`.
+fn reference_q4k(raw: &[u8], n: usize, k: usize, x: &[f32], m: usize) -> Vec<f32> {
+    use super::activation::{ActKind, QuantizedActs};
+    let acts = QuantizedActs::new(ActKind::Q8K, x, m, k);
+    let nb = k / 256;
+    let mut out = vec![0f32; m * n];
+    for r in 0..m {
+        for j in 0..n {
+            let mut acc = 0f32;
+            for b in 0..nb {
+                let blk = &raw[(j * nb + b) * 144..(j * nb + b + 1) * 144];
+                let a = &acts.qs[r * k + 256 * b..r * k + 256 * (b + 1)];
+                let (mut isum, mut imin) = (0i32, 0i32);
+                for s in 0..8 {
+                    let (sc, mn) = super::q4_k::scale_min(s, &blk[4..16]);
+                    let (p, high) = (s / 2, s % 2 == 1);
+                    let mut dot = 0i32;
+                    let mut asum = 0i32;
+                    for l in 0..32 {
+                        let byte = blk[16 + 32 * p + l];
+                        let q = if high { byte >> 4 } else { byte & 15 };
+                        let av = i32::from(a[32 * s + l]);
+                        dot += i32::from(q) * av;
+                        asum += av;
+                    }
+                    isum += i32::from(sc) * dot;
+                    imin += i32::from(mn) * asum;
+                }
+                let dw = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                let dmin = half::f16::from_le_bytes([blk[2], blk[3]]).to_f32();
+                let da = acts.d[r * nb + b];
+                acc = (isum as f32).mul_add(dw * da, acc);
+                acc = (-(imin as f32)).mul_add(dmin * da, acc);
+            }
+            out[r * n + j] = acc;
+        }
+    }
+    out
+}
+
+fn assert_bits_equal(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            g.to_bits() == w.to_bits(),
+            "{what}: element {i}: kernel {g}, reference {w}"
+        );
+    }
+}
+
+/// Every ISA path's K-quant product equals the scalar definition bit for bit, on raw blocks
+/// with extreme scales and quants, activations at ±127, tile heights and their tails, and
+/// column counts that leave partial groups.
+#[test]
+fn k_quant_kernels_equal_the_scalar_reference_bit_for_bit() {
+    let k = 1536;
+    for (format, block_bytes, f16_at, n) in [
+        (super::Format::Q6K, 210, &[208][..], 37),
+        (super::Format::Q4K, 144, &[0, 2][..], 21),
+    ] {
+        let raw = raw_k_rows(n, k, block_bytes, f16_at, 5 + n as u64);
+        for m in [1, 2, 4, 5, 7, 9, 13] {
+            let x = extreme_acts(m, k, 31 + m as u64);
+            let want = match format {
+                super::Format::Q6K => reference_q6k(&raw, n, k, &x, m),
+                _ => reference_q4k(&raw, n, k, &x, m),
+            };
+            for isa in [IsaChoice::Avx2, IsaChoice::Vnni256, IsaChoice::Avx512] {
+                if !supports(isa) {
+                    continue;
+                }
+                let packed = packed_from_raw(format, &raw, n, k, isa);
+                let got = packed.matmul(&x, m);
+                assert_bits_equal(&got, &want, &format!("{format:?} {isa:?} m={m}"));
+            }
+        }
+    }
+}
