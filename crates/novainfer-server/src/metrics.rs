@@ -130,6 +130,23 @@ pub struct ModelSnapshot<'a> {
     pub engine: Option<EngineStats>,
 }
 
+/// Series also exported under vLLM's `vllm:` name, for dashboards built for vLLM.
+const VLLM_TWINS: &[&str] = &[
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "spec_decode_num_draft_tokens_total",
+    "spec_decode_num_accepted_tokens_total",
+];
+
+/// `name`, and its `vllm:` twin when it has one.
+fn with_vllm_twin(name: &str) -> Vec<String> {
+    let twin = name
+        .strip_prefix("novainfer:")
+        .filter(|base| VLLM_TWINS.contains(base))
+        .map(|base| format!("vllm:{base}"));
+    std::iter::once(name.to_owned()).chain(twin).collect()
+}
+
 fn header(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
@@ -198,19 +215,7 @@ pub fn render(
             |s| s.num_draft_tokens as f64,
         ),
         (
-            "vllm:spec_decode_num_draft_tokens_total",
-            "counter",
-            "Speculative decoding: draft tokens verified.",
-            |s| s.num_draft_tokens as f64,
-        ),
-        (
             "novainfer:spec_decode_num_accepted_tokens_total",
-            "counter",
-            "Speculative decoding: draft tokens confirmed by the model.",
-            |s| s.num_accepted_tokens as f64,
-        ),
-        (
-            "vllm:spec_decode_num_accepted_tokens_total",
             "counter",
             "Speculative decoding: draft tokens confirmed by the model.",
             |s| s.num_accepted_tokens as f64,
@@ -223,10 +228,12 @@ pub fn render(
         ),
     ];
     for (name, kind, help, value) in engine_series {
-        header(&mut out, name, kind, help);
-        for m in models {
-            if let Some(stats) = &m.engine {
-                let _ = writeln!(out, "{name}{{model_name=\"{}\"}} {}", m.name, value(stats));
+        for name in with_vllm_twin(name) {
+            header(&mut out, &name, kind, help);
+            for m in models {
+                if let Some(stats) = &m.engine {
+                    let _ = writeln!(out, "{name}{{model_name=\"{}\"}} {}", m.name, value(stats));
+                }
             }
         }
     }
@@ -305,17 +312,7 @@ pub fn render(
             |m| &m.queue_time,
         ),
         (
-            "vllm:request_queue_time_seconds",
-            "Time from arrival (waiting for a permit included) to the engine's first step for it.",
-            |m| &m.queue_time,
-        ),
-        (
             "novainfer:request_prefill_time_seconds",
-            "Time from the engine's first step for a request to its first token.",
-            |m| &m.prefill_time,
-        ),
-        (
-            "vllm:request_prefill_time_seconds",
             "Time from the engine's first step for a request to its first token.",
             |m| &m.prefill_time,
         ),
@@ -331,9 +328,11 @@ pub fn render(
         ),
     ];
     for (name, help, histogram) in histograms {
-        header(&mut out, name, "histogram", help);
-        for m in models {
-            histogram(m.metrics).render(&mut out, name, &format!("model_name=\"{}\"", m.name));
+        for name in with_vllm_twin(name) {
+            header(&mut out, &name, "histogram", help);
+            for m in models {
+                histogram(m.metrics).render(&mut out, &name, &format!("model_name=\"{}\"", m.name));
+            }
         }
     }
     header(
