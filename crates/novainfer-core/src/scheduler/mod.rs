@@ -19,9 +19,9 @@
 //! Speculative decoding: a decoding request may carry draft tokens ([`Scheduler::set_draft`]);
 //! once every running request has had its turn, its decode is extended with the drafts into one
 //! chunk ([`ChunkOutput::Verify`]), as far as the budget left, free blocks (a draft never
-//! preempts anyone), `max_tokens` and `max_model_len` allow. `update` takes the confirmed drafts and one sampled token and rolls the
-//! counter back over the rest, so the KV of rejected drafts is never published (their slots are
-//! overwritten by the next step).
+//! preempts anyone), `max_tokens` and `max_model_len` allow. `update` takes the confirmed
+//! drafts and one sampled token and rolls the counter back over the rest, so the KV of
+//! rejected drafts is never published (their slots are overwritten by the next step).
 //!
 //! Prefill-only requests ([`RequestKind::Embed`], [`RequestKind::ScorePrompt`]) are requests
 //! like the others (chunked, inside the KV budget, preemptible) that finish once their
