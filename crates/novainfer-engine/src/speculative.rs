@@ -189,11 +189,6 @@ impl Proposer {
         index.propose(k)
     }
 
-    /// Forgets a finished request.
-    pub fn forget(&mut self, id: RequestId) {
-        self.indexes.remove(&id);
-    }
-
     /// Keeps the state of requests for which `alive` holds.
     pub fn retain(&mut self, mut alive: impl FnMut(RequestId) -> bool) {
         self.indexes.retain(|id, _| alive(*id));
@@ -257,8 +252,8 @@ mod tests {
         assert_eq!(p.propose(&r), vec![7, 8, 9]);
         r.output_token_ids.extend([7, 1]);
         assert!(p.propose(&r).is_empty());
-        p.forget(RequestId(1));
-        assert!(p.indexes.is_empty());
+        p.retain(|_| false);
+        assert!(p.indexes.is_empty() && p.acceptance.is_empty());
     }
 
     #[test]

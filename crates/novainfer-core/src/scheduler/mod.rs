@@ -473,6 +473,10 @@ impl Scheduler {
     }
 
     fn schedule_waiting(&mut self, budget: &mut StepBudget, out: &mut SchedulerOutput) {
+        // The common decode step: nothing to admit, so no seat count (a map) to build.
+        if self.waiting.is_empty() {
+            return;
+        }
         let mut partial = self.partial_prefills();
         let mut seats = Seats::of(self.running.iter().map(|id| &self.requests[id]));
         // Long prompts held back by `max_long_partial_prefills`: they keep their place in the
