@@ -80,6 +80,9 @@ def test_the_server_streams_with_speculation_and_a_client_gone_mid_verification_
         payload = {"model": "tiny", "prompt": PROMPT * 3, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
         code, _, body = post_json(server, "/v1/completions", payload)
         assert code == 200 and json.loads(body)["choices"][0]["text"] == want.outputs[0].text
+        # The reply says what speculation did for it (the Web UI shows the acceptance).
+        spec_usage = json.loads(body)["usage"]["speculative_decoding"]
+        assert 0 < spec_usage["num_accepted_tokens"] <= spec_usage["num_draft_tokens"]
         req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps({**payload, "stream": True}).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
         text = ""
@@ -128,7 +131,7 @@ def chat_prompts() -> list[list[dict]]:
 
 
 @pytest.mark.slow
-def test_greedy_with_ngram_speculation_equals_plain_on_the_real_model_batched_chunked_and_preempted():
+def test_greedy_with_each_method_equals_plain_on_the_real_model_batched_chunked_and_preempted():
     from novainfer.fetch import fetch_model
 
     path = fetch_model("qwen2.5-coder-0.5b", progress=False)
@@ -137,16 +140,22 @@ def test_greedy_with_ngram_speculation_equals_plain_on_the_real_model_batched_ch
     params = SamplingParams(temperature=0, max_tokens=32)
     plain = LLM(path, **common)
     want = plain.chat(chat_prompts(), params)
-    spec = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **common)
-    got = spec.chat(chat_prompts(), params)
-    for w, g in zip(want, got):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids, (w.outputs[0].text, g.outputs[0].text)
-    stats, base = spec.stats(), plain.stats()
-    print(f"steps {base['num_steps']:.0f} -> {stats['num_steps']:.0f}; accepted "
-          f"{stats['num_accepted_tokens']:.0f}/{stats['num_draft_tokens']:.0f} drafts; preemptions "
-          f"{base['num_preemptions']:.0f}/{stats['num_preemptions']:.0f}")
+    base = plain.stats()
     assert base["num_preemptions"] > 0, "the pool was meant to be tight enough to preempt"
-    assert stats["num_accepted_tokens"] > 0 and stats["kv_used_blocks"] == 0
+    # The draft model is the target itself: the only other Qwen2.5 tokenizer model at hand is larger. Its
+    # pool halves the target's, so preemption only grows.
+    for config in ({"method": "ngram", "num_speculative_tokens": 4},
+                   {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}):
+        spec = LLM(path, speculative_config=config, **common)
+        got = spec.chat(chat_prompts(), params)
+        for w, g in zip(want, got):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids, (config, w.outputs[0].text, g.outputs[0].text)
+        stats = spec.stats()
+        print(f"{config['method']}: steps {base['num_steps']:.0f} -> {stats['num_steps']:.0f}; accepted "
+              f"{stats['num_accepted_tokens']:.0f}/{stats['num_draft_tokens']:.0f} drafts; preemptions "
+              f"{base['num_preemptions']:.0f}/{stats['num_preemptions']:.0f}")
+        assert stats["num_accepted_tokens"] > 0 and stats["kv_used_blocks"] == 0
+        del spec
 
 
 def test_constrained_outputs_are_the_same_with_speculation(tiny_models):
@@ -161,3 +170,42 @@ def test_constrained_outputs_are_the_same_with_speculation(tiny_models):
         got = spec.generate(prompts(), params)
         assert [g.outputs[0].text for g in got] == [w.outputs[0].text for w in want]
         assert [g.outputs[0].finish_reason for g in got] == [w.outputs[0].finish_reason for w in want]
+
+
+def test_a_draft_model_gives_the_same_tokens_and_leaks_no_blocks(tiny_models, tmp_path):
+    from tiny_qwen2 import write_tiny_model
+
+    other = write_tiny_model(tmp_path / "seed1", seed=1)
+    common = {"kv_cache_bytes": 8 << 20, "kv_cache_dtype": "f32"}
+    plain = LLM(tiny_models["f32"], **common)
+    for draft, layout in ((tiny_models["f32"], "block"), (other, "slot"), (tiny_models["gguf"], "block")):
+        spec = LLM(tiny_models["f32"], kv_layout=layout, **common,
+                   speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+        for params in (
+            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=40, ignore_eos=True, logprobs=2),
+            SamplingParams(temperature=0, max_tokens=23, n=2, ignore_eos=True, repetition_penalty=1.1),
+        ):
+            want = plain.generate(prompts(), params)
+            got = spec.generate(prompts(), params)
+            for w, g in zip(want, got):
+                assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs], draft
+                assert [c.logprobs for c in g.outputs] == [c.logprobs for c in w.outputs], draft
+        stats = spec.stats()
+        assert stats["num_draft_tokens"] > 0 and stats["kv_used_blocks"] == 0
+        if draft != other:
+            # The target drafting for itself: greedy drafts are nearly all right.
+            assert stats["num_accepted_tokens"] > 0.5 * stats["num_draft_tokens"], stats
+
+
+def test_a_draft_model_must_share_the_targets_tokenizer(tiny_models, tmp_path):
+    from tiny_qwen2 import write_tiny_model
+
+    fim = write_tiny_model(tmp_path / "fim", fim=True)  # four more tokens
+    with pytest.raises(InvalidParameterError) as e:
+        LLM(tiny_models["f32"], kv_cache_bytes=8 << 20,
+            speculative_config={"method": "draft_model", "model": str(fim), "num_speculative_tokens": 2})
+    assert e.value.param == "speculative_config" and "tokenizer" in str(e.value)
+    with pytest.raises(InvalidParameterError, match="model"):
+        LLM(tiny_models["f32"], kv_cache_bytes=8 << 20,
+            speculative_config={"method": "draft_model", "model": str(tmp_path / "absent"), "num_speculative_tokens": 2})

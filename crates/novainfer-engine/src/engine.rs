@@ -1,20 +1,22 @@
 //! Loading an engine: the model, its tokenizer and chat template (the
 //! [`Frontend`]), and the sizing of the KV cache and scheduler.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use novainfer_core::{KvLayout, ParamError, SamplingParams, SchedulerConfig, SchedulingPolicy};
 use novainfer_model::device::{self, Resolved};
 use novainfer_model::{
     load_weights, Checkpoint, DeviceChoice, DeviceWeights, DtypeChoice, Executor, KvCacheDtype,
-    KvStorage, LoadOptions, ModelError, Qwen2Config, StepLimits,
+    KvStorage, LoadOptions, ModelError, OpenedCheckpoint, Qwen2Config, StepLimits,
 };
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
 use crate::cpu_defaults::CpuDefaults;
+use crate::draft_model::{DraftModel, DRAFT_BLOCK_SIZE};
 use crate::error::{EngineError, Result};
 use crate::request::Prompt;
+use crate::speculative::SpeculativeMethod;
 use crate::tokenizer::Tokenizer;
 use novainfer_structured::{CompiledGrammar, GrammarCompiler};
 
@@ -219,6 +221,8 @@ pub struct LoadedEngine {
     pub scheduler: SchedulerConfig,
     pub seed: u64,
     pub speculative: Option<crate::speculative::SpeculativeConfig>,
+    /// The draft model, when `speculative` asks for one.
+    pub draft: Option<DraftModel>,
 }
 
 /// The text side of the engine: tokenizer, chat template and prompt checks.
@@ -412,19 +416,7 @@ impl LoadedEngine {
             }
             resolved = on_the_cpu(&format!("kv_cache_dtype=\"{dtype}\" runs on the CPU only"));
         }
-        let mut tokenizer = match &opened.gguf_metadata {
-            Some(metadata) => {
-                let mut t = Tokenizer::from_gguf(metadata)?;
-                let extra: Vec<u32> = END_OF_GENERATION_TOKENS
-                    .iter()
-                    .filter_map(|s| t.token_to_id(s))
-                    .collect();
-                t.extend_eos_token_ids(&extra)?;
-                t
-            }
-            None => Tokenizer::from_hf_dir(&cfg.model)?,
-        };
-        tokenizer.extend_eos_token_ids(&opened.config.eos_token_ids)?;
+        let tokenizer = open_tokenizer(&opened, &cfg.model)?;
         let chat_template = match tokenizer.chat_template() {
             Some(source) => Some(Arc::new(ChatTemplate::new(
                 source,
@@ -456,10 +448,30 @@ impl LoadedEngine {
             },
             Ok(weights) => weights,
         };
+        let draft_weights = match cfg.speculative.as_ref().map(|s| &s.method) {
+            Some(SpeculativeMethod::DraftModel { model }) => Some(load_draft_weights(
+                model,
+                resolved.device,
+                &opts,
+                limits,
+                &tokenizer,
+            )?),
+            _ => None,
+        };
+        // Both pools hold as many tokens: the target's share of the budget is its part of
+        // the bytes a token takes in both.
+        let kv_share = draft_weights.as_ref().map_or(1.0, |d| {
+            let target = weights.kv_bytes_per_block(DRAFT_BLOCK_SIZE) as f64;
+            target / (target + d.kv_bytes_per_block(DRAFT_BLOCK_SIZE) as f64)
+        });
         let cpu =
             (resolved.device == novainfer_model::Device::Cpu).then(CpuDefaults::for_this_machine);
-        let (num_blocks, max_model_len) =
-            size_kv_cache(cfg, weights.as_ref(), cpu.map(|d| d.max_model_len_cap))?;
+        let (num_blocks, max_model_len) = size_kv_cache(
+            cfg,
+            weights.as_ref(),
+            cpu.map(|d| d.max_model_len_cap),
+            kv_share,
+        )?;
         let long_prefill_token_threshold = cfg
             .long_prefill_token_threshold
             .or(cpu.map(|d| d.long_prefill_token_threshold));
@@ -494,6 +506,28 @@ impl LoadedEngine {
             .max_long_partial_prefills(max_long_partial_prefills)
             .build()?;
         let vocab_size = weights.config().vocab_size;
+        let draft = match draft_weights {
+            Some(d) => {
+                let budget = cfg
+                    .kv_cache
+                    .bytes(weights.as_ref(), cfg.gpu_memory_utilization)?;
+                let bytes = (budget as f64 * (1.0 - kv_share)) as usize;
+                let blocks = bytes / d.kv_bytes_per_block(DRAFT_BLOCK_SIZE);
+                let executor = d.into_executor(blocks, DRAFT_BLOCK_SIZE)?;
+                tracing::info!(
+                    draft_kv_blocks = blocks,
+                    draft_kv_bytes = bytes,
+                    "speculative decoding with a draft model: its KV pool takes this share of \
+                     the KV budget"
+                );
+                Some(DraftModel::new(
+                    executor,
+                    vocab_size,
+                    cfg.max_num_batched_tokens,
+                ))
+            }
+            None => None,
+        };
         let executor = weights.into_executor(num_blocks, block_size)?;
         let tokenizer = Arc::new(tokenizer);
         let grammars = {
@@ -515,9 +549,68 @@ impl LoadedEngine {
             frontend,
             scheduler,
             seed: cfg.seed,
-            speculative: cfg.speculative,
+            speculative: cfg.speculative.clone(),
+            draft,
         })
     }
+}
+
+/// The tokenizer a checkpoint ships (a GGUF file's metadata, or a directory's
+/// `tokenizer.json`), with every end-of-generation token the checkpoint names.
+fn open_tokenizer(opened: &OpenedCheckpoint, path: &Path) -> Result<Tokenizer> {
+    let mut tokenizer = match &opened.gguf_metadata {
+        Some(metadata) => {
+            let mut t = Tokenizer::from_gguf(metadata)?;
+            let extra: Vec<u32> = END_OF_GENERATION_TOKENS
+                .iter()
+                .filter_map(|s| t.token_to_id(s))
+                .collect();
+            t.extend_eos_token_ids(&extra)?;
+            t
+        }
+        None => Tokenizer::from_hf_dir(path)?,
+    };
+    tokenizer.extend_eos_token_ids(&opened.config.eos_token_ids)?;
+    Ok(tokenizer)
+}
+
+/// Loads a draft model on the target's device, after checking that it speaks the target's
+/// tokenizer (the same token for every id; the models' vocabularies may differ by padding).
+fn load_draft_weights(
+    path: &Path,
+    device: novainfer_model::Device,
+    opts: &LoadOptions,
+    limits: StepLimits,
+    target_tokenizer: &Tokenizer,
+) -> Result<Box<dyn DeviceWeights>> {
+    let bad = |why: String| -> EngineError {
+        ParamError::new(
+            "speculative_config",
+            format!("model: {}: {why}", path.display()),
+        )
+        .into()
+    };
+    let opened = Checkpoint::open(path).map_err(|e| bad(e.to_string()))?;
+    let tokenizer = open_tokenizer(&opened, path).map_err(|e| bad(e.to_string()))?;
+    if tokenizer.vocab_size() != target_tokenizer.vocab_size() {
+        return Err(bad(format!(
+            "its tokenizer has {} tokens, the target's {}; a draft model needs the target's \
+             tokenizer",
+            tokenizer.vocab_size(),
+            target_tokenizer.vocab_size()
+        )));
+    }
+    let differs = (0..tokenizer.vocab_size() as u32)
+        .find(|&id| tokenizer.id_to_token(id) != target_tokenizer.id_to_token(id));
+    if let Some(id) = differs {
+        return Err(bad(format!(
+            "its tokenizer differs from the target's at token {id} ({:?} vs {:?}); a draft \
+             model needs the target's tokenizer",
+            tokenizer.id_to_token(id),
+            target_tokenizer.id_to_token(id)
+        )));
+    }
+    load_weights(device, opened, opts, limits).map_err(|e| bad(e.to_string()))
 }
 
 /// The GPU executor's pool is bf16 only.
@@ -552,15 +645,19 @@ fn auto_fallback(choice: DeviceChoice, resolved: &Resolved, err: &ModelError) ->
 /// Blocks that fit in the KV budget, and the `max_model_len` they allow: an
 /// explicit `max_model_len` that cannot fit is an error naming both numbers; the
 /// default (the model's context length, at most `default_cap`) is lowered to what fits.
+/// `share`: the part of the KV budget this model's pool gets (less than 1 when a draft model
+/// takes the rest).
 fn size_kv_cache(
     cfg: &EngineConfig,
     weights: &dyn DeviceWeights,
     default_cap: Option<usize>,
+    share: f64,
 ) -> Result<(usize, usize)> {
     let model: &Qwen2Config = weights.config();
     let block_size = cfg.effective_block_size();
     let per_block = weights.kv_bytes_per_block(block_size);
     let budget = cfg.kv_cache.bytes(weights, cfg.gpu_memory_utilization)?;
+    let budget = (budget as f64 * share) as usize;
     let on_gpu = weights.device() != novainfer_model::Device::Cpu;
     let num_blocks = budget / per_block;
     let capacity = num_blocks * block_size;
@@ -723,15 +820,15 @@ mod tests {
         );
         let mut cfg = EngineConfig::new("/m");
         cfg.gpu_memory_utilization = 0.5;
-        let (blocks, max_len) = size_kv_cache(&cfg, &gpu, None).expect("sized");
+        let (blocks, max_len) = size_kv_cache(&cfg, &gpu, None, 1.0).expect("sized");
         assert_eq!(blocks, (GIB / 2) / gpu.kv_bytes_per_block(16));
         assert_eq!(max_len, 4096, "the model's context fits");
 
         cfg.kv_cache = KvBudget::Bytes(gpu.kv_bytes_per_block(16) * 10);
-        assert_eq!(size_kv_cache(&cfg, &gpu, None).expect("sized").0, 10);
+        assert_eq!(size_kv_cache(&cfg, &gpu, None, 1.0).expect("sized").0, 10);
 
         cfg.kv_cache = KvBudget::FractionOfAvailable(0.5);
-        let err = size_kv_cache(&cfg, &gpu, None).expect_err("host fraction on a GPU");
+        let err = size_kv_cache(&cfg, &gpu, None, 1.0).expect_err("host fraction on a GPU");
         assert_eq!(err.param(), Some("kv_cache_fraction"));
         assert!(err.to_string().contains("gpu_memory_utilization"), "{err}");
     }
@@ -748,7 +845,7 @@ mod tests {
         let mut cfg = EngineConfig::new("/m");
         cfg.max_model_len = Some(4096);
         cfg.gpu_memory_utilization = 1e-6;
-        let err = size_kv_cache(&cfg, &gpu, None).expect_err("a kilobyte holds no context");
+        let err = size_kv_cache(&cfg, &gpu, None, 1.0).expect_err("a kilobyte holds no context");
         assert_eq!(err.param(), Some("gpu_memory_utilization"));
     }
 }

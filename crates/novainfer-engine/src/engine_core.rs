@@ -22,16 +22,17 @@ use novainfer_core::{
     SchedulerOutput,
 };
 use novainfer_model::sampler::{SampledToken, Sampler};
-use novainfer_structured::{CompiledGrammar, Constraint, Progress};
+use novainfer_structured::{CompiledGrammar, Constraint};
 
 use crate::engine::{Frontend, LoadedEngine};
 use crate::error::{EngineError, Result};
 use crate::model_runner::ModelRunner;
 use crate::output_processor::{DeltaSink, OutputEvent};
 use crate::prefill::{PrefillJob, PrefillTask};
-use crate::request::Scheduling;
+use crate::request::{Scheduling, Speculation};
 use crate::sequence::SequenceOutput;
 use crate::speculative::{Proposer, MAX_BATCH_TO_DRAFT};
+use crate::verify::{sample_row, verify_draft, GrammarOutcomes};
 
 struct ActiveRequest {
     sampler: Sampler,
@@ -52,41 +53,6 @@ struct PendingChild {
     request: Request,
     sampler: Sampler,
     constraint: Option<Constraint>,
-}
-
-/// What the grammars said about this step's tokens, for `update`.
-#[derive(Default)]
-struct GrammarOutcomes {
-    /// Complete: the request ends with `stop` on this token.
-    finished: Vec<RequestId>,
-    /// The matcher failed (a bug in the grammar engine): the request fails.
-    failed: Vec<(RequestId, String)>,
-}
-
-/// Samples one row, masked by the request's grammar when it has one, and advances the grammar
-/// by the token; the next mask starts computing at once, off this thread, so it is ready by the
-/// time the next forward pass is.
-fn sample_row(
-    id: RequestId,
-    sampler: &mut Sampler,
-    constraint: Option<&mut Constraint>,
-    row: &mut [f32],
-    outcomes: &mut GrammarOutcomes,
-) -> SampledToken {
-    let Some(constraint) = constraint else {
-        return sampler.sample(row);
-    };
-    if let Err(e) = constraint.apply_mask(row) {
-        outcomes.failed.push((id, e.to_string()));
-        return sampler.sample(row);
-    }
-    let token = sampler.sample(row);
-    match constraint.accept(token.token_id) {
-        Ok(Progress::Finished) => outcomes.finished.push(id),
-        Ok(Progress::Continue) => constraint.prefetch(),
-        Err(e) => outcomes.failed.push((id, e.to_string())),
-    }
-    token
 }
 
 /// Counters a user can read (`llm.stats()`).
@@ -127,6 +93,8 @@ pub struct EngineCore {
     /// Embeddings and scored prompts in flight.
     prefills: HashMap<RequestId, PrefillJob>,
     grammar_outcomes: GrammarOutcomes,
+    /// What this step's verifications confirmed, per request (for its usage).
+    verified: Vec<(RequestId, Speculation)>,
     /// Drafts for speculative decoding, when on.
     proposer: Option<Proposer>,
 }
@@ -151,7 +119,11 @@ impl EngineCore {
             seed: loaded.seed,
             stats,
             grammar_outcomes: GrammarOutcomes::default(),
-            proposer: loaded.speculative.map(Proposer::new),
+            verified: Vec::new(),
+            proposer: loaded
+                .speculative
+                .as_ref()
+                .map(|config| Proposer::new(config, loaded.draft)),
         }
     }
 
@@ -299,25 +271,20 @@ impl EngineCore {
         let Some(proposer) = self.proposer.as_mut() else {
             return;
         };
-        let running = self.scheduler.running_ids().to_vec();
-        let decoding = running
-            .iter()
-            .filter_map(|id| self.scheduler.request(*id))
-            .filter(|r| !r.kind.is_prefill_only() && !r.output_token_ids.is_empty())
-            .count();
         let scheduler = &self.scheduler;
         proposer.retain(|id| scheduler.request(id).is_some());
-        if decoding > MAX_BATCH_TO_DRAFT {
+        let decoding: Vec<&novainfer_core::Request> = scheduler
+            .running_ids()
+            .iter()
+            .filter_map(|id| scheduler.request(*id))
+            .filter(|r| !r.kind.is_prefill_only() && !r.output_token_ids.is_empty())
+            .collect();
+        if decoding.len() > MAX_BATCH_TO_DRAFT {
             return;
         }
-        for id in running {
-            let Some(request) = self.scheduler.request(id) else {
-                continue;
-            };
-            if request.kind.is_prefill_only() || request.output_token_ids.is_empty() {
-                continue;
-            }
-            let draft = proposer.propose(request);
+        let drafts = proposer.propose(&decoding);
+        let ids: Vec<RequestId> = decoding.iter().map(|r| r.id).collect();
+        for (id, draft) in ids.into_iter().zip(drafts) {
             if !draft.is_empty() {
                 self.scheduler.set_draft(id, draft);
             }
@@ -425,11 +392,7 @@ impl EngineCore {
         }
     }
 
-    /// Verifies request `id`'s draft: samples the rows in order (row `i` follows draft token
-    /// `i - 1`) and stops at the first token that is not the draft's, or when the grammar ends.
-    /// Every output token is thus sampled from the target's own distribution after the
-    /// tokens before it, with the same sampler and random stream as without a draft: greedy
-    /// and seeded outputs are the same token for token, and a draft only saves forward passes.
+    /// Verifies request `id`'s draft ([`verify_draft`]) and counts what it confirmed.
     fn verify(
         &mut self,
         id: RequestId,
@@ -442,26 +405,25 @@ impl EngineCore {
             .active
             .get_mut(&id)
             .expect("verified request is active: this is a bug");
-        let mut tokens = Vec::new();
-        for (i, row) in rows.chunks_exact_mut(vocab).enumerate() {
-            let token = sample_row(
-                id,
-                &mut active.sampler,
-                active.constraint.as_mut(),
-                row,
-                &mut self.grammar_outcomes,
-            );
-            let confirmed = draft.get(i) == Some(&token.token_id);
-            tokens.push(token);
-            let grammar_ended = self.grammar_outcomes.finished.contains(&id)
-                || self.grammar_outcomes.failed.iter().any(|(f, _)| *f == id);
-            if !confirmed || grammar_ended {
-                break;
-            }
-        }
+        let tokens = verify_draft(
+            id,
+            &mut active.sampler,
+            active.constraint.as_mut(),
+            draft,
+            rows,
+            vocab,
+            &mut self.grammar_outcomes,
+        );
         let accepted = tokens.len() - 1;
         self.stats.num_draft_tokens += draft.len() as u64;
         self.stats.num_accepted_tokens += accepted as u64;
+        self.verified.push((
+            id,
+            Speculation {
+                num_draft_tokens: draft.len(),
+                num_accepted_tokens: accepted,
+            },
+        ));
         if let Some(proposer) = self.proposer.as_mut() {
             proposer.record(id, draft.len(), accepted);
         }
@@ -543,6 +505,7 @@ impl EngineCore {
         let updates = self.scheduler.update_with_forks(out, &tokens, forks);
         let mut sampled: HashMap<RequestId, Vec<SampledToken>> = sampled.into_iter().collect();
         let outcomes = std::mem::take(&mut self.grammar_outcomes);
+        let verified = std::mem::take(&mut self.verified);
         for u in updates {
             let Some(mut tokens) = sampled.remove(&u.request_id) else {
                 continue;
@@ -593,8 +556,13 @@ impl EngineCore {
                     completes_constraint: false,
                     num_cached_tokens: u.num_cached_tokens,
                     scheduled_at,
+                    speculation: Speculation::default(),
                 });
             }
+            let speculation = verified
+                .iter()
+                .find(|(id, _)| *id == u.request_id)
+                .map_or_else(Speculation::default, |(_, s)| *s);
             self.emit(OutputEvent::Token {
                 id: u.request_id,
                 token: last,
@@ -602,12 +570,14 @@ impl EngineCore {
                 completes_constraint,
                 num_cached_tokens: u.num_cached_tokens,
                 scheduled_at,
+                speculation,
             });
         }
     }
 
     fn fail(&mut self, out: &SchedulerOutput, error: EngineError) {
         let message = error.to_string();
+        self.verified.clear();
         for s in &out.scheduled {
             if let Some(job) = self.prefills.remove(&s.request_id) {
                 job.fail(EngineError::StepFailed {

@@ -5,6 +5,7 @@
 pub mod chat_template;
 pub mod cpu_defaults;
 pub mod detokenizer;
+pub mod draft_model;
 pub mod engine;
 pub mod engine_core;
 pub mod error;
@@ -20,6 +21,7 @@ pub mod sequence;
 pub mod speculative;
 pub mod stop;
 pub mod tokenizer;
+pub mod verify;
 
 pub use chat_template::{ChatMessage, ToolCallMessage};
 pub use engine::{
@@ -34,4 +36,6 @@ pub use handle::{AbortHandle, EngineHandle, NextDelta, RequestStream};
 pub use novainfer_structured as structured;
 pub use output_processor::DeltaSink;
 pub use prefill::{PrefillTask, Reply};
-pub use request::{Delta, Prompt, RequestOutput, Scheduling, StopReason, TokenLogprob};
+pub use request::{
+    Delta, Prompt, RequestOutput, Scheduling, Speculation, StopReason, TokenLogprob,
+};

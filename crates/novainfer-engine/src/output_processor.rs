@@ -20,7 +20,7 @@ use novainfer_core::{FinishReason, RequestId};
 use novainfer_model::sampler::SampledToken;
 
 use crate::error::{EngineError, Result};
-use crate::request::Delta;
+use crate::request::{Delta, Speculation};
 use crate::sequence::SequenceOutput;
 
 /// Where a request's deltas go: a std channel (the blocking [`crate::RequestStream`]) or any
@@ -68,6 +68,8 @@ pub enum OutputEvent {
         num_cached_tokens: usize,
         /// When the request was first scheduled.
         scheduled_at: Option<Instant>,
+        /// Set on the last token of a verified draft: what the verification confirmed.
+        speculation: Speculation,
     },
     /// Ended without a token (abort): the stream gets a final empty delta.
     Finished { id: RequestId, reason: FinishReason },
@@ -109,6 +111,7 @@ pub fn run(events: mpsc::Receiver<Vec<OutputEvent>>, finish: impl Fn(RequestId, 
                 completes_constraint,
                 num_cached_tokens,
                 scheduled_at,
+                speculation,
             } => {
                 // Absent: already ended here; the engine has not caught up yet.
                 let Some(c) = live.get_mut(&id) else {
@@ -123,6 +126,7 @@ pub fn run(events: mpsc::Receiver<Vec<OutputEvent>>, finish: impl Fn(RequestId, 
                     d.index = c.index;
                     d.num_cached_tokens = num_cached_tokens;
                     d.scheduled_at = scheduled_at;
+                    d.speculation = speculation;
                     d
                 });
                 let ended = match &delta {
@@ -211,6 +215,7 @@ mod tests {
                 completes_constraint: false,
                 num_cached_tokens: 3,
                 scheduled_at: None,
+                speculation: Speculation::default(),
             }])
             .expect("output thread alive");
     }

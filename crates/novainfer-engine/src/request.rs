@@ -39,6 +39,21 @@ pub enum StopReason {
     Text(String),
 }
 
+/// What speculative decoding did for a request: draft tokens verified, and those confirmed
+/// (vLLM's `num_draft_tokens` / `num_accepted_tokens`). Sums over the steps of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Speculation {
+    pub num_draft_tokens: usize,
+    pub num_accepted_tokens: usize,
+}
+
+impl std::ops::AddAssign for Speculation {
+    fn add_assign(&mut self, other: Self) {
+        self.num_draft_tokens += other.num_draft_tokens;
+        self.num_accepted_tokens += other.num_accepted_tokens;
+    }
+}
+
 /// What one step added to a request's output.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Delta {
@@ -57,6 +72,8 @@ pub struct Delta {
     /// When the engine first scheduled the request (the end of its queueing and the start of
     /// its prefill); set on deltas that carry tokens.
     pub scheduled_at: Option<Instant>,
+    /// The verification that produced this delta's tokens (zero without a draft).
+    pub speculation: Speculation,
 }
 
 /// A finished request.
@@ -72,6 +89,8 @@ pub struct RequestOutput {
     pub stop_reason: Option<StopReason>,
     /// Prompt tokens served from the prefix cache.
     pub num_cached_tokens: usize,
+    /// Draft tokens verified for this completion, and those confirmed.
+    pub speculation: Speculation,
 }
 
 impl RequestOutput {
@@ -109,6 +128,7 @@ impl RequestOutput {
             finish_reason: FinishReason::Abort,
             stop_reason: None,
             num_cached_tokens: 0,
+            speculation: Speculation::default(),
         };
         for d in deltas {
             out.text.push_str(&d.text);
@@ -121,6 +141,7 @@ impl RequestOutput {
                 out.stop_reason = d.stop_reason;
             }
             out.num_cached_tokens = d.num_cached_tokens;
+            out.speculation += d.speculation;
         }
         out
     }

@@ -1,5 +1,6 @@
 //! Speculative decoding: the configuration (vLLM's `speculative_config`) and the proposers
-//! that draft tokens for the scheduler to verify ([`novainfer_core::Scheduler::set_draft`]).
+//! that draft tokens for the scheduler to verify ([`novainfer_core::Scheduler::set_draft`]):
+//! prompt lookup (n-gram) and a draft model ([`crate::draft_model`]).
 //!
 //! Verification ([`crate::engine_core`]) samples each verified row with the request's own
 //! sampler and stops at the first token that differs from the draft, so the output is the
@@ -7,20 +8,26 @@
 //! draft only saves forward passes.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 
 use novainfer_core::{NgramIndex, NgramRange, ParamError, Request, RequestId};
 use serde_json::Value;
 
+use crate::draft_model::DraftModel;
+
 /// How drafts are made.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SpeculativeMethod {
     /// Prompt lookup: the tokens that followed the latest earlier occurrence of the
     /// sequence's longest suffix n-gram.
     Ngram(NgramRange),
+    /// A smaller model with the same tokenizer, decoding greedily (a checkpoint directory or
+    /// GGUF file, loaded on the target's device).
+    DraftModel { model: PathBuf },
 }
 
 /// vLLM's `speculative_config`, checked.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpeculativeConfig {
     pub method: SpeculativeMethod,
     /// Most draft tokens per request per step.
@@ -31,7 +38,9 @@ const MAX_SPECULATIVE_TOKENS: usize = 16;
 
 impl SpeculativeConfig {
     /// From vLLM's JSON shape: `{"method": "ngram", "num_speculative_tokens": 4,
-    /// "prompt_lookup_min": 2, "prompt_lookup_max": 5}`. Errors name the field at fault.
+    /// "prompt_lookup_min": 2, "prompt_lookup_max": 5}` or `{"method": "draft_model", "model":
+    /// "<path>", "num_speculative_tokens": 4}` (as in vLLM, `method` may be left out when `model`
+    /// is given). Errors name the field at fault.
     pub fn from_json(value: &Value) -> Result<Self, ParamError> {
         let err = |field: &str, why: String| {
             ParamError::new("speculative_config", format!("{field}: {why}"))
@@ -42,12 +51,16 @@ impl SpeculativeConfig {
         for key in obj.keys() {
             if !matches!(
                 key.as_str(),
-                "method" | "num_speculative_tokens" | "prompt_lookup_min" | "prompt_lookup_max"
+                "method"
+                    | "model"
+                    | "num_speculative_tokens"
+                    | "prompt_lookup_min"
+                    | "prompt_lookup_max"
             ) {
                 return Err(err(
                     key,
-                    "unknown field (known: method, num_speculative_tokens, prompt_lookup_min, \
-                     prompt_lookup_max)"
+                    "unknown field (known: method, model, num_speculative_tokens, \
+                     prompt_lookup_min, prompt_lookup_max)"
                         .into(),
                 ));
             }
@@ -61,8 +74,30 @@ impl SpeculativeConfig {
                     .ok_or_else(|| err(field, format!("must be a non-negative integer, got {v}"))),
             }
         };
-        let method = match obj.get("method").and_then(Value::as_str) {
-            Some("ngram") => {
+        let model = match obj.get("model") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(m)) if !m.is_empty() => Some(PathBuf::from(m)),
+            Some(v) => return Err(err("model", format!("must be a path, got {v}"))),
+        };
+        let method_name = match (obj.get("method"), &model) {
+            (Some(Value::String(m)), _) => m.as_str(),
+            (None | Some(Value::Null), Some(_)) => "draft_model",
+            (None | Some(Value::Null), None) => {
+                return Err(err(
+                    "method",
+                    "is required (\"ngram\", or \"draft_model\" with a model)".into(),
+                ))
+            }
+            (Some(v), _) => return Err(err("method", format!("must be a string, got {v}"))),
+        };
+        let method = match method_name {
+            "ngram" => {
+                if model.is_some() {
+                    return Err(err(
+                        "model",
+                        "is for method \"draft_model\", not \"ngram\"".into(),
+                    ));
+                }
                 let min = count("prompt_lookup_min", Some(2))?;
                 let max = count("prompt_lookup_max", Some(min.max(5)))?;
                 let range = NgramRange::new(min, max).ok_or_else(|| {
@@ -75,13 +110,24 @@ impl SpeculativeConfig {
                 })?;
                 SpeculativeMethod::Ngram(range)
             }
-            Some(other) => {
+            "draft_model" => {
+                for field in ["prompt_lookup_min", "prompt_lookup_max"] {
+                    if obj.contains_key(field) {
+                        return Err(err(field, "is for method \"ngram\"".into()));
+                    }
+                }
+                let model = model
+                    .ok_or_else(|| err("model", "is required for method \"draft_model\"".into()))?;
+                SpeculativeMethod::DraftModel { model }
+            }
+            other => {
                 return Err(err(
                     "method",
-                    format!("{other:?} is not supported here (supported: \"ngram\")"),
+                    format!(
+                        "{other:?} is not supported here (supported: \"ngram\", \"draft_model\")"
+                    ),
                 ))
             }
-            None => return Err(err("method", "is required (\"ngram\")".into())),
         };
         let k = count("num_speculative_tokens", None)?;
         if !(1..=MAX_SPECULATIVE_TOKENS).contains(&k) {
@@ -125,21 +171,40 @@ impl Default for Acceptance {
 const MIN_RATE: f32 = 0.2;
 const PAUSE_STEPS: u32 = 16;
 
+/// Where drafts come from.
+enum Source {
+    /// Per request: its n-gram index (prompt and output so far).
+    Ngram {
+        range: NgramRange,
+        indexes: HashMap<RequestId, NgramIndex>,
+    },
+    Draft(Box<DraftModel>),
+}
+
 /// Drafts for the running requests, kept up to date as their tokens arrive, sized by each
 /// one's recent acceptance (adaptive k).
-#[derive(Debug)]
 pub struct Proposer {
-    config: SpeculativeConfig,
-    /// Per request: its n-gram index (prompt and output so far).
-    indexes: HashMap<RequestId, NgramIndex>,
+    num_speculative_tokens: usize,
+    source: Source,
     acceptance: HashMap<RequestId, Acceptance>,
 }
 
 impl Proposer {
-    pub fn new(config: SpeculativeConfig) -> Self {
+    /// `draft` is the loaded draft model when the method is [`SpeculativeMethod::DraftModel`].
+    pub fn new(config: &SpeculativeConfig, draft: Option<DraftModel>) -> Self {
+        let source = match (&config.method, draft) {
+            (_, Some(draft)) => Source::Draft(Box::new(draft)),
+            (SpeculativeMethod::Ngram(range), None) => Source::Ngram {
+                range: *range,
+                indexes: HashMap::new(),
+            },
+            (SpeculativeMethod::DraftModel { .. }, None) => {
+                unreachable!("the engine loads the draft model of a draft_model config")
+            }
+        };
         Self {
-            config,
-            indexes: HashMap::new(),
+            num_speculative_tokens: config.num_speculative_tokens,
+            source,
             acceptance: HashMap::new(),
         }
     }
@@ -152,7 +217,7 @@ impl Proposer {
             a.pause -= 1;
             return 0;
         }
-        let k = self.config.num_speculative_tokens;
+        let k = self.num_speculative_tokens;
         ((k as f32 * a.rate).ceil() as usize).clamp(1, k)
     }
 
@@ -166,34 +231,52 @@ impl Proposer {
         if a.rate < MIN_RATE {
             a.pause = PAUSE_STEPS;
             // After the pause, one token to probe with; a hit grows the draft again.
-            a.rate = 1.0 / self.config.num_speculative_tokens as f32;
+            a.rate = 1.0 / self.num_speculative_tokens as f32;
         }
     }
 
-    /// A draft to follow `request`'s tokens so far (empty: nothing to propose).
-    pub fn propose(&mut self, request: &Request) -> Vec<u32> {
-        let k = self.draft_len(request.id);
-        let SpeculativeMethod::Ngram(range) = self.config.method;
-        let index = self
-            .indexes
-            .entry(request.id)
-            .or_insert_with(|| NgramIndex::new(range));
-        // Catch up with what arrived since the last step (a whole prompt the first time).
-        let known = index.tokens().len();
-        let total = request.num_tokens();
-        if known > total {
-            *index = NgramIndex::new(range);
+    /// Drafts to follow each request's tokens so far, in order (empty: nothing to propose).
+    /// A draft model that fails leaves the step without drafts: speculation only saves work,
+    /// so its failure must not fail requests.
+    pub fn propose(&mut self, requests: &[&Request]) -> Vec<Vec<u32>> {
+        let wants: Vec<(&Request, usize)> = requests
+            .iter()
+            .map(|r| (*r, self.draft_len(r.id)))
+            .collect();
+        match &mut self.source {
+            Source::Ngram { range, indexes } => wants
+                .iter()
+                .map(|&(request, k)| {
+                    let index = indexes
+                        .entry(request.id)
+                        .or_insert_with(|| NgramIndex::new(*range));
+                    // Catch up with what arrived since the last step (a whole prompt the
+                    // first time).
+                    if index.tokens().len() > request.num_tokens() {
+                        *index = NgramIndex::new(*range);
+                    }
+                    let known = index.tokens().len();
+                    index.extend(&request.token_ids(known..request.num_tokens()));
+                    index.propose(k)
+                })
+                .collect(),
+            Source::Draft(draft) => match draft.propose(&wants) {
+                Ok(drafts) => drafts,
+                Err(e) => {
+                    tracing::warn!(error = %e, "the draft model failed; no drafts this step");
+                    vec![Vec::new(); requests.len()]
+                }
+            },
         }
-        let known = index.tokens().len();
-        index.extend(&request.token_ids(known..total));
-        index.propose(k)
     }
 
     /// Keeps the state of requests for which `alive` holds.
     pub fn retain(&mut self, mut alive: impl FnMut(RequestId) -> bool) {
-        self.indexes.retain(|id, _| alive(*id));
-        self.acceptance
-            .retain(|id, _| self.indexes.contains_key(id));
+        self.acceptance.retain(|id, _| alive(*id));
+        match &mut self.source {
+            Source::Ngram { indexes, .. } => indexes.retain(|id, _| alive(*id)),
+            Source::Draft(draft) => draft.retain(alive),
+        }
     }
 }
 
@@ -234,10 +317,40 @@ mod tests {
                 "typo",
             ),
             (json!([1]), "speculative_config"),
+            (
+                json!({"method": "draft_model", "num_speculative_tokens": 2}),
+                "model",
+            ),
+            (
+                json!({"method": "ngram", "model": "m", "num_speculative_tokens": 2}),
+                "model",
+            ),
+            (
+                json!({"model": "m", "num_speculative_tokens": 2, "prompt_lookup_min": 2}),
+                "prompt_lookup_min",
+            ),
+            (json!({"model": 3, "num_speculative_tokens": 2}), "model"),
         ] {
             let e = SpeculativeConfig::from_json(&bad).expect_err("refused");
             assert_eq!(e.param, "speculative_config");
             assert!(e.to_string().contains(field), "{e} should name {field}");
+        }
+    }
+
+    #[test]
+    fn a_draft_model_config_needs_a_model_and_may_leave_out_the_method() {
+        for value in [
+            json!({"method": "draft_model", "model": "/m/small.gguf", "num_speculative_tokens": 3}),
+            json!({"model": "/m/small.gguf", "num_speculative_tokens": 3}),
+        ] {
+            let c = SpeculativeConfig::from_json(&value).expect("valid");
+            assert_eq!(
+                c.method,
+                SpeculativeMethod::DraftModel {
+                    model: PathBuf::from("/m/small.gguf")
+                }
+            );
+            assert_eq!(c.num_speculative_tokens, 3);
         }
     }
 
@@ -247,13 +360,16 @@ mod tests {
             method: SpeculativeMethod::Ngram(NgramRange::new(2, 3).expect("valid")),
             num_speculative_tokens: 3,
         };
-        let mut p = Proposer::new(config);
+        let mut p = Proposer::new(&config, None);
         let mut r = Request::new(RequestId(1), vec![5, 6, 7, 8, 9, 5, 6], 10);
-        assert_eq!(p.propose(&r), vec![7, 8, 9]);
+        assert_eq!(p.propose(&[&r]), vec![vec![7, 8, 9]]);
         r.output_token_ids.extend([7, 1]);
-        assert!(p.propose(&r).is_empty());
+        assert_eq!(p.propose(&[&r]), vec![Vec::<u32>::new()]);
         p.retain(|_| false);
-        assert!(p.indexes.is_empty() && p.acceptance.is_empty());
+        let Source::Ngram { indexes, .. } = &p.source else {
+            panic!("an n-gram proposer")
+        };
+        assert!(indexes.is_empty() && p.acceptance.is_empty());
     }
 
     #[test]
@@ -262,7 +378,7 @@ mod tests {
             method: SpeculativeMethod::Ngram(NgramRange::new(1, 2).expect("valid")),
             num_speculative_tokens: 4,
         };
-        let mut p = Proposer::new(config);
+        let mut p = Proposer::new(&config, None);
         let id = RequestId(1);
         assert_eq!(p.draft_len(id), 4);
         p.record(id, 4, 1); // rate 0.625

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use novainfer_engine::tokenizer::Tokenizer;
-use novainfer_engine::{Delta, StopReason, TokenLogprob};
+use novainfer_engine::{Delta, Speculation, StopReason, TokenLogprob};
 use serde_json::{Map, Value};
 
 use crate::metrics::ModelMetrics;
@@ -43,6 +43,8 @@ pub struct RunState {
     n: usize,
     prompt_lens: Vec<usize>,
     cached: Vec<usize>,
+    /// Drafts verified for all choices together.
+    speculation: Speculation,
 }
 
 impl RunState {
@@ -55,6 +57,7 @@ impl RunState {
             n,
             cached: vec![0; prompt_lens.len()],
             prompt_lens,
+            speculation: Speculation::default(),
         }
     }
 
@@ -69,6 +72,7 @@ impl RunState {
         // Choices are numbered prompt-major, as OpenAI numbers them for a list of prompts.
         let index = prompt * self.n + delta.index.min(self.n - 1);
         self.cached[prompt] = self.cached[prompt].max(delta.num_cached_tokens);
+        self.speculation += delta.speculation;
         let choice = &mut self.choices[index];
         let k = delta.token_ids.len();
         if k > 0 {
@@ -122,6 +126,10 @@ impl RunState {
             self.prompt_lens.iter().sum(),
             self.choices.iter().map(|c| c.num_tokens).sum(),
             self.cached.iter().sum(),
+        )
+        .with_speculation(
+            self.speculation.num_draft_tokens,
+            self.speculation.num_accepted_tokens,
         )
     }
 
@@ -263,5 +271,28 @@ mod tests {
         assert_eq!(run.finish_reason(), "stop");
         assert!(!run.all_finished());
         assert_eq!(run.usage(), Usage::new(12, 4, 4));
+    }
+
+    #[test]
+    fn usage_sums_the_drafts_of_every_choice_and_omits_them_without_any() {
+        let metrics = ModelMetrics::default();
+        let t0 = Instant::now();
+        let mut run = RunState::new(t0, vec![5], 2);
+        run.record(0, &delta(0, &[3], "a", None, 0), &metrics, t0);
+        let json = serde_json::to_value(run.usage()).expect("serializes");
+        assert!(json.get("speculative_decoding").is_none(), "{json}");
+        for (index, drafted, accepted) in [(0, 4, 3), (1, 2, 0), (0, 1, 1)] {
+            let mut d = delta(index, &[7, 8], "bc", None, 0);
+            d.speculation = Speculation {
+                num_draft_tokens: drafted,
+                num_accepted_tokens: accepted,
+            };
+            run.record(0, &d, &metrics, t0);
+        }
+        let json = serde_json::to_value(run.usage()).expect("serializes");
+        assert_eq!(
+            json["speculative_decoding"],
+            serde_json::json!({"num_draft_tokens": 7, "num_accepted_tokens": 4})
+        );
     }
 }

@@ -11,12 +11,22 @@ pub struct PromptTokensDetails {
     pub cached_tokens: usize,
 }
 
+/// What speculative decoding did for a request, in vLLM's metric names; only in replies
+/// that had drafts verified.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+pub struct SpeculativeUsage {
+    pub num_draft_tokens: usize,
+    pub num_accepted_tokens: usize,
+}
+
 #[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
     pub prompt_tokens_details: PromptTokensDetails,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculative_decoding: Option<SpeculativeUsage>,
 }
 
 impl Usage {
@@ -26,7 +36,17 @@ impl Usage {
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
             prompt_tokens_details: PromptTokensDetails { cached_tokens },
+            speculative_decoding: None,
         }
+    }
+
+    /// Adds the draft counts when any draft was verified.
+    pub fn with_speculation(mut self, num_draft_tokens: usize, num_accepted_tokens: usize) -> Self {
+        self.speculative_decoding = (num_draft_tokens > 0).then_some(SpeculativeUsage {
+            num_draft_tokens,
+            num_accepted_tokens,
+        });
+        self
     }
 }
 
