@@ -95,8 +95,11 @@ class LLM:
 
     `speculative_config` turns on speculative decoding, in vLLM's shape: ``{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}`` drafts tokens by prompt
-    lookup and verifies them in the next forward pass. Outputs are the same token for token as without it
-    (greedy or sampled with a seed); `stats()` counts ``num_draft_tokens`` and ``num_accepted_tokens``.
+    lookup; ``{"method": "draft_model", "model": "<path>", "num_speculative_tokens": 4}`` drafts with a
+    smaller model that has the same tokenizer (its KV pool takes a share of the KV budget, so both hold as
+    many tokens). Drafts are verified in the next forward pass. Outputs are the same token for token as
+    without it (greedy or sampled with a seed); `stats()` counts ``num_draft_tokens`` and
+    ``num_accepted_tokens``.
 
     `device` is ``"auto"`` (the first usable NVIDIA GPU when its executor can run the model, else the CPU —
     the SLOT layout and head sizes without GPU kernels run on the CPU; the choice and its reason are logged
