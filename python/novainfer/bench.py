@@ -21,6 +21,8 @@
   (which other programs disturb less than the wall clock). Outputs are `--decode-tokens` long (EOS ignored; the
   schema's array needs more items than that, so no constrained output ends early). The mask's own time per
   token: ``cargo bench -p novainfer-engine --bench grammar_mask``.
+- ``speculative``: decode speed with speculative decoding (n-gram, and a draft model with ``--draft-model``)
+  against without, on a code-editing and a free-form workload (see `bench_speculative`).
 - ``serve``: the HTTP server under a bounded streaming chat load (see `bench_serve`).
 
 Prompts are fixed pseudo-random token ids (a seeded LCG), so runs are comparable across machines.
@@ -276,7 +278,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "mode",
         nargs="?",
-        choices=["latency", "batched", "throughput", "prefix", "kv-layout", "structured", "serve", "soak"],
+        choices=[
+            "latency", "batched", "throughput", "prefix", "kv-layout", "structured", "speculative", "serve", "soak"
+        ],
         default="latency",
     )
     p.add_argument("--prompt-tokens", type=int, default=512, help="latency, batched: prompt length")
@@ -293,9 +297,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requantize-q5-0", action="store_true", help="re-encode Q5_0 GGUF tensors as Q8_0")
     from .bench_serve import add_serve_args
     from .bench_soak import add_soak_args
+    from .bench_speculative import add_speculative_args
 
     add_serve_args(p)
     add_soak_args(p)
+    add_speculative_args(p)
 
 
 def run_bench(llm: LLM, args: argparse.Namespace, make_llm: Callable[..., LLM] | None = None) -> int:

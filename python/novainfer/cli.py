@@ -7,6 +7,7 @@ give exit status 1 (2 for bad command-line usage, as argparse does).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -14,6 +15,16 @@ from collections.abc import Sequence
 from .errors import NovaInferError
 
 __all__ = ["main"]
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -33,6 +44,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=["auto", "f32", "f16", "bf16", "q8_0"], default="auto",
                    help="how the KV cache stores keys and values: auto (f16 on the CPU, bf16 on a GPU), f32, f16, "
                         "bf16, or q8_0 (8-bit blocks with an f16 scale, as llama.cpp) (default: %(default)s)")
+    p.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                        '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' (bench speculative: '
+                        "the n-gram engine's config)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, *, temperature: float, max_tokens: int) -> None:
@@ -85,6 +100,7 @@ def _llm(args: argparse.Namespace, **extra: object):  # noqa: ANN202 - returns n
 
     extra.setdefault("kv_layout", args.kv_layout)
     extra.setdefault("kv_cache_dtype", args.kv_cache_dtype)
+    extra.setdefault("speculative_config", args.speculative_config)
     return LLM(args.model, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
                dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, **extra)
 
@@ -180,6 +196,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .bench_soak import run_bench_soak
 
             return run_bench_soak(args)
+        if args.mode == "speculative":
+            from .bench_speculative import run_bench_speculative
+
+            return run_bench_speculative(
+                _llm(args, speculative_config=None),
+                args,
+                make_llm=lambda **extra: _llm(args, **extra),
+            )
         from .bench import run_bench
 
         return run_bench(

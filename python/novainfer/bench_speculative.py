@@ -1,0 +1,182 @@
+"""`novainfer bench speculative`: decode speed with speculative decoding against without, side by side.
+
+Two workloads of chat prompts, greedy:
+
+- ``code-edit``: a source file of 300 to 1,000 tokens (slices of NovaInfer's own Python modules, so every
+  install has the same files) and an instruction to rename one function, the model rewriting the whole file.
+  Prompt lookup finds most of the answer in the prompt.
+- ``free-form``: questions whose answers repeat little of the prompt: the case where speculation must not
+  slow decoding down.
+
+Each workload runs at batch 1 (a few prompts one after another, streamed; decode speed is the tokens after
+the first over the time after the first) and at batch ``--num-requests`` (all submitted at once; output
+tokens over the wall time, prefill included, the same for every engine; the median of ``--repeat`` rounds). Engines: no speculation, n-gram
+(``--speculative-config``, default 4 tokens, n-grams of 2 to 5), and a draft model when ``--draft-model`` is
+given; ``--speculative-config`` replaces the n-gram engine's config. Runs alternate between engines prompt by prompt, so a busy machine slows them alike; each line also
+says whether the outputs were identical to the plain engine's (they must be: greedy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ._native import SamplingParams
+from .llm import LLM
+
+__all__ = ["add_speculative_args", "code_edit_prompts", "free_form_prompts", "run_bench_speculative"]
+
+DEFAULT_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+
+FREE_FORM = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a hash map works, in plain words, for a beginner.",
+    "What are the trade-offs between microservices and a monolith?",
+    "Describe the water cycle.",
+    "Give me five ideas for a weekend trip in the mountains, with one sentence on each.",
+    "Why is the sky blue? Answer for a ten-year-old.",
+    "Write a poem about autumn in a city.",
+    "What should I consider when choosing a database for a new web application?",
+    "Explain the difference between concurrency and parallelism.",
+    "Summarise the causes of the French Revolution.",
+    "How do vaccines train the immune system?",
+    "Write a product description for a reusable water bottle.",
+    "What makes a good code review?",
+    "Describe how a compiler turns source code into machine code.",
+    "Plan a three-course vegetarian dinner and explain the choices.",
+    "What is the halting problem and why does it matter?",
+]
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """The options of `novainfer bench speculative`."""
+    p.add_argument("--draft-model", help="speculative: also run a draft-model engine with this model")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="speculative: draft model's tokens")
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=["code-edit", "free-form"],
+        default=["code-edit", "free-form"],
+        help="speculative: which workloads",
+    )
+    p.add_argument("--batch1-prompts", type=int, default=4, help="speculative: prompts run one by one")
+
+
+def _source_slices(tokenize: Callable[[str], list[int]], count: int) -> list[tuple[str, str]]:
+    """Up to `count` (source, function name) pairs: runs of whole lines of NovaInfer's own modules, 300 to
+    1,000 tokens long, each defining at least one function."""
+    out: list[tuple[str, str]] = []
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        start = 0
+        while start < len(lines) and len(out) < count:
+            end, text = start, ""
+            while end < len(lines) and len(tokenize(text)) < 400:
+                text += lines[end]
+                end += 1
+            n = len(tokenize(text))
+            names = re.findall(r"^\s*def (\w+)\(", text, flags=re.M)
+            if 300 <= n <= 1000 and names:
+                out.append((text, names[0]))
+            start = end
+        if len(out) >= count:
+            break
+    return out
+
+
+def code_edit_prompts(llm: LLM, count: int) -> list[list[dict[str, str]]]:
+    """Chats asking to rename a function in a source file and output the whole file."""
+    tok = llm.get_tokenizer()
+    chats = []
+    for source, name in _source_slices(lambda s: tok.encode(s, add_special_tokens=False), count):
+        ask = (
+            f"Rename the function `{name}` to `{name}_v2` everywhere in this file, and change nothing else. "
+            f"Output the whole updated file, and nothing else.\n\n```python\n{source}```"
+        )
+        chats.append([{"role": "user", "content": ask}])
+    return chats
+
+
+def free_form_prompts(count: int) -> list[list[dict[str, str]]]:
+    """Chats with free-form answers (little to look up)."""
+    return [[{"role": "user", "content": FREE_FORM[i % len(FREE_FORM)]}] for i in range(count)]
+
+
+def _stream_one(llm: LLM, chat: list[dict[str, str]], params: SamplingParams) -> tuple[list[int], int, float]:
+    """(tokens, tokens after the first, seconds after the first) of one streamed chat."""
+    tokens: list[int] = []
+    first = None
+    for delta in llm.chat_stream(chat, params):
+        if delta.token_ids and first is None:
+            first = time.perf_counter()
+        tokens.extend(delta.token_ids)
+    end = time.perf_counter()
+    return tokens, max(len(tokens) - 1, 0), end - (first or end)
+
+
+def run_bench_speculative(llm: LLM, args: argparse.Namespace, make_llm: Callable[..., LLM]) -> int:
+    """Runs each workload at batch 1 and batch `--num-requests` on every engine; prints a line each."""
+    engines: dict[str, LLM] = {"plain": llm, "ngram": make_llm(speculative_config=args.speculative_config or DEFAULT_NGRAM)}
+    if args.draft_model:
+        engines["draft"] = make_llm(
+            speculative_config={
+                "method": "draft_model",
+                "model": args.draft_model,
+                "num_speculative_tokens": args.num_speculative_tokens,
+            }
+        )
+    params = SamplingParams(temperature=0, max_tokens=args.decode_tokens)
+    batch = args.num_requests
+    head = f"model={llm.model_path.name} decode<={args.decode_tokens}"
+    for workload in args.workloads:
+        chats = code_edit_prompts(llm, batch) if workload == "code-edit" else free_form_prompts(batch)
+        # Batch 1: each prompt on every engine in turn, so a busy machine slows them alike.
+        decoded = {name: 0 for name in engines}
+        seconds = {name: 0.0 for name in engines}
+        outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
+        for chat in chats[: args.batch1_prompts]:
+            for name, engine in engines.items():
+                engine.reset_prefix_cache()
+                tokens, n, s = _stream_one(engine, chat, params)
+                decoded[name] += n
+                seconds[name] += s
+                outputs[name].append(tokens)
+        line = [f"{head} {workload} batch=1 ({min(len(chats), args.batch1_prompts)} prompts)"]
+        base = decoded["plain"] / max(seconds["plain"], 1e-9)
+        for name in engines:
+            speed = decoded[name] / max(seconds[name], 1e-9)
+            same = "" if name == "plain" else f" {speed / base:.2f}x identical={outputs[name] == outputs['plain']}"
+            line.append(f"{name} {speed:.1f} tok/s{same}")
+        print(" | ".join(line), flush=True)
+        # Batch N: all at once, `--repeat` rounds alternating engines; the median round is reported.
+        speeds: dict[str, list[float]] = {name: [] for name in engines}
+        tokens: dict[str, list[list[int]]] = {}
+        counts: dict[str, tuple[float, float]] = {}
+        for _ in range(args.repeat):
+            for name, engine in engines.items():
+                engine.reset_prefix_cache()
+                before = engine.stats()
+                start = time.perf_counter()
+                outs = engine.chat(chats, params, use_tqdm=False)
+                wall = time.perf_counter() - start
+                after = engine.stats()
+                tokens[name] = [o.outputs[0].token_ids for o in outs]
+                speeds[name].append(sum(len(t) for t in tokens[name]) / wall)
+                counts[name] = (
+                    after["num_draft_tokens"] - before["num_draft_tokens"],
+                    after["num_accepted_tokens"] - before["num_accepted_tokens"],
+                )
+        line = [f"{head} {workload} batch={len(chats)} (median of {args.repeat})"]
+        base = statistics.median(speeds["plain"])
+        for name in engines:
+            speed = statistics.median(speeds[name])
+            drafted, accepted = counts[name]
+            rate = f" accepted {accepted:.0f}/{drafted:.0f}" if drafted else ""
+            rel = "" if name == "plain" else f" {speed / base:.2f}x identical={tokens[name] == tokens['plain']}"
+            line.append(f"{name} {speed:.1f} tok/s{rel}{rate}")
+        print(" | ".join(line), flush=True)
+    return 0
