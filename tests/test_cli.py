@@ -95,3 +95,26 @@ def test_bench_kv_layout_runs_both_layouts_with_the_same_outputs(tiny_models):
     assert "block: output=" in res.stdout and "slot: output=" in res.stdout, res.stdout
     assert "blocks = " in res.stdout and "cells = " in res.stdout, res.stdout
     assert "identical outputs: yes" in res.stdout, res.stdout
+
+
+def test_bench_speculative_runs_every_engine_with_identical_outputs(tiny_models):
+    res = _cli(
+        "bench", "speculative", "--model", str(tiny_models["f32"]), "--draft-model", str(tiny_models["gguf"]),
+        "--num-requests", "2", "--batch1-prompts", "1", "--decode-tokens", "8", "--repeat", "1",
+    )
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    # Two workloads, each at batch 1 and batch 2.
+    assert len(lines) == 4, res.stdout
+    for line in lines:
+        assert "plain " in line and "ngram " in line and "draft " in line, line
+        assert line.count("identical=True") == 2, line
+
+
+def test_generate_takes_a_speculative_config(tiny_models, tiny_llm):
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    res = _cli("generate", "--model", str(tiny_models["f32"]), "--max-tokens", "8", "--speculative-config", spec, "hello")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == tiny_llm.generate("hello", _greedy(8))[0].outputs[0].text + "\n"
+    res = _cli("generate", "--model", str(tiny_models["f32"]), "--speculative-config", "{bad", "hello")
+    assert res.returncode == 2 and "speculative-config" in res.stderr

@@ -66,21 +66,23 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch1-prompts", type=int, default=4, help="speculative: prompts run one by one")
 
 
-def _source_slices(tokenize: Callable[[str], list[int]], count: int) -> list[tuple[str, str]]:
+def _source_slices(count_tokens: Callable[[str], int], count: int, longest: int) -> list[tuple[str, str]]:
     """Up to `count` (source, function name) pairs: runs of whole lines of NovaInfer's own modules, 300 to
-    1,000 tokens long, each defining at least one function."""
+    1,000 tokens long (shorter where the model's context is: at most `longest`), each defining a function."""
+    longest = min(longest, 1000)
+    shortest = min(300, longest * 3 // 4)
     out: list[tuple[str, str]] = []
     for path in sorted(Path(__file__).parent.glob("*.py")):
         lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
         start = 0
         while start < len(lines) and len(out) < count:
             end, text = start, ""
-            while end < len(lines) and len(tokenize(text)) < 400:
+            while end < len(lines) and count_tokens(text) < (shortest + longest) // 2:
                 text += lines[end]
                 end += 1
-            n = len(tokenize(text))
+            n = count_tokens(text)
             names = re.findall(r"^\s*def (\w+)\(", text, flags=re.M)
-            if 300 <= n <= 1000 and names:
+            if shortest <= n <= longest and names:
                 out.append((text, names[0]))
             start = end
         if len(out) >= count:
@@ -88,17 +90,25 @@ def _source_slices(tokenize: Callable[[str], list[int]], count: int) -> list[tup
     return out
 
 
-def code_edit_prompts(llm: LLM, count: int) -> list[list[dict[str, str]]]:
-    """Chats asking to rename a function in a source file and output the whole file."""
+def _rename_ask(source: str, name: str) -> str:
+    return (
+        f"Rename the function `{name}` to `{name}_v2` everywhere in this file, and change nothing else. "
+        f"Output the whole updated file, and nothing else.\n\n```python\n{source}```"
+    )
+
+
+def code_edit_prompts(llm: LLM, count: int, max_tokens: int) -> list[list[dict[str, str]]]:
+    """Chats asking to rename a function in a source file and output the whole file; each fits the model's
+    context with `max_tokens` to generate."""
     tok = llm.get_tokenizer()
-    chats = []
-    for source, name in _source_slices(lambda s: tok.encode(s, add_special_tokens=False), count):
-        ask = (
-            f"Rename the function `{name}` to `{name}_v2` everywhere in this file, and change nothing else. "
-            f"Output the whole updated file, and nothing else.\n\n```python\n{source}```"
-        )
-        chats.append([{"role": "user", "content": ask}])
-    return chats
+
+    def tokens(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False))
+
+    # What the instruction and the chat template (a default system prompt, say) add around the file.
+    wrapper = tokens(llm.apply_chat_template([{"role": "user", "content": _rename_ask("", "f")}]))
+    slices = _source_slices(tokens, count, llm.max_model_len - max_tokens - wrapper - 8)
+    return [[{"role": "user", "content": _rename_ask(source, name)}] for source, name in slices]
 
 
 def free_form_prompts(count: int) -> list[list[dict[str, str]]]:
@@ -133,7 +143,7 @@ def run_bench_speculative(llm: LLM, args: argparse.Namespace, make_llm: Callable
     batch = args.num_requests
     head = f"model={llm.model_path.name} decode<={args.decode_tokens}"
     for workload in args.workloads:
-        chats = code_edit_prompts(llm, batch) if workload == "code-edit" else free_form_prompts(batch)
+        chats = code_edit_prompts(llm, batch, args.decode_tokens) if workload == "code-edit" else free_form_prompts(batch)
         # Batch 1: each prompt on every engine in turn, so a busy machine slows them alike.
         decoded = {name: 0 for name in engines}
         seconds = {name: 0.0 for name in engines}
