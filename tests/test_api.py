@@ -64,6 +64,12 @@ def test_chat_uses_the_template_and_accepts_several_conversations(tiny_llm):
     assert len(two) == 2 and two[0].outputs[0].token_ids == one[0].outputs[0].token_ids
     streamed = "".join(d.text for d in tiny_llm.chat_stream(conversation, GREEDY))
     assert streamed == one[0].outputs[0].text
+    # Tools reach the template when streaming too.
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    with_tools = tiny_llm.chat(conversation, GREEDY, tools=tools)[0]
+    assert "lookup" in with_tools.prompt and with_tools.prompt != prompt
+    streamed = "".join(d.text for d in tiny_llm.chat_stream(conversation, GREEDY, tools=tools))
+    assert streamed == with_tools.outputs[0].text
 
 
 def test_encode_decode_round_trip(tiny_llm):

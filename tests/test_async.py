@@ -46,6 +46,13 @@ def test_chat_stream_yields_the_chat_reply(tiny_models):
         return "".join([d.text async for d in engine.chat_stream(messages, GREEDY)])
 
     assert asyncio.run(main()) == expected
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    expected = engine.llm.chat(messages, GREEDY, tools=tools)[0].outputs[0].text
+
+    async def with_tools() -> str:
+        return "".join([d.text async for d in engine.chat_stream(messages, GREEDY, tools=tools, priority=1)])
+
+    assert asyncio.run(with_tools()) == expected
 
 
 def test_a_cancelled_task_frees_its_blocks_while_another_streams(tiny_models):

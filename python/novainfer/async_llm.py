@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
 
 from . import _native
 from .llm import LLM, ChatMessage, PromptInput, _priority
@@ -43,12 +44,19 @@ class AsyncLLM:
             yield delta
 
     async def chat_stream(
-        self, messages: Sequence[ChatMessage], sampling_params: _native.SamplingParams | None = None
+        self,
+        messages: Sequence[ChatMessage],
+        sampling_params: _native.SamplingParams | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[StreamDelta]:
-        """Like `generate_stream` for one conversation rendered with the chat template."""
-        prompt = self.llm.apply_chat_template(messages)
+        """Like `generate_stream` for one conversation rendered with the chat template (`tools` shown to
+        the model as in `LLM.chat`)."""
+        prompt = self.llm.apply_chat_template(messages, tools=tools)
         (params,) = self.llm._params_for(1, sampling_params)
-        stream = self.llm._engine.stream(self.llm.encode(prompt, add_special_tokens=False), params)
+        token_ids = self.llm.encode(prompt, add_special_tokens=False)
+        stream = self.llm._engine.stream(token_ids, params, _priority(priority))
         async for delta in _deltas(stream):
             yield delta
 

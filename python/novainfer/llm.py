@@ -406,11 +406,17 @@ class LLM:
         return self._stream(self._token_ids(prompt), sampling_params, priority)
 
     def chat_stream(
-        self, messages: Sequence[ChatMessage], sampling_params: _native.SamplingParams | None = None
+        self,
+        messages: Sequence[ChatMessage],
+        sampling_params: _native.SamplingParams | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        priority: int = 0,
     ) -> Iterator[StreamDelta]:
-        """Like `chat` for one conversation, yielding `StreamDelta`s as tokens are generated."""
-        prompt = self.apply_chat_template(messages)
-        return self._stream(self._engine.encode(prompt, False), sampling_params)
+        """Like `chat` for one conversation (`tools` as there), yielding `StreamDelta`s as tokens are
+        generated; `priority` as in `generate`."""
+        prompt = self.apply_chat_template(messages, tools=tools)
+        return self._stream(self._engine.encode(prompt, False), sampling_params, priority)
 
     def _stream(
         self, token_ids: list[int], sampling_params: _native.SamplingParams | None, priority: int = 0
