@@ -6,9 +6,9 @@
 //! on the other requests in the batch. Text (detokenization, stop strings) is the
 //! output thread's job: the engine only sends it tokens ([`OutputEvent`]).
 //!
-//! `n > 1`: completion 0 runs alone until its prompt is computed; the others
-//! then sample their first tokens from its logits and fork its KV (see
-//! `novainfer_core::Fork`), so the prompt is computed once.
+//! `n > 1`: a request is one [`RequestGroup`] owning its completions; completion 0 runs
+//! alone until its prompt is computed, then the others sample their first tokens from its
+//! logits and fork its KV (see [`crate::request_group`]), so the prompt is computed once.
 //!
 //! Embeddings and scored prompts are prefill-only requests ([`crate::prefill`]) in the same
 //! batches: their chunks return hidden states or every token's logits instead of a sample.
@@ -30,30 +30,14 @@ use crate::model_runner::ModelRunner;
 use crate::output_processor::{DeltaSink, OutputEvent};
 use crate::prefill::{PrefillJob, PrefillTask};
 use crate::request::{Scheduling, Speculation};
+use crate::request_group::{Completion, PendingCompletion, RequestGroup};
 use crate::sequence::SequenceOutput;
 use crate::speculative::{Proposer, MAX_BATCH_TO_DRAFT};
 use crate::verify::{sample_row, verify_draft, GrammarOutcomes};
 
-struct ActiveRequest {
-    sampler: Sampler,
-    /// The request's grammar state, when its output is constrained.
-    constraint: Option<Constraint>,
-    /// `n > 1`: the other completions, held back until this one's prompt is
-    /// computed; then each samples its first token from the same logits.
-    pending_children: Vec<PendingChild>,
-    /// When the scheduler first gave it a chunk (queue time ends, prefill time starts).
-    scheduled_at: Option<Instant>,
-}
-
 /// What one step sampled, per request (one token, or with drafts the confirmed ones and the
 /// next), and the completions it starts.
 type Sampled = (Vec<(RequestId, Vec<SampledToken>)>, Vec<Fork>);
-
-struct PendingChild {
-    request: Request,
-    sampler: Sampler,
-    constraint: Option<Constraint>,
-}
 
 /// Counters a user can read (`llm.stats()`).
 #[derive(Debug, Clone, Default)]
@@ -81,7 +65,10 @@ pub struct EngineCore {
     runner: ModelRunner,
     scheduler: Scheduler,
     frontend: Frontend,
-    active: HashMap<RequestId, ActiveRequest>,
+    /// Generation requests by id, each owning its completions.
+    groups: HashMap<RequestId, RequestGroup>,
+    /// Started completions by id.
+    active: HashMap<RequestId, Completion>,
     /// To the output thread, which turns tokens into deltas: one message per step.
     outputs: mpsc::Sender<Vec<OutputEvent>>,
     /// Events of the current step, sent together so the output thread wakes once
@@ -113,6 +100,7 @@ impl EngineCore {
             runner,
             scheduler: Scheduler::new(loaded.scheduler),
             frontend: loaded.frontend,
+            groups: HashMap::new(),
             active: HashMap::new(),
             outputs,
             pending: Vec::new(),
@@ -184,21 +172,18 @@ impl EngineCore {
             let sampler = Sampler::new(&completion, &prompt_ids, self.seed.wrapping_add(cid.0))
                 .with_eos_token_ids(&eos, stop.ignore_eos);
             let constraint = grammar.as_ref().map(|g| Constraint::new(g.matcher()));
-            PendingChild {
+            PendingCompletion {
                 request,
                 sampler,
                 constraint,
             }
         });
-        let parent = completions.next().expect("n >= 1 by validation");
-        let active = ActiveRequest {
-            sampler: parent.sampler,
-            constraint: parent.constraint,
-            pending_children: completions.collect(),
-            scheduled_at: None,
-        };
-        self.active.insert(id, active);
-        self.scheduler.add_request(parent.request);
+        let first = completions.next().expect("n >= 1 by validation");
+        let group = RequestGroup::new(id, completions.collect());
+        let (request, completion) = first.start(id, None);
+        self.groups.insert(id, group);
+        self.active.insert(id, completion);
+        self.scheduler.add_request(request);
         Ok(())
     }
 
@@ -214,12 +199,46 @@ impl EngineCore {
             .add_request(Request::prefill_only(id, prompt_ids, kind));
     }
 
-    /// Finishes completions `id .. id + n` now and frees their blocks; their
-    /// streams end with `abort`. Unknown or finished ids are skipped.
-    pub fn abort(&mut self, id: RequestId, n: usize) {
-        for i in 0..n as u64 {
-            self.scheduler.abort_request(RequestId(id.0 + i));
+    /// Finishes request `id` (every completion of a generation request, or a prefill-only
+    /// request) now and frees its blocks; streams end with `abort`. Unknown or finished ids
+    /// are skipped.
+    pub fn abort(&mut self, id: RequestId) {
+        match self.groups.get(&id) {
+            // Waiting completions end when completion 0's abort is reported.
+            Some(group) => {
+                for &cid in group.completion_ids() {
+                    self.scheduler.abort_request(cid);
+                }
+            }
+            None => {
+                self.scheduler.abort_request(id);
+            }
         }
+    }
+
+    /// Completion `id` ended: it leaves its group, and the group goes with its last one.
+    fn end_completion(&mut self, id: RequestId) -> Option<Completion> {
+        let completion = self.active.remove(&id)?;
+        if let Some(group) = self.groups.get_mut(&completion.group) {
+            if group.completion_ended() {
+                self.groups.remove(&completion.group);
+            }
+        }
+        Some(completion)
+    }
+
+    /// Completion `id` ended before its request produced anything: it and the completions
+    /// still waiting for it end; their ids.
+    fn end_with_waiting(&mut self, id: RequestId) -> Vec<RequestId> {
+        let Some(completion) = self.active.get(&id) else {
+            return Vec::new();
+        };
+        let mut ids = vec![id];
+        if let Some(group) = self.groups.get_mut(&completion.group) {
+            ids.extend(group.end_pending());
+        }
+        self.end_completion(id);
+        ids
     }
 
     /// Finishes a request for a reason found by the output thread (a stop string).
@@ -304,12 +323,7 @@ impl EngineCore {
                 });
                 continue;
             }
-            let Some(active) = self.active.remove(&f.request_id) else {
-                continue;
-            };
-            let ids = std::iter::once(f.request_id)
-                .chain(active.pending_children.iter().map(|c| c.request.id));
-            for id in ids {
+            for id in self.end_with_waiting(f.request_id) {
                 self.emit(match &f.detail {
                     Some(detail) if f.reason == FinishReason::Ignored => OutputEvent::Failed {
                         id,
@@ -441,10 +455,14 @@ impl EngineCore {
     ) {
         let active = self
             .active
-            .get_mut(&id)
+            .get(&id)
             .expect("scheduled request is active: this is a bug");
-        let children = std::mem::take(&mut active.pending_children);
         let scheduled_at = active.scheduled_at;
+        // Completion 0's first sample starts the others (its id is the request's).
+        let children = match self.groups.get_mut(&id) {
+            Some(group) => group.take_pending(),
+            None => Vec::new(),
+        };
         for mut child in children {
             let child_id = child.request.id;
             let first = sample_row(
@@ -455,20 +473,13 @@ impl EngineCore {
                 &mut self.grammar_outcomes,
             );
             sampled.push((child_id, vec![first.clone()]));
+            let (request, completion) = child.start(id, scheduled_at);
             forks.push(Fork {
                 parent: id,
-                child: child.request,
+                child: request,
                 first_token: first.token_id,
             });
-            self.active.insert(
-                child_id,
-                ActiveRequest {
-                    sampler: child.sampler,
-                    constraint: child.constraint,
-                    pending_children: Vec::new(),
-                    scheduled_at,
-                },
-            );
+            self.active.insert(child_id, completion);
         }
         let active = self
             .active
@@ -518,7 +529,7 @@ impl EngineCore {
             };
             if let Some((_, message)) = outcomes.failed.iter().find(|(id, _)| *id == u.request_id) {
                 tracing::warn!(id = u.request_id.0, %message, "structured output failed");
-                self.active.remove(&u.request_id);
+                self.end_completion(u.request_id);
                 self.scheduler.abort_request(u.request_id);
                 self.emit(OutputEvent::Failed {
                     id: u.request_id,
@@ -545,7 +556,7 @@ impl EngineCore {
             }
             let scheduled_at = self.active.get(&u.request_id).and_then(|a| a.scheduled_at);
             if finish.is_some() {
-                self.active.remove(&u.request_id);
+                self.end_completion(u.request_id);
             }
             // Confirmed draft tokens first, each an ordinary token of the stream.
             for token in tokens {
@@ -584,17 +595,13 @@ impl EngineCore {
                     message: message.clone(),
                 });
             }
-            if let Some(active) = self.active.remove(&s.request_id) {
-                let ids = std::iter::once(s.request_id)
-                    .chain(active.pending_children.iter().map(|c| c.request.id));
-                for id in ids {
-                    self.emit(OutputEvent::Failed {
-                        id,
-                        error: EngineError::StepFailed {
-                            message: message.clone(),
-                        },
-                    });
-                }
+            for id in self.end_with_waiting(s.request_id) {
+                self.emit(OutputEvent::Failed {
+                    id,
+                    error: EngineError::StepFailed {
+                        message: message.clone(),
+                    },
+                });
             }
             self.scheduler.abort_request(s.request_id);
         }

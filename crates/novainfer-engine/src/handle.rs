@@ -50,9 +50,9 @@ enum Command {
         deltas: DeltaSink,
     },
     /// Completions `id .. id + n` of one request.
+    /// Every completion of a request (or a prefill-only request).
     Abort {
         id: RequestId,
-        n: usize,
     },
     /// From the output thread: a stop string ended this completion.
     Finish(RequestId, FinishReason),
@@ -206,7 +206,6 @@ impl EngineHandle {
         let abort = self.submit_scheduled_to(prompt_ids, params, scheduling, deltas.into())?;
         Ok(RequestStream {
             id: abort.id,
-            n,
             unfinished: n,
             rx,
             commands: abort.commands,
@@ -249,7 +248,6 @@ impl EngineHandle {
         })?;
         Ok(AbortHandle {
             id,
-            n,
             commands: self.sender()?.clone(),
         })
     }
@@ -309,7 +307,6 @@ impl EngineHandle {
         })?;
         Ok(AbortHandle {
             id,
-            n: 1,
             commands: self.sender()?.clone(),
         })
     }
@@ -411,7 +408,7 @@ fn handle(core: &mut EngineCore, command: Command) {
                 deltas.send(Err(e));
             }
         }
-        Command::Abort { id, n } => core.abort(id, n),
+        Command::Abort { id } => core.abort(id),
         Command::Finish(id, reason) => core.finish(id, reason),
         Command::Shutdown => {}
         Command::Prefill {
@@ -433,7 +430,6 @@ fn handle(core: &mut EngineCore, command: Command) {
 /// finishes (or after an error).
 pub struct RequestStream {
     id: RequestId,
-    n: usize,
     unfinished: usize,
     rx: mpsc::Receiver<Result<Delta>>,
     commands: mpsc::Sender<Command>,
@@ -441,7 +437,7 @@ pub struct RequestStream {
 }
 
 impl RequestStream {
-    /// The id of completion 0; completion `i` is `id + i`.
+    /// The request's id (its completion 0's).
     pub fn id(&self) -> RequestId {
         self.id
     }
@@ -451,7 +447,6 @@ impl RequestStream {
     pub fn abort_handle(&self) -> AbortHandle {
         AbortHandle {
             id: self.id,
-            n: self.n,
             commands: self.commands.clone(),
         }
     }
@@ -461,7 +456,6 @@ impl RequestStream {
 #[derive(Clone)]
 pub struct AbortHandle {
     id: RequestId,
-    n: usize,
     commands: mpsc::Sender<Command>,
 }
 
@@ -469,10 +463,7 @@ impl AbortHandle {
     /// Finishes the request with `abort` and frees its KV blocks at the next step;
     /// a no-op once it has finished.
     pub fn abort(&self) {
-        let _ = self.commands.send(Command::Abort {
-            id: self.id,
-            n: self.n,
-        });
+        let _ = self.commands.send(Command::Abort { id: self.id });
     }
 }
 

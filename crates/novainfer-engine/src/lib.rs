@@ -17,6 +17,7 @@ pub mod output_processor;
 pub mod prefill;
 pub mod prompt_scores;
 pub mod request;
+pub mod request_group;
 pub mod sequence;
 pub mod speculative;
 pub mod stop;
