@@ -49,7 +49,7 @@ enum Command {
         grammar: Option<Arc<CompiledGrammar>>,
         deltas: DeltaSink,
     },
-    /// Completions `id .. id + n` of one request.
+    /// A request of `n` completions, with ids `id .. id + n`.
     /// Every completion of a request (or a prefill-only request).
     Abort {
         id: RequestId,
