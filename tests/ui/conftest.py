@@ -78,6 +78,20 @@ def full_server(wide_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     srv.stop()
 
 
+@pytest.fixture(scope="session")
+def long_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The tiny model with a 4096-token context: room for the tools' system prompt and a tool round trip."""
+    from unittest import mock
+
+    import tiny_qwen2
+
+    with mock.patch.object(tiny_qwen2, "MAX_POSITIONS", 4096):
+        model = tiny_qwen2.write_tiny_model(tmp_path_factory.mktemp("long-model"))
+    srv = start_server(model, tmp_path_factory.mktemp("ui-long-server") / "server.log")
+    yield srv
+    srv.stop()
+
+
 # ------------------------------------------------------------------ the browser
 
 
@@ -117,6 +131,14 @@ def ui_page(ui_context: BrowserContext, server: Server) -> Iterator[Page]:
 def full_page(ui_context: BrowserContext, full_server: Server) -> Iterator[Page]:
     """The UI of `full_server`."""
     pg, errors = open_page(ui_context, full_server)
+    yield pg
+    assert not errors, f"uncaught errors in the page: {errors}"
+
+
+@pytest.fixture
+def long_page(ui_context: BrowserContext, long_server: Server) -> Iterator[Page]:
+    """The UI of `long_server`."""
+    pg, errors = open_page(ui_context, long_server)
     yield pg
     assert not errors, f"uncaught errors in the page: {errors}"
 

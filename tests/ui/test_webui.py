@@ -686,7 +686,7 @@ def test_no_request_leaves_the_server(ui_page: Page, server: Server) -> None:
 def _nothing_left_running(request: pytest.FixtureRequest) -> None:
     """After each test that used the server, no request of it is still running there."""
     yield
-    for name in ("server", "slow_server", "full_server"):
+    for name in ("server", "slow_server", "full_server", "long_server"):
         if name in request.fixturenames:
             srv = request.getfixturevalue(name)
             assert srv.wait_metric(RUNNING, 0) == 0, f"{name} still runs a request after the test"

@@ -536,13 +536,53 @@ def test_tool_calls_are_cards_and_results_are_messages(ui_page: Page, shot) -> N
         {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": '{"tz":"CET"}'}}]}
     assert sent[2:] == [{"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
                         {"role": "tool", "tool_call_id": "call_2", "content": "14:05"}]
-    assert "tools" not in bodies[1]  # the real server has no tool calling yet: no tool list is sent
+    assert "tools" not in bodies[1]  # no tools defined in this conversation's settings: none sent
     shot(page, "tool-results")
+
+
+def test_a_real_tool_call_round_trip(long_page: Page, long_server: Server, shot) -> None:
+    """Against the real server: the tools defined in the settings are sent with the chosen tool_choice;
+    with `required` the server's grammar makes even the tiny random model call the tool, streamed as
+    delta.tool_calls into a card whose arguments are valid JSON; the result typed in goes back as a tool
+    message with the call, and the model's next turn arrives."""
+    page = long_page
+    bodies = chat_bodies(page)
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                       "required": ["city"], "additionalProperties": False}}}]
+    open_settings(page)
+    expect(page.locator("#tools-field")).to_be_visible()
+    page.fill("#set-tools", json.dumps(tools))
+    page.select_option("#set-tool-choice", "required")
+    page.fill("#set-max-tokens", "160")
+    page.get_by_role("button", name="Save").click()
+    expect(page.locator("#settings-dialog")).to_be_hidden()
+    send(page, "weather in Paris?")
+    wait_idle(page)
+    assert bodies[0]["tools"] == tools and bodies[0]["tool_choice"] == "required"
+    card = assistant(page).locator("details.tool-call")
+    expect(card).to_have_count(1)
+    expect(card.locator(".tool-name")).to_have_text("get_weather")
+    args = json.loads(card.locator(".tool-args").inner_text())
+    assert set(args) == {"city"} and isinstance(args["city"], str)
+    expect(assistant(page).locator(".tele-finish")).to_have_text("tool calls")
+    shot(page, "real-tool-call")
+    call_id = card.locator(".tool-id").inner_text()
+    page.get_by_role("textbox", name="Result of get_weather").fill('{"temp": 21}')
+    card.get_by_role("button", name="Add result").click()
+    wait_idle(page)
+    expect(page.locator("article.msg-tool")).to_have_count(1)
+    expect(page.locator("article.msg-assistant")).to_have_count(2)
+    assert len(bodies) == 2
+    sent = bodies[1]["messages"]
+    assert sent[-2]["role"] == "assistant" and sent[-2]["tool_calls"][0]["id"] == call_id
+    assert sent[-1] == {"role": "tool", "tool_call_id": call_id, "content": '{"temp": 21}'}
 
 
 def test_speculative_acceptance_only_when_reported(ui_page: Page) -> None:
     """usage.speculative_decoding shows the acceptance rate; a reply without it shows nothing about
-    speculation (stubbed: the server does not speculate yet)."""
+    speculation (stubbed; the real server's field is checked in tests/test_speculative.py)."""
     page = ui_page
     usage = {"prompt_tokens": 10, "completion_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0},
              "speculative_decoding": {"num_draft_tokens": 8, "num_accepted_tokens": 6}}

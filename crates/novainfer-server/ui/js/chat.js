@@ -55,7 +55,11 @@ export function buildRequest(conv, history, availableModels, { continueFrom = nu
   const format = responseFormat(settings);
   if (format) body.response_format = format;
   const tools = features.tool_calls ? parseTools(settings.tools) : null;
-  if (tools && tools.length) body.tools = tools;
+  if (tools && tools.length) {
+    body.tools = tools;
+    // `auto` is the server's default, so it is not sent.
+    if (settings.toolChoice === 'required' || settings.toolChoice === 'none') body.tool_choice = settings.toolChoice;
+  }
   return body;
 }
 

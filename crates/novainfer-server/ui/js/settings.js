@@ -15,6 +15,9 @@ import { getApiKey, setApiKey } from './api.js';
 // The server's limit on stop strings (MAX_STOP in protocol/inputs.rs).
 export const MAX_STOP = 16;
 
+/** The `tool_choice` values the dialog offers (`auto`, the default, is not sent). */
+export const TOOL_CHOICES = ['auto', 'required', 'none'];
+
 /**
  * [settings key, input id, integer?, check(value) → message or ''] for each number field. The
  * inputs' own min/max/step carry the simple bounds; `check` adds what HTML cannot say.
@@ -137,6 +140,7 @@ export class SettingsDialog {
     this.$('set-json-mode').checked = Boolean(settings.jsonMode);
     this.$('set-json-schema').value = settings.jsonSchema || '';
     this.$('set-tools').value = settings.tools || '';
+    this.$('set-tool-choice').value = TOOL_CHOICES.includes(settings.toolChoice) ? settings.toolChoice : 'auto';
     this.syncJsonMode();
     for (const el of this.form.querySelectorAll('input, textarea')) this.check(el);
   }
@@ -184,6 +188,7 @@ export class SettingsDialog {
       jsonMode: this.$('set-json-mode').checked,
       jsonSchema: this.$('set-json-schema').value,
       tools: this.$('set-tools').value,
+      toolChoice: this.$('set-tool-choice').value,
     };
     for (const [key, id, integer] of NUMBER_FIELDS) {
       const raw = this.$(id).value.trim();

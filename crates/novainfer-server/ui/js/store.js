@@ -20,7 +20,7 @@ export const EMPTY_SETTINGS = Object.freeze({
   model: '', systemPrompt: '',
   temperature: null, topP: null, topK: null, minP: null, maxTokens: null,
   repetitionPenalty: null, presencePenalty: null, frequencyPenalty: null, seed: null, stop: [],
-  jsonMode: false, jsonSchema: '', tools: '',
+  jsonMode: false, jsonSchema: '', tools: '', toolChoice: 'auto',
 });
 
 /** Browser-wide preferences (not per conversation). */
