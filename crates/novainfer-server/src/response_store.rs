@@ -97,7 +97,10 @@ impl ResponseStore {
 
     /// Forgets response `id` of `tenant`; whether there was one.
     pub fn delete(&self, tenant: Tenant, id: &str) -> bool {
-        self.lock().entries.remove(&(tenant, id.to_owned())).is_some()
+        self.lock()
+            .entries
+            .remove(&(tenant, id.to_owned()))
+            .is_some()
     }
 
     /// Drops what expired; returns how many remain.

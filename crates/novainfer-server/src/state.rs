@@ -6,14 +6,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::budget::TokenBudget;
+use crate::endpoint_metrics::EndpointMetrics;
 use crate::fair_admission::FairAdmission;
 use crate::generation::CancelRegistry;
 use crate::keys::{ApiKeys, TenantWeights};
 use crate::limits::WorkLimits;
-use crate::endpoint_metrics::EndpointMetrics;
 use crate::metrics::ServerMetrics;
-use crate::response_store::ResponseStore;
 use crate::models::Models;
+use crate::response_store::ResponseStore;
 use crate::sessions::SessionStore;
 
 pub struct AppState {

@@ -126,7 +126,10 @@ impl CountTokensRequest {
 
 /// `output_config.format` (`{type: "json_schema", schema}`) as chat's `response_format`.
 pub fn response_format(config: Option<&OutputConfig>) -> Result<Option<Value>, ApiError> {
-    let Some(format) = config.and_then(|c| c.format.as_ref()).filter(|f| !f.is_null()) else {
+    let Some(format) = config
+        .and_then(|c| c.format.as_ref())
+        .filter(|f| !f.is_null())
+    else {
         return Ok(None);
     };
     let err = |why: &str| ApiError::invalid_param("output_config", why.to_owned());
@@ -136,13 +139,18 @@ pub fn response_format(config: Option<&OutputConfig>) -> Result<Option<Value>, A
     if format.get("type").and_then(Value::as_str) != Some("json_schema") {
         return Err(err("`output_config.format.type` must be \"json_schema\""));
     }
-    if let Some(k) = format.keys().find(|k| !["type", "schema"].contains(&k.as_str())) {
+    if let Some(k) = format
+        .keys()
+        .find(|k| !["type", "schema"].contains(&k.as_str()))
+    {
         return Err(err(&format!("unknown field `output_config.format.{k}`")));
     }
     let schema = format
         .get("schema")
         .ok_or_else(|| err("`output_config.format.schema` is required"))?;
-    Ok(Some(json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}})))
+    Ok(Some(
+        json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}),
+    ))
 }
 
 fn messages_error(message: String) -> ApiError {
@@ -158,7 +166,9 @@ fn text_block<'a>(block: &'a Map<String, Value>, at: &str) -> Result<&'a str, Ap
         .keys()
         .find(|k| !["type", "text"].contains(&k.as_str()) && !TEXT_EXTRAS.contains(&k.as_str()))
     {
-        return Err(messages_error(format!("{at} has an unsupported field `{k}`")));
+        return Err(messages_error(format!(
+            "{at} has an unsupported field `{k}`"
+        )));
     }
     block
         .get("text")
@@ -178,11 +188,7 @@ pub fn system_text(system: Option<&Value>) -> Result<Option<String>, ApiError> {
                 let at = format!("system[{i}]");
                 match block {
                     Value::Object(b) if b.get("type").and_then(Value::as_str) == Some("text") => {
-                        texts.push(
-                            text_block(b, &at)
-                                .map_err(|e| err(e.message))?
-                                .to_owned(),
-                        );
+                        texts.push(text_block(b, &at).map_err(|e| err(e.message))?.to_owned());
                     }
                     _ => return Err(err(format!("{at} must be a text block"))),
                 }
@@ -228,7 +234,10 @@ fn tool_result_text(content: Option<&Value>, at: &str) -> Result<String, ApiErro
 /// `tool` messages (before its text, as Anthropic orders them); an assistant turn's
 /// `tool_use` blocks become its tool calls; `thinking` blocks are dropped (templates do not
 /// show past reasoning).
-pub fn conversation(system: Option<&Value>, messages: &Value) -> Result<Vec<ChatMessage>, ApiError> {
+pub fn conversation(
+    system: Option<&Value>,
+    messages: &Value,
+) -> Result<Vec<ChatMessage>, ApiError> {
     let Value::Array(items) = messages else {
         return Err(messages_error(format!(
             "`messages` must be a list, got {}",
@@ -247,8 +256,13 @@ pub fn conversation(system: Option<&Value>, messages: &Value) -> Result<Vec<Chat
                 json_type(m)
             )));
         };
-        if let Some(k) = m.keys().find(|k| !["role", "content"].contains(&k.as_str())) {
-            return Err(messages_error(format!("{at} has an unsupported field `{k}`")));
+        if let Some(k) = m
+            .keys()
+            .find(|k| !["role", "content"].contains(&k.as_str()))
+        {
+            return Err(messages_error(format!(
+                "{at} has an unsupported field `{k}`"
+            )));
         }
         let role = match m.get("role").and_then(Value::as_str) {
             Some(r @ ("user" | "assistant" | "system")) => r,
@@ -276,7 +290,9 @@ pub fn conversation(system: Option<&Value>, messages: &Value) -> Result<Vec<Chat
         for (j, block) in blocks.iter().enumerate() {
             let at = format!("{at}.content[{j}]");
             let Value::Object(block) = block else {
-                return Err(messages_error(format!("{at} must be a content block object")));
+                return Err(messages_error(format!(
+                    "{at} must be a content block object"
+                )));
             };
             let kind = block.get("type").and_then(Value::as_str).unwrap_or("");
             match (kind, role) {
@@ -379,7 +395,11 @@ pub fn chat_tools(tools: Option<&Value>) -> Result<Option<Value>, ApiError> {
                 return Err(err(format!("has an unsupported field `{k}`")));
             }
             let mut function = Map::new();
-            for (from, to) in [("name", "name"), ("description", "description"), ("input_schema", "parameters")] {
+            for (from, to) in [
+                ("name", "name"),
+                ("description", "description"),
+                ("input_schema", "parameters"),
+            ] {
                 if let Some(v) = tool.get(from).filter(|v| !v.is_null()) {
                     function.insert(to.to_owned(), v.clone());
                 }
@@ -438,9 +458,18 @@ pub fn chat_tool_choice(choice: Option<&Value>) -> Result<(Option<Value>, Option
 #[derive(Debug, Clone, Serialize, PartialEq)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ContentBlock {
-    Thinking { thinking: String, signature: String },
-    Text { text: String },
-    ToolUse { id: String, name: String, input: Value },
+    Thinking {
+        thinking: String,
+        signature: String,
+    },
+    Text {
+        text: String,
+    },
+    ToolUse {
+        id: String,
+        name: String,
+        input: Value,
+    },
 }
 
 #[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
@@ -563,16 +592,22 @@ mod tests {
             tools,
             json!([{"type": "function", "function": {"name": "w", "description": "d", "parameters": {"type": "object"}}}])
         );
-        let e = chat_tools(Some(&json!([{"type": "web_search_20250305", "name": "web_search"}])))
-            .expect_err("server tool");
+        let e = chat_tools(Some(
+            &json!([{"type": "web_search_20250305", "name": "web_search"}]),
+        ))
+        .expect_err("server tool");
         assert_eq!(e.param.as_deref(), Some("tools"));
         assert_eq!(
-            chat_tool_choice(Some(&json!({"type": "any", "disable_parallel_tool_use": true})))
-                .expect("valid"),
+            chat_tool_choice(Some(
+                &json!({"type": "any", "disable_parallel_tool_use": true})
+            ))
+            .expect("valid"),
             (Some(json!("required")), Some(false))
         );
         assert_eq!(
-            chat_tool_choice(Some(&json!({"type": "tool", "name": "w"}))).expect("valid").0,
+            chat_tool_choice(Some(&json!({"type": "tool", "name": "w"})))
+                .expect("valid")
+                .0,
             Some(json!({"type": "function", "function": {"name": "w"}}))
         );
         assert!(chat_tool_choice(Some(&json!("auto"))).is_err());
@@ -612,7 +647,10 @@ mod tests {
     #[test]
     fn usage_counts_cached_tokens_apart() {
         let u = MessageUsage::new(100, 64, 7);
-        assert_eq!((u.input_tokens, u.cache_read_input_tokens, u.output_tokens), (36, 64, 7));
+        assert_eq!(
+            (u.input_tokens, u.cache_read_input_tokens, u.output_tokens),
+            (36, 64, 7)
+        );
     }
 
     #[test]
@@ -623,14 +661,19 @@ mod tests {
         };
         assert_eq!(
             response_format(Some(&config)).expect("valid"),
-            Some(json!({"type": "json_schema", "json_schema": {"name": "output", "schema": {"type": "object"}}}))
+            Some(
+                json!({"type": "json_schema", "json_schema": {"name": "output", "schema": {"type": "object"}}})
+            )
         );
         let bad = OutputConfig {
             effort: None,
             format: Some(json!({"type": "regex"})),
         };
         assert_eq!(
-            response_format(Some(&bad)).expect_err("bad").param.as_deref(),
+            response_format(Some(&bad))
+                .expect_err("bad")
+                .param
+                .as_deref(),
             Some("output_config")
         );
     }

@@ -251,9 +251,7 @@ pub fn input_messages(input: &Value) -> Result<Vec<ChatMessage>, ApiError> {
                 )?;
                 let text = string_field(item, "arguments", &at)?;
                 let arguments: Value = serde_json::from_str(text).map_err(|e| {
-                    input_error(format!(
-                        "{at}.arguments is not valid JSON ({e}): {text:?}"
-                    ))
+                    input_error(format!("{at}.arguments is not valid JSON ({e}): {text:?}"))
                 })?;
                 let call = ToolCallMessage {
                     id: Some(string_field(item, "call_id", &at)?.to_owned()),
@@ -387,11 +385,16 @@ pub fn response_format(text: Option<&Value>) -> Result<Option<Value>, ApiError> 
             json_type(text)
         )));
     };
-    if let Some(k) = text.keys().find(|k| !["format", "verbosity"].contains(&k.as_str())) {
+    if let Some(k) = text
+        .keys()
+        .find(|k| !["format", "verbosity"].contains(&k.as_str()))
+    {
         return Err(err(format!("unknown field `text.{k}`")));
     }
     if !matches!(text.get("verbosity"), None | Some(Value::Null)) {
-        return Err(err("`text.verbosity` is not supported by this server".into()));
+        return Err(err(
+            "`text.verbosity` is not supported by this server".into()
+        ));
     }
     let Some(format) = text.get("format").filter(|f| !f.is_null()) else {
         return Ok(None);
@@ -593,13 +596,19 @@ mod tests {
         assert_eq!(m.len(), 4, "{m:?}");
         assert_eq!(m[0], ChatMessage::new("system", "be brief"));
         assert_eq!(m[1], ChatMessage::new("user", "weather?"));
-        assert_eq!((m[2].role.as_str(), m[2].content.as_str()), ("assistant", "Checking."));
+        assert_eq!(
+            (m[2].role.as_str(), m[2].content.as_str()),
+            ("assistant", "Checking.")
+        );
         let calls: Vec<(&str, &Value)> = m[2]
             .tool_calls
             .iter()
             .map(|c| (c.name.as_str(), &c.arguments))
             .collect();
-        assert_eq!(calls, vec![("w", &json!({"city": "Paris"})), ("t", &json!({}))]);
+        assert_eq!(
+            calls,
+            vec![("w", &json!({"city": "Paris"})), ("t", &json!({}))]
+        );
         assert_eq!(m[3].role, "tool");
         assert_eq!(m[3].content, "sunny");
         assert_eq!(m[3].tool_call_id.as_deref(), Some("call_1"));
@@ -686,7 +695,10 @@ mod tests {
     fn unsupported_and_unknown_fields_are_named() {
         for (body, param) in [
             (r#"{"input": "x", "conversation": "c"}"#, "conversation"),
-            (r#"{"input": "x", "max_output_token": 3}"#, "max_output_token"),
+            (
+                r#"{"input": "x", "max_output_token": 3}"#,
+                "max_output_token",
+            ),
             (r#"{"input": "x", "background": true}"#, "background"),
             (r#"{"input": "x", "truncation": "auto"}"#, "truncation"),
             (r#"{"input": "x", "metadata": {"k": 1}}"#, "metadata"),

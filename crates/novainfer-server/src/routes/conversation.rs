@@ -78,7 +78,9 @@ pub async fn prepare_conversation(
 ) -> Result<Prepared, ApiError> {
     let rename = |e| renamed(c.renames, e);
     if c.messages.is_empty() {
-        return Err(ApiError::invalid("the conversation is empty: send at least one message"));
+        return Err(ApiError::invalid(
+            "the conversation is empty: send at least one message",
+        ));
     }
     let tool_grammar = c.tools.as_ref().and_then(Tools::grammar);
     let constraint_field = match tool_grammar {
@@ -145,7 +147,10 @@ mod tests {
 
     #[test]
     fn errors_take_this_apis_field_names() {
-        let renames = &[("max_tokens", "max_output_tokens"), ("response_format", "text")];
+        let renames = &[
+            ("max_tokens", "max_output_tokens"),
+            ("response_format", "text"),
+        ];
         let e = renamed(renames, ApiError::invalid_param("max_tokens", "too many"));
         assert_eq!(e.param.as_deref(), Some("max_output_tokens"));
         let e = renamed(renames, ApiError::invalid_param("top_p", "bad"));

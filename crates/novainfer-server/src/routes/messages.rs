@@ -184,7 +184,10 @@ fn event(kind: &str, mut fields: Value) -> Bytes {
 }
 
 fn delta_event(index: usize, delta: Value) -> Bytes {
-    event("content_block_delta", json!({"index": index, "delta": delta}))
+    event(
+        "content_block_delta",
+        json!({"index": index, "delta": delta}),
+    )
 }
 
 impl BlockBuilder {
@@ -220,7 +223,10 @@ impl BlockBuilder {
         if let Some(ContentBlock::Text { text }) = self.blocks.last_mut() {
             text.push_str(delta);
         }
-        events.push(delta_event(index, json!({"type": "text_delta", "text": delta})));
+        events.push(delta_event(
+            index,
+            json!({"type": "text_delta", "text": delta}),
+        ));
         events
     }
 
@@ -482,8 +488,14 @@ mod tests {
             parsed[0].1["content_block"],
             json!({"type": "thinking", "thinking": "", "signature": ""})
         );
-        assert_eq!(parsed[1].1["delta"], json!({"type": "thinking_delta", "thinking": "hm"}));
-        assert_eq!(parsed[4].1["delta"], json!({"type": "text_delta", "text": "Let me."}));
+        assert_eq!(
+            parsed[1].1["delta"],
+            json!({"type": "thinking_delta", "thinking": "hm"})
+        );
+        assert_eq!(
+            parsed[4].1["delta"],
+            json!({"type": "text_delta", "text": "Let me."})
+        );
         assert_eq!(
             parsed[6].1["content_block"],
             json!({"type": "tool_use", "id": "toolu_abc", "name": "w", "input": {}})
@@ -508,8 +520,14 @@ mod tests {
             c.stop_reason = stop;
             c
         };
-        assert_eq!(stop_reason(&choice("stop", None), false), (Some("end_turn"), None));
-        assert_eq!(stop_reason(&choice("stop", None), true), (Some("tool_use"), None));
+        assert_eq!(
+            stop_reason(&choice("stop", None), false),
+            (Some("end_turn"), None)
+        );
+        assert_eq!(
+            stop_reason(&choice("stop", None), true),
+            (Some("tool_use"), None)
+        );
         assert_eq!(
             stop_reason(&choice("stop", Some(StopReason::Text("END".into()))), false),
             (Some("stop_sequence"), Some("END".into()))
@@ -518,7 +536,10 @@ mod tests {
             stop_reason(&choice("stop", Some(StopReason::TokenId(7))), false),
             (Some("end_turn"), None)
         );
-        assert_eq!(stop_reason(&choice("length", None), true), (Some("max_tokens"), None));
+        assert_eq!(
+            stop_reason(&choice("length", None), true),
+            (Some("max_tokens"), None)
+        );
         assert_eq!(stop_reason(&ChoiceState::default(), false), (None, None));
     }
 }

@@ -28,8 +28,8 @@ use crate::protocol::request::SharedFields;
 use crate::protocol::response::unix_now;
 use crate::protocol::responses::{
     chat_tool_choice, chat_tools, input_messages, new_id, response_format, IncompleteDetails,
-    InputTokensDetails, OutputItem, OutputText, OutputTokensDetails, ReasoningText,
-    ResponseError, ResponseObject, ResponseUsage, ResponsesRequest,
+    InputTokensDetails, OutputItem, OutputText, OutputTokensDetails, ReasoningText, ResponseError,
+    ResponseObject, ResponseUsage, ResponsesRequest,
 };
 use crate::reasoning::ReasoningSplitter;
 use crate::response_store::StoredResponse;
@@ -83,9 +83,7 @@ pub async fn create(
         .ok_or_else(|| ApiError::invalid_param("input", "`input` is required"))?;
     // The stored turns, then the new items; instructions are the request's own (a follow-up
     // does not inherit them), placed first as the system message.
-    let mut conversation = previous
-        .map(|p| p.conversation.clone())
-        .unwrap_or_default();
+    let mut conversation = previous.map(|p| p.conversation.clone()).unwrap_or_default();
     conversation.extend(input_messages(input)?);
     let messages: Vec<ChatMessage> = req
         .instructions
@@ -457,7 +455,9 @@ impl ResponsesRenderer {
             0
         } else {
             let tokenizer = running.model.frontend.tokenizer();
-            tokenizer.encode(&reasoning, false).map_or(0, |ids| ids.len())
+            tokenizer
+                .encode(&reasoning, false)
+                .map_or(0, |ids| ids.len())
         };
         let finished = status != "in_progress";
         ResponseObject {
@@ -698,8 +698,12 @@ mod tests {
         assert_eq!(parsed[18].1["arguments"], "{\"a\": 1}");
         let items = b.items();
         assert_eq!(items.len(), 3);
-        assert!(matches!(&items[0], OutputItem::Reasoning { content, .. } if content[0].text == "hmm"));
-        assert!(matches!(&items[1], OutputItem::Message { content, .. } if content[0].text == "Let me."));
+        assert!(
+            matches!(&items[0], OutputItem::Reasoning { content, .. } if content[0].text == "hmm")
+        );
+        assert!(
+            matches!(&items[1], OutputItem::Message { content, .. } if content[0].text == "Let me.")
+        );
         assert!(
             matches!(&items[2], OutputItem::FunctionCall { name, arguments, status, .. }
                 if name == "w" && arguments == "{\"a\": 1}" && *status == "completed")
