@@ -10,9 +10,11 @@ Anthropic's error shape, and stored responses scoped to their key. Kept few and 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -285,3 +287,54 @@ def test_stored_responses_belong_to_their_key(keyed):
         b.responses.create(model="tiny", previous_response_id=first.id, input="more", max_output_tokens=4)
     second = a.responses.create(model="tiny", previous_response_id=first.id, input="more", max_output_tokens=4)
     assert second.usage.input_tokens > first.usage.input_tokens
+
+
+# --------------------------------------------------------------------------- the tables in docs/api.md
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "api.md"
+#: A value each no-op field is sent with.
+NO_OP_VALUES = {
+    "reasoning": {"effort": "low"}, "include": ["reasoning.encrypted_content"],
+    "stream_options": {"include_obfuscation": False}, "prompt_cache_key": "k", "safety_identifier": "s",
+    "service_tier": "auto", "thinking": {"type": "enabled", "budget_tokens": 1024},
+    "cache_control": {"type": "ephemeral"},
+}
+
+
+def field_table(heading: str) -> dict[str, str]:
+    """Field → what NovaInfer does with it, from the table under `heading`."""
+    section = DOCS.read_text(encoding="utf-8").split(heading, 1)[1].split("\n### ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`"):
+            for field in re.findall(r"`([a-z_]+)`", cells[0]):
+                rows[field] = cells[1]
+    return rows
+
+
+@pytest.mark.parametrize(("heading", "path", "body", "client_fields"), [
+    ("### `POST /v1/responses`", "/v1/responses", {"model": "tiny", "input": "Hello", "max_output_tokens": 1},
+     "openai.types.responses.response_create_params:ResponseCreateParamsBase"),
+    ("### `POST /v1/messages`", "/v1/messages",
+     {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "Hello"}]},
+     "anthropic.types.message_create_params:MessageCreateParamsBase"),
+])
+def test_every_field_of_the_client_is_documented_and_does_what_the_table_says(keyed, heading, path, body,
+                                                                                client_fields):
+    import importlib
+
+    table = field_table(heading)
+    module, name = client_fields.split(":")
+    params = getattr(importlib.import_module(module), name)
+    missing = set(params.__annotations__) - set(table)
+    assert not missing, f"{sorted(missing)} of the client's {name} are not in docs/api.md's table"
+    for field, what in table.items():
+        if what.startswith("400"):
+            status, out = post(keyed, path, {**body, field: 1}, {"x-api-key": "key-a"})
+            error = out["error"]
+            assert status == 400, (field, out)
+            assert error.get("param", field) == field or error["message"].startswith(field), (field, out)
+        elif what.startswith("no-op"):
+            status, out = post(keyed, path, {**body, field: NO_OP_VALUES[field]}, {"x-api-key": "key-a"})
+            assert status == 200, (field, out)

@@ -77,11 +77,6 @@ pub async fn prepare_conversation(
     c: Conversation,
 ) -> Result<Prepared, ApiError> {
     let rename = |e| renamed(c.renames, e);
-    if c.messages.is_empty() {
-        return Err(ApiError::invalid(
-            "the conversation is empty: send at least one message",
-        ));
-    }
     let tool_grammar = c.tools.as_ref().and_then(Tools::grammar);
     let constraint_field = match tool_grammar {
         Some(_) => "tools",
@@ -98,6 +93,11 @@ pub async fn prepare_conversation(
         },
     )
     .map_err(rename)?;
+    if c.messages.is_empty() {
+        return Err(ApiError::invalid(
+            "the conversation is empty: send at least one message",
+        ));
+    }
     let mut pending = prepare(
         app,
         request_id,
