@@ -338,3 +338,34 @@ def test_every_field_of_the_client_is_documented_and_does_what_the_table_says(ke
         elif what.startswith("no-op"):
             status, out = post(keyed, path, {**body, field: NO_OP_VALUES[field]}, {"x-api-key": "key-a"})
             assert status == 200, (field, out)
+
+
+def test_reasoning_comes_back_as_reasoning_items_and_thinking_blocks(tiny_models, tmp_path):
+    """A copy of the tiny model whose template opens <think> (as R1-distill templates do): with no `</think>` in the
+    output, all of it is reasoning, returned as chat's `reasoning_content` says."""
+    import shutil
+
+    model = tmp_path / "tiny-r1"
+    shutil.copytree(tiny_models["f32"], model)
+    cfg_path = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] += "{%- if add_generation_prompt %}{{- '<think>\\n' }}{%- endif %}"
+    cfg_path.write_text(json.dumps(cfg))
+    with ServerProcess(["--model", str(model), "--served-model-name", "r1", "--reasoning-parser", "deepseek_r1"]) as s:
+        c = s.client()
+        chat = c.chat.completions.create(model="r1", messages=[{"role": "user", "content": "hi"}], max_tokens=12,
+                                         temperature=0)
+        text = chat.choices[0].message.model_extra["reasoning_content"]
+        assert text
+        r = c.responses.create(model="r1", input="hi", max_output_tokens=12, temperature=0)
+        (item,) = r.output
+        assert item.type == "reasoning" and item.content[0].text == text and r.status == "incomplete"
+        assert r.usage.output_tokens_details.reasoning_tokens > 0
+        with c.responses.stream(model="r1", input="hi", max_output_tokens=12, temperature=0) as stream:
+            events = list(stream)
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == text
+        assert events[-1].type == "response.incomplete"
+        status, out = post(s, "/v1/messages", {"model": "r1", "max_tokens": 12, "temperature": 0,
+                                               "messages": [{"role": "user", "content": "hi"}]}, {})
+        assert status == 200 and out["stop_reason"] == "max_tokens"
+        assert out["content"] == [{"type": "thinking", "thinking": text, "signature": ""}]

@@ -125,7 +125,8 @@ pub async fn create(
         parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
         previous_response_id: req.previous_response_id.clone(),
         reasoning: json!({"effort": null, "summary": null}),
-        store: req.store.unwrap_or(true),
+        // What is done: with `--max-stored-responses 0` nothing is stored.
+        store: req.store.unwrap_or(true) && app.responses.enabled(),
         temperature: req.temperature.unwrap_or(1.0),
         text: json!({"format": req
             .text
