@@ -52,6 +52,24 @@ pub fn keep_alive() -> Bytes {
     Bytes::from_static(b": keep-alive\n\n")
 }
 
+/// The `(event name, data)` of each named event; checks that the data's `type` is the name.
+#[cfg(test)]
+pub(crate) fn parse_named(events: &[Bytes]) -> Vec<(String, serde_json::Value)> {
+    events
+        .iter()
+        .map(|e| {
+            let text = std::str::from_utf8(e).expect("utf-8");
+            let (head, data) = text.split_once('\n').expect("two lines");
+            let name = head.strip_prefix("event: ").expect("named").to_owned();
+            let data: serde_json::Value =
+                serde_json::from_str(data.trim_end().strip_prefix("data: ").expect("data line"))
+                    .expect("json");
+            assert_eq!(data["type"], serde_json::Value::from(name.as_str()));
+            (name, data)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -246,6 +246,7 @@ pub fn input_messages(input: &Value) -> Result<Vec<ChatMessage>, ApiError> {
                         "id",
                         "status",
                         "namespace",
+                        "caller",
                     ],
                     &at,
                 )?;
@@ -270,7 +271,16 @@ pub fn input_messages(input: &Value) -> Result<Vec<ChatMessage>, ApiError> {
             "function_call_output" => {
                 check_fields(
                     item,
-                    &["type", "call_id", "output", "id", "status", "name"],
+                    &[
+                        "type",
+                        "call_id",
+                        "output",
+                        "id",
+                        "status",
+                        "name",
+                        "namespace",
+                        "caller",
+                    ],
                     &at,
                 )?;
                 let call_id = string_field(item, "call_id", &at)?.to_owned();

@@ -421,23 +421,7 @@ impl Renderer for MessagesRenderer {
 mod tests {
     use super::*;
     use crate::protocol::response::{FunctionCallOut, ToolCallOut};
-
-    fn parse(events: &[Bytes]) -> Vec<(String, Value)> {
-        events
-            .iter()
-            .map(|e| {
-                let text = std::str::from_utf8(e).expect("utf-8");
-                let (head, data) = text.split_once('\n').expect("two lines");
-                let name = head.strip_prefix("event: ").expect("named").to_owned();
-                let data: Value = serde_json::from_str(
-                    data.trim_end().strip_prefix("data: ").expect("data line"),
-                )
-                .expect("json");
-                assert_eq!(data["type"], Value::from(name.as_str()));
-                (name, data)
-            })
-            .collect()
-    }
+    use crate::sse::parse_named as parse;
 
     #[test]
     fn thinking_text_and_tool_use_stream_as_anthropic_events() {

@@ -598,24 +598,7 @@ impl Renderer for ResponsesRenderer {
 mod tests {
     use super::*;
     use crate::protocol::response::{FunctionCallOut, ToolCallOut};
-
-    /// The (type, data) of each event.
-    fn parse(events: &[Bytes]) -> Vec<(String, Value)> {
-        events
-            .iter()
-            .map(|e| {
-                let text = std::str::from_utf8(e).expect("utf-8");
-                let (head, data) = text.split_once('\n').expect("two lines");
-                let name = head.strip_prefix("event: ").expect("named").to_owned();
-                let data: Value = serde_json::from_str(
-                    data.trim_end().strip_prefix("data: ").expect("data line"),
-                )
-                .expect("json");
-                assert_eq!(data["type"], Value::from(name.as_str()));
-                (name, data)
-            })
-            .collect()
-    }
+    use crate::sse::parse_named as parse;
 
     fn piece(reasoning: &str, content: &str, calls: Vec<ToolCallOut>) -> ChatPiece {
         ChatPiece {
