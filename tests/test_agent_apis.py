@@ -128,6 +128,24 @@ def test_responses_stream_sends_the_typed_events_in_order(server):
 
 
 @pytest.mark.slow
+def test_structured_outputs_parse_into_pydantic_objects(server, anthropic_client):
+    """`text.format` (Responses) and `output_config.format` (Messages) go through the structured-output path: the
+    clients' `parse` helpers get valid objects."""
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    ask = "Give the capital of France as JSON."
+    r = server.client().responses.parse(model=MODEL, input=ask, text_format=City, temperature=0, max_output_tokens=40)
+    assert r.status == "completed" and r.output_parsed.name == "Paris"
+    m = anthropic_client.messages.parse(model=MODEL, max_tokens=40, messages=[{"role": "user", "content": ask}],
+                                        output_format=City, extra_body={"temperature": 0})
+    assert m.stop_reason == "end_turn" and m.parsed_output.name == "Paris"
+
+
+@pytest.mark.slow
 def test_messages_create_stop_sequences_and_count_tokens(anthropic_client):
     messages = [{"role": "user", "content": QUESTION}]
     r = anthropic_client.messages.create(model=MODEL, max_tokens=24, messages=messages, extra_body={"temperature": 0})

@@ -1,7 +1,8 @@
-//! The one request driver of the generation endpoints (chat, completions, `/infill`): a
-//! request checked, admitted and tokenized (see [`super::run`]) runs here to its end, streamed
-//! or collected, and the endpoint only renders: a [`Renderer`] turns each delta into its own
-//! events and the finished request into its own response. Usage, metrics and the log line
+//! The one request driver of the generation endpoints (chat, completions, `/infill`, the
+//! Responses and Anthropic Messages APIs): a request checked, admitted and tokenized (see
+//! [`super::run`]) runs here to its end, streamed or collected, and the endpoint only renders:
+//! a [`Renderer`] turns each delta into its own events and the finished request into its own
+//! response. Usage, metrics and the log line
 //! are written once by [`Running`]'s drop, however the request ends.
 
 use std::time::Duration;
