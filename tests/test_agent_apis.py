@@ -95,6 +95,12 @@ def test_responses_function_call_round_trip(server):
                                      max_output_tokens=40)
     assert not [item for item in second.output if item.type == "function_call"]
     assert "22" in second.output_text and "sunny" in second.output_text
+    # As Codex sends it: only the call's output (and the question), the rest kept by the server, whose prompt then
+    # starts with the first turn's tokens.
+    third = client.responses.create(model=MODEL, previous_response_id=first.id, input=follow_up[-2:],
+                                    tools=[function_tool()], temperature=0, max_output_tokens=40)
+    assert "22" in third.output_text and "sunny" in third.output_text
+    assert third.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 16, third.usage
 
 
 @pytest.mark.slow
