@@ -167,6 +167,10 @@ pub struct ServeArgs {
     /// Most stored Responses kept; past it the oldest is dropped (0 stores none).
     #[arg(long, default_value_t = 1000)]
     pub max_stored_responses: usize,
+    /// Most bytes of text the stored Responses may hold together (each keeps its whole
+    /// conversation); past it the oldest is dropped.
+    #[arg(long, default_value_t = 256 << 20)]
+    pub max_stored_response_bytes: usize,
     /// Seconds between SSE keep-alive comments.
     #[arg(long, default_value_t = 15.0)]
     pub keep_alive: f64,

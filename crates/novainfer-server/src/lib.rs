@@ -150,6 +150,7 @@ fn app_state(args: &ServeArgs, models: Models) -> AppState {
         responses: ResponseStore::new(
             Duration::from_secs(args.stored_response_ttl),
             args.max_stored_responses,
+            args.max_stored_response_bytes,
         ),
         timeout: args.timeout(),
         keep_alive: Duration::from_secs_f64(args.keep_alive),

@@ -2,8 +2,9 @@
 //! by `previous_response_id` instead of resending the conversation, and `GET`/`DELETE
 //! /v1/responses/{id}` can find it.
 //!
-//! Bounded both ways: an entry older than the TTL is gone (checked on every access, and swept
-//! with the sessions), and past `max` entries the oldest is dropped. Entries belong to the API
+//! Bounded three ways: an entry older than the TTL is gone (checked on every access, and swept
+//! with the sessions), and past `max` entries or `max_bytes` of text the oldest is dropped (a
+//! conversation is kept whole with each response, so count alone would not bound memory). Entries belong to the API
 //! key (tenant) that created them: another key asking for the same id finds nothing. A
 //! follow-up re-renders the stored conversation, so its prompt starts with the previous
 //! turn's tokens and the engine's prefix cache serves them.
@@ -33,12 +34,35 @@ type Key = (Tenant, String);
 
 struct Entry {
     created: Instant,
+    /// [`StoredResponse::size`], counted against `max_bytes`.
+    size: usize,
     response: Arc<StoredResponse>,
+}
+
+impl StoredResponse {
+    /// Roughly the bytes it holds: its texts and the object's JSON.
+    pub fn size(&self) -> usize {
+        let object = serde_json::to_string(&self.object).map_or(0, |s| s.len());
+        let conversation: usize = self
+            .conversation
+            .iter()
+            .map(|m| {
+                m.content.len()
+                    + m.tool_calls
+                        .iter()
+                        .map(|c| c.name.len() + c.arguments.to_string().len())
+                        .sum::<usize>()
+            })
+            .sum();
+        object + conversation
+    }
 }
 
 #[derive(Default)]
 struct Inner {
     entries: HashMap<Key, Entry>,
+    /// The sizes of `entries`, summed.
+    bytes: usize,
     /// Keys in the order they were stored (deleted ones linger until they reach the front).
     order: VecDeque<(Key, Instant)>,
 }
@@ -46,14 +70,16 @@ struct Inner {
 pub struct ResponseStore {
     ttl: Duration,
     max: usize,
+    max_bytes: usize,
     inner: Mutex<Inner>,
 }
 
 impl ResponseStore {
-    pub fn new(ttl: Duration, max: usize) -> Self {
+    pub fn new(ttl: Duration, max: usize, max_bytes: usize) -> Self {
         Self {
             ttl,
             max,
+            max_bytes,
             inner: Mutex::new(Inner::default()),
         }
     }
@@ -68,19 +94,23 @@ impl ResponseStore {
         self.max > 0
     }
 
+    /// Stores `response` as `id` of `tenant`; one larger than `max_bytes` alone is not kept.
     pub fn insert(&self, tenant: Tenant, id: &str, response: StoredResponse, now: Instant) {
-        if self.max == 0 {
+        let size = response.size();
+        if self.max == 0 || size > self.max_bytes {
             return;
         }
         let mut inner = self.lock();
         let key = (tenant, id.to_owned());
-        inner.entries.insert(
+        let old = inner.entries.insert(
             key.clone(),
             Entry {
                 created: now,
+                size,
                 response: Arc::new(response),
             },
         );
+        inner.bytes = inner.bytes + size - old.map_or(0, |e| e.size);
         inner.order.push_back((key, now));
         self.sweep(&mut inner, now);
     }
@@ -97,10 +127,14 @@ impl ResponseStore {
 
     /// Forgets response `id` of `tenant`; whether there was one.
     pub fn delete(&self, tenant: Tenant, id: &str) -> bool {
-        self.lock()
-            .entries
-            .remove(&(tenant, id.to_owned()))
-            .is_some()
+        let mut inner = self.lock();
+        match inner.entries.remove(&(tenant, id.to_owned())) {
+            Some(e) => {
+                inner.bytes -= e.size;
+                true
+            }
+            None => false,
+        }
     }
 
     /// Drops what expired; returns how many remain.
@@ -119,12 +153,15 @@ impl ResponseStore {
                 .get(&key)
                 .is_some_and(|e| e.created == stored_at);
             let expired = now.saturating_duration_since(stored_at) > self.ttl;
-            if live && !expired && inner.entries.len() <= self.max {
+            if live && !expired && inner.entries.len() <= self.max && inner.bytes <= self.max_bytes
+            {
                 break;
             }
             inner.order.pop_front();
             if live {
-                inner.entries.remove(&key);
+                if let Some(e) = inner.entries.remove(&key) {
+                    inner.bytes -= e.size;
+                }
             }
         }
     }
@@ -154,7 +191,7 @@ mod tests {
 
     #[test]
     fn found_by_its_owner_until_it_expires() {
-        let store = ResponseStore::new(Duration::from_secs(10), 100);
+        let store = ResponseStore::new(Duration::from_secs(10), 100, 1 << 20);
         let t0 = Instant::now();
         store.insert(T0, "resp_a", stored("a"), t0);
         let got = store
@@ -170,7 +207,7 @@ mod tests {
 
     #[test]
     fn the_oldest_goes_past_the_cap() {
-        let store = ResponseStore::new(Duration::from_secs(100), 2);
+        let store = ResponseStore::new(Duration::from_secs(100), 2, 1 << 20);
         let t0 = Instant::now();
         for (i, id) in ["a", "b", "c"].iter().enumerate() {
             store.insert(T0, id, stored(id), t0 + Duration::from_secs(i as u64));
@@ -182,7 +219,7 @@ mod tests {
 
     #[test]
     fn deleted_is_gone_and_a_zero_cap_keeps_nothing() {
-        let store = ResponseStore::new(Duration::from_secs(100), 10);
+        let store = ResponseStore::new(Duration::from_secs(100), 10, 1 << 20);
         let t0 = Instant::now();
         store.insert(T0, "a", stored("a"), t0);
         assert!(!store.delete(Tenant(Some(3)), "a"));
@@ -196,8 +233,27 @@ mod tests {
             store.get(T0, "b", t0).expect("stored").object,
             Value::from("b2")
         );
-        let none = ResponseStore::new(Duration::from_secs(100), 0);
+        let none = ResponseStore::new(Duration::from_secs(100), 0, 1 << 20);
         none.insert(T0, "a", stored("a"), t0);
         assert!(none.is_empty() && !none.enabled());
+    }
+
+    #[test]
+    fn the_oldest_goes_past_the_byte_cap_and_an_oversized_one_is_not_kept() {
+        let one = stored(&"x".repeat(100)).size();
+        let store = ResponseStore::new(Duration::from_secs(100), 100, 2 * one + one / 2);
+        let t0 = Instant::now();
+        for id in ["a", "b", "c"] {
+            store.insert(T0, id, stored(&"x".repeat(100)), t0);
+        }
+        assert_eq!(store.len(), 2);
+        assert!(store.get(T0, "a", t0).is_none());
+        store.insert(T0, "big", stored(&"x".repeat(10 * one)), t0);
+        assert!(store.get(T0, "big", t0).is_none());
+        assert_eq!(store.len(), 2);
+        assert!(store.delete(T0, "b") && store.delete(T0, "c"));
+        store.insert(T0, "d", stored(&"x".repeat(100)), t0);
+        store.insert(T0, "e", stored(&"x".repeat(100)), t0);
+        assert_eq!(store.len(), 2, "deleting gave the bytes back");
     }
 }
