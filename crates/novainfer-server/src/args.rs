@@ -160,6 +160,17 @@ pub struct ServeArgs {
     pub session_ttl: u64,
     #[arg(long, default_value_t = 10_000)]
     pub max_sessions: usize,
+    /// Stored Responses (`/v1/responses`, for `previous_response_id` and `GET`) older than this
+    /// many seconds are forgotten.
+    #[arg(long, default_value_t = 3600)]
+    pub stored_response_ttl: u64,
+    /// Most stored Responses kept; past it the oldest is dropped (0 stores none).
+    #[arg(long, default_value_t = 1000)]
+    pub max_stored_responses: usize,
+    /// Most bytes of text the stored Responses may hold together (each keeps its whole
+    /// conversation); past it the oldest is dropped.
+    #[arg(long, default_value_t = 256 << 20)]
+    pub max_stored_response_bytes: usize,
     /// Seconds between SSE keep-alive comments.
     #[arg(long, default_value_t = 15.0)]
     pub keep_alive: f64,

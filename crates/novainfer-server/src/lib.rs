@@ -5,6 +5,7 @@
 pub mod accounting;
 pub mod args;
 pub mod budget;
+pub mod endpoint_metrics;
 pub mod engine_io;
 pub mod error;
 pub mod fair_admission;
@@ -20,6 +21,7 @@ pub mod models;
 pub mod params;
 pub mod protocol;
 pub mod reasoning;
+pub mod response_store;
 mod routes;
 pub mod sessions;
 pub mod shutdown;
@@ -46,6 +48,7 @@ use crate::limits::WorkLimits;
 use crate::listener::{ConnLimits, Connections};
 use crate::metrics::ServerMetrics;
 use crate::models::{Models, ServedModel};
+use crate::response_store::ResponseStore;
 use crate::sessions::SessionStore;
 use crate::shutdown::Signals;
 use crate::state::AppState;
@@ -143,6 +146,12 @@ fn app_state(args: &ServeArgs, models: Models) -> AppState {
         sessions: SessionStore::new(Duration::from_secs(args.session_ttl), args.max_sessions),
         cancels: Arc::new(CancelRegistry::default()),
         metrics: ServerMetrics::default(),
+        endpoint_metrics: Default::default(),
+        responses: ResponseStore::new(
+            Duration::from_secs(args.stored_response_ttl),
+            args.max_stored_responses,
+            args.max_stored_response_bytes,
+        ),
         timeout: args.timeout(),
         keep_alive: Duration::from_secs_f64(args.keep_alive),
         max_body_bytes: args.max_body_bytes,
@@ -237,6 +246,7 @@ fn spawn_session_expiry(state: Arc<AppState>) {
         loop {
             tick.tick().await;
             state.sessions.expire(Instant::now());
+            state.responses.expire(Instant::now());
         }
     });
 }

@@ -6,12 +6,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::budget::TokenBudget;
+use crate::endpoint_metrics::EndpointMetrics;
 use crate::fair_admission::FairAdmission;
 use crate::generation::CancelRegistry;
 use crate::keys::{ApiKeys, TenantWeights};
 use crate::limits::WorkLimits;
 use crate::metrics::ServerMetrics;
 use crate::models::Models;
+use crate::response_store::ResponseStore;
 use crate::sessions::SessionStore;
 
 pub struct AppState {
@@ -25,6 +27,10 @@ pub struct AppState {
     pub sessions: SessionStore,
     pub cancels: Arc<CancelRegistry>,
     pub metrics: ServerMetrics,
+    /// Finished generation requests by endpoint.
+    pub endpoint_metrics: EndpointMetrics,
+    /// Responses kept for `previous_response_id` and `GET /v1/responses/{id}`.
+    pub responses: ResponseStore,
     /// Server-wide request timeout.
     pub timeout: Option<Duration>,
     pub keep_alive: Duration,

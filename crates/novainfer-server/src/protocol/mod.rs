@@ -2,5 +2,7 @@
 
 pub mod infill;
 pub mod inputs;
+pub mod messages;
 pub mod request;
 pub mod response;
+pub mod responses;

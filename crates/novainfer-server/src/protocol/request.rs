@@ -231,7 +231,7 @@ pub struct GenerationBody<T> {
 pub type CompletionRequest = GenerationBody<CompletionFields>;
 pub type ChatRequest = GenerationBody<ChatFields>;
 
-fn object(bytes: &[u8]) -> Result<Map<String, Value>, ApiError> {
+pub(crate) fn object(bytes: &[u8]) -> Result<Map<String, Value>, ApiError> {
     let value: Value = serde_json::from_slice(bytes)
         .map_err(|e| ApiError::invalid(format!("the request body is not valid JSON: {e}")))?;
     match value {
@@ -255,7 +255,7 @@ pub fn json_type(v: &Value) -> &'static str {
 }
 
 /// Deserializes `value` into `T`; a type error names the field it is in.
-fn typed<T: DeserializeOwned>(value: Value) -> Result<T, ApiError> {
+pub(crate) fn typed<T: DeserializeOwned>(value: Value) -> Result<T, ApiError> {
     serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner().to_string();

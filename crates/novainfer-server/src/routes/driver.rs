@@ -1,7 +1,8 @@
-//! The one request driver of the generation endpoints (chat, completions, `/infill`): a
-//! request checked, admitted and tokenized (see [`super::run`]) runs here to its end, streamed
-//! or collected, and the endpoint only renders: a [`Renderer`] turns each delta into its own
-//! events and the finished request into its own response. Usage, metrics and the log line
+//! The one request driver of the generation endpoints (chat, completions, `/infill`, the
+//! Responses and Anthropic Messages APIs): a request checked, admitted and tokenized (see
+//! [`super::run`]) runs here to its end, streamed or collected, and the endpoint only renders:
+//! a [`Renderer`] turns each delta into its own events and the finished request into its own
+//! response. Usage, metrics and the log line
 //! are written once by [`Running`]'s drop, however the request ends.
 
 use std::time::Duration;
@@ -45,6 +46,22 @@ pub trait Renderer: Send + 'static {
 
     /// Not streamed: the response once the generation has ended.
     fn whole(self, running: &Running) -> Response;
+
+    /// Stream: the events reporting `error`, which ended the generation midway (the stream
+    /// ends after them). OpenAI's endpoints send the error object as data.
+    fn failed(&mut self, _running: &Running, error: &ApiError) -> Vec<Bytes> {
+        let mut events = vec![sse::data(&error.body())];
+        if Self::DONE {
+            events.push(sse::done());
+        }
+        events
+    }
+
+    /// Stream: the events reporting `error`, which kept the request from starting (its
+    /// deadline passed while it queued).
+    fn refused(error: &ApiError) -> Vec<Bytes> {
+        vec![sse::data(&error.body()), sse::done()]
+    }
 }
 
 /// Runs `pending` to its end with `renderer`: an SSE stream (keep-alives every `keep_alive`
@@ -56,9 +73,12 @@ pub async fn respond<R: Renderer>(
     keep_alive: Duration,
 ) -> Result<Response, ApiError> {
     let mut response = if stream {
-        let body = stream_after_start(pending, keep_alive, move |running| {
-            events(running, renderer, keep_alive)
-        });
+        let body = stream_after_start(
+            pending,
+            keep_alive,
+            move |running| events(running, renderer, keep_alive),
+            R::refused,
+        );
         sse::response(body)
     } else {
         let mut running = pending.start().await?;
@@ -137,16 +157,15 @@ fn events<R: Renderer>(
                 }
                 Event::KeepAlive => yield sse::keep_alive(),
                 Event::Failed(e) => {
-                    yield sse::data(&ApiError::from(e).body());
-                    if R::DONE {
-                        yield sse::done();
+                    for event in renderer.failed(&running, &ApiError::from(e)) {
+                        yield event;
                     }
                     return;
                 }
                 Event::TimedOut => {
-                    yield sse::data(&running.timeout_error().body());
-                    if R::DONE {
-                        yield sse::done();
+                    let error = running.timeout_error();
+                    for event in renderer.failed(&running, &error) {
+                        yield event;
                     }
                     return;
                 }

@@ -83,12 +83,13 @@ pub async fn metrics(State(app): State<Arc<AppState>>) -> Response {
             engine,
         })
         .collect();
-    let text = render(
+    let mut text = render(
         &app.metrics,
         app.admission.num_queued(),
         app.admission.num_running(),
         &snapshots,
     );
+    app.endpoint_metrics.render(&mut text);
     (
         [(
             header::CONTENT_TYPE,

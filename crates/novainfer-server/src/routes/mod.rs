@@ -4,11 +4,14 @@
 
 mod chat;
 mod completions;
+mod conversation;
 mod driver;
 mod embeddings;
 mod infill;
 mod info;
+mod messages;
 mod misc;
+mod responses;
 mod run;
 
 use std::sync::Arc;
@@ -28,6 +31,8 @@ use crate::keys::Tenant;
 use crate::state::{AppState, RequestId};
 
 pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// Anthropic's API key header, accepted on every route as well as `Authorization: Bearer`.
+pub const X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
 
 /// Marks a response whose log line the handler writes itself (generation requests, which
 /// know their tokens and finish reason only when they end).
@@ -41,6 +46,11 @@ pub fn router(state: Arc<AppState>, cors_origins: &[String]) -> Router {
         .route("/v1/models/{model}", get(misc::get_model))
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/responses", post(responses::create))
+        .route(
+            "/v1/responses/{id}",
+            get(responses::retrieve).delete(responses::delete),
+        )
         .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/infill", post(infill::infill))
         .route("/v1/requests/{id}/cancel", post(misc::cancel))
@@ -51,6 +61,16 @@ pub fn router(state: Arc<AppState>, cors_origins: &[String]) -> Router {
             state.clone(),
             require_api_key,
         ));
+    // Anthropic's clients read errors in Anthropic's shape: every error of these routes
+    // (the API key check included) is rewritten on its way out.
+    let anthropic = Router::new()
+        .route("/v1/messages", post(messages::create))
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ))
+        .route_layer(middleware::from_fn(messages::anthropic_errors));
     let open = Router::new()
         .route("/health", get(misc::health))
         .route("/ready", get(misc::ready))
@@ -58,6 +78,7 @@ pub fn router(state: Arc<AppState>, cors_origins: &[String]) -> Router {
         .route("/metrics", get(misc::metrics))
         .route("/", get(crate::ui::index));
     let mut app = api
+        .merge(anthropic)
         .merge(open)
         // Any other GET may be a Web UI file; everything else is an unknown endpoint.
         .fallback(crate::ui::asset)
@@ -76,9 +97,11 @@ pub fn router(state: Arc<AppState>, cors_origins: &[String]) -> Router {
         app = app.layer(
             CorsLayer::new()
                 .allow_origin(origins)
-                .allow_methods([Method::GET, Method::POST])
+                .allow_methods([Method::GET, Method::POST, Method::DELETE])
                 .allow_headers([
                     header::AUTHORIZATION,
+                    X_API_KEY,
+                    HeaderName::from_static("anthropic-version"),
                     header::CONTENT_TYPE,
                     X_REQUEST_ID,
                     HeaderName::from_static("x-session-id"),
@@ -191,10 +214,11 @@ async fn require_api_key(
     let tenant = match &state.api_keys {
         None => Tenant::default(),
         Some(keys) => {
-            let presented = request
-                .headers()
+            let headers = request.headers();
+            let presented = headers
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+                .or_else(|| headers.get(&X_API_KEY).map(|v| v.as_bytes()))
                 .unwrap_or_default();
             match keys.tenant(presented) {
                 Some(tenant) => tenant,

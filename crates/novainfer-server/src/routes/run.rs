@@ -305,6 +305,7 @@ impl Drop for Running {
         let latency = self.run.arrival.elapsed();
         metrics.e2e.observe(latency.as_secs_f64());
         metrics.finished(outcome);
+        self.app.endpoint_metrics.finished(self.endpoint, outcome);
         if let Some(budget) = &self.app.budget {
             budget.charge(
                 self.tenant,
@@ -334,17 +335,19 @@ impl Drop for Running {
 
 /// A stream that waits for `pending`'s permit, sending an SSE keep-alive comment for every
 /// `period` it waits, then yields what `body` makes of the running request; if it cannot
-/// start (timeout), an error event and `[DONE]`.
+/// start (timeout), what `refused` makes of the error.
 pub fn stream_after_start<F, S>(
     pending: Pending,
     period: Duration,
     body: F,
+    refused: fn(&ApiError) -> Vec<Bytes>,
 ) -> impl Stream<Item = Bytes>
 where
     F: FnOnce(Running) -> S,
     S: Stream<Item = Bytes>,
 {
     let model = pending.launch.model.clone();
+    let app = pending.app.clone();
     let (request_id, endpoint, arrival) = (
         pending.request_id.clone(),
         pending.launch.endpoint,
@@ -369,7 +372,9 @@ where
             }
             Err(e) => {
                 // No `Running` ever existed to account for this request: do it here.
-                model.metrics.finished(if e.status == 408 { "timeout" } else { "error" });
+                let outcome = if e.status == 408 { "timeout" } else { "error" };
+                model.metrics.finished(outcome);
+                app.endpoint_metrics.finished(endpoint, outcome);
                 tracing::info!(
                     target: "novainfer::request",
                     request_id = %request_id,
@@ -380,8 +385,9 @@ where
                     error = %e.message,
                     "request"
                 );
-                yield crate::sse::data(&e.body());
-                yield crate::sse::done();
+                for event in refused(&e) {
+                    yield event;
+                }
             }
         }
     }
