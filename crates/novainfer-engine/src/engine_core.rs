@@ -303,7 +303,14 @@ impl EngineCore {
         }
         let drafts = proposer.propose(&decoding);
         let ids: Vec<RequestId> = decoding.iter().map(|r| r.id).collect();
-        for (id, draft) in ids.into_iter().zip(drafts) {
+        for (id, mut draft) in ids.into_iter().zip(drafts) {
+            // A constrained request verifies only what its grammar allows.
+            if let Some(constraint) = self.active.get_mut(&id).and_then(|c| c.constraint.as_mut()) {
+                if !draft.is_empty() {
+                    let valid = constraint.valid_prefix(&draft);
+                    draft.truncate(valid);
+                }
+            }
             if !draft.is_empty() {
                 self.scheduler.set_draft(id, draft);
             }

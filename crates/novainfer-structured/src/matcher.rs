@@ -84,6 +84,11 @@ impl GrammarMatcher {
     pub fn is_accepting(&mut self) -> bool {
         self.matcher.is_accepting().unwrap_or(false)
     }
+
+    /// How many of `tokens`, in order from here, the grammar allows (the state is unchanged).
+    pub fn valid_prefix(&mut self, tokens: &[u32]) -> usize {
+        self.matcher.validate_tokens(tokens).unwrap_or(0)
+    }
 }
 
 /// `-inf` for every id whose bit in `words` (32 ids a word) is clear, and for ids past them.
@@ -186,6 +191,12 @@ impl Constraint {
     /// See [`GrammarMatcher::accept`].
     pub fn accept(&mut self, token: u32) -> Result<Progress, StructuredError> {
         self.matcher()?.accept(token)
+    }
+
+    /// See [`GrammarMatcher::valid_prefix`]; 0 when the matcher was lost. Waits for a mask
+    /// under way, which the next sample needs anyway.
+    pub fn valid_prefix(&mut self, tokens: &[u32]) -> usize {
+        self.matcher().map_or(0, |m| m.valid_prefix(tokens))
     }
 
     /// Whether the output so far is a complete match. (Each completion of a prompt gets its own

@@ -200,6 +200,20 @@ fn end_tokens_are_allowed_only_where_the_grammar_accepts() {
 }
 
 #[test]
+fn a_draft_is_cut_at_the_first_token_the_grammar_refuses() {
+    let compiler = compiler();
+    let mut c = constraint(&compiler, StructuredOutput::Regex("ab+c".into()));
+    let [a, b, c_, z] = [b'a', b'b', b'c', b'z'].map(u32::from);
+    assert_eq!(c.valid_prefix(&[a, b, b, c_, EOS]), 5);
+    assert_eq!(c.valid_prefix(&[a, b, z, c_]), 2);
+    assert_eq!(c.valid_prefix(&[z]), 0);
+    // Checking moved nothing: the grammar still starts at `a`.
+    c.prefetch();
+    assert_eq!(c.valid_prefix(&[a, c_]), 1);
+    assert_eq!(c.accept(a).expect("allowed"), Progress::Continue);
+}
+
+#[test]
 fn a_complete_grammar_finishes_without_an_end_token() {
     let compiler = compiler();
     let mut c = constraint(&compiler, StructuredOutput::Choice(vec!["ab".into()]));
