@@ -35,6 +35,9 @@ def test_ngram_speculation_gives_the_same_tokens_greedy_and_seeded(tiny_models, 
             assert [c.logprobs for c in g.outputs] == [c.logprobs for c in w.outputs]
     stats = spec.stats()
     assert stats["num_draft_tokens"] > 0 and 0 < stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
+    assert stats["spec_acceptance_rate"] == stats["num_accepted_tokens"] / stats["num_draft_tokens"]
+    assert 0 < stats["num_drafts"] <= stats["num_draft_tokens"]
+    assert stats["spec_mean_acceptance_length"] == 1 + stats["num_accepted_tokens"] / stats["num_drafts"]
     # Fewer forward passes than tokens: accepted drafts saved steps.
     assert stats["num_steps"] < plain.stats()["num_steps"]
     assert stats["kv_used_blocks"] == 0
@@ -93,6 +96,8 @@ def test_the_server_streams_with_speculation_and_a_client_gone_mid_verification_
         assert text == want.outputs[0].text
         m = server.metrics()
         assert m['vllm:spec_decode_num_draft_tokens_total{model_name="tiny"}'] > 0
+        assert 0 < m['vllm:spec_decode_num_drafts_total{model_name="tiny"}'] <= m[
+            'vllm:spec_decode_num_draft_tokens_total{model_name="tiny"}']
         assert 0 < m['novainfer:spec_decode_num_accepted_tokens_total{model_name="tiny"}']
         # A long stream abandoned after a few chunks: its blocks (drafts' included) all come back.
         long = {**payload, "max_tokens": 400, "stream": True}

@@ -165,7 +165,7 @@ def run_bench_speculative(llm: LLM, args: argparse.Namespace, make_llm: Callable
         # Batch N: all at once, `--repeat` rounds alternating engines; the median round is reported.
         speeds: dict[str, list[float]] = {name: [] for name in engines}
         tokens: dict[str, list[list[int]]] = {}
-        counts: dict[str, tuple[float, float]] = {}
+        counts: dict[str, tuple[float, float, float]] = {}
         for _ in range(args.repeat):
             for name, engine in engines.items():
                 engine.reset_prefix_cache()
@@ -179,13 +179,14 @@ def run_bench_speculative(llm: LLM, args: argparse.Namespace, make_llm: Callable
                 counts[name] = (
                     after["num_draft_tokens"] - before["num_draft_tokens"],
                     after["num_accepted_tokens"] - before["num_accepted_tokens"],
+                    after["num_drafts"] - before["num_drafts"],
                 )
         line = [f"{head} {workload} batch={len(chats)} (median of {args.repeat})"]
         base = statistics.median(speeds["plain"])
         for name in engines:
             speed = statistics.median(speeds[name])
-            drafted, accepted = counts[name]
-            rate = f" accepted {accepted:.0f}/{drafted:.0f}" if drafted else ""
+            drafted, accepted, drafts = counts[name]
+            rate = f" accepted {accepted:.0f}/{drafted:.0f}, {1 + accepted / drafts:.2f} tokens/verify" if drafts else ""
             rel = "" if name == "plain" else f" {speed / base:.2f}x identical={tokens[name] == tokens['plain']}"
             line.append(f"{name} {speed:.1f} tok/s{rel}{rate}")
         print(" | ".join(line), flush=True)

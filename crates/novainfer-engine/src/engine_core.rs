@@ -53,7 +53,9 @@ pub struct EngineStats {
     pub kv_bytes_per_block: usize,
     pub num_prompt_tokens_computed: u64,
     pub num_generated_tokens: u64,
-    /// Speculative decoding: draft tokens verified, and those confirmed.
+    /// Speculative decoding: drafts verified (one per request per step), their tokens, and
+    /// those confirmed.
+    pub num_drafts: u64,
     pub num_draft_tokens: u64,
     pub num_accepted_tokens: u64,
     pub num_steps: u64,
@@ -436,6 +438,7 @@ impl EngineCore {
             &mut self.grammar_outcomes,
         );
         let accepted = tokens.len() - 1;
+        self.stats.num_drafts += 1;
         self.stats.num_draft_tokens += draft.len() as u64;
         self.stats.num_accepted_tokens += accepted as u64;
         self.verified.push((

@@ -239,8 +239,17 @@ impl PyEngine {
             ),
             ("num_generated_tokens", s.num_generated_tokens as f64),
             ("num_steps", s.num_steps as f64),
+            ("num_drafts", s.num_drafts as f64),
             ("num_draft_tokens", s.num_draft_tokens as f64),
             ("num_accepted_tokens", s.num_accepted_tokens as f64),
+            (
+                "spec_acceptance_rate",
+                ratio(s.num_accepted_tokens, s.num_draft_tokens),
+            ),
+            (
+                "spec_mean_acceptance_length",
+                1.0 + ratio(s.num_accepted_tokens, s.num_drafts),
+            ),
             ("busy_seconds", s.busy_seconds),
         ]))
     }
@@ -537,5 +546,14 @@ impl PyTokenStream {
         self.closed.store(true, Ordering::SeqCst);
         self.abort.abort();
         self.release();
+    }
+}
+
+/// `num / den`, 0 before anything was counted.
+fn ratio(num: u64, den: u64) -> f64 {
+    if den == 0 {
+        0.0
+    } else {
+        num as f64 / den as f64
     }
 }

@@ -134,6 +134,7 @@ pub struct ModelSnapshot<'a> {
 const VLLM_TWINS: &[&str] = &[
     "request_queue_time_seconds",
     "request_prefill_time_seconds",
+    "spec_decode_num_drafts_total",
     "spec_decode_num_draft_tokens_total",
     "spec_decode_num_accepted_tokens_total",
 ];
@@ -207,6 +208,13 @@ pub fn render(
             "counter",
             "Requests preempted (recomputed later) for lack of KV room.",
             |s| s.num_preemptions as f64,
+        ),
+        (
+            "novainfer:spec_decode_num_drafts_total",
+            "counter",
+            "Speculative decoding: drafts verified (one per request per step; mean acceptance \
+             length = 1 + accepted tokens / drafts).",
+            |s| s.num_drafts as f64,
         ),
         (
             "novainfer:spec_decode_num_draft_tokens_total",
