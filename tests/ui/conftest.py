@@ -80,14 +80,17 @@ def full_server(wide_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 @pytest.fixture(scope="session")
 def long_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The tiny model with a 4096-token context: room for the tools' system prompt and a tool round trip."""
+    """The tiny model with a 4096-token context (room for the tools' system prompt and a tool round trip),
+    speculating by prompt lookup."""
     from unittest import mock
 
     import tiny_qwen2
 
     with mock.patch.object(tiny_qwen2, "MAX_POSITIONS", 4096):
         model = tiny_qwen2.write_tiny_model(tmp_path_factory.mktemp("long-model"))
-    srv = start_server(model, tmp_path_factory.mktemp("ui-long-server") / "server.log")
+    ngram = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    srv = start_server(model, tmp_path_factory.mktemp("ui-long-server") / "server.log",
+                       extra_args=("--speculative-config", ngram))
     yield srv
     srv.stop()
 

@@ -600,6 +600,20 @@ def test_speculative_acceptance_only_when_reported(ui_page: Page) -> None:
     expect(assistant(page).locator(".tele-spec")).to_have_count(0)
 
 
+def test_speculative_acceptance_from_a_speculating_server(long_page: Page, long_server: Server) -> None:
+    """A server started with --speculative-config reports each reply's drafts in its usage, and the
+    telemetry shows the acceptance the server counted (the tiny model's greedy loops repeat its prompt)."""
+    page = long_page
+    save_settings(page, **{"set-max-tokens": "64"})
+    send(page, "la la la la la la la la la la")
+    wait_idle(page)
+    spec = assistant(page).locator(".tele-spec")
+    expect(spec).to_have_count(1)
+    accepted, drafted = map(int, re.search(r"\((\d+)/(\d+)\)", spec.inner_text()).groups())
+    assert 0 < accepted <= drafted
+    assert long_server.metric("vllm:spec_decode_num_draft_tokens_total") >= drafted
+
+
 def test_math_renders_as_mathml(ui_page: Page, shot) -> None:
     """$…$ and $$…$$ in a reply become MathML (no CDN, no HTML parsing), dollars in prose stay text,
     and a formula that does not parse is shown as its source. Stubbed: the random model writes no TeX."""
