@@ -12,14 +12,19 @@ Each workload runs at batch 1 (a few prompts one after another, streamed; decode
 the first over the time after the first) and at batch ``--num-requests`` (all submitted at once; output
 tokens over the wall time, prefill included, the same for every engine; the median of ``--repeat`` rounds). Engines: no speculation, n-gram
 (``--speculative-config``, default 4 tokens, n-grams of 2 to 5), and a draft model when ``--draft-model`` is
-given; ``--speculative-config`` replaces the n-gram engine's config. Runs alternate between engines prompt by prompt, so a busy machine slows them alike; each line also
+given; ``--speculative-config`` replaces the n-gram engine's config. With ``--llama-cpp BIN_DIR`` the batch-1
+prompts also run through llama.cpp's ``llama-lookup`` (and ``llama-speculative-simple`` with the draft model),
+greedy, on the same thread count: its decode speed (tokens after the prompt over their time) and acceptance. Runs alternate between engines prompt by prompt, so a busy machine slows them alike; each line also
 says whether the outputs were identical to the plain engine's (they must be: greedy).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import subprocess
+import tempfile
 import statistics
 import time
 from collections.abc import Callable
@@ -64,6 +69,12 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         help="speculative: which workloads",
     )
     p.add_argument("--batch1-prompts", type=int, default=4, help="speculative: prompts run one by one")
+    p.add_argument(
+        "--llama-cpp",
+        metavar="BIN_DIR",
+        help="speculative: also run llama.cpp's llama-lookup (and llama-speculative-simple with --draft-model) "
+        "from this folder on the batch-1 prompts (GGUF models)",
+    )
 
 
 def _source_slices(count_tokens: Callable[[str], int], count: int, longest: int) -> list[tuple[str, str]]:
@@ -81,7 +92,7 @@ def _source_slices(count_tokens: Callable[[str], int], count: int, longest: int)
                 text += lines[end]
                 end += 1
             n = count_tokens(text)
-            names = re.findall(r"^\s*def (\w+)\(", text, flags=re.M)
+            names = [n for n in re.findall(r"^\s*def (\w+)\(", text, flags=re.M) if not n.startswith("__")]
             if shortest <= n <= longest and names:
                 out.append((text, names[0]))
             start = end
@@ -114,6 +125,48 @@ def code_edit_prompts(llm: LLM, count: int, max_tokens: int) -> list[list[dict[s
 def free_form_prompts(count: int) -> list[list[dict[str, str]]]:
     """Chats with free-form answers (little to look up)."""
     return [[{"role": "user", "content": FREE_FORM[i % len(FREE_FORM)]}] for i in range(count)]
+
+
+_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+_ACCEPTED = re.compile(r"n_accept\s*=\s*(\d+)")
+_DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
+
+
+def _llama_cpp_run(cmd: list[str], prompt: str) -> tuple[int, float, int, int]:
+    """(tokens decoded, seconds, drafted, accepted) of one llama.cpp speculative example run on `prompt`
+    (the chat-template-rendered text, special tokens spelled out)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(prompt)
+    try:
+        out = subprocess.run([*cmd, "-f", f.name], capture_output=True, text=True, timeout=3600)
+    finally:
+        os.unlink(f.name)
+    log = out.stdout + out.stderr
+    decoded = _DECODED.search(log)
+    if out.returncode != 0 or decoded is None:
+        raise RuntimeError(f"{cmd[0]} failed ({out.returncode}): {log[-2000:]}")
+    drafted, accepted = _DRAFTED.search(log), _ACCEPTED.search(log)
+    return (
+        int(decoded.group(1)),
+        float(decoded.group(2)),
+        int(drafted.group(1)) if drafted else 0,
+        int(accepted.group(1)) if accepted else 0,
+    )
+
+
+def _llama_cpp_commands(llm: LLM, args: argparse.Namespace, k: int) -> dict[str, list[str]]:
+    """llama.cpp's prompt lookup and (with a draft model) draft-model decoding, greedy, on the same
+    thread count."""
+    bin_dir = Path(args.llama_cpp)
+    threads = os.environ.get("RAYON_NUM_THREADS", str(os.cpu_count()))
+    common = ["-n", str(args.decode_tokens), "-t", threads, "--temp", "0", "--spec-draft-n-max", str(k),
+              "-c", str(llm.max_model_len)]
+    cmds = {"llama.cpp lookup": [str(bin_dir / "llama-lookup"), "-m", str(llm.model_path), *common]}
+    if args.draft_model:
+        cmds["llama.cpp draft"] = [
+            str(bin_dir / "llama-speculative-simple"), "-m", str(llm.model_path), "-md", args.draft_model, *common
+        ]
+    return cmds
 
 
 def _stream_one(llm: LLM, chat: list[dict[str, str]], params: SamplingParams) -> tuple[list[int], int, float]:
@@ -161,6 +214,13 @@ def run_bench_speculative(llm: LLM, args: argparse.Namespace, make_llm: Callable
             speed = decoded[name] / max(seconds[name], 1e-9)
             same = "" if name == "plain" else f" {speed / base:.2f}x identical={outputs[name] == outputs['plain']}"
             line.append(f"{name} {speed:.1f} tok/s{same}")
+        if args.llama_cpp:
+            k = (args.speculative_config or DEFAULT_NGRAM)["num_speculative_tokens"]
+            for name, cmd in _llama_cpp_commands(llm, args, k).items():
+                runs = [_llama_cpp_run(cmd, llm.apply_chat_template(c)) for c in chats[: args.batch1_prompts]]
+                n, s = sum(r[0] for r in runs), sum(r[1] for r in runs)
+                drafted, accepted = sum(r[2] for r in runs), sum(r[3] for r in runs)
+                line.append(f"{name} {n / max(s, 1e-9):.1f} tok/s accepted {accepted}/{drafted}")
         print(" | ".join(line), flush=True)
         # Batch N: all at once, `--repeat` rounds alternating engines; the median round is reported.
         speeds: dict[str, list[float]] = {name: [] for name in engines}
