@@ -48,6 +48,9 @@ impl DraftSeq {
         } else {
             self.computed + confirmed
         };
+        // The next draft needs the last token's logits: feed it again if its KV is all there
+        // (a verifier that confirms drafts past a rejection could leave it so).
+        self.computed = self.computed.min(n.saturating_sub(1));
         self.speculated.clear();
     }
 }
@@ -175,11 +178,18 @@ impl DraftModel {
             if k == 0 {
                 continue;
             }
+            let n = request.num_tokens();
+            // Past the draft's context: nothing to propose, and its KV is of no more use.
+            if n >= self.max_positions {
+                if let Some(seq) = self.seqs.remove(&request.id) {
+                    self.free.extend(seq.blocks);
+                }
+                continue;
+            }
             let seq = self.seqs.entry(request.id).or_default();
             seq.reconcile(request);
-            let n = request.num_tokens();
             // Drafts 1..k-1 are fed; the last is only proposed.
-            let k = k.min(self.max_positions.saturating_sub(n) + 1);
+            let k = k.min(self.max_positions - n + 1);
             let unseen = n - seq.computed;
             if unseen == 0 || budget == 0 {
                 continue;
@@ -252,6 +262,181 @@ fn argmax(row: &[f32]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use novainfer_model::{Device, ForwardOutput, Qwen2Config};
+
+    const VOCAB: usize = 11;
+
+    /// A model whose next token is a function of the tokens its pool holds for the sequence
+    /// (read back through the block table), so stale or missing KV changes its answers.
+    struct PoolEcho {
+        config: Qwen2Config,
+        /// Per slot: the token written there.
+        pool: Vec<Option<u32>>,
+    }
+
+    impl PoolEcho {
+        fn new(num_blocks: usize, max_positions: usize) -> Self {
+            Self {
+                config: Qwen2Config {
+                    vocab_size: VOCAB,
+                    hidden_size: 8,
+                    intermediate_size: 8,
+                    num_hidden_layers: 1,
+                    num_attention_heads: 1,
+                    num_key_value_heads: 1,
+                    max_position_embeddings: max_positions,
+                    rope_theta: 1e4,
+                    rms_norm_eps: 1e-6,
+                    tie_word_embeddings: false,
+                    torch_dtype: None,
+                    bos_token_id: None,
+                    eos_token_ids: vec![],
+                },
+                pool: vec![None; num_blocks * DRAFT_BLOCK_SIZE],
+            }
+        }
+    }
+
+    /// The toy model's next token after `tokens`.
+    fn next(tokens: &[u32]) -> u32 {
+        let h = tokens
+            .iter()
+            .enumerate()
+            .fold(7u64, |h, (i, &t)| h * 31 + (i as u64 + 1) * u64::from(t));
+        (h % VOCAB as u64) as u32
+    }
+
+    impl Executor for PoolEcho {
+        fn device(&self) -> Device {
+            Device::Cpu
+        }
+        fn config(&self) -> &Qwen2Config {
+            &self.config
+        }
+        fn block_size(&self) -> usize {
+            DRAFT_BLOCK_SIZE
+        }
+        fn num_blocks(&self) -> usize {
+            self.pool.len() / DRAFT_BLOCK_SIZE
+        }
+        fn kv_bytes_per_block(&self) -> usize {
+            1
+        }
+        fn copy_block(&mut self, _: usize, _: usize, _: usize) -> novainfer_model::Result<()> {
+            unreachable!("drafts never fork")
+        }
+        fn forward(&mut self, batch: &ForwardBatch) -> novainfer_model::Result<ForwardOutput> {
+            for (i, &slot) in batch.slot_mapping.iter().enumerate() {
+                self.pool[slot] = Some(batch.token_ids[i]);
+            }
+            let mut logits = Vec::new();
+            for span in &batch.seqs {
+                if span.output != SpanOutput::LastLogits {
+                    continue;
+                }
+                let last = span.query_start + span.query_len - 1;
+                let history: Vec<u32> = (0..=batch.positions[last])
+                    .map(|p| {
+                        let block = span.block_table[p / DRAFT_BLOCK_SIZE] as usize;
+                        self.pool[block * DRAFT_BLOCK_SIZE + p % DRAFT_BLOCK_SIZE]
+                            .expect("every earlier position was written")
+                    })
+                    .collect();
+                let mut row = vec![0.0; VOCAB];
+                row[next(&history) as usize] = 1.0;
+                logits.extend(row);
+            }
+            Ok(ForwardOutput {
+                logits,
+                hidden: Vec::new(),
+            })
+        }
+        fn embed(&mut self, _: &[u32]) -> novainfer_model::Result<Vec<f32>> {
+            unreachable!()
+        }
+        fn prompt_logits(&mut self, _: &[u32], _: bool) -> novainfer_model::Result<Vec<f32>> {
+            unreachable!()
+        }
+    }
+
+    /// The drafts a model without KV would make: each from the whole sequence so far.
+    fn reference(tokens: &[u32], k: usize) -> Vec<u32> {
+        let mut seq = tokens.to_vec();
+        for _ in 0..k {
+            seq.push(next(&seq));
+        }
+        seq.split_off(tokens.len())
+    }
+
+    #[test]
+    fn drafts_follow_the_sequence_through_rejections_and_catch_up() {
+        // A catch-up budget of 20 tokens a step: the 45-token prompt takes three steps.
+        let mut draft = DraftModel::new(Box::new(PoolEcho::new(64, 4096)), VOCAB, 20);
+        let prompt: Vec<u32> = (0..45).map(|i| (i * 7 % VOCAB) as u32).collect();
+        let mut a = Request::new(RequestId(1), prompt, 500);
+        a.output_token_ids.push(3);
+        let mut b = Request::new(RequestId(2), vec![1, 2, 3], 500);
+        b.output_token_ids.push(4);
+        let mut rng = 12345u64;
+        let (mut drafted_a, mut drafted_b) = (0, 0);
+        for step in 0..40 {
+            let out = draft.propose(&[(&a, 4), (&b, 3)]).expect("runs");
+            if !out[0].is_empty() {
+                drafted_a += 1;
+                assert_eq!(
+                    out[0],
+                    reference(&a.token_ids(0..a.num_tokens()), 4),
+                    "step {step}"
+                );
+            }
+            // b waits while a's catch-up takes the whole budget.
+            if !out[1].is_empty() {
+                drafted_b += 1;
+                assert_eq!(
+                    out[1],
+                    reference(&b.token_ids(0..b.num_tokens()), 3),
+                    "step {step}"
+                );
+            }
+            // The target keeps a random prefix of each draft, then adds a token of its own.
+            for (r, d) in [(&mut a, &out[0]), (&mut b, &out[1])] {
+                rng = rng
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let keep = (rng >> 33) as usize % (d.len() + 1);
+                r.output_token_ids.extend_from_slice(&d[..keep]);
+                r.output_token_ids.push((rng >> 40) as u32 % VOCAB as u32);
+            }
+        }
+        // Three steps of catch-up, then a draft every step for both.
+        assert_eq!((drafted_a, drafted_b), (38, 38));
+        draft.retain(|id| id == RequestId(2));
+        assert!(draft.num_used_blocks() > 0);
+        draft.retain(|_| false);
+        assert_eq!(draft.num_used_blocks(), 0);
+    }
+
+    #[test]
+    fn a_full_pool_or_the_context_end_gives_no_draft() {
+        // Three blocks: room for one of the two sequences (two blocks each) only.
+        let mut draft = DraftModel::new(Box::new(PoolEcho::new(3, 40)), VOCAB, 1000);
+        let a = Request::new(RequestId(1), vec![1; 20], 100);
+        let b = Request::new(RequestId(2), vec![2; 20], 100);
+        let out = draft.propose(&[(&a, 4), (&b, 4)]).expect("runs");
+        assert_eq!(out[0], reference(&a.token_ids(0..20), 4));
+        assert!(out[1].is_empty(), "no room for b");
+        assert_eq!(draft.num_used_blocks(), 2);
+        // At the draft's context end: nothing, and its blocks come back.
+        let long = Request::new(RequestId(1), vec![1; 40], 100);
+        assert_eq!(
+            draft.propose(&[(&long, 4)]).expect("runs"),
+            vec![Vec::<u32>::new()]
+        );
+        assert_eq!(draft.num_used_blocks(), 0);
+        // Near it, the draft is shortened to fit.
+        let near = Request::new(RequestId(3), vec![1; 38], 100);
+        assert_eq!(draft.propose(&[(&near, 4)]).expect("runs")[0].len(), 3);
+    }
 
     #[test]
     fn reconcile_keeps_the_confirmed_drafts_only() {
