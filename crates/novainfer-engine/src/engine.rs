@@ -64,6 +64,8 @@ pub struct EngineConfig {
     pub max_long_partial_prefills: Option<usize>,
     /// Speculative decoding (vLLM's `speculative_config`); `None`: off.
     pub speculative: Option<crate::speculative::SpeculativeConfig>,
+    /// Where each step's KV-cache events go (`--kv-events-config`); `None`: none are recorded.
+    pub kv_events: Option<std::sync::Arc<dyn novainfer_core::KvEventSink>>,
 }
 
 /// 2 GiB holds 174k tokens of the 0.5B demo model (f16 K/V, the CPU's default) or 74k of a
@@ -201,6 +203,7 @@ impl EngineConfig {
             max_num_partial_prefills: None,
             max_long_partial_prefills: None,
             speculative: None,
+            kv_events: None,
         }
     }
 }

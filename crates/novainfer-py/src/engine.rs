@@ -207,6 +207,7 @@ impl PyEngine {
             max_num_partial_prefills,
             max_long_partial_prefills,
             speculative,
+            kv_events: None,
         };
         let handle = py
             .detach(|| EngineHandle::spawn(&cfg))
