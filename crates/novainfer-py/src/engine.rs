@@ -208,6 +208,7 @@ impl PyEngine {
             max_long_partial_prefills,
             speculative,
             kv_events: None,
+            tensor_parallel: novainfer_model::TensorParallel::single(),
         };
         let handle = py
             .detach(|| EngineHandle::spawn(&cfg))

@@ -32,9 +32,7 @@ fn serve_error(py: Python<'_>, e: ServeError) -> PyErr {
         ServeError::Bind { .. }
         | ServeError::Io(_)
         | ServeError::EngineFailed { .. }
-        | ServeError::KvEvents(_) => {
-            novainfer_error(py, "NovaInferError", e.to_string())
-        }
+        | ServeError::KvEvents(_) => novainfer_error(py, "NovaInferError", e.to_string()),
     }
 }
 
