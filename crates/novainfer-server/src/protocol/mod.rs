@@ -4,3 +4,4 @@ pub mod infill;
 pub mod inputs;
 pub mod request;
 pub mod response;
+pub mod router_defaults;
