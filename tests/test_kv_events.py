@@ -41,6 +41,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+FIELDS = {"BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                           "lora_name"],
+          "BlockRemoved": ["block_hashes", "medium"],
+          "AllBlocksCleared": []}
+
+
+def as_array(event) -> list:
+    """An event in vLLM's older tag-first array form; a map (vLLM's current form) must have exactly vLLM's keys."""
+    if isinstance(event, list):
+        return event
+    tag = event["type"]
+    assert sorted(event) == sorted(["type", *FIELDS[tag]]), event
+    return [tag, *(event[f] for f in FIELDS[tag])]
+
+
 class Mirror:
     """A router's view of one replica's prefix cache, built from the events alone."""
 
@@ -51,7 +66,7 @@ class Mirror:
     def apply(self, payload: bytes) -> None:
         ts, events, dp_rank = msgpack.unpackb(payload)
         assert isinstance(ts, float) and dp_rank == 0
-        for event in events:
+        for event in map(as_array, events):
             tag = event[0]
             if tag == "BlockStored":
                 hashes, parent, tokens, block_size, lora_id, medium, lora_name = event[1:]
@@ -119,6 +134,7 @@ def ports():
 
 
 def serve(tiny_models, pub: int, rep: int, *extra: str) -> ServerProcess:
+    """A server publishing events on `pub`, replaying on `rep`; `extra` server flags."""
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
               "replay_endpoint": f"tcp://*:{rep}", "topic": TOPIC.decode(), "buffer_steps": 100_000}
     # A small pool (64 blocks of 16 tokens) so that the workload evicts.
@@ -126,9 +142,10 @@ def serve(tiny_models, pub: int, rep: int, *extra: str) -> ServerProcess:
                           "--kv-cache-bytes", str(1 << 18), "--kv-events-config", json.dumps(config), *extra])
 
 
-def test_a_subscriber_rebuilds_the_cache_and_a_late_one_replays(tiny_models, ports):
+@pytest.mark.parametrize("encoding", ["map", "array"])
+def test_a_subscriber_rebuilds_the_cache_and_a_late_one_replays(tiny_models, ports, encoding):
     pub, rep = ports
-    with serve(tiny_models, pub, rep) as server:
+    with serve(tiny_models, pub, rep, "--kv-events-encoding", encoding) as server:
         ctx = zmq.Context.instance()
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
@@ -159,6 +176,8 @@ def test_a_subscriber_rebuilds_the_cache_and_a_late_one_replays(tiny_models, por
         mirror = Mirror()
         for _, payload in replayed:
             mirror.apply(payload)
+            kind = type(msgpack.unpackb(payload)[1][0])
+            assert kind is (dict if encoding == "map" else list), kind
         assert mirror.stored > 0 and mirror.removed > 0, (mirror.stored, mirror.removed)
 
         # The shared prompt's first block is what the index holds for those tokens: the mirror has it
@@ -167,7 +186,7 @@ def test_a_subscriber_rebuilds_the_cache_and_a_late_one_replays(tiny_models, por
         first = json.loads(body)["tokens"][:BLOCK]
         h0 = block_hash(None, first)
         assert h0 in mirror.blocks or any(
-            e[0] == "BlockRemoved" and h0 in e[1] for _, p in replayed for e in msgpack.unpackb(p)[1])
+            e[0] == "BlockRemoved" and h0 in e[1] for _, p in replayed for e in map(as_array, msgpack.unpackb(p)[1]))
 
         # Replay from the middle starts there.
         middle = len(replayed) // 2

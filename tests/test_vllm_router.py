@@ -40,12 +40,13 @@ def free_port() -> int:
 
 
 class Router:
-    def __init__(self, workers: list[str], policy: str) -> None:
+    def __init__(self, workers: list[str], policy: str, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.metrics_url = f"http://127.0.0.1:{free_port()}/metrics"
         self.proc = subprocess.Popen(
-            [ROUTER, "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-port", str(free_port()),
-             "--policy", policy, "--worker-urls", *workers, "--log-level", "warning"],
+            [ROUTER, "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-port", self.metrics_url.split(":")[-1].split("/")[0],
+             "--policy", policy, "--worker-urls", *workers, "--log-level", "warning", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 60
         while True:
@@ -67,6 +68,12 @@ class Router:
         with urllib.request.urlopen(req, timeout=120) as r:
             return json.loads(r.read())
 
+    def metric(self, name: str) -> float:
+        """The sum of the router's own Prometheus series `name` (0 if absent)."""
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
+            lines = r.read().decode().splitlines()
+        return sum(float(line.rpartition(" ")[2]) for line in lines if line.startswith(name))
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -77,9 +84,19 @@ class Router:
                 self.proc.wait()
 
 
-def replicas(tiny_models, n: int = 2) -> list[ServerProcess]:
-    return [ServerProcess(["--model", str(tiny_models["f32"]), "--served-model-name", "tiny", *KV])
-            for _ in range(n)]
+def replicas(tiny_models, n: int = 2, extra: list[list[str]] | None = None) -> list[ServerProcess]:
+    return [ServerProcess(["--model", str(tiny_models["f32"]), "--served-model-name", "tiny", *KV,
+                           *(extra[i] if extra else [])]) for i in range(n)]
+
+
+def kv_event_ports(n: int = 2) -> list[tuple[int, int]]:
+    return [(free_port(), free_port()) for _ in range(n)]
+
+
+def kv_events_args(pub: int, rep: int) -> list[str]:
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+              "replay_endpoint": f"tcp://*:{rep}"}
+    return ["--kv-events-config", json.dumps(config)]
 
 
 def engine_totals(servers) -> dict[str, float]:
@@ -104,13 +121,22 @@ def sessions_workload(router: Router) -> None:
 
 
 def run_policy(tiny_models, policy: str) -> dict[str, float]:
-    servers = replicas(tiny_models)
+    """`kv_aware` routes by the replicas' KV-cache events (vllm-router subscribes to each replica's ZMQ socket)."""
+    ports = kv_event_ports() if policy == "kv_aware" else None
+    servers = replicas(tiny_models, extra=[kv_events_args(*p) for p in ports] if ports else None)
     try:
-        router = Router([s.url for s in servers], policy)
+        extra = []
+        for s, (pub, rep) in zip(servers, ports or []):
+            extra += ["--kv-event-source", f"{s.url}=tcp://127.0.0.1:{pub}",
+                      "--kv-event-replay-source", f"{s.url}=tcp://127.0.0.1:{rep}"]
+        if ports:
+            extra += ["--kv-event-block-size", "16", "--kv-event-model", "tiny"]
+        router = Router([s.url for s in servers], policy, *extra)
         try:
             before = engine_totals(servers)
             sessions_workload(router)
             after = engine_totals(servers)
+            kv_hits = router.metric('vllm_router_kv_placement_lookups_total{result="hit"}')
         finally:
             router.stop()
     finally:
@@ -122,13 +148,22 @@ def run_policy(tiny_models, policy: str) -> dict[str, float]:
     print(f"\n{policy}: prefix-cache hit rate {hits / queries:.3f} ({hits:.0f}/{queries:.0f} tokens), "
           f"mean TTFT {ttft * 1e3:.1f} ms over {delta['vllm:time_to_first_token_seconds_count']:.0f} requests")
     assert delta["vllm:request_success_total"] == SESSIONS * TURNS
-    return {"hit_rate": hits / queries, "ttft": ttft}
+    return {"hit_rate": hits / queries, "ttft": ttft, "kv_index_hits": kv_hits}
 
 
 def test_cache_aware_routing_hits_the_prefix_cache_more_than_round_robin(tiny_models):
     round_robin = run_policy(tiny_models, "round_robin")
     cache_aware = run_policy(tiny_models, "cache_aware")
     assert cache_aware["hit_rate"] > round_robin["hit_rate"]
+
+
+def test_kv_aware_routing_reads_novainfers_kv_events(tiny_models):
+    """vllm-router's kv_aware policy knows where prefixes are cached only from the events NovaInfer publishes."""
+    round_robin = run_policy(tiny_models, "round_robin")
+    kv_aware = run_policy(tiny_models, "kv_aware")
+    assert kv_aware["hit_rate"] > round_robin["hit_rate"]
+    # The router found the requests' prefixes in the index it built from the events.
+    assert kv_aware["kv_index_hits"] > 0
 
 
 def test_a_killed_replica_loses_no_retryable_request(tiny_models):

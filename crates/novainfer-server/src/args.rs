@@ -106,6 +106,10 @@ pub struct ServeArgs {
     /// "topic": "kv", "buffer_steps": 10000}'. One --model only.
     #[arg(long)]
     pub kv_events_config: Option<String>,
+    /// How KV-cache events are laid out: map (vLLM's current encoding, `type`-tagged maps) or
+    /// array (vLLM's older one, tag-first arrays).
+    #[arg(long, value_enum, default_value = "map")]
+    pub kv_events_encoding: crate::kv_events::encode::Encoding,
     /// Most prompts longer than --long-prefill-token-threshold prefilled at once; shorter ones
     /// overtake the rest (default: none on a GPU, 1 on the CPU).
     #[arg(long)]

@@ -188,7 +188,9 @@ pub fn serve(args: ServeArgs) -> Result<(), ServeError> {
     let signals = runtime.block_on(async { Signals::register() })?;
     // The sockets open before the model loads, so a taken port fails fast.
     let publisher = match args.kv_events()? {
-        Some(config) => Some(runtime.block_on(KvEventPublisher::start(&config))?),
+        Some(config) => {
+            Some(runtime.block_on(KvEventPublisher::start(&config, args.kv_events_encoding))?)
+        }
         None => None,
     };
     let models = load_models(&args, publisher)?;

@@ -1,30 +1,74 @@
-//! vLLM's msgpack encoding of a `KVEventBatch` (msgspec `array_like` structs, tagged events):
+//! vLLM's msgpack encoding of a `KVEventBatch`. The batch is a msgspec `array_like` struct;
+//! the events are msgspec tagged structs, which vLLM encodes as maps with a `type` key
+//! ([`Encoding::Map`], vLLM today) or, in its older releases, as arrays with the tag first
+//! ([`Encoding::Array`], what some consumers still read):
 //!
 //! ```text
 //! batch:            [ts: float64, [event, ...], data_parallel_rank: 0]
-//! BlockStored:      ["BlockStored", [hash, ...], parent_hash | nil, [token_id, ...], block_size,
-//!                    lora_id: nil, medium: nil, lora_name: nil]
-//! BlockRemoved:     ["BlockRemoved", [hash, ...], medium: nil]
-//! AllBlocksCleared: ["AllBlocksCleared"]
+//! BlockStored:      {"type": "BlockStored", "block_hashes": [hash, ...], "parent_block_hash": hash | nil,
+//!                    "token_ids": [id, ...], "block_size": n, "lora_id": nil, "medium": nil, "lora_name": nil}
+//!                   ["BlockStored", [hash, ...], parent | nil, [id, ...], n, nil, nil, nil]
+//! BlockRemoved:     {"type": "BlockRemoved", "block_hashes": [hash, ...], "medium": nil}
+//!                   ["BlockRemoved", [hash, ...], nil]
+//! AllBlocksCleared: {"type": "AllBlocksCleared"}  /  ["AllBlocksCleared"]
 //! ```
-//! Hashes are unsigned 64-bit integers. `medium` is nil: the engine's one KV pool (vLLM
-//! writes "GPU" for its device pool; consumers read nil as their default tier).
+//! Fields with defaults (`extra_keys`, `group_idx`, …) are left out, as msgspec's
+//! `omit_defaults` does. Hashes are unsigned 64-bit integers. `medium` is nil: the engine's
+//! one KV pool (vLLM writes "GPU" for its device pool; consumers read nil as their default tier).
 
 use novainfer_core::{BlockHash, KvEvent};
 use rmp::encode;
 
+/// How events are laid out inside a batch (`--kv-events-encoding`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Encoding {
+    /// Maps with a `type` key: vLLM's current encoding.
+    #[default]
+    Map,
+    /// Arrays with the tag first: vLLM's older encoding.
+    Array,
+}
+
 /// The batch's msgpack bytes. `ts` is seconds since the Unix epoch.
-pub fn encode_batch(ts: f64, events: &[KvEvent]) -> Vec<u8> {
+pub fn encode_batch(ts: f64, events: &[KvEvent], encoding: Encoding) -> Vec<u8> {
     let mut out = Vec::with_capacity(64 + 16 * events.len());
     // Writing into a Vec cannot fail.
-    let _ = write_batch(&mut out, ts, events);
+    let _ = write_batch(&mut out, ts, events, encoding);
     out
+}
+
+/// Starts an event of `fields` fields (the tag included) and writes its tag.
+fn start_event(
+    out: &mut Vec<u8>,
+    encoding: Encoding,
+    tag: &str,
+    fields: u32,
+) -> Result<(), encode::ValueWriteError> {
+    match encoding {
+        Encoding::Map => {
+            encode::write_map_len(out, fields)?;
+            encode::write_str(out, "type")?;
+        }
+        Encoding::Array => {
+            encode::write_array_len(out, fields)?;
+        }
+    }
+    encode::write_str(out, tag)
+}
+
+/// A field's name, in the map encoding.
+fn key(out: &mut Vec<u8>, encoding: Encoding, name: &str) -> Result<(), encode::ValueWriteError> {
+    match encoding {
+        Encoding::Map => encode::write_str(out, name),
+        Encoding::Array => Ok(()),
+    }
 }
 
 fn write_batch(
     out: &mut Vec<u8>,
     ts: f64,
     events: &[KvEvent],
+    encoding: Encoding,
 ) -> Result<(), encode::ValueWriteError> {
     encode::write_array_len(out, 3)?;
     encode::write_f64(out, ts)?;
@@ -37,35 +81,37 @@ fn write_batch(
                 token_ids,
                 block_size,
             } => {
-                encode::write_array_len(out, 8)?;
-                encode::write_str(out, "BlockStored")?;
+                start_event(out, encoding, "BlockStored", 8)?;
+                key(out, encoding, "block_hashes")?;
                 write_hashes(out, block_hashes)?;
+                key(out, encoding, "parent_block_hash")?;
                 match parent {
                     Some(h) => {
                         encode::write_uint(out, h.0)?;
                     }
                     None => nil(out)?,
                 }
+                key(out, encoding, "token_ids")?;
                 encode::write_array_len(out, len(token_ids.len()))?;
                 for &t in token_ids {
                     encode::write_uint(out, u64::from(t))?;
                 }
+                key(out, encoding, "block_size")?;
                 encode::write_uint(out, *block_size as u64)?;
-                for _ in 0..3 {
-                    // lora_id, medium, lora_name
+                // No LoRA, and the engine's one pool.
+                for name in ["lora_id", "medium", "lora_name"] {
+                    key(out, encoding, name)?;
                     nil(out)?;
                 }
             }
             KvEvent::BlockRemoved { block_hashes } => {
-                encode::write_array_len(out, 3)?;
-                encode::write_str(out, "BlockRemoved")?;
+                start_event(out, encoding, "BlockRemoved", 3)?;
+                key(out, encoding, "block_hashes")?;
                 write_hashes(out, block_hashes)?;
+                key(out, encoding, "medium")?;
                 nil(out)?;
             }
-            KvEvent::AllBlocksCleared => {
-                encode::write_array_len(out, 1)?;
-                encode::write_str(out, "AllBlocksCleared")?;
-            }
+            KvEvent::AllBlocksCleared => start_event(out, encoding, "AllBlocksCleared", 1)?,
         }
     }
     // data_parallel_rank: one engine per server.
@@ -95,6 +141,35 @@ mod tests {
     use super::*;
 
     #[test]
+    fn map_events_carry_their_type_and_field_names() {
+        let events = vec![
+            KvEvent::BlockRemoved {
+                block_hashes: vec![BlockHash(7)],
+            },
+            KvEvent::AllBlocksCleared,
+        ];
+        let bytes = encode_batch(1.5, &events, Encoding::Map);
+        let mut want = vec![0x93, 0xcb];
+        want.extend_from_slice(&1.5f64.to_be_bytes());
+        want.push(0x92);
+        want.extend_from_slice(&[0x83, 0xa4]);
+        want.extend_from_slice(b"type");
+        want.push(0xac);
+        want.extend_from_slice(b"BlockRemoved");
+        want.push(0xac);
+        want.extend_from_slice(b"block_hashes");
+        want.extend_from_slice(&[0x91, 0x07, 0xa6]);
+        want.extend_from_slice(b"medium");
+        want.push(0xc0);
+        want.extend_from_slice(&[0x81, 0xa4]);
+        want.extend_from_slice(b"type");
+        want.push(0xb0);
+        want.extend_from_slice(b"AllBlocksCleared");
+        want.push(0x00);
+        assert_eq!(bytes, want);
+    }
+
+    #[test]
     fn a_batch_is_vllms_array_layout() {
         let events = vec![
             KvEvent::BlockStored {
@@ -108,7 +183,7 @@ mod tests {
             },
             KvEvent::AllBlocksCleared,
         ];
-        let bytes = encode_batch(1.5, &events);
+        let bytes = encode_batch(1.5, &events, Encoding::Array);
         let mut want = vec![0x93, 0xcb];
         want.extend_from_slice(&1.5f64.to_be_bytes());
         want.push(0x93); // three events

@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage, ZmqResult};
 
 use super::config::{bind_or_connect, KvEventsConfig};
-use super::encode::encode_batch;
+use super::encode::{encode_batch, Encoding};
 
 /// The replay socket's end-of-replay marker: sequence number -1 with an empty payload.
 const END_SEQ: [u8; 8] = (-1i64).to_be_bytes();
@@ -52,7 +52,10 @@ impl KvEventSink for KvEventPublisher {
 
 impl KvEventPublisher {
     /// Opens the sockets (on the current tokio runtime) and starts the sending task.
-    pub async fn start(config: &KvEventsConfig) -> Result<Arc<Self>, PublisherError> {
+    pub async fn start(
+        config: &KvEventsConfig,
+        encoding: Encoding,
+    ) -> Result<Arc<Self>, PublisherError> {
         let mut publisher = PubSocket::new();
         open(&mut publisher, &config.endpoint).await?;
         let replay = match &config.replay_endpoint {
@@ -73,6 +76,7 @@ impl KvEventPublisher {
             buffer_steps: config.buffer_steps,
             next_seq: 0,
             counters: counters.clone(),
+            encoding,
         };
         tokio::spawn(task.run(batches));
         tracing::info!(endpoint = %config.endpoint, replay = ?config.replay_endpoint, topic = %config.topic, "publishing KV-cache events");
@@ -124,6 +128,7 @@ struct SendTask {
     buffer_steps: usize,
     next_seq: u64,
     counters: Arc<Counters>,
+    encoding: Encoding,
 }
 
 impl SendTask {
@@ -150,7 +155,7 @@ impl SendTask {
     async fn send(&mut self, events: &[KvEvent]) {
         let seq = self.next_seq;
         self.next_seq += 1;
-        let payload = Bytes::from(encode_batch(unix_seconds(), events));
+        let payload = Bytes::from(encode_batch(unix_seconds(), events, self.encoding));
         let mut message = ZmqMessage::from(self.topic.clone());
         message.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
         message.push_back(payload.clone());
