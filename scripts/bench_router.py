@@ -2,10 +2,11 @@
 """Prefix-cache hit rate and TTFT of NovaInfer replicas behind vllm-router, per routing policy.
 
     python scripts/bench_router.py --model qwen2.5-coder-0.5b --replicas 2 --sessions 5 --turns 4 \
-        --policy round_robin --policy cache_aware -- --threads 1
+        --policy round_robin --policy cache_aware --policy kv_aware -- --threads 1
 
 Starts the replicas (`python -m novainfer.server`, extra server flags after `--`) and the router for each
-policy, runs a multi-session workload whose sessions each extend their own long prefix turn by turn, and
+policy (with `kv_aware`, the replicas publish KV-cache events and the router subscribes), runs a multi-session
+workload whose sessions each extend their own long prefix turn by turn, and
 prints the replicas' summed vllm:prefix_cache_* counters and mean vllm:time_to_first_token_seconds.
 """
 
@@ -18,14 +19,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from server_process import ServerProcess  # noqa: E402
-from test_vllm_router import Router, engine_totals  # noqa: E402
+from test_vllm_router import Router, engine_totals, kv_event_ports, kv_events_args  # noqa: E402
 
 
 def run(args: argparse.Namespace, policy: str) -> None:
-    servers = [ServerProcess(["--model", args.model, "--served-model-name", "tiny", *args.server_args],
-                             timeout=600) for _ in range(args.replicas)]
+    ports = kv_event_ports(args.replicas) if policy == "kv_aware" else [None] * args.replicas
+    servers = [ServerProcess(["--model", args.model, "--served-model-name", "tiny", *args.server_args,
+                              *(kv_events_args(*p) if p else [])], timeout=600) for p in ports]
     try:
-        router = Router([s.url for s in servers], policy)
+        extra = []
+        for s, p in zip(servers, ports):
+            if p:
+                extra += ["--kv-event-source", f"{s.url}=tcp://127.0.0.1:{p[0]}",
+                          "--kv-event-replay-source", f"{s.url}=tcp://127.0.0.1:{p[1]}"]
+        if policy == "kv_aware":
+            extra += ["--kv-event-block-size", "16", "--kv-event-model", "tiny"]
+        router = Router([s.url for s in servers], policy, *extra)
         try:
             before = engine_totals(servers)
             history = [f"Session {i}: you are assistant number {i} with a long, distinct set of instructions. "
@@ -58,7 +67,7 @@ def main() -> None:
     p.add_argument("--policy", action="append", default=[])
     p.add_argument("server_args", nargs="*")
     args = p.parse_args()
-    for policy in args.policy or ["round_robin", "cache_aware"]:
+    for policy in args.policy or ["round_robin", "cache_aware", "kv_aware"]:
         run(args, policy)
 
 
