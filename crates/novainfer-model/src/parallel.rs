@@ -75,13 +75,13 @@ impl TensorParallel {
     ) -> Result<HeadShard, ParamError> {
         let w = self.world_size;
         let bad = |what: String| Err(ParamError::new("tensor_parallel", what));
-        if num_kv_heads == 0 || num_heads % w != 0 {
+        if num_kv_heads == 0 || !num_heads.is_multiple_of(w) {
             return bad(format!(
                 "{num_heads} attention heads do not split over {w} ranks"
             ));
         }
         if num_kv_heads >= w {
-            if num_kv_heads % w != 0 {
+            if !num_kv_heads.is_multiple_of(w) {
                 return bad(format!(
                     "{num_kv_heads} KV heads do not split over {w} ranks"
                 ));
@@ -91,7 +91,7 @@ impl TensorParallel {
                 num_kv_heads: num_kv_heads / w,
                 kv_replicas: 1,
             })
-        } else if w % num_kv_heads == 0 {
+        } else if w.is_multiple_of(num_kv_heads) {
             Ok(HeadShard {
                 num_heads: num_heads / w,
                 num_kv_heads: 1,

@@ -226,3 +226,28 @@ fn unix_seconds() -> f64 {
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_queue_drops_and_counts_instead_of_waiting() {
+        // Nobody drains the queue: the sending task is stuck (a slow subscriber, say).
+        let (queue, _batches) = mpsc::channel(1);
+        let publisher = KvEventPublisher {
+            queue,
+            counters: Arc::new(Counters::default()),
+        };
+        for _ in 0..3 {
+            publisher.publish(vec![KvEvent::AllBlocksCleared]);
+        }
+        let mut text = String::new();
+        publisher.render_metrics(&mut text, "m");
+        assert!(
+            text.contains("novainfer:kv_events_dropped_total{model_name=\"m\"} 2"),
+            "{text}"
+        );
+        assert!(text.contains("novainfer:kv_events_published_total{model_name=\"m\"} 0"));
+    }
+}
