@@ -173,6 +173,14 @@ def test_a_killed_replica_loses_no_retryable_request(tiny_models):
         try:
             for i in range(6):
                 assert router.complete(f"before {i}")["choices"][0]["finish_reason"] == "length"
+            # Chat too: the router adds its own fields to the body, which must pass.
+            body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
+                               "max_tokens": 3, "stream": True}).encode()
+            req = urllib.request.Request(router.url + "/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"}, method="POST")
+            with urllib.request.urlopen(req, timeout=120) as r:
+                events = [line for line in r.read().decode().splitlines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]" and len(events) > 2
             servers[1].proc.kill()
             servers[1].proc.wait()
             # Every request after the kill is answered: sent to the survivor, or retried there.

@@ -3,7 +3,8 @@
 //!
 //! `vllm-router` (an SGLang-router descendant) re-serializes each body with its own request
 //! type, so a plain `{"prompt": ..}` arrives with `no_stop_trim: false`,
-//! `return_hidden_states: false`, `separate_reasoning: true` and more. Each is accepted only
+//! `return_hidden_states: false`, `separate_reasoning: true` and more (and fields this server
+//! implements, such as `continue_final_message`, which are not handled here). Each is accepted only
 //! at that value, where it is a true no-op, and logged once; any other value is a 400 naming
 //! the field (this server cannot keep stop strings, return hidden states, …).
 
@@ -16,8 +17,6 @@ const NO_OP_AT: &[(&str, bool)] = &[
     // SGLang: keep the stop string in the text (we never do unless include_stop_str_in_output).
     ("no_stop_trim", false),
     ("return_hidden_states", false),
-    // Chat: continue the last assistant message instead of starting a new one.
-    ("continue_final_message", false),
     // Reasoning models: the reasoning goes to `reasoning_content`, streamed, and is included.
     ("separate_reasoning", true),
     ("stream_reasoning", true),
