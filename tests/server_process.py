@@ -7,6 +7,7 @@ log) goes to a file that failing tests can show.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
@@ -39,6 +41,7 @@ class ServerProcess:
         )
         self.url = self._wait_for_url(timeout)
         self.base_url = self.url + "/v1"
+        self._wait_warm(timeout)
 
     def _wait_for_url(self, timeout: float) -> str:
         found: list[str] = []
@@ -59,6 +62,19 @@ class ServerProcess:
             with open(self.log.name) as f:
                 raise RuntimeError(f"server did not start within {timeout} s:\n{f.read()}")
         return found[0]
+
+    def _wait_warm(self, timeout: float) -> None:
+        """Waits while `/ready` says the model is warming up (the port opens before the warm-up ends)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/ready", timeout=30):
+                    return
+            except urllib.error.HTTPError as e:
+                code = json.loads(e.read() or b"{}").get("error", {}).get("code")
+                if e.code != 503 or code != "warming_up":
+                    return
+            time.sleep(0.02)
 
     def logs(self) -> str:
         self.log.flush()

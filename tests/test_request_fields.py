@@ -263,7 +263,10 @@ def test_infill_limits_and_refusals(server):
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 #: A value each no-op field is sent with.
-NO_OP_VALUES = {"store": True, "metadata": {"k": "v"}, "service_tier": "auto"}
+NO_OP_VALUES = {"store": True, "metadata": {"k": "v"}, "service_tier": "auto",
+                # Sent by vllm-router on every request, at the one value that changes nothing.
+                "include_reasoning": True, "no_stop_trim": False, "return_hidden_states": False,
+                "separate_reasoning": True, "stream_reasoning": True}
 
 
 def field_table() -> list[tuple[str, str, str]]:

@@ -62,7 +62,7 @@ def test_priority_field_and_queue_and_prefill_metrics(tiny_models):
         label = '{model_name="tiny"}'
         for name in ("request_queue_time_seconds", "request_prefill_time_seconds"):
             assert m[f"novainfer:{name}_count{label}"] == 1, name
-            assert m[f"vllm:{name}_count{label}"] == 1, name
+            assert m[f'vllm:{name}_count{{model_name="tiny",engine="0"}}'] == 1, name
         logs = server.logs()
         line = next(ln for ln in logs.splitlines() if "novainfer::request" in ln and "completions" in ln)
         assert "priority=5" in line and "queue_ms=" in line and "prefill_ms=" in line, line

@@ -95,9 +95,9 @@ def test_the_server_streams_with_speculation_and_a_client_gone_mid_verification_
                     text += json.loads(raw[6:])["choices"][0]["text"]
         assert text == want.outputs[0].text
         m = server.metrics()
-        assert m['vllm:spec_decode_num_draft_tokens_total{model_name="tiny"}'] > 0
-        assert 0 < m['vllm:spec_decode_num_drafts_total{model_name="tiny"}'] <= m[
-            'vllm:spec_decode_num_draft_tokens_total{model_name="tiny"}']
+        vllm = '{model_name="tiny",engine="0"}'
+        assert m["vllm:spec_decode_num_draft_tokens_total" + vllm] > 0
+        assert 0 < m["vllm:spec_decode_num_drafts_total" + vllm] <= m["vllm:spec_decode_num_draft_tokens_total" + vllm]
         assert 0 < m['novainfer:spec_decode_num_accepted_tokens_total{model_name="tiny"}']
         # A long stream abandoned after a few chunks: its blocks (drafts' included) all come back.
         long = {**payload, "max_tokens": 400, "stream": True}

@@ -21,6 +21,7 @@
 //! `next`) indexed by block id, with slot `num_blocks` as the sentinel.
 
 use crate::ids::BlockId;
+use crate::kv_events::{KvEvent, KvEventLog};
 use crate::prefix_hash::{BlockHash, BlockKey, PrefixIndex};
 
 #[derive(Debug, Clone)]
@@ -31,6 +32,8 @@ pub struct BlockPool {
     num_free: usize,
     index: PrefixIndex,
     num_evictions: u64,
+    /// What the prefix index gained and lost, for KV-cache event subscribers (off by default).
+    events: KvEventLog,
 }
 
 impl BlockPool {
@@ -50,6 +53,7 @@ impl BlockPool {
             num_free: 0,
             index: PrefixIndex::new(num_blocks),
             num_evictions: 0,
+            events: KvEventLog::default(),
         };
         for b in 0..num_blocks {
             pool.push_back(b as u32);
@@ -102,8 +106,9 @@ impl BlockPool {
                 let b = self.next[self.sentinel() as usize];
                 self.unlink(b);
                 self.ref_cnt[b as usize] = 1;
-                if self.index.remove_block(BlockId(b)) {
+                if let Some(hash) = self.index.remove_block(BlockId(b)) {
                     self.num_evictions += 1;
+                    self.events.removed(hash);
                 }
                 BlockId(b)
             })
@@ -151,7 +156,11 @@ impl BlockPool {
     /// Publishes a full, computed block under `hash`; false if it stays uncached.
     pub fn cache(&mut self, block: BlockId, hash: BlockHash, key: &BlockKey<'_>) -> bool {
         debug_assert!(self.ref_cnt[block.index()] > 0, "caching a free block");
-        self.index.insert(block, hash, key)
+        let cached = self.index.insert(block, hash, key);
+        if cached {
+            self.events.stored(hash, key);
+        }
+        cached
     }
 
     /// Forgets every cached hash. Refused (false) while any block is in use, because
@@ -161,7 +170,18 @@ impl BlockPool {
             return false;
         }
         self.index.clear();
+        self.events.cleared();
         true
+    }
+
+    /// Starts recording KV-cache events (see [`crate::kv_events`]).
+    pub fn enable_events(&mut self) {
+        self.events.enable();
+    }
+
+    /// The KV-cache events since the last call, oldest first.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.events.take()
     }
 
     fn sentinel(&self) -> u32 {
@@ -242,6 +262,38 @@ mod tests {
         assert_eq!(pool.num_free_blocks(), 1);
         pool.free(a);
         assert_eq!(pool.num_free_blocks(), 2);
+    }
+
+    #[test]
+    fn events_follow_the_prefix_index() {
+        let mut pool = BlockPool::new(2);
+        pool.enable_events();
+        let a = pool.allocate(2).unwrap();
+        let (k0, k1) = (key(&[1]), key(&[2]));
+        assert!(pool.cache(a[0], k0.hash(), &k0));
+        assert!(
+            !pool.cache(a[1], k0.hash(), &k0),
+            "a duplicate stays uncached: no event"
+        );
+        pool.free(a);
+        // Reusing block 0 evicts its content; block 1 held nothing cached.
+        let b = pool.allocate(2).unwrap();
+        assert!(pool.cache(b[0], k1.hash(), &k1));
+        pool.free(b);
+        assert!(pool.reset_prefix_cache());
+        let removed = KvEvent::BlockRemoved {
+            block_hashes: vec![k0.hash()],
+        };
+        let stored = |k: &BlockKey<'_>| KvEvent::BlockStored {
+            block_hashes: vec![k.hash()],
+            parent: None,
+            token_ids: k.token_ids.to_vec(),
+            block_size: 1,
+        };
+        assert_eq!(
+            pool.take_events(),
+            vec![stored(&k0), removed, stored(&k1), KvEvent::AllBlocksCleared]
+        );
     }
 
     #[test]

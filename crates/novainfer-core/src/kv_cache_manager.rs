@@ -295,6 +295,16 @@ impl KvCacheManager {
         self.pool.reset_prefix_cache()
     }
 
+    /// Starts recording KV-cache events (see [`crate::kv_events`]).
+    pub fn enable_kv_events(&mut self) {
+        self.pool.enable_events();
+    }
+
+    /// The KV-cache events since the last call, oldest first.
+    pub fn take_kv_events(&mut self) -> Vec<crate::kv_events::KvEvent> {
+        self.pool.take_events()
+    }
+
     /// Block `i`'s tokens: borrowed when it lies inside the prompt, else gathered.
     fn block_tokens<'r>(&self, request: &'r Request, i: usize) -> Cow<'r, [u32]> {
         let range = i * self.block_size..(i + 1) * self.block_size;

@@ -118,6 +118,19 @@ impl AnyKv {
             AnyKv::Slot(kv) => Some(kv),
         }
     }
+    /// Starts recording KV-cache events; the SLOT layout has no prefix cache, hence none.
+    pub fn enable_kv_events(&mut self) {
+        if let AnyKv::Block(kv) = self {
+            kv.enable_kv_events();
+        }
+    }
+    /// The KV-cache events since the last call, oldest first.
+    pub fn take_kv_events(&mut self) -> Vec<crate::kv_events::KvEvent> {
+        match self {
+            AnyKv::Block(kv) => kv.take_kv_events(),
+            AnyKv::Slot(_) => Vec::new(),
+        }
+    }
     /// The active layout, through the trait the scheduler programs against.
     pub fn as_dyn(&self) -> &dyn KvManager {
         match self {

@@ -143,20 +143,16 @@ impl PrefixIndex {
         true
     }
 
-    /// Forgets `block`'s content (it is about to be overwritten). True if it was cached.
-    pub fn remove_block(&mut self, block: BlockId) -> bool {
-        match self.by_block[block.index()].take() {
-            Some(stored) => {
-                let owner = self.by_hash.remove(&stored.hash);
-                assert_eq!(
-                    owner,
-                    Some(block),
-                    "prefix index: block and hash maps disagree: this is a bug"
-                );
-                true
-            }
-            None => false,
-        }
+    /// Forgets `block`'s content (it is about to be overwritten). Its hash if it was cached.
+    pub fn remove_block(&mut self, block: BlockId) -> Option<BlockHash> {
+        let stored = self.by_block[block.index()].take()?;
+        let owner = self.by_hash.remove(&stored.hash);
+        assert_eq!(
+            owner,
+            Some(block),
+            "prefix index: block and hash maps disagree: this is a bug"
+        );
+        Some(stored.hash)
     }
 
     pub fn hash_of(&self, block: BlockId) -> Option<BlockHash> {
@@ -222,7 +218,7 @@ mod tests {
         // The hash is taken: a second block with it stays uncached.
         assert!(!index.insert(BlockId(3), forced, &key(None, &[9, 9])));
         assert!(!index.is_cached(BlockId(3)));
-        assert!(index.remove_block(BlockId(2)));
+        assert_eq!(index.remove_block(BlockId(2)), Some(forced));
         assert_eq!(index.get(forced, &key(None, &[1, 2])), None);
         assert!(index.is_empty());
     }

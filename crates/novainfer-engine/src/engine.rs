@@ -66,6 +66,11 @@ pub struct EngineConfig {
     pub max_long_partial_prefills: Option<usize>,
     /// Speculative decoding (vLLM's `speculative_config`); `None`: off.
     pub speculative: Option<crate::speculative::SpeculativeConfig>,
+    /// Where each step's KV-cache events go (`--kv-events-config`); `None`: none are recorded.
+    pub kv_events: Option<std::sync::Arc<dyn novainfer_core::KvEventSink>>,
+    /// This process's rank in a tensor-parallel group: reserved (docs/scaling.md); only
+    /// the single rank loads today.
+    pub tensor_parallel: novainfer_model::TensorParallel,
 }
 
 /// 2 GiB holds 174k tokens of the 0.5B demo model (f16 K/V, the CPU's default) or 74k of a
@@ -203,6 +208,8 @@ impl EngineConfig {
             max_num_partial_prefills: None,
             max_long_partial_prefills: None,
             speculative: None,
+            kv_events: None,
+            tensor_parallel: novainfer_model::TensorParallel::single(),
         }
     }
 }
@@ -375,6 +382,13 @@ impl LoadedEngine {
         };
         if cfg.block_size == 0 {
             return Err(ParamError::new("block_size", "must be >= 1, got 0").into());
+        }
+        if cfg.tensor_parallel.world_size() > 1 {
+            return Err(ParamError::new(
+                "tensor_parallel",
+                "tensor parallelism is designed (docs/scaling.md) but not implemented yet",
+            )
+            .into());
         }
         // Cheap checks first: a bad argument must not cost a model load.
         let u = cfg.gpu_memory_utilization;
@@ -708,6 +722,16 @@ mod tests {
     use novainfer_model::DeviceMemory;
 
     const GIB: usize = 1 << 30;
+
+    #[test]
+    fn a_tensor_parallel_group_is_refused_before_loading() {
+        let mut cfg = EngineConfig::new("/no/such/model");
+        cfg.tensor_parallel = novainfer_model::TensorParallel::new(0, 2).expect("valid rank");
+        let Err(e) = LoadedEngine::load(&cfg) else {
+            panic!("a group of two must not load");
+        };
+        assert_eq!(e.param(), Some("tensor_parallel"), "{e}");
+    }
 
     #[test]
     fn auto_falls_back_to_the_cpu_only_for_what_the_gpu_cannot_run() {

@@ -18,8 +18,8 @@ use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
 use novainfer_core::{
-    ChunkOutput, FinishReason, Fork, KvCacheStats, Request, RequestId, SamplingParams, Scheduler,
-    SchedulerOutput,
+    ChunkOutput, FinishReason, Fork, KvCacheStats, KvEventSink, Request, RequestId, SamplingParams,
+    Scheduler, SchedulerOutput,
 };
 use novainfer_model::sampler::{SampledToken, Sampler};
 use novainfer_structured::{CompiledGrammar, Constraint};
@@ -86,6 +86,8 @@ pub struct EngineCore {
     verified: Vec<(RequestId, Speculation)>,
     /// Drafts for speculative decoding, when on.
     proposer: Option<Proposer>,
+    /// Receives each step's KV-cache events, when someone asked for them.
+    kv_events: Option<Arc<dyn KvEventSink>>,
 }
 
 impl EngineCore {
@@ -114,6 +116,23 @@ impl EngineCore {
                 .speculative
                 .as_ref()
                 .map(|config| Proposer::new(config, loaded.draft)),
+            kv_events: None,
+        }
+    }
+
+    /// Records KV-cache events from now on and hands each step's batch to `sink`.
+    pub fn set_kv_event_sink(&mut self, sink: Arc<dyn KvEventSink>) {
+        self.scheduler.enable_kv_events();
+        self.kv_events = Some(sink);
+    }
+
+    /// Hands the events recorded since the last call to the sink, if any.
+    fn publish_kv_events(&mut self) {
+        if let Some(sink) = &self.kv_events {
+            let events = self.scheduler.take_kv_events();
+            if !events.is_empty() {
+                sink.publish(events);
+            }
         }
     }
 
@@ -261,7 +280,9 @@ impl EngineCore {
 
     /// Frees cached blocks no request uses; false while requests hold blocks.
     pub fn reset_prefix_cache(&mut self) -> bool {
-        self.scheduler.reset_prefix_cache()
+        let reset = self.scheduler.reset_prefix_cache();
+        self.publish_kv_events();
+        reset
     }
 
     /// One engine step. A model error fails every request of the step (their
@@ -284,6 +305,7 @@ impl EngineCore {
             self.stats.num_steps += 1;
         }
         self.flush();
+        self.publish_kv_events();
         self.stats.busy_seconds += started.elapsed().as_secs_f64();
     }
 

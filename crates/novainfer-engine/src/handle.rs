@@ -119,7 +119,10 @@ impl EngineHandle {
         let loaded = LoadedEngine::load(cfg)?;
         let device = loaded.device.clone();
         tracing::info!(device = %device.device, reason = %device.reason, "model loaded");
-        let core = EngineCore::new(loaded, events);
+        let mut core = EngineCore::new(loaded, events);
+        if let Some(sink) = &cfg.kv_events {
+            core.set_kv_event_sink(sink.clone());
+        }
         let frontend = core.frontend().clone();
         let (commands, inbox) = mpsc::channel();
         let feedback = commands.clone();

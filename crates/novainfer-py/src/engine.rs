@@ -207,6 +207,8 @@ impl PyEngine {
             max_num_partial_prefills,
             max_long_partial_prefills,
             speculative,
+            kv_events: None,
+            tensor_parallel: novainfer_model::TensorParallel::single(),
         };
         let handle = py
             .detach(|| EngineHandle::spawn(&cfg))

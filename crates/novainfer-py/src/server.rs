@@ -29,9 +29,10 @@ fn serve_error(py: Python<'_>, e: ServeError) -> PyErr {
         ServeError::Args(e) => invalid("argv", e.to_string()),
         ServeError::DuplicateName(_) => invalid("served_model_name", e.to_string()),
         ServeError::Resolve(e) => novainfer_error(py, "ModelNotFoundError", e.to_string()),
-        ServeError::Bind { .. } | ServeError::Io(_) | ServeError::EngineFailed { .. } => {
-            novainfer_error(py, "NovaInferError", e.to_string())
-        }
+        ServeError::Bind { .. }
+        | ServeError::Io(_)
+        | ServeError::EngineFailed { .. }
+        | ServeError::KvEvents(_) => novainfer_error(py, "NovaInferError", e.to_string()),
     }
 }
 

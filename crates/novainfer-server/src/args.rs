@@ -101,6 +101,15 @@ pub struct ServeArgs {
     /// "prompt_lookup_min": 2, "prompt_lookup_max": 5}'. Outputs stay the same token for token.
     #[arg(long)]
     pub speculative_config: Option<String>,
+    /// KV-cache events for prefix-aware routers, as vLLM's JSON: '{"enable_kv_cache_events":
+    /// true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
+    /// "topic": "kv", "buffer_steps": 10000}'. One --model only.
+    #[arg(long)]
+    pub kv_events_config: Option<String>,
+    /// How KV-cache events are laid out: map (vLLM's current encoding, `type`-tagged maps) or
+    /// array (vLLM's older one, tag-first arrays).
+    #[arg(long, value_enum, default_value = "map")]
+    pub kv_events_encoding: crate::kv_events::encode::Encoding,
     /// Most prompts longer than --long-prefill-token-threshold prefilled at once; shorter ones
     /// overtake the rest (default: none on a GPU, 1 on the CPU).
     #[arg(long)]
@@ -225,6 +234,10 @@ pub enum ArgsError {
         "{API_KEY_ENV} is set but empty: unset it to serve without keys, or give --api-key KEY"
     )]
     EmptyKeyEnv,
+    #[error(transparent)]
+    KvEvents(#[from] crate::kv_events::KvEventsConfigError),
+    #[error("--kv-events-config publishes one engine's events: serve one --model with it")]
+    KvEventsModels,
     #[error("--{flag} must be {what}, got {value}")]
     Range {
         flag: &'static str,
@@ -302,6 +315,9 @@ impl ServeArgs {
             self.max_budget_users > 0,
             self.max_budget_users.to_string(),
         )?;
+        if self.kv_events()?.is_some() && self.model.len() > 1 {
+            return Err(ArgsError::KvEventsModels);
+        }
         if let Some(host) = self.allowed_hosts.iter().find(|h| h.trim().is_empty()) {
             return Err(ArgsError::Range {
                 flag: "allowed-hosts",
@@ -374,6 +390,14 @@ fn seconds(flag: &'static str, value: f64, zero_ok: bool) -> Result<(), ArgsErro
 }
 
 impl ServeArgs {
+    /// `--kv-events-config`, parsed; `None` when absent or off.
+    pub fn kv_events(&self) -> Result<Option<crate::kv_events::KvEventsConfig>, ArgsError> {
+        match &self.kv_events_config {
+            Some(json) => Ok(crate::kv_events::KvEventsConfig::parse(json)?),
+            None => Ok(None),
+        }
+    }
+
     pub fn engine_config(&self, model: std::path::PathBuf) -> Result<EngineConfig, ArgsError> {
         let dtype = DtypeChoice::parse(&self.dtype).map_err(|_| {
             ParamError::new(

@@ -13,6 +13,7 @@ pub mod generation;
 pub mod ignored;
 pub mod indent;
 pub mod keys;
+pub mod kv_events;
 pub mod lifecycle;
 pub mod limits;
 pub mod listener;
@@ -31,6 +32,8 @@ pub mod structured;
 pub mod tools;
 pub mod transform;
 mod ui;
+pub mod vllm_metrics;
+pub mod warmup;
 
 use std::io::Write;
 use std::sync::Arc;
@@ -43,6 +46,7 @@ use crate::budget::TokenBudget;
 use crate::fair_admission::FairAdmission;
 use crate::generation::CancelRegistry;
 use crate::keys::{ApiKeys, TenantWeights};
+use crate::kv_events::KvEventPublisher;
 use crate::lifecycle::{DrainCause, Lifecycle};
 use crate::limits::WorkLimits;
 use crate::listener::{ConnLimits, Connections};
@@ -70,6 +74,8 @@ pub enum ServeError {
     },
     #[error("server error: {0}")]
     Io(#[from] std::io::Error),
+    #[error(transparent)]
+    KvEvents(#[from] kv_events::publisher::PublisherError),
     #[error("the engine of model {model} died ({message}); exiting after draining (--no-exit-on-engine-failure keeps serving)")]
     EngineFailed { model: String, message: String },
 }
@@ -85,7 +91,11 @@ pub fn init_tracing() {
         .try_init();
 }
 
-fn load_models(args: &ServeArgs) -> Result<Models, ServeError> {
+/// `publisher`: where the (only) model's engine sends its KV-cache events, when on.
+fn load_models(
+    args: &ServeArgs,
+    publisher: Option<Arc<KvEventPublisher>>,
+) -> Result<Models, ServeError> {
     let created = protocol::response::unix_now();
     let mut models: Vec<Arc<ServedModel>> = Vec::new();
     for (i, spec) in args.model.iter().enumerate() {
@@ -99,7 +109,10 @@ fn load_models(args: &ServeArgs) -> Result<Models, ServeError> {
             return Err(ServeError::DuplicateName(name));
         }
         tracing::info!(model = %name, path = %path.display(), "loading model");
-        let config = args.engine_config(path.clone())?;
+        let mut config = args.engine_config(path.clone())?;
+        config.kv_events = publisher
+            .clone()
+            .map(|p| p as Arc<dyn novainfer_core::KvEventSink>);
         let handle = EngineHandle::spawn(&config).map_err(|source| ServeError::Load {
             model: spec.clone(),
             source,
@@ -114,6 +127,7 @@ fn load_models(args: &ServeArgs) -> Result<Models, ServeError> {
             kv_config,
         );
         served.speculative = config.speculative.is_some();
+        served.kv_events = publisher.clone();
         tracing::info!(model = %served.name, max_model_len = served.frontend.max_model_len(), reasoning = served.reasoning, "model ready");
         models.push(Arc::new(served));
     }
@@ -181,7 +195,14 @@ pub fn serve(args: ServeArgs) -> Result<(), ServeError> {
         .thread_name("novainfer-http")
         .build()?;
     let signals = runtime.block_on(async { Signals::register() })?;
-    let models = load_models(&args)?;
+    // The sockets open before the model loads, so a taken port fails fast.
+    let publisher = match args.kv_events()? {
+        Some(config) => {
+            Some(runtime.block_on(KvEventPublisher::start(&config, args.kv_events_encoding))?)
+        }
+        None => None,
+    };
+    let models = load_models(&args, publisher)?;
     let names = models.names();
     let state = Arc::new(app_state(&args, models));
     runtime.block_on(async move {
@@ -206,6 +227,7 @@ pub fn serve(args: ServeArgs) -> Result<(), ServeError> {
         );
         let _ = std::io::stdout().flush();
         spawn_session_expiry(state.clone());
+        tokio::spawn(warmup::warm_up(state.clone()));
         shutdown::watch_engines(state.clone(), !args.no_exit_on_engine_failure);
         let app = routes::router(state.clone(), &args.cors_allow_origin);
         let limits = ConnLimits {

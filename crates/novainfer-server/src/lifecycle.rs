@@ -2,9 +2,11 @@
 //!
 //! - Live (`/health`): every model's engine thread is running. An engine thread that died
 //!   (a panic in a step) makes `/health` 503 for good; a supervisor should restart us.
-//! - Ready (`/ready`): live, and not draining. Draining starts at SIGTERM/SIGINT or when an
-//!   engine dies (unless `--no-exit-on-engine-failure`): new generation requests get 503
-//!   while the running ones finish.
+//! - Ready (`/ready`): live, warmed up, and not draining. The port opens once every model is
+//!   loaded; each engine then runs one short generation (so the first user request does not
+//!   pay for first-touch page faults and buffer growth) before `/ready` turns 200. Draining
+//!   starts at SIGTERM/SIGINT or when an engine dies (unless `--no-exit-on-engine-failure`):
+//!   new generation requests get 503 while the running ones finish.
 //!
 //! The first engine failure is kept (model and message) so the process can exit non-zero
 //! saying why, once it has drained.
@@ -32,12 +34,27 @@ pub enum DrainCause {
 
 #[derive(Default)]
 pub struct Lifecycle {
+    warm: AtomicBool,
     draining: AtomicBool,
     cause: Mutex<Option<DrainCause>>,
     drain_started: Notify,
 }
 
 impl Lifecycle {
+    /// Every engine has served its warm-up request.
+    pub fn set_warm(&self) {
+        self.warm.store(true, Ordering::SeqCst);
+    }
+
+    /// 503 until [`Self::set_warm`].
+    pub fn warmed_up(&self) -> Result<(), ApiError> {
+        if self.warm.load(Ordering::SeqCst) {
+            Ok(())
+        } else {
+            Err(ApiError::unavailable("the model is warming up").with_code("warming_up"))
+        }
+    }
+
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::SeqCst)
     }
@@ -109,6 +126,9 @@ mod tests {
     #[tokio::test]
     async fn the_first_cause_is_kept_and_waiters_wake() {
         let l = std::sync::Arc::new(Lifecycle::default());
+        assert_eq!(l.warmed_up().expect_err("cold").status, 503);
+        l.set_warm();
+        assert!(l.warmed_up().is_ok());
         assert!(l.admit().is_ok());
         let waiter = {
             let l = l.clone();

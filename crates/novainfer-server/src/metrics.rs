@@ -1,5 +1,6 @@
 //! Prometheus metrics in the text exposition format, named in the spirit of vLLM's `vllm:*`
-//! (here `novainfer:*`), labelled by `model_name`.
+//! (here `novainfer:*`), labelled by `model_name`. vLLM's own series, for routers and
+//! dashboards built for vLLM, are rendered after ours by [`crate::vllm_metrics`].
 //!
 //! Server-side timings (TTFT, inter-token latency, end-to-end) and token counts are recorded
 //! here as requests finish; engine gauges and counters (running/waiting, KV blocks, prefix
@@ -10,6 +11,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use novainfer_engine::EngineStats;
+
+use crate::models::KvConfig;
 
 const TTFT_BUCKETS: &[f64] = &[
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
@@ -47,7 +50,7 @@ impl Histogram {
         inner.1 += value;
     }
 
-    fn render(&self, out: &mut String, name: &str, labels: &str) {
+    pub(crate) fn render(&self, out: &mut String, name: &str, labels: &str) {
         let (counts, sum) = self.inner.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let mut cumulative = 0;
         for (bound, count) in self.bounds.iter().zip(&counts) {
@@ -101,6 +104,14 @@ impl ModelMetrics {
             self.finished[i].fetch_add(1, Ordering::Relaxed);
         }
     }
+
+    /// Requests finished for `reason` (one of [`FINISH_REASONS`]; 0 for any other).
+    pub fn finished_count(&self, reason: &str) -> u64 {
+        FINISH_REASONS
+            .iter()
+            .position(|r| *r == reason)
+            .map_or(0, |i| self.finished[i].load(Ordering::Relaxed))
+    }
 }
 
 /// Reasons a request is refused before it reaches the engine.
@@ -128,24 +139,7 @@ pub struct ModelSnapshot<'a> {
     pub name: &'a str,
     pub metrics: &'a ModelMetrics,
     pub engine: Option<EngineStats>,
-}
-
-/// Series also exported under vLLM's `vllm:` name, for dashboards built for vLLM.
-const VLLM_TWINS: &[&str] = &[
-    "request_queue_time_seconds",
-    "request_prefill_time_seconds",
-    "spec_decode_num_drafts_total",
-    "spec_decode_num_draft_tokens_total",
-    "spec_decode_num_accepted_tokens_total",
-];
-
-/// `name`, and its `vllm:` twin when it has one.
-fn with_vllm_twin(name: &str) -> Vec<String> {
-    let twin = name
-        .strip_prefix("novainfer:")
-        .filter(|base| VLLM_TWINS.contains(base))
-        .map(|base| format!("vllm:{base}"));
-    std::iter::once(name.to_owned()).chain(twin).collect()
+    pub kv_config: &'a KvConfig,
 }
 
 fn header(out: &mut String, name: &str, kind: &str, help: &str) {
@@ -236,12 +230,10 @@ pub fn render(
         ),
     ];
     for (name, kind, help, value) in engine_series {
-        for name in with_vllm_twin(name) {
-            header(&mut out, &name, kind, help);
-            for m in models {
-                if let Some(stats) = &m.engine {
-                    let _ = writeln!(out, "{name}{{model_name=\"{}\"}} {}", m.name, value(stats));
-                }
+        header(&mut out, name, kind, help);
+        for m in models {
+            if let Some(stats) = &m.engine {
+                let _ = writeln!(out, "{name}{{model_name=\"{}\"}} {}", m.name, value(stats));
             }
         }
     }
@@ -336,11 +328,9 @@ pub fn render(
         ),
     ];
     for (name, help, histogram) in histograms {
-        for name in with_vllm_twin(name) {
-            header(&mut out, &name, "histogram", help);
-            for m in models {
-                histogram(m.metrics).render(&mut out, &name, &format!("model_name=\"{}\"", m.name));
-            }
+        header(&mut out, name, "histogram", help);
+        for m in models {
+            histogram(m.metrics).render(&mut out, name, &format!("model_name=\"{}\"", m.name));
         }
     }
     header(
@@ -371,6 +361,7 @@ pub fn render(
             count.load(Ordering::Relaxed)
         );
     }
+    crate::vllm_metrics::render(&mut out, models);
     out
 }
 
@@ -419,6 +410,12 @@ mod tests {
                 name: "m",
                 metrics: &metrics,
                 engine: Some(engine),
+                kv_config: &crate::models::KvConfig {
+                    layout: "block",
+                    block_size: 16,
+                    dtype: "f16",
+                    prefix_caching: true,
+                },
             }],
         );
         for line in [
@@ -433,8 +430,8 @@ mod tests {
             "novainfer:num_requests_waiting_by_priority{model_name=\"m\",priority=\"-1\"} 2",
             "novainfer:num_requests_waiting_by_priority{model_name=\"m\",priority=\"0\"} 5",
             "novainfer:request_queue_time_seconds_count{model_name=\"m\"} 1",
-            "vllm:request_queue_time_seconds_count{model_name=\"m\"} 1",
-            "vllm:request_prefill_time_seconds_count{model_name=\"m\"} 0",
+            "vllm:request_queue_time_seconds_count{model_name=\"m\",engine=\"0\"} 1",
+            "vllm:num_requests_running{model_name=\"m\",engine=\"0\"} 2",
         ] {
             assert!(
                 text.lines().any(|l| l == line),

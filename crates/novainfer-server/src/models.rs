@@ -123,6 +123,8 @@ pub struct ServedModel {
     pub kv_config: KvConfig,
     /// Whether the engine drafts tokens (`--speculative-config`).
     pub speculative: bool,
+    /// Where the engine's KV-cache events go (`--kv-events-config`), for its metrics.
+    pub kv_events: Option<Arc<crate::kv_events::KvEventPublisher>>,
 }
 
 impl ServedModel {
@@ -150,6 +152,7 @@ impl ServedModel {
             metrics: ModelMetrics::default(),
             kv_config,
             speculative: false,
+            kv_events: None,
         }
     }
 }

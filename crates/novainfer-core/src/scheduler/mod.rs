@@ -152,6 +152,16 @@ impl Scheduler {
         self.kv.as_dyn_mut().reset_prefix_cache()
     }
 
+    /// Starts recording KV-cache events (see [`crate::kv_events`]).
+    pub fn enable_kv_events(&mut self) {
+        self.kv.enable_kv_events();
+    }
+
+    /// The KV-cache events since the last call, oldest first.
+    pub fn take_kv_events(&mut self) -> Vec<crate::kv_events::KvEvent> {
+        self.kv.take_kv_events()
+    }
+
     /// Proposes `draft` to follow running request `id`'s next token in the next step (the
     /// next `schedule` consumes or drops it). False, and nothing kept, unless `id` is a
     /// generation decoding after its first output token.

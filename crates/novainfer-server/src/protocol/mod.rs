@@ -6,3 +6,4 @@ pub mod messages;
 pub mod request;
 pub mod response;
 pub mod responses;
+pub mod router_defaults;

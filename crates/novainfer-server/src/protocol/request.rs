@@ -158,7 +158,7 @@ const UNSUPPORTED_FIELDS: &[&str] = &[
     "mm_processor_kwargs",
     "media_io_kwargs",
     "thinking_token_budget",
-    "include_reasoning",
+    // `include_reasoning` is accepted as true (what this server does): see `router_defaults`.
 ];
 
 #[derive(Debug, Deserialize)]
@@ -291,15 +291,18 @@ fn reject_unsupported(map: &Map<String, Value>) -> Result<(), ApiError> {
 
 /// Parses a completions or chat body: shared fields and the endpoint's own fields `T`.
 pub fn parse_generation<T: DeserializeOwned>(bytes: &[u8]) -> Result<GenerationBody<T>, ApiError> {
-    let map = object(bytes)?;
+    let mut map = object(bytes)?;
+    let from_router = super::router_defaults::strip(&mut map)?;
     reject_unsupported(&map)?;
     let (shared, own): (Map<_, _>, Map<_, _>) = map
         .into_iter()
         .partition(|(k, _)| SHARED_FIELDS.contains(&k.as_str()));
     let shared: SharedFields = typed(Value::Object(shared))?;
+    let mut ignored = shared.ignored_fields();
+    ignored.extend(from_router);
     Ok(GenerationBody {
         own: typed(Value::Object(own))?,
-        ignored: shared.ignored_fields(),
+        ignored,
         shared,
     })
 }

@@ -53,11 +53,13 @@ pub async fn health(State(app): State<Arc<AppState>>) -> Result<Response, ApiErr
     Ok(axum::Json(json!({"status": "ok"})).into_response())
 }
 
-/// Readiness: live and not draining (a load balancer should send no new requests otherwise).
+/// Readiness: live, warmed up and not draining (a load balancer should send no new requests
+/// otherwise).
 pub async fn ready(State(app): State<Arc<AppState>>) -> Result<Response, ApiError> {
     if let Some(failure) = engine_failure(&app.models) {
         return Err(not_live(&failure));
     }
+    app.lifecycle.warmed_up()?;
     app.lifecycle.admit()?;
     Ok(axum::Json(json!({"status": "ready"})).into_response())
 }
@@ -81,6 +83,7 @@ pub async fn metrics(State(app): State<Arc<AppState>>) -> Response {
             name: &m.name,
             metrics: &m.metrics,
             engine,
+            kv_config: &m.kv_config,
         })
         .collect();
     let mut text = render(
@@ -90,6 +93,11 @@ pub async fn metrics(State(app): State<Arc<AppState>>) -> Response {
         &snapshots,
     );
     app.endpoint_metrics.render(&mut text);
+    for m in &app.models.0 {
+        if let Some(publisher) = &m.kv_events {
+            publisher.render_metrics(&mut text, &m.name);
+        }
+    }
     (
         [(
             header::CONTENT_TYPE,
