@@ -316,7 +316,7 @@ impl EngineCore {
         };
         let scheduler = &self.scheduler;
         proposer.retain(|id| scheduler.request(id).is_some());
-        let decoding: Vec<&novainfer_core::Request> = scheduler
+        let decoding: Vec<&Request> = scheduler
             .running_ids()
             .iter()
             .filter_map(|id| scheduler.request(*id))
