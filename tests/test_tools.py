@@ -157,6 +157,35 @@ def test_calls_and_results_are_rendered_by_the_template(server, client, long_llm
     assert out.prompt == prompt
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_session_takes_back_its_tool_call_turn_resent_as_tool_calls(server, client, long_llm, stream):
+    """A client that resends the conversation with the assistant's `tool_calls` (as OpenAI clients and the Web
+    UI do) continues its session: the prompt is the conversation, not the stored one with the request appended."""
+    session = {"session_id": f"tools-{stream}"}
+    first = MESSAGES
+    if stream:
+        chunks = list(client.chat.completions.create(
+            model="tiny", messages=first, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=200,
+            stream=True, extra_body=session))
+        _, calls, _ = reassemble(chunks)
+    else:
+        r = client.chat.completions.create(model="tiny", messages=first, tools=TOOLS, tool_choice="required",
+                                           temperature=0, max_tokens=200, extra_body=session)
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                 for c in r.choices[0].message.tool_calls]
+    assert calls
+    history = first + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in calls]},
+        {"role": "tool", "tool_call_id": calls[0]["id"], "content": "22C and sunny"},
+    ]
+    r = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none",
+                                       temperature=0, max_tokens=4, extra_body=session)
+    prompt = long_llm.apply_chat_template(history, tools=TOOLS)
+    assert r.usage.prompt_tokens == len(long_llm.encode(prompt, add_special_tokens=False))
+
+
 @pytest.mark.parametrize(("extra", "param", "needle"), [
     ({"tools": {"type": "function"}}, "tools", "list"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "tools[0]"),

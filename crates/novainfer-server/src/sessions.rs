@@ -89,10 +89,10 @@ impl SessionStore {
         model: &str,
         id: &str,
         mut conversation: Vec<ChatMessage>,
-        reply: String,
+        reply: ChatMessage,
         now: Instant,
     ) {
-        conversation.push(ChatMessage::new("assistant", reply));
+        conversation.push(reply);
         let mut sessions = self.lock();
         sessions.insert(
             (tenant, model.to_owned(), id.to_owned()),
@@ -159,7 +159,7 @@ mod tests {
         let store = SessionStore::new(Duration::from_secs(10), 100);
         let t0 = Instant::now();
         let first = store.conversation(T0, "m", "s", vec![m("user", "hi")], t0);
-        store.store(T0, "m", "s", first, "hello".into(), t0);
+        store.store(T0, "m", "s", first, m("assistant", "hello"), t0);
         let second = store.conversation(
             T0,
             "m",
@@ -199,7 +199,7 @@ mod tests {
                 "m",
                 id,
                 vec![],
-                "r".into(),
+                m("assistant", "r"),
                 t0 + Duration::from_secs(i as u64),
             );
         }
@@ -213,7 +213,14 @@ mod tests {
         let store = SessionStore::new(Duration::from_secs(100), 10);
         let t0 = Instant::now();
         let owner = Tenant(Some(0));
-        store.store(owner, "m", "s", vec![m("user", "secret")], "r".into(), t0);
+        store.store(
+            owner,
+            "m",
+            "s",
+            vec![m("user", "secret")],
+            m("assistant", "r"),
+            t0,
+        );
         let other = store.conversation(Tenant(Some(1)), "m", "s", vec![m("user", "x")], t0);
         assert_eq!(other, vec![m("user", "x")]);
         assert_eq!(store.conversation(owner, "m", "s", vec![], t0).len(), 2);

@@ -11,7 +11,7 @@ use axum::body::Bytes;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::{extract::State, Extension};
-use novainfer_engine::{ChatMessage, Delta, Prompt, StopReason};
+use novainfer_engine::{ChatMessage, Delta, Prompt, StopReason, ToolCallMessage};
 use serde_json::{Map, Value};
 
 use super::driver::{each_choice, respond, Flow, Renderer};
@@ -24,7 +24,8 @@ use crate::params::{request_timeout, sampling_params, EndpointParams};
 use crate::protocol::inputs;
 use crate::protocol::request::{parse_generation, ChatRequest};
 use crate::protocol::response::{
-    unix_now, ChatChoice, ChatCompletion, ChatLogprobs, ChatMessageOut, Usage, SYSTEM_FINGERPRINT,
+    unix_now, ChatChoice, ChatCompletion, ChatLogprobs, ChatMessageOut, ToolCallOut, Usage,
+    SYSTEM_FINGERPRINT,
 };
 use crate::reasoning::{prompt_opens_thinking, ReasoningSplitter};
 use crate::sessions::MAX_SESSION_ID_LEN;
@@ -174,6 +175,7 @@ pub async fn chat_completions(
         stream,
         include_usage: req.shared.include_usage(),
         app: app.clone(),
+        first: ChatPiece::default(),
         turn: session.map(|id| SessionTurn {
             tenant,
             id,
@@ -253,6 +255,9 @@ struct ChatRenderer {
     include_usage: bool,
     app: Arc<AppState>,
     turn: Option<SessionTurn>,
+    /// Choice 0's content and tool calls as the client got them (call ids included), for the
+    /// session: a client resends the reply in that shape.
+    first: ChatPiece,
 }
 
 impl ChatRenderer {
@@ -260,17 +265,43 @@ impl ChatRenderer {
         ChatTransform::new(self.reasoning, self.tool_calls)
     }
 
-    /// Stores the turn when the first choice finished normally: the reply as the model wrote
-    /// it (tool calls included), less its reasoning, so the next prompt repeats it exactly.
+    /// Records what choice 0's `piece` sent the client.
+    fn record_first(&mut self, piece: &ChatPiece) {
+        self.first.content.push_str(&piece.content);
+        for call in &piece.calls {
+            match self.first.calls.iter_mut().rfind(|c| c.index == call.index) {
+                Some(known) if call.id.is_none() => known
+                    .function
+                    .arguments
+                    .get_or_insert_with(String::new)
+                    .push_str(call.function.arguments.as_deref().unwrap_or_default()),
+                _ => self.first.calls.push(call.clone()),
+            }
+        }
+    }
+
+    /// Stores the turn when the first choice finished normally, less its reasoning: the reply
+    /// as the model wrote it, or with tool calls as the client got them (content and
+    /// `tool_calls`), which is how a client sends it back.
     fn remember(&mut self, running: &Running) {
         let Some(turn) = self.turn.take() else { return };
         let Some(first) = running.run.choices.first() else {
             return;
         };
         if matches!(first.finish_reason, Some("stop" | "length")) {
-            let reply = match self.reasoning {
-                Some(opened) => ReasoningSplitter::split_all(opened, &first.text).content,
-                None => first.text.clone(),
+            let reply = if self.first.calls.is_empty() {
+                ChatMessage::new(
+                    "assistant",
+                    match self.reasoning {
+                        Some(opened) => ReasoningSplitter::split_all(opened, &first.text).content,
+                        None => first.text.clone(),
+                    },
+                )
+            } else {
+                ChatMessage {
+                    tool_calls: self.first.calls.iter().map(called).collect(),
+                    ..ChatMessage::new("assistant", self.first.content.clone())
+                }
             };
             self.app.sessions.store(
                 turn.tenant,
@@ -341,6 +372,9 @@ impl Renderer for ChatRenderer {
             piece.extend(transform.finish());
         }
         let called = transform.called();
+        if index == 0 {
+            self.record_first(&piece);
+        }
         let tokenizer = running.model.frontend.tokenizer();
         let logprobs =
             (!delta.logprobs.is_empty()).then(|| chat_logprobs(tokenizer, &delta.logprobs));
@@ -380,13 +414,16 @@ impl Renderer for ChatRenderer {
     }
 
     fn whole(mut self, running: &Running) -> Response {
-        self.remember(running);
+        let mut first = ChatPiece::default();
         let choices = each_choice(running, |tokenizer, index, c| {
             let (piece, called) = self.transform().all(&c.text);
+            if index == 0 {
+                first = piece.clone();
+            }
             let calls: Vec<_> = piece
                 .calls
                 .into_iter()
-                .map(|call| crate::protocol::response::ToolCallOut {
+                .map(|call| ToolCallOut {
                     index: None,
                     ..call
                 })
@@ -410,7 +447,19 @@ impl Renderer for ChatRenderer {
                 stop_reason: stop_reason_json(c.stop_reason.as_ref()),
             }
         });
+        self.record_first(&first);
+        self.remember(running);
         let usage = running.run.usage();
         axum::Json(self.shape.object("chat.completion", choices, Some(usage))).into_response()
+    }
+}
+
+/// A call as a chat message carries it; arguments that are not JSON stay a string.
+fn called(call: &ToolCallOut) -> ToolCallMessage {
+    let arguments = call.function.arguments.clone().unwrap_or_default();
+    ToolCallMessage {
+        id: call.id.clone(),
+        name: call.function.name.clone().unwrap_or_default(),
+        arguments: serde_json::from_str(&arguments).unwrap_or(Value::String(arguments)),
     }
 }
