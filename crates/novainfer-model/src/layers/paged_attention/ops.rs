@@ -2,17 +2,27 @@
 //!
 //! Both implementations perform the same IEEE operations in the same order on every
 //! number, so they agree bit for bit (tested); only the speed differs:
-//! * a score `q·k` is 8 partial sums (lane `l` takes dimensions `d ≡ l mod 8`, each a
-//!   chain of fused multiply-adds from zero), then `((p0+p1)+(p2+p3)) + ((p4+p5)+(p6+p7))`;
-//! * `exp` is one polynomial (Cephes' `expf`: range reduction by `ln 2`, degree-5
-//!   polynomial, scaling by `2ⁿ` through the exponent bits), written once per lane;
+//! * a score `q·k` is one chain of fused multiply-adds from zero over the dimensions in
+//!   order (keys are stored transposed, 8 positions side by side, so 8 scores of a query row
+//!   fill one vector and no horizontal sums are needed);
+//! * a tile's maximum is exact whatever the order; `exp` is one polynomial (Cephes' `expf`:
+//!   range reduction by `ln 2`, degree-5 polynomial, scaling by `2ⁿ` through the exponent
+//!   bits), written once per lane; a tile's sum of exponentials is lane-wise
+//!   `(e[l]+e[8+l]) + (e[16+l]+e[24+l])`, then `((h0+h2)+(h1+h3))` with `h[i] = l[i]+l[i+4]`;
 //! * value accumulation is per dimension: `acc·α`, then `acc = fma(e_j, v_j, acc)` in
-//!   position order.
+//!   position order. Positions past a row's own limit carry `e_j = 0`, so a row may run a
+//!   few extra (exact no-op) steps when it shares a tile with later rows.
 
 use crate::kv_dtype::{q8_block, KvStorage};
 
 /// Positions per softmax tile (and rows of the K/V scratch).
 pub(super) const TILE: usize = 32;
+/// Positions side by side in the transposed key scratch (one vector).
+pub(super) const GROUP: usize = 8;
+const _: () = assert!(
+    TILE == 4 * GROUP,
+    "the softmax sum's order is written for 4 groups"
+);
 
 /// What the kernel driver needs from an instruction set.
 ///
@@ -21,12 +31,34 @@ pub(super) const TILE: usize = 32;
 pub(super) trait AttnOps: Copy {
     /// Decodes one row of `dst.len()` numbers from `src` (in `dtype`).
     unsafe fn decode_row(self, dtype: KvStorage, src: &[u8], dst: &mut [f32]);
-    /// `s[j] = q·k_j` for `j < n` (`k`: rows of `q.len()`, at least `n` rounded up to 8 of them).
-    unsafe fn scores(self, q: &[f32], k: &[f32], n: usize, s: &mut [f32; TILE]);
-    /// `s[j] = exp(s[j] − m)` for `j < n`.
-    unsafe fn exp_sub(self, s: &mut [f32; TILE], m: f32, n: usize);
-    /// `acc = acc·alpha + Σ_{j<n} e[j]·v_j`, `v` rows of `acc.len()`.
-    unsafe fn accumulate(self, acc: &mut [f32], alpha: f32, e: &[f32; TILE], v: &[f32], n: usize);
+    /// Transposes 8 rows of `hd` numbers (`rows`, row-major) into `kt`:
+    /// `kt[d·8 + j] = rows[j·hd + d]`.
+    unsafe fn transpose8(self, rows: &[f32], kt: &mut [f32]);
+    /// For query rows `r < rows` (`q`: rows of `hd`) and key groups `g < groups` (`kt`: groups
+    /// of `8·hd` from [`AttnOps::transpose8`]): `s[r·TILE + 8g + l] = Σ_d q[r][d]·k_{8g+l}[d]`.
+    unsafe fn scores(
+        self,
+        q: &[f32],
+        hd: usize,
+        rows: usize,
+        kt: &[f32],
+        groups: usize,
+        s: &mut [f32],
+    );
+    /// Scores → exponentials in place: with `m' = max(m, s[..n])`, `s[j] = exp(s[j] − m')`
+    /// for `j < n` and 0 after; returns `(m', Σ s)`. `n ≥ 1`.
+    unsafe fn softmax(self, s: &mut [f32], m: f32, n: usize) -> (f32, f32);
+    /// For rows `r` of `acc` (rows of `hd`): `acc_r = acc_r·alpha[r] + Σ_{j<n} e[r·TILE + j]·v_j`,
+    /// `v` rows of `hd`.
+    unsafe fn accumulate(
+        self,
+        acc: &mut [f32],
+        hd: usize,
+        alpha: &[f32],
+        e: &[f32],
+        v: &[f32],
+        n: usize,
+    );
     /// `acc = acc·ca + b·cb` (one fused multiply-add per number).
     unsafe fn merge(self, acc: &mut [f32], ca: f32, b: &[f32], cb: f32);
     /// `out = acc / l`.
@@ -72,34 +104,65 @@ impl AttnOps for Scalar {
         dtype.decode(src, dst);
     }
 
-    unsafe fn scores(self, q: &[f32], k: &[f32], n: usize, s: &mut [f32; TILE]) {
-        let hd = q.len();
-        for (j, out) in s.iter_mut().enumerate().take(n) {
-            let row = &k[j * hd..(j + 1) * hd];
-            let mut p = [0f32; 8];
-            for (l, acc) in p.iter_mut().enumerate() {
-                for d in (l..hd).step_by(8) {
-                    *acc = q[d].mul_add(row[d], *acc);
+    unsafe fn transpose8(self, rows: &[f32], kt: &mut [f32]) {
+        let hd = rows.len() / GROUP;
+        for j in 0..GROUP {
+            for d in 0..hd {
+                kt[d * GROUP + j] = rows[j * hd + d];
+            }
+        }
+    }
+
+    unsafe fn scores(
+        self,
+        q: &[f32],
+        hd: usize,
+        rows: usize,
+        kt: &[f32],
+        groups: usize,
+        s: &mut [f32],
+    ) {
+        for r in 0..rows {
+            let q = &q[r * hd..(r + 1) * hd];
+            for j in 0..groups * GROUP {
+                let k = &kt[(j / GROUP) * GROUP * hd + j % GROUP..];
+                let mut acc = 0f32;
+                for (d, qd) in q.iter().enumerate() {
+                    acc = qd.mul_add(k[d * GROUP], acc);
                 }
+                s[r * TILE + j] = acc;
             }
-            *out = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
         }
     }
 
-    unsafe fn exp_sub(self, s: &mut [f32; TILE], m: f32, n: usize) {
-        for x in &mut s[..n] {
-            *x = exp_scalar(*x - m);
+    unsafe fn softmax(self, s: &mut [f32], m: f32, n: usize) -> (f32, f32) {
+        let m = s[..n].iter().fold(m, |a, &b| a.max(b));
+        for (j, x) in s[..TILE].iter_mut().enumerate() {
+            *x = if j < n { exp_scalar(*x - m) } else { 0.0 };
         }
+        let l: [f32; GROUP] = std::array::from_fn(|l| (s[l] + s[8 + l]) + (s[16 + l] + s[24 + l]));
+        let h: [f32; 4] = std::array::from_fn(|i| l[i] + l[i + 4]);
+        (m, (h[0] + h[2]) + (h[1] + h[3]))
     }
 
-    unsafe fn accumulate(self, acc: &mut [f32], alpha: f32, e: &[f32; TILE], v: &[f32], n: usize) {
-        let hd = acc.len();
-        for (d, a) in acc.iter_mut().enumerate() {
-            let mut x = *a * alpha;
-            for j in 0..n {
-                x = e[j].mul_add(v[j * hd + d], x);
+    unsafe fn accumulate(
+        self,
+        acc: &mut [f32],
+        hd: usize,
+        alpha: &[f32],
+        e: &[f32],
+        v: &[f32],
+        n: usize,
+    ) {
+        for (r, row) in acc.chunks_exact_mut(hd).enumerate() {
+            let e = &e[r * TILE..];
+            for (d, a) in row.iter_mut().enumerate() {
+                let mut x = *a * alpha[r];
+                for j in 0..n {
+                    x = e[j].mul_add(v[j * hd + d], x);
+                }
+                *a = x;
             }
-            *a = x;
         }
     }
 
@@ -161,6 +224,78 @@ mod avx2 {
         }
     }
 
+    /// Scores of `R` query rows (`q`, rows of `hd`) against `G` key groups (`kt`, groups of
+    /// `8·hd`), into `s` (rows `TILE` apart): `R·G` accumulators, each key vector loaded once
+    /// for the `R` rows.
+    ///
+    /// # Safety
+    /// AVX2+FMA; the rows and groups exist.
+    #[inline(always)]
+    unsafe fn score_block<const R: usize, const G: usize>(
+        q: *const f32,
+        hd: usize,
+        kt: *const f32,
+        s: *mut f32,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); G]; R];
+            for d in 0..hd {
+                let k: [__m256; G] =
+                    std::array::from_fn(|g| _mm256_loadu_ps(kt.add(g * GROUP * hd + d * GROUP)));
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let qb = _mm256_broadcast_ss(&*q.add(r * hd + d));
+                    for (x, kg) in row.iter_mut().zip(&k) {
+                        *x = _mm256_fmadd_ps(qb, *kg, *x);
+                    }
+                }
+            }
+            for (r, row) in acc.iter().enumerate() {
+                for (g, x) in row.iter().enumerate() {
+                    _mm256_storeu_ps(s.add(r * TILE + g * GROUP), *x);
+                }
+            }
+        }
+    }
+
+    /// `R` rows × `C` 8-dim chunks of the value accumulation: each value vector loaded once
+    /// for the `R` rows.
+    ///
+    /// # Safety
+    /// AVX2+FMA; the rows, chunks and `n` value rows exist.
+    #[inline(always)]
+    unsafe fn acc_block<const R: usize, const C: usize>(
+        acc: *mut f32,
+        hd: usize,
+        alpha: *const f32,
+        e: *const f32,
+        v: *const f32,
+        n: usize,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let mut a: [[__m256; C]; R] = std::array::from_fn(|r| {
+                let al = _mm256_broadcast_ss(&*alpha.add(r));
+                std::array::from_fn(|c| _mm256_mul_ps(_mm256_loadu_ps(acc.add(r * hd + 8 * c)), al))
+            });
+            for j in 0..n {
+                let vj: [__m256; C] =
+                    std::array::from_fn(|c| _mm256_loadu_ps(v.add(j * hd + 8 * c)));
+                for (r, row) in a.iter_mut().enumerate() {
+                    let w = _mm256_broadcast_ss(&*e.add(r * TILE + j));
+                    for (x, vc) in row.iter_mut().zip(&vj) {
+                        *x = _mm256_fmadd_ps(w, *vc, *x);
+                    }
+                }
+            }
+            for (r, row) in a.iter().enumerate() {
+                for (c, x) in row.iter().enumerate() {
+                    _mm256_storeu_ps(acc.add(r * hd + 8 * c), *x);
+                }
+            }
+        }
+    }
+
     impl AttnOps for Avx2 {
         #[inline(always)]
         unsafe fn decode_row(self, dtype: KvStorage, src: &[u8], dst: &mut [f32]) {
@@ -204,45 +339,123 @@ mod avx2 {
         }
 
         #[inline(always)]
-        unsafe fn scores(self, q: &[f32], k: &[f32], n: usize, s: &mut [f32; TILE]) {
-            let hd = q.len();
-            debug_assert!(k.len() >= n.div_ceil(8) * 8 * hd);
-            // SAFETY: rows `j0..j0+8` of `k` exist for every chunk (the scratch holds TILE
-            // rows); `q` holds `hd` floats, a multiple of 8; AVX2+FMA were detected.
+        unsafe fn transpose8(self, rows: &[f32], kt: &mut [f32]) {
+            let hd = rows.len() / GROUP;
+            debug_assert!(hd.is_multiple_of(8) && kt.len() >= GROUP * hd);
+            // SAFETY: 8 rows of hd floats in, hd·8 floats out, hd a multiple of 8.
             unsafe {
-                for j0 in (0..n).step_by(8) {
-                    let mut p = [_mm256_setzero_ps(); 8];
-                    let base = k.as_ptr().add(j0 * hd);
-                    for c in 0..hd / 8 {
-                        let qc = _mm256_loadu_ps(q.as_ptr().add(8 * c));
-                        for (j, acc) in p.iter_mut().enumerate() {
-                            let kc = _mm256_loadu_ps(base.add(j * hd + 8 * c));
-                            *acc = _mm256_fmadd_ps(qc, kc, *acc);
-                        }
+                let (src, dst) = (rows.as_ptr(), kt.as_mut_ptr());
+                for c in 0..hd / 8 {
+                    let r: [__m256; 8] =
+                        std::array::from_fn(|j| _mm256_loadu_ps(src.add(j * hd + 8 * c)));
+                    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+                    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+                    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+                    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+                    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+                    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+                    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+                    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+                    let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+                    let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+                    let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+                    let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+                    let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+                    let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+                    let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+                    let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+                    // Column d = 8c + i of the 8 rows.
+                    let cols = [
+                        _mm256_permute2f128_ps::<0x20>(u0, u4),
+                        _mm256_permute2f128_ps::<0x20>(u1, u5),
+                        _mm256_permute2f128_ps::<0x20>(u2, u6),
+                        _mm256_permute2f128_ps::<0x20>(u3, u7),
+                        _mm256_permute2f128_ps::<0x31>(u0, u4),
+                        _mm256_permute2f128_ps::<0x31>(u1, u5),
+                        _mm256_permute2f128_ps::<0x31>(u2, u6),
+                        _mm256_permute2f128_ps::<0x31>(u3, u7),
+                    ];
+                    for (i, col) in cols.iter().enumerate() {
+                        _mm256_storeu_ps(dst.add((8 * c + i) * GROUP), *col);
                     }
-                    // Lane j of the result is ((p0+p1)+(p2+p3)) + ((p4+p5)+(p6+p7)) of row j.
-                    let a = _mm256_hadd_ps(p[0], p[1]);
-                    let b = _mm256_hadd_ps(p[2], p[3]);
-                    let c = _mm256_hadd_ps(p[4], p[5]);
-                    let d = _mm256_hadd_ps(p[6], p[7]);
-                    let e = _mm256_hadd_ps(a, b);
-                    let f = _mm256_hadd_ps(c, d);
-                    let lo = _mm256_permute2f128_ps::<0x20>(e, f);
-                    let hi = _mm256_permute2f128_ps::<0x31>(e, f);
-                    _mm256_storeu_ps(s.as_mut_ptr().add(j0), _mm256_add_ps(lo, hi));
                 }
             }
         }
 
         #[inline(always)]
-        unsafe fn exp_sub(self, s: &mut [f32; TILE], m: f32, n: usize) {
-            // SAFETY: chunks of 8 starting below n ≤ TILE (a multiple of 8) lie inside `s`.
-            unsafe {
-                let m = _mm256_set1_ps(m);
-                for j0 in (0..n).step_by(8) {
-                    let p = s.as_mut_ptr().add(j0);
-                    _mm256_storeu_ps(p, exp8(_mm256_sub_ps(_mm256_loadu_ps(p), m)));
+        unsafe fn scores(
+            self,
+            q: &[f32],
+            hd: usize,
+            rows: usize,
+            kt: &[f32],
+            groups: usize,
+            s: &mut [f32],
+        ) {
+            debug_assert!(q.len() >= rows * hd && kt.len() >= groups * GROUP * hd);
+            debug_assert!(s.len() >= rows * TILE && groups <= TILE / GROUP);
+            let (q, kt, s) = (q.as_ptr(), kt.as_ptr(), s.as_mut_ptr());
+            let mut r0 = 0;
+            while r0 < rows {
+                let (qr, sr) = (q.wrapping_add(r0 * hd), s.wrapping_add(r0 * TILE));
+                let mut g0 = 0;
+                while g0 < groups {
+                    let (k, so) = (
+                        kt.wrapping_add(g0 * GROUP * hd),
+                        sr.wrapping_add(g0 * GROUP),
+                    );
+                    // SAFETY: rows r0.., groups g0.. lie inside the slices (checked above).
+                    unsafe {
+                        match (rows - r0, groups - g0 >= 2) {
+                            (1, true) => score_block::<1, 2>(qr, hd, k, so),
+                            (2, true) => score_block::<2, 2>(qr, hd, k, so),
+                            (3, true) => score_block::<3, 2>(qr, hd, k, so),
+                            (_, true) => score_block::<4, 2>(qr, hd, k, so),
+                            (1, false) => score_block::<1, 1>(qr, hd, k, so),
+                            (2, false) => score_block::<2, 1>(qr, hd, k, so),
+                            (3, false) => score_block::<3, 1>(qr, hd, k, so),
+                            (_, false) => score_block::<4, 1>(qr, hd, k, so),
+                        }
+                    }
+                    g0 += if groups - g0 >= 2 { 2 } else { 1 };
                 }
+                r0 += (rows - r0).min(4);
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn softmax(self, s: &mut [f32], m: f32, n: usize) -> (f32, f32) {
+            debug_assert!(s.len() >= TILE && (1..=TILE).contains(&n));
+            // SAFETY: s holds TILE = 4·8 floats; AVX2+FMA were detected.
+            unsafe {
+                let p = s.as_mut_ptr();
+                let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                let n = _mm256_set1_epi32(n as i32);
+                let x: [__m256; 4] = std::array::from_fn(|c| _mm256_loadu_ps(p.add(8 * c)));
+                let live: [__m256; 4] = std::array::from_fn(|c| {
+                    let j = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * c as i32));
+                    _mm256_castsi256_ps(_mm256_cmpgt_epi32(n, j))
+                });
+                let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+                let mut mx = _mm256_set1_ps(m);
+                for c in 0..4 {
+                    mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, x[c], live[c]));
+                }
+                let t = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps::<1>(mx));
+                let t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+                let t = _mm_max_ss(t, _mm_shuffle_ps::<1>(t, t));
+                let m = _mm_cvtss_f32(t);
+                let mv = _mm256_set1_ps(m);
+                let e: [__m256; 4] =
+                    std::array::from_fn(|c| _mm256_and_ps(exp8(_mm256_sub_ps(x[c], mv)), live[c]));
+                for (c, ec) in e.iter().enumerate() {
+                    _mm256_storeu_ps(p.add(8 * c), *ec);
+                }
+                let l = _mm256_add_ps(_mm256_add_ps(e[0], e[1]), _mm256_add_ps(e[2], e[3]));
+                let h = _mm_add_ps(_mm256_castps256_ps128(l), _mm256_extractf128_ps::<1>(l));
+                let g = _mm_add_ps(h, _mm_movehl_ps(h, h));
+                let sum = _mm_add_ss(g, _mm_shuffle_ps::<1>(g, g));
+                (m, _mm_cvtss_f32(sum))
             }
         }
 
@@ -250,44 +463,43 @@ mod avx2 {
         unsafe fn accumulate(
             self,
             acc: &mut [f32],
-            alpha: f32,
-            e: &[f32; TILE],
+            hd: usize,
+            alpha: &[f32],
+            e: &[f32],
             v: &[f32],
             n: usize,
         ) {
-            let hd = acc.len();
-            debug_assert!(v.len() >= n * hd);
-            // SAFETY: `acc` holds hd floats (a multiple of 8), `v` holds n rows of hd.
-            unsafe {
-                let alpha = _mm256_set1_ps(alpha);
+            let rows = acc.len() / hd;
+            debug_assert!(hd.is_multiple_of(8) && alpha.len() >= rows && v.len() >= n * hd);
+            debug_assert!(e.len() >= rows * TILE && n <= TILE);
+            let (acc, alpha, e, v) = (acc.as_mut_ptr(), alpha.as_ptr(), e.as_ptr(), v.as_ptr());
+            let chunks = hd / 8;
+            let mut r0 = 0;
+            while r0 < rows {
+                let (a, al, er) = (
+                    acc.wrapping_add(r0 * hd),
+                    alpha.wrapping_add(r0),
+                    e.wrapping_add(r0 * TILE),
+                );
                 let mut c0 = 0;
-                // Eight independent accumulators hide the FMA latency; the rest one by one.
-                while c0 + 8 <= hd / 8 {
-                    let a = acc.as_mut_ptr().add(8 * c0);
-                    let mut r: [__m256; 8] = std::array::from_fn(|c| {
-                        _mm256_mul_ps(_mm256_loadu_ps(a.add(8 * c)), alpha)
-                    });
-                    for (j, &w) in e.iter().enumerate().take(n) {
-                        let w = _mm256_set1_ps(w);
-                        let row = v.as_ptr().add(j * hd + 8 * c0);
-                        for (c, x) in r.iter_mut().enumerate() {
-                            *x = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(8 * c)), *x);
+                while c0 < chunks {
+                    let (ac, vc) = (a.wrapping_add(8 * c0), v.wrapping_add(8 * c0));
+                    // SAFETY: rows r0.., dims 8·c0.. lie inside the slices (checked above).
+                    unsafe {
+                        match (rows - r0, chunks - c0 >= 2) {
+                            (1, true) => acc_block::<1, 2>(ac, hd, al, er, vc, n),
+                            (2, true) => acc_block::<2, 2>(ac, hd, al, er, vc, n),
+                            (3, true) => acc_block::<3, 2>(ac, hd, al, er, vc, n),
+                            (_, true) => acc_block::<4, 2>(ac, hd, al, er, vc, n),
+                            (1, false) => acc_block::<1, 1>(ac, hd, al, er, vc, n),
+                            (2, false) => acc_block::<2, 1>(ac, hd, al, er, vc, n),
+                            (3, false) => acc_block::<3, 1>(ac, hd, al, er, vc, n),
+                            (_, false) => acc_block::<4, 1>(ac, hd, al, er, vc, n),
                         }
                     }
-                    for (c, x) in r.iter().enumerate() {
-                        _mm256_storeu_ps(a.add(8 * c), *x);
-                    }
-                    c0 += 8;
+                    c0 += if chunks - c0 >= 2 { 2 } else { 1 };
                 }
-                for c in c0..hd / 8 {
-                    let a = acc.as_mut_ptr().add(8 * c);
-                    let mut x = _mm256_mul_ps(_mm256_loadu_ps(a), alpha);
-                    for (j, &w) in e.iter().enumerate().take(n) {
-                        let vj = _mm256_loadu_ps(v.as_ptr().add(j * hd + 8 * c));
-                        x = _mm256_fmadd_ps(_mm256_set1_ps(w), vj, x);
-                    }
-                    _mm256_storeu_ps(a, x);
-                }
+                r0 += (rows - r0).min(4);
             }
         }
 
