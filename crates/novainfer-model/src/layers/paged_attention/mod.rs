@@ -5,9 +5,9 @@
 //!   so each K/V row is read and decoded once for all of them;
 //! * history is walked a tile of [`TILE`] positions at a time, looking the block table up
 //!   once per block the tile touches; a tile is decoded (f16/bf16/q8_0 → f32) into reused
-//!   per-thread scratch, the keys transposed (8 positions side by side) so that the scores
-//!   and the value pass run register blocks of 4 query rows × 16 positions/dimensions, each
-//!   loaded K/V vector feeding 4 rows;
+//!   per-thread scratch; the scores run register blocks of 2 query rows × 4 positions and
+//!   the value pass blocks of 4 query rows × 16 dimensions, so each loaded K/V vector feeds
+//!   several rows;
 //! * softmax is online: per tile, new running max, rescale, exponentials, weighted values;
 //! * positions are grouped in partitions of [`PART`]; each partition's (max, sum, values)
 //!   is computed from scratch and the partitions are merged in order. Decode rows with a
@@ -250,8 +250,6 @@ impl Plan {
 #[derive(Default)]
 struct Scratch {
     k: Vec<f32>,
-    /// The tile's keys transposed, groups of [`GROUP`] positions side by side.
-    kt: Vec<f32>,
     v: Vec<f32>,
     /// Per query row, the tile's scores, then its exponentials (`TILE` apart).
     s: Vec<f32>,
@@ -276,7 +274,6 @@ impl Scratch {
             }
         }
         grow(&mut self.k, TILE * hd);
-        grow(&mut self.kt, TILE * hd);
         grow(&mut self.v, TILE * hd);
         grow(&mut self.s, rows * TILE);
         grow(&mut self.alpha, rows);
@@ -395,11 +392,7 @@ unsafe fn run_item<O: AttnOps>(o: O, ctx: &Ctx, item: &Item, out: SharedOut, par
                 // (`check_slots`); scratch sizes from `fit`.
                 unsafe {
                     gather(o, ctx, table, item.kv_head, t0, nt, sc);
-                    for g in 0..groups {
-                        let rows_g = &sc.k[g * GROUP * hd..(g + 1) * GROUP * hd];
-                        o.transpose8(rows_g, &mut sc.kt[g * GROUP * hd..]);
-                    }
-                    o.scores(&sc.q, hd, rows, &sc.kt, groups, &mut sc.s);
+                    o.scores(&sc.q, hd, rows, &sc.k, groups, &mut sc.s);
                 }
                 // Rows that end before `nt` (or before the tile) get zero weights past their
                 // end, so the tile's value pass can run every row to the longest one.
