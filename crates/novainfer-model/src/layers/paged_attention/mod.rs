@@ -5,7 +5,9 @@
 //!   so each K/V row is read and decoded once for all of them;
 //! * history is walked a tile of [`TILE`] positions at a time, looking the block table up
 //!   once per block the tile touches; a tile is decoded (f16/bf16/q8_0 → f32) into reused
-//!   per-thread scratch;
+//!   per-thread scratch; the scores run register blocks of 2 query rows × 4 positions and
+//!   the value pass blocks of 4 query rows × 16 dimensions, so each loaded K/V vector feeds
+//!   several rows;
 //! * softmax is online: per tile, new running max, rescale, exponentials, weighted values;
 //! * positions are grouped in partitions of [`PART`]; each partition's (max, sum, values)
 //!   is computed from scratch and the partitions are merged in order. Decode rows with a
@@ -28,12 +30,12 @@ use super::parallel::SharedOut;
 use super::AttentionShape;
 use crate::forward_batch::SeqSpan;
 use crate::paged_kv::PoolLayer;
-use ops::{exp_scalar, AttnOps, Scalar, TILE};
+use ops::{exp_scalar, AttnOps, Scalar, GROUP, TILE};
 
 /// Positions per partition (a multiple of [`TILE`]).
 const PART: usize = 256;
-/// Tokens per prefill work item: their query rows share every K/V tile.
-const QUERY_TILE: usize = 4;
+/// Tokens per prefill work item: their query rows (8 × the group) share every K/V tile.
+const QUERY_TILE: usize = 8;
 
 /// Which implementation of [`ops`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -249,6 +251,10 @@ impl Plan {
 struct Scratch {
     k: Vec<f32>,
     v: Vec<f32>,
+    /// Per query row, the tile's scores, then its exponentials (`TILE` apart).
+    s: Vec<f32>,
+    /// Per query row, the tile's rescaling of the running values.
+    alpha: Vec<f32>,
     q: Vec<f32>,
     limit: Vec<usize>,
     /// Running state of each row over the partitions merged so far, and of the current one.
@@ -269,6 +275,8 @@ impl Scratch {
         }
         grow(&mut self.k, TILE * hd);
         grow(&mut self.v, TILE * hd);
+        grow(&mut self.s, rows * TILE);
+        grow(&mut self.alpha, rows);
         for v in [&mut self.q, &mut self.acc, &mut self.pacc] {
             grow(v, rows * hd);
         }
@@ -366,7 +374,6 @@ unsafe fn run_item<O: AttnOps>(o: O, ctx: &Ctx, item: &Item, out: SharedOut, par
         }
         let table = &ctx.seqs[item.seq].block_table[..];
         let max_limit = sc.limit[..rows].iter().copied().max().unwrap_or(0);
-        let mut s = [0f32; TILE];
         for part in item.parts.clone() {
             let p0 = part * PART;
             let end = (p0 + PART).min(max_limit + 1);
@@ -379,27 +386,44 @@ unsafe fn run_item<O: AttnOps>(o: O, ctx: &Ctx, item: &Item, out: SharedOut, par
             }
             for t0 in (p0..end).step_by(TILE) {
                 let nt = TILE.min(end - t0);
-                // SAFETY: the caller's ISA contract; positions lie inside the table (checked
-                // by `ForwardBatch::validate`) and slots inside the pool (`check_slots`).
-                unsafe { gather(o, ctx, table, item.kv_head, t0, nt, sc) };
+                let groups = nt.div_ceil(GROUP);
+                // SAFETY (block): the caller's ISA contract; positions lie inside the table
+                // (checked by `ForwardBatch::validate`) and slots inside the pool
+                // (`check_slots`); scratch sizes from `fit`.
+                unsafe {
+                    gather(o, ctx, table, item.kv_head, t0, nt, sc);
+                    o.scores(&sc.q, hd, rows, &sc.k, groups, &mut sc.s);
+                }
+                // Rows that end before `nt` (or before the tile) get zero weights past their
+                // end, so the tile's value pass can run every row to the longest one.
+                let mut longest = 0;
                 for r in 0..rows {
+                    let e = &mut sc.s[r * TILE..(r + 1) * TILE];
                     if sc.limit[r] < t0 {
+                        e.fill(0.0);
+                        sc.alpha[r] = 1.0;
                         continue;
                     }
                     let n = nt.min(sc.limit[r] + 1 - t0);
-                    let q = &sc.q[r * hd..(r + 1) * hd];
-                    // SAFETY: the caller's ISA contract; scratch sizes from `fit`.
-                    unsafe {
-                        o.scores(q, &sc.k, n, &mut s);
-                        let m_new = s[..n].iter().fold(sc.pm[r], |a, &b| a.max(b));
-                        let alpha = exp_scalar(sc.pm[r] - m_new);
-                        o.exp_sub(&mut s, m_new, n);
-                        let sum = s[..n].iter().fold(0f32, |a, &b| a + b);
-                        sc.pl[r] = sc.pl[r] * alpha + sum;
-                        sc.pm[r] = m_new;
-                        o.accumulate(&mut sc.pacc[r * hd..(r + 1) * hd], alpha, &s, &sc.v, n);
-                    }
+                    // SAFETY: the caller's ISA contract; `e` holds TILE floats, n ≥ 1.
+                    let (m_new, sum) = unsafe { o.softmax(e, sc.pm[r], n) };
+                    let alpha = exp_scalar(sc.pm[r] - m_new);
+                    sc.pl[r] = sc.pl[r] * alpha + sum;
+                    sc.pm[r] = m_new;
+                    sc.alpha[r] = alpha;
+                    longest = longest.max(n);
                 }
+                // SAFETY: as above.
+                unsafe {
+                    o.accumulate(
+                        &mut sc.pacc[..rows * hd],
+                        hd,
+                        &sc.alpha,
+                        &sc.s,
+                        &sc.v,
+                        longest,
+                    )
+                };
             }
             for r in 0..rows {
                 if sc.limit[r] < p0 {

@@ -4,15 +4,23 @@
 //! number, so they agree bit for bit (tested); only the speed differs:
 //! * a score `q·k` is 8 partial sums (lane `l` takes dimensions `d ≡ l mod 8`, each a
 //!   chain of fused multiply-adds from zero), then `((p0+p1)+(p2+p3)) + ((p4+p5)+(p6+p7))`;
-//! * `exp` is one polynomial (Cephes' `expf`: range reduction by `ln 2`, degree-5
-//!   polynomial, scaling by `2ⁿ` through the exponent bits), written once per lane;
+//! * a tile's maximum is exact whatever the order; `exp` is one polynomial (Cephes' `expf`:
+//!   range reduction by `ln 2`, degree-5 polynomial, scaling by `2ⁿ` through the exponent
+//!   bits), written once per lane; a tile's sum of exponentials is a plain left-to-right sum;
 //! * value accumulation is per dimension: `acc·α`, then `acc = fma(e_j, v_j, acc)` in
-//!   position order.
+//!   position order. Positions past a row's own limit carry `e_j = 0`, so a row may run a
+//!   few extra (exact no-op) steps when it shares a tile with later rows.
 
 use crate::kv_dtype::{q8_block, KvStorage};
 
 /// Positions per softmax tile (and rows of the K/V scratch).
 pub(super) const TILE: usize = 32;
+/// Positions per vector of scores: a tile's scores are computed for whole groups.
+pub(super) const GROUP: usize = 8;
+const _: () = assert!(
+    TILE == 4 * GROUP,
+    "the AVX2 softmax holds a tile in 4 vectors"
+);
 
 /// What the kernel driver needs from an instruction set.
 ///
@@ -21,12 +29,31 @@ pub(super) const TILE: usize = 32;
 pub(super) trait AttnOps: Copy {
     /// Decodes one row of `dst.len()` numbers from `src` (in `dtype`).
     unsafe fn decode_row(self, dtype: KvStorage, src: &[u8], dst: &mut [f32]);
-    /// `s[j] = q·k_j` for `j < n` (`k`: rows of `q.len()`, at least `n` rounded up to 8 of them).
-    unsafe fn scores(self, q: &[f32], k: &[f32], n: usize, s: &mut [f32; TILE]);
-    /// `s[j] = exp(s[j] − m)` for `j < n`.
-    unsafe fn exp_sub(self, s: &mut [f32; TILE], m: f32, n: usize);
-    /// `acc = acc·alpha + Σ_{j<n} e[j]·v_j`, `v` rows of `acc.len()`.
-    unsafe fn accumulate(self, acc: &mut [f32], alpha: f32, e: &[f32; TILE], v: &[f32], n: usize);
+    /// For query rows `r < rows` (`q`: rows of `hd`) and key rows `j < groups·8` (`k`: rows
+    /// of `hd`): `s[r·TILE + j] = q_r·k_j`.
+    unsafe fn scores(
+        self,
+        q: &[f32],
+        hd: usize,
+        rows: usize,
+        kt: &[f32],
+        groups: usize,
+        s: &mut [f32],
+    );
+    /// Scores → exponentials in place: with `m' = max(m, s[..n])`, `s[j] = exp(s[j] − m')`
+    /// for `j < n` and 0 after; returns `(m', Σ s)`. `n ≥ 1`.
+    unsafe fn softmax(self, s: &mut [f32], m: f32, n: usize) -> (f32, f32);
+    /// For rows `r` of `acc` (rows of `hd`): `acc_r = acc_r·alpha[r] + Σ_{j<n} e[r·TILE + j]·v_j`,
+    /// `v` rows of `hd`.
+    unsafe fn accumulate(
+        self,
+        acc: &mut [f32],
+        hd: usize,
+        alpha: &[f32],
+        e: &[f32],
+        v: &[f32],
+        n: usize,
+    );
     /// `acc = acc·ca + b·cb` (one fused multiply-add per number).
     unsafe fn merge(self, acc: &mut [f32], ca: f32, b: &[f32], cb: f32);
     /// `out = acc / l`.
@@ -72,34 +99,56 @@ impl AttnOps for Scalar {
         dtype.decode(src, dst);
     }
 
-    unsafe fn scores(self, q: &[f32], k: &[f32], n: usize, s: &mut [f32; TILE]) {
-        let hd = q.len();
-        for (j, out) in s.iter_mut().enumerate().take(n) {
-            let row = &k[j * hd..(j + 1) * hd];
-            let mut p = [0f32; 8];
-            for (l, acc) in p.iter_mut().enumerate() {
-                for d in (l..hd).step_by(8) {
-                    *acc = q[d].mul_add(row[d], *acc);
+    unsafe fn scores(
+        self,
+        q: &[f32],
+        hd: usize,
+        rows: usize,
+        k: &[f32],
+        groups: usize,
+        s: &mut [f32],
+    ) {
+        for r in 0..rows {
+            let q = &q[r * hd..(r + 1) * hd];
+            for j in 0..groups * GROUP {
+                let row = &k[j * hd..(j + 1) * hd];
+                let mut p = [0f32; 8];
+                for (l, acc) in p.iter_mut().enumerate() {
+                    for d in (l..hd).step_by(8) {
+                        *acc = q[d].mul_add(row[d], *acc);
+                    }
                 }
+                s[r * TILE + j] = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
             }
-            *out = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
         }
     }
 
-    unsafe fn exp_sub(self, s: &mut [f32; TILE], m: f32, n: usize) {
-        for x in &mut s[..n] {
-            *x = exp_scalar(*x - m);
+    unsafe fn softmax(self, s: &mut [f32], m: f32, n: usize) -> (f32, f32) {
+        let m = s[..n].iter().fold(m, |a, &b| a.max(b));
+        for (j, x) in s[..TILE].iter_mut().enumerate() {
+            *x = if j < n { exp_scalar(*x - m) } else { 0.0 };
         }
+        (m, s[..n].iter().fold(0f32, |a, &b| a + b))
     }
 
-    unsafe fn accumulate(self, acc: &mut [f32], alpha: f32, e: &[f32; TILE], v: &[f32], n: usize) {
-        let hd = acc.len();
-        for (d, a) in acc.iter_mut().enumerate() {
-            let mut x = *a * alpha;
-            for j in 0..n {
-                x = e[j].mul_add(v[j * hd + d], x);
+    unsafe fn accumulate(
+        self,
+        acc: &mut [f32],
+        hd: usize,
+        alpha: &[f32],
+        e: &[f32],
+        v: &[f32],
+        n: usize,
+    ) {
+        for (r, row) in acc.chunks_exact_mut(hd).enumerate() {
+            let e = &e[r * TILE..];
+            for (d, a) in row.iter_mut().enumerate() {
+                let mut x = *a * alpha[r];
+                for j in 0..n {
+                    x = e[j].mul_add(v[j * hd + d], x);
+                }
+                *a = x;
             }
-            *a = x;
         }
     }
 
@@ -161,6 +210,91 @@ mod avx2 {
         }
     }
 
+    /// Scores of `R` query rows (`q`, rows of `hd`) against `P` key rows (`k`, rows of `hd`),
+    /// `R·P = 8`: one vector of 8 lane-wise partial sums per (row, key), each loaded vector
+    /// used `P` or `R` times; lane `i` of the reduced vector is the score of pair `i`
+    /// (row-major), stored at `s[r·TILE + p]`.
+    ///
+    /// # Safety
+    /// AVX2+FMA; the rows exist, `hd % 8 == 0`.
+    #[inline(always)]
+    unsafe fn score_block<const R: usize, const P: usize>(
+        q: *const f32,
+        hd: usize,
+        k: *const f32,
+        s: *mut f32,
+    ) {
+        const { assert!(R * P == 8) };
+        // SAFETY: the caller's contract.
+        unsafe {
+            let mut p = [_mm256_setzero_ps(); 8];
+            for c in 0..hd / 8 {
+                let kc: [__m256; P] =
+                    std::array::from_fn(|j| _mm256_loadu_ps(k.add(j * hd + 8 * c)));
+                for r in 0..R {
+                    let qc = _mm256_loadu_ps(q.add(r * hd + 8 * c));
+                    for (j, kj) in kc.iter().enumerate() {
+                        p[r * P + j] = _mm256_fmadd_ps(qc, *kj, p[r * P + j]);
+                    }
+                }
+            }
+            // Lane i of the result is ((p0+p1)+(p2+p3)) + ((p4+p5)+(p6+p7)) of vector i.
+            let a = _mm256_hadd_ps(p[0], p[1]);
+            let b = _mm256_hadd_ps(p[2], p[3]);
+            let c = _mm256_hadd_ps(p[4], p[5]);
+            let d = _mm256_hadd_ps(p[6], p[7]);
+            let e = _mm256_hadd_ps(a, b);
+            let f = _mm256_hadd_ps(c, d);
+            let lo = _mm256_permute2f128_ps::<0x20>(e, f);
+            let hi = _mm256_permute2f128_ps::<0x31>(e, f);
+            let x = _mm256_add_ps(lo, hi);
+            if R == 1 {
+                _mm256_storeu_ps(s, x);
+            } else {
+                _mm_storeu_ps(s, _mm256_castps256_ps128(x));
+                _mm_storeu_ps(s.add(TILE), _mm256_extractf128_ps::<1>(x));
+            }
+        }
+    }
+
+    /// `R` rows × `C` 8-dim chunks of the value accumulation: each value vector loaded once
+    /// for the `R` rows.
+    ///
+    /// # Safety
+    /// AVX2+FMA; the rows, chunks and `n` value rows exist.
+    #[inline(always)]
+    unsafe fn acc_block<const R: usize, const C: usize>(
+        acc: *mut f32,
+        hd: usize,
+        alpha: *const f32,
+        e: *const f32,
+        v: *const f32,
+        n: usize,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let mut a: [[__m256; C]; R] = std::array::from_fn(|r| {
+                let al = _mm256_broadcast_ss(&*alpha.add(r));
+                std::array::from_fn(|c| _mm256_mul_ps(_mm256_loadu_ps(acc.add(r * hd + 8 * c)), al))
+            });
+            for j in 0..n {
+                let vj: [__m256; C] =
+                    std::array::from_fn(|c| _mm256_loadu_ps(v.add(j * hd + 8 * c)));
+                for (r, row) in a.iter_mut().enumerate() {
+                    let w = _mm256_broadcast_ss(&*e.add(r * TILE + j));
+                    for (x, vc) in row.iter_mut().zip(&vj) {
+                        *x = _mm256_fmadd_ps(w, *vc, *x);
+                    }
+                }
+            }
+            for (r, row) in a.iter().enumerate() {
+                for (c, x) in row.iter().enumerate() {
+                    _mm256_storeu_ps(acc.add(r * hd + 8 * c), *x);
+                }
+            }
+        }
+    }
+
     impl AttnOps for Avx2 {
         #[inline(always)]
         unsafe fn decode_row(self, dtype: KvStorage, src: &[u8], dst: &mut [f32]) {
@@ -204,45 +338,76 @@ mod avx2 {
         }
 
         #[inline(always)]
-        unsafe fn scores(self, q: &[f32], k: &[f32], n: usize, s: &mut [f32; TILE]) {
-            let hd = q.len();
-            debug_assert!(k.len() >= n.div_ceil(8) * 8 * hd);
-            // SAFETY: rows `j0..j0+8` of `k` exist for every chunk (the scratch holds TILE
-            // rows); `q` holds `hd` floats, a multiple of 8; AVX2+FMA were detected.
+        unsafe fn scores(
+            self,
+            q: &[f32],
+            hd: usize,
+            rows: usize,
+            k: &[f32],
+            groups: usize,
+            s: &mut [f32],
+        ) {
+            debug_assert!(hd.is_multiple_of(8) && q.len() >= rows * hd);
+            debug_assert!(k.len() >= groups * GROUP * hd && s.len() >= rows * TILE);
+            let (q, k, s) = (q.as_ptr(), k.as_ptr(), s.as_mut_ptr());
+            let mut r0 = 0;
+            // SAFETY: rows r0.., key rows < groups·8 lie inside the slices (checked above).
             unsafe {
-                for j0 in (0..n).step_by(8) {
-                    let mut p = [_mm256_setzero_ps(); 8];
-                    let base = k.as_ptr().add(j0 * hd);
-                    for c in 0..hd / 8 {
-                        let qc = _mm256_loadu_ps(q.as_ptr().add(8 * c));
-                        for (j, acc) in p.iter_mut().enumerate() {
-                            let kc = _mm256_loadu_ps(base.add(j * hd + 8 * c));
-                            *acc = _mm256_fmadd_ps(qc, kc, *acc);
-                        }
+                while r0 + 2 <= rows {
+                    for j0 in (0..groups * GROUP).step_by(4) {
+                        score_block::<2, 4>(
+                            q.add(r0 * hd),
+                            hd,
+                            k.add(j0 * hd),
+                            s.add(r0 * TILE + j0),
+                        );
                     }
-                    // Lane j of the result is ((p0+p1)+(p2+p3)) + ((p4+p5)+(p6+p7)) of row j.
-                    let a = _mm256_hadd_ps(p[0], p[1]);
-                    let b = _mm256_hadd_ps(p[2], p[3]);
-                    let c = _mm256_hadd_ps(p[4], p[5]);
-                    let d = _mm256_hadd_ps(p[6], p[7]);
-                    let e = _mm256_hadd_ps(a, b);
-                    let f = _mm256_hadd_ps(c, d);
-                    let lo = _mm256_permute2f128_ps::<0x20>(e, f);
-                    let hi = _mm256_permute2f128_ps::<0x31>(e, f);
-                    _mm256_storeu_ps(s.as_mut_ptr().add(j0), _mm256_add_ps(lo, hi));
+                    r0 += 2;
+                }
+                if r0 < rows {
+                    for j0 in (0..groups * GROUP).step_by(8) {
+                        score_block::<1, 8>(
+                            q.add(r0 * hd),
+                            hd,
+                            k.add(j0 * hd),
+                            s.add(r0 * TILE + j0),
+                        );
+                    }
                 }
             }
         }
 
         #[inline(always)]
-        unsafe fn exp_sub(self, s: &mut [f32; TILE], m: f32, n: usize) {
-            // SAFETY: chunks of 8 starting below n ≤ TILE (a multiple of 8) lie inside `s`.
+        unsafe fn softmax(self, s: &mut [f32], m: f32, n: usize) -> (f32, f32) {
+            debug_assert!(s.len() >= TILE && (1..=TILE).contains(&n));
+            // SAFETY: s holds TILE = 4·8 floats; AVX2+FMA were detected.
             unsafe {
-                let m = _mm256_set1_ps(m);
-                for j0 in (0..n).step_by(8) {
-                    let p = s.as_mut_ptr().add(j0);
-                    _mm256_storeu_ps(p, exp8(_mm256_sub_ps(_mm256_loadu_ps(p), m)));
+                let p = s.as_mut_ptr();
+                let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                let nv = _mm256_set1_epi32(n as i32);
+                let x: [__m256; 4] = std::array::from_fn(|c| _mm256_loadu_ps(p.add(8 * c)));
+                let live: [__m256; 4] = std::array::from_fn(|c| {
+                    let j = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * c as i32));
+                    _mm256_castsi256_ps(_mm256_cmpgt_epi32(nv, j))
+                });
+                let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+                let mut mx = _mm256_set1_ps(m);
+                for c in 0..4 {
+                    mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, x[c], live[c]));
                 }
+                let t = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps::<1>(mx));
+                let t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+                let t = _mm_max_ss(t, _mm_shuffle_ps::<1>(t, t));
+                let m = _mm_cvtss_f32(t);
+                let mv = _mm256_set1_ps(m);
+                let e: [__m256; 4] =
+                    std::array::from_fn(|c| _mm256_and_ps(exp8(_mm256_sub_ps(x[c], mv)), live[c]));
+                for (c, ec) in e.iter().enumerate() {
+                    _mm256_storeu_ps(p.add(8 * c), *ec);
+                }
+                // Left to right, as the portable path (a serial chain, but exact to it).
+                let sum = s[..n].iter().fold(0f32, |a, &b| a + b);
+                (m, sum)
             }
         }
 
@@ -250,44 +415,43 @@ mod avx2 {
         unsafe fn accumulate(
             self,
             acc: &mut [f32],
-            alpha: f32,
-            e: &[f32; TILE],
+            hd: usize,
+            alpha: &[f32],
+            e: &[f32],
             v: &[f32],
             n: usize,
         ) {
-            let hd = acc.len();
-            debug_assert!(v.len() >= n * hd);
-            // SAFETY: `acc` holds hd floats (a multiple of 8), `v` holds n rows of hd.
-            unsafe {
-                let alpha = _mm256_set1_ps(alpha);
+            let rows = acc.len() / hd;
+            debug_assert!(hd.is_multiple_of(8) && alpha.len() >= rows && v.len() >= n * hd);
+            debug_assert!(e.len() >= rows * TILE && n <= TILE);
+            let (acc, alpha, e, v) = (acc.as_mut_ptr(), alpha.as_ptr(), e.as_ptr(), v.as_ptr());
+            let chunks = hd / 8;
+            let mut r0 = 0;
+            while r0 < rows {
+                let (a, al, er) = (
+                    acc.wrapping_add(r0 * hd),
+                    alpha.wrapping_add(r0),
+                    e.wrapping_add(r0 * TILE),
+                );
                 let mut c0 = 0;
-                // Eight independent accumulators hide the FMA latency; the rest one by one.
-                while c0 + 8 <= hd / 8 {
-                    let a = acc.as_mut_ptr().add(8 * c0);
-                    let mut r: [__m256; 8] = std::array::from_fn(|c| {
-                        _mm256_mul_ps(_mm256_loadu_ps(a.add(8 * c)), alpha)
-                    });
-                    for (j, &w) in e.iter().enumerate().take(n) {
-                        let w = _mm256_set1_ps(w);
-                        let row = v.as_ptr().add(j * hd + 8 * c0);
-                        for (c, x) in r.iter_mut().enumerate() {
-                            *x = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(8 * c)), *x);
+                while c0 < chunks {
+                    let (ac, vc) = (a.wrapping_add(8 * c0), v.wrapping_add(8 * c0));
+                    // SAFETY: rows r0.., dims 8·c0.. lie inside the slices (checked above).
+                    unsafe {
+                        match (rows - r0, chunks - c0 >= 2) {
+                            (1, true) => acc_block::<1, 2>(ac, hd, al, er, vc, n),
+                            (2, true) => acc_block::<2, 2>(ac, hd, al, er, vc, n),
+                            (3, true) => acc_block::<3, 2>(ac, hd, al, er, vc, n),
+                            (_, true) => acc_block::<4, 2>(ac, hd, al, er, vc, n),
+                            (1, false) => acc_block::<1, 1>(ac, hd, al, er, vc, n),
+                            (2, false) => acc_block::<2, 1>(ac, hd, al, er, vc, n),
+                            (3, false) => acc_block::<3, 1>(ac, hd, al, er, vc, n),
+                            (_, false) => acc_block::<4, 1>(ac, hd, al, er, vc, n),
                         }
                     }
-                    for (c, x) in r.iter().enumerate() {
-                        _mm256_storeu_ps(a.add(8 * c), *x);
-                    }
-                    c0 += 8;
+                    c0 += if chunks - c0 >= 2 { 2 } else { 1 };
                 }
-                for c in c0..hd / 8 {
-                    let a = acc.as_mut_ptr().add(8 * c);
-                    let mut x = _mm256_mul_ps(_mm256_loadu_ps(a), alpha);
-                    for (j, &w) in e.iter().enumerate().take(n) {
-                        let vj = _mm256_loadu_ps(v.as_ptr().add(j * hd + 8 * c));
-                        x = _mm256_fmadd_ps(_mm256_set1_ps(w), vj, x);
-                    }
-                    _mm256_storeu_ps(a, x);
-                }
+                r0 += (rows - r0).min(4);
             }
         }
 
