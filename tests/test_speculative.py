@@ -38,9 +38,16 @@ def test_ngram_speculation_gives_the_same_tokens_greedy_and_seeded(tiny_models, 
     assert stats["spec_acceptance_rate"] == stats["num_accepted_tokens"] / stats["num_draft_tokens"]
     assert 0 < stats["num_drafts"] <= stats["num_draft_tokens"]
     assert stats["spec_mean_acceptance_length"] == 1 + stats["num_accepted_tokens"] / stats["num_drafts"]
-    # Fewer forward passes than tokens: accepted drafts saved steps.
-    assert stats["num_steps"] < plain.stats()["num_steps"]
     assert stats["kv_used_blocks"] == 0
+    # Accepted drafts save forward passes. Counted for one request alone: with several, how many arrive
+    # before the engine's first step depends on timing, and so does the step count.
+    one = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    steps = []
+    for llm in (plain, spec):
+        before = llm.stats()["num_steps"]
+        llm.generate([PROMPT * 3], one)
+        steps.append(llm.stats()["num_steps"] - before)
+    assert steps[1] < steps[0], steps
 
 
 def test_speculation_streams_and_stops_on_stop_tokens(tiny_models):
