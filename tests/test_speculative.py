@@ -162,6 +162,10 @@ def test_greedy_with_each_method_equals_plain_on_the_real_model_batched_chunked_
         got = spec.chat(chat_prompts(), params)
         for w, g in zip(want, got):
             assert g.outputs[0].token_ids == w.outputs[0].token_ids, (config, w.outputs[0].text, g.outputs[0].text)
+        # And alone: a few of them one at a time (no other request to share steps with).
+        for chat, w in list(zip(chat_prompts(), want))[::8]:
+            alone = spec.chat([chat], params)[0]
+            assert alone.outputs[0].token_ids == w.outputs[0].token_ids, (config, w.outputs[0].text)
         stats = spec.stats()
         print(f"{config['method']}: steps {base['num_steps']:.0f} -> {stats['num_steps']:.0f}; accepted "
               f"{stats['num_accepted_tokens']:.0f}/{stats['num_draft_tokens']:.0f} drafts; preemptions "
