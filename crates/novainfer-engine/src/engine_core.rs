@@ -32,7 +32,7 @@ use crate::prefill::{PrefillJob, PrefillTask};
 use crate::request::{Scheduling, Speculation};
 use crate::request_group::{Completion, PendingCompletion, RequestGroup};
 use crate::sequence::SequenceOutput;
-use crate::speculative::{Proposer, MAX_BATCH_TO_DRAFT};
+use crate::speculative::{max_verify_rows, share_room, Proposer};
 use crate::verify::{sample_row, verify_draft, GrammarOutcomes};
 
 /// What one step sampled, per request (one token, or with drafts the confirmed ones and the
@@ -322,19 +322,23 @@ impl EngineCore {
             .filter_map(|id| scheduler.request(*id))
             .filter(|r| !r.kind.is_prefill_only() && !r.output_token_ids.is_empty())
             .collect();
-        if decoding.len() > MAX_BATCH_TO_DRAFT {
+        let room = max_verify_rows(self.runner.device()).saturating_sub(decoding.len());
+        if room == 0 {
             return;
         }
-        let drafts = proposer.propose(&decoding);
+        let mut drafts = proposer.propose(&decoding, room);
         let ids: Vec<RequestId> = decoding.iter().map(|r| r.id).collect();
-        for (id, mut draft) in ids.into_iter().zip(drafts) {
-            // A constrained request verifies only what its grammar allows.
-            if let Some(constraint) = self.active.get_mut(&id).and_then(|c| c.constraint.as_mut()) {
+        // A constrained request verifies only what its grammar allows.
+        for (id, draft) in ids.iter().zip(drafts.iter_mut()) {
+            if let Some(constraint) = self.active.get_mut(id).and_then(|c| c.constraint.as_mut()) {
                 if !draft.is_empty() {
-                    let valid = constraint.valid_prefix(&draft);
+                    let valid = constraint.valid_prefix(draft);
                     draft.truncate(valid);
                 }
             }
+        }
+        share_room(&mut drafts, room);
+        for (id, draft) in ids.into_iter().zip(drafts) {
             if !draft.is_empty() {
                 self.scheduler.set_draft(id, draft);
             }

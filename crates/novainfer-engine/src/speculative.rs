@@ -14,6 +14,7 @@ use novainfer_core::{NgramIndex, NgramRange, ParamError, Request, RequestId};
 use serde_json::Value;
 
 use crate::draft_model::DraftModel;
+use novainfer_model::Device;
 
 /// How drafts are made.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -143,9 +144,46 @@ impl SpeculativeConfig {
     }
 }
 
-/// Past this many decoding requests in a step, nothing is drafted: the batch then reads each
-/// weight once for many rows already, so a draft's rows cost compute the batch needs itself.
-pub const MAX_BATCH_TO_DRAFT: usize = 16;
+/// Most rows (decodes plus draft tokens) a decode step may verify on `device`. A step reads
+/// every weight once whatever its rows; while that read dominates, extra rows are almost free
+/// and drafts pay. Past about this many rows the step is bound by compute instead (on the CPU:
+/// 16 rows of the 0.5B model cost ~5× one row on 2 cores, docs/benchmarks.md), so a draft's
+/// rows would cost what they save: drafts share the room left by the decodes, and a batch
+/// that fills it drafts nothing.
+pub fn max_verify_rows(device: Device) -> usize {
+    match device {
+        Device::Cpu => 8,
+        // An estimate (not yet measured): a GPU stays bandwidth-bound over many more rows.
+        Device::Cuda(_) => 64,
+    }
+}
+
+/// Cuts `drafts` (in running order) to `room` tokens in all, one token per request per round,
+/// so every request keeps a share.
+pub fn share_room(drafts: &mut [Vec<u32>], room: usize) {
+    let wanted: usize = drafts.iter().map(Vec::len).sum();
+    if wanted <= room {
+        return;
+    }
+    let mut keep = vec![0usize; drafts.len()];
+    let mut left = room;
+    while left > 0 {
+        let mut gave = false;
+        for (k, d) in keep.iter_mut().zip(drafts.iter()) {
+            if left > 0 && *k < d.len() {
+                *k += 1;
+                left -= 1;
+                gave = true;
+            }
+        }
+        if !gave {
+            break;
+        }
+    }
+    for (d, k) in drafts.iter_mut().zip(keep) {
+        d.truncate(k);
+    }
+}
 
 /// A request's recent acceptance, which sizes its drafts.
 #[derive(Debug, Clone, Copy)]
@@ -235,13 +273,15 @@ impl Proposer {
         }
     }
 
-    /// Drafts to follow each request's tokens so far, in order (empty: nothing to propose).
-    /// A draft model that fails leaves the step without drafts: speculation only saves work,
-    /// so its failure must not fail requests.
-    pub fn propose(&mut self, requests: &[&Request]) -> Vec<Vec<u32>> {
+    /// Drafts to follow each request's tokens so far, in order (empty: nothing to propose),
+    /// each at most its fair share of `room` draft tokens in all. A draft model that fails
+    /// leaves the step without drafts: speculation only saves work, so its failure must not
+    /// fail requests.
+    pub fn propose(&mut self, requests: &[&Request], room: usize) -> Vec<Vec<u32>> {
+        let share = room.div_ceil(requests.len().max(1));
         let wants: Vec<(&Request, usize)> = requests
             .iter()
-            .map(|r| (*r, self.draft_len(r.id)))
+            .map(|r| (*r, self.draft_len(r.id).min(share)))
             .collect();
         match &mut self.source {
             Source::Ngram { range, indexes } => wants
@@ -338,6 +378,18 @@ mod tests {
     }
 
     #[test]
+    fn drafts_share_the_room_one_token_a_round() {
+        let mut drafts = vec![vec![1, 2, 3, 4], vec![5], vec![6, 7, 8]];
+        share_room(&mut drafts, 5);
+        assert_eq!(drafts, vec![vec![1, 2], vec![5], vec![6, 7]]);
+        share_room(&mut drafts, 0);
+        assert!(drafts.iter().all(Vec::is_empty));
+        let mut few = vec![vec![1], vec![2]];
+        share_room(&mut few, 8);
+        assert_eq!(few, vec![vec![1], vec![2]]);
+    }
+
+    #[test]
     fn a_draft_model_config_needs_a_model_and_may_leave_out_the_method() {
         for value in [
             json!({"method": "draft_model", "model": "/m/small.gguf", "num_speculative_tokens": 3}),
@@ -362,9 +414,9 @@ mod tests {
         };
         let mut p = Proposer::new(&config, None);
         let mut r = Request::new(RequestId(1), vec![5, 6, 7, 8, 9, 5, 6], 10);
-        assert_eq!(p.propose(&[&r]), vec![vec![7, 8, 9]]);
+        assert_eq!(p.propose(&[&r], 8), vec![vec![7, 8, 9]]);
         r.output_token_ids.extend([7, 1]);
-        assert_eq!(p.propose(&[&r]), vec![Vec::<u32>::new()]);
+        assert_eq!(p.propose(&[&r], 8), vec![Vec::<u32>::new()]);
         p.retain(|_| false);
         let Source::Ngram { indexes, .. } = &p.source else {
             panic!("an n-gram proposer")
