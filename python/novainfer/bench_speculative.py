@@ -164,7 +164,8 @@ def _llama_cpp_commands(llm: LLM, args: argparse.Namespace, k: int) -> dict[str,
     cmds = {"llama.cpp lookup": [str(bin_dir / "llama-lookup"), "-m", str(llm.model_path), *common]}
     if args.draft_model:
         cmds["llama.cpp draft"] = [
-            str(bin_dir / "llama-speculative-simple"), "-m", str(llm.model_path), "-md", args.draft_model, *common
+            str(bin_dir / "llama-speculative-simple"), "-m", str(llm.model_path), "-md", args.draft_model,
+            "--spec-type", "draft-simple", *common,
         ]
     return cmds
 
@@ -217,7 +218,11 @@ def run_bench_speculative(llm: LLM, args: argparse.Namespace, make_llm: Callable
         if args.llama_cpp:
             k = (args.speculative_config or DEFAULT_NGRAM)["num_speculative_tokens"]
             for name, cmd in _llama_cpp_commands(llm, args, k).items():
-                runs = [_llama_cpp_run(cmd, llm.apply_chat_template(c)) for c in chats[: args.batch1_prompts]]
+                try:
+                    runs = [_llama_cpp_run(cmd, llm.apply_chat_template(c)) for c in chats[: args.batch1_prompts]]
+                except RuntimeError as e:
+                    line.append(f"{name} failed: {str(e).splitlines()[-1]}")
+                    continue
                 n, s = sum(r[0] for r in runs), sum(r[1] for r in runs)
                 drafted, accepted = sum(r[2] for r in runs), sum(r[3] for r in runs)
                 line.append(f"{name} {n / max(s, 1e-9):.1f} tok/s accepted {accepted}/{drafted}")
