@@ -17,11 +17,8 @@ def prompts() -> list[list[int]]:
     return [PROMPT * 3, PROMPT[:5] * 4, PROMPT[::-1] * 2, [300, 301, 302] * 5, PROMPT, PROMPT[3:] + PROMPT]
 
 
-@pytest.mark.parametrize("layout", ["block", "slot"])
-def test_ngram_speculation_gives_the_same_tokens_greedy_and_seeded(tiny_models, layout):
-    common = {"kv_cache_bytes": 8 << 20, "kv_layout": layout, "kv_cache_dtype": "f32"}
-    plain = LLM(tiny_models["f32"], **common)
-    spec = LLM(tiny_models["f32"], speculative_config=NGRAM, **common)
+def assert_same_outputs(plain: LLM, spec: LLM) -> None:
+    """Greedy, seeded (with logprobs) and n=2 with a penalty: the speculating engine's outputs equal the plain one's."""
     for params in (
         SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
         SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=40, ignore_eos=True, logprobs=2),
@@ -30,9 +27,17 @@ def test_ngram_speculation_gives_the_same_tokens_greedy_and_seeded(tiny_models, 
         want = plain.generate(prompts(), params)
         got = spec.generate(prompts(), params)
         for w, g in zip(want, got):
-            assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
-            assert [c.finish_reason for c in g.outputs] == [c.finish_reason for c in w.outputs]
-            assert [c.logprobs for c in g.outputs] == [c.logprobs for c in w.outputs]
+            assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs], params
+            assert [c.finish_reason for c in g.outputs] == [c.finish_reason for c in w.outputs], params
+            assert [c.logprobs for c in g.outputs] == [c.logprobs for c in w.outputs], params
+
+
+@pytest.mark.parametrize("layout", ["block", "slot"])
+def test_ngram_speculation_gives_the_same_tokens_greedy_and_seeded(tiny_models, layout):
+    common = {"kv_cache_bytes": 8 << 20, "kv_layout": layout, "kv_cache_dtype": "f32"}
+    plain = LLM(tiny_models["f32"], **common)
+    spec = LLM(tiny_models["f32"], speculative_config=NGRAM, **common)
+    assert_same_outputs(plain, spec)
     stats = spec.stats()
     assert stats["num_draft_tokens"] > 0 and 0 < stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
     assert stats["spec_acceptance_rate"] == stats["num_accepted_tokens"] / stats["num_draft_tokens"]
@@ -197,16 +202,7 @@ def test_a_draft_model_gives_the_same_tokens_and_leaks_no_blocks(tiny_models, tm
     for draft, layout in ((tiny_models["f32"], "block"), (other, "slot"), (tiny_models["gguf"], "block")):
         spec = LLM(tiny_models["f32"], kv_layout=layout, **common,
                    speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
-        for params in (
-            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-            SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=40, ignore_eos=True, logprobs=2),
-            SamplingParams(temperature=0, max_tokens=23, n=2, ignore_eos=True, repetition_penalty=1.1),
-        ):
-            want = plain.generate(prompts(), params)
-            got = spec.generate(prompts(), params)
-            for w, g in zip(want, got):
-                assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs], draft
-                assert [c.logprobs for c in g.outputs] == [c.logprobs for c in w.outputs], draft
+        assert_same_outputs(plain, spec)
         stats = spec.stats()
         assert stats["num_draft_tokens"] > 0 and stats["kv_used_blocks"] == 0
         if draft != other:
