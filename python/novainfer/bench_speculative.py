@@ -154,18 +154,19 @@ def _llama_cpp_run(cmd: list[str], prompt: str) -> tuple[int, float, int, int]:
     )
 
 
-def _llama_cpp_commands(llm: LLM, args: argparse.Namespace, k: int) -> dict[str, list[str]]:
+def _llama_cpp_commands(llm: LLM, args: argparse.Namespace) -> dict[str, list[str]]:
     """llama.cpp's prompt lookup and (with a draft model) draft-model decoding, greedy, on the same
-    thread count."""
+    thread count and with the same draft lengths as our engines."""
     bin_dir = Path(args.llama_cpp)
     threads = os.environ.get("RAYON_NUM_THREADS", str(os.cpu_count()))
-    common = ["-n", str(args.decode_tokens), "-t", threads, "--temp", "0", "--spec-draft-n-max", str(k),
-              "-c", str(llm.max_model_len)]
-    cmds = {"llama.cpp lookup": [str(bin_dir / "llama-lookup"), "-m", str(llm.model_path), *common]}
+    common = ["-n", str(args.decode_tokens), "-t", threads, "--temp", "0", "-c", str(llm.max_model_len)]
+    ngram_k = (args.speculative_config or DEFAULT_NGRAM)["num_speculative_tokens"]
+    cmds = {"llama.cpp lookup": [str(bin_dir / "llama-lookup"), "-m", str(llm.model_path), *common,
+                                 "--spec-draft-n-max", str(ngram_k)]}
     if args.draft_model:
         cmds["llama.cpp draft"] = [
             str(bin_dir / "llama-speculative-simple"), "-m", str(llm.model_path), "-md", args.draft_model,
-            "--spec-type", "draft-simple", *common,
+            "--spec-type", "draft-simple", *common, "--spec-draft-n-max", str(args.num_speculative_tokens),
         ]
     return cmds
 
@@ -216,8 +217,7 @@ def run_bench_speculative(llm: LLM, args: argparse.Namespace, make_llm: Callable
             same = "" if name == "plain" else f" {speed / base:.2f}x identical={outputs[name] == outputs['plain']}"
             line.append(f"{name} {speed:.1f} tok/s{same}")
         if args.llama_cpp:
-            k = (args.speculative_config or DEFAULT_NGRAM)["num_speculative_tokens"]
-            for name, cmd in _llama_cpp_commands(llm, args, k).items():
+            for name, cmd in _llama_cpp_commands(llm, args).items():
                 try:
                     runs = [_llama_cpp_run(cmd, llm.apply_chat_template(c)) for c in chats[: args.batch1_prompts]]
                 except RuntimeError as e:

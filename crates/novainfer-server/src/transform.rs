@@ -51,6 +51,15 @@ impl ChatTransform {
         self.tools.as_ref().is_some_and(ToolCallParser::called)
     }
 
+    /// One delta of the output: its text, and on the last delta what was held back.
+    pub fn push_delta(&mut self, delta: &novainfer_engine::Delta) -> ChatPiece {
+        let mut piece = self.push(&delta.text);
+        if delta.finish_reason.is_some() {
+            piece.extend(self.finish());
+        }
+        piece
+    }
+
     pub fn push(&mut self, text: &str) -> ChatPiece {
         let (reasoning, content) = match &mut self.reasoning {
             Some(splitter) => {

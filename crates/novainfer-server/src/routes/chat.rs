@@ -367,10 +367,7 @@ impl Renderer for ChatRenderer {
             return (Vec::new(), Flow::Continue);
         }
         let transform = &mut self.transforms[index];
-        let mut piece = transform.push(&delta.text);
-        if delta.finish_reason.is_some() {
-            piece.extend(transform.finish());
-        }
+        let piece = transform.push_delta(delta);
         let called = transform.called();
         if index == 0 {
             self.record_first(&piece);

@@ -367,10 +367,7 @@ impl Renderer for MessagesRenderer {
         if !self.stream {
             return (Vec::new(), Flow::Continue);
         }
-        let mut piece = self.transform.push(&delta.text);
-        if delta.finish_reason.is_some() {
-            piece.extend(self.transform.finish());
-        }
+        let piece = self.transform.push_delta(delta);
         (self.builder.push(piece), Flow::Continue)
     }
 

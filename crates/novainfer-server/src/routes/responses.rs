@@ -542,10 +542,7 @@ impl Renderer for ResponsesRenderer {
         if !self.stream {
             return (Vec::new(), Flow::Continue);
         }
-        let mut piece = self.transform.push(&delta.text);
-        if delta.finish_reason.is_some() {
-            piece.extend(self.transform.finish());
-        }
+        let piece = self.transform.push_delta(delta);
         (self.builder.push(piece), Flow::Continue)
     }
 
