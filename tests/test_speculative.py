@@ -10,6 +10,9 @@ from conftest import PROMPT
 from novainfer import LLM, InvalidParameterError, SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Tests of verification draft whatever drafting costs, so that what they cover does not depend on timing; the
+# default (adaptive) policy runs in the stream and grammar tests, whose outputs must be the same either way.
+ALWAYS = {**NGRAM, "draft_policy": "always"}
 
 
 def prompts() -> list[list[int]]:
@@ -36,7 +39,7 @@ def assert_same_outputs(plain: LLM, spec: LLM) -> None:
 def test_ngram_speculation_gives_the_same_tokens_greedy_and_seeded(tiny_models, layout):
     common = {"kv_cache_bytes": 8 << 20, "kv_layout": layout, "kv_cache_dtype": "f32"}
     plain = LLM(tiny_models["f32"], **common)
-    spec = LLM(tiny_models["f32"], speculative_config=NGRAM, **common)
+    spec = LLM(tiny_models["f32"], speculative_config=ALWAYS, **common)
     assert_same_outputs(plain, spec)
     stats = spec.stats()
     assert stats["num_draft_tokens"] > 0 and 0 < stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
@@ -73,6 +76,7 @@ def test_speculation_streams_and_stops_on_stop_tokens(tiny_models):
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2},
          "prompt_lookup_min"),
         ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "typo"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_policy": "sometimes"}, "draft_policy"),
     ],
 )
 def test_a_bad_speculative_config_names_its_field(tiny_models, config, field):
@@ -91,7 +95,7 @@ def test_the_server_streams_with_speculation_and_a_client_gone_mid_verification_
     args = ["--model", str(tiny_models["f32"]), "--served-model-name", "tiny", *KV, "--kv-cache-dtype", "f32"]
     plain = LLM(tiny_models["f32"], kv_cache_bytes=8 << 20, kv_cache_dtype="f32")
     want = plain.generate([PROMPT * 3], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
-    with ServerProcess([*args, "--speculative-config", json.dumps(NGRAM)]) as server:
+    with ServerProcess([*args, "--speculative-config", json.dumps(ALWAYS)]) as server:
         payload = {"model": "tiny", "prompt": PROMPT * 3, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
         code, _, body = post_json(server, "/v1/completions", payload)
         assert code == 200 and json.loads(body)["choices"][0]["text"] == want.outputs[0].text
@@ -161,8 +165,9 @@ def test_greedy_with_each_method_equals_plain_on_the_real_model_batched_chunked_
     assert base["num_preemptions"] > 0, "the pool was meant to be tight enough to preempt"
     # The draft model is the target itself: the only other Qwen2.5 tokenizer model at hand is larger. Its
     # pool halves the target's, so preemption only grows.
-    for config in ({"method": "ngram", "num_speculative_tokens": 4},
-                   {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}):
+    for config in ({"method": "ngram", "num_speculative_tokens": 4, "draft_policy": "always"},
+                   {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3,
+                    "draft_policy": "always"}):
         spec = LLM(path, speculative_config=config, **common)
         got = spec.chat(chat_prompts(), params)
         for w, g in zip(want, got):
@@ -201,7 +206,8 @@ def test_a_draft_model_gives_the_same_tokens_and_leaks_no_blocks(tiny_models, tm
     plain = LLM(tiny_models["f32"], **common)
     for draft, layout in ((tiny_models["f32"], "block"), (other, "slot"), (tiny_models["gguf"], "block")):
         spec = LLM(tiny_models["f32"], kv_layout=layout, **common,
-                   speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+                   speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
+                                       "draft_policy": "always"})
         assert_same_outputs(plain, spec)
         stats = spec.stats()
         assert stats["num_draft_tokens"] > 0 and stats["kv_used_blocks"] == 0

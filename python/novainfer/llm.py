@@ -99,7 +99,9 @@ class LLM:
     smaller model that has the same tokenizer (its KV pool takes a share of the KV budget, so both hold as
     many tokens). Drafts are verified in the next forward pass. Outputs are the same token for token as
     without it (greedy or sampled with a seed); `stats()` counts ``num_draft_tokens`` and
-    ``num_accepted_tokens``.
+    ``num_accepted_tokens``. Unlike vLLM, each step drafts only as many tokens as measured costs and recent
+    acceptance say will pay (none when drafting would be slower); ``"draft_policy": "always"`` in the config
+    drafts ``num_speculative_tokens`` every step instead.
 
     `device` is ``"auto"`` (the first usable NVIDIA GPU when its executor can run the model, else the CPU —
     the SLOT layout and head sizes without GPU kernels run on the CPU; the choice and its reason are logged

@@ -88,7 +88,9 @@ def long_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
     with mock.patch.object(tiny_qwen2, "MAX_POSITIONS", 4096):
         model = tiny_qwen2.write_tiny_model(tmp_path_factory.mktemp("long-model"))
-    ngram = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    # Drafting whatever it costs: the UI test needs drafts to show, not a policy's judgement of the tiny model.
+    ngram = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, '
+             '"draft_policy": "always"}')
     srv = start_server(model, tmp_path_factory.mktemp("ui-long-server") / "server.log",
                        extra_args=("--speculative-config", ngram))
     yield srv

@@ -66,6 +66,13 @@ struct Plan {
     feed: Vec<u32>,
 }
 
+/// What one proposal cost the draft model: forward passes, and rows fed over all of them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DraftWork {
+    pub passes: usize,
+    pub rows: usize,
+}
+
 pub struct DraftModel {
     executor: Box<dyn Executor>,
     /// Logits rows considered: the vocabulary both models share (they may differ by padding).
@@ -106,8 +113,12 @@ impl DraftModel {
     /// Drafts of `k` tokens for `wants` (`(request, k)`), in order; a request gets an empty draft
     /// when `k` is 0 (it is caught up later, when it drafts again), while the draft model is
     /// still catching up with it, or when the pool cannot hold it.
-    pub fn propose(&mut self, wants: &[(&Request, usize)]) -> Result<Vec<Vec<u32>>, ModelError> {
+    pub fn propose(
+        &mut self,
+        wants: &[(&Request, usize)],
+    ) -> Result<(Vec<Vec<u32>>, DraftWork), ModelError> {
         let plans = self.plan(wants);
+        let mut work = DraftWork::default();
         let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); wants.len()];
         let index: HashMap<RequestId, usize> = wants
             .iter()
@@ -115,7 +126,7 @@ impl DraftModel {
             .map(|(i, (r, _))| (r.id, i))
             .collect();
         if plans.is_empty() {
-            return Ok(drafts);
+            return Ok((drafts, work));
         }
         // Round 0: the unseen tokens of each request; the last one's logits give draft 1.
         let mut batch = ForwardBatch::default();
@@ -130,7 +141,9 @@ impl DraftModel {
                 SpanOutput::None
             };
             push(&mut batch, seq, &p.feed, p.feed_from, output);
+            work.rows += p.feed.len();
         }
+        work.passes += 1;
         let logits = self.run(&batch)?;
         for p in &plans {
             let seq = self.seqs.get_mut(&p.id).expect("planned");
@@ -157,6 +170,8 @@ impl DraftModel {
                 let at = seq.computed + seq.speculated.len();
                 push(&mut batch, seq, &[*t], at, SpanOutput::LastLogits);
             }
+            work.passes += 1;
+            work.rows += last.len();
             let logits = self.run(&batch)?;
             let next = self.argmax_rows(&logits);
             for ((id, t), n) in last.iter_mut().zip(next) {
@@ -166,7 +181,7 @@ impl DraftModel {
                 *t = n;
             }
         }
-        Ok(drafts)
+        Ok((drafts, work))
     }
 
     /// Brings each request's state up to date and decides what it feeds this step; requests
@@ -380,7 +395,23 @@ mod tests {
         let mut rng = 12345u64;
         let (mut drafted_a, mut drafted_b) = (0, 0);
         for step in 0..40 {
-            let out = draft.propose(&[(&a, 4), (&b, 3)]).expect("runs");
+            let (out, work) = draft.propose(&[(&a, 4), (&b, 3)]).expect("runs");
+            if step == 0 {
+                // Only a's first 20 prompt tokens, in one pass.
+                assert_eq!(
+                    work,
+                    DraftWork {
+                        passes: 1,
+                        rows: 20
+                    }
+                );
+            }
+            if out[0].len() == 4 {
+                assert_eq!(
+                    work.passes, 4,
+                    "one pass per draft token of the longest draft"
+                );
+            }
             if !out[0].is_empty() {
                 drafted_a += 1;
                 assert_eq!(
@@ -422,20 +453,20 @@ mod tests {
         let mut draft = DraftModel::new(Box::new(PoolEcho::new(3, 40)), VOCAB, 1000);
         let a = Request::new(RequestId(1), vec![1; 20], 100);
         let b = Request::new(RequestId(2), vec![2; 20], 100);
-        let out = draft.propose(&[(&a, 4), (&b, 4)]).expect("runs");
+        let (out, _) = draft.propose(&[(&a, 4), (&b, 4)]).expect("runs");
         assert_eq!(out[0], reference(&a.token_ids(0..20), 4));
         assert!(out[1].is_empty(), "no room for b");
         assert_eq!(draft.num_used_blocks(), 2);
         // At the draft's context end: nothing, and its blocks come back.
         let long = Request::new(RequestId(1), vec![1; 40], 100);
         assert_eq!(
-            draft.propose(&[(&long, 4)]).expect("runs"),
+            draft.propose(&[(&long, 4)]).expect("runs").0,
             vec![Vec::<u32>::new()]
         );
         assert_eq!(draft.num_used_blocks(), 0);
         // Near it, the draft is shortened to fit.
         let near = Request::new(RequestId(3), vec![1; 38], 100);
-        assert_eq!(draft.propose(&[(&near, 4)]).expect("runs")[0].len(), 3);
+        assert_eq!(draft.propose(&[(&near, 4)]).expect("runs").0[0].len(), 3);
     }
 
     #[test]

@@ -94,6 +94,7 @@ impl EngineCore {
     /// `outputs` goes to the output thread ([`crate::output_processor::run`]).
     pub fn new(loaded: LoadedEngine, outputs: mpsc::Sender<Vec<OutputEvent>>) -> Self {
         let runner = ModelRunner::new(loaded.executor);
+        let device = runner.device();
         let stats = EngineStats {
             kv_pool_bytes: runner.kv_pool_bytes(),
             kv_bytes_per_block: runner.kv_bytes_per_block(),
@@ -115,7 +116,7 @@ impl EngineCore {
             proposer: loaded
                 .speculative
                 .as_ref()
-                .map(|config| Proposer::new(config, loaded.draft)),
+                .map(|config| Proposer::new(config, loaded.draft, device)),
             kv_events: None,
         }
     }
@@ -380,6 +381,7 @@ impl EngineCore {
     /// token of each of its held-back completions (from a copy of the same row).
     /// Prefill-only requests take their rows, and answer once their prompt is done.
     fn execute(&mut self, out: &SchedulerOutput) -> Result<Sampled> {
+        let started = Instant::now();
         for s in &out.scheduled {
             if s.start_position < self.prompt_len(s.request_id) {
                 self.stats.num_prompt_tokens_computed += s.token_ids.len() as u64;
@@ -432,7 +434,25 @@ impl EngineCore {
                 }
             }
         }
+        self.observe_decode_step(out, started.elapsed().as_secs_f64());
         Ok((sampled, forks))
+    }
+
+    /// Tells the proposer what a step of decodes and drafts cost (prompt chunks would say
+    /// nothing about what a draft row costs), to size the next drafts.
+    fn observe_decode_step(&mut self, out: &SchedulerOutput, seconds: f64) {
+        let Some(proposer) = self.proposer.as_mut() else {
+            return;
+        };
+        let decode_only = out.scheduled.iter().all(|s| match s.output {
+            ChunkOutput::Sample => s.token_ids.len() == 1,
+            ChunkOutput::Verify => true,
+            _ => false,
+        });
+        if decode_only {
+            let rows = out.scheduled.iter().map(|s| s.token_ids.len()).sum();
+            proposer.observe_step(rows, seconds);
+        }
     }
 
     fn finish_prefill(&mut self, id: RequestId, hidden: Option<&[f32]>) {

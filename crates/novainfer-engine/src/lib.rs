@@ -6,6 +6,7 @@ pub mod chat_template;
 pub mod cpu_defaults;
 pub mod detokenizer;
 pub mod draft_model;
+pub mod draft_policy;
 pub mod engine;
 pub mod engine_core;
 pub mod error;

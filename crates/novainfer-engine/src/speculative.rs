@@ -9,11 +9,13 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::time::Instant;
 
 use novainfer_core::{NgramIndex, NgramRange, ParamError, Request, RequestId};
 use serde_json::Value;
 
 use crate::draft_model::DraftModel;
+use crate::draft_policy::DraftPolicy;
 use novainfer_model::Device;
 
 /// How drafts are made.
@@ -27,12 +29,25 @@ pub enum SpeculativeMethod {
     DraftModel { model: PathBuf },
 }
 
-/// vLLM's `speculative_config`, checked.
+/// How many tokens a step drafts for each request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DraftPolicyKind {
+    /// As many as measured costs and each request's acceptance say pay ([`DraftPolicy`]):
+    /// none when drafting would be slower than plain decoding.
+    #[default]
+    Adaptive,
+    /// `num_speculative_tokens` every step (cut only by the step's room and the grammar):
+    /// for tests, and for measuring what drafting costs.
+    Always,
+}
+
+/// vLLM's `speculative_config`, checked, with NovaInfer's `draft_policy`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpeculativeConfig {
     pub method: SpeculativeMethod,
     /// Most draft tokens per request per step.
     pub num_speculative_tokens: usize,
+    pub policy: DraftPolicyKind,
 }
 
 const MAX_SPECULATIVE_TOKENS: usize = 16;
@@ -41,7 +56,8 @@ impl SpeculativeConfig {
     /// From vLLM's JSON shape: `{"method": "ngram", "num_speculative_tokens": 4,
     /// "prompt_lookup_min": 2, "prompt_lookup_max": 5}` or `{"method": "draft_model", "model":
     /// "<path>", "num_speculative_tokens": 4}` (as in vLLM, `method` may be left out when `model`
-    /// is given). Errors name the field at fault.
+    /// is given), plus NovaInfer's `"draft_policy"`: `"adaptive"` (default) or `"always"`.
+    /// Errors name the field at fault.
     pub fn from_json(value: &Value) -> Result<Self, ParamError> {
         let err = |field: &str, why: String| {
             ParamError::new("speculative_config", format!("{field}: {why}"))
@@ -57,11 +73,12 @@ impl SpeculativeConfig {
                     | "num_speculative_tokens"
                     | "prompt_lookup_min"
                     | "prompt_lookup_max"
+                    | "draft_policy"
             ) {
                 return Err(err(
                     key,
                     "unknown field (known: method, model, num_speculative_tokens, \
-                     prompt_lookup_min, prompt_lookup_max)"
+                     prompt_lookup_min, prompt_lookup_max, draft_policy)"
                         .into(),
                 ));
             }
@@ -137,9 +154,21 @@ impl SpeculativeConfig {
                 format!("must be in 1..={MAX_SPECULATIVE_TOKENS}, got {k}"),
             ));
         }
+        let policy = match obj.get("draft_policy") {
+            None | Some(Value::Null) => DraftPolicyKind::Adaptive,
+            Some(Value::String(p)) if p == "adaptive" => DraftPolicyKind::Adaptive,
+            Some(Value::String(p)) if p == "always" => DraftPolicyKind::Always,
+            Some(v) => {
+                return Err(err(
+                    "draft_policy",
+                    format!("must be \"adaptive\" or \"always\", got {v}"),
+                ))
+            }
+        };
         Ok(Self {
             method,
             num_speculative_tokens: k,
+            policy,
         })
     }
 }
@@ -185,30 +214,6 @@ pub fn share_room(drafts: &mut [Vec<u32>], room: usize) {
     }
 }
 
-/// A request's recent acceptance, which sizes its drafts.
-#[derive(Debug, Clone, Copy)]
-struct Acceptance {
-    /// Moving average of the accepted share of drafted tokens.
-    rate: f32,
-    /// Steps left without drafting after a run of rejections.
-    pause: u32,
-}
-
-impl Default for Acceptance {
-    /// A new request is trusted with full drafts until it shows otherwise.
-    fn default() -> Self {
-        Self {
-            rate: 1.0,
-            pause: 0,
-        }
-    }
-}
-
-/// Below this acceptance a request pauses drafting for [`PAUSE_STEPS`] steps, then tries again
-/// with one token: a workload with nothing to look up wastes almost nothing.
-const MIN_RATE: f32 = 0.2;
-const PAUSE_STEPS: u32 = 16;
-
 /// Where drafts come from.
 enum Source {
     /// Per request: its n-gram index (prompt and output so far).
@@ -219,17 +224,27 @@ enum Source {
     Draft(Box<DraftModel>),
 }
 
-/// Drafts for the running requests, kept up to date as their tokens arrive, sized by each
-/// one's recent acceptance (adaptive k).
+/// What a row of a step is assumed to cost relative to the step's fixed part until the engine
+/// has measured steps of several sizes ([`DraftPolicy`]).
+pub fn assumed_row_share(device: Device) -> f64 {
+    match device {
+        // 16 rows of the 0.5B model cost ~5× one row on 2 cores: ~0.36 a row.
+        Device::Cpu => 0.3,
+        Device::Cuda(_) => 0.01,
+    }
+}
+
+/// Drafts for the running requests, kept up to date as their tokens arrive, sized by what
+/// drafting has been measured to cost and each request's recent acceptance (adaptive k).
 pub struct Proposer {
-    num_speculative_tokens: usize,
     source: Source,
-    acceptance: HashMap<RequestId, Acceptance>,
+    policy: DraftPolicy,
 }
 
 impl Proposer {
-    /// `draft` is the loaded draft model when the method is [`SpeculativeMethod::DraftModel`].
-    pub fn new(config: &SpeculativeConfig, draft: Option<DraftModel>) -> Self {
+    /// `draft` is the loaded draft model when the method is [`SpeculativeMethod::DraftModel`];
+    /// `device` is the target's.
+    pub fn new(config: &SpeculativeConfig, draft: Option<DraftModel>, device: Device) -> Self {
         let source = match (&config.method, draft) {
             (_, Some(draft)) => Source::Draft(Box::new(draft)),
             (SpeculativeMethod::Ngram(range), None) => Source::Ngram {
@@ -240,49 +255,33 @@ impl Proposer {
                 unreachable!("the engine loads the draft model of a draft_model config")
             }
         };
-        Self {
-            num_speculative_tokens: config.num_speculative_tokens,
-            source,
-            acceptance: HashMap::new(),
-        }
-    }
-
-    /// How many tokens to draft for `id` now: the configured number scaled by its recent
-    /// acceptance (at least one), or none while it pauses after a run of rejections.
-    fn draft_len(&mut self, id: RequestId) -> usize {
-        let a = self.acceptance.entry(id).or_default();
-        if a.pause > 0 {
-            a.pause -= 1;
-            return 0;
-        }
-        let k = self.num_speculative_tokens;
-        ((k as f32 * a.rate).ceil() as usize).clamp(1, k)
+        let policy = DraftPolicy::new(
+            config.num_speculative_tokens,
+            config.policy,
+            assumed_row_share(device),
+            matches!(source, Source::Draft(_)),
+        );
+        Self { source, policy }
     }
 
     /// What the verification of `id`'s draft of `drafted` tokens confirmed.
     pub fn record(&mut self, id: RequestId, drafted: usize, accepted: usize) {
-        if drafted == 0 {
-            return;
-        }
-        let a = self.acceptance.entry(id).or_default();
-        a.rate = 0.5 * a.rate + 0.5 * accepted as f32 / drafted as f32;
-        if a.rate < MIN_RATE {
-            a.pause = PAUSE_STEPS;
-            // After the pause, one token to probe with; a hit grows the draft again.
-            a.rate = 1.0 / self.num_speculative_tokens as f32;
-        }
+        self.policy.record(id, drafted, accepted);
+    }
+
+    /// A pure decode step of the target over `rows` rows (decodes and draft tokens) took
+    /// `seconds`.
+    pub fn observe_step(&mut self, rows: usize, seconds: f64) {
+        self.policy.observe_step(rows, seconds);
     }
 
     /// Drafts to follow each request's tokens so far, in order (empty: nothing to propose),
-    /// each at most its fair share of `room` draft tokens in all. A draft model that fails
-    /// leaves the step without drafts: speculation only saves work, so its failure must not
-    /// fail requests.
+    /// `room` draft tokens at most in all. A draft model that fails leaves the step without
+    /// drafts: speculation only saves work, so its failure must not fail requests.
     pub fn propose(&mut self, requests: &[&Request], room: usize) -> Vec<Vec<u32>> {
-        let share = room.div_ceil(requests.len().max(1));
-        let wants: Vec<(&Request, usize)> = requests
-            .iter()
-            .map(|r| (*r, self.draft_len(r.id).min(share)))
-            .collect();
+        let ids: Vec<RequestId> = requests.iter().map(|r| r.id).collect();
+        let lengths = self.policy.plan(&ids, room);
+        let wants: Vec<(&Request, usize)> = requests.iter().copied().zip(lengths).collect();
         match &mut self.source {
             Source::Ngram { range, indexes } => wants
                 .iter()
@@ -300,19 +299,32 @@ impl Proposer {
                     index.propose(k)
                 })
                 .collect(),
-            Source::Draft(draft) => match draft.propose(&wants) {
-                Ok(drafts) => drafts,
-                Err(e) => {
-                    tracing::warn!(error = %e, "the draft model failed; no drafts this step");
-                    vec![Vec::new(); requests.len()]
+            Source::Draft(draft) => {
+                if wants.iter().all(|&(_, k)| k == 0) {
+                    return vec![Vec::new(); requests.len()];
                 }
-            },
+                let started = Instant::now();
+                match draft.propose(&wants) {
+                    Ok((drafts, work)) => {
+                        self.policy.observe_draft(
+                            work.passes,
+                            work.rows,
+                            started.elapsed().as_secs_f64(),
+                        );
+                        drafts
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "the draft model failed; no drafts this step");
+                        vec![Vec::new(); requests.len()]
+                    }
+                }
+            }
         }
     }
 
     /// Keeps the state of requests for which `alive` holds.
     pub fn retain(&mut self, mut alive: impl FnMut(RequestId) -> bool) {
-        self.acceptance.retain(|id, _| alive(*id));
+        self.policy.retain(&mut alive);
         match &mut self.source {
             Source::Ngram { indexes, .. } => indexes.retain(|id, _| alive(*id)),
             Source::Draft(draft) => draft.retain(alive),
@@ -332,6 +344,12 @@ mod tests {
             "prompt_lookup_min": 2, "prompt_lookup_max": 5}))
             .expect("valid");
         assert_eq!(c.num_speculative_tokens, 4);
+        assert_eq!(c.policy, DraftPolicyKind::Adaptive);
+        let always = SpeculativeConfig::from_json(
+            &json!({"method": "ngram", "num_speculative_tokens": 2, "draft_policy": "always"}),
+        )
+        .expect("valid");
+        assert_eq!(always.policy, DraftPolicyKind::Always);
         assert_eq!(
             c.method,
             SpeculativeMethod::Ngram(NgramRange::new(2, 5).expect("valid"))
@@ -370,6 +388,10 @@ mod tests {
                 "prompt_lookup_min",
             ),
             (json!({"model": 3, "num_speculative_tokens": 2}), "model"),
+            (
+                json!({"method": "ngram", "num_speculative_tokens": 2, "draft_policy": "never"}),
+                "draft_policy",
+            ),
         ] {
             let e = SpeculativeConfig::from_json(&bad).expect_err("refused");
             assert_eq!(e.param, "speculative_config");
@@ -411,8 +433,9 @@ mod tests {
         let config = SpeculativeConfig {
             method: SpeculativeMethod::Ngram(NgramRange::new(2, 3).expect("valid")),
             num_speculative_tokens: 3,
+            policy: DraftPolicyKind::Adaptive,
         };
-        let mut p = Proposer::new(&config, None);
+        let mut p = Proposer::new(&config, None, Device::Cpu);
         let mut r = Request::new(RequestId(1), vec![5, 6, 7, 8, 9, 5, 6], 10);
         assert_eq!(p.propose(&[&r], 8), vec![vec![7, 8, 9]]);
         r.output_token_ids.extend([7, 1]);
@@ -421,28 +444,6 @@ mod tests {
         let Source::Ngram { indexes, .. } = &p.source else {
             panic!("an n-gram proposer")
         };
-        assert!(indexes.is_empty() && p.acceptance.is_empty());
-    }
-
-    #[test]
-    fn drafts_shrink_with_rejections_pause_and_grow_back() {
-        let config = SpeculativeConfig {
-            method: SpeculativeMethod::Ngram(NgramRange::new(1, 2).expect("valid")),
-            num_speculative_tokens: 4,
-        };
-        let mut p = Proposer::new(&config, None);
-        let id = RequestId(1);
-        assert_eq!(p.draft_len(id), 4);
-        p.record(id, 4, 1); // rate 0.625
-        assert_eq!(p.draft_len(id), 3);
-        p.record(id, 3, 0); // 0.31
-        p.record(id, 2, 0); // 0.16: pause
-        for _ in 0..PAUSE_STEPS {
-            assert_eq!(p.draft_len(id), 0);
-        }
-        assert_eq!(p.draft_len(id), 1);
-        p.record(id, 1, 1);
-        p.record(id, 2, 2);
-        assert_eq!(p.draft_len(id), 4);
+        assert!(indexes.is_empty());
     }
 }
