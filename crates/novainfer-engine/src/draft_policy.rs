@@ -226,6 +226,14 @@ impl DraftPolicy {
             })
             .collect();
         let lengths = self.best_lengths(&candidates, room);
+        tracing::debug!(
+            target: "novainfer::draft_policy",
+            step = ?self.target.coefficients(),
+            draft = ?self.draft.as_ref().and_then(PassCost::coefficients),
+            alpha = ?candidates.iter().map(|c| c.alpha).collect::<Vec<_>>(),
+            ?lengths,
+            "draft lengths"
+        );
         for (id, &k) in ids.iter().zip(&lengths) {
             let a = self.requests.entry(*id).or_default();
             a.idle_steps = if k > 0 { 0 } else { a.idle_steps + 1 };

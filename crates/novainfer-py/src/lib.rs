@@ -20,6 +20,11 @@ fn cuda_unavailable_reason(py: Python<'_>, ordinal: usize) -> Option<String> {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // The engine's logs (warnings, and `debug` traces such as the draft policy's) reach Python
+    // users who ask for them; `serve` sets this up either way.
+    if std::env::var_os("RUST_LOG").is_some() {
+        novainfer_server::init_tracing();
+    }
     m.add_class::<sampling_params::PySamplingParams>()?;
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<engine::PyTokenStream>()?;
