@@ -118,3 +118,32 @@ def test_generate_takes_a_speculative_config(tiny_models, tiny_llm):
     assert res.stdout == tiny_llm.generate("hello", _greedy(8))[0].outputs[0].text + "\n"
     res = _cli("generate", "--model", str(tiny_models["f32"]), "--speculative-config", "{bad", "hello")
     assert res.returncode == 2 and "speculative-config" in res.stderr
+
+
+def test_bench_llama_cpp_puts_both_engines_side_by_side(tiny_models, tmp_path):
+    """Stand-ins for llama.cpp's bench tools print its JSONL at fixed speeds: the table holds NovaInfer's own
+    measurement beside them, their ratio and each process's peak RSS; a failing tool is a failed cell and exit 1."""
+    bench = tmp_path / "llama-bench"
+    bench.write_text('#!/bin/sh\necho \'{"n_prompt": 1, "avg_ts": 10.0}\'\n')
+    batched = tmp_path / "llama-batched-bench"
+    batched.write_text('#!/bin/sh\necho \'{"pl": 1, "speed_tg": 5.0}\'\necho \'{"pl": 2, "speed_tg": 8.0}\'\n')
+    for tool in (bench, batched):
+        tool.chmod(0o755)
+    args = ("bench", "llama-cpp", "--model", str(tiny_models["gguf"]), "--llama-cpp", str(tmp_path), "--threads", "1",
+            "--repeat", "1", "--prompt-lengths", "32", "--depths", "0", "--batch-sizes", "1", "2")
+    res = _cli(*args)
+    assert res.returncode == 0, res.stderr
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in res.stdout.splitlines() if line.startswith("| ") and "---" not in line}
+    assert set(rows) == {"point", "prefill 32", "decode at depth 0", "batched decode, 1 seqs (aggregate)",
+                         "batched decode, 2 seqs (aggregate)"}, res.stdout
+    for name, (ours, theirs, ratio, rss) in rows.items():
+        if name == "point":
+            continue
+        want = {"batched decode, 1 seqs (aggregate)": 5.0, "batched decode, 2 seqs (aggregate)": 8.0}.get(name, 10.0)
+        assert float(theirs) == want and abs(float(ratio.rstrip("×")) - float(ours) / want) < 0.01, (name, ratio)
+        assert all(float(v) > 0 for v in rss.split(" / ")), rss
+    assert "KV-cache bytes per token: f32" in res.stdout
+    bench.write_text("#!/bin/sh\necho boom >&2\nexit 3\n")
+    res = _cli(*args)
+    assert res.returncode == 1 and "failed (exit 3: boom)" in res.stdout, res.stdout

@@ -24,6 +24,8 @@
 - ``speculative``: decode speed with speculative decoding (n-gram, and a draft model with ``--draft-model``)
   against without, on a code-editing and a free-form workload (see `bench_speculative`).
 - ``serve``: the HTTP server under a bounded streaming chat load (see `bench_serve`).
+- ``llama-cpp``: NovaInfer and llama.cpp's own bench tools side by side on one GGUF, point by point, each in a
+  fresh process with its peak RSS (see `bench_llama_cpp`).
 
 Prompts are fixed pseudo-random token ids (a seeded LCG), so runs are comparable across machines.
 """
@@ -279,7 +281,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "mode",
         nargs="?",
         choices=[
-            "latency", "batched", "throughput", "prefix", "kv-layout", "structured", "speculative", "serve", "soak"
+            "latency", "batched", "throughput", "prefix", "kv-layout", "structured", "speculative", "serve", "soak",
+            "llama-cpp",
         ],
         default="latency",
     )
@@ -295,6 +298,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--own-tokens", type=int, default=32, help="prefix: each request's own suffix length")
     p.add_argument("--output-tokens", type=int, default=16, help="prefix: tokens generated per request")
     p.add_argument("--requantize-q5-0", action="store_true", help="re-encode Q5_0 GGUF tensors as Q8_0")
+    from .bench_llama_cpp import add_llama_cpp_args
     from .bench_serve import add_serve_args
     from .bench_soak import add_soak_args
     from .bench_speculative import add_speculative_args
@@ -302,6 +306,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     add_serve_args(p)
     add_soak_args(p)
     add_speculative_args(p)
+    add_llama_cpp_args(p)
 
 
 def run_bench(llm: LLM, args: argparse.Namespace, make_llm: Callable[..., LLM] | None = None) -> int:

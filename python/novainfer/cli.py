@@ -192,6 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .bench_serve import run_bench_serve
 
             return run_bench_serve(args)
+        if args.mode == "llama-cpp":
+            from .bench_llama_cpp import run_bench_llama_cpp
+
+            return run_bench_llama_cpp(args)
         if args.mode == "soak":
             from .bench_soak import run_bench_soak
 
