@@ -153,7 +153,7 @@ def test_tool_calls_validate_streamed_and_not(server, choice):
     assert [(c["name"], c["arguments"]) for c in streamed] == [(call.function.name, call.function.arguments)]
 
 
-# The 0.5B model answers from a tool result when told to; left to the template's own system prompt it calls again.
+# Without it the 0.5B model writes its call again after a result, even with no `tools` (docs/api.md, tool calling).
 ANSWER_FROM_RESULTS = ("You are a helpful assistant. When a tool result is given, answer the user's question from it "
                        "in one sentence.")
 

@@ -216,6 +216,7 @@ def test_a_session_takes_back_its_tool_call_turn_resent_as_tool_calls(server, cl
 
 
 def test_tokenize_takes_tools_only_with_messages(server):
+    """`tools` and `chat_template_kwargs` are template variables: with a raw prompt, or invalid, they are a 400."""
     for body, param in [({"prompt": "hi", "tools": TOOLS}, "tools"),
                         ({"prompt": "hi", "chat_template_kwargs": {}}, "chat_template_kwargs"),
                         ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools")]:
