@@ -140,19 +140,48 @@ def test_tool_choice_none_shows_tools_but_reads_no_calls(client):
     assert none.choices[0].finish_reason in ("stop", "length")
 
 
-def test_calls_and_results_are_rendered_by_the_template(server, client, long_llm):
+def reference_render(template: str, messages: list, tools: list) -> str:
+    """What vLLM renders: its message preparation parses each call's `arguments` string (the template prints them
+    with `tojson`, so a string would reach the model quoted), then jinja2 configured as transformers'
+    `apply_chat_template` configures it. llama.cpp's `/apply-template` gives the same for Qwen2.5-Coder's template."""
+    import copy
+
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    messages = copy.deepcopy(messages)
+    for m in messages:
+        for call in m.get("tool_calls") or []:
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    return env.from_string(template).render(messages=messages, tools=tools, add_generation_prompt=True)
+
+
+def test_calls_and_results_are_rendered_by_the_template(server, client, long_llm, long_tiny):
+    """The prompt of a tool round trip is, byte for byte, vLLM's (and transformers' given parsed arguments): the
+    call's arguments an object in their order, each result in its own `<tool_response>` of one user turn."""
     history = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+             "function": {"name": "get_weather", "arguments": '{"days": 1, "city": "Paris"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "22C and sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "14:05"},
     ]
+    template = json.loads((long_tiny / "tokenizer_config.json").read_text())["chat_template"]
+    expected = reference_render(template, history, TOOLS)
+    assert '"arguments": {"days": 1, "city": "Paris"}}\n</tool_call>' in expected
+    assert "<tool_response>\n22C and sunny\n</tool_response>\n<tool_response>\n14:05\n</tool_response>" in expected
     prompt = long_llm.apply_chat_template(history, tools=TOOLS)
-    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}\n</tool_call>' in prompt
-    assert "<tool_response>\n22C and sunny\n</tool_response>" in prompt and '"name": "get_time"' in prompt
+    assert prompt == expected
+    expected_ids = long_llm.encode(expected, add_special_tokens=False)
+    status, _, body = post_json(server, "/tokenize", {"model": "tiny", "messages": history, "tools": TOOLS})
+    assert status == 200 and json.loads(body)["tokens"] == expected_ids, "the server renders it the same"
     r = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none",
                                        temperature=0, max_tokens=4)
-    assert r.usage.prompt_tokens == len(long_llm.encode(prompt, add_special_tokens=False))
+    assert r.usage.prompt_tokens == len(expected_ids)
     out = long_llm.chat(history, SamplingParams(max_tokens=1), tools=TOOLS)[0]
     assert out.prompt == prompt
 
@@ -184,6 +213,15 @@ def test_a_session_takes_back_its_tool_call_turn_resent_as_tool_calls(server, cl
                                        temperature=0, max_tokens=4, extra_body=session)
     prompt = long_llm.apply_chat_template(history, tools=TOOLS)
     assert r.usage.prompt_tokens == len(long_llm.encode(prompt, add_special_tokens=False))
+
+
+def test_tokenize_takes_tools_only_with_messages(server):
+    """`tools` and `chat_template_kwargs` are template variables: with a raw prompt, or invalid, they are a 400."""
+    for body, param in [({"prompt": "hi", "tools": TOOLS}, "tools"),
+                        ({"prompt": "hi", "chat_template_kwargs": {}}, "chat_template_kwargs"),
+                        ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools")]:
+        status, _, raw = post_json(server, "/tokenize", {"model": "tiny", **body})
+        assert_openai_error(status, raw, 400, param)
 
 
 @pytest.mark.parametrize(("extra", "param", "needle"), [

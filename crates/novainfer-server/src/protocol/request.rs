@@ -210,6 +210,10 @@ pub struct TokenizeRequest {
     pub messages: Option<Value>,
     pub add_special_tokens: Option<bool>,
     pub add_generation_prompt: Option<bool>,
+    /// As on chat requests (and vLLM's `/tokenize`): the template describes them, so a
+    /// client can count or inspect the prompt a tool-calling request would get.
+    pub tools: Option<Value>,
+    pub chat_template_kwargs: Option<Map<String, Value>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -187,7 +187,10 @@ pub async fn chat_completions(
 
 /// The template's variables besides the messages: the tools, overridden by the request's
 /// own `chat_template_kwargs`.
-fn template_vars(tools: Option<&Tools>, kwargs: Option<Map<String, Value>>) -> Option<Value> {
+pub(super) fn template_vars(
+    tools: Option<&Tools>,
+    kwargs: Option<Map<String, Value>>,
+) -> Option<Value> {
     let mut vars = tools.map(Tools::template_vars).unwrap_or_default();
     vars.extend(kwargs.unwrap_or_default());
     (!vars.is_empty()).then_some(Value::Object(vars))

@@ -9,6 +9,7 @@ use axum::Extension;
 use novainfer_engine::Prompt;
 use serde_json::{json, Value};
 
+use super::chat::template_vars;
 use super::run::run_tokenize;
 use super::JsonBody;
 use crate::engine_io;
@@ -20,6 +21,7 @@ use crate::models::ServedModel;
 use crate::protocol::inputs;
 use crate::protocol::request::{parse, DetokenizeRequest, TokenizeRequest};
 use crate::state::AppState;
+use crate::tools::Tools;
 
 fn model_card(m: &ServedModel) -> Value {
     json!({
@@ -114,6 +116,21 @@ pub async fn tokenize(
 ) -> Result<Response, ApiError> {
     let req: TokenizeRequest = parse(&body)?;
     let model = app.models.get(req.model.as_deref())?;
+    let template_only = [
+        ("tools", req.tools.is_some()),
+        ("chat_template_kwargs", req.chat_template_kwargs.is_some()),
+    ];
+    if let Some((field, _)) = template_only
+        .iter()
+        .find(|(_, given)| *given && req.messages.is_none())
+    {
+        return Err(ApiError::invalid_param(
+            *field,
+            format!("`{field}` is for the chat template: it needs `messages`"),
+        ));
+    }
+    let tools = Tools::parse(req.tools.as_ref(), None, None)?;
+    let vars = template_vars(tools.as_ref(), req.chat_template_kwargs);
     let frontend = model.frontend.clone();
     let ids = run_tokenize(&app, move || match (req.prompt, req.messages) {
         (Some(prompt), None) => Ok(frontend
@@ -121,8 +138,13 @@ pub async fn tokenize(
             .encode(&prompt, req.add_special_tokens.unwrap_or(true))?),
         (None, Some(messages)) => {
             let messages = inputs::messages(&messages)?;
-            let text = frontend
-                .apply_chat_template(&messages, req.add_generation_prompt.unwrap_or(true))?;
+            // Rendered as a chat request renders it, tools included.
+            let text = frontend.render_chat(
+                &messages,
+                req.add_generation_prompt.unwrap_or(true),
+                false,
+                vars,
+            )?;
             Ok(frontend
                 .tokenizer()
                 .encode(&text, req.add_special_tokens.unwrap_or(false))?)
