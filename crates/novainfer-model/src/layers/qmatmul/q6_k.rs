@@ -160,6 +160,88 @@ impl Kernel for Q6K {
         // SAFETY: forwarded.
         unsafe { tile_avx2::<R>(group, col_off, acts, row0, blocks, facc) }
     }
+
+    #[inline(always)]
+    unsafe fn row_avx2(group: *const u8, acts: &QuantizedActs, row: usize, _both: bool) -> [__m256; 2] {
+        // SAFETY: forwarded.
+        unsafe { row16_avx2(group, acts, row) }
+    }
+}
+
+const PF: usize = 2 * Q6K::GROUP_BLOCK_BYTES;
+
+/// One row × all 16 columns of a group on plain AVX2 (decode).
+#[inline(always)]
+unsafe fn row16_avx2(group: *const u8, acts: &QuantizedActs, row: usize) -> [__m256; 2] {
+    unsafe {
+        let mut facc = [_mm256_setzero_ps(); 2];
+        for b in 0..acts.nb {
+            let blk = group.add(b * Q6K::GROUP_BLOCK_BYTES);
+            let a = acts.qs_u8.as_ptr().add(row * acts.k + b * QK_K);
+            let mut isum = [_mm256_setzero_si256(); 2];
+            quarter16_avx2::<0>(blk, a, &mut isum);
+            quarter16_avx2::<1>(blk, a, &mut isum);
+            quarter16_avx2::<2>(blk, a, &mut isum);
+            quarter16_avx2::<3>(blk, a, &mut isum);
+            let da = _mm256_set1_ps(*acts.d.get_unchecked(row * acts.nb + b));
+            for (h, (f, t)) in facc.iter_mut().zip(isum).enumerate() {
+                let offset = _mm256_loadu_si256(blk.add(OFFSET + 32 * h) as *const __m256i);
+                let dw = _mm256_loadu_ps(blk.add(32 * h) as *const f32);
+                let t = _mm256_sub_epi32(t, offset);
+                *f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dw, da), *f);
+            }
+        }
+        facc
+    }
+}
+
+#[inline(always)]
+unsafe fn quarter16_avx2<const T: usize>(blk: *const u8, a: *const u8, isum: &mut [__m256i; 2]) {
+    unsafe {
+        let low4 = _mm256_set1_epi8(0x0F);
+        let bits45 = _mm256_set1_epi8(0x30);
+        let m32 = _mm256_set1_epi8(32);
+        let lo_row = 16 * (T % 2);
+        let chunk = |h: usize, i: usize| {
+            let v = _mm256_loadu_si256(blk.add(LO + 4 * GROUP * (lo_row + i) + 32 * h) as *const __m256i);
+            let nib = if T < 2 { v } else { _mm256_srli_epi16::<4>(v) };
+            let hv = _mm256_loadu_si256(blk.add(HI + 4 * GROUP * i + 32 * h) as *const __m256i);
+            let hv = match T {
+                0 => _mm256_slli_epi16::<4>(hv),
+                1 => _mm256_slli_epi16::<2>(hv),
+                2 => hv,
+                _ => _mm256_srli_epi16::<2>(hv),
+            };
+            let q = _mm256_or_si256(_mm256_and_si256(nib, low4), _mm256_and_si256(hv, bits45));
+            _mm256_sub_epi8(q, m32)
+        };
+        for s in 0..4 {
+            if PF > 0 {
+                _mm_prefetch::<_MM_HINT_T0>(blk.add(PF + 1024 * T + 256 * s) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(blk.add(PF + 1024 * T + 256 * s + 64) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(blk.add(PF + 1024 * T + 256 * s + 128) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(blk.add(PF + 1024 * T + 256 * s + 192) as *const i8);
+            }
+            let sc8 = _mm_loadu_si128(blk.add(SC + GROUP * (4 * T + s)) as *const __m128i);
+            let scv = [
+                _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc8, sc8)),
+                _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(sc8, sc8)),
+            ];
+            for pair in 0..2 {
+                let i = 4 * s + 2 * pair;
+                let at = a.add(64 * T + 4 * i);
+                let a0 = _mm256_set1_epi32(std::ptr::read_unaligned(at as *const i32));
+                let a1 = _mm256_set1_epi32(std::ptr::read_unaligned(at.add(4) as *const i32));
+                for h in 0..2 {
+                    let p = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(a0, chunk(h, i)),
+                        _mm256_maddubs_epi16(a1, chunk(h, i + 1)),
+                    );
+                    isum[h] = _mm256_add_epi32(isum[h], _mm256_madd_epi16(p, scv[h]));
+                }
+            }
+        }
+    }
 }
 
 /// Rows `row0..row0+R` × columns `col_off..col_off+8` on plain AVX2 (see the module docs).
