@@ -141,7 +141,10 @@ trait Kernel {
         unsafe {
             let mut facc = [[_mm256_setzero_ps()]; 2];
             let halves = if both { 2 } else { 1 };
+            let lines = Self::GROUP_BLOCK_BYTES.div_ceil(64);
             for b in 0..acts.nb {
+                let blk = group.add(b * Self::GROUP_BLOCK_BYTES);
+                prefetch_ahead(blk, 0, lines);
                 for (h, f) in facc.iter_mut().enumerate().take(halves) {
                     *f = Self::tile_avx2::<1>(group, h * 8, acts, row, b..b + 1, *f);
                 }
