@@ -11,6 +11,9 @@
 //! * a kernel computes a tile of `R` rows × `LANES` columns over the whole of k,
 //!   each weight block reused across the `R` rows (GEMM for prefill; `R = 1` is the
 //!   decode GEMV, which only streams the weights once);
+//! * on plain AVX2 a single row (decode) runs [`Kernel::row_avx2`] over all 16 columns of a
+//!   group, with software prefetches [`DECODE_PREFETCH_BYTES`] ahead: decode streams every
+//!   matrix from memory, and that, not the arithmetic, bounds it;
 //! * work items are (row chunk, column group) pairs handed to candle's barrier pool.
 //!
 //! Batch invariance: every output element is produced by one thread, over all of
@@ -146,7 +149,7 @@ trait Kernel {
                 let blk = group.add(b * Self::GROUP_BLOCK_BYTES);
                 prefetch_ahead(blk, 0, lines);
                 for (h, f) in facc.iter_mut().enumerate().take(halves) {
-                    *f = Self::tile_avx2::<1>(group, h * 8, acts, row, b..b + 1, *f);
+                    *f = Self::tile_avx2::<1>(group, h * Avx2::LANES, acts, row, b..b + 1, *f);
                 }
             }
             [facc[0][0], facc[1][0]]
@@ -403,7 +406,7 @@ pub fn matmul_many_into(mats: &[&PackedMatrix], x: &[f32], m: usize, outs: &mut 
     });
 }
 
-/// Reorders ggml rows into 8-column groups, `[group][block][GROUP_BLOCK_BYTES]`.
+/// Reorders ggml rows into 16-column groups, `[group][block][GROUP_BLOCK_BYTES]`.
 fn pack<F: Kernel>(raw: &[u8], n: usize, k: usize) -> (usize, Packed) {
     let nb = k / F::BLOCK_K;
     let row_bytes = nb * F::RAW_BLOCK_BYTES;
@@ -543,11 +546,11 @@ impl GroupJob<'_> {
         }
     }
 
-    /// One row (a decode GEMV) against the whole group: both column halves block by
-    /// block, so each weight line is used completely while it is in L1 and the stream
-    /// from memory never waits on a pass that only re-reads L1 (measured ~10% faster
-    /// than half by half for Q4_K/Q6_K at m = 1 on AVX2). Same per-element sequence as
-    /// [`Self::rows`].
+    /// One row (a decode GEMV) against the whole group on AVX-VNNI (plain AVX2 has
+    /// [`Kernel::row_avx2`]): both column halves block by block, so each weight line is used
+    /// completely while it is in L1 (measured ~10% faster than half by half for Q4_K/Q6_K at
+    /// m = 1 on AVX2, before the prefetching 16-column kernels). Same per-element sequence
+    /// as [`Self::rows`].
     #[inline(always)]
     unsafe fn single_row<F: Kernel, S: Simd>(&self, group: *const u8, g: usize, row: usize) {
         const HALVES: usize = 2;

@@ -23,6 +23,10 @@
 //! itself (`(sc, sc)` i16 pairs), and subtracts the weights-only `offset` once per block:
 //! `Σ sc·Σ (a + 128)(q - 32) - offset` is the same integer `isum`, followed by the same f32
 //! operations, so it is bit-identical to the generic tile.
+//!
+//! A single row (decode) has its own AVX2 kernel, [`row16_avx2`]: it unpacks each chunk for
+//! both 8-column halves against one activation broadcast and prefetches the weights ahead,
+//! which took the m = 1 stream of a past-the-cache matrix from ~9 to ~21 GB/s on one Zen 3 core.
 
 use std::arch::x86_64::*;
 
