@@ -11,8 +11,8 @@
 //! * a kernel computes a tile of `R` rows × `LANES` columns over the whole of k,
 //!   each weight block reused across the `R` rows (GEMM for prefill; `R = 1` is the
 //!   decode GEMV, which only streams the weights once);
-//! * on plain AVX2 a single row (decode) runs [`Kernel::row_avx2`] over all 16 columns of a
-//!   group, with software prefetches [`DECODE_PREFETCH_BYTES`] ahead: decode streams every
+//! * on plain AVX2 a single row (decode) runs `Kernel::row_avx2` over all 16 columns of a
+//!   group, with software prefetches `DECODE_PREFETCH_BYTES` ahead: decode streams every
 //!   matrix from memory, and that, not the arithmetic, bounds it;
 //! * work items are (row chunk, column group) pairs handed to candle's barrier pool.
 //!

@@ -179,7 +179,7 @@ impl Kernel for Q6K {
 
 /// One row × all 16 columns of a group on plain AVX2 (decode): each chunk's 64-byte plane
 /// rows are unpacked for both 8-column halves at once, against one broadcast of the
-/// activations, with software prefetches [`DECODE_PREFETCH_BYTES`] ahead. Per column the
+/// activations, with software prefetches [`super::DECODE_PREFETCH_BYTES`] ahead. Per column the
 /// same integer `isum` and f32 operations as [`tile_avx2`], so the same bits.
 ///
 /// # Safety
