@@ -11,6 +11,9 @@
 //! * a kernel computes a tile of `R` rows × `LANES` columns over the whole of k,
 //!   each weight block reused across the `R` rows (GEMM for prefill; `R = 1` is the
 //!   decode GEMV, which only streams the weights once);
+//! * on plain AVX2 a single row (decode) runs `Kernel::row_avx2` over all 16 columns of a
+//!   group, with software prefetches `DECODE_PREFETCH_BYTES` ahead: decode streams every
+//!   matrix from memory, and that, not the arithmetic, bounds it;
 //! * work items are (row chunk, column group) pairs handed to candle's barrier pool.
 //!
 //! Batch invariance: every output element is produced by one thread, over all of
@@ -47,6 +50,25 @@ const ROW_CHUNK_BYTES: usize = 256 * 1024;
 /// every format) stays in L1 across the tiles instead of streaming from L2 once per
 /// tile (measured on AVX2: Q6_K at k = 8960 was ~1.5x slower per MAC than at k = 1536).
 const SLAB_K: usize = 1024;
+/// How far ahead of the block it is reading a single-row (decode) AVX2 kernel asks for
+/// weight lines with software prefetches. A decode step streams every matrix from memory,
+/// and the hardware prefetchers alone left one core at ~9 GB/s on Q6_K (the kernel
+/// re-reads each line from L1, so the L2 streamer sees few requests to run ahead on);
+/// measured on Zen 3 (AVX2), the m = 1 stream reaches ~22 GB/s with any distance from 2 to
+/// 8 packed blocks (7–28 KiB; 0: 9 GB/s), so this sits in the middle of that plateau.
+const DECODE_PREFETCH_BYTES: usize = 10 * 1024;
+
+/// Prefetches `lines` cache lines from [`DECODE_PREFETCH_BYTES`] + `at` bytes past `p`.
+#[inline(always)]
+fn prefetch_ahead(p: *const u8, at: usize, lines: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    for l in 0..lines {
+        let line = p.wrapping_add(DECODE_PREFETCH_BYTES + at + 64 * l);
+        // SAFETY: a prefetch never faults, whatever the address (past the matrix's end
+        // included; `wrapping_add` keeps that address computation defined); SSE is baseline.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(line as *const i8) };
+    }
+}
 
 /// One quant format's packing and micro-kernel.
 trait Kernel {
@@ -101,6 +123,38 @@ trait Kernel {
         // SAFETY: forwarded.
         unsafe { Self::tile::<Avx2, R>(group, col_off, acts, row0, blocks, facc) }
     }
+
+    /// Row `row` of `acts` times the whole group (both 8-column halves; the second only
+    /// when `both`) on plain AVX2: a decode GEMV. The default walks both halves block by
+    /// block through [`Kernel::tile_avx2`], so each weight line is used completely while it
+    /// is in L1; a format overrides it where a 16-column kernel streams better. Same
+    /// per-element sequence of operations as [`Kernel::tile_avx2`].
+    ///
+    /// # Safety
+    /// As [`Kernel::tile_avx2`] with `R = 1`, for columns `0..16` (`0..8` when not `both`).
+    #[inline(always)]
+    unsafe fn row_avx2(
+        group: *const u8,
+        acts: &QuantizedActs,
+        row: usize,
+        both: bool,
+    ) -> [std::arch::x86_64::__m256; 2] {
+        use std::arch::x86_64::_mm256_setzero_ps;
+        // SAFETY: forwarded; the caller runs with AVX2/FMA enabled.
+        unsafe {
+            let mut facc = [[_mm256_setzero_ps()]; 2];
+            let halves = if both { 2 } else { 1 };
+            let lines = Self::GROUP_BLOCK_BYTES.div_ceil(64);
+            for b in 0..acts.nb {
+                let blk = group.add(b * Self::GROUP_BLOCK_BYTES);
+                prefetch_ahead(blk, 0, lines);
+                for (h, f) in facc.iter_mut().enumerate().take(halves) {
+                    *f = Self::tile_avx2::<1>(group, h * Avx2::LANES, acts, row, b..b + 1, *f);
+                }
+            }
+            [facc[0][0], facc[1][0]]
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,7 +172,39 @@ pub struct PackedMatrix {
     n: usize,
     k: usize,
     group_bytes: usize,
-    data: Vec<u8>,
+    data: Packed,
+}
+
+/// One cache line; [`Packed`] is a vector of them so that packed blocks start on line
+/// boundaries (a plain `Vec<u8>` of this size comes from `mmap` + 16 bytes, which splits
+/// every other 32-byte load of a 64-byte plane row across two lines).
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+/// Packed weights, 64-byte aligned.
+struct Packed {
+    lines: Vec<Line>,
+    len: usize,
+}
+
+impl Packed {
+    fn zeroed(len: usize) -> Self {
+        Self {
+            lines: vec![Line([0; 64]); len.div_ceil(64)],
+            len,
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `lines` holds at least `len` initialised bytes (`Line` is plain bytes).
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr() as *const u8, self.len) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`, and `&mut self` makes the view unique.
+        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr() as *mut u8, self.len) }
+    }
 }
 
 impl PackedMatrix {
@@ -214,7 +300,7 @@ impl PackedMatrix {
         };
         let (chunk, g) = (item / groups, item % groups);
         let rows = chunk * rows_per_chunk..m.min((chunk + 1) * rows_per_chunk);
-        let group = self.data[g * self.group_bytes..].as_ptr();
+        let group = self.data.bytes()[g * self.group_bytes..].as_ptr();
         // SAFETY: `group` starts a packed group of `acts.nb` blocks (see `pack`), `rows` lie
         // inside `acts`, `isa` was detected on this CPU, and each (row, column) of the output
         // is written by exactly one work item.
@@ -320,14 +406,14 @@ pub fn matmul_many_into(mats: &[&PackedMatrix], x: &[f32], m: usize, outs: &mut 
     });
 }
 
-/// Reorders ggml rows into 8-column groups, `[group][block][GROUP_BLOCK_BYTES]`.
-fn pack<F: Kernel>(raw: &[u8], n: usize, k: usize) -> (usize, Vec<u8>) {
+/// Reorders ggml rows into 16-column groups, `[group][block][GROUP_BLOCK_BYTES]`.
+fn pack<F: Kernel>(raw: &[u8], n: usize, k: usize) -> (usize, Packed) {
     let nb = k / F::BLOCK_K;
     let row_bytes = nb * F::RAW_BLOCK_BYTES;
     let group_bytes = nb * F::GROUP_BLOCK_BYTES;
     let groups = n.div_ceil(GROUP);
-    let mut data = vec![0u8; groups * group_bytes];
-    for (g, dst) in data.chunks_exact_mut(group_bytes).enumerate() {
+    let mut data = Packed::zeroed(groups * group_bytes);
+    for (g, dst) in data.bytes_mut().chunks_exact_mut(group_bytes).enumerate() {
         for (b, out) in dst.chunks_exact_mut(F::GROUP_BLOCK_BYTES).enumerate() {
             let cols: [Option<&[u8]>; GROUP] = std::array::from_fn(|j| {
                 let row = g * GROUP + j;
@@ -372,6 +458,15 @@ impl GroupJob<'_> {
     unsafe fn rows_avx2<F: Kernel>(&self, group: *const u8, g: usize, rows: Range<usize>) {
         // SAFETY: forwarded contract of `run`; these features were detected.
         unsafe {
+            if rows.len() == 1 {
+                let both = g * GROUP + Avx2::LANES < self.n;
+                let [f0, f1] = F::row_avx2(group, self.acts, rows.start, both);
+                self.store::<Avx2, 1>([f0], rows.start, g * GROUP);
+                if both {
+                    self.store::<Avx2, 1>([f1], rows.start, g * GROUP + Avx2::LANES);
+                }
+                return;
+            }
             match F::AVX2_TILE {
                 6 => self.rows::<F, Avx2, 6>(group, g, rows),
                 _ => self.rows::<F, Avx2, 4>(group, g, rows),
@@ -451,11 +546,11 @@ impl GroupJob<'_> {
         }
     }
 
-    /// One row (a decode GEMV) against the whole group: both column halves block by
-    /// block, so each weight line is used completely while it is in L1 and the stream
-    /// from memory never waits on a pass that only re-reads L1 (measured ~10% faster
-    /// than half by half for Q4_K/Q6_K at m = 1 on AVX2). Same per-element sequence as
-    /// [`Self::rows`].
+    /// One row (a decode GEMV) against the whole group on AVX-VNNI (plain AVX2 has
+    /// [`Kernel::row_avx2`]): both column halves block by block, so each weight line is used
+    /// completely while it is in L1 (measured ~10% faster than half by half for Q4_K/Q6_K at
+    /// m = 1 on AVX2, before the prefetching 16-column kernels). Same per-element sequence
+    /// as [`Self::rows`].
     #[inline(always)]
     unsafe fn single_row<F: Kernel, S: Simd>(&self, group: *const u8, g: usize, row: usize) {
         const HALVES: usize = 2;

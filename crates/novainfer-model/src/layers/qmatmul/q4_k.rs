@@ -13,11 +13,12 @@
 //! i32; then `acc = fma(f32(isum), dw·da, acc); acc = fnma(f32(imin), dmin·da, acc)`
 //! per block in order, independent of the tile height and vector width.
 
+use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::activation::{ActKind, QuantizedActs, K_PAIRS32, K_SUMS, QK_K};
 use super::simd::Simd;
-use super::{Kernel, GROUP};
+use super::{prefetch_ahead, Kernel, GROUP};
 
 pub(super) struct Q4K;
 
@@ -119,5 +120,92 @@ impl Kernel for Q4K {
             }
             facc
         }
+    }
+
+    #[inline(always)]
+    unsafe fn row_avx2(
+        group: *const u8,
+        acts: &QuantizedActs,
+        row: usize,
+        _both: bool,
+    ) -> [__m256; 2] {
+        // SAFETY: forwarded (a padding half reads the group's zeroed padding columns).
+        unsafe { row16_avx2(group, acts, row) }
+    }
+}
+
+/// One row × all 16 columns of a group on plain AVX2 (decode), with software prefetches
+/// [`super::DECODE_PREFETCH_BYTES`] ahead. Each sub-block's 8 chunk products (pair sums
+/// ≤ 2·15·127) add up in i16 (≤ 8·3810 = 30480, exact since |a| ≤ 127), and the scale
+/// multiplies inside the widening `madd` (`(sc, sc)` pairs): the same exact `isum` and
+/// `imin` as [`Kernel::tile`], then the same f32 operations, so the same bits.
+///
+/// # Safety
+/// `group` points at `acts.nb` packed blocks, row `row` exists in `acts`, AVX2 is enabled.
+#[inline(always)]
+unsafe fn row16_avx2(group: *const u8, acts: &QuantizedActs, row: usize) -> [__m256; 2] {
+    // SAFETY: the caller's contract; every read below stays inside block `b` or row `row`.
+    unsafe {
+        let low4 = _mm256_set1_epi8(0x0F);
+        let mut facc = [_mm256_setzero_ps(); 2];
+        for b in 0..acts.nb {
+            let blk = group.add(b * Q4K::GROUP_BLOCK_BYTES);
+            let a = acts.qs.as_ptr().add(row * acts.k + b * QK_K) as *const u8;
+            let mut isum = [_mm256_setzero_si256(); 2];
+            for p in 0..4 {
+                // 4 steps of 10 lines cover the 38-line block (2432 bytes).
+                prefetch_ahead(blk, 640 * p, 10);
+                let mut lo = [_mm256_setzero_si256(); 2];
+                let mut hi = [_mm256_setzero_si256(); 2];
+                for i in 0..8 {
+                    let at = a.add(64 * p + 4 * i);
+                    let a_lo = _mm256_set1_epi32(std::ptr::read_unaligned(at as *const i32));
+                    let a_hi =
+                        _mm256_set1_epi32(std::ptr::read_unaligned(at.add(32) as *const i32));
+                    for h in 0..2 {
+                        let v = _mm256_loadu_si256(
+                            blk.add(QS + 4 * GROUP * (8 * p + i) + 32 * h) as *const __m256i
+                        );
+                        let ql = _mm256_and_si256(v, low4);
+                        let qh = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4);
+                        lo[h] = _mm256_add_epi16(lo[h], _mm256_maddubs_epi16(ql, a_lo));
+                        hi[h] = _mm256_add_epi16(hi[h], _mm256_maddubs_epi16(qh, a_hi));
+                    }
+                }
+                for s in 0..2 {
+                    let sc8 = _mm_loadu_si128(blk.add(SC + GROUP * (2 * p + s)) as *const __m128i);
+                    let sc = [
+                        _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8)),
+                        _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sc8, sc8)),
+                    ];
+                    let acc = if s == 0 { lo } else { hi };
+                    for h in 0..2 {
+                        isum[h] = _mm256_add_epi32(isum[h], _mm256_madd_epi16(acc[h], sc[h]));
+                    }
+                }
+            }
+            let i = row * acts.nb + b;
+            let sums = acts.sums.as_ptr().add(i * K_SUMS + K_PAIRS32);
+            let da = _mm256_set1_ps(*acts.d.get_unchecked(i));
+            for h in 0..2 {
+                let mut imin = _mm256_setzero_si256();
+                for p in 0..4 {
+                    let m = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                        blk.add(MINS + 2 * GROUP * p + 16 * h) as *const __m128i,
+                    ));
+                    imin = _mm256_add_epi32(
+                        imin,
+                        _mm256_madd_epi16(m, _mm256_set1_epi32(*sums.add(p))),
+                    );
+                }
+                let dw = _mm256_loadu_ps(blk.add(32 * h) as *const f32);
+                let dmin = _mm256_loadu_ps(blk.add(DMIN + 32 * h) as *const f32);
+                facc[h] =
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h]), _mm256_mul_ps(dw, da), facc[h]);
+                facc[h] =
+                    _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(dmin, da), facc[h]);
+            }
+        }
+        facc
     }
 }

@@ -329,15 +329,24 @@ fn assert_bits_equal(got: &[f32], want: &[f32], what: &str) {
 
 /// Every ISA path's K-quant product equals the scalar definition bit for bit, on raw blocks
 /// with extreme scales and quants, activations at ±127, tile heights and their tails, and
-/// column counts that leave partial groups.
+/// column counts that leave partial groups: a last group of 5 columns (one 8-column half)
+/// and of 12 (a full half and a partial one). A single row runs the 16-column decode
+/// kernels (`row_avx2` on AVX2), more rows the multi-row tiles.
 #[test]
 fn k_quant_kernels_equal_the_scalar_reference_bit_for_bit() {
     let k = 1536;
-    for (format, block_bytes, f16_at, n) in [
-        (super::Format::Q6K, 210, &[208][..], 37),
-        (super::Format::Q4K, 144, &[0, 2][..], 21),
+    for (format, block_bytes, f16_at, quants, n) in [
+        (super::Format::Q6K, 210, &[208][..], 0..192, 37),
+        (super::Format::Q6K, 210, &[208][..], 0..192, 28),
+        (super::Format::Q4K, 144, &[0, 2][..], 16..144, 21),
+        (super::Format::Q4K, 144, &[0, 2][..], 16..144, 44),
     ] {
-        let raw = raw_k_rows(n, k, block_bytes, f16_at, 5 + n as u64);
+        let mut raw = raw_k_rows(n, k, block_bytes, f16_at, 5 + n as u64);
+        // Every quant at its maximum in the first block of two columns (one per half): against
+        // the ±127 rows, the largest i16 sums the AVX2 kernels accumulate.
+        for j in [0, 9] {
+            raw[j * (k / 256) * block_bytes..][quants.clone()].fill(0xFF);
+        }
         for m in [1, 2, 4, 5, 7, 9, 13] {
             let x = extreme_acts(m, k, 31 + m as u64);
             let want = match format {
@@ -351,6 +360,13 @@ fn k_quant_kernels_equal_the_scalar_reference_bit_for_bit() {
                 let packed = packed_from_raw(format, &raw, n, k, isa);
                 let got = packed.matmul(&x, m);
                 assert_bits_equal(&got, &want, &format!("{format:?} {isa:?} m={m}"));
+                // Each row alone (the decode kernels), random rows included: m = 1 by
+                // itself only sees the constant row 0.
+                for r in 1..m.min(4) {
+                    let got = packed.matmul(&x[r * k..(r + 1) * k], 1);
+                    let what = format!("{format:?} {isa:?} row {r} of m={m} alone");
+                    assert_bits_equal(&got, &want[r * n..(r + 1) * n], &what);
+                }
             }
         }
     }
