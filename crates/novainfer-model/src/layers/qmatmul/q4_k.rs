@@ -260,7 +260,7 @@ unsafe fn tile_avx2<const R: usize>(
             }
             let mins: [__m256i; 4] = std::array::from_fn(|p| {
                 _mm256_cvtepu8_epi16(_mm_loadu_si128(
-                    blk.add(MINS + 2 * GROUP * p + 2 * col_off) as *const __m128i,
+                    blk.add(MINS + 2 * GROUP * p + 2 * col_off) as *const __m128i
                 ))
             });
             let dw = _mm256_loadu_ps(blk.add(4 * col_off) as *const f32);
