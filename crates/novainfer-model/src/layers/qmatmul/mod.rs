@@ -518,6 +518,9 @@ impl GroupJob<'_> {
     /// Rows `r..r+R` against every `S::LANES`-wide slice of the group over one slab of blocks:
     /// the slices one after the other while the rows' activations are still in L1 (the slab of
     /// the whole group's weights stays there across the tiles).
+    ///
+    /// # Safety
+    /// As [`Self::rows`], for rows `r..r+R` and blocks `blocks`.
     #[inline(always)]
     unsafe fn tile_all_halves<F: Kernel, S: Simd, const R: usize>(
         &self,

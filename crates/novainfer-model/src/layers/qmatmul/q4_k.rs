@@ -12,6 +12,11 @@
 //! Per (row, column): `isum = Σ_s sc_s·Σ q·a` and `imin = Σ_s m_s·Σa_s` are exact
 //! i32; then `acc = fma(f32(isum), dw·da, acc); acc = fnma(f32(imin), dmin·da, acc)`
 //! per block in order, independent of the tile height and vector width.
+//!
+//! Plain AVX2 has its own kernels: [`tile_avx2`] (prefill, 6 rows × 8 columns) and
+//! [`row16_avx2`] (decode, 1 row × 16 columns). Both add a sub-block's 8 chunk products in
+//! i16 and apply its scale inside the widening `madd`, where the generic tile spends a `madd`
+//! by ones per chunk and a `mullo` per sub-block; same integers, same f32 operations.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
