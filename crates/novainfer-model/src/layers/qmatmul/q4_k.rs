@@ -235,7 +235,7 @@ unsafe fn row16_avx2(group: *const u8, acts: &QuantizedActs, row: usize) -> [__m
 /// signed activations, pair sums ≤ 2·15·127) add up in i16 (≤ 8·3810 = 30480, exact), and
 /// the 6-bit scale multiplies inside the one widening `madd` per sub-block (`(sc, sc)`
 /// pairs). The mins term takes 4 `madd`s per row and block against the activation row's
-/// 32-value sums (quantized once per row). Same exact `isum` and `imin` as [`Kernel::tile`],
+/// 32-value sums (computed once per row when it is quantized). Same exact `isum` and `imin` as [`Kernel::tile`],
 /// then the same f32 operations, so the same bits.
 ///
 /// # Safety
