@@ -1,6 +1,7 @@
 //! Our packed quantized matmuls against candle's `QMatMul` on the same GGUF-quantized weights,
 //! in the shapes of Qwen2.5-Coder-1.5B's Q6_K tensors (the Q4_K_M mix keeps `ffn_down` of half the
-//! layers, `attn_v` of half the layers and `output` in Q6_K) and its Q4_K `ffn_gate`/`ffn_up`:
+//! layers, `attn_v` of half the layers and `output` in Q6_K) and its Q4_K `ffn_gate`/`ffn_up`,
+//! `attn_q` and `ffn_down`:
 //! decode (m = 1) and prefill chunks (m = 64, 512); plus decode over matrices past the
 //! last-level cache in Q4_K, Q5_0 and Q8_0 (the `stream` shapes). Both run on candle's barrier pool, so
 //! `RAYON_NUM_THREADS=1` compares them per core. Times are the calling thread's CPU time
@@ -66,6 +67,22 @@ const SHAPES: &[Shape] = &[
         n: 8960,
         k: 1536,
         ms: &[1, 512],
+    },
+    // The rest of the 1.5B model's Q4_K matrices in prefill: `attn_q` (and `attn_output`, same
+    // shape) and the Q4_K half of `ffn_down`.
+    Shape {
+        name: "q4k_attn_q_1536x1536",
+        dtype: GgmlDType::Q4K,
+        n: 1536,
+        k: 1536,
+        ms: &[512],
+    },
+    Shape {
+        name: "q4k_ffn_down_1536x8960",
+        dtype: GgmlDType::Q4K,
+        n: 1536,
+        k: 8960,
+        ms: &[512],
     },
     // In a real decode step every matrix streams from memory (the 1.5B model's 1.1 GB is far
     // past the last-level cache); the 8960-row `ffn_up` above stays in L3 across iterations,

@@ -12,6 +12,11 @@
 //! Per (row, column): `isum = Σ_s sc_s·Σ q·a` and `imin = Σ_s m_s·Σa_s` are exact
 //! i32; then `acc = fma(f32(isum), dw·da, acc); acc = fnma(f32(imin), dmin·da, acc)`
 //! per block in order, independent of the tile height and vector width.
+//!
+//! Plain AVX2 has its own kernels: [`tile_avx2`] (prefill, 6 rows × 8 columns) and
+//! [`row16_avx2`] (decode, 1 row × 16 columns). Both add a sub-block's 8 chunk products in
+//! i16 and apply its scale inside the widening `madd`, where the generic tile spends a `madd`
+//! by ones per chunk and a `mullo` per sub-block; same integers, same f32 operations.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -45,6 +50,7 @@ impl Kernel for Q4K {
     const RAW_BLOCK_BYTES: usize = 144;
     const GROUP_BLOCK_BYTES: usize = QS + 32 * 4 * GROUP;
     const WIDE_TILE: usize = 6;
+    const AVX2_TILE: usize = 6;
 
     fn pack_block(cols: &[Option<&[u8]>; GROUP], out: &mut [u8]) {
         for (j, raw) in cols.iter().enumerate() {
@@ -120,6 +126,19 @@ impl Kernel for Q4K {
             }
             facc
         }
+    }
+
+    #[inline(always)]
+    unsafe fn tile_avx2<const R: usize>(
+        group: *const u8,
+        col_off: usize,
+        acts: &QuantizedActs,
+        row0: usize,
+        blocks: Range<usize>,
+        facc: [__m256; R],
+    ) -> [__m256; R] {
+        // SAFETY: forwarded.
+        unsafe { tile_avx2::<R>(group, col_off, acts, row0, blocks, facc) }
     }
 
     #[inline(always)]
@@ -207,5 +226,109 @@ unsafe fn row16_avx2(group: *const u8, acts: &QuantizedActs, row: usize) -> [__m
             }
         }
         facc
+    }
+}
+
+/// Rows `row0..row0+R` × columns `col_off..col_off+8` on plain AVX2 (prefill). The generic
+/// tile spends a widening `madd` by ones per 4 k-values and row and a `mullo` per sub-block
+/// and row; here each sub-block's 8 chunk products (`maddubs` of the u4 quants against the
+/// signed activations, pair sums ≤ 2·15·127) add up in i16 (≤ 8·3810 = 30480, exact), and
+/// the 6-bit scale multiplies inside the one widening `madd` per sub-block (`(sc, sc)`
+/// pairs). The mins term takes 4 `madd`s per row and block against the activation row's
+/// 32-value sums (computed once per row when it is quantized). Same exact `isum` and `imin` as [`Kernel::tile`],
+/// then the same f32 operations, so the same bits.
+///
+/// # Safety
+/// [`Kernel::tile`]'s contract with `S = Avx2`.
+#[inline(always)]
+unsafe fn tile_avx2<const R: usize>(
+    group: *const u8,
+    col_off: usize,
+    acts: &QuantizedActs,
+    row0: usize,
+    blocks: Range<usize>,
+    mut facc: [__m256; R],
+) -> [__m256; R] {
+    // SAFETY: `group` points at `acts.nb` packed blocks, the columns lie in the group,
+    // rows `row0..row0+R` exist in `acts` (so every activation read below is in bounds),
+    // and the caller runs with AVX2/FMA enabled.
+    unsafe {
+        for b in blocks {
+            let blk = group.add(b * Q4K::GROUP_BLOCK_BYTES);
+            let acts_at: [*const u8; R] = std::array::from_fn(|r| {
+                acts.qs.as_ptr().add((row0 + r) * acts.k + b * QK_K) as *const u8
+            });
+            let mut isum = [_mm256_setzero_si256(); R];
+            for p in 0..4 {
+                sub_block_avx2::<false, R>(blk, col_off, p, &acts_at, &mut isum);
+                sub_block_avx2::<true, R>(blk, col_off, p, &acts_at, &mut isum);
+            }
+            let mins: [__m256i; 4] = std::array::from_fn(|p| {
+                _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                    blk.add(MINS + 2 * GROUP * p + 2 * col_off) as *const __m128i
+                ))
+            });
+            let dw = _mm256_loadu_ps(blk.add(4 * col_off) as *const f32);
+            let dmin = _mm256_loadu_ps(blk.add(DMIN + 4 * col_off) as *const f32);
+            for (r, (f, t)) in facc.iter_mut().zip(isum).enumerate() {
+                let i = (row0 + r) * acts.nb + b;
+                let sums = acts.sums.as_ptr().add(i * K_SUMS + K_PAIRS32);
+                let mut imin = _mm256_madd_epi16(mins[0], _mm256_set1_epi32(*sums));
+                for (p, &m) in mins.iter().enumerate().skip(1) {
+                    imin = _mm256_add_epi32(
+                        imin,
+                        _mm256_madd_epi16(m, _mm256_set1_epi32(*sums.add(p))),
+                    );
+                }
+                let da = _mm256_set1_ps(*acts.d.get_unchecked(i));
+                *f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dw, da), *f);
+                *f = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(dmin, da), *f);
+            }
+        }
+        facc
+    }
+}
+
+/// Sub-block `2p` (`HIGH` false: the low nibbles of plane rows `8p..8p+8`) or `2p + 1`
+/// (`HIGH`: the high nibbles) into `isum`: `sc·Σ q·a` per row and column.
+///
+/// # Safety
+/// `blk` is a packed block with `col_off + 8 ≤ 16`; `acts_at[r]` points at row r's 256
+/// activations of this block; AVX2 is enabled.
+#[inline(always)]
+unsafe fn sub_block_avx2<const HIGH: bool, const R: usize>(
+    blk: *const u8,
+    col_off: usize,
+    p: usize,
+    acts_at: &[*const u8; R],
+    isum: &mut [__m256i; R],
+) {
+    // SAFETY: the caller's contract; every offset below stays inside the block or the rows.
+    unsafe {
+        let low4 = _mm256_set1_epi8(0x0F);
+        let s = 2 * p + usize::from(HIGH);
+        let mut acc = [_mm256_setzero_si256(); R];
+        for i in 0..8 {
+            let v = _mm256_loadu_si256(
+                blk.add(QS + 4 * GROUP * (8 * p + i) + 4 * col_off) as *const __m256i
+            );
+            let q = if HIGH {
+                _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4)
+            } else {
+                _mm256_and_si256(v, low4)
+            };
+            for (a, &at) in acc.iter_mut().zip(acts_at) {
+                let x = _mm256_set1_epi32(std::ptr::read_unaligned(
+                    at.add(32 * s + 4 * i) as *const i32
+                ));
+                *a = _mm256_add_epi16(*a, _mm256_maddubs_epi16(q, x));
+            }
+        }
+        let sc8 = _mm_loadl_epi64(blk.add(SC + GROUP * s + col_off) as *const __m128i);
+        // (sc, sc) as i16 in every 32-bit lane: both pair sums of a lane are one column's.
+        let scv = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8));
+        for (t, a) in isum.iter_mut().zip(acc) {
+            *t = _mm256_add_epi32(*t, _mm256_madd_epi16(a, scv));
+        }
     }
 }

@@ -331,7 +331,8 @@ fn assert_bits_equal(got: &[f32], want: &[f32], what: &str) {
 /// with extreme scales and quants, activations at ±127, tile heights and their tails, and
 /// column counts that leave partial groups: a last group of 5 columns (one 8-column half)
 /// and of 12 (a full half and a partial one). A single row runs the 16-column decode
-/// kernels (`row_avx2` on AVX2), more rows the multi-row tiles.
+/// kernels (`row_avx2` on AVX2), more rows the multi-row tiles (on AVX2 both formats' own
+/// `tile_avx2`, 6 rows high: m = 7, 9 and 13 also run its 2- and 1-row tails).
 #[test]
 fn k_quant_kernels_equal_the_scalar_reference_bit_for_bit() {
     let k = 1536;
