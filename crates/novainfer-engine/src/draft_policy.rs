@@ -131,9 +131,16 @@ const REQUEST_DECAY: f64 = 0.5;
 const GLOBAL_DECAY: f64 = 0.98;
 /// How many tokens' worth of the engine-wide rate a request's own history starts from.
 const PRIOR_TOKENS: f64 = 1.0;
-/// A request that has not drafted for this many steps drafts one token, so a policy that
-/// stopped drafting notices when acceptance comes back.
+/// A request that stopped drafting drafts one token now and then, so the policy notices when
+/// acceptance comes back (a code edit that copies again after a changed line). Probes may
+/// cost this share of the time plain steps take: with prompt lookup, whose probe is one more
+/// row, that is every ~10 steps on a CPU; with a draft model, whose probe also runs it and
+/// catches it up on what it missed, far more rarely.
+const PROBE_BUDGET: f64 = 0.03;
+/// Probe intervals, in a request's decode steps: before costs are measured, and the bounds.
 const PROBE_AFTER_STEPS: u32 = 64;
+const PROBE_STEPS_MIN: u32 = 4;
+const PROBE_STEPS_MAX: u32 = 512;
 
 /// Chooses draft lengths from measured costs and acceptance.
 #[derive(Debug, Clone)]
@@ -215,6 +222,7 @@ impl DraftPolicy {
     /// number, `room` tokens in all): the lengths with the most expected tokens per expected
     /// second, none when no draft is expected to beat a plain step.
     pub fn plan(&mut self, ids: &[RequestId], room: usize) -> Vec<usize> {
+        let probe_after = self.probe_interval(ids.len());
         let candidates: Vec<Candidate> = ids
             .iter()
             .map(|id| Candidate {
@@ -222,7 +230,7 @@ impl DraftPolicy {
                 probe: self
                     .requests
                     .get(id)
-                    .is_some_and(|a| a.idle_steps >= PROBE_AFTER_STEPS),
+                    .is_some_and(|a| a.idle_steps >= probe_after),
             })
             .collect();
         let lengths = self.best_lengths(&candidates, room);
@@ -241,6 +249,33 @@ impl DraftPolicy {
         lengths
     }
 
+    /// Steps between a non-drafting request's probes in a batch of `n` decodes: as few as keep
+    /// what probes cost within [`PROBE_BUDGET`] of the plain steps between them. A probe costs
+    /// a verify row, and with a draft model a pass of it, its rows, and catching it up on the
+    /// tokens it missed meanwhile (one row per step waited).
+    fn probe_interval(&self, n: usize) -> u32 {
+        let Some((step_pass, step_row)) = self.target.coefficients() else {
+            return PROBE_AFTER_STEPS;
+        };
+        let (draft_pass, draft_row) = self.draft_costs();
+        let plain = step_pass + step_row * n.max(1) as f64;
+        let once = step_row + draft_pass + 2.0 * draft_row;
+        let room_per_step = PROBE_BUDGET * plain - draft_row;
+        if room_per_step <= 0.0 {
+            return PROBE_STEPS_MAX;
+        }
+        ((once / room_per_step).ceil() as u32).clamp(PROBE_STEPS_MIN, PROBE_STEPS_MAX)
+    }
+
+    /// The draft model's `(per_pass, per_row)` seconds (nothing for prompt lookup, or before
+    /// the draft model was measured).
+    fn draft_costs(&self) -> (f64, f64) {
+        self.draft
+            .as_ref()
+            .and_then(PassCost::coefficients)
+            .unwrap_or((0.0, 0.0))
+    }
+
     fn best_lengths(&self, candidates: &[Candidate], room: usize) -> Vec<usize> {
         let n = candidates.len();
         let room = room.min(n * self.max_tokens);
@@ -249,10 +284,7 @@ impl DraftPolicy {
         let (Some((step_pass, step_row)), DraftPolicyKind::Adaptive) = (measured, self.kind) else {
             return share(n, room, self.max_tokens);
         };
-        let (draft_pass, draft_row) = match &self.draft {
-            Some(d) => d.coefficients().unwrap_or((0.0, 0.0)),
-            None => (0.0, 0.0),
-        };
+        let (draft_pass, draft_row) = self.draft_costs();
         let plain = step_pass + step_row * n as f64;
         let mut best = vec![0usize; n];
         let mut best_rate = n as f64 / plain.max(f64::MIN_POSITIVE);
@@ -448,9 +480,12 @@ mod tests {
 
     #[test]
     fn an_idle_request_probes_with_one_token_and_the_state_follows_requests() {
+        // A row costs half a pass: a lookup probe (one row, 0.005 s) fits 3% of plain steps
+        // (0.015 s each) every 12 steps.
         let mut p = policy_with((0.010, 0.005), None, 4);
+        assert_eq!(p.probe_interval(1), 12);
         accept(&mut p, RequestId(1), 4, 0, 8);
-        for _ in 0..PROBE_AFTER_STEPS {
+        for _ in 0..12 {
             assert_eq!(p.plan(&[RequestId(1)], 8), vec![0]);
         }
         assert_eq!(p.plan(&[RequestId(1)], 8), vec![1]);
@@ -458,6 +493,18 @@ mod tests {
         assert_eq!(p.tracked(), 1);
         p.retain(|_| false);
         assert_eq!(p.tracked(), 0);
+    }
+
+    #[test]
+    fn a_draft_model_probes_rarely() {
+        // Its probe runs a pass (0.006 s) and catches up a row per step waited (0.0004 s of
+        // the 0.00033 s a step may spend on probes): never worth it, so the longest wait.
+        let p = policy_with((0.010, 0.001), Some((0.006, 0.0004)), 4);
+        assert_eq!(p.probe_interval(1), PROBE_STEPS_MAX);
+        // A draft pass of a tenth of the target's: a probe every few steps.
+        let cheap = policy_with((0.010, 0.001), Some((0.001, 0.00001)), 4);
+        let steps = cheap.probe_interval(1);
+        assert!((PROBE_STEPS_MIN..=16).contains(&steps), "{steps}");
     }
 
     #[test]
