@@ -445,10 +445,12 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
         };
         r.with_priority(a.priority).with_tenant(tenant)
     };
-    // Under the priority policy, a request's rank at step `now` (aged priority, arrival).
-    let rank = |r: &Request, now: usize| {
-        let aged = (now as u64 - r.arrival_step) / w.aging_steps as u64;
-        (i64::from(r.priority) - aged as i64, r.arrival_seq)
+    // Under the priority policy, a request's rank (aged priority, arrival): one level is worth
+    // `aging_steps` steps of arrival, so the rank of two requests never changes with time.
+    let rank = |r: &Request| {
+        let virtual_arrival =
+            i128::from(r.priority) * w.aging_steps as i128 + i128::from(r.arrival_step);
+        (virtual_arrival, r.arrival_seq)
     };
     let is_held_long = |r: &Request| {
         w.max_long_partial.is_some() && w.threshold.is_some_and(|t| r.num_tokens() > t)
@@ -525,7 +527,7 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
                             RequestStatus::Waiting | RequestStatus::Preempted
                         )
                     });
-                    if o.tenant == a.tenant && still_waiting && rank(o, step) < rank(a, step) {
+                    if o.tenant == a.tenant && still_waiting && rank(o) < rank(a) {
                         prop_assert!(
                             is_held_long(o),
                             "{} admitted before better-ranked {}",

@@ -355,9 +355,9 @@ impl Scheduler {
     /// Sorts both queues by (aged priority, arrival): the running order is then the order in
     /// which requests get the budget and, from the back, are preempted.
     fn order_by_priority(&mut self) {
-        let (now, aging) = (self.num_steps, self.config.priority_aging_steps() as u64);
+        let aging = self.config.priority_aging_steps() as u64;
         let requests = &self.requests;
-        let key = |id: &RequestId| priority_key(&requests[id], now, aging);
+        let key = |id: &RequestId| priority_key(&requests[id], aging);
         self.running.sort_by_key(key);
         self.waiting.make_contiguous().sort_by_key(key);
     }

@@ -652,6 +652,25 @@ fn aging_lets_a_low_priority_request_pass_a_stream_of_high_priority_ones() {
     assert_eq!(admission_among_a_stream(1_000_000), None);
 }
 
+#[test]
+fn aging_never_reorders_two_running_requests() {
+    // B is one level better than A and arrives 2 steps later; a level is worth 6 steps, so B
+    // ranks first for good. Counting age in whole levels made A and B swap places every time
+    // one of them crossed a level boundary: two requests that cannot share the KV pool then
+    // preempted each other for ever (found by the property test).
+    let mut s = Scheduler::new(priority_config(2, 32, 6));
+    s.add_request(req(1, vec![1, 2], 100).with_priority(0));
+    step(&mut s, 9);
+    step(&mut s, 9);
+    s.add_request(req(2, vec![1, 2], 100).with_priority(-1));
+    // Admitted at the back; the next step sorts the running order.
+    step(&mut s, 9);
+    for _ in 0..18 {
+        step(&mut s, 9);
+        assert_eq!(s.running_ids(), &[RequestId(2), RequestId(1)]);
+    }
+}
+
 fn tenant(id: u64, weight: u32) -> crate::request::Tenant {
     crate::request::Tenant {
         id,
