@@ -659,4 +659,68 @@ def test_bench_serve_runs(tiny_models, capsys):
                "--prompt-range", "60", "80", "--output-range", "5", "5", "--server-arg=--kv-cache-bytes=8388608"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "requests=6 (errors 0)" in out and "30 output tokens" in out and "TTFT p50/p95/p99" in out
+    assert "6 requests (errors 0)" in out and "30 output tokens" in out and "TTFT p50/p95/p99" in out
+
+
+_FAKE_LLAMA_SERVER = """#!{python}
+# Stands in for llama.cpp's llama-server: healthy at once, streams max_tokens one-word deltas and a usage
+# chunk; a `model: null` (which the real one rejects) is a 400. Its arguments go to args.json.
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+argv = sys.argv[1:]
+Path(__file__).with_name("args.json").write_text(json.dumps(argv))
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if "model" in body and body["model"] is None:
+            self.send_response(400)
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        n = body["max_tokens"]
+        for _ in range(n):
+            chunk = {{"choices": [{{"index": 0, "delta": {{"content": "x"}}}}]}}
+            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\\n\\n")
+        usage = {{"choices": [], "usage": {{"prompt_tokens": 50, "completion_tokens": n}}}}
+        self.wfile.write(b"data: " + json.dumps(usage).encode() + b"\\n\\ndata: [DONE]\\n\\n")
+
+ThreadingHTTPServer(("127.0.0.1", int(argv[argv.index("--port") + 1])), Handler).serve_forever()
+"""
+
+
+def test_bench_serve_runs_the_same_load_against_llama_server(tiny_models, tmp_path, capsys):
+    """`--llama-cpp BIN_DIR`: the same payloads go to a llama-server started on the same GGUF with a slot per
+    request in flight, and a last line compares the two."""
+    import json
+    import sys
+
+    from novainfer.cli import main
+
+    fake = tmp_path / "llama-server"
+    fake.write_text(_FAKE_LLAMA_SERVER.format(python=sys.executable))
+    fake.chmod(0o755)
+    rc = main(["bench", "serve", "--model", str(tiny_models["gguf"]), "--num-requests", "6", "--concurrency", "3",
+               "--prompt-range", "60", "80", "--output-range", "5", "5", "--threads", "1",
+               "--llama-cpp", str(tmp_path), "--server-arg=--kv-cache-bytes=8388608"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    ours, theirs = out.split("  NovaInfer:")[1].split("  llama-server:")
+    assert "6 requests (errors 0)" in ours and "30 output tokens" in ours, out
+    assert "6 requests (errors 0)" in theirs and "300 prompt + 30 output tokens" in theirs, out
+    assert "NovaInfer / llama-server: output tok/s" in out, out
+    argv = json.loads((tmp_path / "args.json").read_text())
+    flag = lambda name: argv[argv.index(name) + 1]  # noqa: E731
+    assert flag("-m") == str(tiny_models["gguf"]) and flag("-np") == "3" and flag("-ctk") == "f16", argv
+    assert flag("-t") == "1" and int(flag("-c")) >= 3 * (80 + 5), argv

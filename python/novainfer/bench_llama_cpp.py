@@ -82,13 +82,13 @@ def _number(pattern: str, text: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def _llama_kv_type(args: argparse.Namespace) -> str:
+def llama_kv_type(args: argparse.Namespace) -> str:
     return {"auto": "f16", "f16": "f16", "bf16": "bf16", "f32": "f32", "q8_0": "q8_0"}[args.kv_cache_dtype]
 
 
 def _llama_bench(args: argparse.Namespace, *extra: str) -> Measured:
     tool = Path(args.llama_cpp) / "llama-bench"
-    kv = _llama_kv_type(args)
+    kv = llama_kv_type(args)
     cmd = [str(tool), "-m", str(args.model), "-t", str(args.threads), "-r", str(args.repeat), "-o", "jsonl",
            "-ctk", kv, "-ctv", kv, *extra]
     out, rss, error = _run(cmd, _env(args))
@@ -115,7 +115,7 @@ def _batched(args: argparse.Namespace) -> list[tuple[int, Measured, Measured]]:
     sizes = args.batch_sizes
     theirs: dict[int, Measured] = {}
     if sizes:
-        kv = _llama_kv_type(args)
+        kv = llama_kv_type(args)
         ctx = max(sizes) * (BATCH_PROMPT_TOKENS + DECODE_TOKENS) + 256
         cmd = [str(Path(args.llama_cpp) / "llama-batched-bench"), "-m", str(args.model), "-t", str(args.threads),
                "-c", str(ctx), "-b", "2048", "-ub", "512", "-ctk", kv, "-ctv", kv,

@@ -13,6 +13,11 @@ sent at the start, beside the short ones and outside ``--concurrency``: the repo
 requests' latencies (what the long ones cost them) and the long ones' own TTFT and end-to-end time. Compare
 the default scheduling with plain FCFS by passing ``--server-arg=--long-prefill-token-threshold=1000000``.
 
+With ``--llama-cpp BIN_DIR`` the same payloads then go to llama.cpp's ``llama-server`` from that folder, started
+on the same GGUF with the same threads, one slot per request in flight and an f16 KV cache (``--kv-cache-dtype``
+maps as in ``bench llama-cpp``), and a last line compares the two: output tokens/s and TTFT. The workload is
+built with NovaInfer's tokenizer, so both servers see the same messages; each reports its own token counts.
+
 Only the standard library is used: one thread per in-flight request, ``http.client`` for SSE.
 """
 
@@ -25,11 +30,13 @@ import os
 import queue
 import random
 import re
+import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 __all__ = ["add_serve_args", "run_bench_serve", "RequestResult", "percentile"]
@@ -243,7 +250,124 @@ def summarize(results: list[RequestResult], wall: float) -> dict[str, float]:
     return summary
 
 
+@dataclass
+class LoadResult:
+    """One server's run of the workload: the short requests (timed alone) and the long ones sent beside them."""
+
+    results: list[RequestResult]
+    wall: float
+    long_results: list[RequestResult]
+    overall: float
+
+
+def measure(client: _Client, payloads: list[dict], long_payloads: list[dict], concurrency: int) -> LoadResult:
+    """Warms the server up, then runs the long requests and the bounded short load at once."""
+    # Warm-up outside the clock (thread pools, allocator), with a prompt no request shares.
+    client.stream_chat({**payloads[0], "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 4})
+    long_results: list[RequestResult] = []
+    long_threads = [
+        threading.Thread(target=lambda p=p: long_results.append(client.stream_chat(p))) for p in long_payloads
+    ]
+    started = time.perf_counter()
+    for t in long_threads:
+        t.start()
+    results, wall = run_load(client, payloads, concurrency)
+    for t in long_threads:
+        t.join()
+    return LoadResult(results, wall, long_results, time.perf_counter() - started)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_llama_server(args: argparse.Namespace, gguf: str) -> tuple[subprocess.Popen, str]:
+    """Starts llama.cpp's `llama-server` on the same GGUF and load shape; returns it and its URL once healthy."""
+    from .bench_llama_cpp import llama_kv_type
+
+    slots = max(args.concurrency + args.long_prompts, 1)
+    longest = max(args.prompt_range[1], args.long_prompt_tokens if args.long_prompts else 0)
+    # Each slot gets ctx / slots: room for the longest prompt, its output and the template.
+    per_slot = args.max_model_len or longest + args.output_range[1] + 64
+    kv = llama_kv_type(args)
+    port = _free_port()
+    cmd = [str(Path(args.llama_cpp) / "llama-server"), "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+           "-np", str(slots), "-c", str(slots * per_slot), "-ctk", kv, "-ctv", kv, "--no-webui"]
+    if args.threads:
+        cmd += ["-t", str(args.threads), "-tb", str(args.threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with status {proc.returncode} before it was ready")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            ready = conn.getresponse().status == 200
+            conn.close()
+            if ready:
+                return proc, url
+        except OSError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("llama-server was not ready after 300 s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _report(label: str, load: LoadResult, long_prompt_tokens: int) -> dict[str, float]:
+    """Prints one server's figures; returns the short requests' summary."""
+    s = summarize(load.results, load.wall)
+    print(
+        f"  {label}: wall {s['seconds']:.1f} s | output {s['output_tok_s']:.1f} tok/s | total {s['total_tok_s']:.1f} tok/s "
+        f"| {s['requests']} requests (errors {s['errors']}) | {s['prompt_tokens']} prompt + {s['output_tokens']} output tokens\n"
+        f"    TTFT p50/p95/p99 {s['ttft_p50_ms']:.0f}/{s['ttft_p95_ms']:.0f}/{s['ttft_p99_ms']:.0f} ms | "
+        f"TPOT {s['tpot_p50_ms']:.0f}/{s['tpot_p95_ms']:.0f}/{s['tpot_p99_ms']:.0f} ms | "
+        f"ITL {s['itl_p50_ms']:.0f}/{s['itl_p95_ms']:.0f}/{s['itl_p99_ms']:.0f} ms"
+    )
+    if load.long_results:
+        ok = [r for r in load.long_results if r.error is None]
+        print(
+            f"    long prompts: {len(ok)} of {len(load.long_results)} x {long_prompt_tokens} tokens | "
+            f"TTFT p50/max {percentile([r.ttft for r in ok], 50):.1f}/{max((r.ttft for r in ok), default=0):.1f} s | "
+            f"e2e max {max((r.e2e for r in ok), default=0):.1f} s (the short requests' figures are above)"
+        )
+        every = summarize(load.results + load.long_results, load.overall)
+        print(f"    all requests: {every['total_tok_s']:.1f} tok/s total (prompt + output) over {load.overall:.1f} s")
+    failed = [r.error for r in load.results + load.long_results if r.error is not None]
+    if failed:
+        print(f"    first error: {failed[0]}")
+    return s
+
+
+def _without_nulls(payload: dict) -> dict:
+    """The payload without `model: null` (llama-server wants a string or nothing); the rest is the same."""
+    return {k: v for k, v in payload.items() if v is not None}
+
+
+def _errors(load: LoadResult) -> int:
+    return sum(r.error is not None for r in load.results + load.long_results)
+
+
 def run_bench_serve(args: argparse.Namespace) -> int:
+    gguf = None
+    if args.llama_cpp:
+        from .fetch import resolve_model
+
+        gguf = str(resolve_model(args.model, progress=False))
+        if not gguf.endswith(".gguf"):
+            raise SystemExit("bench serve --llama-cpp needs a GGUF model (llama-server reads GGUF only)")
     proc = None
     url = args.url
     if url is None:
@@ -252,48 +376,33 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         client = _Client(url)
         model = None  # `model` omitted: a server with one model serves it
         payloads = build_workload(client, model, args)
-        # Warm-up outside the clock (thread pools, allocator), with a prompt no request shares.
-        client.stream_chat({**payloads[0], "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 4})
         long_payloads = build_long_requests(client, model, args)
-        long_results: list[RequestResult] = []
-        long_threads = [
-            threading.Thread(target=lambda p=p: long_results.append(client.stream_chat(p))) for p in long_payloads
-        ]
-        started = time.perf_counter()
-        for t in long_threads:
-            t.start()
-        results, wall = run_load(client, payloads, args.concurrency)
-        for t in long_threads:
-            t.join()
-        overall = time.perf_counter() - started
+        ours = measure(client, payloads, long_payloads, args.concurrency)
     finally:
         if proc is not None:
-            proc.terminate()
-            proc.wait(30)
-    s = summarize(results, wall)
+            _stop(proc)
     threads = args.threads or os.environ.get("RAYON_NUM_THREADS") or os.cpu_count()
     print(
-        f"bench serve: model={args.model} threads={threads} requests={s['requests']} (errors {s['errors']}) "
+        f"bench serve: model={args.model} threads={threads} requests={len(payloads)} "
         f"concurrency={args.concurrency} prompt={args.prompt_range[0]}-{args.prompt_range[1]} "
         f"output={args.output_range[0]}-{args.output_range[1]} shared_prefix={args.shared_prefix_tokens} "
-        f"seed={args.bench_seed}\n"
-        f"  wall {s['seconds']:.1f} s | output {s['output_tok_s']:.1f} tok/s | total {s['total_tok_s']:.1f} tok/s "
-        f"| {s['prompt_tokens']} prompt + {s['output_tokens']} output tokens\n"
-        f"  TTFT p50/p95/p99 {s['ttft_p50_ms']:.0f}/{s['ttft_p95_ms']:.0f}/{s['ttft_p99_ms']:.0f} ms | "
-        f"TPOT {s['tpot_p50_ms']:.0f}/{s['tpot_p95_ms']:.0f}/{s['tpot_p99_ms']:.0f} ms | "
-        f"ITL {s['itl_p50_ms']:.0f}/{s['itl_p95_ms']:.0f}/{s['itl_p99_ms']:.0f} ms"
+        f"seed={args.bench_seed}"
     )
-    if long_results:
-        ok = [r for r in long_results if r.error is None]
+    s = _report("NovaInfer", ours, args.long_prompt_tokens)
+    errors = _errors(ours)
+    if gguf is not None:
+        proc, url = start_llama_server(args, gguf)
+        try:
+            theirs = measure(_Client(url), [_without_nulls(p) for p in payloads],
+                             [_without_nulls(p) for p in long_payloads], args.concurrency)
+        finally:
+            _stop(proc)
+        t = _report("llama-server", theirs, args.long_prompt_tokens)
+        errors += _errors(theirs)
+        ratio = f"{s['output_tok_s'] / t['output_tok_s']:.2f}×" if t["output_tok_s"] else "—"
         print(
-            f"  long prompts: {len(ok)} of {len(long_results)} x {args.long_prompt_tokens} tokens | "
-            f"TTFT p50/max {percentile([r.ttft for r in ok], 50):.1f}/{max((r.ttft for r in ok), default=0):.1f} s | "
-            f"e2e max {max((r.e2e for r in ok), default=0):.1f} s (the short requests' figures are above)"
+            f"  NovaInfer / llama-server: output tok/s {ratio} | "
+            f"TTFT p50 {s['ttft_p50_ms'] / 1e3:.2f} s vs {t['ttft_p50_ms'] / 1e3:.2f} s, "
+            f"p95 {s['ttft_p95_ms'] / 1e3:.2f} s vs {t['ttft_p95_ms'] / 1e3:.2f} s"
         )
-        every = summarize(results + long_results, overall)
-        print(f"  all requests: {every['total_tok_s']:.1f} tok/s total (prompt + output) over {overall:.1f} s")
-    failed = [r.error for r in results + long_results if r.error is not None]
-    if failed:
-        print(f"  first error: {failed[0]}")
-    errors = len(failed)
     return 0 if errors == 0 else 1

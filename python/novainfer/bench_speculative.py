@@ -72,8 +72,9 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--llama-cpp",
         metavar="BIN_DIR",
-        help="speculative: also run llama.cpp's llama-lookup (and llama-speculative-simple with --draft-model) "
-        "from this folder on the batch-1 prompts (GGUF models)",
+        help="llama.cpp's binaries: speculative also runs llama-lookup (and llama-speculative-simple with "
+        "--draft-model) on the batch-1 prompts; serve runs the same load against llama-server; llama-cpp needs "
+        "llama-bench and llama-batched-bench (GGUF models)",
     )
 
 
