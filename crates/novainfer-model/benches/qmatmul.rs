@@ -50,7 +50,7 @@ const SHAPES: &[Shape] = &[
         dtype: GgmlDType::Q6K,
         n: 256,
         k: 1536,
-        ms: &[1, 512],
+        ms: &[1, 5, 512],
     },
     // `output` is 151936 x 1536; a 64k-row slice is past the last-level cache like the
     // whole one, so decode streams it from memory the same way.
@@ -66,7 +66,7 @@ const SHAPES: &[Shape] = &[
         dtype: GgmlDType::Q4K,
         n: 8960,
         k: 1536,
-        ms: &[1, 512],
+        ms: &[1, 5, 512],
     },
     // The rest of the 1.5B model's Q4_K matrices in prefill: `attn_q` (and `attn_output`, same
     // shape) and the Q4_K half of `ffn_down`.
