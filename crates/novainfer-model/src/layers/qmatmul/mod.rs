@@ -14,6 +14,9 @@
 //! * on plain AVX2 a single row (decode) runs `Kernel::row_avx2` over all 16 columns of a
 //!   group, with software prefetches `DECODE_PREFETCH_BYTES` ahead: decode streams every
 //!   matrix from memory, and that, not the arithmetic, bounds it;
+//! * on plain AVX2, 2 to 8 rows (a speculative verification step) stream the weights the same
+//!   way, each block going through every row's tile while it is in L1
+//!   (`GroupJob::few_rows_avx2`); from 5 rows on they are bound by the arithmetic instead;
 //! * work items are (row chunk, column group) pairs handed to candle's barrier pool.
 //!
 //! Batch invariance: every output element is produced by one thread, over all of
@@ -530,7 +533,7 @@ impl GroupJob<'_> {
                 let mut prefetch = || {
                     if step < steps {
                         let from = per_step * step;
-                        prefetch_ahead(blk, 64 * from, per_step.min(lines - from));
+                        prefetch_ahead(blk, 64 * from, per_step.min(lines.saturating_sub(from)));
                         step += 1;
                     }
                 };
