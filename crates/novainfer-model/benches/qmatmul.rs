@@ -2,7 +2,7 @@
 //! in the shapes of Qwen2.5-Coder-1.5B's Q6_K tensors (the Q4_K_M mix keeps `ffn_down` of half the
 //! layers, `attn_v` of half the layers and `output` in Q6_K) and its Q4_K `ffn_gate`/`ffn_up`,
 //! `attn_q` and `ffn_down`:
-//! decode (m = 1), a decode verifying 4 drafts (m = 5) and prefill chunks (m = 64, 512); plus decode over matrices past the
+//! decode (m = 1), a decode verifying 4 drafts (m = 5; 2 and 8 for two streaming shapes) and prefill chunks (m = 64, 512); plus decode over matrices past the
 //! last-level cache in Q4_K, Q5_0 and Q8_0 (the `stream` shapes). Both run on candle's barrier pool, so
 //! `RAYON_NUM_THREADS=1` compares them per core. Times are the calling thread's CPU time
 //! (see `common/cpu_time.rs`), so they mean per-core cost only with one thread.
@@ -50,7 +50,7 @@ const SHAPES: &[Shape] = &[
         dtype: GgmlDType::Q6K,
         n: 256,
         k: 1536,
-        ms: &[1, 512],
+        ms: &[1, 5, 512],
     },
     // `output` is 151936 x 1536; a 64k-row slice is past the last-level cache like the
     // whole one, so decode streams it from memory the same way.
@@ -66,7 +66,7 @@ const SHAPES: &[Shape] = &[
         dtype: GgmlDType::Q4K,
         n: 8960,
         k: 1536,
-        ms: &[1, 512],
+        ms: &[1, 5, 512],
     },
     // The rest of the 1.5B model's Q4_K matrices in prefill: `attn_q` (and `attn_output`, same
     // shape) and the Q4_K half of `ffn_down`.
@@ -92,7 +92,7 @@ const SHAPES: &[Shape] = &[
         dtype: GgmlDType::Q4K,
         n: 65536,
         k: 1536,
-        ms: &[1, 5],
+        ms: &[1, 2, 5, 8],
     },
     // The 0.5B model's Q5_0 and Q8_0 matrices (k = 896), streaming the same way.
     Shape {
@@ -100,7 +100,7 @@ const SHAPES: &[Shape] = &[
         dtype: GgmlDType::Q5_0,
         n: 65536,
         k: 896,
-        ms: &[1, 5],
+        ms: &[1, 2, 5, 8],
     },
     Shape {
         name: "q8_0_stream_65536x896",

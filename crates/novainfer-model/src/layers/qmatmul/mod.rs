@@ -14,6 +14,9 @@
 //! * on plain AVX2 a single row (decode) runs `Kernel::row_avx2` over all 16 columns of a
 //!   group, with software prefetches `DECODE_PREFETCH_BYTES` ahead: decode streams every
 //!   matrix from memory, and that, not the arithmetic, bounds it;
+//! * on plain AVX2, 2 to 8 rows (a speculative verification step) stream the weights the same
+//!   way, each block going through every row's tile while it is in L1
+//!   (`GroupJob::few_rows_avx2`); from 5 rows on they are bound by the arithmetic instead;
 //! * work items are (row chunk, column group) pairs handed to candle's barrier pool.
 //!
 //! Batch invariance: every output element is produced by one thread, over all of
@@ -467,9 +470,90 @@ impl GroupJob<'_> {
                 }
                 return;
             }
-            match F::AVX2_TILE {
-                6 => self.rows::<F, Avx2, 6>(group, g, rows),
-                _ => self.rows::<F, Avx2, 4>(group, g, rows),
+            let r = rows.start;
+            // A few rows: one streaming pass.
+            match rows.len() {
+                2 => self.few_rows_avx2::<F, 2, 0>(group, g, r),
+                3 => self.few_rows_avx2::<F, 3, 0>(group, g, r),
+                4 => self.few_rows_avx2::<F, 4, 0>(group, g, r),
+                5 => self.few_rows_avx2::<F, 5, 0>(group, g, r),
+                6 => self.few_rows_avx2::<F, 6, 0>(group, g, r),
+                7 => self.few_rows_avx2::<F, 4, 3>(group, g, r),
+                8 => self.few_rows_avx2::<F, 4, 4>(group, g, r),
+                _ => match F::AVX2_TILE {
+                    6 => self.rows::<F, Avx2, 6>(group, g, rows),
+                    _ => self.rows::<F, Avx2, 4>(group, g, rows),
+                },
+            }
+        }
+    }
+
+    /// `A + B` rows (2 to 8: a speculative verification step, or a few
+    /// sequences decoding together) against the whole group on plain AVX2, block by block
+    /// over all of k with software prefetches [`DECODE_PREFETCH_BYTES`] ahead, like the
+    /// decode GEMV: the weights stream from memory once and each block, while it is in L1,
+    /// goes through every row (a tile of `A` rows, then one of `B`) and both column halves.
+    /// Before this, such products ran the prefill driver's 2- and 1-row tiles, each a pass of
+    /// its own without prefetches (m = 5 cost 3.8–4.7× one row). Same per-element sequence as
+    /// [`Self::rows`].
+    ///
+    /// # Safety
+    /// As [`Self::rows`], for rows `row0..row0 + A + B`; AVX2/FMA enabled.
+    #[inline(always)]
+    unsafe fn few_rows_avx2<F: Kernel, const A: usize, const B: usize>(
+        &self,
+        group: *const u8,
+        g: usize,
+        row0: usize,
+    ) {
+        use std::arch::x86_64::_mm256_setzero_ps;
+        const HALVES: usize = 2;
+        let halves = if g * GROUP + Avx2::LANES < self.n {
+            2
+        } else {
+            1
+        };
+        let lines = F::GROUP_BLOCK_BYTES.div_ceil(64);
+        // SAFETY: forwarded contract of `run`; `col_off + LANES ≤ GROUP`.
+        unsafe {
+            let mut fa = [[_mm256_setzero_ps(); A]; HALVES];
+            let mut fb = [[_mm256_setzero_ps(); B]; HALVES];
+            // The block's prefetches spread over its tile calls: a large block's lines all
+            // requested at once made Q6_K's m = 5 stream 1.6x slower; a small block's (≤ 16
+            // lines: Q5_0, Q8_0) go at once (splitting them made Q8_0's 1.6x slower).
+            let steps = if lines > 16 {
+                halves * if B > 0 { 2 } else { 1 }
+            } else {
+                1
+            };
+            let per_step = lines.div_ceil(steps);
+            for b in 0..self.acts.nb {
+                let blk = group.add(b * F::GROUP_BLOCK_BYTES);
+                let mut step = 0;
+                let mut prefetch = || {
+                    if step < steps {
+                        let from = per_step * step;
+                        prefetch_ahead(blk, 64 * from, per_step.min(lines.saturating_sub(from)));
+                        step += 1;
+                    }
+                };
+                for h in 0..halves {
+                    let col_off = h * Avx2::LANES;
+                    prefetch();
+                    fa[h] = F::tile_avx2::<A>(group, col_off, self.acts, row0, b..b + 1, fa[h]);
+                    if B > 0 {
+                        prefetch();
+                        let r = row0 + A;
+                        fb[h] = F::tile_avx2::<B>(group, col_off, self.acts, r, b..b + 1, fb[h]);
+                    }
+                }
+            }
+            for h in 0..halves {
+                let col0 = g * GROUP + h * Avx2::LANES;
+                self.store::<Avx2, A>(fa[h], row0, col0);
+                if B > 0 {
+                    self.store::<Avx2, B>(fb[h], row0 + A, col0);
+                }
             }
         }
     }

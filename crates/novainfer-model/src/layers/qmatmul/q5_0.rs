@@ -15,11 +15,17 @@
 //! Per (row, column) the f32 work is `acc = fma(f32(sumi_b), dw_b·da_b, acc)`
 //! over blocks in order, whatever the tile height or vector width: this is what
 //! makes a row's result independent of the batch.
+//!
+//! Plain AVX2 has its own tile ([`tile_avx2`]): the generic one widens every chunk's pair
+//! sums with a `madd` by ones; here four chunks' pair sums (each ≤ 2·31·127 = 7874) add up
+//! in i16 (≤ 31496, exact) and one `madd` by ones per four chunks widens them: the same exact
+//! block sum, the same f32 operations, so the same bits.
 
+use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::activation::{ActKind, QuantizedActs, QK8_0};
-use super::simd::Simd;
+use super::simd::{Avx2, Simd};
 use super::{Kernel, GROUP};
 
 pub(super) struct Q5_0;
@@ -91,6 +97,83 @@ impl Kernel for Q5_0 {
             }
             facc
         }
+    }
+
+    #[inline(always)]
+    unsafe fn tile_avx2<const R: usize>(
+        group: *const u8,
+        col_off: usize,
+        acts: &QuantizedActs,
+        row0: usize,
+        blocks: Range<usize>,
+        facc: [__m256; R],
+    ) -> [__m256; R] {
+        // SAFETY: forwarded.
+        unsafe { tile_avx2::<R>(group, col_off, acts, row0, blocks, facc) }
+    }
+}
+
+/// Rows `row0..row0+R` × columns `col_off..col_off+8` on plain AVX2 (see the module docs).
+///
+/// # Safety
+/// [`Kernel::tile`]'s contract with `S = Avx2`.
+#[inline(always)]
+unsafe fn tile_avx2<const R: usize>(
+    group: *const u8,
+    col_off: usize,
+    acts: &QuantizedActs,
+    row0: usize,
+    blocks: Range<usize>,
+    mut facc: [__m256; R],
+) -> [__m256; R] {
+    // SAFETY: `group` points at `acts.nb` packed blocks, the columns lie in the group,
+    // rows `row0..row0+R` exist in `acts` (so every activation read below is in bounds),
+    // and the caller runs with AVX2/FMA enabled.
+    unsafe {
+        let low4 = _mm256_set1_epi8(0x0F);
+        let bit4 = _mm256_set1_epi8(0x10);
+        let ones = _mm256_set1_epi16(1);
+        for b in blocks {
+            let blk = group.add(b * Q5_0::GROUP_BLOCK_BYTES + 4 * col_off);
+            let qh = _mm256_loadu_si256(blk.add(QH) as *const __m256i);
+            let acts_at: [*const u8; R] = std::array::from_fn(|r| {
+                acts.qs.as_ptr().add((row0 + r) * acts.k + b * QK8_0) as *const u8
+            });
+            let mut acc = [_mm256_setzero_si256(); R];
+            for half in 0..2 {
+                let mut p16 = [_mm256_setzero_si256(); R];
+                for i in 0..4 {
+                    let c = 4 * half + i;
+                    let v = _mm256_loadu_si256(blk.add(QS + 4 * GROUP * i) as *const __m256i);
+                    let nib = if half == 0 {
+                        v
+                    } else {
+                        _mm256_srli_epi16::<4>(v)
+                    };
+                    let u = _mm256_or_si256(
+                        _mm256_and_si256(nib, low4),
+                        _mm256_and_si256(high_bit::<Avx2>(qh, c), bit4),
+                    );
+                    for (p, &at) in p16.iter_mut().zip(&acts_at) {
+                        let x = _mm256_set1_epi32(std::ptr::read_unaligned(
+                            at.add(4 * c) as *const i32
+                        ));
+                        *p = _mm256_add_epi16(*p, _mm256_maddubs_epi16(u, x));
+                    }
+                }
+                for (a, p) in acc.iter_mut().zip(p16) {
+                    *a = _mm256_add_epi32(*a, _mm256_madd_epi16(p, ones));
+                }
+            }
+            let dw = _mm256_loadu_ps(blk as *const f32);
+            for (r, (f, a)) in facc.iter_mut().zip(acc).enumerate() {
+                let i = (row0 + r) * acts.nb + b;
+                let sumi = _mm256_sub_epi32(a, _mm256_set1_epi32(16 * *acts.sums.get_unchecked(i)));
+                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(*acts.d.get_unchecked(i)));
+                *f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), scale, *f);
+            }
+        }
+        facc
     }
 }
 

@@ -332,7 +332,9 @@ fn assert_bits_equal(got: &[f32], want: &[f32], what: &str) {
 /// column counts that leave partial groups: a last group of 5 columns (one 8-column half)
 /// and of 12 (a full half and a partial one). A single row runs the 16-column decode
 /// kernels (`row_avx2` on AVX2), more rows the multi-row tiles (on AVX2 both formats' own
-/// `tile_avx2`, 6 rows high: m = 7, 9 and 13 also run its 2- and 1-row tails).
+/// `tile_avx2`: m = 2 to 8 in the few-row streaming walk, as one tile of m rows or, for 7 and
+/// 8, tiles of 4 and 3 or 4; m = 9 and 13 in the prefill driver's 6-row tiles and their 2-
+/// and 1-row tails).
 #[test]
 fn k_quant_kernels_equal_the_scalar_reference_bit_for_bit() {
     let k = 1536;
@@ -348,7 +350,7 @@ fn k_quant_kernels_equal_the_scalar_reference_bit_for_bit() {
         for j in [0, 9] {
             raw[j * (k / 256) * block_bytes..][quants.clone()].fill(0xFF);
         }
-        for m in [1, 2, 4, 5, 7, 9, 13] {
+        for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 13] {
             let x = extreme_acts(m, k, 31 + m as u64);
             let want = match format {
                 super::Format::Q6K => reference_q6k(&raw, n, k, &x, m),
@@ -368,6 +370,110 @@ fn k_quant_kernels_equal_the_scalar_reference_bit_for_bit() {
                     let what = format!("{format:?} {isa:?} row {r} of m={m} alone");
                     assert_bits_equal(&got, &want[r * n..(r + 1) * n], &what);
                 }
+            }
+        }
+    }
+}
+
+/// The scalar definition of the Q5_0 / Q8_0 products: per (row, column, block) the exact
+/// integer `Σ w·a` (Q5_0: `w = q - 16`), then `acc = fma(isum, d_w·d_a, acc)` block by block.
+fn reference_q8_0_style(
+    dtype: GgmlDType,
+    raw: &[u8],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+) -> Vec<f32> {
+    use super::activation::{ActKind, QuantizedActs};
+    let acts = QuantizedActs::new(ActKind::Q8_0, x, m, k);
+    let (nb, bytes) = (k / 32, if dtype == GgmlDType::Q5_0 { 22 } else { 34 });
+    let mut out = vec![0f32; m * n];
+    for r in 0..m {
+        for j in 0..n {
+            let mut acc = 0f32;
+            for b in 0..nb {
+                let blk = &raw[(j * nb + b) * bytes..(j * nb + b + 1) * bytes];
+                let w: Vec<i32> = if dtype == GgmlDType::Q5_0 {
+                    let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                    (0..32)
+                        .map(|i| {
+                            let nib = if i < 16 {
+                                blk[6 + i] & 15
+                            } else {
+                                blk[6 + i - 16] >> 4
+                            };
+                            i32::from(nib | ((((qh >> i) & 1) as u8) << 4)) - 16
+                        })
+                        .collect()
+                } else {
+                    blk[2..34].iter().map(|&v| i32::from(v as i8)).collect()
+                };
+                let a = &acts.qs[r * k + 32 * b..r * k + 32 * (b + 1)];
+                let isum: i32 = w.iter().zip(a).map(|(&w, &a)| w * i32::from(a)).sum();
+                let dw = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                acc = (isum as f32).mul_add(dw * acts.d[r * nb + b], acc);
+            }
+            out[r * n + j] = acc;
+        }
+    }
+    out
+}
+
+/// Q5_0 and Q8_0 on every ISA path equal their scalar definition bit for bit, at every row
+/// count the few-row streaming walk takes on AVX2 (2 to 8, as a speculative verification step
+/// does) and past it, with activations at ±127, saturated weights in the first block of two
+/// columns and a last group of 5 / 12 columns.
+#[test]
+fn q5_0_and_q8_0_kernels_equal_the_scalar_reference_bit_for_bit() {
+    let k = 896;
+    for (dtype, n) in [
+        (GgmlDType::Q5_0, 37),
+        (GgmlDType::Q5_0, 28),
+        (GgmlDType::Q8_0, 21),
+        (GgmlDType::Q8_0, 44),
+    ] {
+        let w = Tensor::from_vec(random(n * k, 3 + n as u64), (n, k), &Device::Cpu).expect("w");
+        let q = QTensor::quantize(&w, dtype).expect("quantize");
+        let mut raw = q.data().expect("raw").into_owned();
+        let bytes = if dtype == GgmlDType::Q5_0 { 22 } else { 34 };
+        // Largest magnitudes: Q5_0 all 31 (w = 15), Q8_0 all -128.
+        for j in [0, 9] {
+            let blk = &mut raw[j * (k / 32) * bytes..][..bytes];
+            if dtype == GgmlDType::Q5_0 {
+                blk[2..22].fill(0xFF);
+            } else {
+                blk[2..34].fill(0x80);
+            }
+        }
+        let (format, (group_bytes, data)) = match dtype {
+            GgmlDType::Q5_0 => (
+                super::Format::Q5_0,
+                super::pack::<super::q5_0::Q5_0>(&raw, n, k),
+            ),
+            _ => (
+                super::Format::Q8_0,
+                super::pack::<super::q8_0::Q8_0>(&raw, n, k),
+            ),
+        };
+        let mut packed = PackedMatrix {
+            format,
+            isa: IsaChoice::Avx2,
+            n,
+            k,
+            group_bytes,
+            data,
+        };
+        for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 13] {
+            let x = extreme_acts(m, k, 41 + m as u64);
+            let want = reference_q8_0_style(dtype, &raw, n, k, &x, m);
+            for isa in [IsaChoice::Avx2, IsaChoice::Vnni256, IsaChoice::Avx512] {
+                if !supports(isa) {
+                    continue;
+                }
+                packed.isa = isa;
+                let got = packed.matmul(&x, m);
+                assert_bits_equal(&got, &want, &format!("{dtype:?} n={n} {isa:?} m={m}"));
             }
         }
     }
