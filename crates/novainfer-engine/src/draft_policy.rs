@@ -286,9 +286,9 @@ impl DraftPolicy {
     /// catch-up token costs (what the passes and rows leave of the time); one without measures
     /// the passes and rows.
     pub fn observe_draft(&mut self, work: DraftWork, seconds: f64) {
-        let expected = self
-            .costs()
-            .map_or(0.0, |c| c.draft_pass * work.passes as f64 + c.draft_row * work.rows as f64);
+        let expected = self.costs().map_or(0.0, |c| {
+            c.draft_pass * work.passes as f64 + c.draft_row * work.rows as f64
+        });
         let Some(draft) = self.draft.as_mut() else {
             return;
         };
@@ -331,8 +331,7 @@ impl DraftPolicy {
                 alpha: self.alpha(r.id),
                 catching_up: r.catch_up > 0,
                 tax: costs.map_or(0.0, |c| {
-                    c.catch_up * r.catch_up as f64
-                        / r.remaining.clamp(1, CATCH_UP_HORIZON) as f64
+                    c.catch_up * r.catch_up as f64 / r.remaining.clamp(1, CATCH_UP_HORIZON) as f64
                 }),
                 probe: costs.is_some_and(|c| self.probe_due(&c, requests.len(), r)),
             })
@@ -400,7 +399,12 @@ impl DraftPolicy {
         })
     }
 
-    fn best_lengths(&self, candidates: &[Candidate], room: usize, costs: Option<Costs>) -> Vec<usize> {
+    fn best_lengths(
+        &self,
+        candidates: &[Candidate],
+        room: usize,
+        costs: Option<Costs>,
+    ) -> Vec<usize> {
         let n = candidates.len();
         let room = room.min(n * self.max_tokens);
         let c = match (self.kind, costs) {
@@ -765,7 +769,11 @@ mod tests {
         // A prompt never read (700 tokens, ~3.4 s) is not worth a probe, not even after the
         // longest wait.
         assert_eq!(
-            steps_to_probe(&mut p, with_catch_up(2, 700, 127), 2 * PROBE_STEPS_MAX as usize),
+            steps_to_probe(
+                &mut p,
+                with_catch_up(2, 700, 127),
+                2 * PROBE_STEPS_MAX as usize
+            ),
             None
         );
     }

@@ -237,7 +237,10 @@ pub fn assumed_row_share(device: Device) -> f64 {
 /// Weights a token's forward pass reads (its matrix multiplications: attention, MLP, logits),
 /// which on a CPU or a GPU alike set most of what a decode row or a prefill token costs.
 fn weights_per_token(c: &Qwen2Config) -> f64 {
-    let (h, kv) = (c.hidden_size as f64, (c.head_dim() * c.num_key_value_heads) as f64);
+    let (h, kv) = (
+        c.hidden_size as f64,
+        (c.head_dim() * c.num_key_value_heads) as f64,
+    );
     let layer = h * (h + 2.0 * kv) + h * h + 3.0 * h * c.intermediate_size as f64;
     c.num_hidden_layers as f64 * layer + c.vocab_size as f64 * h
 }
