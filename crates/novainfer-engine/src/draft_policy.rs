@@ -16,7 +16,8 @@
 //! about the draft model's prefill, once, and pays only if the request has enough tokens left
 //! to gain it back: so a request's catch-up is charged as a tax on each token it produces over
 //! its remaining `max_tokens` (up to a horizon), at a per-token cost measured like the others
-//! (before any measurement: what a draft row costs, a prudent bound on a prefill token).
+//! (before any measurement: what a draft row costs, and at least the assumed row share of the
+//! draft's assumed pass: a prudent bound on a prefill token).
 //! Before the target's step has been measured at all, only requests without catch-up draft.
 
 use std::collections::HashMap;
@@ -374,7 +375,8 @@ impl DraftPolicy {
 
     /// What the plan weighs, or `None` before the target's step was measured. The draft
     /// model's passes and rows are assumed to cost its share of the target's until measured,
-    /// and a catch-up token what a draft row costs.
+    /// and a catch-up token what a draft row costs (at least the assumed row share of its
+    /// assumed pass).
     fn costs(&self) -> Option<Costs> {
         let (step_pass, step_row) = self.target.coefficients()?;
         let Some(draft) = &self.draft else {
@@ -390,12 +392,16 @@ impl DraftPolicy {
             .work
             .coefficients()
             .unwrap_or((draft.share * step_pass, draft.share * step_row));
+        // The fitted rows may cost nothing (steps measured at one row count, or noise that
+        // made more rows look faster); a catch-up must not look free for that, so its prior
+        // is at least the assumed share of a row of the draft's assumed pass.
+        let prior = draft_row.max(draft.share * self.target.row_share * step_pass);
         Some(Costs {
             step_pass,
             step_row,
             draft_pass,
             draft_row,
-            catch_up: draft.catch_up.per_token(draft_row),
+            catch_up: draft.catch_up.per_token(prior),
         })
     }
 
@@ -685,12 +691,13 @@ mod tests {
     fn catch_up_costs_are_measured_apart_from_passes_and_rows() {
         let mut p = a_cheap_draft_model_that_is_always_right();
         let before = p.costs().expect("measured");
-        // Before a catch-up was measured: a catch-up token is assumed to cost a draft row.
-        assert!((before.catch_up - 0.0001).abs() < 1e-6, "{before:?}");
+        // Before a catch-up was measured: a catch-up token is assumed to cost a draft row, or
+        // the assumed row share (0.1) of the draft's assumed pass (0.3 × 10 ms) if more.
+        assert!((before.catch_up - 0.0003).abs() < 1e-6, "{before:?}");
         observe_dear_catch_ups(&mut p, 2);
         let after = p.costs().expect("measured");
         // The passes and rows keep their fit; the catch-up gets what they leave of the time
-        // (the prior's 32 tokens at 0.1 ms weigh ~3% against the 2,000 measured).
+        // (the prior's 32 tokens at 0.3 ms weigh little against the 2,000 measured).
         assert!(
             (after.draft_pass - before.draft_pass).abs() < 1e-9
                 && (after.draft_row - before.draft_row).abs() < 1e-9
@@ -699,11 +706,28 @@ mod tests {
     }
 
     #[test]
+    fn a_catch_up_never_looks_free() {
+        // Steps that looked cheaper with more rows (load falling while the batch grew): the
+        // fitted row cost is 0, and with it the draft's assumed row.
+        let mut p = DraftPolicy::new(4, DraftPolicyKind::Adaptive, 0.3, Some(0.3));
+        for rows in [1, 1, 4, 4] {
+            p.observe_step(rows, 0.30 - 0.02 * rows as f64);
+        }
+        let c = p.costs().expect("measured");
+        assert_eq!(c.step_row, 0.0);
+        // A catch-up token is still assumed to cost 0.3 of a row of 0.3 of the target's pass.
+        assert!((c.catch_up - 0.09 * c.step_pass).abs() < 1e-9, "{c:?}");
+        // So four 700-token prompts are not caught up on the optimistic acceptance prior.
+        let requests: Vec<Decoding> = (1..=4).map(|id| with_catch_up(id, 700, 127)).collect();
+        assert_eq!(p.plan(&requests, 4), vec![0; 4]);
+    }
+
+    #[test]
     fn a_catch_up_is_drafted_for_only_when_the_remaining_tokens_repay_it() {
         let mut p = a_cheap_draft_model_that_is_always_right();
         // Nothing to catch up on: all four tokens.
         assert_eq!(p.plan(&[with_catch_up(1, 0, 127)], 8), vec![4]);
-        // A 700-token prompt to read at the prior's 0.1 ms a token (70 ms) repays itself over
+        // A 700-token prompt to read at the prior's 0.3 ms a token (210 ms) repays itself over
         // 127 tokens.
         assert_eq!(p.plan(&[with_catch_up(2, 700, 127)], 8), vec![4]);
         // At a measured 5 ms a token (3.5 s) it does not: plain decoding makes the 127 tokens
