@@ -12,10 +12,16 @@
 use std::collections::HashMap;
 
 use novainfer_core::{slot_mapping, BlockId, Request, RequestId};
-use novainfer_model::{Executor, ForwardBatch, ModelError, SpanOutput};
+use novainfer_model::{Executor, ForwardBatch, ModelError, Qwen2Config, SpanOutput};
 
 /// Tokens per block of the draft's pool (its own, whatever the target's layout).
 pub const DRAFT_BLOCK_SIZE: usize = 16;
+
+/// Tokens a request that drafts every step feeds the draft model before its first draft token:
+/// its newest token and, after a draft accepted whole, the last draft token (proposed, never
+/// fed). What a request feeds beyond this is catch-up: a prompt, or tokens missed while it did
+/// not draft.
+pub const STEADY_FEED: usize = 2;
 
 /// What the draft's KV holds for one request.
 #[derive(Debug, Default)]
@@ -30,6 +36,13 @@ struct DraftSeq {
 impl DraftSeq {
     /// Keeps the fed drafts the request's tokens confirmed and forgets the rest.
     fn reconcile(&mut self, request: &Request) {
+        self.computed = self.confirmed(request);
+        self.speculated.clear();
+    }
+
+    /// How many of the request's tokens the KV holds once the fed drafts are checked against
+    /// the request's tokens.
+    fn confirmed(&self, request: &Request) -> usize {
         let n = request.num_tokens();
         let end = (self.computed + self.speculated.len()).min(n);
         let confirmed = if end > self.computed {
@@ -43,15 +56,14 @@ impl DraftSeq {
             0
         };
         // A request never loses tokens; if it somehow did, start over rather than trust KV.
-        self.computed = if self.computed > n {
+        let computed = if self.computed > n {
             0
         } else {
             self.computed + confirmed
         };
         // The next draft needs the last token's logits: feed it again if its KV is all there
         // (a verifier that confirms drafts past a rejection could leave it so).
-        self.computed = self.computed.min(n.saturating_sub(1));
-        self.speculated.clear();
+        computed.min(n.saturating_sub(1))
     }
 }
 
@@ -66,11 +78,14 @@ struct Plan {
     feed: Vec<u32>,
 }
 
-/// What one proposal cost the draft model: forward passes, and rows fed over all of them.
+/// What one proposal cost the draft model: forward passes, the rows fed over all of them, and
+/// of the tokens fed, those that were catch-up (counted apart from `rows`): a drafting
+/// request's feed beyond [`STEADY_FEED`], and all a request fed while not drafting yet.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DraftWork {
     pub passes: usize,
     pub rows: usize,
+    pub catch_up: usize,
 }
 
 pub struct DraftModel {
@@ -103,6 +118,20 @@ impl DraftModel {
             catch_up_per_step: catch_up_per_step.max(1),
             max_positions,
         }
+    }
+
+    pub fn config(&self) -> &Qwen2Config {
+        self.executor.config()
+    }
+
+    /// The tokens of `request` the draft model has yet to read beyond [`STEADY_FEED`] before
+    /// it can draft for it: what drafting for it now would cost in catch-up.
+    pub fn catch_up(&self, request: &Request) -> usize {
+        let computed = self
+            .seqs
+            .get(&request.id)
+            .map_or(0, |seq| seq.confirmed(request));
+        (request.num_tokens() - computed).saturating_sub(STEADY_FEED)
     }
 
     /// Blocks of the draft's pool in use.
@@ -141,7 +170,13 @@ impl DraftModel {
                 SpanOutput::None
             };
             push(&mut batch, seq, &p.feed, p.feed_from, output);
-            work.rows += p.feed.len();
+            let catch_up = if caught_up {
+                p.feed.len().saturating_sub(STEADY_FEED)
+            } else {
+                p.feed.len()
+            };
+            work.catch_up += catch_up;
+            work.rows += p.feed.len() - catch_up;
         }
         work.passes += 1;
         let logits = self.run(&batch)?;
@@ -402,7 +437,8 @@ mod tests {
                     work,
                     DraftWork {
                         passes: 1,
-                        rows: 20
+                        rows: 0,
+                        catch_up: 20
                     }
                 );
             }

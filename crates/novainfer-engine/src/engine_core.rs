@@ -95,6 +95,7 @@ impl EngineCore {
     pub fn new(loaded: LoadedEngine, outputs: mpsc::Sender<Vec<OutputEvent>>) -> Self {
         let runner = ModelRunner::new(loaded.executor);
         let device = runner.device();
+        let target = runner.config().clone();
         let stats = EngineStats {
             kv_pool_bytes: runner.kv_pool_bytes(),
             kv_bytes_per_block: runner.kv_bytes_per_block(),
@@ -116,7 +117,7 @@ impl EngineCore {
             proposer: loaded
                 .speculative
                 .as_ref()
-                .map(|config| Proposer::new(config, loaded.draft, device)),
+                .map(|config| Proposer::new(config, loaded.draft, device, &target)),
             kv_events: None,
         }
     }

@@ -15,8 +15,8 @@ use novainfer_core::{NgramIndex, NgramRange, ParamError, Request, RequestId};
 use serde_json::Value;
 
 use crate::draft_model::DraftModel;
-use crate::draft_policy::DraftPolicy;
-use novainfer_model::Device;
+use crate::draft_policy::{Decoding, DraftPolicy};
+use novainfer_model::{Device, Qwen2Config};
 
 /// How drafts are made.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -234,6 +234,22 @@ pub fn assumed_row_share(device: Device) -> f64 {
     }
 }
 
+/// Weights a token's forward pass reads (its matrix multiplications: attention, MLP, logits),
+/// which on a CPU or a GPU alike set most of what a decode row or a prefill token costs.
+fn weights_per_token(c: &Qwen2Config) -> f64 {
+    let (h, kv) = (
+        c.hidden_size as f64,
+        (c.head_dim() * c.num_key_value_heads) as f64,
+    );
+    let layer = h * (h + 2.0 * kv) + h * h + 3.0 * h * c.intermediate_size as f64;
+    c.num_hidden_layers as f64 * layer + c.vocab_size as f64 * h
+}
+
+/// What the draft model is assumed to cost relative to the target until measured.
+pub fn draft_cost_share(draft: &Qwen2Config, target: &Qwen2Config) -> f64 {
+    (weights_per_token(draft) / weights_per_token(target).max(1.0)).clamp(0.01, 1.0)
+}
+
 /// Drafts for the running requests, kept up to date as their tokens arrive, sized by what
 /// drafting has been measured to cost and each request's recent acceptance (adaptive k).
 pub struct Proposer {
@@ -243,8 +259,13 @@ pub struct Proposer {
 
 impl Proposer {
     /// `draft` is the loaded draft model when the method is [`SpeculativeMethod::DraftModel`];
-    /// `device` is the target's.
-    pub fn new(config: &SpeculativeConfig, draft: Option<DraftModel>, device: Device) -> Self {
+    /// `device` and `target` are the target's.
+    pub fn new(
+        config: &SpeculativeConfig,
+        draft: Option<DraftModel>,
+        device: Device,
+        target: &Qwen2Config,
+    ) -> Self {
         let source = match (&config.method, draft) {
             (_, Some(draft)) => Source::Draft(Box::new(draft)),
             (SpeculativeMethod::Ngram(range), None) => Source::Ngram {
@@ -255,11 +276,15 @@ impl Proposer {
                 unreachable!("the engine loads the draft model of a draft_model config")
             }
         };
+        let draft_share = match &source {
+            Source::Draft(draft) => Some(draft_cost_share(draft.config(), target)),
+            Source::Ngram { .. } => None,
+        };
         let policy = DraftPolicy::new(
             config.num_speculative_tokens,
             config.policy,
             assumed_row_share(device),
-            matches!(source, Source::Draft(_)),
+            draft_share,
         );
         Self { source, policy }
     }
@@ -279,8 +304,18 @@ impl Proposer {
     /// `room` draft tokens at most in all. A draft model that fails leaves the step without
     /// drafts: speculation only saves work, so its failure must not fail requests.
     pub fn propose(&mut self, requests: &[&Request], room: usize) -> Vec<Vec<u32>> {
-        let ids: Vec<RequestId> = requests.iter().map(|r| r.id).collect();
-        let lengths = self.policy.plan(&ids, room);
+        let decoding: Vec<Decoding> = requests
+            .iter()
+            .map(|r| Decoding {
+                id: r.id,
+                catch_up: match &self.source {
+                    Source::Draft(draft) => draft.catch_up(r),
+                    Source::Ngram { .. } => 0,
+                },
+                remaining: r.max_tokens.saturating_sub(r.output_token_ids.len()),
+            })
+            .collect();
+        let lengths = self.policy.plan(&decoding, room);
         let wants: Vec<(&Request, usize)> = requests.iter().copied().zip(lengths).collect();
         match &mut self.source {
             Source::Ngram { range, indexes } => wants
@@ -306,11 +341,8 @@ impl Proposer {
                 let started = Instant::now();
                 match draft.propose(&wants) {
                     Ok((drafts, work)) => {
-                        self.policy.observe_draft(
-                            work.passes,
-                            work.rows,
-                            started.elapsed().as_secs_f64(),
-                        );
+                        self.policy
+                            .observe_draft(work, started.elapsed().as_secs_f64());
                         drafts
                     }
                     Err(e) => {
@@ -435,7 +467,22 @@ mod tests {
             num_speculative_tokens: 3,
             policy: DraftPolicyKind::Adaptive,
         };
-        let mut p = Proposer::new(&config, None, Device::Cpu);
+        let target = Qwen2Config {
+            vocab_size: 100,
+            hidden_size: 8,
+            intermediate_size: 16,
+            num_hidden_layers: 1,
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            max_position_embeddings: 64,
+            rope_theta: 1e4,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: false,
+            torch_dtype: None,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        };
+        let mut p = Proposer::new(&config, None, Device::Cpu, &target);
         let mut r = Request::new(RequestId(1), vec![5, 6, 7, 8, 9, 5, 6], 10);
         assert_eq!(p.propose(&[&r], 8), vec![vec![7, 8, 9]]);
         r.output_token_ids.extend([7, 1]);
