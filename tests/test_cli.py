@@ -111,6 +111,17 @@ def test_bench_speculative_runs_every_engine_with_identical_outputs(tiny_models)
         assert line.count("identical=True") == 2, line
 
 
+def test_bench_speculative_can_skip_batch_one_and_rejects_a_negative_count(tiny_models):
+    common = ("bench", "speculative", "--model", str(tiny_models["f32"]), "--num-requests", "2",
+              "--decode-tokens", "4", "--repeat", "1", "--workloads", "free-form")
+    res = _cli(*common, "--batch1-prompts", "0")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 1 and " free-form batch=2 " in lines[0], res.stdout
+    res = _cli(*common, "--batch1-prompts", "-1")
+    assert res.returncode == 2 and "--batch1-prompts" in res.stderr and "0 or more" in res.stderr
+
+
 def test_generate_takes_a_speculative_config(tiny_models, tiny_llm):
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
     res = _cli("generate", "--model", str(tiny_models["f32"]), "--max-tokens", "8", "--speculative-config", spec, "hello")

@@ -57,6 +57,14 @@ FREE_FORM = [
 ]
 
 
+def _count(text: str) -> int:
+    """A non-negative integer option."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
     """The options of `novainfer bench speculative`."""
     p.add_argument("--draft-model", help="speculative: also run a draft-model engine with this model")
@@ -68,7 +76,12 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         default=["code-edit", "free-form"],
         help="speculative: which workloads",
     )
-    p.add_argument("--batch1-prompts", type=int, default=4, help="speculative: prompts run one by one")
+    p.add_argument(
+        "--batch1-prompts",
+        type=_count,
+        default=4,
+        help="speculative: prompts run one by one (0: batch 1 is skipped)",
+    )
     p.add_argument(
         "--llama-cpp",
         metavar="BIN_DIR",
@@ -200,34 +213,35 @@ def run_bench_speculative(llm: LLM, args: argparse.Namespace, make_llm: Callable
     head = f"model={llm.model_path.name} decode<={args.decode_tokens}"
     for workload in args.workloads:
         chats = code_edit_prompts(llm, batch, args.decode_tokens) if workload == "code-edit" else free_form_prompts(batch)
-        # Batch 1: each prompt on every engine in turn, so a busy machine slows them alike.
-        decoded = {name: 0 for name in engines}
-        seconds = {name: 0.0 for name in engines}
-        outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
-        for chat in chats[: args.batch1_prompts]:
-            for name, engine in engines.items():
-                engine.reset_prefix_cache()
-                tokens, n, s = _stream_one(engine, chat, params)
-                decoded[name] += n
-                seconds[name] += s
-                outputs[name].append(tokens)
-        line = [f"{head} {workload} batch=1 ({min(len(chats), args.batch1_prompts)} prompts)"]
-        base = decoded["plain"] / max(seconds["plain"], 1e-9)
-        for name in engines:
-            speed = decoded[name] / max(seconds[name], 1e-9)
-            same = "" if name == "plain" else f" {speed / base:.2f}x identical={outputs[name] == outputs['plain']}"
-            line.append(f"{name} {speed:.1f} tok/s{same}")
-        if args.llama_cpp:
-            for name, cmd in _llama_cpp_commands(llm, args).items():
-                try:
-                    runs = [_llama_cpp_run(cmd, llm.apply_chat_template(c)) for c in chats[: args.batch1_prompts]]
-                except RuntimeError as e:
-                    line.append(f"{name} failed: {str(e).splitlines()[-1]}")
-                    continue
-                n, s = sum(r[0] for r in runs), sum(r[1] for r in runs)
-                drafted, accepted = sum(r[2] for r in runs), sum(r[3] for r in runs)
-                line.append(f"{name} {n / max(s, 1e-9):.1f} tok/s accepted {accepted}/{drafted}")
-        print(" | ".join(line), flush=True)
+        if args.batch1_prompts > 0:
+            # Batch 1: each prompt on every engine in turn, so a busy machine slows them alike.
+            decoded = {name: 0 for name in engines}
+            seconds = {name: 0.0 for name in engines}
+            outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
+            for chat in chats[: args.batch1_prompts]:
+                for name, engine in engines.items():
+                    engine.reset_prefix_cache()
+                    tokens, n, s = _stream_one(engine, chat, params)
+                    decoded[name] += n
+                    seconds[name] += s
+                    outputs[name].append(tokens)
+            line = [f"{head} {workload} batch=1 ({min(len(chats), args.batch1_prompts)} prompts)"]
+            base = decoded["plain"] / max(seconds["plain"], 1e-9)
+            for name in engines:
+                speed = decoded[name] / max(seconds[name], 1e-9)
+                same = "" if name == "plain" else f" {speed / base:.2f}x identical={outputs[name] == outputs['plain']}"
+                line.append(f"{name} {speed:.1f} tok/s{same}")
+            if args.llama_cpp:
+                for name, cmd in _llama_cpp_commands(llm, args).items():
+                    try:
+                        runs = [_llama_cpp_run(cmd, llm.apply_chat_template(c)) for c in chats[: args.batch1_prompts]]
+                    except RuntimeError as e:
+                        line.append(f"{name} failed: {str(e).splitlines()[-1]}")
+                        continue
+                    n, s = sum(r[0] for r in runs), sum(r[1] for r in runs)
+                    drafted, accepted = sum(r[2] for r in runs), sum(r[3] for r in runs)
+                    line.append(f"{name} {n / max(s, 1e-9):.1f} tok/s accepted {accepted}/{drafted}")
+            print(" | ".join(line), flush=True)
         # Batch N: all at once, `--repeat` rounds alternating engines; the median round is reported.
         speeds: dict[str, list[float]] = {name: [] for name in engines}
         tokens: dict[str, list[list[int]]] = {}
