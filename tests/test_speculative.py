@@ -212,8 +212,16 @@ def test_a_draft_model_gives_the_same_tokens_and_leaks_no_blocks(tiny_models, tm
         stats = spec.stats()
         assert stats["num_draft_tokens"] > 0 and stats["kv_used_blocks"] == 0
         if draft != other:
-            # The target drafting for itself: greedy drafts are nearly all right.
-            assert stats["num_accepted_tokens"] > 0.5 * stats["num_draft_tokens"], stats
+            # The target drafting for itself (the same weights, f32 or GGUF): every greedy draft is the
+            # target's own argmax, so all are accepted. Counted over greedy requests alone: drafts are greedy,
+            # so a sampled request accepts one with the target's probability of it, and how many drafts each
+            # kind of request gets in a batch depends on timing.
+            greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+            before = spec.stats()
+            spec.generate(prompts(), greedy)
+            after = spec.stats()
+            drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+            assert drafted > 0 and after["num_accepted_tokens"] - before["num_accepted_tokens"] == drafted, after
 
 
 def test_a_draft_model_must_share_the_targets_tokenizer(tiny_models, tmp_path):
