@@ -68,8 +68,8 @@ impl FromStr for SchedulingPolicy {
 /// and two that cannot share the KV pool would preempt each other for ever (the property
 /// test found such a pair).
 pub(super) fn priority_key(request: &Request, aging_steps: u64) -> (i128, u64) {
-    let virtual_arrival = i128::from(request.priority) * i128::from(aging_steps)
-        + i128::from(request.arrival_step);
+    let virtual_arrival =
+        i128::from(request.priority) * i128::from(aging_steps) + i128::from(request.arrival_step);
     (virtual_arrival, request.arrival_seq)
 }
 
