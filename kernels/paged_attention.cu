@@ -18,12 +18,16 @@
 //   splits merged in increasing order         (M, L, ACC) ← merge(M, L, ACC, m_s, l_s, acc_s)
 //   out = ACC / L
 //
-// One warp computes one split of one row with `attend_split`; the decode kernel runs the
+// One warp computes one split of one row with `attend_split`; the decode kernels run the
 // splits of a row in parallel (one warp each, partials in f32 scratch) and a second kernel
 // merges them in split order; the prefill kernel runs them one after the other in one warp
-// and merges as it goes. Both call the same `attend_split` and `merge` with every rounding
-// spelled out (`__fmaf_rn`, `__fmul_rn`), so a row's bits depend only on q, its history and
-// p — not on the batch, on how its prompt was chunked, or on which kernel ran it.
+// and merges as it goes. The grouped decode kernel (`decode_grouped`) puts the warps of the
+// query heads sharing a KV head in one block, which stages each K/V row in shared memory
+// once for all of them; the per-head one (`decode_splits`) reads the pool from each warp.
+// All call the same `attend_split` and `merge` with every rounding spelled out
+// (`__fmaf_rn`, `__fmul_rn`) — only where the K/V values are read from differs, never the
+// values — so a row's bits depend only on q, its history and p — not on the batch, on how
+// its prompt was chunked, or on which kernel ran it.
 //
 // Defences (the runner validates on the host, these keep a bad value from faulting):
 //  * a block-table entry is read only below max_blocks_per_seq, and a block id outside the
@@ -91,28 +95,50 @@ __device__ __forceinline__ i64 slot_of(const i32* block_table, int pos, const Kv
     return (i64)block * kv.block_size + pos % kv.block_size;
 }
 
-// One warp: positions [begin, end) of one row, `q` already in registers (dims lane + 32·r).
+// Where `attend_split` reads keys and values from. `begin_tile(tile, end)` is called by every
+// warp before tile `tile` of a split ending at `end`; `row(j)` is the offset of tile key j in
+// `key`/`value`'s arrays, or −1 for a masked key. The two sources hand `attend_split` the same
+// values (the shared one holds the pool's T values, converted by the same `load_f32`), so the
+// arithmetic — and so the bits — cannot depend on which one a kernel uses.
 template <typename T, int HD>
-__device__ void attend_split(const float (&q)[HD / 32], const T* __restrict__ k_cache,
-                             const T* __restrict__ v_cache, const i32* __restrict__ block_table,
-                             KvLayout kv, int begin, int end, float scale, AttnState<HD>& st) {
+struct PoolKv {  // straight from the pool: one warp, no cooperation
+    const T* __restrict__ k_cache;
+    const T* __restrict__ v_cache;
+    const i32* __restrict__ block_table;
+    KvLayout kv;
+    int tile;
+
+    __device__ __forceinline__ void begin_tile(int t, int /*end*/) { tile = t; }
+    __device__ __forceinline__ i64 row(int j) const {
+        const i64 slot = slot_of(block_table, tile + j, kv);
+        return slot < 0 ? -1 : slot * kv.kv_row + (i64)kv.kv_head * HD;
+    }
+    __device__ __forceinline__ float key(i64 row, int d) const { return load_f32(k_cache, row + d); }
+    __device__ __forceinline__ float value(i64 row, int d) const { return load_f32(v_cache, row + d); }
+};
+
+// One warp: positions [begin, end) of one row, `q` already in registers (dims lane + 32·r).
+// Every rounding is spelled out; this function *is* the canonical computation of a split.
+template <int HD, typename Kv>
+__device__ void attend_split(const float (&q)[HD / 32], Kv& src, int begin, int end, float scale,
+                             AttnState<HD>& st) {
     const int lane = threadIdx.x % WARP_SIZE;
     state_init(st);
     for (int tile = begin; tile < end; tile += ATTN_TILE) {
+        src.begin_tile(tile, end);
         const int n = min(ATTN_TILE, end - tile);
         float my_score = NEG_INF;
         for (int j = 0; j < n; ++j) {
-            const i64 slot = slot_of(block_table, tile + j, kv);
+            const i64 row = src.row(j);
             float partial = 0.0f;
-            if (slot >= 0) {
-                const T* k = k_cache + slot * kv.kv_row + (i64)kv.kv_head * HD;
+            if (row >= 0) {
 #pragma unroll
                 for (int r = 0; r < HD / 32; ++r) {
-                    partial = __fmaf_rn(q[r], load_f32(k, lane + 32 * r), partial);
+                    partial = __fmaf_rn(q[r], src.key(row, lane + 32 * r), partial);
                 }
             }
             const float s = __fmul_rn(warp_sum(partial), scale);
-            if (lane == j) my_score = slot >= 0 ? s : NEG_INF;
+            if (lane == j) my_score = row >= 0 ? s : NEG_INF;
         }
         const float m_new = fmaxf(st.m, warp_max(my_score));
         const float ref = exp_ref(m_new);
@@ -123,12 +149,11 @@ __device__ void attend_split(const float (&q)[HD / 32], const T* __restrict__ k_
         for (int r = 0; r < HD / 32; ++r) st.acc[r] = __fmul_rn(st.acc[r], alpha);
         for (int j = 0; j < n; ++j) {
             const float pj = __shfl_sync(FULL_MASK, p, j);
-            const i64 slot = slot_of(block_table, tile + j, kv);
-            if (slot < 0) continue;
-            const T* v = v_cache + slot * kv.kv_row + (i64)kv.kv_head * HD;
+            const i64 row = src.row(j);
+            if (row < 0) continue;
 #pragma unroll
             for (int r = 0; r < HD / 32; ++r) {
-                st.acc[r] = __fmaf_rn(pj, load_f32(v, lane + 32 * r), st.acc[r]);
+                st.acc[r] = __fmaf_rn(pj, src.value(row, lane + 32 * r), st.acc[r]);
             }
         }
         st.m = m_new;
@@ -174,6 +199,18 @@ __device__ __forceinline__ KvLayout kv_layout(const AttnShape& s, int head, int 
     return kv;
 }
 
+// A split's (m, l, acc) into the decode scratch, for `decode_merge`.
+template <int HD>
+__device__ __forceinline__ void store_part(const AttnState<HD>& st, float* part_acc,
+                                           float* part_ml, i64 part, int lane) {
+#pragma unroll
+    for (int r = 0; r < HD / 32; ++r) part_acc[part * HD + lane + 32 * r] = st.acc[r];
+    if (lane == 0) {
+        part_ml[part * 2] = st.m;
+        part_ml[part * 2 + 1] = st.l;
+    }
+}
+
 // Decode, phase 1. grid (⌈num_heads / ATTN_WARPS⌉, num_seqs, max_splits), ATTN_WARPS warps;
 // warp w computes split blockIdx.z of head blockIdx.x · ATTN_WARPS + w of sequence blockIdx.y.
 template <typename T, int HD>
@@ -197,16 +234,158 @@ __device__ void decode_splits(
     const int end = min(begin + ATTN_SPLIT, ctx);
     float qr[HD / 32];
     load_q<T, HD>(q + ((i64)seq * shape.num_heads + head) * HD, qr);
+    PoolKv<T, HD> src{k_cache, v_cache, block_tables + (i64)seq * shape.max_blocks_per_seq,
+                      kv_layout(shape, head, HD), begin};
     AttnState<HD> st;
-    attend_split<T, HD>(qr, k_cache, v_cache, block_tables + (i64)seq * shape.max_blocks_per_seq,
-                        kv_layout(shape, head, HD), begin, end, shape.scale, st);
-    const i64 part = ((i64)seq * shape.num_heads + head) * shape.max_splits + split;
+    attend_split<HD>(qr, src, begin, end, shape.scale, st);
+    store_part<HD>(st, part_acc, part_ml,
+                   ((i64)seq * shape.num_heads + head) * shape.max_splits + split, lane);
+}
+
+// ---- Decode, phase 1, grouped by KV head -------------------------------------------------
+//
+// The per-head kernel above reads each K/V row once per query head; with grouped-query
+// attention `group` = num_heads / num_kv_heads heads read the same rows (7 for
+// Qwen2.5-0.5B, 6 for the 1.5B). Here one block of `group` warps takes one (KV head,
+// sequence, split): the block copies the split's keys and values into shared memory with
+// 16-byte loads, stage_keys() positions at a time (every thread has several loads in flight),
+// and each warp then runs `attend_split` for its own query head over the staged copy. The
+// copy holds the pool's T values unchanged and `load_f32` widens them exactly as the pool
+// source does, so every row gets the bits the per-head and prefill kernels give it.
+
+// Query heads per KV head the grouped kernel takes (one warp each); the launcher uses the
+// per-head kernel beyond that.
+#define ATTN_MAX_GROUP 16
+// Shared memory for one stage of K and V together.
+#define ATTN_STAGE_BYTES 32768
+// 16-byte pieces of K (and as many of V) each thread loads per round of the staging loop.
+#define STAGE_UNROLL 4
+
+// Positions staged at once: a whole number of tiles that divides ATTN_SPLIT, so a stage never
+// straddles a split (splits start at multiples of ATTN_SPLIT, stages at multiples of this
+// from the split's start).
+template <typename T, int HD>
+__host__ __device__ constexpr int stage_keys() {
+    return ATTN_STAGE_BYTES / (2 * HD * (int)sizeof(T)) < ATTN_TILE
+               ? ATTN_TILE
+               : ATTN_STAGE_BYTES / (2 * HD * (int)sizeof(T)) / ATTN_TILE * ATTN_TILE;
+}
+
+// 16 bytes, loaded and stored as one vector access.
+struct alignas(16) Pack16 {
+    u32 x, y, z, w;
+};
+
+template <typename T, int HD>
+struct StagedKv {
+    static constexpr int KEYS = stage_keys<T, HD>();
+    static constexpr int PIECES = HD * (int)sizeof(T) / 16;  // 16-byte pieces per K (or V) row
+    static_assert((HD * (int)sizeof(T)) % 16 == 0, "a K/V row is a whole number of 16 bytes");
+    static_assert(KEYS % ATTN_TILE == 0 && ATTN_SPLIT % KEYS == 0, "stages tile the split");
+    static_assert(2 * KEYS * HD * (int)sizeof(T) <= ATTN_STAGE_BYTES || KEYS == ATTN_TILE,
+                  "a stage fits its shared memory");
+
+    const T* __restrict__ k_cache;
+    const T* __restrict__ v_cache;
+    const i32* __restrict__ block_table;
+    KvLayout kv;
+    int begin;     // the split's first position; stages start at begin + KEYS·i
+    T* ks;         // shared [KEYS · HD]: staged key of stage position i at ks[i · HD]
+    T* vs;         // shared [KEYS · HD]
+    i32* present;  // shared [KEYS]: 0 where the position is masked (no slot)
+    int offset;    // stage position of the current tile's key 0
+
+    // Called by every thread of the block with the same (tile, end): the block's warps all
+    // walk the same split, so the barriers are reached uniformly.
+    __device__ __forceinline__ void begin_tile(int tile, int end) {
+        offset = (tile - begin) % KEYS;
+        if (offset != 0) return;
+        const int count = min(KEYS, end - tile);
+        __syncthreads();  // every warp is done reading the previous stage
+        const int total = count * PIECES;
+        // STAGE_UNROLL pieces of K and of V per thread are loaded before any is stored, so
+        // 2·STAGE_UNROLL 16-byte loads per thread are in flight at once.
+        for (int first = threadIdx.x; first < total; first += STAGE_UNROLL * blockDim.x) {
+            Pack16 k[STAGE_UNROLL], v[STAGE_UNROLL];
+            i32 ok[STAGE_UNROLL];
 #pragma unroll
-    for (int r = 0; r < HD / 32; ++r) part_acc[part * HD + lane + 32 * r] = st.acc[r];
-    if (lane == 0) {
-        part_ml[part * 2] = st.m;
-        part_ml[part * 2 + 1] = st.l;
+            for (int u = 0; u < STAGE_UNROLL; ++u) {
+                const int c = first + u * blockDim.x;
+                k[u] = Pack16{0u, 0u, 0u, 0u};
+                v[u] = Pack16{0u, 0u, 0u, 0u};
+                ok[u] = 0;
+                if (c < total) {
+                    const int i = c / PIECES;
+                    const i64 slot = slot_of(block_table, tile + i, kv);
+                    if (slot >= 0) {
+                        const i64 at = slot * kv.kv_row + (i64)kv.kv_head * HD;
+                        k[u] = reinterpret_cast<const Pack16*>(k_cache + at)[c - i * PIECES];
+                        v[u] = reinterpret_cast<const Pack16*>(v_cache + at)[c - i * PIECES];
+                        ok[u] = 1;
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < STAGE_UNROLL; ++u) {
+                const int c = first + u * blockDim.x;
+                if (c < total) {
+                    // Piece c of the stage is elements [c · 16 / sizeof(T), …): stage
+                    // position c / PIECES, piece c % PIECES of its row.
+                    reinterpret_cast<Pack16*>(ks)[c] = k[u];
+                    reinterpret_cast<Pack16*>(vs)[c] = v[u];
+                    if (c % PIECES == 0) present[c / PIECES] = ok[u];
+                }
+            }
+        }
+        __syncthreads();  // the stage is complete before any warp reads it
     }
+    // Tile key j is stage position offset + j < count (a tile never runs past the split's end,
+    // and a stage holds every position of the split from its start up to KEYS).
+    __device__ __forceinline__ i64 row(int j) const {
+        const int i = offset + j;
+        return present[i] ? (i64)i * HD : -1;
+    }
+    __device__ __forceinline__ float key(i64 row, int d) const { return load_f32(ks, row + d); }
+    __device__ __forceinline__ float value(i64 row, int d) const { return load_f32(vs, row + d); }
+};
+
+// grid (num_kv_heads, num_seqs, max_splits), exactly `group` warps: warp w takes query head
+// blockIdx.x · group + w. Writes the same partials as `decode_splits`, merged by `decode_merge`.
+template <typename T, int HD>
+__device__ void decode_grouped(
+    const T* __restrict__ q,              // [num_seqs, num_heads, HD]
+    const T* __restrict__ k_cache,        // [num_blocks, block_size, num_kv_heads, HD], 16-byte aligned
+    const T* __restrict__ v_cache,        // [num_blocks, block_size, num_kv_heads, HD], 16-byte aligned
+    const i32* __restrict__ block_tables, // [num_seqs, max_blocks_per_seq]
+    const i32* __restrict__ seq_lens,     // [num_seqs]
+    float* __restrict__ part_acc,         // [num_seqs, num_heads, max_splits, HD]
+    float* __restrict__ part_ml,          // [num_seqs, num_heads, max_splits, 2]
+    AttnShape shape) {
+    constexpr int KEYS = StagedKv<T, HD>::KEYS;
+    __shared__ alignas(16) T ks[KEYS * HD];
+    __shared__ alignas(16) T vs[KEYS * HD];
+    __shared__ i32 present[KEYS];
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int group = shape.num_heads / shape.num_kv_heads;
+    // Both conditions are the same for the whole block, so no warp is left at a barrier.
+    // A launch with another block size (a launcher bug) writes nothing rather than
+    // attending with the wrong heads.
+    if ((int)blockDim.x != group * WARP_SIZE) return;
+    const int head = blockIdx.x * group + threadIdx.x / WARP_SIZE;
+    const int seq = blockIdx.y;
+    const int split = blockIdx.z;
+    const int ctx = seq_lens[seq];
+    const int begin = split * ATTN_SPLIT;
+    if (begin >= ctx) return;
+    const int end = min(begin + ATTN_SPLIT, ctx);
+    float qr[HD / 32];
+    load_q<T, HD>(q + ((i64)seq * shape.num_heads + head) * HD, qr);
+    StagedKv<T, HD> src{k_cache, v_cache, block_tables + (i64)seq * shape.max_blocks_per_seq,
+                        kv_layout(shape, head, HD), begin, ks, vs, present, 0};
+    AttnState<HD> st;
+    attend_split<HD>(qr, src, begin, end, shape.scale, st);
+    store_part<HD>(st, part_acc, part_ml,
+                   ((i64)seq * shape.num_heads + head) * shape.max_splits + split, lane);
 }
 
 // Decode, phase 2. grid (num_heads, num_seqs), one warp: merges the splits in order.
@@ -266,14 +445,13 @@ __device__ void prefill(
     const int ctx = min(positions[token] + 1, seq_lens[seq]);
     float qr[HD / 32];
     load_q<T, HD>(q + row * HD, qr);
-    const KvLayout kv = kv_layout(shape, head, HD);
-    const i32* table = block_tables + (i64)seq * shape.max_blocks_per_seq;
+    PoolKv<T, HD> src{k_cache, v_cache, block_tables + (i64)seq * shape.max_blocks_per_seq,
+                      kv_layout(shape, head, HD), 0};
     AttnState<HD> total;
     state_init(total);
     for (int begin = 0; begin < ctx; begin += ATTN_SPLIT) {
         AttnState<HD> part;
-        attend_split<T, HD>(qr, k_cache, v_cache, table, kv, begin, min(begin + ATTN_SPLIT, ctx),
-                            shape.scale, part);
+        attend_split<HD>(qr, src, begin, min(begin + ATTN_SPLIT, ctx), shape.scale, part);
         merge(total, part);
     }
     store_out<T, HD>(total, out + row * HD, ctx <= 0);
@@ -285,6 +463,13 @@ __device__ void prefill(
         const i32* seq_lens, float* part_acc, float* part_ml, AttnShape shape) {               \
         decode_splits<T, HD>(q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_ml,   \
                              shape);                                                           \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(ATTN_MAX_GROUP * WARP_SIZE)                 \
+        paged_attention_decode_grouped_##SUFFIX##_hd##HD(                                      \
+            const T* q, const T* k_cache, const T* v_cache, const i32* block_tables,           \
+            const i32* seq_lens, float* part_acc, float* part_ml, AttnShape shape) {           \
+        decode_grouped<T, HD>(q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_ml,  \
+                              shape);                                                          \
     }                                                                                          \
     extern "C" __global__ void paged_attention_merge_##SUFFIX##_hd##HD(                        \
         const i32* seq_lens, const float* part_acc, const float* part_ml, T* out,              \
