@@ -96,10 +96,11 @@ __device__ __forceinline__ i64 slot_of(const i32* block_table, int pos, const Kv
 }
 
 // Where `attend_split` reads keys and values from. `begin_tile(tile, end)` is called by every
-// warp before tile `tile` of a split ending at `end`; `row(j)` is the offset of tile key j in
-// `key`/`value`'s arrays, or −1 for a masked key. The two sources hand `attend_split` the same
-// values (the shared one holds the pool's T values, converted by the same `load_f32`), so the
-// arithmetic — and so the bits — cannot depend on which one a kernel uses.
+// warp before tile `tile` of a split ending at `end`; `tile_score` gives lane j the score of
+// the tile's key j; `row(j)` is the offset of tile key j in `value`'s array, or −1 for a
+// masked key. The two sources hand `attend_split` the same values (the shared one holds the
+// pool's T values, widened by the same conversion) and compute a score with the same IEEE
+// operations on the same operands, so the bits cannot depend on which one a kernel uses.
 template <typename T, int HD>
 struct PoolKv {  // straight from the pool: one warp, no cooperation
     const T* __restrict__ k_cache;
@@ -115,6 +116,27 @@ struct PoolKv {  // straight from the pool: one warp, no cooperation
     }
     __device__ __forceinline__ float key(i64 row, int d) const { return load_f32(k_cache, row + d); }
     __device__ __forceinline__ float value(i64 row, int d) const { return load_f32(v_cache, row + d); }
+
+    // The canonical score of the tile's keys: for key j, lane l sums its dims l + 32·r in r
+    // order (`__fmaf_rn` from 0), `warp_sum`'s xor butterfly adds the 32 partials, the sum is
+    // multiplied by `scale`; lane j keeps key j's score (−inf when masked, and past n).
+    __device__ __forceinline__ float tile_score(const float (&q)[HD / 32], int n, float scale) const {
+        const int lane = threadIdx.x % WARP_SIZE;
+        float my_score = NEG_INF;
+        for (int j = 0; j < n; ++j) {
+            const i64 row = this->row(j);
+            float partial = 0.0f;
+            if (row >= 0) {
+#pragma unroll
+                for (int r = 0; r < HD / 32; ++r) {
+                    partial = __fmaf_rn(q[r], key(row, lane + 32 * r), partial);
+                }
+            }
+            const float s = __fmul_rn(warp_sum(partial), scale);
+            if (lane == j) my_score = row >= 0 ? s : NEG_INF;
+        }
+        return my_score;
+    }
 };
 
 // One warp: positions [begin, end) of one row, `q` already in registers (dims lane + 32·r).
@@ -127,19 +149,7 @@ __device__ void attend_split(const float (&q)[HD / 32], Kv& src, int begin, int 
     for (int tile = begin; tile < end; tile += ATTN_TILE) {
         src.begin_tile(tile, end);
         const int n = min(ATTN_TILE, end - tile);
-        float my_score = NEG_INF;
-        for (int j = 0; j < n; ++j) {
-            const i64 row = src.row(j);
-            float partial = 0.0f;
-            if (row >= 0) {
-#pragma unroll
-                for (int r = 0; r < HD / 32; ++r) {
-                    partial = __fmaf_rn(q[r], src.key(row, lane + 32 * r), partial);
-                }
-            }
-            const float s = __fmul_rn(warp_sum(partial), scale);
-            if (lane == j) my_score = row >= 0 ? s : NEG_INF;
-        }
+        const float my_score = src.tile_score(q, n, scale);
         const float m_new = fmaxf(st.m, warp_max(my_score));
         const float ref = exp_ref(m_new);
         const float p = lane < n ? expf(__fsub_rn(my_score, ref)) : 0.0f;
@@ -249,14 +259,16 @@ __device__ void decode_splits(
 // Qwen2.5-0.5B, 6 for the 1.5B). Here one block of `group` warps takes one (KV head,
 // sequence, split): the block copies the split's keys and values into shared memory with
 // 16-byte loads, stage_keys() positions at a time (every thread has several loads in flight),
-// and each warp then runs `attend_split` for its own query head over the staged copy. The
-// copy holds the pool's T values unchanged and `load_f32` widens them exactly as the pool
-// source does, so every row gets the bits the per-head and prefill kernels give it.
+// and each warp then runs `attend_split` for its own query head over the staged copy, with
+// the scores of a tile computed one key per lane (`StagedKv::tile_score`) rather than one
+// key per warp-wide butterfly. The copy holds the pool's T values unchanged, widened exactly
+// as the pool source widens them, and each score is the same IEEE operations in the same
+// order, so every row gets the bits the per-head and prefill kernels give it.
 
 // Query heads per KV head the grouped kernel takes (one warp each); the launcher uses the
 // per-head kernel beyond that.
 #define ATTN_MAX_GROUP 16
-// Shared memory for one stage of K and V together.
+// Shared memory for one stage of K and V together, before the rows are padded by 16 bytes.
 #define ATTN_STAGE_BYTES 32768
 // 16-byte pieces of K (and as many of V) each thread loads per round of the staging loop.
 #define STAGE_UNROLL 4
@@ -273,26 +285,58 @@ __host__ __device__ constexpr int stage_keys() {
 
 // 16 bytes, loaded and stored as one vector access.
 struct alignas(16) Pack16 {
-    u32 x, y, z, w;
+    u32 w[4];
 };
+
+// Element e of a Pack16 of T, widened to f32 exactly as `load_f32` widens it.
+__device__ __forceinline__ float unpack(const Pack16& p, int e, const float*) {
+    return __uint_as_float(p.w[e]);
+}
+__device__ __forceinline__ float unpack(const Pack16& p, int e, const bf16*) {
+    return bf16_to_f32((bf16)(e % 2 == 0 ? p.w[e / 2] & 0xffffu : p.w[e / 2] >> 16));
+}
+
+// The sum `warp_sum` leaves in every lane, from the 32 lane partials held by one thread:
+// the xor butterfly with offsets 16, 8, 4, 2, 1 adds, in lane 0's view,
+//   a_i = p_i + p_{i+16} (i < 16), b_i = a_i + a_{i+8} (i < 8), c_i = b_i + b_{i+4} (i < 4),
+//   d_i = c_i + c_{i+2} (i < 2), d_0 + d_1
+// (lane 0 adds lane 8's a_8 = p_8 + p_24 to its a_0, and so on), and every lane ends with
+// the same bits (each step adds the same two operands, and + is commutative).
+// (Five loops with constant bounds, so that the array stays in registers.)
+__device__ __forceinline__ float butterfly_sum(float (&p)[WARP_SIZE]) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) p[i] = __fadd_rn(p[i], p[i + 16]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) p[i] = __fadd_rn(p[i], p[i + 8]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p[i] = __fadd_rn(p[i], p[i + 4]);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) p[i] = __fadd_rn(p[i], p[i + 2]);
+    return __fadd_rn(p[0], p[1]);
+}
 
 template <typename T, int HD>
 struct StagedKv {
     static constexpr int KEYS = stage_keys<T, HD>();
     static constexpr int PIECES = HD * (int)sizeof(T) / 16;  // 16-byte pieces per K (or V) row
+    static constexpr int PER_PIECE = 16 / (int)sizeof(T);    // elements per piece
+    // A staged row is padded by one piece: lane j reads row j in `tile_score`, and a stride of
+    // PIECES + 1 pieces puts the 8 lanes of each quarter-warp's 16-byte reads on 8 different
+    // bank groups.
+    static constexpr int ROW_PIECES = PIECES + 1;
+    static constexpr int ROW = ROW_PIECES * PER_PIECE;  // elements per staged row
     static_assert((HD * (int)sizeof(T)) % 16 == 0, "a K/V row is a whole number of 16 bytes");
     static_assert(KEYS % ATTN_TILE == 0 && ATTN_SPLIT % KEYS == 0, "stages tile the split");
-    static_assert(2 * KEYS * HD * (int)sizeof(T) <= ATTN_STAGE_BYTES || KEYS == ATTN_TILE,
-                  "a stage fits its shared memory");
 
     const T* __restrict__ k_cache;
     const T* __restrict__ v_cache;
     const i32* __restrict__ block_table;
     KvLayout kv;
     int begin;     // the split's first position; stages start at begin + KEYS·i
-    T* ks;         // shared [KEYS · HD]: staged key of stage position i at ks[i · HD]
-    T* vs;         // shared [KEYS · HD]
+    T* ks;         // shared [KEYS · ROW]: staged key of stage position i at ks[i · ROW]
+    T* vs;         // shared [KEYS · ROW]
     i32* present;  // shared [KEYS]: 0 where the position is masked (no slot)
+    const T* qs;   // shared [HD]: this warp's query row, as stored in q
     int offset;    // stage position of the current tile's key 0
 
     // Called by every thread of the block with the same (tile, end): the block's warps all
@@ -311,8 +355,8 @@ struct StagedKv {
 #pragma unroll
             for (int u = 0; u < STAGE_UNROLL; ++u) {
                 const int c = first + u * blockDim.x;
-                k[u] = Pack16{0u, 0u, 0u, 0u};
-                v[u] = Pack16{0u, 0u, 0u, 0u};
+                k[u] = Pack16{{0u, 0u, 0u, 0u}};
+                v[u] = Pack16{{0u, 0u, 0u, 0u}};
                 ok[u] = 0;
                 if (c < total) {
                     const int i = c / PIECES;
@@ -329,11 +373,12 @@ struct StagedKv {
             for (int u = 0; u < STAGE_UNROLL; ++u) {
                 const int c = first + u * blockDim.x;
                 if (c < total) {
-                    // Piece c of the stage is elements [c · 16 / sizeof(T), …): stage
-                    // position c / PIECES, piece c % PIECES of its row.
-                    reinterpret_cast<Pack16*>(ks)[c] = k[u];
-                    reinterpret_cast<Pack16*>(vs)[c] = v[u];
-                    if (c % PIECES == 0) present[c / PIECES] = ok[u];
+                    // Piece c is piece c % PIECES of stage position i = c / PIECES.
+                    const int i = c / PIECES;
+                    const int at = i * ROW_PIECES + (c - i * PIECES);
+                    reinterpret_cast<Pack16*>(ks)[at] = k[u];
+                    reinterpret_cast<Pack16*>(vs)[at] = v[u];
+                    if (c - i * PIECES == 0) present[i] = ok[u];
                 }
             }
         }
@@ -343,10 +388,38 @@ struct StagedKv {
     // and a stage holds every position of the split from its start up to KEYS).
     __device__ __forceinline__ i64 row(int j) const {
         const int i = offset + j;
-        return present[i] ? (i64)i * HD : -1;
+        return present[i] ? (i64)i * ROW : -1;
     }
-    __device__ __forceinline__ float key(i64 row, int d) const { return load_f32(ks, row + d); }
     __device__ __forceinline__ float value(i64 row, int d) const { return load_f32(vs, row + d); }
+
+    // `PoolKv::tile_score`'s bits with one key per lane instead of one key per step of the
+    // warp: lane j forms the 32 partials p_l = Σ_r q[l + 32·r]·k_j[l + 32·r] itself (each in r
+    // order with `__fmaf_rn` from 0, reading its key row 16 bytes at a time), adds them in
+    // the butterfly's order, and multiplies by `scale`. No shuffles: 32 keys in flight per
+    // warp instead of one.
+    __device__ __forceinline__ float tile_score(const float (&)[HD / 32], int n,
+                                                float scale) const {
+        const int j = threadIdx.x % WARP_SIZE;
+        if (j >= n || !present[offset + j]) return NEG_INF;
+        const Pack16* k_row = reinterpret_cast<const Pack16*>(ks) + (offset + j) * ROW_PIECES;
+        const Pack16* q_row = reinterpret_cast<const Pack16*>(qs);
+        float p[WARP_SIZE];
+#pragma unroll
+        for (int l = 0; l < WARP_SIZE; ++l) p[l] = 0.0f;
+        // Dim d = c · PER_PIECE + e feeds partial d % 32, after dims d − 32, d − 64, … .
+#pragma unroll
+        for (int c = 0; c < PIECES; ++c) {
+            const Pack16 kp = k_row[c];
+            const Pack16 qp = q_row[c];  // the same address in every lane: a broadcast
+#pragma unroll
+            for (int e = 0; e < PER_PIECE; ++e) {
+                const int l = (c * PER_PIECE + e) % WARP_SIZE;
+                p[l] = __fmaf_rn(unpack(qp, e, (const T*)nullptr), unpack(kp, e, (const T*)nullptr),
+                                 p[l]);
+            }
+        }
+        return __fmul_rn(butterfly_sum(p), scale);
+    }
 };
 
 // grid (num_kv_heads, num_seqs, max_splits), exactly `group` warps: warp w takes query head
@@ -361,29 +434,38 @@ __device__ void decode_grouped(
     float* __restrict__ part_acc,         // [num_seqs, num_heads, max_splits, HD]
     float* __restrict__ part_ml,          // [num_seqs, num_heads, max_splits, 2]
     AttnShape shape) {
-    constexpr int KEYS = StagedKv<T, HD>::KEYS;
-    __shared__ alignas(16) T ks[KEYS * HD];
-    __shared__ alignas(16) T vs[KEYS * HD];
-    __shared__ i32 present[KEYS];
+    using Kv = StagedKv<T, HD>;
+    __shared__ alignas(16) T ks[Kv::KEYS * Kv::ROW];
+    __shared__ alignas(16) T vs[Kv::KEYS * Kv::ROW];
+    __shared__ alignas(16) T qs[ATTN_MAX_GROUP * HD];
+    __shared__ i32 present[Kv::KEYS];
+    static_assert(sizeof(ks) + sizeof(vs) + sizeof(qs) + sizeof(present) <= 48 * 1024,
+                  "static shared memory");
     const int lane = threadIdx.x % WARP_SIZE;
+    const int warp = threadIdx.x / WARP_SIZE;
     const int group = shape.num_heads / shape.num_kv_heads;
     // Both conditions are the same for the whole block, so no warp is left at a barrier.
     // A launch with another block size (a launcher bug) writes nothing rather than
-    // attending with the wrong heads.
-    if ((int)blockDim.x != group * WARP_SIZE) return;
-    const int head = blockIdx.x * group + threadIdx.x / WARP_SIZE;
+    // attending with the wrong heads or past `qs`.
+    if ((int)blockDim.x != group * WARP_SIZE || group > ATTN_MAX_GROUP) return;
+    const int head = blockIdx.x * group + warp;
     const int seq = blockIdx.y;
     const int split = blockIdx.z;
     const int ctx = seq_lens[seq];
     const int begin = split * ATTN_SPLIT;
     if (begin >= ctx) return;
     const int end = min(begin + ATTN_SPLIT, ctx);
-    float qr[HD / 32];
-    load_q<T, HD>(q + ((i64)seq * shape.num_heads + head) * HD, qr);
-    StagedKv<T, HD> src{k_cache, v_cache, block_tables + (i64)seq * shape.max_blocks_per_seq,
-                        kv_layout(shape, head, HD), begin, ks, vs, present, 0};
+    const T* q_row = q + ((i64)seq * shape.num_heads + head) * HD;
+    T* q_mine = qs + warp * HD;
+    // The query as stored (T), widened at each use as `load_q` widens it.
+#pragma unroll
+    for (int r = 0; r < HD / 32; ++r) q_mine[lane + 32 * r] = q_row[lane + 32 * r];
+    __syncwarp();  // the warp reads its whole row in `tile_score`
+    const float no_q[HD / 32] = {};  // `tile_score` of the staged source reads `qs` instead
+    Kv src{k_cache, v_cache, block_tables + (i64)seq * shape.max_blocks_per_seq,
+           kv_layout(shape, head, HD), begin, ks, vs, present, q_mine, 0};
     AttnState<HD> st;
-    attend_split<HD>(qr, src, begin, end, shape.scale, st);
+    attend_split<HD>(no_q, src, begin, end, shape.scale, st);
     store_part<HD>(st, part_acc, part_ml,
                    ((i64)seq * shape.num_heads + head) * shape.max_splits + split, lane);
 }

@@ -483,10 +483,11 @@ fn stage_keys(elem: usize, hd: usize, stage_bytes: usize, tile: usize) -> usize 
     }
 }
 
-/// Walks `StagedKv::begin_tile`'s staging loop and `attend_split`'s reads for one split, as
-/// the kernel's threads would, and checks that every staged piece is written once, inside
-/// the shared arrays, and that every key and value element a warp reads is the element of
-/// the position it means (tile + j, dim d) of the current stage.
+/// Walks `StagedKv::begin_tile`'s staging loop and the staged source's reads for one split,
+/// as the kernel's threads would, and checks that every staged piece is written once, inside
+/// the shared arrays, and that every piece a lane reads in `tile_score` (key rows, one lane
+/// per key) and every element `attend_split` reads through `row`/`value` is the one of the
+/// position it means (tile + j, piece or dim) of the current stage.
 fn walk_split(elem: usize, hd: usize, threads: usize, begin: usize, end: usize) {
     let (split, tile_len) = (kernel_define("ATTN_SPLIT"), 32);
     let stage_bytes = kernel_define("ATTN_STAGE_BYTES");
@@ -496,11 +497,18 @@ fn walk_split(elem: usize, hd: usize, threads: usize, begin: usize, end: usize) 
         keys.is_multiple_of(tile_len) && split.is_multiple_of(keys),
         "stages tile the split"
     );
-    assert!(2 * keys * hd * elem <= stage_bytes.max(2 * tile_len * hd * elem));
     let pieces = hd * elem / 16;
     assert_eq!(pieces * 16, hd * elem);
+    let (row_pieces, per_piece) = (pieces + 1, 16 / elem);
+    let row = row_pieces * per_piece;
+    // Static shared memory: K and V stages, the group's queries, the mask.
+    let shared = 2 * keys * row * elem + kernel_define("ATTN_MAX_GROUP") * hd * elem + 4 * keys;
+    assert!(
+        shared <= 48 * 1024,
+        "{shared} bytes of static shared memory"
+    );
     // Shared memory as the kernel lays it out: which (position, piece) each Pack16 holds.
-    let mut smem: Vec<Option<(usize, usize)>> = vec![None; keys * pieces];
+    let mut smem: Vec<Option<(usize, usize)>> = vec![None; keys * row_pieces];
     let mut present: Vec<Option<usize>> = vec![None; keys];
     let mut tile = begin;
     while tile < end {
@@ -516,24 +524,30 @@ fn walk_split(elem: usize, hd: usize, threads: usize, begin: usize, end: usize) 
                     for u in 0..unroll {
                         let c = first + u * threads;
                         if c < total {
-                            let (i, piece) = (c / pieces, c - c / pieces * pieces);
-                            assert!(c < smem.len(), "piece {c} past the stage");
-                            assert!(smem[c].is_none(), "piece {c} written twice");
-                            smem[c] = Some((tile + i, piece));
-                            if c.is_multiple_of(pieces) {
-                                present[c / pieces] = Some(tile + c / pieces);
+                            let i = c / pieces;
+                            let at = i * row_pieces + (c - i * pieces);
+                            assert!(at < smem.len(), "piece {c} past the stage");
+                            assert!(smem[at].is_none(), "piece {c} written twice");
+                            smem[at] = Some((tile + i, c - i * pieces));
+                            if c - i * pieces == 0 {
+                                present[i] = Some(tile + i);
                             }
                         }
                     }
                     first += unroll * threads;
                 }
             }
-            assert!(
-                smem[..total].iter().all(Option::is_some),
-                "a piece is missing"
-            );
+            let written = smem.iter().filter(|p| p.is_some()).count();
+            assert_eq!(written, total, "a piece is missing");
         }
         let n = tile_len.min(end - tile);
+        // Quarter-warp 16-byte reads of `tile_score`: 8 lanes on 8 different bank groups.
+        for quarter in 0..4 {
+            let groups: std::collections::HashSet<usize> = (quarter * 8..quarter * 8 + 8)
+                .map(|j| ((offset + j) * row_pieces) % 8)
+                .collect();
+            assert_eq!(groups.len(), 8, "bank conflict in tile_score's reads");
+        }
         for j in 0..n {
             let i = offset + j;
             assert_eq!(
@@ -542,18 +556,82 @@ fn walk_split(elem: usize, hd: usize, threads: usize, begin: usize, end: usize) 
                 "present[{i}] of position {}",
                 tile + j
             );
+            for c in 0..pieces {
+                assert_eq!(
+                    smem[i * row_pieces + c],
+                    Some((tile + j, c)),
+                    "key {}",
+                    tile + j
+                );
+            }
             for d in 0..hd {
-                // Element row + d = i·HD + d lies in piece (i·HD + d)·elem / 16.
-                let piece = (i * hd + d) * elem / 16;
+                // `value(row(j), d)`: element i·ROW + d lies in piece (i·ROW + d)·elem / 16.
+                let piece = (i * row + d) * elem / 16;
                 assert_eq!(
                     smem[piece],
                     Some((tile + j, d * elem / 16)),
-                    "key {} dim {d}",
+                    "value {} dim {d}",
                     tile + j
                 );
             }
         }
         tile += tile_len;
+    }
+}
+
+/// `warp_sum`: the xor butterfly over 32 lanes; returns every lane's result.
+fn warp_sum(mut v: [f32; 32]) -> [f32; 32] {
+    for offset in [16, 8, 4, 2, 1] {
+        let prev = v;
+        for (lane, x) in v.iter_mut().enumerate() {
+            *x = prev[lane] + prev[lane ^ offset];
+        }
+    }
+    v
+}
+
+/// `butterfly_sum` of the kernel: the same sums, in one thread.
+fn butterfly_sum(mut p: [f32; 32]) -> f32 {
+    for half in [16, 8, 4, 2] {
+        for i in 0..half {
+            p[i] += p[i + half];
+        }
+    }
+    p[0] + p[1]
+}
+
+/// The canonical score (`PoolKv::tile_score`: lane partials, then the butterfly) and the
+/// staged kernel's (`StagedKv::tile_score`: one thread, partials by dim, then
+/// `butterfly_sum`) are the same IEEE operations: equal bits, in every lane, for every key.
+#[test]
+fn one_lane_scores_equal_the_warp_butterfly_bit_for_bit() {
+    let mut rng = Rng(5);
+    for hd in [64, 128, 256] {
+        for _ in 0..2000 {
+            let scale = 1.0 / (hd as f32).sqrt();
+            // Wide exponents, so that rounding differences would show.
+            let q: Vec<f32> = (0..hd)
+                .map(|_| rng.f32() * 2f32.powi((rng.f32() * 8.0) as i32))
+                .collect();
+            let k: Vec<f32> = (0..hd)
+                .map(|_| rng.f32() * 2f32.powi((rng.f32() * 8.0) as i32))
+                .collect();
+            let mut lanes = [0f32; 32];
+            for (lane, partial) in lanes.iter_mut().enumerate() {
+                for r in 0..hd / 32 {
+                    *partial = q[lane + 32 * r].mul_add(k[lane + 32 * r], *partial);
+                }
+            }
+            let summed = warp_sum(lanes);
+            assert!(summed.iter().all(|v| v.to_bits() == summed[0].to_bits()));
+            let warp = summed[0] * scale;
+            let mut p = [0f32; 32];
+            for d in 0..hd {
+                p[d % 32] = q[d].mul_add(k[d], p[d % 32]);
+            }
+            let one_lane = butterfly_sum(p) * scale;
+            assert_eq!(one_lane.to_bits(), warp.to_bits(), "head_dim {hd}");
+        }
     }
 }
 
