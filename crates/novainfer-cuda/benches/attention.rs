@@ -17,10 +17,18 @@ fn main() -> ExitCode {
     let gpu = match GpuContext::new(0) {
         Ok(gpu) => gpu,
         Err(CudaError::NotAvailable(why)) => {
-            println!("decode attention bench: skipped: no CUDA device ({why})");
             return match when_unavailable_from_env() {
-                WhenUnavailable::Skip => ExitCode::SUCCESS,
-                WhenUnavailable::Fail => ExitCode::FAILURE,
+                WhenUnavailable::Skip => {
+                    println!("decode attention bench: skipped: no CUDA device ({why})");
+                    ExitCode::SUCCESS
+                }
+                WhenUnavailable::Fail => {
+                    eprintln!(
+                        "decode attention bench: {} is set but no CUDA device is usable: {why}",
+                        novainfer_cuda::gpu_test::REQUIRE_GPU_ENV
+                    );
+                    ExitCode::FAILURE
+                }
             };
         }
         Err(e) => {
