@@ -422,8 +422,13 @@ struct StagedKv {
     }
 };
 
-// grid (num_kv_heads, num_seqs, max_splits), exactly `group` warps: warp w takes query head
-// blockIdx.x · group + w. Writes the same partials as `decode_splits`, merged by `decode_merge`.
+// grid (num_kv_heads · parts, num_seqs, max_splits), W ≤ group warps (W = blockDim.x / 32,
+// parts = ⌈group / W⌉): block x takes heads part·W … part·W + W − 1 of the group of KV head
+// x / parts (part = x % parts), one warp each. W = group reads each K/V row once; a smaller
+// W makes `parts` times the blocks (the launcher's choice when the batch is too small to
+// fill the GPU), each staging its own copy. A warp past the group's last head (when W does
+// not divide the group) runs its block's last head again for the barriers and stores
+// nothing. Writes the same partials as `decode_splits`, merged by `decode_merge`.
 template <typename T, int HD>
 __device__ void decode_grouped(
     const T* __restrict__ q,              // [num_seqs, num_heads, HD]
@@ -444,11 +449,19 @@ __device__ void decode_grouped(
     const int lane = threadIdx.x % WARP_SIZE;
     const int warp = threadIdx.x / WARP_SIZE;
     const int group = shape.num_heads / shape.num_kv_heads;
-    // Both conditions are the same for the whole block, so no warp is left at a barrier.
-    // A launch with another block size (a launcher bug) writes nothing rather than
+    const int per_block = blockDim.x / WARP_SIZE;
+    // Every condition below is the same for the whole block, so no warp is left at a
+    // barrier. A launch of another shape (a launcher bug) writes nothing rather than
     // attending with the wrong heads or past `qs`.
-    if ((int)blockDim.x != group * WARP_SIZE || group > ATTN_MAX_GROUP) return;
-    const int head = blockIdx.x * group + warp;
+    if (blockDim.x % WARP_SIZE != 0 || per_block < 1 || per_block > group ||
+        per_block > ATTN_MAX_GROUP)
+        return;
+    const int parts = (group + per_block - 1) / per_block;
+    const int kv_head = blockIdx.x / parts;
+    if (kv_head >= shape.num_kv_heads) return;
+    const int in_group = (blockIdx.x % parts) * per_block + warp;
+    const bool stores = in_group < group;
+    const int head = kv_head * group + min(in_group, group - 1);
     const int seq = blockIdx.y;
     const int split = blockIdx.z;
     const int ctx = seq_lens[seq];
@@ -466,6 +479,7 @@ __device__ void decode_grouped(
            kv_layout(shape, head, HD), begin, ks, vs, present, q_mine, 0};
     AttnState<HD> st;
     attend_split<HD>(no_q, src, begin, end, shape.scale, st);
+    if (!stores) return;
     store_part<HD>(st, part_acc, part_ml,
                    ((i64)seq * shape.num_heads + head) * shape.max_splits + split, lane);
 }

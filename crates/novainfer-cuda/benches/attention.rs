@@ -1,6 +1,7 @@
 //! Decode attention bandwidth: bytes of K and V a decode step reads ÷ the time of the step's
-//! attention (both phases, CUDA events around `ITERS` launches), for the grouped and the
-//! per-head first phase, Qwen2.5-0.5B's and 1.5B's head geometry, batch 1/16/64 and
+//! attention (both phases, CUDA events around `ITERS` launches), for the grouped first phase
+//! with whole groups per block, the one `paged_attention_decode` picks (where it differs) and
+//! the per-head one, Qwen2.5-0.5B's and 1.5B's head geometry, batch 1/16/64 and
 //! histories of 1k/4k/16k positions, next to the device's measured copy bandwidth.
 //!
 //! `cargo bench -p novainfer-cuda --features cuda --bench attention`; `scripts/gpu-test run`
@@ -56,7 +57,8 @@ mod bench {
     use half::bf16;
     use novainfer_cuda::cudarc::driver::{sys::CUevent_flags, CudaEvent, CudaSlice};
     use novainfer_cuda::ops::paged_attention::{
-        paged_attention_decode_with, AttentionConfig, DecodeKernel, DecodeScratch, PagedKv,
+        decode_kernel_for, paged_attention_decode_with, AttentionConfig, DecodeKernel,
+        DecodeScratch, PagedKv,
     };
     use novainfer_cuda::GpuContext;
 
@@ -160,7 +162,23 @@ mod bench {
                     let mut scratch = DecodeScratch::new(gpu, &cfg, batch, ctx)?;
                     let bytes = (batch * ctx * row * 2 * 2) as f64;
                     let mut line = format!("  batch {batch:>2}, context {ctx:>5}:");
-                    for kernel in [DecodeKernel::Grouped, DecodeKernel::PerHead] {
+                    let picked = {
+                        let kv = PagedKv {
+                            k_cache: k.as_view(),
+                            v_cache: v.as_view(),
+                            block_tables: dt.as_view(),
+                            seq_lens: dl.as_view(),
+                        };
+                        decode_kernel_for(gpu, &cfg, &kv, ctx)
+                    };
+                    let whole = DecodeKernel::Grouped {
+                        heads_per_block: num_heads / num_kv_heads,
+                    };
+                    let mut kernels = vec![whole, DecodeKernel::PerHead];
+                    if picked != whole {
+                        kernels.insert(1, picked);
+                    }
+                    for kernel in kernels {
                         let ms = time_ms(gpu, || {
                             let kv = PagedKv {
                                 k_cache: k.as_view(),
@@ -181,8 +199,14 @@ mod bench {
                             Ok(())
                         })?;
                         let rate = bytes / (ms / 1e3);
+                        let name = match kernel {
+                            DecodeKernel::Grouped { heads_per_block } => {
+                                format!("grouped/{heads_per_block}")
+                            }
+                            DecodeKernel::PerHead => "per-head".to_owned(),
+                        };
                         line += &format!(
-                            "  {kernel:?} {:>8.1} us {:>6.0} GB/s ({:>4.1}% of copy)",
+                            "  {name} {:>8.1} us {:>6.0} GB/s ({:>4.1}% of copy)",
                             ms * 1e3,
                             rate / 1e9,
                             100.0 * rate / copy

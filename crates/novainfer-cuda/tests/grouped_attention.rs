@@ -270,18 +270,23 @@ fn grouped_body<T: TestDtype>(gpu: &GpuContext, g: Geometry) {
     let row_len = g.num_heads * g.head_dim;
     let (q, q32) = cast::<T>(&rng.vec(SEQ_LENS.len() * row_len, 1.0));
     let mut scratch = DecodeScratch::new(gpu, &cfg, 16, 4096).expect("scratch");
+    let group = g.num_heads / g.num_kv_heads;
     {
         let (dt, dl) = (up(gpu, &pool.tables), up(gpu, &[0i32]));
-        assert_eq!(
-            decode_kernel_for(gpu, &cfg, &kv(&dpool, &dt, &dl)),
-            DecodeKernel::Grouped,
+        assert!(
+            matches!(
+                decode_kernel_for(gpu, &cfg, &kv(&dpool, &dt, &dl), 1300),
+                DecodeKernel::Grouped { .. }
+            ),
             "{what}: the runner's decode takes the grouped kernel"
         );
     }
 
     let grouped = decode(
         gpu,
-        DecodeKernel::Grouped,
+        DecodeKernel::Grouped {
+            heads_per_block: group,
+        },
         &cfg,
         &dpool,
         &pool.tables,
@@ -289,6 +294,25 @@ fn grouped_body<T: TestDtype>(gpu: &GpuContext, g: Geometry) {
         &q,
         &mut scratch,
     );
+    // The group cut into parts (more, smaller blocks; with an idle warp where the part size
+    // does not divide the group): the same bits.
+    for heads_per_block in [group.div_ceil(2), 1] {
+        let parts = decode(
+            gpu,
+            DecodeKernel::Grouped { heads_per_block },
+            &cfg,
+            &dpool,
+            &pool.tables,
+            &SEQ_LENS,
+            &q,
+            &mut scratch,
+        );
+        same_bits(
+            &format!("{what}: {heads_per_block} heads per block vs the whole group"),
+            &parts,
+            &grouped,
+        );
+    }
     let per_head = decode(
         gpu,
         DecodeKernel::PerHead,
@@ -341,12 +365,15 @@ fn grouped_body<T: TestDtype>(gpu: &GpuContext, g: Geometry) {
     }
 
     // Batch invariance: each sequence alone, with a scratch of another capacity (another
-    // graph bucket: another split stride), gives its bits from the batch.
+    // graph bucket: another split stride) and the kernel the launcher picks for one sequence,
+    // gives its bits from the batch.
     let mut small = DecodeScratch::new(gpu, &cfg, 1, 2 * ATTN_SPLIT + 1).expect("scratch");
     for (s, &len) in SEQ_LENS.iter().enumerate() {
+        let (dt, dl) = (up(gpu, &pool.tables[..pool.max_blocks]), up(gpu, &[0i32]));
+        let chosen = decode_kernel_for(gpu, &cfg, &kv(&dpool, &dt, &dl), len);
         let alone = decode(
             gpu,
-            DecodeKernel::Grouped,
+            chosen,
             &cfg,
             &dpool,
             &pool.tables[s * pool.max_blocks..(s + 1) * pool.max_blocks],
@@ -413,20 +440,46 @@ fn grouped_decode_covers_its_shapes_and_refuses_others() {
             &mut scratch,
         );
         let (dt, dl) = (up(&gpu, &tables), up(&gpu, &[61i32]));
-        let chosen = decode_kernel_for(&gpu, &cfg, &kv(&dpool, &dt, &dl));
+        let chosen = decode_kernel_for(&gpu, &cfg, &kv(&dpool, &dt, &dl), 61);
+        let group = num_heads / num_kv_heads;
         if grouped {
-            assert_eq!(chosen, DecodeKernel::Grouped, "{g:?}");
-            let got = decode(
-                &gpu,
-                DecodeKernel::Grouped,
-                &cfg,
-                &dpool,
-                &tables,
-                &lens,
-                &q,
-                &mut scratch,
+            assert!(
+                matches!(chosen, DecodeKernel::Grouped { .. }),
+                "{g:?}: {chosen:?}"
             );
-            same_bits(&format!("{g:?}"), &got, &per_head);
+            for heads_per_block in [group, group.div_ceil(3), 1] {
+                let got = decode(
+                    &gpu,
+                    DecodeKernel::Grouped { heads_per_block },
+                    &cfg,
+                    &dpool,
+                    &tables,
+                    &lens,
+                    &q,
+                    &mut scratch,
+                );
+                same_bits(
+                    &format!("{g:?}, {heads_per_block} per block"),
+                    &got,
+                    &per_head,
+                );
+            }
+            // Parts of no head, or of more than the group, are refused.
+            for heads_per_block in [0, group + 1] {
+                let mut out = zeros::<bf16>(&gpu, q.len());
+                let err = paged_attention_decode_with(
+                    &gpu,
+                    DecodeKernel::Grouped { heads_per_block },
+                    &cfg,
+                    &up(&gpu, &q).as_view(),
+                    kv(&dpool, &dt, &dl),
+                    61,
+                    &mut scratch,
+                    &mut out.as_view_mut(),
+                )
+                .expect_err("heads per block outside 1..=group");
+                assert!(err.to_string().contains("per block"), "{err}");
+            }
         } else {
             assert_eq!(chosen, DecodeKernel::PerHead, "{g:?}");
         }
@@ -440,14 +493,14 @@ fn grouped_decode_covers_its_shapes_and_refuses_others() {
             seq_lens: dl.as_view(),
         };
         assert_eq!(
-            decode_kernel_for(&gpu, &cfg, &misaligned),
+            decode_kernel_for(&gpu, &cfg, &misaligned, 61),
             DecodeKernel::PerHead,
             "{g:?}: a misaligned pool takes the per-head kernel"
         );
         let mut out = zeros::<bf16>(&gpu, q.len());
         let err = paged_attention_decode_with(
             &gpu,
-            DecodeKernel::Grouped,
+            DecodeKernel::Grouped { heads_per_block: 1 },
             &cfg,
             &up(&gpu, &q).as_view(),
             misaligned,
@@ -650,6 +703,40 @@ fn staged_index_arithmetic_reads_what_it_staged() {
                 (split, 2 * split - 5),
             ] {
                 walk_split(elem, hd, group * 32, begin, end);
+            }
+        }
+    }
+}
+
+/// `decode_grouped`'s head mapping for every group and part size: over the launcher's grid
+/// (num_kv_heads · ⌈group / W⌉ blocks of W warps), each query head is stored by exactly one
+/// warp, reading its own KV head, and every warp's head (stored or not) is a real one.
+#[test]
+fn grouped_head_mapping_stores_every_head_once() {
+    let max_group = kernel_define("ATTN_MAX_GROUP");
+    for num_kv_heads in [1, 2, 4] {
+        for group in 1..=max_group {
+            let num_heads = group * num_kv_heads;
+            for per_block in 1..=group {
+                let parts = group.div_ceil(per_block);
+                let mut stored = vec![0; num_heads];
+                for x in 0..num_kv_heads * parts {
+                    let kv_head = x / parts;
+                    assert!(kv_head < num_kv_heads);
+                    for warp in 0..per_block {
+                        let in_group = (x % parts) * per_block + warp;
+                        let head = kv_head * group + in_group.min(group - 1);
+                        assert!(head < num_heads);
+                        assert_eq!(head / group, kv_head, "a head of another KV head");
+                        if in_group < group {
+                            stored[head] += 1;
+                        }
+                    }
+                }
+                assert!(
+                    stored.iter().all(|&n| n == 1),
+                    "group {group}, {per_block} per block: {stored:?}"
+                );
             }
         }
     }
