@@ -256,10 +256,10 @@ __device__ void decode_splits(
 //
 // The per-head kernel above reads each K/V row once per query head; with grouped-query
 // attention `group` = num_heads / num_kv_heads heads read the same rows (7 for
-// Qwen2.5-0.5B, 6 for the 1.5B). Here one block of `group` warps takes one (KV head,
-// sequence, split): the block copies the split's keys and values into shared memory with
-// 16-byte loads, stage_keys() positions at a time (every thread has several loads in flight),
-// and each warp then runs `attend_split` for its own query head over the staged copy, with
+// Qwen2.5-0.5B, 6 for the 1.5B). Here one block of `group` warps (or of a part of the
+// group, see `decode_grouped`) takes one (KV head, sequence, split): the block copies the
+// split's keys and values into shared memory with 16-byte loads, stage_keys() positions at
+// a time (every thread has several loads in flight), and each warp then runs `attend_split` for its own query head over the staged copy, with
 // the scores of a tile computed one key per lane (`StagedKv::tile_score`) rather than one
 // key per warp-wide butterfly. The copy holds the pool's T values unchanged, widened exactly
 // as the pool source widens them, and each score is the same IEEE operations in the same
