@@ -32,6 +32,7 @@ pub struct GpuContext {
     arch: String,
     name: String,
     ordinal: usize,
+    multiprocessors: usize,
 }
 
 // The runner opens the context on one thread and may drive it from another (the engine
@@ -102,6 +103,12 @@ impl GpuContext {
             .compute_capability()
             .map_err(|e| driver("cuDeviceGetAttribute", e))?;
         let name = ctx.name().map_err(|e| driver("cuDeviceGetName", e))?;
+        let multiprocessors = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(|e| driver("cuDeviceGetAttribute", e))?
+            .max(1) as usize;
         let stream = ctx.new_stream().map_err(|e| driver("cuStreamCreate", e))?;
         let arch = format!("sm_{major}{minor}");
         let kernels = KernelTable::load(&ctx, &cache, &arch)?;
@@ -114,6 +121,7 @@ impl GpuContext {
             arch,
             name,
             ordinal,
+            multiprocessors,
         })
     }
 
@@ -133,6 +141,11 @@ impl GpuContext {
     /// The driver's name for the device, e.g. `"NVIDIA H100 80GB HBM3"` (for logs).
     pub fn device_name(&self) -> &str {
         &self.name
+    }
+
+    /// Streaming multiprocessors: how many blocks it takes to fill the device.
+    pub fn multiprocessor_count(&self) -> usize {
+        self.multiprocessors
     }
 
     /// The `N` of `cuda:N`.

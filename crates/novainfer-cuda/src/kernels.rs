@@ -111,7 +111,9 @@ pub const DTYPED_ENTRIES: &[(KernelSource, &str)] = &[
 ];
 
 /// The attention kernels' phases: `paged_attention_<phase>_<dtype>_hd<head_dim>`.
-pub const ATTENTION_PHASES: [&str; 3] = ["decode", "merge", "prefill"];
+/// `decode_grouped` is decode's first phase with the query heads of one KV head in one block;
+/// `decode` is the same phase one head per warp (for groups too large for one block).
+pub const ATTENTION_PHASES: [&str; 4] = ["decode", "decode_grouped", "merge", "prefill"];
 
 pub fn dtyped_entry(base: &str, dtype: DtypeKind) -> String {
     format!("{base}_{}", dtype.suffix())
@@ -217,6 +219,7 @@ mod tests {
         names.dedup();
         assert_eq!(names.len(), total);
         assert!(names.contains(&"paged_attention_merge_bf16_hd256".to_owned()));
+        assert!(names.contains(&"paged_attention_decode_grouped_bf16_hd64".to_owned()));
         assert!(names.contains(&"qkv_bias_rope_cache_bf16".to_owned()));
     }
 

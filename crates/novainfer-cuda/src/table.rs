@@ -17,10 +17,11 @@ use crate::kernels::{self, attention_entry, dtyped_entry, DtypeKind, KernelSourc
 use crate::ops::dequant::QuantType;
 use crate::ops::{Dtype, PerDtype};
 
-/// The three attention kernels of one (dtype, head_dim).
+/// The attention kernels of one (dtype, head_dim).
 #[derive(Debug)]
 pub(crate) struct AttentionFns {
     pub decode: CudaFunction,
+    pub decode_grouped: CudaFunction,
     pub merge: CudaFunction,
     pub prefill: CudaFunction,
 }
@@ -129,6 +130,7 @@ impl Loader {
             };
             out[slot] = Some(AttentionFns {
                 decode: get("decode")?,
+                decode_grouped: get("decode_grouped")?,
                 merge: get("merge")?,
                 prefill: get("prefill")?,
             });

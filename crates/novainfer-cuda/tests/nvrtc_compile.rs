@@ -90,13 +90,19 @@ fn a_compile_error_carries_the_nvrtc_log() {
 #[test]
 fn split_and_thread_constants_agree_with_the_kernels() {
     use novainfer_cuda::ops::{
-        paged_attention::ATTN_SPLIT, rms_norm::RMS_THREADS, sampling::SAMPLE_THREADS,
+        paged_attention::{ATTN_MAX_GROUP, ATTN_SPLIT},
+        rms_norm::RMS_THREADS,
+        sampling::SAMPLE_THREADS,
     };
     let has =
         |k: &KernelSource, line: String| assert!(k.source.contains(&line), "{}: {line}", k.name);
     has(
         &kernels::PAGED_ATTENTION,
         format!("#define ATTN_SPLIT {ATTN_SPLIT}\n"),
+    );
+    has(
+        &kernels::PAGED_ATTENTION,
+        format!("#define ATTN_MAX_GROUP {ATTN_MAX_GROUP}\n"),
     );
     has(
         &kernels::RMS_NORM,

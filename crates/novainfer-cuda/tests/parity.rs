@@ -123,12 +123,72 @@ fn rms_norm_body<T: TestDtype>(gpu: &GpuContext) {
         .map(|(a, b)| T::from_f32(a + b))
         .collect();
     let summed32: Vec<f32> = summed.iter().map(|v| v.to_f32()).collect();
-    assert_close("add_rms_norm residual", &down(gpu, &dres), &summed32);
+    // The residual add is one IEEE f32 addition rounded to T, on the device as here.
+    let fused_residual = down(gpu, &dres);
+    assert!(
+        fused_residual
+            .iter()
+            .zip(&summed)
+            .all(|(a, b)| a.to_f32().to_bits() == b.to_f32().to_bits()),
+        "add_rms_norm residual [{}]: residual + x rounded once",
+        T::KIND.suffix()
+    );
+    let fused = down(gpu, &out);
     assert_close(
         "add_rms_norm",
-        &down(gpu, &out),
+        &fused,
         &cpu::rms_norm(&summed32, &w, f64::from(eps)),
     );
+
+    // The unfused pair — the add, then `rms_norm` of the stored sum — gives the same bits:
+    // the fused kernel norms the residual as stored, in the same order.
+    let mut unfused = zeros::<T>(gpu, rows * dim);
+    rms_norm(
+        gpu,
+        &up(gpu, &summed).as_view(),
+        &dw.as_view(),
+        eps,
+        &mut unfused.as_view_mut(),
+    )
+    .expect("launch");
+    assert!(
+        down(gpu, &unfused)
+            .iter()
+            .zip(&fused)
+            .all(|(a, b)| a.to_f32().to_bits() == b.to_f32().to_bits()),
+        "add_rms_norm [{}]: fused and unfused differ",
+        T::KIND.suffix()
+    );
+
+    // Batch invariance of the fused kernel: row 3 alone, residual and output.
+    let mut res_alone = up(gpu, &res[3 * dim..4 * dim]);
+    let mut out_alone = zeros::<T>(gpu, dim);
+    add_rms_norm(
+        gpu,
+        &up(gpu, &x[3 * dim..4 * dim]).as_view(),
+        &mut res_alone.as_view_mut(),
+        &dw.as_view(),
+        eps,
+        &mut out_alone.as_view_mut(),
+    )
+    .expect("launch");
+    for (what, alone, batch) in [
+        (
+            "residual",
+            down(gpu, &res_alone),
+            &fused_residual[3 * dim..4 * dim],
+        ),
+        ("output", down(gpu, &out_alone), &fused[3 * dim..4 * dim]),
+    ] {
+        assert!(
+            alone
+                .iter()
+                .zip(batch)
+                .all(|(a, b)| a.to_f32().to_bits() == b.to_f32().to_bits()),
+            "add_rms_norm {what} [{}]: a row alone differs from the batch",
+            T::KIND.suffix()
+        );
+    }
 }
 
 #[test]

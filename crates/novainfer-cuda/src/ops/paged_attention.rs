@@ -4,12 +4,18 @@
 //! * [`paged_attention_decode`] — one query token per sequence; splits of [`ATTN_SPLIT`]
 //!   positions run in parallel and are merged in order by a second kernel. The grid depends
 //!   only on the scratch's capacity, so a CUDA graph captured for a batch bucket stays valid.
+//!   The first phase is [`DecodeKernel::Grouped`] (a block per KV head, split and part of
+//!   the group, the part's query heads sharing one staged copy of each K/V row) wherever it
+//!   applies, else [`DecodeKernel::PerHead`] (one warp per query head and split); all give
+//!   the same bits.
 //!   The caller passes the batch's longest history, known on the host: a batch the scratch
 //!   cannot hold is refused, never cut short.
 //! * [`paged_attention_prefill`] — any number of query tokens per sequence (prefill, chunked
 //!   prefill, mixed batches), one warp per (token, head).
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaSlice, CudaView, CudaViewMut, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 
 use super::{check_len, launch, to_i32, to_u32, Dtype};
 use crate::context::{driver, GpuContext};
@@ -20,6 +26,25 @@ use crate::table::AttentionFns;
 pub const ATTN_SPLIT: usize = 512;
 /// Warps per block; must equal `ATTN_WARPS` in the kernel.
 const ATTN_WARPS: usize = 4;
+/// The largest group (query heads per KV head) the grouped decode kernel takes, one warp
+/// each; must equal `ATTN_MAX_GROUP` in the kernel (a test checks).
+pub const ATTN_MAX_GROUP: usize = 16;
+/// Alignment the grouped decode kernel's 16-byte loads need of the pool's start.
+const POOL_ALIGN: u64 = 16;
+
+/// Which first phase a decode launch runs. All write the same partials, bit for bit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeKernel {
+    /// Grid (num_kv_heads · ⌈group / heads_per_block⌉, num_seqs, splits), one warp per query
+    /// head: each block stages the K/V rows of its split once, with 16-byte loads, for
+    /// `heads_per_block` heads of one group (the whole group reads each row once; fewer
+    /// heads per block make more blocks, for batches too small to fill the GPU).
+    Grouped { heads_per_block: usize },
+    /// Grid (⌈num_heads / 4⌉, num_seqs, splits), one warp per query head: each K/V row is
+    /// read once per query head. For groups over [`ATTN_MAX_GROUP`] and pools whose start is
+    /// not 16-byte aligned.
+    PerHead,
+}
 
 /// Head geometry and pool geometry of one layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,7 +190,74 @@ pub fn paged_attention_decode<T: Dtype>(
     scratch: &mut DecodeScratch,
     out: &mut CudaViewMut<'_, T>,
 ) -> Result<()> {
+    let kernel = decode_kernel_for(gpu, cfg, &kv, max_seq_len);
+    paged_attention_decode_with(gpu, kernel, cfg, q, kv, max_seq_len, scratch, out)
+}
+
+/// Whether the grouped kernel takes this geometry and pool: groups of 1..=[`ATTN_MAX_GROUP`]
+/// query heads over a pool whose K and V start on 16 bytes.
+fn grouped_applies<T: Dtype>(gpu: &GpuContext, cfg: &AttentionConfig, kv: &PagedKv<'_, T>) -> bool {
+    let group = cfg.num_heads / cfg.num_kv_heads.max(1);
+    let aligned = |view: &CudaView<'_, T>| {
+        let (ptr, _sync) = view.device_ptr(gpu.stream());
+        ptr % POOL_ALIGN == 0
+    };
+    (1..=ATTN_MAX_GROUP).contains(&group) && aligned(&kv.k_cache) && aligned(&kv.v_cache)
+}
+
+/// The decode kernel [`paged_attention_decode`] runs for this geometry, pool and longest
+/// history: grouped where it applies, with whole groups per block once the batch's
+/// (sequence, KV head, split) triples make two blocks per multiprocessor, and the group cut
+/// into parts (more, smaller blocks) below that. The choice never changes a bit of the
+/// result; a CUDA graph that captures a launch should fix it for its bucket.
+pub fn decode_kernel_for<T: Dtype>(
+    gpu: &GpuContext,
+    cfg: &AttentionConfig,
+    kv: &PagedKv<'_, T>,
+    max_seq_len: usize,
+) -> DecodeKernel {
+    if !grouped_applies(gpu, cfg, kv) {
+        return DecodeKernel::PerHead;
+    }
+    let group = cfg.num_heads / cfg.num_kv_heads;
+    let working =
+        kv.seq_lens.len().max(1) * cfg.num_kv_heads * max_seq_len.div_ceil(ATTN_SPLIT).max(1);
+    let parts = (2 * gpu.multiprocessor_count())
+        .div_ceil(working)
+        .clamp(1, group);
+    DecodeKernel::Grouped {
+        heads_per_block: group.div_ceil(parts),
+    }
+}
+
+/// [`paged_attention_decode`] with the first phase chosen by the caller (tests and benchmarks
+/// compare them). [`DecodeKernel::Grouped`] is refused where it does not apply.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention_decode_with<T: Dtype>(
+    gpu: &GpuContext,
+    kernel: DecodeKernel,
+    cfg: &AttentionConfig,
+    q: &CudaView<'_, T>,
+    kv: PagedKv<'_, T>,
+    max_seq_len: usize,
+    scratch: &mut DecodeScratch,
+    out: &mut CudaViewMut<'_, T>,
+) -> Result<()> {
     let (mut shape, num_seqs, fns) = check_config(gpu, cfg, &kv)?;
+    if let DecodeKernel::Grouped { heads_per_block } = kernel {
+        let group = cfg.num_heads / cfg.num_kv_heads;
+        if !grouped_applies(gpu, cfg, &kv) || !(1..=group).contains(&heads_per_block) {
+            return Err(CudaError::invalid(
+                "kernel",
+                format!(
+                    "the grouped decode kernel takes groups of 1..={ATTN_MAX_GROUP} query heads \
+                     over a 16-byte aligned pool, 1..=group heads per block ({} / {} heads, \
+                     {heads_per_block} per block given)",
+                    cfg.num_heads, cfg.num_kv_heads
+                ),
+            ));
+        }
+    }
     let row = cfg.num_heads * cfg.head_dim;
     check_len("q", q.len(), num_seqs * row)?;
     check_len("out", out.len(), num_seqs * row)?;
@@ -204,7 +296,37 @@ pub fn paged_attention_decode<T: Dtype>(
     }
     shape.max_splits = to_i32("max_splits", scratch.max_splits)?;
     let seqs = to_u32("seq_lens", num_seqs)?;
-    let mut args = gpu.stream().launch_builder(&fns.decode);
+    let splits = to_u32("max_splits", scratch.max_splits)?;
+    let (function, phase1) = match kernel {
+        DecodeKernel::Grouped { heads_per_block } => {
+            let parts = (cfg.num_heads / cfg.num_kv_heads).div_ceil(heads_per_block);
+            (
+                &fns.decode_grouped,
+                LaunchConfig {
+                    grid_dim: (
+                        to_u32("num_kv_heads", cfg.num_kv_heads * parts)?,
+                        seqs,
+                        splits,
+                    ),
+                    block_dim: (to_u32("heads_per_block", heads_per_block * 32)?, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+            )
+        }
+        DecodeKernel::PerHead => (
+            &fns.decode,
+            LaunchConfig {
+                grid_dim: (
+                    to_u32("num_heads", cfg.num_heads.div_ceil(ATTN_WARPS))?,
+                    seqs,
+                    splits,
+                ),
+                block_dim: ((ATTN_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+        ),
+    };
+    let mut args = gpu.stream().launch_builder(function);
     args.arg(q)
         .arg(&kv.k_cache)
         .arg(&kv.v_cache)
@@ -213,15 +335,7 @@ pub fn paged_attention_decode<T: Dtype>(
         .arg(&mut scratch.part_acc)
         .arg(&mut scratch.part_ml)
         .arg(&shape);
-    let head_blocks = to_u32("num_heads", cfg.num_heads.div_ceil(ATTN_WARPS))?;
-    launch(
-        args,
-        LaunchConfig {
-            grid_dim: (head_blocks, seqs, to_u32("max_splits", scratch.max_splits)?),
-            block_dim: ((ATTN_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        },
-    )?;
+    launch(args, phase1)?;
     let mut args = gpu.stream().launch_builder(&fns.merge);
     args.arg(&kv.seq_lens)
         .arg(&scratch.part_acc)
