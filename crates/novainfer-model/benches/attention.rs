@@ -5,6 +5,9 @@
 //! `NOVAINFER_BENCH_DEPTH=16384` moves both to that depth (long-context prefill: each chunk
 //! token attends to ~16k positions; writing the history takes a while).
 //!
+//! The layer's dense f32 projections (a plain test-path matmul) take most of a prefill chunk's
+//! time here; for the kernel alone see `kernel_timing` in `layers/paged_attention/tests.rs`.
+//!
 //! `RAYON_NUM_THREADS=1 cargo bench -p novainfer-model --bench attention`
 
 #[path = "../tests/common/mod.rs"]
