@@ -174,12 +174,12 @@ fn exp_is_accurate_on_the_softmax_range() {
 #[test]
 fn matches_an_f64_reference_beyond_4k_positions_for_every_block_size_and_dtype() {
     let len = 4100;
-    // Decode at the end (split over partitions), a short chunk (split) and a longer one
-    // (partitions in turn), all past 4k.
+    // Decode at the end (split over partitions), a short chunk (split) and one longer than
+    // QUERY_TILE (partitions in turn, a full item and a 1-token one), all past 4k.
     let cases: [Vec<usize>; 3] = [
         vec![len - 1],
         (len - 3..len).collect(),
-        (len - 9..len).collect(),
+        (len - (QUERY_TILE + 1)..len).collect(),
     ];
     for dtype in DTYPES {
         for bs in [16, 32, 64] {
@@ -339,8 +339,10 @@ fn odd_head_sizes_run_on_the_portable_path() {
 #[test]
 fn head_dim_128_and_odd_groups_match_the_reference_and_the_portable_path_bit_for_bit() {
     // Qwen2.5-1.5B's shape (group of 6, head_dim 128), and a group of 5 whose rows per
-    // prefill item (40) leave a partial register block; rows end mid-tile and mid-group
-    // of 8 positions, items cover partial and whole query tiles, history crosses a partition.
+    // item (160, 40, 65) split into register blocks of 5 and 6; rows end mid-tile and
+    // mid-group of 8 positions; a chunk longer than QUERY_TILE (a whole item and a partial
+    // one, partitions in turn), a short chunk and a decode row (split over partitions);
+    // the history crosses a partition.
     let shapes = [
         AttentionShape {
             num_heads: 12,
@@ -356,9 +358,14 @@ fn head_dim_128_and_odd_groups_match_the_reference_and_the_portable_path_bit_for
     for shape in shapes {
         let fast = AttnIsa::detect(shape.head_dim);
         for dtype in [KvStorage::F16, KvStorage::F32] {
-            let len = 533;
+            let len = 300;
             let fx = Fixture::new(shape, len, 16, dtype, 17);
-            for positions in [(len - 13..len).collect::<Vec<_>>(), vec![len - 1]] {
+            let cases = [
+                (len - (QUERY_TILE + 8)..len).collect::<Vec<_>>(),
+                (len - 13..len).collect(),
+                vec![len - 1],
+            ];
+            for positions in cases {
                 let q = random(positions.len() * shape.num_heads * shape.head_dim, 6, 1.0);
                 let want = fx.reference(&q, &positions);
                 let portable = fx.run(&q, &positions, AttnIsa::Scalar);
