@@ -128,20 +128,25 @@ GREEDY_48 = SamplingParams(temperature=0, max_tokens=48)
 
 
 def test_f16_kv_cache_greedy_outputs_mostly_equal_the_f32_caches(demo_llm, f32_kv_greedy):
-    # The GGUF model quantizes activations to int8, so a rounding anywhere can flip a later token; measured:
-    # 6 of the 8 outputs (48 tokens each) identical, the other two diverging after 3 and 25 tokens.
+    # The GGUF model quantizes activations to int8, so a rounding anywhere can flip a later token. Measured with
+    # the attention kernel's former score order (8 lane-wise partial sums per score): 6 of the 8 outputs (48
+    # tokens each) identical, the others diverging after 3 and 25 tokens. Since scores are one fused multiply-add
+    # chain over the transposed keys (issue 16, prefill at long context; docs/benchmarks.md): 5 of 8, the others
+    # diverging after 0, 25 and 33 tokens (one prompt's first token is a near-tie that the f16 cache's rounding
+    # flips). "Most" is what the issue asks for.
     texts, exact = f32_kv_greedy
     f16 = [o.outputs[0].token_ids for o in demo_llm.generate(texts, GREEDY_48)]
     same = sum(a == b for a, b in zip(f16, exact))
     print(f"f16 vs f32 KV cache: {same}/{len(texts)} greedy outputs identical")
-    assert same >= len(texts) - 2
-    assert all(a[:3] == b[:3] for a, b in zip(f16, exact))
+    assert same >= len(texts) - 3
+    assert sum(a[:3] == b[:3] for a, b in zip(f16, exact)) >= len(texts) - 1
 
 
 def test_q8_0_kv_cache_costs_what_llama_cpps_does(demo_gguf, demo_f32_dir, f32_kv_greedy):
     """The 8-bit cache's fidelity cost on this model (docs/benchmarks.md): Qwen2.5's keys carry a few channels
     far larger than the rest, and one scale per 32 values spends most of its 8 bits on them. Measured: 5 of the 8
-    outputs identical to the f32 cache's (the others diverge after 0, 3 and 33 tokens; llama.cpp's q8_0 cache
+    outputs identical to the f32 cache's (4 of 8 since the attention scores are one fused multiply-add chain over
+    transposed keys) (the others diverge after 0, 3 and 33 tokens; llama.cpp's q8_0 cache
     against its f16 one on the same prompts: 5 of 8, after 3, 21 and 31); on the dense checkpoint the prompt's
     logits move by up to 5.0 (f16: 0.034) and 92% of the positions keep their argmax."""
     texts, exact = f32_kv_greedy

@@ -2,25 +2,60 @@
 //!
 //! Both implementations perform the same IEEE operations in the same order on every
 //! number, so they agree bit for bit (tested); only the speed differs:
-//! * a score `q·k` is 8 partial sums (lane `l` takes dimensions `d ≡ l mod 8`, each a
-//!   chain of fused multiply-adds from zero), then `((p0+p1)+(p2+p3)) + ((p4+p5)+(p6+p7))`;
+//! * a score `q·k` is one chain of fused multiply-adds from zero over the dimensions in
+//!   order (keys are stored transposed, 8 positions side by side, so 8 scores of a query row
+//!   fill one vector and no horizontal sums are needed);
 //! * a tile's maximum is exact whatever the order; `exp` is one polynomial (Cephes' `expf`:
 //!   range reduction by `ln 2`, degree-5 polynomial, scaling by `2ⁿ` through the exponent
-//!   bits), written once per lane; a tile's sum of exponentials is a plain left-to-right sum;
+//!   bits), written once per lane; a tile's sum of exponentials is lane-wise over its
+//!   [`VECS`] vectors of 8 (lane `l` of vector `c` is position `8c + l`) as a pairwise tree
+//!   ([`tree`]: `((e0+e1)+(e2+e3))+((e4+e5)+(e6+e7))` for 8), then `((h0+h2)+(h1+h3))`
+//!   with `h[i] = l[i]+l[i+4]`;
 //! * value accumulation is per dimension: `acc·α`, then `acc = fma(e_j, v_j, acc)` in
 //!   position order. Positions past a row's own limit carry `e_j = 0`, so a row may run a
 //!   few extra (exact no-op) steps when it shares a tile with later rows.
 
 use crate::kv_dtype::{q8_block, KvStorage};
 
-/// Positions per softmax tile (and rows of the K/V scratch).
+/// Positions per softmax tile (and rows of the K/V scratch): the per-row work of a tile
+/// (maximum, rescaling, sums, reloading the running values) is paid once per `TILE` positions.
 pub(super) const TILE: usize = 32;
-/// Positions per vector of scores: a tile's scores are computed for whole groups.
+/// Positions side by side in the transposed key scratch (one vector).
 pub(super) const GROUP: usize = 8;
+/// Vectors of scores per tile.
+const VECS: usize = TILE / GROUP;
 const _: () = assert!(
-    TILE == 4 * GROUP,
-    "the AVX2 softmax holds a tile in 4 vectors"
+    TILE.is_multiple_of(GROUP) && VECS.is_power_of_two(),
+    "the softmax sum is a pairwise tree over the tile's vectors"
 );
+
+/// Query rows per register block of the scores and the value pass: `ROW_BLOCK × 2`
+/// accumulators plus 2 loaded vectors and a broadcast fill 15 of the 16 AVX2 registers.
+const ROW_BLOCK: usize = 6;
+
+/// `rows` as the fewest blocks `(first row, rows)` of at most [`ROW_BLOCK`], as even as
+/// possible: a block of 1-2 rows has too few accumulators to hide the FMA latency.
+fn row_blocks(rows: usize) -> impl Iterator<Item = (usize, usize)> {
+    let blocks = rows.div_ceil(ROW_BLOCK);
+    (0..blocks).map(move |b| {
+        let r0 = rows * b / blocks;
+        (r0, rows * (b + 1) / blocks - r0)
+    })
+}
+
+/// `x` summed as a pairwise tree, `((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7))` for 8 (`N` a
+/// power of two); level by level rather than recursive, so that it inlines.
+#[inline(always)]
+fn tree<T: Copy, const N: usize>(mut x: [T; N], add: impl Fn(T, T) -> T) -> T {
+    let mut n = N;
+    while n > 1 {
+        for i in 0..n / 2 {
+            x[i] = add(x[2 * i], x[2 * i + 1]);
+        }
+        n /= 2;
+    }
+    x[0]
+}
 
 /// What the kernel driver needs from an instruction set.
 ///
@@ -29,8 +64,11 @@ const _: () = assert!(
 pub(super) trait AttnOps: Copy {
     /// Decodes one row of `dst.len()` numbers from `src` (in `dtype`).
     unsafe fn decode_row(self, dtype: KvStorage, src: &[u8], dst: &mut [f32]);
-    /// For query rows `r < rows` (`q`: rows of `hd`) and key rows `j < groups·8` (`k`: rows
-    /// of `hd`): `s[r·TILE + j] = q_r·k_j`.
+    /// Transposes 8 rows of `hd` numbers (`rows`, row-major) into `kt`:
+    /// `kt[d·8 + j] = rows[j·hd + d]`.
+    unsafe fn transpose8(self, rows: &[f32], kt: &mut [f32]);
+    /// For query rows `r < rows` (`q`: rows of `hd`) and key groups `g < groups` (`kt`: groups
+    /// of `8·hd` from [`AttnOps::transpose8`]): `s[r·TILE + 8g + l] = Σ_d q[r][d]·k_{8g+l}[d]`.
     unsafe fn scores(
         self,
         q: &[f32],
@@ -99,26 +137,33 @@ impl AttnOps for Scalar {
         dtype.decode(src, dst);
     }
 
+    unsafe fn transpose8(self, rows: &[f32], kt: &mut [f32]) {
+        let hd = rows.len() / GROUP;
+        for j in 0..GROUP {
+            for d in 0..hd {
+                kt[d * GROUP + j] = rows[j * hd + d];
+            }
+        }
+    }
+
     unsafe fn scores(
         self,
         q: &[f32],
         hd: usize,
         rows: usize,
-        k: &[f32],
+        kt: &[f32],
         groups: usize,
         s: &mut [f32],
     ) {
         for r in 0..rows {
             let q = &q[r * hd..(r + 1) * hd];
             for j in 0..groups * GROUP {
-                let row = &k[j * hd..(j + 1) * hd];
-                let mut p = [0f32; 8];
-                for (l, acc) in p.iter_mut().enumerate() {
-                    for d in (l..hd).step_by(8) {
-                        *acc = q[d].mul_add(row[d], *acc);
-                    }
+                let k = &kt[(j / GROUP) * GROUP * hd + j % GROUP..];
+                let mut acc = 0f32;
+                for (d, qd) in q.iter().enumerate() {
+                    acc = qd.mul_add(k[d * GROUP], acc);
                 }
-                s[r * TILE + j] = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+                s[r * TILE + j] = acc;
             }
         }
     }
@@ -128,7 +173,12 @@ impl AttnOps for Scalar {
         for (j, x) in s[..TILE].iter_mut().enumerate() {
             *x = if j < n { exp_scalar(*x - m) } else { 0.0 };
         }
-        (m, s[..n].iter().fold(0f32, |a, &b| a + b))
+        let l: [f32; GROUP] = std::array::from_fn(|l| {
+            let lane: [f32; VECS] = std::array::from_fn(|c| s[c * GROUP + l]);
+            tree(lane, |a, b| a + b)
+        });
+        let h: [f32; 4] = std::array::from_fn(|i| l[i] + l[i + 4]);
+        (m, (h[0] + h[2]) + (h[1] + h[3]))
     }
 
     unsafe fn accumulate(
@@ -210,49 +260,50 @@ mod avx2 {
         }
     }
 
-    /// Scores of `R` query rows (`q`, rows of `hd`) against `P` key rows (`k`, rows of `hd`),
-    /// `R·P = 8`: one vector of 8 lane-wise partial sums per (row, key), each loaded vector
-    /// used `P` or `R` times; lane `i` of the reduced vector is the score of pair `i`
-    /// (row-major), stored at `s[r·TILE + p]`.
+    /// `$f::<R, $c>($args)` for `R = min($rows, ROW_BLOCK)`.
+    macro_rules! by_rows {
+        ($rows:expr, $f:ident, $c:literal, ($($arg:expr),*)) => {
+            match $rows.min(ROW_BLOCK) {
+                1 => $f::<1, $c>($($arg),*),
+                2 => $f::<2, $c>($($arg),*),
+                3 => $f::<3, $c>($($arg),*),
+                4 => $f::<4, $c>($($arg),*),
+                5 => $f::<5, $c>($($arg),*),
+                _ => $f::<6, $c>($($arg),*),
+            }
+        };
+    }
+
+    /// Scores of `R` query rows (`q`, rows of `hd`) against `G` key groups (`kt`, groups of
+    /// `8·hd`), into `s` (rows `TILE` apart): `R·G` accumulators, each key vector loaded once
+    /// for the `R` rows.
     ///
     /// # Safety
-    /// AVX2+FMA; the rows exist, `hd % 8 == 0`.
+    /// AVX2+FMA; the rows and groups exist.
     #[inline(always)]
-    unsafe fn score_block<const R: usize, const P: usize>(
+    unsafe fn score_block<const R: usize, const G: usize>(
         q: *const f32,
         hd: usize,
-        k: *const f32,
+        kt: *const f32,
         s: *mut f32,
     ) {
-        const { assert!(R * P == 8) };
         // SAFETY: the caller's contract.
         unsafe {
-            let mut p = [_mm256_setzero_ps(); 8];
-            for c in 0..hd / 8 {
-                let kc: [__m256; P] =
-                    std::array::from_fn(|j| _mm256_loadu_ps(k.add(j * hd + 8 * c)));
-                for r in 0..R {
-                    let qc = _mm256_loadu_ps(q.add(r * hd + 8 * c));
-                    for (j, kj) in kc.iter().enumerate() {
-                        p[r * P + j] = _mm256_fmadd_ps(qc, *kj, p[r * P + j]);
+            let mut acc = [[_mm256_setzero_ps(); G]; R];
+            for d in 0..hd {
+                let k: [__m256; G] =
+                    std::array::from_fn(|g| _mm256_loadu_ps(kt.add(g * GROUP * hd + d * GROUP)));
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let qb = _mm256_broadcast_ss(&*q.add(r * hd + d));
+                    for (x, kg) in row.iter_mut().zip(&k) {
+                        *x = _mm256_fmadd_ps(qb, *kg, *x);
                     }
                 }
             }
-            // Lane i of the result is ((p0+p1)+(p2+p3)) + ((p4+p5)+(p6+p7)) of vector i.
-            let a = _mm256_hadd_ps(p[0], p[1]);
-            let b = _mm256_hadd_ps(p[2], p[3]);
-            let c = _mm256_hadd_ps(p[4], p[5]);
-            let d = _mm256_hadd_ps(p[6], p[7]);
-            let e = _mm256_hadd_ps(a, b);
-            let f = _mm256_hadd_ps(c, d);
-            let lo = _mm256_permute2f128_ps::<0x20>(e, f);
-            let hi = _mm256_permute2f128_ps::<0x31>(e, f);
-            let x = _mm256_add_ps(lo, hi);
-            if R == 1 {
-                _mm256_storeu_ps(s, x);
-            } else {
-                _mm_storeu_ps(s, _mm256_castps256_ps128(x));
-                _mm_storeu_ps(s.add(TILE), _mm256_extractf128_ps::<1>(x));
+            for (r, row) in acc.iter().enumerate() {
+                for (g, x) in row.iter().enumerate() {
+                    _mm256_storeu_ps(s.add(r * TILE + g * GROUP), *x);
+                }
             }
         }
     }
@@ -338,41 +389,79 @@ mod avx2 {
         }
 
         #[inline(always)]
+        unsafe fn transpose8(self, rows: &[f32], kt: &mut [f32]) {
+            let hd = rows.len() / GROUP;
+            debug_assert!(hd.is_multiple_of(8) && kt.len() >= GROUP * hd);
+            // SAFETY: 8 rows of hd floats in, hd·8 floats out, hd a multiple of 8.
+            unsafe {
+                let (src, dst) = (rows.as_ptr(), kt.as_mut_ptr());
+                for c in 0..hd / 8 {
+                    let r: [__m256; 8] =
+                        std::array::from_fn(|j| _mm256_loadu_ps(src.add(j * hd + 8 * c)));
+                    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+                    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+                    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+                    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+                    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+                    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+                    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+                    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+                    let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+                    let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+                    let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+                    let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+                    let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+                    let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+                    let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+                    let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+                    // Column d = 8c + i of the 8 rows.
+                    let cols = [
+                        _mm256_permute2f128_ps::<0x20>(u0, u4),
+                        _mm256_permute2f128_ps::<0x20>(u1, u5),
+                        _mm256_permute2f128_ps::<0x20>(u2, u6),
+                        _mm256_permute2f128_ps::<0x20>(u3, u7),
+                        _mm256_permute2f128_ps::<0x31>(u0, u4),
+                        _mm256_permute2f128_ps::<0x31>(u1, u5),
+                        _mm256_permute2f128_ps::<0x31>(u2, u6),
+                        _mm256_permute2f128_ps::<0x31>(u3, u7),
+                    ];
+                    for (i, col) in cols.iter().enumerate() {
+                        _mm256_storeu_ps(dst.add((8 * c + i) * GROUP), *col);
+                    }
+                }
+            }
+        }
+
+        #[inline(always)]
         unsafe fn scores(
             self,
             q: &[f32],
             hd: usize,
             rows: usize,
-            k: &[f32],
+            kt: &[f32],
             groups: usize,
             s: &mut [f32],
         ) {
-            debug_assert!(hd.is_multiple_of(8) && q.len() >= rows * hd);
-            debug_assert!(k.len() >= groups * GROUP * hd && s.len() >= rows * TILE);
-            let (q, k, s) = (q.as_ptr(), k.as_ptr(), s.as_mut_ptr());
-            let mut r0 = 0;
-            // SAFETY: rows r0.., key rows < groups·8 lie inside the slices (checked above).
-            unsafe {
-                while r0 + 2 <= rows {
-                    for j0 in (0..groups * GROUP).step_by(4) {
-                        score_block::<2, 4>(
-                            q.add(r0 * hd),
-                            hd,
-                            k.add(j0 * hd),
-                            s.add(r0 * TILE + j0),
-                        );
+            debug_assert!(q.len() >= rows * hd && kt.len() >= groups * GROUP * hd);
+            debug_assert!(s.len() >= rows * TILE && groups <= TILE / GROUP);
+            let (q, kt, s) = (q.as_ptr(), kt.as_ptr(), s.as_mut_ptr());
+            for (r0, nr) in row_blocks(rows) {
+                let (qr, sr) = (q.wrapping_add(r0 * hd), s.wrapping_add(r0 * TILE));
+                let mut g0 = 0;
+                while g0 < groups {
+                    let (k, so) = (
+                        kt.wrapping_add(g0 * GROUP * hd),
+                        sr.wrapping_add(g0 * GROUP),
+                    );
+                    // SAFETY: rows r0.., groups g0.. lie inside the slices (checked above).
+                    unsafe {
+                        if groups - g0 >= 2 {
+                            by_rows!(nr, score_block, 2, (qr, hd, k, so));
+                        } else {
+                            by_rows!(nr, score_block, 1, (qr, hd, k, so));
+                        }
                     }
-                    r0 += 2;
-                }
-                if r0 < rows {
-                    for j0 in (0..groups * GROUP).step_by(8) {
-                        score_block::<1, 8>(
-                            q.add(r0 * hd),
-                            hd,
-                            k.add(j0 * hd),
-                            s.add(r0 * TILE + j0),
-                        );
-                    }
+                    g0 += if groups - g0 >= 2 { 2 } else { 1 };
                 }
             }
         }
@@ -380,19 +469,19 @@ mod avx2 {
         #[inline(always)]
         unsafe fn softmax(self, s: &mut [f32], m: f32, n: usize) -> (f32, f32) {
             debug_assert!(s.len() >= TILE && (1..=TILE).contains(&n));
-            // SAFETY: s holds TILE = 4·8 floats; AVX2+FMA were detected.
+            // SAFETY: s holds TILE = VECS·8 floats; AVX2+FMA were detected.
             unsafe {
                 let p = s.as_mut_ptr();
                 let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-                let nv = _mm256_set1_epi32(n as i32);
-                let x: [__m256; 4] = std::array::from_fn(|c| _mm256_loadu_ps(p.add(8 * c)));
-                let live: [__m256; 4] = std::array::from_fn(|c| {
+                let n = _mm256_set1_epi32(n as i32);
+                let x: [__m256; VECS] = std::array::from_fn(|c| _mm256_loadu_ps(p.add(8 * c)));
+                let live: [__m256; VECS] = std::array::from_fn(|c| {
                     let j = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * c as i32));
-                    _mm256_castsi256_ps(_mm256_cmpgt_epi32(nv, j))
+                    _mm256_castsi256_ps(_mm256_cmpgt_epi32(n, j))
                 });
                 let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
                 let mut mx = _mm256_set1_ps(m);
-                for c in 0..4 {
+                for c in 0..VECS {
                     mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, x[c], live[c]));
                 }
                 let t = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps::<1>(mx));
@@ -400,14 +489,16 @@ mod avx2 {
                 let t = _mm_max_ss(t, _mm_shuffle_ps::<1>(t, t));
                 let m = _mm_cvtss_f32(t);
                 let mv = _mm256_set1_ps(m);
-                let e: [__m256; 4] =
+                let e: [__m256; VECS] =
                     std::array::from_fn(|c| _mm256_and_ps(exp8(_mm256_sub_ps(x[c], mv)), live[c]));
                 for (c, ec) in e.iter().enumerate() {
                     _mm256_storeu_ps(p.add(8 * c), *ec);
                 }
-                // Left to right, as the portable path (a serial chain, but exact to it).
-                let sum = s[..n].iter().fold(0f32, |a, &b| a + b);
-                (m, sum)
+                let l = tree(e, |a, b| _mm256_add_ps(a, b));
+                let h = _mm_add_ps(_mm256_castps256_ps128(l), _mm256_extractf128_ps::<1>(l));
+                let g = _mm_add_ps(h, _mm_movehl_ps(h, h));
+                let sum = _mm_add_ss(g, _mm_shuffle_ps::<1>(g, g));
+                (m, _mm_cvtss_f32(sum))
             }
         }
 
@@ -426,8 +517,7 @@ mod avx2 {
             debug_assert!(e.len() >= rows * TILE && n <= TILE);
             let (acc, alpha, e, v) = (acc.as_mut_ptr(), alpha.as_ptr(), e.as_ptr(), v.as_ptr());
             let chunks = hd / 8;
-            let mut r0 = 0;
-            while r0 < rows {
+            for (r0, nr) in row_blocks(rows) {
                 let (a, al, er) = (
                     acc.wrapping_add(r0 * hd),
                     alpha.wrapping_add(r0),
@@ -438,20 +528,14 @@ mod avx2 {
                     let (ac, vc) = (a.wrapping_add(8 * c0), v.wrapping_add(8 * c0));
                     // SAFETY: rows r0.., dims 8·c0.. lie inside the slices (checked above).
                     unsafe {
-                        match (rows - r0, chunks - c0 >= 2) {
-                            (1, true) => acc_block::<1, 2>(ac, hd, al, er, vc, n),
-                            (2, true) => acc_block::<2, 2>(ac, hd, al, er, vc, n),
-                            (3, true) => acc_block::<3, 2>(ac, hd, al, er, vc, n),
-                            (_, true) => acc_block::<4, 2>(ac, hd, al, er, vc, n),
-                            (1, false) => acc_block::<1, 1>(ac, hd, al, er, vc, n),
-                            (2, false) => acc_block::<2, 1>(ac, hd, al, er, vc, n),
-                            (3, false) => acc_block::<3, 1>(ac, hd, al, er, vc, n),
-                            (_, false) => acc_block::<4, 1>(ac, hd, al, er, vc, n),
+                        if chunks - c0 >= 2 {
+                            by_rows!(nr, acc_block, 2, (ac, hd, al, er, vc, n));
+                        } else {
+                            by_rows!(nr, acc_block, 1, (ac, hd, al, er, vc, n));
                         }
                     }
                     c0 += if chunks - c0 >= 2 { 2 } else { 1 };
                 }
-                r0 += (rows - r0).min(4);
             }
         }
 

@@ -174,12 +174,12 @@ fn exp_is_accurate_on_the_softmax_range() {
 #[test]
 fn matches_an_f64_reference_beyond_4k_positions_for_every_block_size_and_dtype() {
     let len = 4100;
-    // Decode at the end (split over partitions), a short chunk (split) and a longer one
-    // (partitions in turn), all past 4k.
+    // Decode at the end (split over partitions), a short chunk (split) and one longer than
+    // QUERY_TILE (partitions in turn, a full item and a 1-token one), all past 4k.
     let cases: [Vec<usize>; 3] = [
         vec![len - 1],
         (len - 3..len).collect(),
-        (len - 9..len).collect(),
+        (len - (QUERY_TILE + 1)..len).collect(),
     ];
     for dtype in DTYPES {
         for bs in [16, 32, 64] {
@@ -333,5 +333,101 @@ fn odd_head_sizes_run_on_the_portable_path() {
             .map(|(a, b)| (f64::from(*a) - b).abs())
             .fold(0f64, f64::max);
         assert!(err < 2e-6, "{dtype:?}: max error {err}");
+    }
+}
+
+#[test]
+fn head_dim_128_and_odd_groups_match_the_reference_and_the_portable_path_bit_for_bit() {
+    // Qwen2.5-1.5B's shape (group of 6, head_dim 128), and a group of 5 whose rows per
+    // item (160, 40, 65) split into register blocks of 5 and 6; rows end mid-tile and
+    // mid-group of 8 positions; a chunk longer than QUERY_TILE (a whole item and a partial
+    // one, partitions in turn), a short chunk and a decode row (split over partitions);
+    // the history crosses a partition.
+    let shapes = [
+        AttentionShape {
+            num_heads: 12,
+            num_kv_heads: 2,
+            head_dim: 128,
+        },
+        AttentionShape {
+            num_heads: 10,
+            num_kv_heads: 2,
+            head_dim: 128,
+        },
+    ];
+    for shape in shapes {
+        let fast = AttnIsa::detect(shape.head_dim);
+        for dtype in [KvStorage::F16, KvStorage::F32] {
+            let len = 300;
+            let fx = Fixture::new(shape, len, 16, dtype, 17);
+            let cases = [
+                (len - (QUERY_TILE + 8)..len).collect::<Vec<_>>(),
+                (len - 13..len).collect(),
+                vec![len - 1],
+            ];
+            for positions in cases {
+                let q = random(positions.len() * shape.num_heads * shape.head_dim, 6, 1.0);
+                let want = fx.reference(&q, &positions);
+                let portable = fx.run(&q, &positions, AttnIsa::Scalar);
+                let err = portable
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (f64::from(*a) - b).abs())
+                    .fold(0f64, f64::max);
+                assert!(err < 2e-6, "{shape:?} {dtype:?}: max error {err}");
+                let got = fx.run(&q, &positions, fast);
+                assert!(
+                    got == portable,
+                    "{shape:?} {dtype:?} {fast:?}: differs from the portable path"
+                );
+            }
+        }
+    }
+}
+
+/// Not a test: times the kernel alone (the `attention` bench goes through the whole layer,
+/// whose test-only dense matmul dominates). `NOVAINFER_KERNEL_DEPTH` (default 4096) history,
+/// f16 cache, a 512-token prefill chunk ending there and one decode row, CPU time:
+/// `RAYON_NUM_THREADS=1 cargo test --release -p novainfer-model kernel_timing -- --ignored --nocapture`
+#[test]
+#[ignore = "timing printout, run by hand"]
+fn kernel_timing() {
+    let depth: usize = std::env::var("NOVAINFER_KERNEL_DEPTH")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4096);
+    let fx = Fixture::new(SHAPE, depth, 16, KvStorage::F16, 1);
+    let width = SHAPE.num_heads * SHAPE.head_dim;
+    let isa = AttnIsa::detect(SHAPE.head_dim);
+    for (name, positions, reps) in [
+        ("prefill_512", (depth - 512..depth).collect::<Vec<_>>(), 5),
+        ("decode", vec![depth - 1], 200),
+    ] {
+        let q = random(positions.len() * width, 2, 1.0);
+        // This thread's CPU time (with one thread the pool runs every item here): wall time
+        // on the shared machine swings with the other processes.
+        let cpu = || {
+            let mut ts = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            // SAFETY: `ts` is a valid timespec to write.
+            unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+            ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+        };
+        let mut times = Vec::new();
+        for _ in 0..reps {
+            let t = cpu();
+            std::hint::black_box(fx.run(&q, &positions, isa));
+            times.push(cpu() - t);
+        }
+        times.sort_by(f64::total_cmp);
+        let flops = positions.iter().map(|p| p + 1).sum::<usize>() * width * 4;
+        println!(
+            "{name} depth {depth} {isa:?}: min {:.3} ms, median {:.3} ms, {:.2} GFLOP/s",
+            times[0] * 1e3,
+            times[reps / 2] * 1e3,
+            flops as f64 / times[0] / 1e9
+        );
     }
 }
