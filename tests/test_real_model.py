@@ -144,9 +144,9 @@ def test_f16_kv_cache_greedy_outputs_mostly_equal_the_f32_caches(demo_llm, f32_k
 
 def test_q8_0_kv_cache_costs_what_llama_cpps_does(demo_gguf, demo_f32_dir, f32_kv_greedy):
     """The 8-bit cache's fidelity cost on this model (docs/benchmarks.md): Qwen2.5's keys carry a few channels
-    far larger than the rest, and one scale per 32 values spends most of its 8 bits on them. Measured: 5 of the 8
-    outputs identical to the f32 cache's (4 of 8 since the attention scores are one fused multiply-add chain over
-    transposed keys) (the others diverge after 0, 3 and 33 tokens; llama.cpp's q8_0 cache
+    far larger than the rest, and one scale per 32 values spends most of its 8 bits on them. Measured: 4 of the 8
+    outputs identical to the f32 cache's since the attention scores are one fused multiply-add chain over
+    transposed keys (5 of 8 before, the others diverging after 0, 3 and 33 tokens; llama.cpp's q8_0 cache
     against its f16 one on the same prompts: 5 of 8, after 3, 21 and 31); on the dense checkpoint the prompt's
     logits move by up to 5.0 (f16: 0.034) and 92% of the positions keep their argmax."""
     texts, exact = f32_kv_greedy
