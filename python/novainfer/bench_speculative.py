@@ -197,6 +197,39 @@ def _stream_one(llm: LLM, chat: list[dict[str, str]], params: SamplingParams) ->
     return tokens, max(len(tokens) - 1, 0), end - (first or end)
 
 
+def _batch_one_line(llm: LLM, engines: dict[str, LLM], chats: list[list[dict]], params: SamplingParams,
+                    args: argparse.Namespace, head: str, workload: str) -> str:
+    """Batch 1 of one workload: its first `--batch1-prompts` chats one after another on every engine."""
+    # Each prompt on every engine in turn, so a busy machine slows them alike.
+    decoded = {name: 0 for name in engines}
+    seconds = {name: 0.0 for name in engines}
+    outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
+    for chat in chats[: args.batch1_prompts]:
+        for name, engine in engines.items():
+            engine.reset_prefix_cache()
+            tokens, n, s = _stream_one(engine, chat, params)
+            decoded[name] += n
+            seconds[name] += s
+            outputs[name].append(tokens)
+    line = [f"{head} {workload} batch=1 ({min(len(chats), args.batch1_prompts)} prompts)"]
+    base = decoded["plain"] / max(seconds["plain"], 1e-9)
+    for name in engines:
+        speed = decoded[name] / max(seconds[name], 1e-9)
+        same = "" if name == "plain" else f" {speed / base:.2f}x identical={outputs[name] == outputs['plain']}"
+        line.append(f"{name} {speed:.1f} tok/s{same}")
+    if args.llama_cpp:
+        for name, cmd in _llama_cpp_commands(llm, args).items():
+            try:
+                runs = [_llama_cpp_run(cmd, llm.apply_chat_template(c)) for c in chats[: args.batch1_prompts]]
+            except RuntimeError as e:
+                line.append(f"{name} failed: {str(e).splitlines()[-1]}")
+                continue
+            n, s = sum(r[0] for r in runs), sum(r[1] for r in runs)
+            drafted, accepted = sum(r[2] for r in runs), sum(r[3] for r in runs)
+            line.append(f"{name} {n / max(s, 1e-9):.1f} tok/s accepted {accepted}/{drafted}")
+    return " | ".join(line)
+
+
 def run_bench_speculative(llm: LLM, args: argparse.Namespace, make_llm: Callable[..., LLM]) -> int:
     """Runs each workload at batch 1 and batch `--num-requests` on every engine; prints a line each."""
     engines: dict[str, LLM] = {"plain": llm, "ngram": make_llm(speculative_config=args.speculative_config or DEFAULT_NGRAM)}
@@ -214,34 +247,7 @@ def run_bench_speculative(llm: LLM, args: argparse.Namespace, make_llm: Callable
     for workload in args.workloads:
         chats = code_edit_prompts(llm, batch, args.decode_tokens) if workload == "code-edit" else free_form_prompts(batch)
         if args.batch1_prompts > 0:
-            # Batch 1: each prompt on every engine in turn, so a busy machine slows them alike.
-            decoded = {name: 0 for name in engines}
-            seconds = {name: 0.0 for name in engines}
-            outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
-            for chat in chats[: args.batch1_prompts]:
-                for name, engine in engines.items():
-                    engine.reset_prefix_cache()
-                    tokens, n, s = _stream_one(engine, chat, params)
-                    decoded[name] += n
-                    seconds[name] += s
-                    outputs[name].append(tokens)
-            line = [f"{head} {workload} batch=1 ({min(len(chats), args.batch1_prompts)} prompts)"]
-            base = decoded["plain"] / max(seconds["plain"], 1e-9)
-            for name in engines:
-                speed = decoded[name] / max(seconds[name], 1e-9)
-                same = "" if name == "plain" else f" {speed / base:.2f}x identical={outputs[name] == outputs['plain']}"
-                line.append(f"{name} {speed:.1f} tok/s{same}")
-            if args.llama_cpp:
-                for name, cmd in _llama_cpp_commands(llm, args).items():
-                    try:
-                        runs = [_llama_cpp_run(cmd, llm.apply_chat_template(c)) for c in chats[: args.batch1_prompts]]
-                    except RuntimeError as e:
-                        line.append(f"{name} failed: {str(e).splitlines()[-1]}")
-                        continue
-                    n, s = sum(r[0] for r in runs), sum(r[1] for r in runs)
-                    drafted, accepted = sum(r[2] for r in runs), sum(r[3] for r in runs)
-                    line.append(f"{name} {n / max(s, 1e-9):.1f} tok/s accepted {accepted}/{drafted}")
-            print(" | ".join(line), flush=True)
+            print(_batch_one_line(llm, engines, chats, params, args, head, workload), flush=True)
         # Batch N: all at once, `--repeat` rounds alternating engines; the median round is reported.
         speeds: dict[str, list[float]] = {name: [] for name in engines}
         tokens: dict[str, list[list[int]]] = {}
