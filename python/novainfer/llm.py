@@ -89,9 +89,10 @@ class LLM:
     nothing waits forever). A prompt longer than `long_prefill_token_threshold` is computed at most that many
     tokens per step, at most `max_long_partial_prefills` such prompts at once (shorter ones overtake them), at
     most `max_num_partial_prefills` prompts of any length at once; running requests decode first in every
-    step. Left unset on the CPU, `max_model_len` defaults to at most 8192 and the threshold to 128 tokens per
-    thread (256 to 2048) with one long prompt at a time, so no single request holds the engine for minutes
-    (docs/scheduling.md states the rule); on a GPU they are unlimited, as in vLLM.
+    step. Left unset on the CPU, `max_model_len` defaults to at most 8192, the threshold to 128 tokens per
+    thread (256 to 2048) with one long prompt at a time, and `max_num_batched_tokens` to 256 per thread (512
+    to 2048), so no single request holds the engine for minutes and no step for more than a few seconds
+    (docs/scheduling.md states the rule); on a GPU they are unlimited and the budget is 2048, as in vLLM.
 
     `speculative_config` turns on speculative decoding, in vLLM's shape: ``{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}`` drafts tokens by prompt
@@ -127,7 +128,7 @@ class LLM:
         kv_cache_fraction: float | None = None,
         gpu_memory_utilization: float = 0.9,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
         kv_layout: str = "block",
         kv_cache_dtype: str = "auto",
@@ -141,7 +142,7 @@ class LLM:
         for name, value in (
             ("block_size", block_size),
             ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_num_batched_tokens", 1 if max_num_batched_tokens is None else max_num_batched_tokens),
             ("kv_cache_bytes", 1 if kv_cache_bytes is None else kv_cache_bytes),
             ("priority_aging_steps", priority_aging_steps),
             ("long_prefill_token_threshold", 1 if long_prefill_token_threshold is None else long_prefill_token_threshold),

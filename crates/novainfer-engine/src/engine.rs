@@ -49,8 +49,9 @@ pub struct EngineConfig {
     /// weights are loaded. Used when `kv_cache` is [`KvBudget::Auto`]; ignored on the CPU.
     pub gpu_memory_utilization: f64,
     pub max_num_seqs: usize,
-    /// Token budget of one step (decodes + prefill chunks).
-    pub max_num_batched_tokens: usize,
+    /// Token budget of one step (decodes + prefill chunks). Unset: [`DEFAULT_MAX_NUM_BATCHED_TOKENS`]
+    /// on a GPU, the [`CpuDefaults`] rule on the CPU.
+    pub max_num_batched_tokens: Option<usize>,
     pub enable_prefix_caching: bool,
     /// FCFS or priority order (vLLM's `scheduling_policy`).
     pub scheduling_policy: SchedulingPolicy,
@@ -79,6 +80,10 @@ pub const DEFAULT_KV_CACHE_BYTES: usize = 2 << 30;
 
 /// vLLM's default share of a GPU's memory.
 pub const DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
+
+/// A step's token budget when `max_num_batched_tokens` is unset on a GPU (vLLM's default with
+/// chunked prefill); the CPU's rule never gives more.
+pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: usize = 2048;
 
 /// How much memory the KV cache may take.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -200,7 +205,7 @@ impl EngineConfig {
             kv_cache: KvBudget::Auto,
             gpu_memory_utilization: DEFAULT_GPU_MEMORY_UTILIZATION,
             max_num_seqs: 64,
-            max_num_batched_tokens: 2048,
+            max_num_batched_tokens: None,
             enable_prefix_caching: true,
             scheduling_policy: SchedulingPolicy::Fcfs,
             priority_aging_steps: 256,
@@ -440,7 +445,10 @@ impl LoadedEngine {
             None => None,
         };
         let limits = StepLimits {
-            max_num_batched_tokens: cfg.max_num_batched_tokens,
+            // The CPU's default budget is never larger, so buffers sized for this hold it.
+            max_num_batched_tokens: cfg
+                .max_num_batched_tokens
+                .unwrap_or(DEFAULT_MAX_NUM_BATCHED_TOKENS),
             max_num_seqs: cfg.max_num_seqs,
             // An over-long max_model_len is refused once the pool is sized; a device must not
             // size its buffers for it before that.
@@ -489,6 +497,9 @@ impl LoadedEngine {
         let long_prefill_token_threshold = cfg
             .long_prefill_token_threshold
             .or(cpu.map(|d| d.long_prefill_token_threshold));
+        let max_num_batched_tokens = cfg.max_num_batched_tokens.unwrap_or_else(|| {
+            cpu.map_or(DEFAULT_MAX_NUM_BATCHED_TOKENS, |d| d.max_num_batched_tokens)
+        });
         // The CPU's default long-prefill limit needs the threshold that says what is long.
         let max_long_partial_prefills = cfg.max_long_partial_prefills.or(cpu
             .filter(|_| long_prefill_token_threshold.is_some())
@@ -500,14 +511,16 @@ impl LoadedEngine {
                 cpu_max_model_len_default = d.max_model_len_cap,
                 long_prefill_token_threshold,
                 max_long_partial_prefills,
+                max_num_batched_tokens,
                 "CPU scheduling: unset limits follow the CPU rule (see cpu_defaults.rs); \
-                 --max-model-len and --long-prefill-token-threshold override it"
+                 --max-model-len, --long-prefill-token-threshold and --max-num-batched-tokens \
+                 override it"
             );
         }
         let block_size = cfg.effective_block_size();
         let scheduler = SchedulerConfig::builder()
             .kv_layout(cfg.kv_layout)
-            .max_num_batched_tokens(cfg.max_num_batched_tokens)
+            .max_num_batched_tokens(max_num_batched_tokens)
             .max_num_seqs(cfg.max_num_seqs)
             .max_model_len(max_model_len)
             .block_size(block_size)
@@ -537,7 +550,7 @@ impl LoadedEngine {
                 Some(DraftModel::new(
                     executor,
                     vocab_size,
-                    cfg.max_num_batched_tokens,
+                    max_num_batched_tokens,
                 ))
             }
             None => None,

@@ -28,7 +28,7 @@ pub mod verify;
 pub use chat_template::{ChatMessage, ToolCallMessage};
 pub use engine::{
     EngineConfig, Frontend, KvBudget, LoadedEngine, DEFAULT_GPU_MEMORY_UTILIZATION,
-    DEFAULT_KV_CACHE_BYTES,
+    DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS,
 };
 pub use engine_core::{EngineCore, EngineStats};
 pub use error::{EngineError, Result};

@@ -116,7 +116,7 @@ impl PyEngine {
     #[pyo3(signature = (model, *, device="auto", dtype="auto", max_model_len=None, seed=0,
         requantize_q5_0=false, block_size=16, kv_cache_bytes=None, kv_cache_fraction=None,
         gpu_memory_utilization=0.9, max_num_seqs=64,
-        max_num_batched_tokens=2048, enable_prefix_caching=true, kv_layout="block",
+        max_num_batched_tokens=None, enable_prefix_caching=true, kv_layout="block",
         kv_cache_dtype="auto", scheduling_policy="fcfs", priority_aging_steps=256,
         long_prefill_token_threshold=None, max_num_partial_prefills=None,
         max_long_partial_prefills=None, speculative_config=None))]
@@ -134,7 +134,7 @@ impl PyEngine {
         kv_cache_fraction: Option<f64>,
         gpu_memory_utilization: f64,
         max_num_seqs: usize,
-        max_num_batched_tokens: usize,
+        max_num_batched_tokens: Option<usize>,
         enable_prefix_caching: bool,
         kv_layout: &str,
         kv_cache_dtype: &str,

@@ -69,8 +69,10 @@ pub struct ServeArgs {
     pub kv_cache_fraction: Option<f64>,
     #[arg(long, default_value_t = 64)]
     pub max_num_seqs: usize,
-    #[arg(long, default_value_t = 2048)]
-    pub max_num_batched_tokens: usize,
+    /// Token budget of one engine step, decodes and prompt chunks together (default: 2048 on a
+    /// GPU; on the CPU 256 x threads within 512..2048, see docs/scheduling.md).
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<usize>,
     #[arg(long)]
     pub no_enable_prefix_caching: bool,
     /// block (paged, prefix caching) or slot (llama.cpp-style cells).
