@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import random
 
+import gguf
 import pytest
+from numpy_qwen2 import load_checkpoint
 
-from novainfer import LLM, SamplingParams
+from novainfer import LLM, SamplingParams, _native
 from novainfer.errors import InvalidParameterError
 
 BLOCK_BYTES = 4096
@@ -85,6 +87,26 @@ def test_kv_block_bytes_follow_the_dtype(tiny_models, kv_cache_dtype):
     slot = LLM(tiny_models["f32"], kv_cache_dtype=kv_cache_dtype, kv_layout="slot", kv_cache_bytes=10 * per_block)
     assert slot.stats()["kv_bytes_per_block"] * 16 == per_block, "a SLOT cell is one token of the same dtype"
     assert slot.stats()["kv_num_blocks"] == 160
+
+
+@pytest.mark.parametrize("model", ["gguf", "tied"])
+def test_weight_bytes_per_token_are_the_checkpoint_less_its_embedding_table(tiny_models, model):
+    """What `bench llama-cpp` sets decode speed against: a step reads every weight once, except the embedding
+    table, of which it looks up a row (tied, the table is the output head and is read whole)."""
+    if model == "gguf":
+        tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(tiny_models["gguf"]).tensors}
+        expected = sum(tensors.values()) - tensors["token_embd.weight"]
+    else:
+        expected = sum(t.nbytes for t in load_checkpoint(tiny_models["tied"]).values())  # float32 arrays
+    assert LLM(tiny_models[model]).stats()["weight_bytes_per_token"] == expected
+
+
+def test_read_bandwidth_is_a_rate_and_refuses_bad_sizes():
+    assert _native.read_bandwidth(mib=8, passes=1) > 0
+    for bad in ({"mib": 0}, {"passes": 0}):
+        with pytest.raises(InvalidParameterError) as info:
+            _native.read_bandwidth(**bad)
+        assert info.value.param == next(iter(bad))
 
 
 @pytest.mark.parametrize("bad", ["fp8", "F16", "", 3])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -144,8 +145,9 @@ def test_bench_llama_cpp_puts_both_engines_side_by_side(tiny_models, tmp_path):
             "--repeat", "1", "--prompt-lengths", "32", "--depths", "0", "--batch-sizes", "1", "2")
     res = _cli(*args)
     assert res.returncode == 0, res.stderr
+    table, roofs = res.stdout.split("| point | MB read per token")
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in res.stdout.splitlines() if line.startswith("| ") and "---" not in line}
+            for line in table.splitlines() if line.startswith("| ") and "---" not in line}
     assert set(rows) == {"point", "prefill 32", "decode at depth 0", "batched decode, 1 seqs (aggregate)",
                          "batched decode, 2 seqs (aggregate)"}, res.stdout
     for name, (ours, theirs, ratio, rss) in rows.items():
@@ -155,6 +157,12 @@ def test_bench_llama_cpp_puts_both_engines_side_by_side(tiny_models, tmp_path):
         assert float(theirs) == want and abs(float(ratio.rstrip("×")) - float(ours) / want) < 0.01, (name, ratio)
         assert all(float(v) > 0 for v in rss.split(" / ")), rss
     assert "KV-cache bytes per token: f32" in res.stdout
+    # The decode point against the memory roof: the tiny model's weights over the measured bandwidth.
+    assert re.search(r"Memory read bandwidth with 1 threads: [\d.]+–[\d.]+ GB/s", table), table
+    (roof_row,) = [line for line in roofs.splitlines() if line.startswith("| decode at depth 0 |")]
+    mb, roof, _, theirs_share = [c.strip() for c in roof_row.split("|")[2:-1]]
+    assert float(mb.replace(",", "")) > 0 and float(roof) > 0
+    assert theirs_share == f"{10.0 / float(roof):.0%}", roof_row
     bench.write_text("#!/bin/sh\necho boom >&2\nexit 3\n")
     res = _cli(*args)
     assert res.returncode == 1 and "failed (exit 3: boom)" in res.stdout, res.stdout

@@ -6,7 +6,7 @@ from typing import final
 
 from .structured_outputs import StructuredOutputsParams
 
-__all__ = ["Engine", "SamplingParams", "TokenStream", "__version__", "cuda_unavailable_reason", "serve"]
+__all__ = ["Engine", "SamplingParams", "TokenStream", "__version__", "cuda_unavailable_reason", "read_bandwidth", "serve"]
 __version__: str
 
 @final
@@ -157,3 +157,9 @@ def serve(argv: list[str]) -> None:
 
 def cuda_unavailable_reason(ordinal: int = 0) -> str | None:
     """None when CUDA GPU `ordinal` can run a model here, else what is missing."""
+
+def read_bandwidth(mib: int = 512, passes: int = 5) -> float:
+    """This machine's memory read bandwidth in bytes per second: the fastest of `passes` reads of a
+    `mib`-MiB buffer by the engine's CPU thread pool (``RAYON_NUM_THREADS`` threads). It bounds
+    single-stream decode from above: see ``LLM.stats()["weight_bytes_per_token"]``. A bad size or
+    pass count raises ``InvalidParameterError``."""

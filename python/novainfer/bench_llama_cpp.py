@@ -9,7 +9,10 @@ peak RSS is its own and both engines see the same machine state:
   depth 0): ``novainfer bench latency`` against ``llama-bench -p 0 -n 64 -d D``;
 - batched decode at each ``--batch-sizes`` (128-token prompts, 64 tokens each, aggregate tokens/s):
   ``novainfer bench batched`` against one ``llama-batched-bench`` run over all sizes;
-- KV-cache bytes per token for each ``kv_cache_dtype``, from the engine's own pool layout.
+- KV-cache bytes per token for each ``kv_cache_dtype``, from the engine's own pool layout;
+- the memory roof of each decode point: a decode step reads every weight and the sequence's KV once, so
+  ``read bandwidth / bytes per token`` bounds it. The bandwidth is measured (``_native.read_bandwidth``, the
+  same threads) before the first decode point and after the last, since a VM's changes with its neighbours.
 
 Both engines use the same thread count (``--threads``, also ``RAYON_NUM_THREADS``) and an f16 KV cache
 (llama.cpp's default, our ``auto``) unless ``--kv-cache-dtype`` says otherwise. The table it prints is
@@ -136,16 +139,34 @@ def _batched(args: argparse.Namespace) -> list[tuple[int, Measured, Measured]]:
     return rows
 
 
-def kv_bytes_per_token(model: str) -> dict[str, float]:
-    """KV-cache bytes per token of `model` for each `kv_cache_dtype`, from the engine's pool layout."""
+@dataclass
+class EngineSizes:
+    """What a decode step of `model` reads: its weights, and KV bytes per token of context for each dtype."""
+
+    weight_bytes_per_token: float
+    kv_bytes_per_token: dict[str, float]
+
+
+def engine_sizes(model: str) -> EngineSizes:
+    """`model`'s decode-step weight bytes and its KV-cache bytes per token for each `kv_cache_dtype`, from
+    the engine itself (its packed weights and its pool layout)."""
     from .llm import LLM
 
-    out = {}
+    kv, weights = {}, 0.0
     for dtype in ("f32", "f16", "bf16", "q8_0"):
         llm = LLM(model, kv_cache_dtype=dtype, kv_cache_bytes=64 << 20, device="cpu", block_size=16)
-        out[dtype] = llm.stats()["kv_bytes_per_block"] / 16
+        stats = llm.stats()
+        kv[dtype] = stats["kv_bytes_per_block"] / 16
+        weights = stats["weight_bytes_per_token"]
         del llm
-    return out
+    return EngineSizes(weights, kv)
+
+
+def read_bandwidth(args: argparse.Namespace) -> tuple[float | None, str | None]:
+    """The machine's read bandwidth (bytes/s) with `--threads` threads, measured in a fresh process."""
+    code = "from novainfer import _native; print(_native.read_bandwidth())"
+    out, _, error = _run([sys.executable, "-c", code], _env(args))
+    return (None, error) if error else (float(out.strip()), None)
 
 
 def _cell(m: Measured) -> str:
@@ -179,9 +200,16 @@ def run_bench_llama_cpp(args: argparse.Namespace) -> int:
     for tokens in args.prompt_lengths:
         rows.append((f"prefill {tokens}", *_prefill(args, tokens)))
         print(_line(rows[-1]), file=sys.stderr, flush=True)
-    for depth in args.depths:
-        rows.append((f"decode at depth {depth}", *_decode(args, depth)))
+    bandwidth: list[float] = []
+    decodes: list[tuple[int, Measured, Measured]] = []
+    for i, depth in enumerate(args.depths):
+        if i == 0:
+            bandwidth += _bandwidth_line(args)
+        decodes.append((depth, *_decode(args, depth)))
+        rows.append((f"decode at depth {depth}", *decodes[-1][1:]))
         print(_line(rows[-1]), file=sys.stderr, flush=True)
+    if decodes:
+        bandwidth += _bandwidth_line(args)
     for n, ours, theirs in _batched(args):
         rows.append((f"batched decode, {n} seqs (aggregate)", ours, theirs))
         print(_line(rows[-1]), file=sys.stderr, flush=True)
@@ -191,8 +219,11 @@ def run_bench_llama_cpp(args: argparse.Namespace) -> int:
     print("| --- | --- | --- | --- | --- |")
     for name, ours, theirs in rows:
         print(f"| {name} | {_cell(ours)} | {_cell(theirs)} | {_ratio(ours, theirs)} | {_rss(ours)} / {_rss(theirs)} |")
-    print("\nKV-cache bytes per token: " + ", ".join(
-        f"{dtype} {size:,.0f}" for dtype, size in kv_bytes_per_token(str(args.model)).items()))
+    sizes = engine_sizes(str(args.model))
+    print("\nKV-cache bytes per token: " + ", ".join(f"{dtype} {size:,.0f}" for dtype, size in
+                                                   sizes.kv_bytes_per_token.items()))
+    if decodes:
+        _print_roofs(args, sizes, bandwidth, decodes)
     failed = any(m.tok_s is None for _, ours, theirs in rows for m in (ours, theirs))
     return 1 if failed else 0
 
@@ -200,3 +231,33 @@ def run_bench_llama_cpp(args: argparse.Namespace) -> int:
 def _line(row: tuple[str, Measured, Measured]) -> str:
     name, ours, theirs = row
     return f"{name}: ours {_cell(ours)} tok/s, llama.cpp {_cell(theirs)} tok/s ({_ratio(ours, theirs)})"
+
+
+def _bandwidth_line(args: argparse.Namespace) -> list[float]:
+    bw, error = read_bandwidth(args)
+    print(f"memory read bandwidth, {args.threads} threads: " + (f"{bw / 1e9:.1f} GB/s" if bw else f"failed ({error})"),
+          file=sys.stderr, flush=True)
+    return [bw] if bw else []
+
+
+def _print_roofs(args: argparse.Namespace, sizes: EngineSizes, bandwidth: list[float],
+                 decodes: list[tuple[int, Measured, Measured]]) -> None:
+    """Each decode point against the machine's memory roof: the best tok/s a step that reads its bytes once
+    could reach at the highest bandwidth measured."""
+    if not bandwidth:
+        print("\nMemory read bandwidth: not measured; no decode roofs.")
+        return
+    kv = sizes.kv_bytes_per_token[llama_kv_type(args)]
+    low, high = min(bandwidth), max(bandwidth)
+    print(f"\nMemory read bandwidth with {args.threads} threads: {low / 1e9:.1f}–{high / 1e9:.1f} GB/s (before the "
+          f"first decode point and after the last). Weights read per decode step: {sizes.weight_bytes_per_token / 1e6:,.0f} MB.\n")
+    print("| point | MB read per token | roof tok/s | NovaInfer, share of roof | llama.cpp, share of roof |")
+    print("| --- | --- | --- | --- | --- |")
+    for depth, ours, theirs in decodes:
+        per_token = sizes.weight_bytes_per_token + depth * kv
+        roof = high / per_token
+
+        def share(m: Measured) -> str:
+            return "—" if m.tok_s is None else f"{m.tok_s / roof:.0%}"
+
+        print(f"| decode at depth {depth} | {per_token / 1e6:,.1f} | {roof:.1f} | {share(ours)} | {share(theirs)} |")

@@ -226,7 +226,9 @@ class LLM:
         tokens, prompt tokens computed, tokens generated, steps, and seconds spent stepping. With speculative
         decoding: drafts verified (`num_drafts`), their tokens (`num_draft_tokens`), those confirmed
         (`num_accepted_tokens`), `spec_acceptance_rate` (confirmed / drafted) and `spec_mean_acceptance_length`
-        (tokens per verified step: 1 + confirmed / drafts, as vLLM reports it)."""
+        (tokens per verified step: 1 + confirmed / drafts, as vLLM reports it). On the CPU,
+        `weight_bytes_per_token`: the weight bytes one decode step reads, which with
+        `novainfer._native.read_bandwidth()` bounds single-stream decode speed."""
         return self._engine.stats()
 
     def reset_prefix_cache(self) -> bool:

@@ -51,6 +51,8 @@ pub struct EngineStats {
     /// Bytes of the KV pool, and of one of its blocks (cells in the SLOT layout).
     pub kv_pool_bytes: usize,
     pub kv_bytes_per_block: usize,
+    /// Weight bytes a decode step reads (`None` where the device does not say).
+    pub weight_bytes_per_token: Option<usize>,
     pub num_prompt_tokens_computed: u64,
     pub num_generated_tokens: u64,
     /// Speculative decoding: drafts verified (one per request per step), their tokens, and
@@ -99,6 +101,7 @@ impl EngineCore {
         let stats = EngineStats {
             kv_pool_bytes: runner.kv_pool_bytes(),
             kv_bytes_per_block: runner.kv_bytes_per_block(),
+            weight_bytes_per_token: runner.weight_bytes_per_token(),
             ..EngineStats::default()
         };
         Self {

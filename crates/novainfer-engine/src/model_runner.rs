@@ -29,6 +29,11 @@ impl ModelRunner {
         self.executor.kv_bytes_per_block()
     }
 
+    /// Weight bytes a decode step reads, where the executor knows them.
+    pub fn weight_bytes_per_token(&self) -> Option<usize> {
+        self.executor.weight_bytes_per_token()
+    }
+
     /// Bytes of the whole KV pool.
     pub fn kv_pool_bytes(&self) -> usize {
         self.executor.num_blocks() * self.executor.kv_bytes_per_block()

@@ -65,6 +65,11 @@ pub trait Executor: Send {
     fn num_blocks(&self) -> usize;
     /// Bytes of one pool block (all layers, K and V).
     fn kv_bytes_per_block(&self) -> usize;
+    /// Weight bytes a decode step reads from the device's memory, where the executor knows
+    /// them (see [`Qwen2Model::weight_bytes_per_token`]); benchmarks set decode speed against it.
+    fn weight_bytes_per_token(&self) -> Option<usize> {
+        None
+    }
     /// Copies the first `num_tokens` slots of block `src` into block `dst`, every layer.
     fn copy_block(&mut self, src: usize, dst: usize, num_tokens: usize) -> Result<()>;
     /// Writes the batch's K/V at its slots and returns what each span asks for (logits
@@ -170,6 +175,10 @@ impl Executor for CpuExecutor {
 
     fn kv_bytes_per_block(&self) -> usize {
         PagedKvCache::bytes_per_block(self.model.config(), self.kv.block_size(), self.kv.dtype())
+    }
+
+    fn weight_bytes_per_token(&self) -> Option<usize> {
+        Some(self.model.weight_bytes_per_token())
     }
 
     fn copy_block(&mut self, src: usize, dst: usize, num_tokens: usize) -> Result<()> {

@@ -16,6 +16,7 @@ pub mod kv_cache;
 pub mod kv_dtype;
 pub mod layers;
 pub mod loader;
+pub mod memory_bandwidth;
 pub mod paged_kv;
 pub mod parallel;
 pub mod prepare;

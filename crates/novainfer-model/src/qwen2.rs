@@ -208,6 +208,33 @@ impl Qwen2Model {
         SequenceKvCache::new(&self.cfg, capacity, self.kv_dtype)
     }
 
+    /// Weight bytes one decode step reads whatever its batch: every projection of every layer
+    /// and the output head, each once; the norms' vectors are counted too, the embedding table
+    /// is not (a step looks up one row of it). Divided into the machine's read bandwidth it
+    /// bounds single-stream decode from above.
+    pub fn weight_bytes_per_token(&self) -> usize {
+        let vector = |v: &[f32]| std::mem::size_of_val(v);
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                let projections = [
+                    &l.q_proj,
+                    &l.k_proj,
+                    &l.v_proj,
+                    &l.o_proj,
+                    &l.gate_proj,
+                    &l.up_proj,
+                    &l.down_proj,
+                ];
+                projections.iter().map(|w| w.weight_bytes()).sum::<usize>()
+                    + vector(&l.input_layernorm)
+                    + vector(&l.post_attention_layernorm)
+            })
+            .sum();
+        layers + vector(&self.norm) + self.lm_head.weight_bytes()
+    }
+
     /// How this model's caches store keys and values (from [`LoadOptions::kv_cache_dtype`]).
     pub fn kv_dtype(&self) -> KvStorage {
         self.kv_dtype

@@ -345,3 +345,17 @@ fn chunked_prefill_is_bit_identical_for_every_kv_dtype() {
         }
     }
 }
+
+/// A decode step reads every tensor of the checkpoint once except the embedding table, of which it
+/// looks up one row; tied, that table is the output head and is read whole.
+#[test]
+fn weight_bytes_per_token_counts_every_weight_a_step_reads() {
+    for tie in [false, true] {
+        let w = weights(&config(tie));
+        let all: usize = w.values().map(|t| t.elem_count() * 4).sum();
+        let table = w["model.embed_tokens.weight"].elem_count() * 4;
+        let expected = if tie { all } else { all - table };
+        let model = build(config(tie), w).expect("builds");
+        assert_eq!(model.weight_bytes_per_token(), expected, "tied: {tie}");
+    }
+}

@@ -220,7 +220,7 @@ impl PyEngine {
     fn stats(&self, py: Python<'_>) -> PyResult<HashMap<&'static str, f64>> {
         let s = py.detach(|| self.handle.stats()).map_err(engine_error)?;
         let kv = &s.kv;
-        Ok(HashMap::from([
+        let mut stats = HashMap::from([
             ("num_running", s.num_running as f64),
             ("num_waiting", s.num_waiting as f64),
             ("num_preemptions", s.num_preemptions as f64),
@@ -253,7 +253,11 @@ impl PyEngine {
                 1.0 + ratio(s.num_accepted_tokens, s.num_drafts),
             ),
             ("busy_seconds", s.busy_seconds),
-        ]))
+        ]);
+        if let Some(bytes) = s.weight_bytes_per_token {
+            stats.insert("weight_bytes_per_token", bytes as f64);
+        }
+        Ok(stats)
     }
 
     /// Drops every cached prefix block; False (and nothing changes) while requests run.

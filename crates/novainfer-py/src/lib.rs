@@ -18,6 +18,28 @@ fn cuda_unavailable_reason(py: Python<'_>, ordinal: usize) -> Option<String> {
     py.detach(|| novainfer_model::device::cuda_usable(ordinal).err())
 }
 
+/// This machine's memory read bandwidth in bytes per second, measured with the engine's CPU
+/// thread pool (`RAYON_NUM_THREADS` threads) over a buffer of `mib` MiB, the fastest of `passes`
+/// passes.
+#[pyfunction]
+#[pyo3(signature = (mib=512, passes=5))]
+fn read_bandwidth(py: Python<'_>, mib: usize, passes: usize) -> PyResult<f64> {
+    if !(1..=1 << 16).contains(&mib) {
+        return Err(errors::invalid(
+            "mib",
+            format!("read_bandwidth reads 1 to 65536 MiB, not {mib}"),
+        ));
+    }
+    if passes == 0 {
+        return Err(errors::invalid(
+            "passes",
+            "read_bandwidth needs at least one pass".into(),
+        ));
+    }
+    let bw = py.detach(|| novainfer_model::memory_bandwidth::read_bandwidth(mib << 20, passes));
+    Ok(bw.best_bytes_per_s)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The engine's logs (warnings, and `debug` traces such as the draft policy's) reach Python
@@ -30,6 +52,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyTokenStream>()?;
     m.add_function(wrap_pyfunction!(server::serve, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_unavailable_reason, m)?)?;
+    m.add_function(wrap_pyfunction!(read_bandwidth, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

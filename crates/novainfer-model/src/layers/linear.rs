@@ -53,6 +53,21 @@ impl Linear {
         self.out_features
     }
 
+    /// Bytes a product with this layer reads from memory for its weights and bias: what
+    /// bounds a single-row (decode) product, which uses each weight once.
+    pub fn weight_bytes(&self) -> usize {
+        let weight = match &self.weight {
+            Weight::Packed(w) => w.storage_bytes(),
+            Weight::Quantized(QMatMul::QTensor(q)) => q.storage_size_in_bytes(),
+            Weight::Dense(t)
+            | Weight::Quantized(QMatMul::Tensor(t))
+            | Weight::Quantized(QMatMul::TensorF16(t)) => {
+                t.elem_count() * t.dtype().size_in_bytes()
+            }
+        };
+        weight + self.bias.as_ref().map_or(0, |b| b.len() * 4)
+    }
+
     /// `x`: `[rows, in]` → `[rows, out]`.
     pub fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
         let mut y = Vec::new();

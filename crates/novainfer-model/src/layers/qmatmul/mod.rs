@@ -250,6 +250,12 @@ impl PackedMatrix {
         self.k
     }
 
+    /// Bytes of the packed weights (padding columns of a last partial group included: they
+    /// are read too).
+    pub fn storage_bytes(&self) -> usize {
+        self.data.len
+    }
+
     /// `x`: `[m, k]` → `[m, n]`.
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
         let mut out = Vec::new();

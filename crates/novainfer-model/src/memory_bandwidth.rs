@@ -1,0 +1,88 @@
+//! How fast this machine streams memory into the CPU threads the kernels use.
+//!
+//! A single-stream decode step reads every weight once, so on a CPU its speed is bounded by
+//! `read bandwidth / bytes read per token`. That roof moves with the machine (a cloud VM's
+//! bandwidth changes with its neighbours from one hour to the next), so a benchmark that
+//! says "decode is memory-bound" measures it next to the figures it explains, on the same
+//! pool of threads and the same way the kernels read: every thread streaming its own
+//! contiguous part of a buffer far larger than the caches.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+/// Bytes one work item reads: large enough that the hardware prefetchers settle into a
+/// stream, small enough that the pool's shared cursor balances the threads.
+const CHUNK: usize = 1 << 20;
+
+/// One measurement of [`read_bandwidth`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReadBandwidth {
+    /// The fastest pass, in bytes per second.
+    pub best_bytes_per_s: f64,
+    /// Threads that read (candle's pool and the calling thread).
+    pub threads: usize,
+}
+
+/// Reads a buffer of `bytes` (rounded up to whole MiB, at least 1 MiB) `passes` times with the
+/// kernels' thread pool and returns the fastest pass. Make `bytes` several times the last-level
+/// cache (256 MiB is plenty on today's CPUs) or this measures the cache.
+pub fn read_bandwidth(bytes: usize, passes: usize) -> ReadBandwidth {
+    let chunks = bytes.div_ceil(CHUNK).max(1);
+    // Written once, so every page is mapped before the timed passes (and not the zero page).
+    let buf: Vec<u64> = (0..chunks * CHUNK / 8).map(|i| i as u64).collect();
+    let pool = candle_core::utils::barrier_pool();
+    let mut best = 0f64;
+    for _ in 0..passes.max(1) {
+        let checksum = AtomicU64::new(0);
+        let start = Instant::now();
+        pool.execute_chunked(chunks, |range| {
+            let words = &buf[range.start * CHUNK / 8..range.end * CHUNK / 8];
+            checksum.fetch_xor(xor_all(words), Ordering::Relaxed);
+        });
+        let secs = start.elapsed().as_secs_f64();
+        // The xor of 0..n is known, so the reads cannot have been skipped.
+        std::hint::black_box(checksum.load(Ordering::Relaxed));
+        best = best.max((chunks * CHUNK) as f64 / secs);
+    }
+    ReadBandwidth {
+        best_bytes_per_s: best,
+        threads: pool.n_workers() + 1,
+    }
+}
+
+/// The xor of all `words`, over four independent lanes so that the loop is bound by the loads,
+/// not by one dependency chain.
+fn xor_all(words: &[u64]) -> u64 {
+    let mut lanes = [0u64; 4];
+    let mut quads = words.chunks_exact(4);
+    for q in &mut quads {
+        for (l, w) in lanes.iter_mut().zip(q) {
+            *l ^= w;
+        }
+    }
+    let tail = quads.remainder().iter().fold(0, |a, w| a ^ w);
+    lanes.iter().fold(tail, |a, l| a ^ l)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn xor_all_reads_every_word() {
+        let words: Vec<u64> = (0..1003).map(|i| i * 0x9e37_79b9).collect();
+        let expected = words.iter().fold(0, |a, w| a ^ w);
+        assert_eq!(xor_all(&words), expected);
+        assert_eq!(xor_all(&words[..3]), words[0] ^ words[1] ^ words[2]);
+    }
+
+    #[test]
+    fn a_measurement_is_a_positive_rate_over_the_pool() {
+        let bw = read_bandwidth(4 << 20, 2);
+        assert!(bw.best_bytes_per_s.is_finite() && bw.best_bytes_per_s > 0.0);
+        assert_eq!(
+            bw.threads,
+            candle_core::utils::barrier_pool().n_workers() + 1
+        );
+    }
+}
