@@ -18,13 +18,24 @@
 //! reads positions `0..=its own`, so every output number is the same sequence of IEEE
 //! operations whatever the batch, the block size, the chunking of the prompt, the work
 //! split or the ISA ([`ops`]).
+//!
+//! ISA: AVX-512F where the CPU has it and `head_dim % 16 == 0`, else AVX2/FMA/F16C where
+//! `head_dim % 8 == 0`, else the portable code; `NOVAINFER_ATTN_ISA=avx2|scalar` caps the
+//! choice (for comparisons; a value the CPU cannot honour falls back). The AVX-512 code was
+//! written without an AVX-512 machine to test it on, so the first process that would use it
+//! runs a small fixed problem through it and through the portable code ([`self_check`]) and
+//! keeps AVX2 unless every output bit agrees.
 
 mod ops;
+#[cfg(target_arch = "x86_64")]
+mod self_check;
 #[cfg(test)]
 mod tests;
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicUsize, Ordering};
+#[cfg(target_arch = "x86_64")]
+use std::sync::OnceLock;
 
 use super::parallel::SharedOut;
 use super::AttentionShape;
@@ -45,18 +56,59 @@ pub(crate) enum AttnIsa {
     Scalar,
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
 }
 
 impl AttnIsa {
-    /// The fastest one this CPU and head size allow.
+    /// The fastest one this CPU and head size allow, capped by `NOVAINFER_ATTN_ISA` (see the
+    /// module docs); AVX-512 only once it has passed its self-check.
     pub(crate) fn detect(head_dim: usize) -> Self {
+        let cap = std::env::var("NOVAINFER_ATTN_ISA").unwrap_or_default();
         #[cfg(target_arch = "x86_64")]
-        if head_dim.is_multiple_of(8) && ops::Avx2::detect() {
-            return Self::Avx2;
+        {
+            choose(&cap, head_dim, ops::Avx2::detect(), avx512_usable)
         }
-        let _ = head_dim;
-        Self::Scalar
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (cap, head_dim);
+            Self::Scalar
+        }
     }
+}
+
+/// [`AttnIsa::detect`]'s choice for the cap `cap` (`"avx2"`, `"scalar"`; anything else caps
+/// nothing, like `NOVAINFER_QMATMUL_ISA`), given whether the CPU has AVX2/FMA/F16C and, asked
+/// only when AVX-512 would be chosen, whether AVX-512 is usable.
+#[cfg(target_arch = "x86_64")]
+fn choose(cap: &str, head_dim: usize, avx2: bool, avx512: impl FnOnce() -> bool) -> AttnIsa {
+    match cap {
+        "scalar" => AttnIsa::Scalar,
+        _ if cap != "avx2" && head_dim.is_multiple_of(16) && avx2 && avx512() => AttnIsa::Avx512,
+        _ if head_dim.is_multiple_of(8) && avx2 => AttnIsa::Avx2,
+        _ => AttnIsa::Scalar,
+    }
+}
+
+/// Whether the CPU has AVX-512F and the AVX-512 kernel gives the portable kernel's bits on
+/// [`self_check`]'s problem (run once per process, on first use: about a millisecond).
+#[cfg(target_arch = "x86_64")]
+fn avx512_usable() -> bool {
+    static AGREES: OnceLock<bool> = OnceLock::new();
+    ops::Avx512::detect()
+        && *AGREES.get_or_init(|| {
+            // SAFETY: AVX-512F (and AVX2/FMA/F16C) were detected just above.
+            let agrees = unsafe { self_check::agrees(ops::Avx512) };
+            if !agrees {
+                // The crate has no logger of its own (tracing only with `cuda`); once per
+                // process.
+                eprintln!(
+                    "novainfer: the AVX-512 attention kernel disagreed with the portable one on \
+                     its self-check (a bug: please report it with this CPU's model); using AVX2"
+                );
+            }
+            agrees
+        })
 }
 
 /// `q`: `[tokens, num_heads·head_dim]` (rotated), token `t` at `positions[t]` of the sequence
@@ -90,6 +142,34 @@ pub(crate) fn paged_attention_into(
     plan: &mut Plan,
     out: &mut Vec<f32>,
 ) {
+    // SAFETY: an `AttnIsa` other than `Scalar` comes from `detect`, which checked the CPU and
+    // the head size.
+    unsafe {
+        match isa {
+            AttnIsa::Scalar => attend(Scalar, q, positions, seqs, layer, shape, plan, out),
+            #[cfg(target_arch = "x86_64")]
+            AttnIsa::Avx2 => attend(ops::Avx2, q, positions, seqs, layer, shape, plan, out),
+            #[cfg(target_arch = "x86_64")]
+            AttnIsa::Avx512 => attend(ops::Avx512, q, positions, seqs, layer, shape, plan, out),
+        }
+    }
+}
+
+/// [`paged_attention_into`] on kernel `k`.
+///
+/// # Safety
+/// The CPU has `k`'s ISA.
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend<K: Kernel>(
+    k: K,
+    q: &[f32],
+    positions: &[usize],
+    seqs: &[SeqSpan],
+    layer: PoolLayer<'_>,
+    shape: AttentionShape,
+    plan: &mut Plan,
+    out: &mut Vec<f32>,
+) {
     out.clear();
     out.resize(q.len(), 0.0);
     plan.build(positions, seqs, shape);
@@ -112,8 +192,8 @@ pub(crate) fn paged_attention_into(
     candle_core::utils::barrier_pool().execute_chunked(plan.items.len(), |range| {
         for item in &plan.items[range] {
             // SAFETY: each item writes only its own rows of `out` (its tokens × the heads of
-            // its KV head) or its own range of `partials` (see `Plan`).
-            unsafe { dispatch(isa, &ctx, item, dst, partial_dst) };
+            // its KV head) or its own range of `partials` (see `Plan`); the ISA as above.
+            unsafe { k.item(&ctx, item, dst, partial_dst) };
             let Some(Split { merge: m, .. }) = item.split else {
                 continue;
             };
@@ -125,7 +205,7 @@ pub(crate) fn paged_attention_into(
                 // else reads them, and the merge writes only its own rows of `out`.
                 unsafe {
                     let group = partial_dst.range(mg.partial, mg.parts * block);
-                    dispatch_merge(isa, &ctx, mg, group, dst);
+                    k.merge_group(&ctx, mg, group, dst);
                 }
             }
         }
@@ -252,7 +332,7 @@ impl Plan {
 #[derive(Default)]
 struct Scratch {
     k: Vec<f32>,
-    /// The tile's keys transposed, groups of [`GROUP`] positions side by side.
+    /// The tile's keys transposed (the ISA's layout, [`AttnOps::transpose`]).
     kt: Vec<f32>,
     v: Vec<f32>,
     /// Per query row, the tile's scores, then its exponentials (`TILE` apart).
@@ -296,44 +376,89 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
-/// # Safety
-/// `out`/`partials` must be the buffers of this call's plan, and `isa` detected on this CPU.
-unsafe fn dispatch(isa: AttnIsa, ctx: &Ctx, item: &Item, out: SharedOut, partials: SharedOut) {
-    match isa {
-        // SAFETY: forwarded.
-        AttnIsa::Scalar => unsafe { run_item(Scalar, ctx, item, out, partials) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: forwarded; AVX2/FMA/F16C were detected.
-        AttnIsa::Avx2 => unsafe { run_item_avx2(ctx, item, out, partials) },
-    }
-}
-
-/// `partials`: the merge's own group (partition 0 first).
+/// [`AttnOps`] with their entry points into the driver, compiled with the ISA's target
+/// features so that the ops inline.
 ///
 /// # Safety
-/// As [`dispatch`].
-unsafe fn dispatch_merge(isa: AttnIsa, ctx: &Ctx, m: &Merge, partials: &[f32], out: SharedOut) {
-    match isa {
+/// The methods may use the ISA's instructions: call them only where it was detected.
+/// `out`/`partials` must be the buffers of this call's plan; `partials` of `merge_group` the
+/// merge's own group (partition 0 first).
+trait Kernel: AttnOps + Send + Sync {
+    unsafe fn item(self, ctx: &Ctx, item: &Item, out: SharedOut, partials: SharedOut);
+    unsafe fn merge_group(self, ctx: &Ctx, m: &Merge, partials: &[f32], out: SharedOut);
+}
+
+impl Kernel for Scalar {
+    unsafe fn item(self, ctx: &Ctx, item: &Item, out: SharedOut, partials: SharedOut) {
         // SAFETY: forwarded.
-        AttnIsa::Scalar => unsafe { run_merge(Scalar, ctx, m, partials, out) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: forwarded; AVX2/FMA/F16C were detected.
-        AttnIsa::Avx2 => unsafe { run_merge_avx2(ctx, m, partials, out) },
+        unsafe { run_item(self, ctx, item, out, partials) }
+    }
+
+    unsafe fn merge_group(self, ctx: &Ctx, m: &Merge, partials: &[f32], out: SharedOut) {
+        // SAFETY: forwarded.
+        unsafe { run_merge(self, ctx, m, partials, out) }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
+impl Kernel for ops::Avx2 {
+    unsafe fn item(self, ctx: &Ctx, item: &Item, out: SharedOut, partials: SharedOut) {
+        // SAFETY: forwarded; AVX2/FMA/F16C were detected.
+        unsafe { run_item_avx2(self, ctx, item, out, partials) }
+    }
+
+    unsafe fn merge_group(self, ctx: &Ctx, m: &Merge, partials: &[f32], out: SharedOut) {
+        // SAFETY: forwarded; AVX2/FMA/F16C were detected.
+        unsafe { run_merge_avx2(self, ctx, m, partials, out) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Kernel for ops::Avx512 {
+    unsafe fn item(self, ctx: &Ctx, item: &Item, out: SharedOut, partials: SharedOut) {
+        // SAFETY: forwarded; AVX-512F (and AVX2/FMA/F16C) were detected.
+        unsafe { run_item_avx512(ctx, item, out, partials) }
+    }
+
+    unsafe fn merge_group(self, ctx: &Ctx, m: &Merge, partials: &[f32], out: SharedOut) {
+        // SAFETY: forwarded; AVX-512F (and AVX2/FMA/F16C) were detected.
+        unsafe { run_merge_avx512(ctx, m, partials, out) }
+    }
+}
+
+/// Generic over the ops so that the self-check's tests can run wrapped AVX2 ops through it.
+#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn run_item_avx2(ctx: &Ctx, item: &Item, out: SharedOut, partials: SharedOut) {
-    // SAFETY: forwarded contract of `dispatch`.
-    unsafe { run_item(ops::Avx2, ctx, item, out, partials) }
+unsafe fn run_item_avx2<O: AttnOps>(
+    o: O,
+    ctx: &Ctx,
+    item: &Item,
+    out: SharedOut,
+    partials: SharedOut,
+) {
+    // SAFETY: forwarded contract of `Kernel::item`.
+    unsafe { run_item(o, ctx, item, out, partials) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn run_merge_avx2(ctx: &Ctx, m: &Merge, partials: &[f32], out: SharedOut) {
-    // SAFETY: forwarded contract of `dispatch_merge`.
-    unsafe { run_merge(ops::Avx2, ctx, m, partials, out) }
+unsafe fn run_merge_avx2<O: AttnOps>(o: O, ctx: &Ctx, m: &Merge, partials: &[f32], out: SharedOut) {
+    // SAFETY: forwarded contract of `Kernel::merge_group`.
+    unsafe { run_merge(o, ctx, m, partials, out) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn run_item_avx512(ctx: &Ctx, item: &Item, out: SharedOut, partials: SharedOut) {
+    // SAFETY: forwarded contract of `Kernel::item`.
+    unsafe { run_item(ops::Avx512, ctx, item, out, partials) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn run_merge_avx512(ctx: &Ctx, m: &Merge, partials: &[f32], out: SharedOut) {
+    // SAFETY: forwarded contract of `Kernel::merge_group`.
+    unsafe { run_merge(ops::Avx512, ctx, m, partials, out) }
 }
 
 /// Folds partition state `(pm, pl, pacc)` into the running `(m, l, acc)`.
@@ -397,10 +522,7 @@ unsafe fn run_item<O: AttnOps>(o: O, ctx: &Ctx, item: &Item, out: SharedOut, par
                 // (`check_slots`); scratch sizes from `fit`.
                 unsafe {
                     gather(o, ctx, table, item.kv_head, t0, nt, sc);
-                    for g in 0..groups {
-                        let rows_g = &sc.k[g * GROUP * hd..(g + 1) * GROUP * hd];
-                        o.transpose8(rows_g, &mut sc.kt[g * GROUP * hd..]);
-                    }
+                    o.transpose(&sc.k, hd, groups, &mut sc.kt);
                     o.scores(&sc.q, hd, rows, &sc.kt, groups, &mut sc.s);
                 }
                 // Rows that end before `nt` (or before the tile) get zero weights past their

@@ -1,10 +1,11 @@
-//! The arithmetic of the attention kernel, once portable and once in AVX2/FMA/F16C.
+//! The arithmetic of the attention kernel, once portable, once in AVX2/FMA/F16C and once in
+//! AVX-512F ([`avx512`]).
 //!
-//! Both implementations perform the same IEEE operations in the same order on every
+//! All implementations perform the same IEEE operations in the same order on every
 //! number, so they agree bit for bit (tested); only the speed differs:
 //! * a score `q·k` is one chain of fused multiply-adds from zero over the dimensions in
-//!   order (keys are stored transposed, 8 positions side by side, so 8 scores of a query row
-//!   fill one vector and no horizontal sums are needed);
+//!   order (keys are stored transposed, 8 positions side by side (16 for AVX-512), so the
+//!   scores of a query row fill one vector and no horizontal sums are needed);
 //! * a tile's maximum is exact whatever the order; `exp` is one polynomial (Cephes' `expf`:
 //!   range reduction by `ln 2`, degree-5 polynomial, scaling by `2ⁿ` through the exponent
 //!   bits), written once per lane; a tile's sum of exponentials is lane-wise over its
@@ -33,10 +34,10 @@ const _: () = assert!(
 /// accumulators plus 2 loaded vectors and a broadcast fill 15 of the 16 AVX2 registers.
 const ROW_BLOCK: usize = 6;
 
-/// `rows` as the fewest blocks `(first row, rows)` of at most [`ROW_BLOCK`], as even as
+/// `rows` as the fewest blocks `(first row, rows)` of at most `max`, as even as
 /// possible: a block of 1-2 rows has too few accumulators to hide the FMA latency.
-fn row_blocks(rows: usize) -> impl Iterator<Item = (usize, usize)> {
-    let blocks = rows.div_ceil(ROW_BLOCK);
+fn row_blocks(rows: usize, max: usize) -> impl Iterator<Item = (usize, usize)> {
+    let blocks = rows.div_ceil(max);
     (0..blocks).map(move |b| {
         let r0 = rows * b / blocks;
         (r0, rows * (b + 1) / blocks - r0)
@@ -64,11 +65,12 @@ fn tree<T: Copy, const N: usize>(mut x: [T; N], add: impl Fn(T, T) -> T) -> T {
 pub(super) trait AttnOps: Copy {
     /// Decodes one row of `dst.len()` numbers from `src` (in `dtype`).
     unsafe fn decode_row(self, dtype: KvStorage, src: &[u8], dst: &mut [f32]);
-    /// Transposes 8 rows of `hd` numbers (`rows`, row-major) into `kt`:
-    /// `kt[d·8 + j] = rows[j·hd + d]`.
-    unsafe fn transpose8(self, rows: &[f32], kt: &mut [f32]);
-    /// For query rows `r < rows` (`q`: rows of `hd`) and key groups `g < groups` (`kt`: groups
-    /// of `8·hd` from [`AttnOps::transpose8`]): `s[r·TILE + 8g + l] = Σ_d q[r][d]·k_{8g+l}[d]`.
+    /// Lays out the keys of groups `g < groups` (`k`: rows of `hd`, [`GROUP`] rows a group) in
+    /// `kt` (`groups·8·hd` floats) the way this ISA's [`AttnOps::scores`] reads them; the
+    /// portable layout is `kt[g·8·hd + d·8 + j] = k[(8g + j)·hd + d]`.
+    unsafe fn transpose(self, k: &[f32], hd: usize, groups: usize, kt: &mut [f32]);
+    /// For query rows `r < rows` (`q`: rows of `hd`) and key groups `g < groups` (`kt` from
+    /// [`AttnOps::transpose`]): `s[r·TILE + 8g + l] = Σ_d q[r][d]·k_{8g+l}[d]`.
     unsafe fn scores(
         self,
         q: &[f32],
@@ -137,11 +139,13 @@ impl AttnOps for Scalar {
         dtype.decode(src, dst);
     }
 
-    unsafe fn transpose8(self, rows: &[f32], kt: &mut [f32]) {
-        let hd = rows.len() / GROUP;
-        for j in 0..GROUP {
-            for d in 0..hd {
-                kt[d * GROUP + j] = rows[j * hd + d];
+    unsafe fn transpose(self, k: &[f32], hd: usize, groups: usize, kt: &mut [f32]) {
+        for g in 0..groups {
+            let (rows, kt) = (&k[g * GROUP * hd..], &mut kt[g * GROUP * hd..]);
+            for j in 0..GROUP {
+                for d in 0..hd {
+                    kt[d * GROUP + j] = rows[j * hd + d];
+                }
             }
         }
     }
@@ -217,6 +221,11 @@ impl AttnOps for Scalar {
 
 #[cfg(target_arch = "x86_64")]
 pub(super) use avx2::Avx2;
+#[cfg(target_arch = "x86_64")]
+pub(super) use avx512::Avx512;
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -260,6 +269,38 @@ mod avx2 {
         }
     }
 
+    /// The largest of `mx`'s lanes (exact in any order).
+    ///
+    /// # Safety
+    /// AVX.
+    #[inline(always)]
+    pub(super) unsafe fn hmax(mx: __m256) -> f32 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let t = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps::<1>(mx));
+            let t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+            let t = _mm_max_ss(t, _mm_shuffle_ps::<1>(t, t));
+            _mm_cvtss_f32(t)
+        }
+    }
+
+    /// A tile's sum of exponentials in the documented order, `e[c]` its vector `c` (lane `l`
+    /// is position `8c + l`): lane-wise [`tree`], then `(h0+h2)+(h1+h3)`, `h[i] = l[i]+l[i+4]`.
+    ///
+    /// # Safety
+    /// AVX.
+    #[inline(always)]
+    pub(super) unsafe fn tile_sum(e: [__m256; VECS]) -> f32 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let l = tree(e, |a, b| _mm256_add_ps(a, b));
+            let h = _mm_add_ps(_mm256_castps256_ps128(l), _mm256_extractf128_ps::<1>(l));
+            let g = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            let sum = _mm_add_ss(g, _mm_shuffle_ps::<1>(g, g));
+            _mm_cvtss_f32(sum)
+        }
+    }
+
     /// `$f::<R, $c>($args)` for `R = min($rows, ROW_BLOCK)`.
     macro_rules! by_rows {
         ($rows:expr, $f:ident, $c:literal, ($($arg:expr),*)) => {
@@ -281,7 +322,7 @@ mod avx2 {
     /// # Safety
     /// AVX2+FMA; the rows and groups exist.
     #[inline(always)]
-    unsafe fn score_block<const R: usize, const G: usize>(
+    pub(super) unsafe fn score_block<const R: usize, const G: usize>(
         q: *const f32,
         hd: usize,
         kt: *const f32,
@@ -346,6 +387,57 @@ mod avx2 {
         }
     }
 
+    /// Transposes the 8 rows of `hd` floats at `src` (row `j` at `src + j·hd`) into lines of
+    /// `stride` floats: `dst[d·stride + j] = src[j·hd + d]`, the rest of each line untouched.
+    ///
+    /// # Safety
+    /// AVX; `hd` a multiple of 8; the rows readable and the `hd` lines writable.
+    #[inline(always)]
+    pub(super) unsafe fn transpose_8_rows(
+        src: *const f32,
+        hd: usize,
+        dst: *mut f32,
+        stride: usize,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            for c in 0..hd / 8 {
+                let r: [__m256; 8] =
+                    std::array::from_fn(|j| _mm256_loadu_ps(src.add(j * hd + 8 * c)));
+                let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+                let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+                let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+                let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+                let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+                let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+                let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+                let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+                let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+                let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+                let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+                let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+                let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+                let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+                let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+                let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+                // Column d = 8c + i of the 8 rows.
+                let cols = [
+                    _mm256_permute2f128_ps::<0x20>(u0, u4),
+                    _mm256_permute2f128_ps::<0x20>(u1, u5),
+                    _mm256_permute2f128_ps::<0x20>(u2, u6),
+                    _mm256_permute2f128_ps::<0x20>(u3, u7),
+                    _mm256_permute2f128_ps::<0x31>(u0, u4),
+                    _mm256_permute2f128_ps::<0x31>(u1, u5),
+                    _mm256_permute2f128_ps::<0x31>(u2, u6),
+                    _mm256_permute2f128_ps::<0x31>(u3, u7),
+                ];
+                for (i, col) in cols.iter().enumerate() {
+                    _mm256_storeu_ps(dst.add((8 * c + i) * stride), *col);
+                }
+            }
+        }
+    }
+
     impl AttnOps for Avx2 {
         #[inline(always)]
         unsafe fn decode_row(self, dtype: KvStorage, src: &[u8], dst: &mut [f32]) {
@@ -389,46 +481,12 @@ mod avx2 {
         }
 
         #[inline(always)]
-        unsafe fn transpose8(self, rows: &[f32], kt: &mut [f32]) {
-            let hd = rows.len() / GROUP;
-            debug_assert!(hd.is_multiple_of(8) && kt.len() >= GROUP * hd);
-            // SAFETY: 8 rows of hd floats in, hd·8 floats out, hd a multiple of 8.
-            unsafe {
-                let (src, dst) = (rows.as_ptr(), kt.as_mut_ptr());
-                for c in 0..hd / 8 {
-                    let r: [__m256; 8] =
-                        std::array::from_fn(|j| _mm256_loadu_ps(src.add(j * hd + 8 * c)));
-                    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
-                    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
-                    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
-                    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
-                    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
-                    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
-                    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
-                    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
-                    let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-                    let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
-                    let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-                    let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
-                    let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-                    let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
-                    let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-                    let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
-                    // Column d = 8c + i of the 8 rows.
-                    let cols = [
-                        _mm256_permute2f128_ps::<0x20>(u0, u4),
-                        _mm256_permute2f128_ps::<0x20>(u1, u5),
-                        _mm256_permute2f128_ps::<0x20>(u2, u6),
-                        _mm256_permute2f128_ps::<0x20>(u3, u7),
-                        _mm256_permute2f128_ps::<0x31>(u0, u4),
-                        _mm256_permute2f128_ps::<0x31>(u1, u5),
-                        _mm256_permute2f128_ps::<0x31>(u2, u6),
-                        _mm256_permute2f128_ps::<0x31>(u3, u7),
-                    ];
-                    for (i, col) in cols.iter().enumerate() {
-                        _mm256_storeu_ps(dst.add((8 * c + i) * GROUP), *col);
-                    }
-                }
+        unsafe fn transpose(self, k: &[f32], hd: usize, groups: usize, kt: &mut [f32]) {
+            debug_assert!(hd.is_multiple_of(8) && k.len().min(kt.len()) >= groups * GROUP * hd);
+            for g in 0..groups {
+                let at = g * GROUP * hd;
+                // SAFETY: group g's 8 rows of hd floats in, as many out (checked above).
+                unsafe { transpose_8_rows(k.as_ptr().add(at), hd, kt.as_mut_ptr().add(at), GROUP) };
             }
         }
 
@@ -445,7 +503,7 @@ mod avx2 {
             debug_assert!(q.len() >= rows * hd && kt.len() >= groups * GROUP * hd);
             debug_assert!(s.len() >= rows * TILE && groups <= TILE / GROUP);
             let (q, kt, s) = (q.as_ptr(), kt.as_ptr(), s.as_mut_ptr());
-            for (r0, nr) in row_blocks(rows) {
+            for (r0, nr) in row_blocks(rows, ROW_BLOCK) {
                 let (qr, sr) = (q.wrapping_add(r0 * hd), s.wrapping_add(r0 * TILE));
                 let mut g0 = 0;
                 while g0 < groups {
@@ -484,21 +542,14 @@ mod avx2 {
                 for c in 0..VECS {
                     mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, x[c], live[c]));
                 }
-                let t = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps::<1>(mx));
-                let t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-                let t = _mm_max_ss(t, _mm_shuffle_ps::<1>(t, t));
-                let m = _mm_cvtss_f32(t);
+                let m = hmax(mx);
                 let mv = _mm256_set1_ps(m);
                 let e: [__m256; VECS] =
                     std::array::from_fn(|c| _mm256_and_ps(exp8(_mm256_sub_ps(x[c], mv)), live[c]));
                 for (c, ec) in e.iter().enumerate() {
                     _mm256_storeu_ps(p.add(8 * c), *ec);
                 }
-                let l = tree(e, |a, b| _mm256_add_ps(a, b));
-                let h = _mm_add_ps(_mm256_castps256_ps128(l), _mm256_extractf128_ps::<1>(l));
-                let g = _mm_add_ps(h, _mm_movehl_ps(h, h));
-                let sum = _mm_add_ss(g, _mm_shuffle_ps::<1>(g, g));
-                (m, _mm_cvtss_f32(sum))
+                (m, tile_sum(e))
             }
         }
 
@@ -517,7 +568,7 @@ mod avx2 {
             debug_assert!(e.len() >= rows * TILE && n <= TILE);
             let (acc, alpha, e, v) = (acc.as_mut_ptr(), alpha.as_ptr(), e.as_ptr(), v.as_ptr());
             let chunks = hd / 8;
-            for (r0, nr) in row_blocks(rows) {
+            for (r0, nr) in row_blocks(rows, ROW_BLOCK) {
                 let (a, al, er) = (
                     acc.wrapping_add(r0 * hd),
                     alpha.wrapping_add(r0),

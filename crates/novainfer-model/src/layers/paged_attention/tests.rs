@@ -150,12 +150,74 @@ impl Fixture {
     }
 }
 
-fn isas() -> Vec<AttnIsa> {
+/// Every ISA this CPU has for `head_dim`, the portable one first: AVX-512 whenever the CPU
+/// has AVX-512F, whatever its self-check said (a disagreement must fail the tests).
+fn isas_for(head_dim: usize) -> Vec<AttnIsa> {
     let mut v = vec![AttnIsa::Scalar];
-    if AttnIsa::detect(SHAPE.head_dim) != AttnIsa::Scalar {
-        v.push(AttnIsa::detect(SHAPE.head_dim));
+    #[cfg(target_arch = "x86_64")]
+    {
+        if head_dim.is_multiple_of(8) && ops::Avx2::detect() {
+            v.push(AttnIsa::Avx2);
+        }
+        if head_dim.is_multiple_of(16) && ops::Avx512::detect() {
+            v.push(AttnIsa::Avx512);
+        }
     }
     v
+}
+
+fn isas() -> Vec<AttnIsa> {
+    isas_for(SHAPE.head_dim)
+}
+
+/// The SIMD ISAs of [`isas_for`].
+fn fast_isas(head_dim: usize) -> Vec<AttnIsa> {
+    isas_for(head_dim).split_off(1)
+}
+
+#[test]
+fn the_fastest_isa_the_cpu_has_is_chosen() {
+    let isa = AttnIsa::detect(SHAPE.head_dim);
+    let cap = std::env::var("NOVAINFER_ATTN_ISA").ok();
+    #[cfg(target_arch = "x86_64")]
+    let avx512 = ops::Avx512::detect();
+    #[cfg(not(target_arch = "x86_64"))]
+    let avx512 = false;
+    // Seen with --nocapture (scripts/gpu-test shows it for the GPU machine's CPU).
+    println!(
+        "attention ISA for head_dim {}: {isa:?} (CPU has AVX-512F: {avx512}; \
+         NOVAINFER_ATTN_ISA: {cap:?})",
+        SHAPE.head_dim
+    );
+    if cap.is_none() {
+        // On an AVX-512 CPU, Avx2 here means the AVX-512 kernel failed its self-check.
+        assert_eq!(
+            Some(&isa),
+            isas().last(),
+            "not the fastest ISA this CPU has"
+        );
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn an_isa_cap_chooses_a_lower_one_and_the_cpu_decides_what_it_can_have() {
+    use AttnIsa::{Avx2, Avx512, Scalar};
+    let yes = || true;
+    let no = || false;
+    let unasked = || -> bool { panic!("the AVX-512 self-check ran for nothing") };
+    // (cap, head_dim, AVX2, then whether AVX-512 is usable) → choice.
+    assert_eq!(super::choose("", 64, true, yes), Avx512);
+    assert_eq!(super::choose("avx512", 128, true, yes), Avx512);
+    assert_eq!(super::choose("bogus", 64, true, yes), Avx512);
+    assert_eq!(super::choose("", 64, true, no), Avx2);
+    assert_eq!(super::choose("avx512", 64, true, no), Avx2);
+    assert_eq!(super::choose("avx2", 64, true, unasked), Avx2);
+    assert_eq!(super::choose("scalar", 64, true, unasked), Scalar);
+    assert_eq!(super::choose("", 72, true, unasked), Avx2);
+    assert_eq!(super::choose("", 12, true, unasked), Scalar);
+    assert_eq!(super::choose("", 64, false, unasked), Scalar);
+    assert_eq!(super::choose("avx2", 64, false, unasked), Scalar);
 }
 
 #[test]
@@ -217,12 +279,18 @@ fn a_row_is_bit_identical_however_the_prompt_is_chunked_or_the_pool_is_paged() {
             Fixture::new(SHAPE, len, 1, dtype, 3),
         ];
         let positions: Vec<usize> = (0..len).collect();
-        let fast = AttnIsa::detect(SHAPE.head_dim);
-        let whole = pools[0].run(&q, &positions, fast);
+        let fast = fast_isas(SHAPE.head_dim);
+        let whole = pools[0].run(
+            &q,
+            &positions,
+            fast.first().copied().unwrap_or(AttnIsa::Scalar),
+        );
         // The portable path is slow (software fma): one chunking of it is enough.
         let mut runs = vec![(AttnIsa::Scalar, 64)];
-        for chunk in [1, 7, 64, 512, len] {
-            runs.push((fast, chunk));
+        for &isa in &fast {
+            for chunk in [1, 7, 64, 512, len] {
+                runs.push((isa, chunk));
+            }
         }
         for fx in &pools {
             for &(isa, chunk) in &runs {
@@ -356,7 +424,6 @@ fn head_dim_128_and_odd_groups_match_the_reference_and_the_portable_path_bit_for
         },
     ];
     for shape in shapes {
-        let fast = AttnIsa::detect(shape.head_dim);
         for dtype in [KvStorage::F16, KvStorage::F32] {
             let len = 300;
             let fx = Fixture::new(shape, len, 16, dtype, 17);
@@ -375,11 +442,13 @@ fn head_dim_128_and_odd_groups_match_the_reference_and_the_portable_path_bit_for
                     .map(|(a, b)| (f64::from(*a) - b).abs())
                     .fold(0f64, f64::max);
                 assert!(err < 2e-6, "{shape:?} {dtype:?}: max error {err}");
-                let got = fx.run(&q, &positions, fast);
-                assert!(
-                    got == portable,
-                    "{shape:?} {dtype:?} {fast:?}: differs from the portable path"
-                );
+                for isa in fast_isas(shape.head_dim) {
+                    let got = fx.run(&q, &positions, isa);
+                    assert!(
+                        got == portable,
+                        "{shape:?} {dtype:?} {isa:?}: differs from the portable path"
+                    );
+                }
             }
         }
     }
