@@ -14,6 +14,7 @@ pub mod executor;
 pub mod forward_batch;
 pub mod kv_cache;
 pub mod kv_dtype;
+mod large_buffer;
 pub mod layers;
 pub mod loader;
 pub mod memory_bandwidth;

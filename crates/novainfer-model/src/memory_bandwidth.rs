@@ -10,6 +10,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use crate::large_buffer::LargeBuffer;
+
 /// Bytes one work item reads: large enough that the hardware prefetchers settle into a
 /// stream, small enough that the pool's shared cursor balances the threads.
 const CHUNK: usize = 1 << 20;
@@ -28,8 +30,14 @@ pub struct ReadBandwidth {
 /// cache (256 MiB is plenty on today's CPUs) or this measures the cache.
 pub fn read_bandwidth(bytes: usize, passes: usize) -> ReadBandwidth {
     let chunks = bytes.div_ceil(CHUNK).max(1);
-    // Written once, so every page is mapped before the timed passes (and not the zero page).
-    let buf: Vec<u64> = (0..chunks * CHUNK / 8).map(|i| i as u64).collect();
+    // On huge pages like the weights it stands for (`LargeBuffer`), and written once, so every
+    // page is mapped before the timed passes (and not the zero page).
+    let mut bytes = LargeBuffer::zeroed(chunks * CHUNK);
+    let buf = words(&mut bytes);
+    for (i, w) in buf.iter_mut().enumerate() {
+        *w = i as u64;
+    }
+    let buf = &*buf;
     let pool = candle_core::utils::barrier_pool();
     let mut best = 0f64;
     for _ in 0..passes.max(1) {
@@ -48,6 +56,14 @@ pub fn read_bandwidth(bytes: usize, passes: usize) -> ReadBandwidth {
         best_bytes_per_s: best,
         threads: pool.n_workers() + 1,
     }
+}
+
+/// `bytes` as words (a [`LargeBuffer`] is cache-line aligned, and a whole number of chunks).
+fn words(bytes: &mut [u8]) -> &mut [u64] {
+    // SAFETY: every bit pattern is a valid u64.
+    let (head, words, tail) = unsafe { bytes.align_to_mut::<u64>() };
+    debug_assert!(head.is_empty() && tail.is_empty());
+    words
 }
 
 /// The xor of all `words`, over four independent lanes so that the loop is bound by the loads,

@@ -39,6 +39,7 @@ use std::ops::Range;
 use candle_core::quantized::{GgmlDType, QTensor};
 
 use crate::error::Result;
+use crate::large_buffer::LargeBuffer;
 use crate::layers::parallel::SharedOut;
 use activation::{ActKind, QuantizedActs};
 use simd::{Avx2, Avx512, IsaChoice, Simd, Vnni256};
@@ -178,35 +179,22 @@ pub struct PackedMatrix {
     data: Packed,
 }
 
-/// One cache line; [`Packed`] is a vector of them so that packed blocks start on line
-/// boundaries (a plain `Vec<u8>` of this size comes from `mmap` + 16 bytes, which splits
-/// every other 32-byte load of a 64-byte plane row across two lines).
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([u8; 64]);
-
-/// Packed weights, 64-byte aligned.
-struct Packed {
-    lines: Vec<Line>,
-    len: usize,
-}
+/// Packed weights: cache-line aligned (a plain `Vec<u8>` of this size comes from `mmap` + 16
+/// bytes, which splits every other 32-byte load of a 64-byte plane row across two lines), on
+/// huge pages where the OS has them ([`LargeBuffer`]: decode streams them from memory).
+struct Packed(LargeBuffer);
 
 impl Packed {
     fn zeroed(len: usize) -> Self {
-        Self {
-            lines: vec![Line([0; 64]); len.div_ceil(64)],
-            len,
-        }
+        Self(LargeBuffer::zeroed(len))
     }
 
     fn bytes(&self) -> &[u8] {
-        // SAFETY: `lines` holds at least `len` initialised bytes (`Line` is plain bytes).
-        unsafe { std::slice::from_raw_parts(self.lines.as_ptr() as *const u8, self.len) }
+        &self.0
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `bytes`, and `&mut self` makes the view unique.
-        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr() as *mut u8, self.len) }
+        &mut self.0
     }
 }
 
@@ -253,7 +241,7 @@ impl PackedMatrix {
     /// Bytes of the packed weights (padding columns of a last partial group included: they
     /// are read too).
     pub fn storage_bytes(&self) -> usize {
-        self.data.len
+        self.data.bytes().len()
     }
 
     /// `x`: `[m, k]` → `[m, n]`.
