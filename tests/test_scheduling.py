@@ -74,8 +74,12 @@ def test_the_cpu_defaults_are_chosen_and_logged_and_explicit_values_win(tiny_mod
     with ServerProcess(tiny(tiny_models), env={"RAYON_NUM_THREADS": "2"}) as server:
         logs = server.logs()
         assert "long_prefill_token_threshold=256" in logs and "max_long_partial_prefills=1" in logs, logs
-    with ServerProcess(tiny(tiny_models, "--long-prefill-token-threshold", "300")) as server:
-        assert "long_prefill_token_threshold=300" in server.logs()
+        # The step budget: 256 per thread (512 at 2), not the GPU's 2048 that made one step of a chat burst.
+        assert "max_num_batched_tokens=512" in logs, logs
+    args = tiny(tiny_models, "--long-prefill-token-threshold", "300", "--max-num-batched-tokens", "4096")
+    with ServerProcess(args, env={"RAYON_NUM_THREADS": "2"}) as server:
+        logs = server.logs()
+        assert "long_prefill_token_threshold=300" in logs and "max_num_batched_tokens=4096" in logs, logs
 
 
 def stream_forever(server, key: str, done: list, stop: threading.Event) -> None:
