@@ -25,7 +25,7 @@ pub enum KvCacheDtype {
 }
 
 /// A concrete storage format of the pool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KvStorage {
     F32,
     F16,

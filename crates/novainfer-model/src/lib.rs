@@ -12,6 +12,7 @@ pub mod device;
 pub mod error;
 pub mod executor;
 pub mod forward_batch;
+pub mod kernel_select;
 pub mod kv_cache;
 pub mod kv_dtype;
 mod large_buffer;

@@ -93,6 +93,15 @@ struct DecoderLayer {
     down_proj: Linear,
 }
 
+/// The attention geometry of `cfg`'s layers.
+fn attention_shape(cfg: &Qwen2Config) -> AttentionShape {
+    AttentionShape {
+        num_heads: cfg.num_attention_heads,
+        num_kv_heads: cfg.num_key_value_heads,
+        head_dim: cfg.head_dim(),
+    }
+}
+
 pub struct Qwen2Model {
     cfg: Qwen2Config,
     embed_tokens: Embedding,
@@ -188,7 +197,7 @@ impl Qwen2Model {
         let rope = Rope::new(cfg.head_dim(), cfg.rope_theta);
         Ok(Self {
             kv_dtype: opts.kv_cache_dtype.for_cpu(),
-            attn_isa: AttnIsa::detect(cfg.head_dim()),
+            attn_isa: AttnIsa::select(attention_shape(&cfg), opts.kv_cache_dtype.for_cpu()),
             cfg,
             embed_tokens,
             layers,
@@ -460,11 +469,7 @@ impl Qwen2Model {
         angles.apply(q, cfg.head_dim());
         angles.apply(k, cfg.head_dim());
         kv.write(index, &batch.slot_mapping, k, v);
-        let shape = AttentionShape {
-            num_heads: cfg.num_attention_heads,
-            num_kv_heads: cfg.num_key_value_heads,
-            head_dim: cfg.head_dim(),
-        };
+        let shape = attention_shape(cfg);
         paged_attention_into(
             q,
             &batch.positions,

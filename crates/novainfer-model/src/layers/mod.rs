@@ -6,6 +6,13 @@
 
 pub mod attention;
 pub mod dense;
+#[cfg(all(
+    test,
+    target_arch = "x86_64",
+    target_os = "linux",
+    not(debug_assertions)
+))]
+mod inlining_tests;
 pub mod linear;
 pub mod ops;
 pub(crate) mod paged_attention;

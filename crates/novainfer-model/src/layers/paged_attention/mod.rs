@@ -19,12 +19,14 @@
 //! operations whatever the batch, the block size, the chunking of the prompt, the work
 //! split or the ISA ([`ops`]).
 //!
-//! ISA: AVX-512F where the CPU has it and `head_dim % 16 == 0`, else AVX2/FMA/F16C where
-//! `head_dim % 8 == 0`, else the portable code; `NOVAINFER_ATTN_ISA=avx2|scalar` caps the
-//! choice (for comparisons; a value the CPU cannot honour falls back). The AVX-512 code was
-//! written without an AVX-512 machine to test it on, so the first process that would use it
-//! runs a small fixed problem through it and through the portable code ([`self_check`]) and
-//! keeps AVX2 unless every output bit agrees.
+//! ISA: among the bit-identical implementations this CPU can run (AVX2/FMA/F16C where
+//! `head_dim % 8 == 0`, AVX-512F too where `head_dim % 16 == 0`; the portable code
+//! without AVX2), the one that runs a problem of the model's geometry fastest
+//! ([`AttnIsa::select`], [`crate::kernel_select`]): the widest is not always the fastest
+//! (AMD's Zen 4 splits 512-bit operations in two). `NOVAINFER_ATTN_ISA=avx512|avx2|scalar`
+//! forces one (a value the CPU cannot honour is ignored). AVX-512 is a candidate only after
+//! a small fixed problem run through it and through the portable code ([`self_check`])
+//! agreed in every output bit on this CPU.
 
 mod ops;
 #[cfg(target_arch = "x86_64")]
@@ -40,6 +42,8 @@ use std::sync::OnceLock;
 use super::parallel::SharedOut;
 use super::AttentionShape;
 use crate::forward_batch::SeqSpan;
+use crate::kernel_select;
+use crate::kv_dtype::KvStorage;
 use crate::paged_kv::PoolLayer;
 use ops::{exp_scalar, AttnOps, Scalar, GROUP, TILE};
 
@@ -51,7 +55,7 @@ const PART: usize = 256;
 const QUERY_TILE: usize = 32;
 
 /// Which implementation of [`ops`] runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum AttnIsa {
     Scalar,
     #[cfg(target_arch = "x86_64")]
@@ -60,34 +64,123 @@ pub(crate) enum AttnIsa {
     Avx512,
 }
 
+/// The variable that forces an ISA: `avx512`, `avx2` or `scalar`.
+const ISA_VAR: &str = "NOVAINFER_ATTN_ISA";
+
 impl AttnIsa {
-    /// The fastest one this CPU and head size allow, capped by `NOVAINFER_ATTN_ISA` (see the
-    /// module docs); AVX-512 only once it has passed its self-check.
-    pub(crate) fn detect(head_dim: usize) -> Self {
-        let cap = std::env::var("NOVAINFER_ATTN_ISA").unwrap_or_default();
+    /// The name `NOVAINFER_ATTN_ISA` and the logs use.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Scalar => "scalar",
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => "avx2",
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => "avx512",
+        }
+    }
+
+    /// The ISA for attention of `shape` over a `dtype` cache: the faster of the bit-exact
+    /// candidates this CPU and head size allow, timed on a problem of this geometry the first
+    /// time the process asks (about 15 ms; memoised per geometry and dtype), unless
+    /// `NOVAINFER_ATTN_ISA` forces one the CPU can run. See [`crate::kernel_select`].
+    pub(crate) fn select(shape: AttentionShape, dtype: KvStorage) -> Self {
+        use std::collections::HashMap;
+        use std::sync::Mutex;
+        type Key = (usize, usize, KvStorage);
+        static CHOSEN: Mutex<Option<HashMap<Key, AttnIsa>>> = Mutex::new(None);
+        let group = shape.num_heads / shape.num_kv_heads.max(1);
+        let key = (shape.head_dim, group, dtype);
+        let mut chosen = CHOSEN.lock().unwrap_or_else(|e| e.into_inner());
+        let map = chosen.get_or_insert_with(HashMap::new);
+        if let Some(&isa) = map.get(&key) {
+            return isa;
+        }
+        let forced = kernel_select::forced_by(ISA_VAR);
+        let forced_name = forced.as_ref().map(|(_, v)| v.as_str());
         #[cfg(target_arch = "x86_64")]
-        {
-            choose(&cap, head_dim, ops::Avx2::detect(), avx512_usable)
-        }
+        let candidates = candidates(
+            forced_name,
+            shape.head_dim,
+            ops::Avx2::detect(),
+            avx512_usable,
+        );
         #[cfg(not(target_arch = "x86_64"))]
-        {
-            let _ = (cap, head_dim);
-            Self::Scalar
-        }
+        let candidates = vec![AttnIsa::Scalar];
+        let (isa, selection) = timed(shape.head_dim, group, dtype, forced, candidates);
+        kernel_select::record(&selection);
+        map.insert(key, isa);
+        isa
     }
 }
 
-/// [`AttnIsa::detect`]'s choice for the cap `cap` (`"avx2"`, `"scalar"`; anything else caps
-/// nothing, like `NOVAINFER_QMATMUL_ISA`), given whether the CPU has AVX2/FMA/F16C and, asked
-/// only when AVX-512 would be chosen, whether AVX-512 is usable.
+/// Runs [`kernel_select::select`] over `candidates` on a problem of one KV head with `group`
+/// query heads of `head_dim`: 32 prompt tokens at depth 992 (one prefill work item) and one
+/// decode token at depth 1,024 (four partitions merged), the two regimes the model runs.
+fn timed(
+    head_dim: usize,
+    group: usize,
+    dtype: KvStorage,
+    forced: Option<(&'static str, String)>,
+    candidates: Vec<AttnIsa>,
+) -> (AttnIsa, kernel_select::Selection) {
+    let shape = AttentionShape {
+        num_heads: group,
+        num_kv_heads: 1,
+        head_dim,
+    };
+    let kernel = format!(
+        "attention (head_dim {head_dim}, {group} query heads per KV head, {dtype:?} cache)"
+    );
+    #[cfg(target_arch = "x86_64")]
+    let problem = self_check::Problem::with(shape, &[(1024, 992..1024), (1025, 1024..1025)], dtype);
+    let candidates = candidates
+        .into_iter()
+        .map(|isa| {
+            #[cfg(target_arch = "x86_64")]
+            let problem = &problem;
+            kernel_select::Candidate::new(isa, isa.name(), move || {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: every candidate was detected on this CPU for this head size.
+                unsafe {
+                    match isa {
+                        AttnIsa::Scalar => problem.run(Scalar),
+                        AttnIsa::Avx2 => problem.run(ops::Avx2),
+                        AttnIsa::Avx512 => problem.run(ops::Avx512),
+                    }
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                Vec::new()
+            })
+        })
+        .collect();
+    let forced = forced.as_ref().map(|(var, v)| (*var, v.as_str()));
+    kernel_select::select(kernel, forced, candidates, &mut kernel_select::wall_clock)
+}
+
+/// The ISAs this CPU can run for `head_dim`, the baseline first: AVX2 (with FMA/F16C) when
+/// the CPU has it and `head_dim % 8 == 0`, then AVX-512 when `head_dim % 16 == 0` and
+/// `avx512` (asked only then: it runs the self-check) says it is usable; the portable code
+/// alone without AVX2, or added last when `forced` names it (it is never faster, so it is
+/// not timed otherwise). `forced` = `avx2` or `scalar` skips the AVX-512 self-check.
 #[cfg(target_arch = "x86_64")]
-fn choose(cap: &str, head_dim: usize, avx2: bool, avx512: impl FnOnce() -> bool) -> AttnIsa {
-    match cap {
-        "scalar" => AttnIsa::Scalar,
-        _ if cap != "avx2" && head_dim.is_multiple_of(16) && avx2 && avx512() => AttnIsa::Avx512,
-        _ if head_dim.is_multiple_of(8) && avx2 => AttnIsa::Avx2,
-        _ => AttnIsa::Scalar,
+fn candidates(
+    forced: Option<&str>,
+    head_dim: usize,
+    avx2: bool,
+    avx512: impl FnOnce() -> bool,
+) -> Vec<AttnIsa> {
+    if !(avx2 && head_dim.is_multiple_of(8)) {
+        return vec![AttnIsa::Scalar];
     }
+    let mut v = vec![AttnIsa::Avx2];
+    let lower = matches!(forced, Some("avx2" | "scalar"));
+    if !lower && head_dim.is_multiple_of(16) && avx512() {
+        v.push(AttnIsa::Avx512);
+    }
+    if forced == Some("scalar") {
+        v.push(AttnIsa::Scalar);
+    }
+    v
 }
 
 /// Whether the CPU has AVX-512F and the AVX-512 kernel gives the portable kernel's bits on
@@ -100,11 +193,11 @@ fn avx512_usable() -> bool {
             // SAFETY: AVX-512F (and AVX2/FMA/F16C) were detected just above.
             let agrees = unsafe { self_check::agrees(ops::Avx512) };
             if !agrees {
-                // The crate has no logger of its own (tracing only with `cuda`); once per
-                // process.
-                eprintln!(
-                    "novainfer: the AVX-512 attention kernel disagreed with the portable one on \
-                     its self-check (a bug: please report it with this CPU's model); using AVX2"
+                // Once per process.
+                tracing::warn!(
+                    target: "novainfer::kernels",
+                    "the AVX-512 attention kernel disagreed with the portable one on its \
+                     self-check (a bug: please report it with this CPU's model); not using it"
                 );
             }
             agrees

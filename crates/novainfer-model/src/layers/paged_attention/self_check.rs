@@ -49,8 +49,11 @@ fn numbers(len: usize, seed: u64, scale: f32) -> Vec<f32> {
         .collect()
 }
 
-/// The problem's pool (one layer), queries and batch for one KV dtype.
-struct Problem {
+/// An attention problem: a pool (one layer), queries and batch, in one KV dtype. The
+/// self-check's is [`Problem::new`]; the ISA selector times one of the model's own geometry
+/// ([`Problem::with`]).
+pub(super) struct Problem {
+    shape: AttentionShape,
     k: Vec<u8>,
     v: Vec<u8>,
     dtype: KvStorage,
@@ -60,33 +63,50 @@ struct Problem {
 }
 
 impl Problem {
+    /// The self-check's problem.
     fn new(dtype: KvStorage) -> Self {
-        let hd = SHAPE.head_dim;
-        let head_bytes = dtype.row_bytes(hd);
-        let slot_bytes = SHAPE.num_kv_heads * head_bytes;
-        let blocks: usize = SEQS.iter().map(|(len, _)| len.div_ceil(BLOCK_SIZE)).sum();
         // The pool's blocks in a scrambled order (5 is prime to the 21 blocks).
-        debug_assert_eq!(blocks, 21);
+        debug_assert_eq!(
+            SEQS.iter()
+                .map(|(len, _)| len.div_ceil(BLOCK_SIZE))
+                .sum::<usize>(),
+            21
+        );
+        Self::with(SHAPE, &SEQS, dtype)
+    }
+
+    /// Sequences `spec` (length, positions of the query tokens) of `shape` in `dtype`, with
+    /// fixed pseudo-random keys, values and queries; blocks in a scrambled order when their
+    /// number is prime to 5.
+    pub(super) fn with(
+        shape: AttentionShape,
+        spec: &[(usize, std::ops::Range<usize>)],
+        dtype: KvStorage,
+    ) -> Self {
+        let hd = shape.head_dim;
+        let head_bytes = dtype.row_bytes(hd);
+        let slot_bytes = shape.num_kv_heads * head_bytes;
+        let blocks: usize = spec.iter().map(|(len, _)| len.div_ceil(BLOCK_SIZE)).sum();
         let mut ids = (0..blocks as u32).map(|i| (i * 5 + 3) % blocks as u32);
         let (mut k, mut v) = (
             vec![0u8; blocks * BLOCK_SIZE * slot_bytes],
             vec![0u8; blocks * BLOCK_SIZE * slot_bytes],
         );
         let (mut q, mut positions, mut seqs) = (Vec::new(), Vec::new(), Vec::new());
-        for (i, (len, tokens)) in SEQS.into_iter().enumerate() {
+        for (i, (len, tokens)) in spec.iter().cloned().enumerate() {
             let table: Vec<u32> = ids.by_ref().take(len.div_ceil(BLOCK_SIZE)).collect();
             let seed = 10 * i as u64;
             // Keys large enough that the softmax is far from uniform.
-            let rows = len * SHAPE.num_kv_heads;
+            let rows = len * shape.num_kv_heads;
             let (kf, vf) = (
                 numbers(rows * hd, seed, 4.0),
                 numbers(rows * hd, seed + 1, 1.0),
             );
             for pos in 0..len {
                 let slot = table[pos / BLOCK_SIZE] as usize * BLOCK_SIZE + pos % BLOCK_SIZE;
-                for h in 0..SHAPE.num_kv_heads {
+                for h in 0..shape.num_kv_heads {
                     let at = slot * slot_bytes + h * head_bytes;
-                    let row = (pos * SHAPE.num_kv_heads + h) * hd;
+                    let row = (pos * shape.num_kv_heads + h) * hd;
                     dtype.encode(&kf[row..row + hd], &mut k[at..at + head_bytes]);
                     dtype.encode(&vf[row..row + hd], &mut v[at..at + head_bytes]);
                 }
@@ -97,10 +117,11 @@ impl Problem {
                 block_table: table,
                 output: SpanOutput::LastLogits,
             });
-            q.extend(numbers(tokens.len() * SHAPE.num_heads * hd, seed + 2, 1.0));
+            q.extend(numbers(tokens.len() * shape.num_heads * hd, seed + 2, 1.0));
             positions.extend(tokens);
         }
         Self {
+            shape,
             k,
             v,
             dtype,
@@ -112,16 +133,17 @@ impl Problem {
 
     /// # Safety
     /// The CPU has `k`'s ISA.
-    unsafe fn run<K: Kernel>(&self, k: K) -> Vec<f32> {
-        let head_bytes = self.dtype.row_bytes(SHAPE.head_dim);
+    pub(super) unsafe fn run<K: Kernel>(&self, k: K) -> Vec<f32> {
+        let shape = self.shape;
+        let head_bytes = self.dtype.row_bytes(shape.head_dim);
         let layer = PoolLayer {
             k: &self.k,
             v: &self.v,
             dtype: self.dtype,
             block_size: BLOCK_SIZE,
-            head_dim: SHAPE.head_dim,
+            head_dim: shape.head_dim,
             head_bytes,
-            slot_bytes: SHAPE.num_kv_heads * head_bytes,
+            slot_bytes: shape.num_kv_heads * head_bytes,
         };
         let (mut plan, mut out) = (Plan::default(), Vec::new());
         // SAFETY: forwarded.
@@ -132,7 +154,7 @@ impl Problem {
                 &self.positions,
                 &self.seqs,
                 layer,
-                SHAPE,
+                shape,
                 &mut plan,
                 &mut out,
             )

@@ -176,48 +176,96 @@ fn fast_isas(head_dim: usize) -> Vec<AttnIsa> {
 }
 
 #[test]
-fn the_fastest_isa_the_cpu_has_is_chosen() {
-    let isa = AttnIsa::detect(SHAPE.head_dim);
-    let cap = std::env::var("NOVAINFER_ATTN_ISA").ok();
-    #[cfg(target_arch = "x86_64")]
-    let avx512 = ops::Avx512::detect();
-    #[cfg(not(target_arch = "x86_64"))]
-    let avx512 = false;
-    // Seen with --nocapture (scripts/gpu-test shows it for the GPU machine's CPU).
-    println!(
-        "attention ISA for head_dim {}: {isa:?} (CPU has AVX-512F: {avx512}; \
-         NOVAINFER_ATTN_ISA: {cap:?})",
+fn the_chosen_isa_is_a_timed_candidate_and_the_choice_is_recorded() {
+    let isa = AttnIsa::select(SHAPE, KvStorage::F16);
+    let forced = std::env::var(ISA_VAR).ok().filter(|v| !v.is_empty());
+    assert!(isas().contains(&isa), "{isa:?} is not an ISA this CPU has");
+    let group = SHAPE.num_heads / SHAPE.num_kv_heads;
+    let kernel = format!(
+        "attention (head_dim {}, {group} query heads per KV head, F16 cache)",
         SHAPE.head_dim
     );
-    if cap.is_none() {
-        // On an AVX-512 CPU, Avx2 here means the AVX-512 kernel failed its self-check.
-        assert_eq!(
-            Some(&isa),
-            isas().last(),
-            "not the fastest ISA this CPU has"
-        );
+    let s = crate::kernel_select::selections()
+        .into_iter()
+        .find(|s| s.kernel == kernel)
+        .expect("the choice is recorded");
+    // Seen with --nocapture (scripts/gpu-test puts it in its summary for the GPU machine's CPU).
+    println!("attention ISA for head_dim {}: {s}", SHAPE.head_dim);
+    assert_eq!(s.chosen, isa.name());
+    assert!(
+        s.rejected.is_empty(),
+        "a candidate disagreed with AVX2: {s}"
+    );
+    if forced.is_none() && fast_isas(SHAPE.head_dim).len() > 1 {
+        // Every SIMD ISA the CPU has (AVX-512 only after its self-check) was timed.
+        assert_eq!(s.decision, crate::kernel_select::Decision::Timed);
+        let timed: Vec<_> = s.timings.iter().map(|t| t.0).collect();
+        assert_eq!(timed, ["avx2", "avx512"]);
     }
+    // Asked again (another model of this geometry), the memoised choice: nothing re-timed.
+    let before = crate::kernel_select::selections().len();
+    assert_eq!(AttnIsa::select(SHAPE, KvStorage::F16), isa);
+    assert_eq!(crate::kernel_select::selections().len(), before);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[test]
-fn an_isa_cap_chooses_a_lower_one_and_the_cpu_decides_what_it_can_have() {
+fn the_candidates_are_what_the_cpu_and_head_size_allow_and_forcing_a_lower_one_skips_the_self_check(
+) {
     use AttnIsa::{Avx2, Avx512, Scalar};
     let yes = || true;
     let no = || false;
     let unasked = || -> bool { panic!("the AVX-512 self-check ran for nothing") };
-    // (cap, head_dim, AVX2, then whether AVX-512 is usable) → choice.
-    assert_eq!(super::choose("", 64, true, yes), Avx512);
-    assert_eq!(super::choose("avx512", 128, true, yes), Avx512);
-    assert_eq!(super::choose("bogus", 64, true, yes), Avx512);
-    assert_eq!(super::choose("", 64, true, no), Avx2);
-    assert_eq!(super::choose("avx512", 64, true, no), Avx2);
-    assert_eq!(super::choose("avx2", 64, true, unasked), Avx2);
-    assert_eq!(super::choose("scalar", 64, true, unasked), Scalar);
-    assert_eq!(super::choose("", 72, true, unasked), Avx2);
-    assert_eq!(super::choose("", 12, true, unasked), Scalar);
-    assert_eq!(super::choose("", 64, false, unasked), Scalar);
-    assert_eq!(super::choose("avx2", 64, false, unasked), Scalar);
+    // (forced, head_dim, AVX2, then whether AVX-512 is usable) → candidates, baseline first.
+    assert_eq!(super::candidates(None, 64, true, yes), [Avx2, Avx512]);
+    assert_eq!(
+        super::candidates(Some("avx512"), 128, true, yes),
+        [Avx2, Avx512]
+    );
+    assert_eq!(
+        super::candidates(Some("bogus"), 64, true, yes),
+        [Avx2, Avx512]
+    );
+    assert_eq!(super::candidates(None, 64, true, no), [Avx2]);
+    assert_eq!(super::candidates(Some("avx512"), 64, true, no), [Avx2]);
+    assert_eq!(super::candidates(Some("avx2"), 64, true, unasked), [Avx2]);
+    assert_eq!(
+        super::candidates(Some("scalar"), 64, true, unasked),
+        [Avx2, Scalar]
+    );
+    assert_eq!(super::candidates(None, 72, true, unasked), [Avx2]);
+    assert_eq!(super::candidates(None, 12, true, unasked), [Scalar]);
+    assert_eq!(super::candidates(None, 64, false, unasked), [Scalar]);
+    assert_eq!(
+        super::candidates(Some("avx2"), 64, false, unasked),
+        [Scalar]
+    );
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn the_timed_choice_runs_every_candidate_on_the_same_problem_and_forcing_wins() {
+    // The real problem and stopwatch: whichever wins, both candidates' bits agreed (nothing
+    // rejected), and a forced name wins without timing.
+    let cands = super::candidates(
+        None,
+        SHAPE.head_dim,
+        ops::Avx2::detect(),
+        super::avx512_usable,
+    );
+    let (isa, s) = super::timed(SHAPE.head_dim, 7, KvStorage::Q8_0, None, cands.clone());
+    assert!(cands.contains(&isa) && s.rejected.is_empty(), "{s}");
+    if cands.len() > 1 {
+        assert_eq!(s.timings.len(), cands.len(), "{s}");
+    }
+    let last = *cands.last().expect("a candidate");
+    let forced = Some((ISA_VAR, last.name().to_string()));
+    let (isa, s) = super::timed(SHAPE.head_dim, 7, KvStorage::Q8_0, forced, cands);
+    assert_eq!(isa, last);
+    assert_eq!(
+        s.decision,
+        crate::kernel_select::Decision::Forced { var: ISA_VAR }
+    );
 }
 
 #[test]
@@ -388,7 +436,7 @@ fn odd_head_sizes_run_on_the_portable_path() {
         num_kv_heads: 3,
         head_dim: 12,
     };
-    assert_eq!(AttnIsa::detect(12), AttnIsa::Scalar);
+    assert_eq!(AttnIsa::select(shape, KvStorage::F16), AttnIsa::Scalar);
     for dtype in DTYPES {
         let fx = Fixture::new(shape, 300, 16, dtype, 1);
         let positions: Vec<usize> = (290..300).collect();
@@ -467,7 +515,7 @@ fn kernel_timing() {
         .unwrap_or(4096);
     let fx = Fixture::new(SHAPE, depth, 16, KvStorage::F16, 1);
     let width = SHAPE.num_heads * SHAPE.head_dim;
-    let isa = AttnIsa::detect(SHAPE.head_dim);
+    let isa = AttnIsa::select(SHAPE, KvStorage::F16);
     for (name, positions, reps) in [
         ("prefill_512", (depth - 512..depth).collect::<Vec<_>>(), 5),
         ("decode", vec![depth - 1], 200),
