@@ -56,6 +56,8 @@ def test_bench_reports_prefill_and_decode(tiny_models):
     res = _cli("bench", "--model", str(tiny_models["f32"]), "--prompt-tokens", "32", "--decode-tokens", "8", "--repeat", "1")
     assert res.returncode == 0, res.stderr
     assert "prefill=" in res.stdout and "decode=" in res.stdout
+    # Which attention code the figures come from, on stderr.
+    assert "kernel attention (head_dim 16" in res.stderr, res.stderr
 
 
 def test_bench_batched_reports_aggregate_decode(tiny_models):

@@ -6,7 +6,7 @@ from typing import final
 
 from .structured_outputs import StructuredOutputsParams
 
-__all__ = ["Engine", "SamplingParams", "TokenStream", "__version__", "cuda_unavailable_reason", "read_bandwidth", "serve"]
+__all__ = ["Engine", "SamplingParams", "TokenStream", "__version__", "cuda_unavailable_reason", "kernel_selections", "read_bandwidth", "serve"]
 __version__: str
 
 @final
@@ -157,6 +157,12 @@ def serve(argv: list[str]) -> None:
 
 def cuda_unavailable_reason(ordinal: int = 0) -> str | None:
     """None when CUDA GPU `ordinal` can run a model here, else what is missing."""
+
+def kernel_selections() -> list[str]:
+    """The CPU kernel choices this process has made so far (made when a model loads), one line each
+    as logged: the kernel family and its timing problem, the implementation chosen, and how (the
+    fastest of the bit-identical candidates on this CPU and by how much, forced by a
+    ``NOVAINFER_*_ISA`` variable, or the only candidate)."""
 
 def read_bandwidth(mib: int = 512, passes: int = 5) -> float:
     """This machine's memory read bandwidth in bytes per second: the fastest of `passes` reads of a

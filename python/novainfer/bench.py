@@ -35,9 +35,11 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 import time
 from collections.abc import Callable
 
+from . import _native
 from ._native import SamplingParams
 from .llm import LLM
 
@@ -314,6 +316,9 @@ def run_bench(llm: LLM, args: argparse.Namespace, make_llm: Callable[..., LLM] |
     the second engine the prefix (caching off) and kv-layout (the other layout) benchmarks need."""
     threads = os.environ.get("RAYON_NUM_THREADS", str(os.cpu_count()))
     head = f"model={llm.model_path.name} threads={threads}"
+    # Which CPU code the figures below come from (on stderr: stdout is the one summary line).
+    for line in _native.kernel_selections():
+        print(f"kernel {line}", file=sys.stderr)
     if args.mode == "latency":
         results = [bench_latency(llm, args.prompt_tokens, args.decode_tokens) for _ in range(args.repeat)]
         prefill = max(r[0] for r in results)

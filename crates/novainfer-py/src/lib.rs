@@ -40,6 +40,16 @@ fn read_bandwidth(py: Python<'_>, mib: usize, passes: usize) -> PyResult<f64> {
     Ok(bw.best_bytes_per_s)
 }
 
+/// The CPU kernel choices this process has made so far, one line each as logged (kernel
+/// family and problem, the implementation chosen, how: by timing, forced or the only one).
+#[pyfunction]
+fn kernel_selections() -> Vec<String> {
+    novainfer_model::kernel_select::selections()
+        .iter()
+        .map(ToString::to_string)
+        .collect()
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The engine's logs (warnings, and `debug` traces such as the draft policy's) reach Python
@@ -53,6 +63,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(server::serve, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_unavailable_reason, m)?)?;
     m.add_function(wrap_pyfunction!(read_bandwidth, m)?)?;
+    m.add_function(wrap_pyfunction!(kernel_selections, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

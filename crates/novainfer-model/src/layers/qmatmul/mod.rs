@@ -29,6 +29,7 @@ mod q4_k;
 mod q5_0;
 mod q6_k;
 mod q8_0;
+mod select;
 mod simd;
 #[cfg(test)]
 mod tests;
@@ -161,7 +162,7 @@ trait Kernel {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Format {
     Q5_0,
     Q8_0,
@@ -169,10 +170,34 @@ enum Format {
     Q6K,
 }
 
+/// Work items of at most this many rows run [`Isas::few`]'s code: AVX2's single-row GEMV
+/// and few-row streaming paths cover exactly 1 to 8 rows.
+const FEW_ROWS: usize = 8;
+
+/// The ISAs a matrix's products run on, each chosen by speed ([`select`]): `few` for work
+/// items of at most [`FEW_ROWS`] rows (decode and speculative verification, bound by
+/// streaming the weights from memory), `many` for the rest (prefill tiles, bound by the
+/// arithmetic). Every ISA gives the same bits, so mixing them keeps batch invariance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Isas {
+    few: IsaChoice,
+    many: IsaChoice,
+}
+
+impl Isas {
+    #[cfg(test)]
+    fn both(isa: IsaChoice) -> Self {
+        Self {
+            few: isa,
+            many: isa,
+        }
+    }
+}
+
 /// A quantized `[n, k]` weight in our packed layout.
 pub struct PackedMatrix {
     format: Format,
-    isa: IsaChoice,
+    isas: Isas,
     n: usize,
     k: usize,
     group_bytes: usize,
@@ -202,9 +227,6 @@ impl PackedMatrix {
     /// Packs `t` (`[n, k]`) when its type has a kernel here and the CPU has AVX2+FMA;
     /// `None` means "use candle's QMatMul".
     pub fn from_qtensor(t: &QTensor) -> Result<Option<Self>> {
-        let Some(isa) = simd::detect() else {
-            return Ok(None);
-        };
         let format = match t.dtype() {
             GgmlDType::Q5_0 => Format::Q5_0,
             GgmlDType::Q8_0 => Format::Q8_0,
@@ -212,22 +234,29 @@ impl PackedMatrix {
             GgmlDType::Q6K => Format::Q6K,
             _ => return Ok(None),
         };
-        let (n, k) = t.shape().dims2()?;
-        let raw = t.data()?;
-        let (group_bytes, data) = match format {
-            Format::Q5_0 => pack::<q5_0::Q5_0>(&raw, n, k),
-            Format::Q8_0 => pack::<q8_0::Q8_0>(&raw, n, k),
-            Format::Q4K => pack::<q4_k::Q4K>(&raw, n, k),
-            Format::Q6K => pack::<q6_k::Q6K>(&raw, n, k),
+        let Some(isas) = select::isas_for(format) else {
+            return Ok(None);
         };
-        Ok(Some(Self {
+        let (n, k) = t.shape().dims2()?;
+        Ok(Some(Self::from_raw(format, &t.data()?, n, k, isas)))
+    }
+
+    /// Packs `raw`, `n` rows of `k` values in ggml's `format` blocks.
+    fn from_raw(format: Format, raw: &[u8], n: usize, k: usize, isas: Isas) -> Self {
+        let (group_bytes, data) = match format {
+            Format::Q5_0 => pack::<q5_0::Q5_0>(raw, n, k),
+            Format::Q8_0 => pack::<q8_0::Q8_0>(raw, n, k),
+            Format::Q4K => pack::<q4_k::Q4K>(raw, n, k),
+            Format::Q6K => pack::<q6_k::Q6K>(raw, n, k),
+        };
+        Self {
             format,
-            isa,
+            isas,
             n,
             k,
             group_bytes,
             data,
-        }))
+        }
     }
 
     pub fn out_features(&self) -> usize {
@@ -298,11 +327,16 @@ impl PackedMatrix {
         let (chunk, g) = (item / groups, item % groups);
         let rows = chunk * rows_per_chunk..m.min((chunk + 1) * rows_per_chunk);
         let group = self.data.bytes()[g * self.group_bytes..].as_ptr();
+        let isa = if rows.len() <= FEW_ROWS {
+            self.isas.few
+        } else {
+            self.isas.many
+        };
         // SAFETY: `group` starts a packed group of `acts.nb` blocks (see `pack`), `rows` lie
         // inside `acts`, `isa` was detected on this CPU, and each (row, column) of the output
         // is written by exactly one work item.
         unsafe {
-            match self.isa {
+            match isa {
                 IsaChoice::Avx512 => job.rows_avx512::<F>(group, g, rows),
                 IsaChoice::Vnni256 => job.rows_vnni256::<F>(group, g, rows),
                 IsaChoice::Avx2 => job.rows_avx2::<F>(group, g, rows),

@@ -368,8 +368,7 @@ impl Simd for Avx512 {
     }
 }
 
-/// Which implementation this CPU gets; `None` when even AVX2+FMA is missing.
-/// `NOVAINFER_QMATMUL_ISA=avx2|vnni256` caps the choice (for comparisons).
+/// An implementation of the kernels (see [`select`](super::select) for which one runs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum IsaChoice {
     Avx2,
@@ -377,18 +376,32 @@ pub(super) enum IsaChoice {
     Avx512,
 }
 
-pub(super) fn detect() -> Option<IsaChoice> {
-    if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
-        return None;
+impl IsaChoice {
+    /// The name `NOVAINFER_QMATMUL_ISA` and the logs use.
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Self::Avx2 => "avx2",
+            Self::Vnni256 => "vnni256",
+            Self::Avx512 => "avx512",
+        }
     }
-    let cap = std::env::var("NOVAINFER_QMATMUL_ISA").unwrap_or_default();
-    let avx512 = is_x86_feature_detected!("avx512f")
+}
+
+/// The implementations this CPU can run, AVX2 (the baseline) first; empty when even
+/// AVX2+FMA is missing (candle's kernels run then).
+pub(super) fn available() -> Vec<IsaChoice> {
+    if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+        return Vec::new();
+    }
+    let mut v = vec![IsaChoice::Avx2];
+    if is_x86_feature_detected!("avxvnni") {
+        v.push(IsaChoice::Vnni256);
+    }
+    if is_x86_feature_detected!("avx512f")
         && is_x86_feature_detected!("avx512bw")
-        && is_x86_feature_detected!("avx512vnni");
-    Some(match cap.as_str() {
-        "avx2" => IsaChoice::Avx2,
-        _ if avx512 && cap != "vnni256" => IsaChoice::Avx512,
-        _ if is_x86_feature_detected!("avxvnni") => IsaChoice::Vnni256,
-        _ => IsaChoice::Avx2,
-    })
+        && is_x86_feature_detected!("avx512vnni")
+    {
+        v.push(IsaChoice::Avx512);
+    }
+    v
 }

@@ -14,6 +14,7 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::simd::IsaChoice;
+use super::Isas;
 use super::PackedMatrix;
 
 fn random(len: usize, seed: u64) -> Vec<f32> {
@@ -144,7 +145,7 @@ fn rows_are_batch_invariant_and_isa_independent() {
             if !supports(isa) {
                 continue;
             }
-            c.packed.isa = isa;
+            c.packed.isas = Isas::both(isa);
             let other = c.packed.matmul(&x, m);
             assert!(
                 other
@@ -222,7 +223,7 @@ fn packed_from_raw(
     };
     PackedMatrix {
         format,
-        isa,
+        isas: Isas::both(isa),
         n,
         k,
         group_bytes,
@@ -458,7 +459,7 @@ fn q5_0_and_q8_0_kernels_equal_the_scalar_reference_bit_for_bit() {
         };
         let mut packed = PackedMatrix {
             format,
-            isa: IsaChoice::Avx2,
+            isas: Isas::both(IsaChoice::Avx2),
             n,
             k,
             group_bytes,
@@ -471,7 +472,7 @@ fn q5_0_and_q8_0_kernels_equal_the_scalar_reference_bit_for_bit() {
                 if !supports(isa) {
                     continue;
                 }
-                packed.isa = isa;
+                packed.isas = Isas::both(isa);
                 let got = packed.matmul(&x, m);
                 assert_bits_equal(&got, &want, &format!("{dtype:?} n={n} {isa:?} m={m}"));
             }
