@@ -118,7 +118,7 @@ def test_the_kernel_choices_are_listed_once_a_model_loads(tiny_models):
     qmatmul = [line for line in lines if line.startswith("qmatmul Q8_0 ")]
     assert [line.split(" (")[0] for line in qmatmul] == ["qmatmul Q8_0 decode", "qmatmul Q8_0 prefill"], lines
     # Each says how it was decided (the timing's ratio, a NOVAINFER_*_ISA variable, or a lone candidate).
-    assert all(" faster than " in line or "forced by NOVAINFER_" in line or "the only candidate" in line for line in lines)
+    assert all(" faster" in line or "forced by NOVAINFER_" in line or "the only candidate" in line for line in lines)
 
 
 @pytest.mark.parametrize("bad", ["fp8", "F16", "", 3])

@@ -39,6 +39,12 @@ impl<'a, T> Candidate<'a, T> {
 /// burst of other work on the machine slows one run, not one candidate.
 pub(crate) const ROUNDS: usize = 5;
 
+/// How much faster than the baseline another candidate must be to replace it: within it the
+/// two are a tie that noise could flip from run to run (memory-bound decode on a large matrix
+/// runs at the bus's speed whatever the ISA), and the baseline is the code every test
+/// machine runs.
+pub(crate) const MARGIN: f64 = 0.05;
+
 /// How a [`Selection`] was made.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
@@ -81,7 +87,16 @@ impl fmt::Display for Selection {
                     .filter(|(n, _)| *n != self.chosen)
                     .map(|(n, t)| {
                         let ratio = t.as_secs_f64() / best.as_secs_f64().max(1e-12);
-                        format!("{ratio:.2}x faster than {n} ({best:.2?} vs {t:.2?})")
+                        if ratio >= 1.0 {
+                            format!("{ratio:.2}x faster than {n} ({best:.2?} vs {t:.2?})")
+                        } else {
+                            // The baseline kept within the margin.
+                            format!(
+                                "{n} {:.2}x faster, within the {:.0}% margin ({best:.2?} vs {t:.2?})",
+                                1.0 / ratio,
+                                MARGIN * 100.0
+                            )
+                        }
                     })
                     .collect();
                 write!(f, " ({})", others.join(", "))?;
@@ -119,7 +134,7 @@ pub(crate) fn wall_clock(run: &mut dyn FnMut() -> Vec<f32>) -> (Duration, Vec<f3
 /// * otherwise each candidate runs once untimed (warming caches and pages) and is rejected if
 ///   its output differs in any bit from the baseline's; the survivors are timed [`ROUNDS`]
 ///   times each, interleaved, with `time`, and the fastest minimum wins (the earlier
-///   candidate on a tie).
+///   candidate on a tie), provided it beats the baseline's by [`MARGIN`]; else the baseline.
 ///
 /// Returns the chosen candidate's value and the record of the choice (not yet logged: see
 /// [`record`]).
@@ -178,7 +193,12 @@ pub(crate) fn select<T: Copy>(
         }
     }
     // `min_by_key` keeps the first of equal keys: the earlier candidate on a tie.
-    let winner = (0..candidates.len()).min_by_key(|&i| best[i]).unwrap_or(0);
+    let fastest = (0..candidates.len()).min_by_key(|&i| best[i]).unwrap_or(0);
+    let winner = if best[fastest].as_secs_f64() * (1.0 + MARGIN) <= best[0].as_secs_f64() {
+        fastest
+    } else {
+        0
+    };
     let timings = candidates.iter().map(|c| c.name).zip(best).collect();
     done(&candidates[winner], Decision::Timed, timings, rejected)
 }
@@ -307,6 +327,35 @@ mod tests {
         let (chosen, s) = select("attention".into(), None, c, &mut time);
         assert_eq!((chosen, s.chosen), (0, "avx2"));
         assert!(s.to_string().contains("4.00x faster than avx512"), "{s}");
+    }
+
+    #[test]
+    fn within_the_margin_the_baseline_stays() {
+        let last = Cell::new(0);
+        let runs = counters(2);
+        let c = candidates(&["avx2", "avx512"], &[], &runs, &last);
+        // 4% faster: noise on a memory-bound problem.
+        let (chosen, s) = select(
+            "k".into(),
+            None,
+            c,
+            &mut fake(vec![vec![100], vec![96]], &last),
+        );
+        assert_eq!((chosen, s.decision.clone()), (0, Decision::Timed));
+        assert!(
+            s.to_string()
+                .contains("avx512 1.04x faster, within the 5% margin"),
+            "{s}"
+        );
+        let runs = counters(2);
+        let c = candidates(&["avx2", "avx512"], &[], &runs, &last);
+        let (chosen, _) = select(
+            "k".into(),
+            None,
+            c,
+            &mut fake(vec![vec![100], vec![95]], &last),
+        );
+        assert_eq!(chosen, 1, "5% faster replaces the baseline");
     }
 
     #[test]

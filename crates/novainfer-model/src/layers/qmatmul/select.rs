@@ -207,6 +207,21 @@ mod tests {
         assert_eq!(kernel_select::selections().len(), before);
     }
 
+    /// `cargo test --release -p novainfer-model qmatmul_choices -- --ignored --nocapture`
+    #[test]
+    #[ignore = "timing printout, run by hand"]
+    fn qmatmul_choices() {
+        for format in [Format::Q4K, Format::Q6K, Format::Q5_0, Format::Q8_0] {
+            let Some(rows) = sample_rows(format) else {
+                continue;
+            };
+            for regime in [Regime::Decode, Regime::Prefill] {
+                let (_, s) = time_regime(format, &simd::available(), None, &rows, regime);
+                println!("{s}");
+            }
+        }
+    }
+
     #[test]
     fn the_decode_problem_streams_a_matrix_larger_than_l2() {
         let rows = sample_rows(Format::Q4K).expect("quantize");
