@@ -203,9 +203,13 @@ fn the_chosen_isa_is_a_timed_candidate_and_the_choice_is_recorded() {
         assert_eq!(timed, ["avx2", "avx512"]);
     }
     // Asked again (another model of this geometry), the memoised choice: nothing re-timed.
-    let before = crate::kernel_select::selections().len();
+    let recorded = || {
+        let all = crate::kernel_select::selections();
+        all.iter().filter(|s| s.kernel == kernel).count()
+    };
+    let before = recorded();
     assert_eq!(AttnIsa::select(SHAPE, KvStorage::F16), isa);
-    assert_eq!(crate::kernel_select::selections().len(), before);
+    assert_eq!(recorded(), before);
 }
 
 #[cfg(target_arch = "x86_64")]
