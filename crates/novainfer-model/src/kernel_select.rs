@@ -35,6 +35,10 @@ impl<'a, T> Candidate<'a, T> {
     }
 }
 
+/// Untimed runs per candidate after its bit check, interleaved, before any timing: the first
+/// kernel timed in a process ran up to 5x slow for a few milliseconds (seen on a Xeon VM).
+pub(crate) const WARMUP: usize = 2;
+
 /// Timed runs per candidate, interleaved (candidate A, B, A, B, ...), the fastest kept: a
 /// burst of other work on the machine slows one run, not one candidate.
 pub(crate) const ROUNDS: usize = 5;
@@ -132,7 +136,8 @@ pub(crate) fn wall_clock(run: &mut dyn FnMut() -> Vec<f32>) -> (Duration, Vec<f3
 /// * `forced`, a candidate's name (from `var`), wins outright where it is a candidate; a
 ///   name that is not (an ISA this CPU lacks) is ignored and the rule below applies;
 /// * otherwise each candidate runs once untimed (warming caches and pages) and is rejected if
-///   its output differs in any bit from the baseline's; the survivors are timed [`ROUNDS`]
+///   its output differs in any bit from the baseline's; the survivors run [`WARMUP`] more
+///   rounds untimed, then are timed [`ROUNDS`]
 ///   times each, interleaved, with `time`, and the fastest minimum wins (the earlier
 ///   candidate on a tie), provided it beats the baseline's by [`MARGIN`]; else the baseline.
 ///
@@ -184,6 +189,11 @@ pub(crate) fn select<T: Copy>(
     });
     if candidates.len() == 1 {
         return done(&candidates[0], Decision::Only, Vec::new(), rejected);
+    }
+    for _ in 0..WARMUP {
+        for c in candidates.iter_mut() {
+            (c.run)();
+        }
     }
     let mut best = vec![Duration::MAX; candidates.len()];
     for _ in 0..ROUNDS {
@@ -308,8 +318,9 @@ mod tests {
                 ("avx512", Duration::from_micros(60)),
             ]
         );
-        // One untimed run each (the baseline's is the reference), then ROUNDS timed ones.
-        assert!(runs.iter().all(|r| r.get() == 1 + ROUNDS));
+        // One untimed run each (the baseline's is the reference), WARMUP more, then ROUNDS
+        // timed ones.
+        assert!(runs.iter().all(|r| r.get() == 1 + WARMUP + ROUNDS));
         let line = s.to_string();
         assert!(
             line.starts_with("qmatmul: avx512 (1.67x faster than avx2 (60.00µs vs 100.00µs), 1.50x faster than vnni256"),

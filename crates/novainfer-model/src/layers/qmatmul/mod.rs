@@ -170,24 +170,26 @@ enum Format {
     Q6K,
 }
 
-/// Work items of at most this many rows run [`Isas::few`]'s code: AVX2's single-row GEMV
-/// and few-row streaming paths cover exactly 1 to 8 rows.
+/// Work items of 2 to this many rows run [`Isas::few`]'s code: AVX2's few-row streaming path
+/// covers exactly 2 to 8 rows (and its GEMV one).
 const FEW_ROWS: usize = 8;
 
-/// The ISAs a matrix's products run on, each chosen by speed ([`select`]): `few` for work
-/// items of at most [`FEW_ROWS`] rows (decode and speculative verification, bound by
-/// streaming the weights from memory), `many` for the rest (prefill tiles, bound by the
-/// arithmetic). Every ISA gives the same bits, so mixing them keeps batch invariance.
+/// The ISAs a matrix's products run on, each chosen by speed ([`select`]) for its regime:
+/// `one` for single-row work items (decode: bound by streaming the weights), `few` for 2 to
+/// [`FEW_ROWS`] rows (speculative verification, a few sequences), `many` for the rest
+/// (prefill tiles, bound by the arithmetic). Every ISA gives the same bits, so mixing them
+/// keeps batch invariance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Isas {
+    one: IsaChoice,
     few: IsaChoice,
     many: IsaChoice,
 }
 
 impl Isas {
-    #[cfg(test)]
-    fn both(isa: IsaChoice) -> Self {
+    fn all(isa: IsaChoice) -> Self {
         Self {
+            one: isa,
             few: isa,
             many: isa,
         }
@@ -327,10 +329,10 @@ impl PackedMatrix {
         let (chunk, g) = (item / groups, item % groups);
         let rows = chunk * rows_per_chunk..m.min((chunk + 1) * rows_per_chunk);
         let group = self.data.bytes()[g * self.group_bytes..].as_ptr();
-        let isa = if rows.len() <= FEW_ROWS {
-            self.isas.few
-        } else {
-            self.isas.many
+        let isa = match rows.len() {
+            1 => self.isas.one,
+            2..=FEW_ROWS => self.isas.few,
+            _ => self.isas.many,
         };
         // SAFETY: `group` starts a packed group of `acts.nb` blocks (see `pack`), `rows` lie
         // inside `acts`, `isa` was detected on this CPU, and each (row, column) of the output

@@ -145,7 +145,7 @@ fn rows_are_batch_invariant_and_isa_independent() {
             if !supports(isa) {
                 continue;
             }
-            c.packed.isas = Isas::both(isa);
+            c.packed.isas = Isas::all(isa);
             let other = c.packed.matmul(&x, m);
             assert!(
                 other
@@ -223,7 +223,7 @@ fn packed_from_raw(
     };
     PackedMatrix {
         format,
-        isas: Isas::both(isa),
+        isas: Isas::all(isa),
         n,
         k,
         group_bytes,
@@ -459,7 +459,7 @@ fn q5_0_and_q8_0_kernels_equal_the_scalar_reference_bit_for_bit() {
         };
         let mut packed = PackedMatrix {
             format,
-            isas: Isas::both(IsaChoice::Avx2),
+            isas: Isas::all(IsaChoice::Avx2),
             n,
             k,
             group_bytes,
@@ -472,7 +472,7 @@ fn q5_0_and_q8_0_kernels_equal_the_scalar_reference_bit_for_bit() {
                 if !supports(isa) {
                     continue;
                 }
-                packed.isas = Isas::both(isa);
+                packed.isas = Isas::all(isa);
                 let got = packed.matmul(&x, m);
                 assert_bits_equal(&got, &want, &format!("{dtype:?} n={n} {isa:?} m={m}"));
             }
