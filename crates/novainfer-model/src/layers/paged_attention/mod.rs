@@ -154,7 +154,13 @@ fn timed(
         })
         .collect();
     let forced = forced.as_ref().map(|(var, v)| (*var, v.as_str()));
-    kernel_select::select(kernel, forced, candidates, &mut kernel_select::wall_clock)
+    kernel_select::select(
+        kernel,
+        forced,
+        candidates,
+        kernel_select::MARGIN,
+        &mut kernel_select::wall_clock,
+    )
 }
 
 /// The ISAs this CPU can run for `head_dim`, the baseline first: AVX2 (with FMA/F16C) when
