@@ -4,13 +4,14 @@
 //! faster than AVX2 on Q4_K prefill tiles, but 1.5-3.4x slower at decode, where AVX2 has
 //! streaming GEMV/few-row paths with software prefetches and the AVX-512 code runs its
 //! generic tiles. Neither ISA is right for both, and which wins where depends on the CPU,
-//! so each format times both regimes on first use ([`crate::kernel_select`]):
-//! * decode: 1 row (and verify: 4 rows) streaming an 8 MiB matrix: past every core's L2, so the run
-//!   streams it from the last-level cache (or memory where that is small), the way a decode
-//!   step streams the model. Flushing the matrix to memory before each run was tried: it cost
-//!   ~180 ns a line in a VM, and on this Xeon (300 MiB L3, much of the 0.5B model resident
-//!   across steps) it showed a tie where the real model decodes 14% slower on AVX-512;
-//!   streaming from L3 shows AVX2's prefetching lead, as the model does;
+//! so each format times three regimes on first use ([`crate::kernel_select`]):
+//! * decode (1 row) and verify (4 rows) streaming an 8 MiB matrix: past every core's L2, so
+//!   the run streams it from the last-level cache (or memory where that is small), the way a
+//!   decode step streams the model. Flushing the matrix to memory before each run was tried:
+//!   it cost ~180 ns a line in a VM and showed ties where the real model decodes 14% slower
+//!   on AVX-512. From L3 the K-quants show AVX2's prefetching lead (1.2-1.8x) but Q8_0 still
+//!   reads as a tie, and with a 5% margin the default decoded the 0.5B ~4% slower than AVX2
+//!   forced; so 1-row decode leaves AVX2 only for a 15% win ([`DECODE_MARGIN`]);
 //! * prefill: 64 rows against a small matrix that stays in cache.
 //!
 //! Both problems repeat 16 rows of weights quantized by candle (a real format instance,
