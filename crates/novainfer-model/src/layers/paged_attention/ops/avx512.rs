@@ -26,7 +26,7 @@
 //! an AVX-512 intrinsic inside one is not inlined but called, its vectors passed through
 //! memory (the first version ran 20x slower than AVX2 that way). AVX2 intrinsics are safe
 //! there only because the crate's baseline (x86-64-v3) has AVX2.
-//! `no_out_of_line_avx512` in the tests checks the compiled code for such calls.
+//! `layers::inlining_tests` checks the compiled test binary for such calls.
 //!
 //! The kernel checks it against the portable path at run time before using it
 //! (`self_check`), and the selector keeps it only where it is also the faster one.
