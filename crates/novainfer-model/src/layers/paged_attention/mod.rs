@@ -81,7 +81,7 @@ impl AttnIsa {
 
     /// The ISA for attention of `shape` over a `dtype` cache: the faster of the bit-exact
     /// candidates this CPU and head size allow, timed on a problem of this geometry the first
-    /// time the process asks (about 15 ms; memoised per geometry and dtype), unless
+    /// time the process asks (about 20 ms; memoised per geometry and dtype), unless
     /// `NOVAINFER_ATTN_ISA` forces one the CPU can run. See [`crate::kernel_select`].
     pub(crate) fn select(shape: AttentionShape, dtype: KvStorage) -> Self {
         use std::collections::HashMap;
