@@ -269,6 +269,11 @@ impl PackedMatrix {
         self.k
     }
 
+    /// Runs later products on `isas` (the same bits: only the timing problem switches).
+    fn set_isas(&mut self, isas: Isas) {
+        self.isas = isas;
+    }
+
     /// Bytes of the packed weights (padding columns of a last partial group included: they
     /// are read too).
     pub fn storage_bytes(&self) -> usize {

@@ -1,22 +1,28 @@
 //! Which ISA a format's products run on, chosen by speed per regime ([`Isas`]).
 //!
-//! Measured on an Intel Xeon (Emerald Rapids, 1 thread): the AVX-512 VNNI code is 1.3x
-//! faster than AVX2 on Q4_K prefill tiles, but 1.5-3.4x slower at decode, where AVX2 has
-//! streaming GEMV/few-row paths with software prefetches and the AVX-512 code runs its
-//! generic tiles. Neither ISA is right for both, and which wins where depends on the CPU,
-//! so each format times three regimes on first use ([`crate::kernel_select`]):
-//! * decode (1 row) and verify (4 rows) streaming an 8 MiB matrix: past every core's L2, so
-//!   the run streams it from the last-level cache (or memory where that is small), the way a
-//!   decode step streams the model. Flushing the matrix to memory before each run was tried:
-//!   it cost ~180 ns a line in a VM and showed ties where the real model decodes 14% slower
-//!   on AVX-512. From L3 the K-quants show AVX2's prefetching lead (1.2-1.8x) but Q8_0 still
-//!   reads as a tie, and with a 5% margin the default decoded the 0.5B ~4% slower than AVX2
-//!   forced; so 1-row decode leaves AVX2 only for a 15% win ([`DECODE_MARGIN`]);
+//! Neither ISA is right everywhere, and which wins where depends on the CPU and the thread
+//! count. Measured (docs/benchmarks.md, issue 30): on an Intel Xeon (Emerald Rapids) the
+//! AVX-512 VNNI code is 1.3x faster than AVX2 on Q4_K prefill tiles but 1.5-3.4x slower at
+//! 1-row decode, where AVX2 has streaming GEMV/few-row paths with software prefetches; on an
+//! AMD EPYC (Zen 4) with 2 threads, decode streaming from memory runs Q4_K and Q8_0 faster
+//! on AVX-512 (1.2x, 1.1x) and Q5_0 faster on AVX2 (1.5x), with 1 thread AVX2 wins all but
+//! Q8_0. So each format times three regimes on first use ([`crate::kernel_select`]):
+//! * decode (1 row) and verify (4 rows) streaming a matrix twice the size of the last-level
+//!   cache (8 to 64 MiB, [`stream_bytes`]), so that where the cache is small the runs read
+//!   memory, the way a decode step streams the model. An 8 MiB problem, which sits in a
+//!   32 MiB L3, called Q5_0 an AVX-512 win by 1.3x on the Zen 4 where decoding from memory
+//!   is 1.5x faster on AVX2. Where the cache is larger than 32 MiB (the Xeon's VM reports
+//!   the host's 300 MiB) the problem stays in it: there Q8_0 read as a tie while the real
+//!   model decoded ~4% slower on AVX-512, so 1-row decode leaves AVX2 only for a 15% win
+//!   ([`DECODE_MARGIN`]). Flushing the matrix before each run was tried: ~180 ns a line in
+//!   a VM, and it showed ties where the model decoded 14% slower;
 //! * prefill: 64 rows against a small matrix that stays in cache.
 //!
-//! Both problems repeat 16 rows of weights quantized by candle (a real format instance,
-//! not random bytes whose scales could be NaN or subnormal).
+//! Every candidate runs on one packed matrix (the layout is the same for every ISA), so the
+//! streaming problem costs its size once. Its rows repeat 16 rows of weights quantized by
+//! candle (a real format instance, not random bytes whose scales could be NaN or subnormal).
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::Mutex;
 
@@ -31,8 +37,11 @@ use crate::kernel_select::{self, Candidate, Selection};
 const ISA_VAR: &str = "NOVAINFER_QMATMUL_ISA";
 /// k of both problems: a multiple of every format's block (256 values at most).
 const K: usize = 2048;
-/// Bytes of the decode problem's packed matrix: past the L2 of every core we know of (1-2 MiB).
-const DECODE_BYTES: usize = 8 << 20;
+/// Bounds of the streaming problems' packed matrix ([`stream_bytes`]): past the L2 of every
+/// core we know of (1-2 MiB), and at most 64 MiB (two candidates' runs and the bit check read
+/// it 16 times: ~30 ms at 35 GB/s).
+const STREAM_MIN_BYTES: usize = 8 << 20;
+const STREAM_MAX_BYTES: usize = 64 << 20;
 /// How much faster than AVX2 another ISA must decode one row to replace it (see
 /// [`time_regime`]).
 const DECODE_MARGIN: f64 = 0.15;
@@ -103,8 +112,40 @@ fn wave(i: usize, rate: f32) -> f32 {
     (i as f32 * rate).sin() * (i as f32 * 0.011).cos()
 }
 
-/// Runs [`kernel_select::select`] for one regime; each candidate multiplies its own copy of
-/// the problem's matrix (so the flush before a run leaves all of them in memory alike).
+/// Bytes of the decode and verify problems' matrix: twice the last-level cache, within
+/// [`STREAM_MIN_BYTES`]..=[`STREAM_MAX_BYTES`].
+fn stream_bytes() -> usize {
+    last_level_cache_bytes().map_or(STREAM_MIN_BYTES, |llc| {
+        llc.saturating_mul(2)
+            .clamp(STREAM_MIN_BYTES, STREAM_MAX_BYTES)
+    })
+}
+
+/// The largest cache the first CPU reports (Linux sysfs: `index*/size`, e.g. `32768K`).
+fn last_level_cache_bytes() -> Option<usize> {
+    let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    dir.filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("size")).ok())
+        .filter_map(|size| parse_cache_size(size.trim()))
+        .max()
+}
+
+fn parse_cache_size(size: &str) -> Option<usize> {
+    let (digits, unit) = match size.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => size.split_at(i),
+        None => (size, ""),
+    };
+    let scale = match unit {
+        "" => 1,
+        "K" => 1 << 10,
+        "M" => 1 << 20,
+        "G" => 1 << 30,
+        _ => return None,
+    };
+    digits.parse::<usize>().ok()?.checked_mul(scale)
+}
+
+/// Runs [`kernel_select::select`] for one regime; every candidate multiplies the same packed
+/// matrix, switched to its ISA for its run.
 fn time_regime(
     format: Format,
     available: &[IsaChoice],
@@ -114,14 +155,16 @@ fn time_regime(
 ) -> (IsaChoice, Selection) {
     let row_bytes = rows.len() / GROUP;
     let n = match regime {
-        Regime::Decode | Regime::Verify => (DECODE_BYTES / row_bytes).max(GROUP) / GROUP * GROUP,
+        Regime::Decode | Regime::Verify => (stream_bytes() / row_bytes).max(GROUP) / GROUP * GROUP,
         Regime::Prefill => PREFILL_N,
     };
-    let raw = rows.repeat(n / GROUP);
-    let mats: Vec<PackedMatrix> = available
-        .iter()
-        .map(|&isa| PackedMatrix::from_raw(format, &raw, n, K, Isas::all(isa)))
-        .collect();
+    let mat = RefCell::new(PackedMatrix::from_raw(
+        format,
+        &rows.repeat(n / GROUP),
+        n,
+        K,
+        Isas::all(available[0]),
+    ));
     let m = match regime {
         Regime::Decode => 1,
         Regime::Verify => 4,
@@ -130,13 +173,15 @@ fn time_regime(
     let x: Vec<f32> = (0..m * K).map(|i| wave(i, 0.73)).collect();
     let candidates = available
         .iter()
-        .zip(&mats)
-        .map(|(&isa, mat)| {
-            let x = &x;
-            Candidate::new(isa, isa.name(), move || mat.matmul(x, m))
+        .map(|&isa| {
+            let (x, mat) = (&x, &mat);
+            Candidate::new(isa, isa.name(), move || {
+                mat.borrow_mut().set_isas(Isas::all(isa));
+                mat.borrow().matmul(x, m)
+            })
         })
         .collect();
-    let mib = mats[0].storage_bytes() >> 20;
+    let mib = mat.borrow().storage_bytes() >> 20;
     let kernel = match regime {
         Regime::Decode => format!("qmatmul {format:?} decode (1 row streaming a {mib} MiB matrix)"),
         Regime::Verify => {
@@ -144,11 +189,8 @@ fn time_regime(
         }
         Regime::Prefill => format!("qmatmul {format:?} prefill ({PREFILL_ROWS} rows)"),
     };
-    // Decode's problem streams from L3, where the model's largest matrix (0.5B: the 145 MB
-    // Q8_0 output head) streams from memory; there AVX2's prefetching GEMV was measured faster
-    // (2x single-threaded on a 62 MB Q8_0 matrix) while this problem called Q8_0 a tie, and
-    // the default decoded ~4% slower than AVX2 forced with the 5% margin. So 1-row decode
-    // leaves AVX2 only for a clear win.
+    // Where the problem stays in a large cache, it is not the decode step's memory stream
+    // (see the module docs): 1-row decode leaves AVX2 only for a clear win.
     let margin = match regime {
         Regime::Decode => DECODE_MARGIN,
         Regime::Verify | Regime::Prefill => kernel_select::MARGIN,
@@ -227,10 +269,20 @@ mod tests {
     }
 
     #[test]
-    fn the_decode_problem_streams_a_matrix_larger_than_l2() {
+    fn the_streaming_problem_is_twice_the_last_level_cache_within_bounds() {
+        assert_eq!(parse_cache_size("32768K"), Some(32 << 20));
+        assert_eq!(parse_cache_size("2M"), Some(2 << 20));
+        assert_eq!(parse_cache_size("512"), Some(512));
+        assert_eq!(parse_cache_size("12Q"), None);
+        let bytes = stream_bytes();
+        assert!((STREAM_MIN_BYTES..=STREAM_MAX_BYTES).contains(&bytes));
+        if let Some(llc) = last_level_cache_bytes() {
+            assert_eq!(bytes, (2 * llc).clamp(STREAM_MIN_BYTES, STREAM_MAX_BYTES));
+        }
+        // Its matrix really is that large (past every L2).
         let rows = sample_rows(Format::Q4K).expect("quantize");
         assert_eq!(rows.len(), GROUP * K / 256 * 144, "16 rows of Q4_K blocks");
-        let n = (DECODE_BYTES / (rows.len() / GROUP)) / GROUP * GROUP;
+        let n = (bytes / (rows.len() / GROUP)) / GROUP * GROUP;
         let mat = PackedMatrix::from_raw(
             Format::Q4K,
             &rows.repeat(n / GROUP),
@@ -238,6 +290,10 @@ mod tests {
             K,
             Isas::all(IsaChoice::Avx2),
         );
-        assert!(mat.storage_bytes() >= 7 << 20, "{}", mat.storage_bytes());
+        assert!(
+            mat.storage_bytes() >= bytes - (1 << 20),
+            "{}",
+            mat.storage_bytes()
+        );
     }
 }
