@@ -84,6 +84,10 @@ def test_kv_block_bytes_follow_the_dtype(tiny_models, kv_cache_dtype):
     stats = llm.stats()
     assert stats["kv_bytes_per_block"] == per_block
     assert stats["kv_num_blocks"] == 10 and stats["kv_pool_bytes"] == 10 * per_block
+    # Counts are ints (10, not 10.0); only ratios and seconds are floats.
+    floats = {"spec_acceptance_rate", "spec_mean_acceptance_length", "busy_seconds"}
+    assert all(isinstance(v, int) for k, v in stats.items() if k not in floats), stats
+    assert all(isinstance(stats[k], float) for k in floats)
     slot = LLM(tiny_models["f32"], kv_cache_dtype=kv_cache_dtype, kv_layout="slot", kv_cache_bytes=10 * per_block)
     assert slot.stats()["kv_bytes_per_block"] * 16 == per_block, "a SLOT cell is one token of the same dtype"
     assert slot.stats()["kv_num_blocks"] == 160

@@ -45,11 +45,41 @@ def test_fetch_lists_demo_models():
     assert "qwen2.5-coder-0.5b" in res.stdout and "qwen2.5-coder-1.5b" in res.stdout
 
 
+def test_version_names_the_installed_package():
+    import novainfer
+
+    res = _cli("--version")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == f"novainfer {novainfer.__version__}"
+
+
+def test_fetch_takes_the_quiet_flag_its_help_offers():
+    # An unknown name fails in fetch itself, after the flag was parsed and passed through.
+    res = _cli("fetch", "--quiet", "no-such-model")
+    assert res.returncode == 1
+    assert "unrecognized arguments" not in res.stderr
+    assert "no-such-model" in res.stderr
+
+
 @pytest.mark.parametrize("args", [("generate", "--model", "/no/such/model", "hi"), ("generate", "--model", "qwen9", "hi")])
 def test_errors_are_one_line_and_exit_1(args):
     res = _cli(*args)
     assert res.returncode == 1
     assert res.stderr.startswith("error:") and "Traceback" not in res.stderr
+
+
+def test_bench_help_lists_every_mode_with_its_options():
+    from novainfer.bench import MODES
+
+    res = _cli("bench", "--help")
+    assert res.returncode == 0, res.stderr
+    for mode, line in MODES.items():
+        assert re.search(rf"^  {re.escape(mode)} +{re.escape(line)}$", res.stdout, re.M), mode
+    # Each mode's options sit under a heading that names it.
+    for heading, option in [("latency and batched", "--num-seqs"), ("serve and soak", "--concurrency"),
+                            ("speculative", "--draft-model"), ("llama-cpp", "--prompt-lengths")]:
+        section = re.search(rf"^{re.escape(heading)}[^\n]*:\n((?:  [^\n]*\n)+)", res.stdout, re.M)
+        assert section and option in section.group(1), heading
 
 
 def test_bench_reports_prefill_and_decode(tiny_models):

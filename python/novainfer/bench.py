@@ -277,38 +277,57 @@ def bench_structured(llm: LLM, batch: int, decode_tokens: int, repeat: int) -> d
     return out
 
 
+#: Each mode of `novainfer bench`, with the line `--help` shows for it.
+MODES: dict[str, str] = {
+    "latency": "one stream: prefill tok/s over --prompt-tokens, then decode tok/s (the default)",
+    "batched": "--num-seqs streams decoding together, as llama-batched-bench: aggregate tok/s",
+    "throughput": "--num-requests mixed requests at once (continuous batching) vs one after another",
+    "prefix": "conversations sharing a system prompt, prefix cache on vs off",
+    "kv-layout": "the throughput load on the block and the slot KV layout",
+    "structured": "decode speed with a JSON Schema constraint vs none, batch 1 and batched",
+    "speculative": "n-gram (and --draft-model) speculative decoding vs plain, on two workloads",
+    "serve": "the HTTP server under a bounded streaming chat load (latency percentiles)",
+    "soak": "the server under aborts, bad requests and faults for --duration s, then a leak check",
+    "llama-cpp": "NovaInfer beside llama.cpp's bench tools (--llama-cpp BIN_DIR) on one GGUF",
+}
+
+
+def modes_help() -> str:
+    """The modes, one line each: the bench parser's description."""
+    width = max(map(len, MODES))
+    return "modes:\n" + "\n".join(f"  {name:<{width}}  {line}" for name, line in MODES.items())
+
+
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    """The `novainfer bench` options (the model options are added by the CLI)."""
-    p.add_argument(
-        "mode",
-        nargs="?",
-        choices=[
-            "latency", "batched", "throughput", "prefix", "kv-layout", "structured", "speculative", "serve", "soak",
-            "llama-cpp",
-        ],
-        default="latency",
-    )
-    p.add_argument("--prompt-tokens", type=int, default=512, help="latency, batched: prompt length")
-    p.add_argument("--decode-tokens", type=int, default=128, help="latency, batched: tokens to decode")
-    p.add_argument("--repeat", type=int, default=3, help="latency, batched: runs; the best is reported")
-    p.add_argument("--num-seqs", type=int, default=8, help="batched: sequences decoded together")
-    p.add_argument("--num-requests", type=int, default=16, help="throughput: requests")
-    p.add_argument("--prompt-range", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
-    p.add_argument("--output-range", type=int, nargs=2, default=(32, 128), metavar=("MIN", "MAX"))
-    p.add_argument("--bench-seed", type=int, default=0, help="throughput: workload seed")
-    p.add_argument("--shared-tokens", type=int, default=512, help="prefix: shared system-prompt length")
-    p.add_argument("--own-tokens", type=int, default=32, help="prefix: each request's own suffix length")
-    p.add_argument("--output-tokens", type=int, default=16, help="prefix: tokens generated per request")
+    """The `novainfer bench` options (the model options are added by the CLI), grouped by the modes they
+    apply to so that `--help` shows each mode's own options under its name."""
+    p.add_argument("mode", nargs="?", choices=list(MODES), default="latency", help="what to measure (see modes)")
+    one = p.add_argument_group("latency and batched (--repeat also structured, llama-cpp)")
+    one.add_argument("--prompt-tokens", type=int, default=512, help="latency, batched: prompt length")
+    one.add_argument("--decode-tokens", type=int, default=128, help="latency, batched: tokens to decode")
+    one.add_argument("--repeat", type=int, default=3, help="latency, batched: runs; the best is reported")
+    one.add_argument("--num-seqs", type=int, default=8, help="batched: sequences decoded together")
+    many = p.add_argument_group("throughput, kv-layout, structured (and serve's workload)")
+    many.add_argument("--num-requests", type=int, default=16, help="throughput, structured, serve: requests")
+    many.add_argument("--prompt-range", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"),
+                      help="throughput, serve: prompt lengths drawn from this range")
+    many.add_argument("--output-range", type=int, nargs=2, default=(32, 128), metavar=("MIN", "MAX"),
+                      help="throughput, serve: output lengths drawn from this range")
+    many.add_argument("--bench-seed", type=int, default=0, help="throughput: workload seed")
+    prefix = p.add_argument_group("prefix")
+    prefix.add_argument("--shared-tokens", type=int, default=512, help="prefix: shared system-prompt length")
+    prefix.add_argument("--own-tokens", type=int, default=32, help="prefix: each request's own suffix length")
+    prefix.add_argument("--output-tokens", type=int, default=16, help="prefix: tokens generated per request")
     p.add_argument("--requantize-q5-0", action="store_true", help="re-encode Q5_0 GGUF tensors as Q8_0")
     from .bench_llama_cpp import add_llama_cpp_args
     from .bench_serve import add_serve_args
     from .bench_soak import add_soak_args
     from .bench_speculative import add_speculative_args
 
-    add_serve_args(p)
-    add_soak_args(p)
-    add_speculative_args(p)
-    add_llama_cpp_args(p)
+    add_serve_args(p.add_argument_group("serve and soak"))
+    add_soak_args(p.add_argument_group("soak"))
+    add_speculative_args(p.add_argument_group("speculative (--llama-cpp also compares llama.cpp's lookup)"))
+    add_llama_cpp_args(p.add_argument_group("llama-cpp"))
 
 
 def run_bench(llm: LLM, args: argparse.Namespace, make_llm: Callable[..., LLM] | None = None) -> int:

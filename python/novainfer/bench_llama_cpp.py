@@ -46,7 +46,7 @@ class Measured:
     error: str | None = None
 
 
-def add_llama_cpp_args(p: argparse.ArgumentParser) -> None:
+def add_llama_cpp_args(p: argparse._ActionsContainer) -> None:
     """The options of `novainfer bench llama-cpp` (`--llama-cpp BIN_DIR` is shared with `speculative`)."""
     p.add_argument("--prompt-lengths", type=int, nargs="*", default=[512, 4096, 16384], help="llama-cpp: prefill points")
     p.add_argument("--depths", type=int, nargs="*", default=[0, 4096, 16384], help="llama-cpp: decode depths")

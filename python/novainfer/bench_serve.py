@@ -69,7 +69,7 @@ def percentile(values: list[float], p: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def add_serve_args(p: argparse.ArgumentParser) -> None:
+def add_serve_args(p: argparse._ActionsContainer) -> None:
     p.add_argument("--concurrency", type=int, default=16, help="serve: requests in flight")
     p.add_argument("--url", default=None, help="serve: target a running server instead of starting one")
     p.add_argument("--shared-prefix-tokens", type=int, default=0, help="serve: shared system-prompt tokens")

@@ -53,7 +53,7 @@ _HEADER_READ_TIMEOUT_S = 1.0
 _IDLE_SERIES = ("novainfer:kv_cache_used_blocks", "novainfer:num_requests_running", "novainfer:num_requests_waiting")
 
 
-def add_soak_args(p: argparse.ArgumentParser) -> None:
+def add_soak_args(p: argparse._ActionsContainer) -> None:
     p.add_argument("--duration", type=float, default=60.0, help="soak: seconds of load")
     p.add_argument("--abort-fraction", type=float, default=0.10, help="soak: share of streams abandoned")
     p.add_argument("--bad-fraction", type=float, default=0.05, help="soak: share of bad requests")

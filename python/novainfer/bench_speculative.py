@@ -65,7 +65,7 @@ def _count(text: str) -> int:
     return value
 
 
-def add_speculative_args(p: argparse.ArgumentParser) -> None:
+def add_speculative_args(p: argparse._ActionsContainer) -> None:
     """The options of `novainfer bench speculative`."""
     p.add_argument("--draft-model", help="speculative: also run a draft-model engine with this model")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="speculative: draft model's tokens")

@@ -60,14 +60,28 @@ def _add_sampling_args(p: argparse.ArgumentParser, *, temperature: float, max_to
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
+def _version() -> str:
+    # The installed distribution's metadata: no need to load the native module for --version.
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("novainfer")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from ._native import __version__
+
+        return __version__
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="novainfer", description="Fast, exact inference for Qwen2-family LLMs.")
+    parser.add_argument("--version", action="version", version=f"novainfer {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     fetch = sub.add_parser("fetch", help="download, verify and cache a demo model")
     fetch.add_argument("names", nargs="*", help="demo-model names (see --list)")
     fetch.add_argument("--verify", action="store_true", help="re-hash a cached file")
     fetch.add_argument("--list", action="store_true", help="list the demo models")
+    fetch.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
 
     gen = sub.add_parser("generate", help="complete a prompt and stream the text")
     _add_model_args(gen)
@@ -84,9 +98,11 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", add_help=False,
                    help="OpenAI-compatible HTTP server with a Web UI (novainfer serve --help for options)")
 
-    bench = sub.add_parser("bench", help="measure speed: latency (one stream) or throughput (many requests)")
+    from .bench import add_bench_args, modes_help
+
+    bench = sub.add_parser("bench", help="measure speed: latency (one stream), batched, throughput, ... (see --help)",
+                           description=modes_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_model_args(bench)
-    from .bench import add_bench_args
 
     add_bench_args(bench)
     return parser
@@ -168,7 +184,8 @@ def _chat(args: argparse.Namespace) -> int:
 def _fetch(args: argparse.Namespace) -> int:
     from . import fetch
 
-    argv = list(args.names) + (["--verify"] if args.verify else []) + (["--list"] if args.list else [])
+    flags = {"--verify": args.verify, "--list": args.list, "--quiet": args.quiet}
+    argv = list(args.names) + [flag for flag, on in flags.items() if on]
     return fetch.main(argv)
 
 

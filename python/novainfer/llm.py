@@ -220,7 +220,7 @@ class LLM:
         """The longest prompt + output, in tokens."""
         return self._engine.max_model_len
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, int | float]:
         """Engine counters: running/waiting requests, preemptions, KV blocks used/free and their high-water
         mark, the pool's size in bytes (`kv_pool_bytes`, `kv_bytes_per_block`), prefix-cache queries and hit
         tokens, prompt tokens computed, tokens generated, steps, and seconds spent stepping. With speculative

@@ -22,7 +22,7 @@ use novainfer_engine::{
 use novainfer_model::device::DEVICE_SPELLINGS;
 use novainfer_model::{DeviceChoice, DtypeChoice, KvCacheDtype};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyDict};
 
 use crate::errors::{engine_error, invalid, param_error};
 use crate::sampling_params::PySamplingParams;
@@ -216,47 +216,52 @@ impl PyEngine {
         Ok(Self { handle })
     }
 
-    /// Engine counters: requests, preemptions, KV blocks, prefix-cache hits, tokens.
-    fn stats(&self, py: Python<'_>) -> PyResult<HashMap<&'static str, f64>> {
+    /// Engine counters: requests, preemptions, KV blocks, prefix-cache hits, tokens. Counts
+    /// are ints; the two speculative ratios and `busy_seconds` floats.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = py.detach(|| self.handle.stats()).map_err(engine_error)?;
         let kv = &s.kv;
-        let mut stats = HashMap::from([
-            ("num_running", s.num_running as f64),
-            ("num_waiting", s.num_waiting as f64),
-            ("num_preemptions", s.num_preemptions as f64),
-            ("kv_num_blocks", kv.num_blocks as f64),
-            ("kv_used_blocks", kv.num_used_blocks as f64),
-            ("kv_free_blocks", kv.num_free_blocks as f64),
-            ("kv_watermark_blocks", kv.watermark_blocks as f64),
-            ("kv_cached_blocks", kv.num_cached_blocks as f64),
-            ("kv_pool_bytes", s.kv_pool_bytes as f64),
-            ("kv_bytes_per_block", s.kv_bytes_per_block as f64),
-            ("prefix_cache_queries", kv.num_queries as f64),
-            ("prefix_cache_query_tokens", kv.num_query_tokens as f64),
-            ("prefix_cache_hit_tokens", kv.num_hit_tokens as f64),
-            ("prefix_cache_evictions", kv.num_evictions as f64),
+        let counts = [
+            ("num_running", s.num_running as u64),
+            ("num_waiting", s.num_waiting as u64),
+            ("num_preemptions", s.num_preemptions as u64),
+            ("kv_num_blocks", kv.num_blocks as u64),
+            ("kv_used_blocks", kv.num_used_blocks as u64),
+            ("kv_free_blocks", kv.num_free_blocks as u64),
+            ("kv_watermark_blocks", kv.watermark_blocks as u64),
+            ("kv_cached_blocks", kv.num_cached_blocks as u64),
+            ("kv_pool_bytes", s.kv_pool_bytes as u64),
+            ("kv_bytes_per_block", s.kv_bytes_per_block as u64),
+            ("prefix_cache_queries", kv.num_queries as u64),
+            ("prefix_cache_query_tokens", kv.num_query_tokens as u64),
+            ("prefix_cache_hit_tokens", kv.num_hit_tokens as u64),
+            ("prefix_cache_evictions", kv.num_evictions as u64),
             (
                 "num_prompt_tokens_computed",
-                s.num_prompt_tokens_computed as f64,
+                s.num_prompt_tokens_computed as u64,
             ),
-            ("num_generated_tokens", s.num_generated_tokens as f64),
-            ("num_steps", s.num_steps as f64),
-            ("num_drafts", s.num_drafts as f64),
-            ("num_draft_tokens", s.num_draft_tokens as f64),
-            ("num_accepted_tokens", s.num_accepted_tokens as f64),
-            (
-                "spec_acceptance_rate",
-                ratio(s.num_accepted_tokens, s.num_draft_tokens),
-            ),
-            (
-                "spec_mean_acceptance_length",
-                1.0 + ratio(s.num_accepted_tokens, s.num_drafts),
-            ),
-            ("busy_seconds", s.busy_seconds),
-        ]);
-        if let Some(bytes) = s.weight_bytes_per_token {
-            stats.insert("weight_bytes_per_token", bytes as f64);
+            ("num_generated_tokens", s.num_generated_tokens as u64),
+            ("num_steps", s.num_steps as u64),
+            ("num_drafts", s.num_drafts as u64),
+            ("num_draft_tokens", s.num_draft_tokens as u64),
+            ("num_accepted_tokens", s.num_accepted_tokens as u64),
+        ];
+        let stats = PyDict::new(py);
+        for (name, count) in counts {
+            stats.set_item(name, count)?;
         }
+        if let Some(bytes) = s.weight_bytes_per_token {
+            stats.set_item("weight_bytes_per_token", bytes as u64)?;
+        }
+        stats.set_item(
+            "spec_acceptance_rate",
+            ratio(s.num_accepted_tokens, s.num_draft_tokens),
+        )?;
+        stats.set_item(
+            "spec_mean_acceptance_length",
+            1.0 + ratio(s.num_accepted_tokens, s.num_drafts),
+        )?;
+        stats.set_item("busy_seconds", s.busy_seconds)?;
         Ok(stats)
     }
 

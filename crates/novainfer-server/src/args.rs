@@ -15,6 +15,7 @@ pub enum ReasoningParser {
     /// DeepSeek-R1 style `<think>...</think>`.
     #[value(name = "deepseek_r1", alias = "deepseek-r1")]
     DeepseekR1,
+    /// Reasoning stays in the answer's text.
     None,
 }
 
@@ -33,6 +34,7 @@ pub struct ServeArgs {
     /// file/directory name).
     #[arg(long)]
     pub served_model_name: Vec<String>,
+    /// Address to listen on; 0.0.0.0 serves every interface (set --api-key then).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     /// TCP port; 0 picks a free one (the printed URL shows which).
@@ -51,14 +53,20 @@ pub struct ServeArgs {
     /// Weight dtype for safetensors models: auto, f32, bf16, f16.
     #[arg(long, default_value = "auto")]
     pub dtype: String,
+    /// Longest prompt + output in tokens (default: the model's context length, on the CPU at
+    /// most 8192 so that one prompt cannot hold the engine for minutes; lowered to what the KV
+    /// cache can hold).
     #[arg(long)]
     pub max_model_len: Option<usize>,
     /// Base seed: a request without its own seed samples with base + its request number, so
     /// repeated requests differ, and a fresh server replays the same request sequence exactly.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Re-encode a GGUF's Q5_0 tensors as Q8_0 on load (exact; more memory, same speed with
+    /// our kernels). Off by default.
     #[arg(long)]
     pub requantize_q5_0: bool,
+    /// Tokens per KV-cache block (the unit of paging and prefix caching).
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
     /// KV cache size in bytes (default: 2 GiB on the CPU, --gpu-memory-utilization on a GPU).
@@ -67,12 +75,14 @@ pub struct ServeArgs {
     /// KV cache as a fraction of the memory available after loading the model.
     #[arg(long)]
     pub kv_cache_fraction: Option<f64>,
+    /// Most sequences decoded in one engine step (the batch).
     #[arg(long, default_value_t = 64)]
     pub max_num_seqs: usize,
     /// Token budget of one engine step, decodes and prompt chunks together (default: 2048 on a
     /// GPU; on the CPU 256 x threads within 512..2048, see docs/scheduling.md).
     #[arg(long)]
     pub max_num_batched_tokens: Option<usize>,
+    /// Turn prefix caching off (on by default: prompts sharing a prefix reuse its KV blocks).
     #[arg(long)]
     pub no_enable_prefix_caching: bool,
     /// block (paged, prefix caching) or slot (llama.cpp-style cells).
@@ -153,6 +163,7 @@ pub struct ServeArgs {
     /// Tokens (prompt + completion) each user may spend per --user-budget-window.
     #[arg(long)]
     pub user_token_budget: Option<u64>,
+    /// Seconds over which --user-token-budget is counted.
     #[arg(long, default_value_t = 3600)]
     pub user_budget_window: u64,
     /// Users whose spending is remembered; past this the least recently charged are
@@ -169,6 +180,7 @@ pub struct ServeArgs {
     /// Sessions idle this many seconds are forgotten.
     #[arg(long, default_value_t = 1800)]
     pub session_ttl: u64,
+    /// Most sessions remembered; past it the least recently used is forgotten.
     #[arg(long, default_value_t = 10_000)]
     pub max_sessions: usize,
     /// Stored Responses (`/v1/responses`, for `previous_response_id` and `GET`) older than this
@@ -185,6 +197,7 @@ pub struct ServeArgs {
     /// Seconds between SSE keep-alive comments.
     #[arg(long, default_value_t = 15.0)]
     pub keep_alive: f64,
+    /// How `<think>` reasoning is split from the answer into `reasoning_content`.
     #[arg(long, value_enum, default_value_t = ReasoningParser::Auto)]
     pub reasoning_parser: ReasoningParser,
 

@@ -305,10 +305,67 @@ pub fn parse_generation<T: DeserializeOwned>(bytes: &[u8]) -> Result<GenerationB
     let mut ignored = shared.ignored_fields();
     ignored.extend(from_router);
     Ok(GenerationBody {
-        own: typed(Value::Object(own))?,
+        own: typed(Value::Object(own)).map_err(|e| with_shared_fields(e, SHARED_FIELDS))?,
         ignored,
         shared,
     })
+}
+
+/// An unknown field met while parsing an endpoint's own fields: serde's message lists only
+/// those (the shared fields were split off before), so a typo of a shared field such as
+/// `max_token` was told neither `max_tokens` nor that it exists. The message is rebuilt over
+/// every field the endpoint accepts, with the nearest one suggested.
+fn with_shared_fields(e: ApiError, shared: &[&str]) -> ApiError {
+    // `typed` puts the field's path first: "max_token: unknown field `max_token`, expected ...".
+    let marker = "unknown field `";
+    let Some(rest) = e.message.find(marker).map(|i| &e.message[i + marker.len()..]) else {
+        return e;
+    };
+    let Some((unknown, expected)) = rest.split_once('`') else {
+        return e;
+    };
+    // serde: "..., expected one of `a`, `b`", "..., expected `a`" or "..., there are no fields".
+    let mut fields: Vec<&str> = expected.split('`').skip(1).step_by(2).collect();
+    fields.extend(shared);
+    fields.sort_unstable();
+    fields.dedup();
+    let listed = fields
+        .iter()
+        .map(|f| format!("`{f}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let hint =
+        nearest(unknown, &fields).map_or(".".to_owned(), |f| format!("; did you mean `{f}`?"));
+    ApiError::invalid_param(
+        unknown.to_owned(),
+        format!("unknown field `{unknown}`{hint} The fields of this endpoint are {listed}"),
+    )
+}
+
+/// The field within two edits of `name` (the closest, the first on a tie), if any.
+fn nearest<'a>(name: &str, fields: &[&'a str]) -> Option<&'a str> {
+    fields
+        .iter()
+        .map(|f| (edit_distance(name, f), *f))
+        .filter(|(d, _)| *d <= 2)
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, f)| f)
+}
+
+/// Levenshtein distance over bytes (field names are ASCII).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, &ca) in a.iter().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let substitute = diagonal + usize::from(ca != cb);
+            diagonal = row[j + 1];
+            row[j + 1] = substitute.min(row[j] + 1).min(diagonal + 1);
+        }
+    }
+    row[b.len()]
 }
 
 /// Parses the body of a non-generating endpoint.
@@ -344,6 +401,16 @@ mod tests {
         assert_eq!(e.status, 400);
         let e = chat(r#"{"messages":[],"max_token":5}"#).expect_err("unknown field");
         assert_eq!(e.param.as_deref(), Some("max_token"));
+        // The shared field it was meant to be is suggested and listed among the endpoint's own.
+        assert!(
+            e.message.contains("did you mean `max_tokens`?"),
+            "{}",
+            e.message
+        );
+        assert!(e.message.contains("`messages`") && e.message.contains("`temperature`"));
+        let e = chat(r#"{"messages":[],"zzzzzzzz":5}"#).expect_err("unknown field");
+        assert!(!e.message.contains("did you mean"), "{}", e.message);
+        assert!(e.message.contains("`max_tokens`"), "{}", e.message);
         let e = chat(r#"{"max_tokens":5}"#).expect_err("missing field");
         assert_eq!(e.param.as_deref(), Some("messages"));
         let e = chat(r#"{"messages":[],"functions":[]}"#).expect_err("unsupported");

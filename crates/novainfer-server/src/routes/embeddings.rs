@@ -15,6 +15,7 @@ use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use serde_json::{json, Value};
 
+use super::log_ms;
 use super::JsonBody;
 use crate::engine_io;
 use crate::error::ApiError;
@@ -87,7 +88,7 @@ pub async fn embeddings(
             json!({"object": "embedding", "index": index, "embedding": embedding})
         })
         .collect();
-    tracing::debug!(model = %model.name, inputs = data.len(), elapsed_ms = started.elapsed().as_secs_f64() * 1e3, "embeddings");
+    tracing::debug!(model = %model.name, inputs = data.len(), elapsed_ms = log_ms(started.elapsed()), "embeddings");
     Ok(axum::Json(json!({
         "object": "list",
         "data": data,

@@ -15,7 +15,7 @@ mod responses;
 mod run;
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
 use axum::extract::{FromRequest, Request, State};
@@ -198,7 +198,7 @@ async fn request_id_and_log(mut request: Request, next: Next) -> Response {
             %method,
             path = %path,
             status = response.status().as_u16(),
-            latency_ms = started.elapsed().as_secs_f64() * 1e3,
+            latency_ms = log_ms(started.elapsed()),
             error = error.as_deref().unwrap_or(""),
             "request"
         );
@@ -274,8 +274,23 @@ impl FromRequest<Arc<AppState>> for JsonBody {
     }
 }
 
+/// A duration for a log field, in milliseconds to 0.1 ms: `12.3`, not `12.345678901`.
+pub(crate) fn log_ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e4).round() / 10.0
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn log_ms_keeps_a_tenth_of_a_millisecond() {
+        use std::time::Duration;
+        assert_eq!(super::log_ms(Duration::from_nanos(12_345_678)), 12.3);
+        assert_eq!(
+            super::log_ms(Duration::from_micros(999_960)).to_string(),
+            "1000"
+        );
+    }
+
     use super::*;
 
     #[test]

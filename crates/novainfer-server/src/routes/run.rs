@@ -14,6 +14,7 @@ use futures_util::{Stream, StreamExt};
 use novainfer_core::SamplingParams;
 use novainfer_engine::{Delta, EngineError, Scheduling};
 
+use super::log_ms;
 use crate::accounting::RunState;
 use crate::budget::{check_user, ANONYMOUS};
 use crate::error::ApiError;
@@ -320,14 +321,14 @@ impl Drop for Running {
             endpoint = self.endpoint,
             model = %self.model.name,
             status = 200,
-            latency_ms = latency.as_secs_f64() * 1e3,
+            latency_ms = log_ms(latency),
             prompt_tokens = usage.prompt_tokens,
             completion_tokens = usage.completion_tokens,
             cached_tokens = usage.prompt_tokens_details.cached_tokens,
             finish_reason = outcome,
             priority = self.priority,
-            queue_ms = self.run.queue_time().map(|d| d.as_secs_f64() * 1e3),
-            prefill_ms = self.run.prefill_time().map(|d| d.as_secs_f64() * 1e3),
+            queue_ms = self.run.queue_time().map(log_ms),
+            prefill_ms = self.run.prefill_time().map(log_ms),
             "request"
         );
     }
@@ -381,7 +382,7 @@ where
                     endpoint,
                     model = %model.name,
                     status = e.status.as_u16(),
-                    latency_ms = arrival.elapsed().as_secs_f64() * 1e3,
+                    latency_ms = log_ms(arrival.elapsed()),
                     error = %e.message,
                     "request"
                 );
