@@ -1,7 +1,8 @@
 """`novainfer bench`: speed measurements (benchmarks, never tests).
 
 - ``latency``: one stream; prefill speed is the prompt length over the time to the first token, decode speed
-  the remaining tokens over the time after it. EOS is ignored so every run decodes the same count.
+  the remaining tokens over the time after it. EOS is ignored so every run decodes the same count. An untimed
+  warm-up run of the same prompt comes first (``--no-warmup`` skips it), as llama-bench's does.
 - ``throughput``: many requests of mixed lengths, all submitted at once (continuous batching) and then one
   after another, reporting output and total tokens/s of each and the speed-up.
 - ``prefix``: conversations that share a long system prompt, with the prefix cache on and then off (two
@@ -307,6 +308,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     one.add_argument("--decode-tokens", type=int, default=128, help="latency, batched: tokens to decode")
     one.add_argument("--repeat", type=int, default=3, help="latency, batched: runs; the best is reported")
     one.add_argument("--num-seqs", type=int, default=8, help="batched: sequences decoded together")
+    one.add_argument("--no-warmup", dest="warmup", action="store_false",
+                     help="latency: skip the untimed warm-up run of the same prompt (llama-bench warms up so too)")
     many = p.add_argument_group("throughput, kv-layout, structured (and serve's workload)")
     many.add_argument("--num-requests", type=int, default=16, help="throughput, structured, serve: requests")
     many.add_argument("--prompt-range", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"),
@@ -339,6 +342,10 @@ def run_bench(llm: LLM, args: argparse.Namespace, make_llm: Callable[..., LLM] |
     for line in _native.kernel_selections():
         print(f"kernel {line}", file=sys.stderr)
     if args.mode == "latency":
+        if args.warmup:
+            # Untimed, as llama-bench's warm-up run of the whole prompt: first touches of the KV pool and
+            # the step's buffers (the kernel zeroing their pages) are not what a serving engine pays.
+            bench_latency(llm, args.prompt_tokens, 2)
         results = [bench_latency(llm, args.prompt_tokens, args.decode_tokens) for _ in range(args.repeat)]
         prefill = max(r[0] for r in results)
         decode = max(r[1] for r in results)

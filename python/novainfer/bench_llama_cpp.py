@@ -4,7 +4,8 @@ Every point runs in a fresh process for each engine, one after the other, NovaIn
 peak RSS is its own and both engines see the same machine state:
 
 - prefill at each ``--prompt-lengths`` (tokens/s over the whole prompt): ``novainfer bench latency`` against
-  ``llama-bench -p P -n 0``;
+  ``llama-bench -p P -n 0``; both run the prompt once untimed first (llama-bench's warm-up, our latency
+  bench's too);
 - decode at each ``--depths`` (64 tokens after a prompt of that many tokens; a 16-token prompt stands for
   depth 0): ``novainfer bench latency`` against ``llama-bench -p 0 -n 64 -d D``;
 - batched decode at each ``--batch-sizes`` (128-token prompts, 64 tokens each, aggregate tokens/s):

@@ -318,7 +318,11 @@ pub fn parse_generation<T: DeserializeOwned>(bytes: &[u8]) -> Result<GenerationB
 fn with_shared_fields(e: ApiError, shared: &[&str]) -> ApiError {
     // `typed` puts the field's path first: "max_token: unknown field `max_token`, expected ...".
     let marker = "unknown field `";
-    let Some(rest) = e.message.find(marker).map(|i| &e.message[i + marker.len()..]) else {
+    let Some(rest) = e
+        .message
+        .find(marker)
+        .map(|i| &e.message[i + marker.len()..])
+    else {
         return e;
     };
     let Some((unknown, expected)) = rest.split_once('`') else {
