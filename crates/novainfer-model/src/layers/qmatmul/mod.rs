@@ -269,6 +269,26 @@ impl PackedMatrix {
         self.k
     }
 
+    /// This matrix stacked `times` times (`n` a multiple of [`GROUP`]): the layout is group by
+    /// group, so that is the packed bytes repeated, without packing the rows again (the
+    /// kernel-timing problems are tens of MiB of 16 repeated rows).
+    fn repeat_groups(&self, times: usize) -> Self {
+        assert_eq!(self.n % GROUP, 0, "whole groups only");
+        let one = self.data.bytes();
+        let mut data = Packed::zeroed(one.len() * times);
+        for copy in data.bytes_mut().chunks_exact_mut(one.len()) {
+            copy.copy_from_slice(one);
+        }
+        Self {
+            format: self.format,
+            isas: self.isas,
+            n: self.n * times,
+            k: self.k,
+            group_bytes: self.group_bytes,
+            data,
+        }
+    }
+
     /// Runs later products on `isas` (the same bits: only the timing problem switches).
     fn set_isas(&mut self, isas: Isas) {
         self.isas = isas;

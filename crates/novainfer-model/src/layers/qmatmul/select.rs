@@ -23,7 +23,7 @@
 //! streaming problem costs its size once. Its rows repeat 16 rows of weights quantized by
 //! candle (a real format instance, not random bytes whose scales could be NaN or subnormal).
 
-use std::cell::RefCell;
+use std::cell::{OnceCell, RefCell};
 use std::collections::HashMap;
 use std::sync::Mutex;
 
@@ -69,16 +69,54 @@ fn choose(format: Format) -> Option<Isas> {
         // Quantizing 16 rows failed (it does not): the baseline, untimed.
         return Some(Isas::all(baseline));
     };
-    let time = |regime| {
-        let (isa, s) = time_regime(format, &available, forced, &rows, regime);
+    // Decode and verify share the streaming matrix; each is packed only if something is timed.
+    let row_bytes = rows.len() / GROUP;
+    let stream_n = (stream_bytes() / row_bytes).max(GROUP) / GROUP * GROUP;
+    let stream = Problem::new(format, &rows, stream_n, baseline);
+    let prefill = Problem::new(format, &rows, PREFILL_N, baseline);
+    let time = |problem: &Problem, regime| {
+        let (isa, s) = time_regime(format, &available, forced, problem, regime);
         kernel_select::record(&s);
         isa
     };
-    Some(Isas {
-        one: time(Regime::Decode),
-        few: time(Regime::Verify),
-        many: time(Regime::Prefill),
-    })
+    let one = time(&stream, Regime::Decode);
+    let few = time(&stream, Regime::Verify);
+    drop(stream);
+    let many = time(&prefill, Regime::Prefill);
+    Some(Isas { one, few, many })
+}
+
+/// A timing problem's matrix: `n` rows repeating the 16 sample rows, packed on first use.
+struct Problem<'a> {
+    format: Format,
+    rows: &'a [u8],
+    n: usize,
+    baseline: IsaChoice,
+    mat: OnceCell<RefCell<PackedMatrix>>,
+}
+
+impl<'a> Problem<'a> {
+    fn new(format: Format, rows: &'a [u8], n: usize, baseline: IsaChoice) -> Self {
+        Self {
+            format,
+            rows,
+            n,
+            baseline,
+            mat: OnceCell::new(),
+        }
+    }
+
+    fn mat(&self) -> &RefCell<PackedMatrix> {
+        self.mat.get_or_init(|| {
+            let isas = Isas::all(self.baseline);
+            let group = PackedMatrix::from_raw(self.format, self.rows, GROUP, K, isas);
+            RefCell::new(group.repeat_groups(self.n / GROUP))
+        })
+    }
+
+    fn storage_mib(&self) -> usize {
+        ((self.n / GROUP) * self.rows.len()) >> 20
+    }
 }
 
 /// The timing problem of each of [`Isas`]'s choices.
@@ -152,27 +190,15 @@ fn parse_cache_size(size: &str) -> Option<usize> {
     digits.parse::<usize>().ok()?.checked_mul(scale)
 }
 
-/// Runs [`kernel_select::select`] for one regime; every candidate multiplies the same packed
-/// matrix, switched to its ISA for its run.
+/// Runs [`kernel_select::select`] for one regime; every candidate multiplies the problem's
+/// packed matrix, switched to its ISA for its run.
 fn time_regime(
     format: Format,
     available: &[IsaChoice],
     forced: Option<(&'static str, &str)>,
-    rows: &[u8],
+    problem: &Problem<'_>,
     regime: Regime,
 ) -> (IsaChoice, Selection) {
-    let row_bytes = rows.len() / GROUP;
-    let n = match regime {
-        Regime::Decode | Regime::Verify => (stream_bytes() / row_bytes).max(GROUP) / GROUP * GROUP,
-        Regime::Prefill => PREFILL_N,
-    };
-    let mat = RefCell::new(PackedMatrix::from_raw(
-        format,
-        &rows.repeat(n / GROUP),
-        n,
-        K,
-        Isas::all(available[0]),
-    ));
     let m = match regime {
         Regime::Decode => 1,
         Regime::Verify => 4,
@@ -182,14 +208,17 @@ fn time_regime(
     let candidates = available
         .iter()
         .map(|&isa| {
-            let (x, mat) = (&x, &mat);
+            let x = &x;
             Candidate::new(isa, isa.name(), move || {
+                let mat = problem.mat();
                 mat.borrow_mut().set_isas(Isas::all(isa));
-                mat.borrow().matmul(x, m)
+                let out = mat.borrow().matmul(x, m);
+                out
             })
         })
         .collect();
-    let mib = mat.borrow().storage_bytes() >> 20;
+    // The raw ggml bytes (the packed copy is within a few bytes a row of them).
+    let mib = problem.storage_mib();
     let kernel = match regime {
         Regime::Decode => format!("qmatmul {format:?} decode (1 row streaming a {mib} MiB matrix)"),
         Regime::Verify => {
@@ -269,8 +298,16 @@ mod tests {
             let Some(rows) = sample_rows(format) else {
                 continue;
             };
-            for regime in [Regime::Decode, Regime::Verify, Regime::Prefill] {
-                let (_, s) = time_regime(format, &simd::available(), None, &rows, regime);
+            let available = simd::available();
+            let stream_n = (stream_bytes() / (rows.len() / GROUP)) / GROUP * GROUP;
+            let stream = Problem::new(format, &rows, stream_n, available[0]);
+            let prefill = Problem::new(format, &rows, PREFILL_N, available[0]);
+            for (problem, regime) in [
+                (&stream, Regime::Decode),
+                (&stream, Regime::Verify),
+                (&prefill, Regime::Prefill),
+            ] {
+                let (_, s) = time_regime(format, &available, None, problem, regime);
                 println!("{s}");
             }
         }
@@ -289,6 +326,16 @@ mod tests {
             // Decode's margin is the usual one exactly where the problem leaves the cache.
             assert_eq!(streams_from_memory(), 2 * llc <= STREAM_MAX_BYTES);
         }
+        // Stacking packed groups is packing the stacked rows.
+        let rows = sample_rows(Format::Q6K).expect("quantize");
+        let isas = Isas::all(IsaChoice::Avx2);
+        let stacked = PackedMatrix::from_raw(Format::Q6K, &rows, GROUP, K, isas).repeat_groups(3);
+        let packed = PackedMatrix::from_raw(Format::Q6K, &rows.repeat(3), 3 * GROUP, K, isas);
+        assert_eq!(stacked.data.bytes(), packed.data.bytes());
+        assert_eq!(
+            (stacked.n, stacked.group_bytes),
+            (packed.n, packed.group_bytes)
+        );
         // Its matrix really is that large (past every L2).
         let rows = sample_rows(Format::Q4K).expect("quantize");
         assert_eq!(rows.len(), GROUP * K / 256 * 144, "16 rows of Q4_K blocks");
