@@ -224,7 +224,7 @@ impl PyEngine {
         let counts = [
             ("num_running", s.num_running as u64),
             ("num_waiting", s.num_waiting as u64),
-            ("num_preemptions", s.num_preemptions as u64),
+            ("num_preemptions", s.num_preemptions),
             ("kv_num_blocks", kv.num_blocks as u64),
             ("kv_used_blocks", kv.num_used_blocks as u64),
             ("kv_free_blocks", kv.num_free_blocks as u64),
@@ -232,19 +232,16 @@ impl PyEngine {
             ("kv_cached_blocks", kv.num_cached_blocks as u64),
             ("kv_pool_bytes", s.kv_pool_bytes as u64),
             ("kv_bytes_per_block", s.kv_bytes_per_block as u64),
-            ("prefix_cache_queries", kv.num_queries as u64),
-            ("prefix_cache_query_tokens", kv.num_query_tokens as u64),
-            ("prefix_cache_hit_tokens", kv.num_hit_tokens as u64),
-            ("prefix_cache_evictions", kv.num_evictions as u64),
-            (
-                "num_prompt_tokens_computed",
-                s.num_prompt_tokens_computed as u64,
-            ),
-            ("num_generated_tokens", s.num_generated_tokens as u64),
-            ("num_steps", s.num_steps as u64),
-            ("num_drafts", s.num_drafts as u64),
-            ("num_draft_tokens", s.num_draft_tokens as u64),
-            ("num_accepted_tokens", s.num_accepted_tokens as u64),
+            ("prefix_cache_queries", kv.num_queries),
+            ("prefix_cache_query_tokens", kv.num_query_tokens),
+            ("prefix_cache_hit_tokens", kv.num_hit_tokens),
+            ("prefix_cache_evictions", kv.num_evictions),
+            ("num_prompt_tokens_computed", s.num_prompt_tokens_computed),
+            ("num_generated_tokens", s.num_generated_tokens),
+            ("num_steps", s.num_steps),
+            ("num_drafts", s.num_drafts),
+            ("num_draft_tokens", s.num_draft_tokens),
+            ("num_accepted_tokens", s.num_accepted_tokens),
         ];
         let stats = PyDict::new(py);
         for (name, count) in counts {

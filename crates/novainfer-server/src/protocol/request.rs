@@ -328,6 +328,9 @@ fn with_shared_fields(e: ApiError, shared: &[&str]) -> ApiError {
     let Some((unknown, expected)) = rest.split_once('`') else {
         return e;
     };
+    if e.param.as_deref() != Some(unknown) {
+        return e; // a nested object's field (`tools[0].function.x`): serde's list is the right one
+    }
     // serde: "..., expected one of `a`, `b`", "..., expected `a`" or "..., there are no fields".
     let mut fields: Vec<&str> = expected.split('`').skip(1).step_by(2).collect();
     fields.extend(shared);
@@ -412,6 +415,14 @@ mod tests {
             e.message
         );
         assert!(e.message.contains("`messages`") && e.message.contains("`temperature`"));
+        // A nested object's unknown field keeps serde's own list.
+        let nested = ApiError::invalid_param(
+            "tools",
+            "tools[0].function: unknown field `nam`, expected `name`",
+        );
+        let e = with_shared_fields(nested, SHARED_FIELDS);
+        assert_eq!(e.param.as_deref(), Some("tools"));
+        assert!(!e.message.contains("of this endpoint"), "{}", e.message);
         let e = chat(r#"{"messages":[],"zzzzzzzz":5}"#).expect_err("unknown field");
         assert!(!e.message.contains("did you mean"), "{}", e.message);
         assert!(e.message.contains("`max_tokens`"), "{}", e.message);
