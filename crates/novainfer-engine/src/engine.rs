@@ -379,97 +379,23 @@ impl Frontend {
 }
 
 impl LoadedEngine {
+    /// Loads the model and everything around it, in the order of the steps below: the cheap
+    /// argument checks first (a bad argument must not cost a model load), then the device,
+    /// tokenizer, weights (and a draft model's), the KV pool's size, the scheduler, and the
+    /// executors.
     pub fn load(cfg: &EngineConfig) -> Result<Self> {
+        check_arguments(cfg)?;
         let opts = LoadOptions {
             dtype: cfg.dtype,
             requantize_q5_0: cfg.requantize_q5_0,
             kv_cache_dtype: cfg.kv_cache_dtype,
         };
-        if cfg.block_size == 0 {
-            return Err(ParamError::new("block_size", "must be >= 1, got 0").into());
-        }
-        if cfg.tensor_parallel.world_size() > 1 {
-            return Err(ParamError::new(
-                "tensor_parallel",
-                "tensor parallelism is designed (docs/scaling.md) but not implemented yet",
-            )
-            .into());
-        }
-        // Cheap checks first: a bad argument must not cost a model load.
-        let u = cfg.gpu_memory_utilization;
-        if !(u > 0.0 && u <= 1.0) {
-            return Err(ParamError::new(
-                "gpu_memory_utilization",
-                format!("must be in (0, 1], got {u}"),
-            )
-            .into());
-        }
         let opened = Checkpoint::open(&cfg.model)?;
-        let mut resolved = device::resolve(cfg.device)?;
-        if resolved.device != novainfer_model::Device::Cpu && cfg.kv_layout == KvLayout::Slot {
-            if cfg.device != DeviceChoice::Auto {
-                return Err(ParamError::new(
-                    "kv_layout",
-                    format!(
-                        "the SLOT layout runs on the CPU only; use kv_layout=\"block\" on {}, or \
-                         device=\"cpu\"",
-                        resolved.device
-                    ),
-                )
-                .into());
-            }
-            resolved = on_the_cpu("kv_layout=\"slot\" runs on the CPU only");
-        }
-        if resolved.device != novainfer_model::Device::Cpu && !gpu_kv_dtype(cfg.kv_cache_dtype) {
-            let dtype = cfg.kv_cache_dtype.as_str();
-            if cfg.device != DeviceChoice::Auto {
-                return Err(ParamError::new(
-                    "kv_cache_dtype",
-                    format!(
-                        "kv_cache_dtype=\"{dtype}\" runs on the CPU only ({} stores bf16); use \
-                         \"auto\" or \"bf16\" there, or device=\"cpu\"",
-                        resolved.device
-                    ),
-                )
-                .into());
-            }
-            resolved = on_the_cpu(&format!("kv_cache_dtype=\"{dtype}\" runs on the CPU only"));
-        }
+        let mut resolved = resolve_device(cfg)?;
         let tokenizer = open_tokenizer(&opened, &cfg.model)?;
-        let chat_template = match tokenizer.chat_template() {
-            Some(source) => Some(Arc::new(ChatTemplate::new(
-                source,
-                tokenizer.bos_token(),
-                tokenizer.eos_token(),
-            )?)),
-            None => None,
-        };
-        let limits = StepLimits {
-            // The CPU's default budget is never larger, so buffers sized for this hold it.
-            max_num_batched_tokens: cfg
-                .max_num_batched_tokens
-                .unwrap_or(DEFAULT_MAX_NUM_BATCHED_TOKENS),
-            max_num_seqs: cfg.max_num_seqs,
-            // An over-long max_model_len is refused once the pool is sized; a device must not
-            // size its buffers for it before that.
-            max_seq_len: cfg
-                .max_model_len
-                .unwrap_or(usize::MAX)
-                .clamp(1, opened.config.max_position_embeddings),
-        };
-        let weights = match load_weights(resolved.device, opened, &opts, limits) {
-            Err(e) => match auto_fallback(cfg.device, &resolved, &e) {
-                // `auto` means "the GPU when it can run this model": one it cannot run (a head
-                // size without kernels, an f32 override) runs on the CPU, and the log says why.
-                Some(why) => {
-                    resolved = on_the_cpu(&why);
-                    let opened = Checkpoint::open(&cfg.model)?;
-                    load_weights(resolved.device, opened, &opts, limits)?
-                }
-                None => return Err(e.into()),
-            },
-            Ok(weights) => weights,
-        };
+        let chat_template = open_chat_template(&tokenizer)?;
+        let limits = step_limits(cfg, &opened.config);
+        let weights = load_target_weights(cfg, &mut resolved, opened, &opts, limits)?;
         let draft_weights = match cfg.speculative.as_ref().map(|s| &s.method) {
             Some(SpeculativeMethod::DraftModel { model }) => Some(load_draft_weights(
                 model,
@@ -494,82 +420,21 @@ impl LoadedEngine {
             cpu.map(|d| d.max_model_len_cap),
             kv_share,
         )?;
-        let long_prefill_token_threshold = cfg
-            .long_prefill_token_threshold
-            .or(cpu.map(|d| d.long_prefill_token_threshold));
-        let max_num_batched_tokens = cfg.max_num_batched_tokens.unwrap_or_else(|| {
-            cpu.map_or(DEFAULT_MAX_NUM_BATCHED_TOKENS, |d| d.max_num_batched_tokens)
-        });
-        // The CPU's default long-prefill limit needs the threshold that says what is long.
-        let max_long_partial_prefills = cfg.max_long_partial_prefills.or(cpu
-            .filter(|_| long_prefill_token_threshold.is_some())
-            .map(|d| d.max_long_partial_prefills));
-        if let Some(d) = cpu {
-            tracing::info!(
-                max_model_len,
-                explicit_max_model_len = cfg.max_model_len.is_some(),
-                cpu_max_model_len_default = d.max_model_len_cap,
-                long_prefill_token_threshold,
-                max_long_partial_prefills,
-                max_num_batched_tokens,
-                "CPU scheduling: unset limits follow the CPU rule (see cpu_defaults.rs); \
-                 --max-model-len, --long-prefill-token-threshold and --max-num-batched-tokens \
-                 override it"
-            );
-        }
-        let block_size = cfg.effective_block_size();
-        let scheduler = SchedulerConfig::builder()
-            .kv_layout(cfg.kv_layout)
-            .max_num_batched_tokens(max_num_batched_tokens)
-            .max_num_seqs(cfg.max_num_seqs)
-            .max_model_len(max_model_len)
-            .block_size(block_size)
-            .num_blocks(num_blocks)
-            .enable_prefix_caching(cfg.enable_prefix_caching)
-            .policy(cfg.scheduling_policy)
-            .priority_aging_steps(cfg.priority_aging_steps)
-            .long_prefill_token_threshold(long_prefill_token_threshold)
-            .max_num_partial_prefills(cfg.max_num_partial_prefills)
-            .max_long_partial_prefills(max_long_partial_prefills)
-            .build()?;
+        let scheduler = scheduler_config(cfg, cpu, num_blocks, max_model_len)?;
         let vocab_size = weights.config().vocab_size;
         let draft = match draft_weights {
-            Some(d) => {
-                let budget = cfg
-                    .kv_cache
-                    .bytes(weights.as_ref(), cfg.gpu_memory_utilization)?;
-                let bytes = (budget as f64 * (1.0 - kv_share)) as usize;
-                let blocks = bytes / d.kv_bytes_per_block(DRAFT_BLOCK_SIZE);
-                let executor = d.into_executor(blocks, DRAFT_BLOCK_SIZE)?;
-                tracing::info!(
-                    draft_kv_blocks = blocks,
-                    draft_kv_bytes = bytes,
-                    "speculative decoding with a draft model: its KV pool takes this share of \
-                     the KV budget"
-                );
-                Some(DraftModel::new(
-                    executor,
-                    vocab_size,
-                    max_num_batched_tokens,
-                ))
-            }
+            Some(d) => Some(draft_model(
+                cfg,
+                d,
+                weights.as_ref(),
+                kv_share,
+                vocab_size,
+                scheduler.max_num_batched_tokens(),
+            )?),
             None => None,
         };
-        let executor = weights.into_executor(num_blocks, block_size)?;
-        let tokenizer = Arc::new(tokenizer);
-        let grammars = {
-            let tokenizer = tokenizer.clone();
-            Arc::new(GrammarCompiler::new(move || {
-                novainfer_structured::vocab::tok_env(tokenizer.inner(), tokenizer.eos_token_ids())
-            }))
-        };
-        let frontend = Frontend {
-            tokenizer,
-            grammars,
-            chat_template,
-            vocab_size,
-            max_model_len,
-        };
+        let executor = weights.into_executor(num_blocks, scheduler.block_size())?;
+        let frontend = Frontend::new(tokenizer, chat_template, vocab_size, max_model_len);
         Ok(Self {
             executor,
             device: resolved,
@@ -579,6 +444,213 @@ impl LoadedEngine {
             speculative: cfg.speculative.clone(),
             draft,
         })
+    }
+}
+
+/// The checks that need no model: they fail before anything is loaded.
+fn check_arguments(cfg: &EngineConfig) -> Result<()> {
+    if cfg.block_size == 0 {
+        return Err(ParamError::new("block_size", "must be >= 1, got 0").into());
+    }
+    if cfg.tensor_parallel.world_size() > 1 {
+        return Err(ParamError::new(
+            "tensor_parallel",
+            "tensor parallelism is designed (docs/scaling.md) but not implemented yet",
+        )
+        .into());
+    }
+    let u = cfg.gpu_memory_utilization;
+    if !(u > 0.0 && u <= 1.0) {
+        return Err(ParamError::new(
+            "gpu_memory_utilization",
+            format!("must be in (0, 1], got {u}"),
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// The device `cfg.device` names, moved to the CPU under `auto` when a CPU-only option (the
+/// SLOT layout, a CPU-only KV dtype) was asked for; an explicit GPU with one is refused.
+fn resolve_device(cfg: &EngineConfig) -> Result<Resolved> {
+    let mut resolved = device::resolve(cfg.device)?;
+    if resolved.device != novainfer_model::Device::Cpu && cfg.kv_layout == KvLayout::Slot {
+        if cfg.device != DeviceChoice::Auto {
+            return Err(ParamError::new(
+                "kv_layout",
+                format!(
+                    "the SLOT layout runs on the CPU only; use kv_layout=\"block\" on {}, or \
+                     device=\"cpu\"",
+                    resolved.device
+                ),
+            )
+            .into());
+        }
+        resolved = on_the_cpu("kv_layout=\"slot\" runs on the CPU only");
+    }
+    if resolved.device != novainfer_model::Device::Cpu && !gpu_kv_dtype(cfg.kv_cache_dtype) {
+        let dtype = cfg.kv_cache_dtype.as_str();
+        if cfg.device != DeviceChoice::Auto {
+            return Err(ParamError::new(
+                "kv_cache_dtype",
+                format!(
+                    "kv_cache_dtype=\"{dtype}\" runs on the CPU only ({} stores bf16); use \
+                     \"auto\" or \"bf16\" there, or device=\"cpu\"",
+                    resolved.device
+                ),
+            )
+            .into());
+        }
+        resolved = on_the_cpu(&format!("kv_cache_dtype=\"{dtype}\" runs on the CPU only"));
+    }
+    Ok(resolved)
+}
+
+fn open_chat_template(tokenizer: &Tokenizer) -> Result<Option<Arc<ChatTemplate>>> {
+    Ok(match tokenizer.chat_template() {
+        Some(source) => Some(Arc::new(ChatTemplate::new(
+            source,
+            tokenizer.bos_token(),
+            tokenizer.eos_token(),
+        )?)),
+        None => None,
+    })
+}
+
+/// The largest step a device must size its buffers for.
+fn step_limits(cfg: &EngineConfig, config: &Qwen2Config) -> StepLimits {
+    StepLimits {
+        // The CPU's default budget is never larger, so buffers sized for this hold it.
+        max_num_batched_tokens: cfg
+            .max_num_batched_tokens
+            .unwrap_or(DEFAULT_MAX_NUM_BATCHED_TOKENS),
+        max_num_seqs: cfg.max_num_seqs,
+        // An over-long max_model_len is refused once the pool is sized; a device must not
+        // size its buffers for it before that.
+        max_seq_len: cfg
+            .max_model_len
+            .unwrap_or(usize::MAX)
+            .clamp(1, config.max_position_embeddings),
+    }
+}
+
+/// The model's weights on `resolved`'s device. `auto` means "the GPU when it can run this
+/// model": one it cannot run (a head size without kernels, an f32 override) runs on the CPU,
+/// `resolved` says so, and the log says why.
+fn load_target_weights(
+    cfg: &EngineConfig,
+    resolved: &mut Resolved,
+    opened: OpenedCheckpoint,
+    opts: &LoadOptions,
+    limits: StepLimits,
+) -> Result<Box<dyn DeviceWeights>> {
+    match load_weights(resolved.device, opened, opts, limits) {
+        Ok(weights) => Ok(weights),
+        Err(e) => match auto_fallback(cfg.device, resolved, &e) {
+            Some(why) => {
+                *resolved = on_the_cpu(&why);
+                let opened = Checkpoint::open(&cfg.model)?;
+                Ok(load_weights(resolved.device, opened, opts, limits)?)
+            }
+            None => Err(e.into()),
+        },
+    }
+}
+
+/// The scheduler's limits: what `cfg` sets, and on the CPU (`cpu`) its rule for the rest
+/// (logged, since the operator did not choose them).
+fn scheduler_config(
+    cfg: &EngineConfig,
+    cpu: Option<CpuDefaults>,
+    num_blocks: usize,
+    max_model_len: usize,
+) -> Result<SchedulerConfig> {
+    let long_prefill_token_threshold = cfg
+        .long_prefill_token_threshold
+        .or(cpu.map(|d| d.long_prefill_token_threshold));
+    let max_num_batched_tokens = cfg.max_num_batched_tokens.unwrap_or_else(|| {
+        cpu.map_or(DEFAULT_MAX_NUM_BATCHED_TOKENS, |d| d.max_num_batched_tokens)
+    });
+    // The CPU's default long-prefill limit needs the threshold that says what is long.
+    let max_long_partial_prefills = cfg.max_long_partial_prefills.or(cpu
+        .filter(|_| long_prefill_token_threshold.is_some())
+        .map(|d| d.max_long_partial_prefills));
+    if let Some(d) = cpu {
+        tracing::info!(
+            max_model_len,
+            explicit_max_model_len = cfg.max_model_len.is_some(),
+            cpu_max_model_len_default = d.max_model_len_cap,
+            long_prefill_token_threshold,
+            max_long_partial_prefills,
+            max_num_batched_tokens,
+            "CPU scheduling: unset limits follow the CPU rule (see cpu_defaults.rs); \
+             --max-model-len, --long-prefill-token-threshold and --max-num-batched-tokens \
+             override it"
+        );
+    }
+    Ok(SchedulerConfig::builder()
+        .kv_layout(cfg.kv_layout)
+        .max_num_batched_tokens(max_num_batched_tokens)
+        .max_num_seqs(cfg.max_num_seqs)
+        .max_model_len(max_model_len)
+        .block_size(cfg.effective_block_size())
+        .num_blocks(num_blocks)
+        .enable_prefix_caching(cfg.enable_prefix_caching)
+        .policy(cfg.scheduling_policy)
+        .priority_aging_steps(cfg.priority_aging_steps)
+        .long_prefill_token_threshold(long_prefill_token_threshold)
+        .max_num_partial_prefills(cfg.max_num_partial_prefills)
+        .max_long_partial_prefills(max_long_partial_prefills)
+        .build()?)
+}
+
+/// The draft model of speculative decoding, its KV pool taking the rest of the KV budget
+/// after the target's share `kv_share`.
+fn draft_model(
+    cfg: &EngineConfig,
+    draft: Box<dyn DeviceWeights>,
+    target: &dyn DeviceWeights,
+    kv_share: f64,
+    vocab_size: usize,
+    max_num_batched_tokens: usize,
+) -> Result<DraftModel> {
+    let budget = cfg.kv_cache.bytes(target, cfg.gpu_memory_utilization)?;
+    let bytes = (budget as f64 * (1.0 - kv_share)) as usize;
+    let blocks = bytes / draft.kv_bytes_per_block(DRAFT_BLOCK_SIZE);
+    let executor = draft.into_executor(blocks, DRAFT_BLOCK_SIZE)?;
+    tracing::info!(
+        draft_kv_blocks = blocks,
+        draft_kv_bytes = bytes,
+        "speculative decoding with a draft model: its KV pool takes this share of the KV budget"
+    );
+    Ok(DraftModel::new(
+        executor,
+        vocab_size,
+        max_num_batched_tokens,
+    ))
+}
+
+impl Frontend {
+    fn new(
+        tokenizer: Tokenizer,
+        chat_template: Option<Arc<ChatTemplate>>,
+        vocab_size: usize,
+        max_model_len: usize,
+    ) -> Self {
+        let tokenizer = Arc::new(tokenizer);
+        let grammars = {
+            let tokenizer = tokenizer.clone();
+            Arc::new(GrammarCompiler::new(move || {
+                novainfer_structured::vocab::tok_env(tokenizer.inner(), tokenizer.eos_token_ids())
+            }))
+        };
+        Self {
+            tokenizer,
+            grammars,
+            chat_template,
+            vocab_size,
+            max_model_len,
+        }
     }
 }
 
