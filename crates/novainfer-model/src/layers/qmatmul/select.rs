@@ -122,7 +122,7 @@ impl<'a> Problem<'a> {
 /// The timing problem of each of [`Isas`]'s choices.
 #[derive(Clone, Copy, PartialEq)]
 enum Regime {
-    /// One row streaming a matrix larger than L2.
+    /// One row streaming a matrix twice the last-level cache ([`stream_bytes`]).
     Decode,
     /// Four rows (a speculative verification step) over the same matrix.
     Verify,
