@@ -15,8 +15,9 @@
 //!   the host's 300 MiB) the problem stays in it: there Q8_0 read as a tie while the real
 //!   model decoded ~4% slower on AVX-512, so there 1-row decode leaves AVX2 only for a 15%
 //!   win ([`DECODE_MARGIN`]); where the problem streams from memory the usual 5% applies
-//!   (on the Zen 4 Q4_K decodes 1.13-1.27x faster on AVX-512). Flushing the matrix before each run was tried: ~180 ns a line in
-//!   a VM, and it showed ties where the model decoded 14% slower;
+//!   (on the Zen 4 Q4_K decodes 1.13-1.27x faster on AVX-512). Flushing the matrix before
+//!   each run was tried: ~180 ns a line in a VM, and it showed ties where the model decoded
+//!   14% slower;
 //! * prefill: 64 rows against a small matrix that stays in cache.
 //!
 //! Every candidate runs on one packed matrix (the layout is the same for every ISA), so the
@@ -25,7 +26,7 @@
 
 use std::cell::{OnceCell, RefCell};
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
@@ -70,9 +71,7 @@ fn choose(format: Format) -> Option<Isas> {
         return Some(Isas::all(baseline));
     };
     // Decode and verify share the streaming matrix; each is packed only if something is timed.
-    let row_bytes = rows.len() / GROUP;
-    let stream_n = (stream_bytes() / row_bytes).max(GROUP) / GROUP * GROUP;
-    let stream = Problem::new(format, &rows, stream_n, baseline);
+    let stream = Problem::streaming(format, &rows, baseline);
     let prefill = Problem::new(format, &rows, PREFILL_N, baseline);
     let time = |problem: &Problem, regime| {
         let (isa, s) = time_regime(format, &available, forced, problem, regime);
@@ -104,6 +103,12 @@ impl<'a> Problem<'a> {
             baseline,
             mat: OnceCell::new(),
         }
+    }
+
+    /// The decode and verify problem: [`stream_bytes`] of the sample rows.
+    fn streaming(format: Format, rows: &'a [u8], baseline: IsaChoice) -> Self {
+        let n = (stream_bytes() / (rows.len() / GROUP)).max(GROUP) / GROUP * GROUP;
+        Self::new(format, rows, n, baseline)
     }
 
     fn mat(&self) -> &RefCell<PackedMatrix> {
@@ -167,12 +172,16 @@ fn streams_from_memory() -> bool {
     last_level_cache_bytes().is_some_and(|llc| stream_bytes() >= llc.saturating_mul(2))
 }
 
-/// The largest cache the first CPU reports (Linux sysfs: `index*/size`, e.g. `32768K`).
+/// The largest cache the first CPU reports (Linux sysfs: `index*/size`, e.g. `32768K`),
+/// read once.
 fn last_level_cache_bytes() -> Option<usize> {
-    let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
-    dir.filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("size")).ok())
-        .filter_map(|size| parse_cache_size(size.trim()))
-        .max()
+    static LLC: OnceLock<Option<usize>> = OnceLock::new();
+    *LLC.get_or_init(|| {
+        let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+        dir.filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("size")).ok())
+            .filter_map(|size| parse_cache_size(size.trim()))
+            .max()
+    })
 }
 
 fn parse_cache_size(size: &str) -> Option<usize> {
@@ -210,10 +219,8 @@ fn time_regime(
         .map(|&isa| {
             let x = &x;
             Candidate::new(isa, isa.name(), move || {
-                let mat = problem.mat();
-                mat.borrow_mut().set_isas(Isas::all(isa));
-                let out = mat.borrow().matmul(x, m);
-                out
+                problem.mat().borrow_mut().set_isas(Isas::all(isa));
+                problem.mat().borrow().matmul(x, m)
             })
         })
         .collect();
@@ -299,8 +306,7 @@ mod tests {
                 continue;
             };
             let available = simd::available();
-            let stream_n = (stream_bytes() / (rows.len() / GROUP)) / GROUP * GROUP;
-            let stream = Problem::new(format, &rows, stream_n, available[0]);
+            let stream = Problem::streaming(format, &rows, available[0]);
             let prefill = Problem::new(format, &rows, PREFILL_N, available[0]);
             for (problem, regime) in [
                 (&stream, Regime::Decode),
@@ -336,21 +342,11 @@ mod tests {
             (stacked.n, stacked.group_bytes),
             (packed.n, packed.group_bytes)
         );
-        // Its matrix really is that large (past every L2).
+        // The problem's matrix really is that large (past every L2).
         let rows = sample_rows(Format::Q4K).expect("quantize");
         assert_eq!(rows.len(), GROUP * K / 256 * 144, "16 rows of Q4_K blocks");
-        let n = (bytes / (rows.len() / GROUP)) / GROUP * GROUP;
-        let mat = PackedMatrix::from_raw(
-            Format::Q4K,
-            &rows.repeat(n / GROUP),
-            n,
-            K,
-            Isas::all(IsaChoice::Avx2),
-        );
-        assert!(
-            mat.storage_bytes() >= bytes - (1 << 20),
-            "{}",
-            mat.storage_bytes()
-        );
+        let problem = Problem::streaming(Format::Q4K, &rows, IsaChoice::Avx2);
+        let stored = problem.mat().borrow().storage_bytes();
+        assert!(stored >= bytes - (1 << 20), "{stored}");
     }
 }
