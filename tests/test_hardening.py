@@ -366,8 +366,8 @@ def test_sigterm_grace_lets_running_streams_finish(tiny_models):
         stream = long_stream_request(s)
         first_data(stream)
         s.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
-        assert s.proc.poll() is None
+        # No "still running 0.2 s later" check: on a fast CPU the 16 x 450 tokens end within that, and the
+        # server then rightly exits. That it stayed up for them is shown by every stream ending by length.
         chunks: list[dict] = []
         read_stream(stream, chunks)
         finishes = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
