@@ -20,7 +20,8 @@
 //! without `fork` still share the prompt through the prefix index, at the cost
 //! of recomputing the partial last block.
 //!
-//! Extra keys (LoRA, cache salt) are empty for now; the hash already takes them.
+//! Extra keys: a request's LoRA adapter id ([`Request::cache_keys`]), so two adapters (or
+//! an adapter and the base model) never share KV.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -155,7 +156,7 @@ impl KvCacheManager {
             let key = BlockKey {
                 parent: hit.block_hashes.last().copied(),
                 token_ids: &token_ids,
-                extra_keys: &[],
+                extra_keys: request.cache_keys(),
             };
             let hash = (self.hasher)(&key);
             match self.pool.lookup(hash, &key) {
@@ -229,7 +230,7 @@ impl KvCacheManager {
             let key = BlockKey {
                 parent: table.block_hashes.last().copied(),
                 token_ids: &token_ids,
-                extra_keys: &[],
+                extra_keys: request.cache_keys(),
             };
             let hash = (self.hasher)(&key);
             self.pool.cache(table.blocks[i], hash, &key);

@@ -26,7 +26,7 @@ pub mod structured;
 
 pub use block_pool::BlockPool;
 pub use finish::FinishReason;
-pub use ids::{BlockId, RequestId};
+pub use ids::{AdapterId, BlockId, RequestId};
 pub use kv_cache_manager::{BlockCopy, KvCacheManager, KvCacheStats, NewBlocks, PrefixHit};
 pub use kv_events::{KvEvent, KvEventLog, KvEventSink};
 pub use kv_manager::{AnyKv, KvLayout, KvManager};

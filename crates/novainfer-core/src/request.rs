@@ -14,7 +14,7 @@
 use std::num::NonZeroU32;
 
 use crate::finish::FinishReason;
-use crate::ids::RequestId;
+use crate::ids::{AdapterId, RequestId};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RequestStatus {
@@ -87,6 +87,9 @@ pub struct Request {
     pub priority: i32,
     pub tenant: Tenant,
     pub kind: RequestKind,
+    /// The LoRA adapter the request runs with (`None`: the base model). Part of its blocks'
+    /// prefix-cache keys, and counted against the scheduler's `max_loras`.
+    pub adapter: Option<AdapterId>,
     /// Tokens proposed for the next step (speculative decoding): verified together with the
     /// next decode. Set through [`crate::Scheduler::set_draft`]; each `schedule` consumes them.
     pub draft_token_ids: Vec<u32>,
@@ -111,6 +114,7 @@ impl Request {
             priority: 0,
             tenant: Tenant::default(),
             kind: RequestKind::Generate,
+            adapter: None,
             draft_token_ids: Vec::new(),
             status: RequestStatus::Waiting,
         }
@@ -141,6 +145,19 @@ impl Request {
     pub fn with_tenant(mut self, tenant: Tenant) -> Self {
         self.tenant = tenant;
         self
+    }
+    pub fn with_adapter(mut self, adapter: Option<AdapterId>) -> Self {
+        self.adapter = adapter;
+        self
+    }
+
+    /// The extra keys of this request's prefix-cache hashes: its adapter, if any, so that
+    /// KV computed under one adapter is never served to another (or to the base model).
+    pub fn cache_keys(&self) -> &[u64] {
+        match &self.adapter {
+            Some(AdapterId(id)) => std::slice::from_ref(id),
+            None => &[],
+        }
     }
 
     pub fn status(&self) -> RequestStatus {

@@ -15,6 +15,7 @@ use crate::chat_template::{ChatMessage, ChatTemplate};
 use crate::cpu_defaults::CpuDefaults;
 use crate::draft_model::{DraftModel, DRAFT_BLOCK_SIZE};
 use crate::error::{EngineError, Result};
+use crate::lora::LoraRegistry;
 use crate::request::Prompt;
 use crate::speculative::SpeculativeMethod;
 use crate::tokenizer::Tokenizer;
@@ -72,6 +73,8 @@ pub struct EngineConfig {
     /// This process's rank in a tensor-parallel group: reserved (docs/scaling.md); only
     /// the single rank loads today.
     pub tensor_parallel: novainfer_model::TensorParallel,
+    /// LoRA adapters per request (vLLM's `--enable-lora`); `None`: off.
+    pub lora: Option<crate::lora::LoraConfig>,
 }
 
 /// 2 GiB holds 174k tokens of the 0.5B demo model (f16 K/V, the CPU's default) or 74k of a
@@ -215,6 +218,7 @@ impl EngineConfig {
             speculative: None,
             kv_events: None,
             tensor_parallel: novainfer_model::TensorParallel::single(),
+            lora: None,
         }
     }
 }
@@ -247,11 +251,18 @@ pub struct Frontend {
     max_model_len: usize,
     /// Compiles `structured_outputs` constraints, once per distinct one.
     grammars: Arc<GrammarCompiler>,
+    /// The LoRA adapters requests may name (empty, and refusing loads, when LoRA is off).
+    loras: Arc<LoraRegistry>,
 }
 
 impl Frontend {
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
         &self.tokenizer
+    }
+
+    /// The LoRA adapters of this engine.
+    pub fn loras(&self) -> &Arc<LoraRegistry> {
+        &self.loras
     }
 
     pub fn max_model_len(&self) -> usize {
@@ -434,7 +445,8 @@ impl LoadedEngine {
             None => None,
         };
         let executor = weights.into_executor(num_blocks, scheduler.block_size())?;
-        let frontend = Frontend::new(tokenizer, chat_template, vocab_size, max_model_len);
+        let loras = lora_registry(cfg, executor.as_ref())?;
+        let frontend = Frontend::new(tokenizer, chat_template, vocab_size, max_model_len, loras);
         Ok(Self {
             executor,
             device: resolved,
@@ -447,10 +459,33 @@ impl LoadedEngine {
     }
 }
 
+/// The LoRA registry with `cfg`'s start-up adapters loaded (each checked against the model).
+fn lora_registry(cfg: &EngineConfig, executor: &dyn Executor) -> Result<LoraRegistry> {
+    let registry = LoraRegistry::new(cfg.lora.as_ref(), executor.config().clone());
+    let Some(lora) = &cfg.lora else {
+        return Ok(registry);
+    };
+    if !executor.supports_adapters() {
+        return Err(ModelError::Unsupported {
+            what: "LoRA adapters".into(),
+            device: executor.device().to_string(),
+        }
+        .into());
+    }
+    for (name, path) in &lora.modules {
+        let info = registry.load(name, path)?;
+        tracing::info!(name, path = %path.display(), rank = info.rank, "LoRA adapter loaded");
+    }
+    Ok(registry)
+}
+
 /// The checks that need no model: they fail before anything is loaded.
 fn check_arguments(cfg: &EngineConfig) -> Result<()> {
     if cfg.block_size == 0 {
         return Err(ParamError::new("block_size", "must be >= 1, got 0").into());
+    }
+    if let Some(lora) = &cfg.lora {
+        lora.check()?;
     }
     if cfg.tensor_parallel.world_size() > 1 {
         return Err(ParamError::new(
@@ -600,6 +635,7 @@ fn scheduler_config(
         .priority_aging_steps(cfg.priority_aging_steps)
         .long_prefill_token_threshold(long_prefill_token_threshold)
         .max_num_partial_prefills(cfg.max_num_partial_prefills)
+        .max_loras(cfg.lora.as_ref().map(|l| l.max_loras))
         .max_long_partial_prefills(max_long_partial_prefills)
         .build()?)
 }
@@ -636,6 +672,7 @@ impl Frontend {
         chat_template: Option<Arc<ChatTemplate>>,
         vocab_size: usize,
         max_model_len: usize,
+        loras: LoraRegistry,
     ) -> Self {
         let tokenizer = Arc::new(tokenizer);
         let grammars = {
@@ -650,6 +687,7 @@ impl Frontend {
             chat_template,
             vocab_size,
             max_model_len,
+            loras: Arc::new(loras),
         }
     }
 }

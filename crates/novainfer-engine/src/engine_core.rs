@@ -21,7 +21,9 @@ use novainfer_core::{
     ChunkOutput, FinishReason, Fork, KvCacheStats, KvEventSink, Request, RequestId, SamplingParams,
     Scheduler, SchedulerOutput,
 };
+use novainfer_model::lora::AdapterId;
 use novainfer_model::sampler::{SampledToken, Sampler};
+use novainfer_model::AdapterRef;
 use novainfer_structured::{CompiledGrammar, Constraint};
 
 use crate::engine::{Frontend, LoadedEngine};
@@ -63,6 +65,9 @@ pub struct EngineStats {
     pub num_steps: u64,
     /// Time spent inside `step()`.
     pub busy_seconds: f64,
+    /// Names of the LoRA adapters of the running and of the waiting requests.
+    pub running_adapters: Vec<String>,
+    pub waiting_adapters: Vec<String>,
 }
 
 pub struct EngineCore {
@@ -90,6 +95,9 @@ pub struct EngineCore {
     proposer: Option<Proposer>,
     /// Receives each step's KV-cache events, when someone asked for them.
     kv_events: Option<Arc<dyn KvEventSink>>,
+    /// The LoRA adapters of the requests in the scheduler: held here so that a request runs
+    /// to its end on the adapter it started with, even once the adapter's name is unloaded.
+    adapters: HashMap<AdapterId, AdapterRef>,
 }
 
 impl EngineCore {
@@ -122,6 +130,7 @@ impl EngineCore {
                 .as_ref()
                 .map(|config| Proposer::new(config, loaded.draft, device, &target)),
             kv_events: None,
+            adapters: HashMap::new(),
         }
     }
 
@@ -177,6 +186,7 @@ impl EngineCore {
         let max_tokens = self.frontend.max_new_tokens(prompt_ids.len(), &params)?;
         let stop = params.stop();
         let eos = self.frontend.tokenizer().eos_token_ids().to_vec();
+        let adapter = self.hold_adapter(scheduling.adapter.as_ref());
         let mut completions = (0..params.n()).map(|index| {
             let cid = RequestId(id.0 + index as u64);
             let completion = params.for_completion(index);
@@ -194,7 +204,8 @@ impl EngineCore {
                 .with_stop_token_ids(stop.stop_token_ids.clone())
                 .with_ignore_eos(stop.ignore_eos)
                 .with_priority(scheduling.priority)
-                .with_tenant(scheduling.tenant);
+                .with_tenant(scheduling.tenant)
+                .with_adapter(adapter);
             let sampler = Sampler::new(&completion, &prompt_ids, self.seed.wrapping_add(cid.0))
                 .with_eos_token_ids(&eos, stop.ignore_eos);
             let constraint = grammar.as_ref().map(|g| Constraint::new(g.matcher()));
@@ -216,13 +227,20 @@ impl EngineCore {
     /// Queues a prefill-only request (an embedding or a scored prompt) with id `id`
     /// (unique, reserved by the caller); its result goes to the task's reply. The input must
     /// already be checked ([`crate::Frontend::check_input`]).
-    pub fn add_prefill(&mut self, id: RequestId, prompt_ids: Vec<u32>, task: PrefillTask) {
+    pub fn add_prefill(
+        &mut self,
+        id: RequestId,
+        prompt_ids: Vec<u32>,
+        task: PrefillTask,
+        adapter: Option<AdapterRef>,
+    ) {
         let kind = task.kind();
         let vocab = self.runner.config().vocab_size;
+        let adapter = self.hold_adapter(adapter.as_ref());
         self.prefills
             .insert(id, PrefillJob::new(prompt_ids.clone(), task, vocab));
         self.scheduler
-            .add_request(Request::prefill_only(id, prompt_ids, kind));
+            .add_request(Request::prefill_only(id, prompt_ids, kind).with_adapter(adapter));
     }
 
     /// Finishes request `id` (every completion of a generation request, or a prefill-only
@@ -273,14 +291,44 @@ impl EngineCore {
     }
 
     pub fn stats(&self) -> EngineStats {
+        let (running, waiting) = self.scheduler.adapters_in_use();
         EngineStats {
             num_running: self.scheduler.num_running(),
             num_waiting: self.scheduler.num_waiting(),
             num_waiting_by_priority: self.scheduler.num_waiting_by_priority(),
             num_preemptions: self.scheduler.num_preemptions(),
             kv: self.scheduler.kv_stats(),
+            running_adapters: self.adapter_names(running),
+            waiting_adapters: self.adapter_names(waiting),
             ..self.stats.clone()
         }
+    }
+
+    fn adapter_names(&self, ids: Vec<AdapterId>) -> Vec<String> {
+        let mut names: Vec<String> = ids
+            .iter()
+            .filter_map(|id| self.adapters.get(id))
+            .map(|a| a.name().to_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// Holds `adapter` for a request about to enter the scheduler; its id.
+    fn hold_adapter(&mut self, adapter: Option<&AdapterRef>) -> Option<AdapterId> {
+        let a = adapter?;
+        self.adapters.entry(a.id()).or_insert_with(|| a.clone());
+        Some(a.id())
+    }
+
+    /// Lets go of the adapters no request in the scheduler uses any more.
+    fn release_adapters(&mut self) {
+        if self.adapters.is_empty() {
+            return;
+        }
+        let (running, waiting) = self.scheduler.adapters_in_use();
+        self.adapters
+            .retain(|id, _| running.contains(id) || waiting.contains(id));
     }
 
     /// Frees cached blocks no request uses; false while requests hold blocks.
@@ -309,6 +357,7 @@ impl EngineCore {
             self.propose_drafts();
             self.stats.num_steps += 1;
         }
+        self.release_adapters();
         self.flush();
         self.publish_kv_events();
         self.stats.busy_seconds += started.elapsed().as_secs_f64();
@@ -391,7 +440,7 @@ impl EngineCore {
                 self.stats.num_prompt_tokens_computed += s.token_ids.len() as u64;
             }
         }
-        let output = self.runner.execute(out)?;
+        let output = self.runner.execute(out, &self.adapters)?;
         let vocab = self.runner.config().vocab_size;
         let hidden_size = self.runner.config().hidden_size;
         let mut logits = output.logits;

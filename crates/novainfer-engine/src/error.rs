@@ -48,6 +48,14 @@ pub enum EngineError {
     Ignored { detail: String },
     #[error("the engine step running this request failed: {message}")]
     StepFailed { message: String },
+    #[error("the LoRA adapter `{name}` does not exist")]
+    AdapterNotFound { name: String },
+    #[error("a LoRA adapter named `{name}` is already loaded")]
+    AdapterExists { name: String },
+    #[error(
+        "LoRA is not enabled for this model (start it with --enable-lora or enable_lora=True)"
+    )]
+    LoraDisabled,
 }
 
 impl EngineError {
@@ -61,6 +69,9 @@ impl EngineError {
             | EngineError::PromptTokenOutOfRange { .. }
             | EngineError::Ignored { .. } => Some("prompt"),
             EngineError::Model(ModelError::InvalidDtype(_)) => Some("dtype"),
+            EngineError::AdapterNotFound { .. } => Some("model"),
+            EngineError::AdapterExists { .. } => Some("lora_name"),
+            EngineError::Model(ModelError::Adapter { .. }) => Some("lora_path"),
             EngineError::Model(
                 ModelError::InvalidDevice(_) | ModelError::DeviceUnavailable { .. },
             ) => Some("device"),

@@ -24,9 +24,10 @@ use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use novainfer_core::{RequestId, SamplingParams};
+use novainfer_core::{ParamError, RequestId, SamplingParams};
 
 use novainfer_model::device::Resolved;
+use novainfer_model::AdapterRef;
 use novainfer_structured::CompiledGrammar;
 
 use crate::engine::{EngineConfig, Frontend, LoadedEngine};
@@ -63,6 +64,7 @@ enum Command {
         id: RequestId,
         prompt_ids: Vec<u32>,
         task: PrefillTask,
+        adapter: Option<AdapterRef>,
     },
     /// Logits token by token, apart from the pool (a reference for tests).
     StepwiseLogits {
@@ -257,14 +259,27 @@ impl EngineHandle {
 
     /// Next-token logits at every prompt position, `[prompt_len, vocab]`: scheduled as a
     /// scored prompt (in chunks, beside other requests), or with `step_by_step` computed token
-    /// by token apart from the pool (a reference for incremental decoding).
-    pub fn prompt_logits(&self, prompt_ids: Vec<u32>, step_by_step: bool) -> Result<Vec<f32>> {
+    /// by token apart from the pool (a reference for incremental decoding; base model only).
+    /// `adapter`: the LoRA adapter to run with.
+    pub fn prompt_logits(
+        &self,
+        prompt_ids: Vec<u32>,
+        step_by_step: bool,
+        adapter: Option<AdapterRef>,
+    ) -> Result<Vec<f32>> {
         let (reply, rx) = blocking_reply();
         if step_by_step {
+            if adapter.is_some() {
+                return Err(ParamError::new(
+                    "step_by_step",
+                    "computes the base model's logits apart from the engine: not with an adapter",
+                )
+                .into());
+            }
             self.frontend.check_input(&prompt_ids)?;
             self.send(Command::StepwiseLogits { prompt_ids, reply })?;
         } else {
-            self.prefill(prompt_ids, PrefillTask::PromptLogits(reply))?;
+            self.prefill(prompt_ids, PrefillTask::PromptLogits(reply), adapter)?;
         }
         rx.recv().map_err(|_| self.liveness.stopped())?
     }
@@ -276,16 +291,21 @@ impl EngineHandle {
         &self,
         prompt_ids: Vec<u32>,
         top_k: usize,
+        adapter: Option<AdapterRef>,
         reply: impl FnOnce(Result<Vec<Option<TokenLogprob>>>) + Send + 'static,
     ) -> Result<AbortHandle> {
         let reply = Box::new(reply);
-        self.prefill(prompt_ids, PrefillTask::PromptLogprobs { top_k, reply })
+        self.prefill(
+            prompt_ids,
+            PrefillTask::PromptLogprobs { top_k, reply },
+            adapter,
+        )
     }
 
     /// The input's unit-length embedding (its last token's final hidden state).
     pub fn embed(&self, prompt_ids: Vec<u32>) -> Result<Vec<f32>> {
         let (reply, rx) = blocking_reply();
-        self.embed_with(prompt_ids, reply)?;
+        self.embed_with(prompt_ids, None, reply)?;
         rx.recv().map_err(|_| self.liveness.stopped())?
     }
 
@@ -294,19 +314,26 @@ impl EngineHandle {
     pub fn embed_with(
         &self,
         prompt_ids: Vec<u32>,
+        adapter: Option<AdapterRef>,
         reply: impl FnOnce(Result<Vec<f32>>) + Send + 'static,
     ) -> Result<AbortHandle> {
-        self.prefill(prompt_ids, PrefillTask::Embed(Box::new(reply)))
+        self.prefill(prompt_ids, PrefillTask::Embed(Box::new(reply)), adapter)
     }
 
     /// Checks and queues a prefill-only request.
-    fn prefill(&self, prompt_ids: Vec<u32>, task: PrefillTask) -> Result<AbortHandle> {
+    fn prefill(
+        &self,
+        prompt_ids: Vec<u32>,
+        task: PrefillTask,
+        adapter: Option<AdapterRef>,
+    ) -> Result<AbortHandle> {
         self.frontend.check_input(&prompt_ids)?;
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         self.send(Command::Prefill {
             id,
             prompt_ids,
             task,
+            adapter,
         })?;
         Ok(AbortHandle {
             id,
@@ -418,7 +445,8 @@ fn handle(core: &mut EngineCore, command: Command) {
             id,
             prompt_ids,
             task,
-        } => core.add_prefill(id, prompt_ids, task),
+            adapter,
+        } => core.add_prefill(id, prompt_ids, task, adapter),
         Command::StepwiseLogits { prompt_ids, reply } => {
             reply(core.stepwise_prompt_logits(&prompt_ids))
         }

@@ -13,6 +13,7 @@ pub mod error;
 pub mod fim;
 pub mod gguf_tokenizer;
 pub mod handle;
+pub mod lora;
 pub mod model_runner;
 pub mod output_processor;
 pub mod prefill;
@@ -33,6 +34,7 @@ pub use engine::{
 pub use engine_core::{EngineCore, EngineStats};
 pub use error::{EngineError, Result};
 pub use handle::{AbortHandle, EngineHandle, NextDelta, RequestStream};
+pub use lora::{AdapterInfo, LoraConfig, LoraRegistry};
 /// Constrained decoding (llguidance): servers build tool-call grammars with
 /// `structured::tool_grammar` and pass them as `SamplingParams::structured_output`.
 pub use novainfer_structured as structured;

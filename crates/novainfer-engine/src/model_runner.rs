@@ -2,10 +2,14 @@
 //! (logical: token ids, positions, block tables) into one flattened `ForwardBatch`
 //! (physical: slot mapping) and hands it to the device's [`Executor`], CPU or GPU.
 
-use novainfer_core::{slot_mapping, ChunkOutput, SchedulerOutput};
-use novainfer_model::{Device, Executor, ForwardBatch, ForwardOutput, Qwen2Config, SpanOutput};
+use std::collections::HashMap;
 
-use crate::error::Result;
+use novainfer_core::{slot_mapping, AdapterId, ChunkOutput, SchedulerOutput};
+use novainfer_model::{
+    AdapterRef, Device, Executor, ForwardBatch, ForwardOutput, Qwen2Config, SpanOutput,
+};
+
+use crate::error::{EngineError, Result};
 
 pub struct ModelRunner {
     executor: Box<dyn Executor>,
@@ -41,12 +45,17 @@ impl ModelRunner {
 
     /// Runs the step's block copies, then every scheduled chunk in one forward pass; returns
     /// what the chunks ask for (logits rows and hidden rows, in `out.scheduled` order).
-    pub fn execute(&mut self, out: &SchedulerOutput) -> Result<ForwardOutput> {
+    /// `adapters` holds every adapter a scheduled request names.
+    pub fn execute(
+        &mut self,
+        out: &SchedulerOutput,
+        adapters: &HashMap<AdapterId, AdapterRef>,
+    ) -> Result<ForwardOutput> {
         for c in &out.block_copies {
             self.executor
                 .copy_block(c.src.index(), c.dst.index(), c.num_tokens)?;
         }
-        let batch = self.build_batch(out);
+        let batch = self.build_batch(out, adapters)?;
         Ok(self.executor.forward(&batch)?)
     }
 
@@ -55,7 +64,11 @@ impl ModelRunner {
         Ok(self.executor.prompt_logits(tokens, true)?)
     }
 
-    fn build_batch(&self, out: &SchedulerOutput) -> ForwardBatch {
+    fn build_batch(
+        &self,
+        out: &SchedulerOutput,
+        adapters: &HashMap<AdapterId, AdapterRef>,
+    ) -> Result<ForwardBatch> {
         let block_size = self.executor.block_size();
         let mut batch = ForwardBatch::default();
         for s in &out.scheduled {
@@ -72,8 +85,31 @@ impl ModelRunner {
                 ChunkOutput::Hidden => SpanOutput::LastHidden,
                 ChunkOutput::PromptLogits | ChunkOutput::Verify => SpanOutput::AllLogits,
             };
-            batch.push_span(&s.token_ids, s.start_position, slots, table, output);
+            let adapter = match s.adapter {
+                None => None,
+                Some(id) => {
+                    Some(
+                        adapters
+                            .get(&id)
+                            .cloned()
+                            .ok_or_else(|| EngineError::StepFailed {
+                                message: format!(
+                                    "{} of {} is not held: this is a bug",
+                                    id, s.request_id
+                                ),
+                            })?,
+                    )
+                }
+            };
+            batch.push_adapted(
+                &s.token_ids,
+                s.start_position,
+                slots,
+                table,
+                output,
+                adapter,
+            );
         }
-        batch
+        Ok(batch)
     }
 }

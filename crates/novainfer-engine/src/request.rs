@@ -3,13 +3,17 @@
 use std::time::Instant;
 
 use novainfer_core::{FinishReason, Tenant};
+use novainfer_model::AdapterRef;
 
-/// Where a request stands in the scheduler's order: its priority (lower first, under the
-/// priority policy; vLLM's `priority`) and whose fair share it uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// How a request runs beside the others: its priority (lower first, under the priority
+/// policy; vLLM's `priority`), whose fair share it uses, and the LoRA adapter it runs with
+/// (which the scheduler's `max_loras` counts, and which keys its prefix cache).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Scheduling {
     pub priority: i32,
     pub tenant: Tenant,
+    /// `None`: the base model.
+    pub adapter: Option<AdapterRef>,
 }
 
 /// A prompt as text (tokenized by the engine) or as token ids.

@@ -60,6 +60,13 @@ pub enum ModelError {
     /// A feature this device's executor does not have (yet).
     #[error("{what} is not supported on {device}")]
     Unsupported { what: String, device: String },
+    /// A LoRA adapter that cannot serve this base model, naming the field or tensor at fault.
+    #[error("LoRA adapter {path}: `{field}` {reason}")]
+    Adapter {
+        path: PathBuf,
+        field: String,
+        reason: String,
+    },
     /// A failure inside the GPU runtime (a launch, a copy, an allocation).
     #[error("CUDA: {0}")]
     Cuda(String),

@@ -70,6 +70,11 @@ pub trait Executor: Send {
     fn weight_bytes_per_token(&self) -> Option<usize> {
         None
     }
+    /// Whether [`Self::forward`] runs spans with a LoRA adapter ([`SeqSpan::adapter`](crate::SeqSpan)).
+    /// A device without it answers such a batch with [`ModelError::Unsupported`](crate::ModelError).
+    fn supports_adapters(&self) -> bool {
+        false
+    }
     /// Copies the first `num_tokens` slots of block `src` into block `dst`, every layer.
     fn copy_block(&mut self, src: usize, dst: usize, num_tokens: usize) -> Result<()>;
     /// Writes the batch's K/V at its slots and returns what each span asks for (logits
@@ -159,6 +164,10 @@ impl CpuExecutor {
 impl Executor for CpuExecutor {
     fn device(&self) -> Device {
         Device::Cpu
+    }
+
+    fn supports_adapters(&self) -> bool {
+        true
     }
 
     fn config(&self) -> &Qwen2Config {

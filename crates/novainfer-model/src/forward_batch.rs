@@ -13,6 +13,7 @@
 //! sees another sequence's tokens.
 
 use crate::error::{ModelError, Result};
+use crate::lora::AdapterRef;
 
 /// What a forward pass returns for one sequence of the batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -36,6 +37,8 @@ pub struct SeqSpan {
     /// Block ids holding positions `0..` of this sequence.
     pub block_table: Vec<u32>,
     pub output: SpanOutput,
+    /// The LoRA adapter its tokens run with (`None`: the base model alone).
+    pub adapter: Option<AdapterRef>,
 }
 
 /// What one forward pass returns: f32 logits rows `[rows, vocab]` and final hidden rows
@@ -82,6 +85,19 @@ impl ForwardBatch {
         block_table: Vec<u32>,
         output: SpanOutput,
     ) {
+        self.push_adapted(token_ids, start, slots, block_table, output, None);
+    }
+
+    /// [`Self::push_span`] of a sequence that runs with `adapter`.
+    pub fn push_adapted(
+        &mut self,
+        token_ids: &[u32],
+        start: usize,
+        slots: Vec<usize>,
+        block_table: Vec<u32>,
+        output: SpanOutput,
+        adapter: Option<AdapterRef>,
+    ) {
         let query_start = self.token_ids.len();
         self.token_ids.extend_from_slice(token_ids);
         self.positions.extend(start..start + token_ids.len());
@@ -91,6 +107,7 @@ impl ForwardBatch {
             query_len: token_ids.len(),
             block_table,
             output,
+            adapter,
         });
     }
 
@@ -157,12 +174,13 @@ impl ForwardBatch {
         for &i in which {
             let s = &self.seqs[i];
             let r = s.query_start..s.query_start + s.query_len;
-            out.push_span(
+            out.push_adapted(
                 &self.token_ids[r.clone()],
                 self.positions.get(r.start).copied().unwrap_or(0),
                 self.slot_mapping[r].to_vec(),
                 s.block_table.clone(),
                 s.output,
+                s.adapter.clone(),
             );
         }
         out
@@ -175,12 +193,13 @@ impl ForwardBatch {
         let s = &self.seqs[i];
         let mut out = ForwardBatch::default();
         for t in range.map(|t| s.query_start + t) {
-            out.push_span(
+            out.push_adapted(
                 &self.token_ids[t..=t],
                 self.positions[t],
                 vec![self.slot_mapping[t]],
                 s.block_table.clone(),
                 SpanOutput::LastLogits,
+                s.adapter.clone(),
             );
         }
         out

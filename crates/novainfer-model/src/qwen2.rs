@@ -21,6 +21,8 @@ use crate::layers::ops::{
 use crate::layers::paged_attention::{paged_attention_into, AttnIsa, Plan as AttnPlan};
 use crate::layers::{AttentionShape, Embedding, Linear};
 use crate::loader::{CheckedSource, Checkpoint, ModelFormat, RawTensor, TensorSource};
+use crate::lora::apply::{add_updates, AdapterGroups, LoraScratch};
+use crate::lora::Target;
 use crate::paged_kv::PagedKvCache;
 use crate::quant;
 
@@ -135,6 +137,9 @@ struct Workspace {
     rows: Vec<usize>,
     selected: Vec<f32>,
     normed: Vec<f32>,
+    /// The batch's rows by LoRA adapter (empty without adapters), and the products' buffers.
+    lora_groups: AdapterGroups,
+    lora: LoraScratch,
 }
 
 /// A loaded model plus what the engine needs from its files (tokenizer, templates).
@@ -427,10 +432,14 @@ impl Qwen2Model {
         self.embed_tokens
             .forward_into(&batch.token_ids, &mut ws.hidden)?;
         self.rope.angles_into(&batch.positions, &mut ws.angles);
-        for (i, layer) in self.layers.iter().enumerate() {
-            self.block(i, layer, batch, kv, ws)?;
-        }
-        Ok(())
+        ws.lora_groups.build(&batch.seqs);
+        let result = self
+            .layers
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, layer)| self.block(i, layer, batch, kv, ws));
+        ws.lora_groups.clear();
+        result
     }
 
     fn block(
@@ -457,8 +466,12 @@ impl Qwen2Model {
             act,
             angles,
             plan,
+            lora_groups,
+            lora,
             ..
         } = ws;
+        // LoRA updates go right after each base product, before anything reads its output.
+        let adapted = !lora_groups.is_empty();
         rms_norm_into(hidden, &layer.input_layernorm, eps, x);
         Linear::forward_many_into(
             &[&layer.q_proj, &layer.k_proj, &layer.v_proj],
@@ -466,6 +479,11 @@ impl Qwen2Model {
             n,
             &mut [q, k, v],
         )?;
+        if adapted {
+            let targets = [Target::Q, Target::K, Target::V];
+            let h = cfg.hidden_size;
+            add_updates(lora_groups, index, &targets, x, h, &mut [q, k, v], lora);
+        }
         angles.apply(q, cfg.head_dim());
         angles.apply(k, cfg.head_dim());
         kv.write(index, &batch.slot_mapping, k, v);
@@ -481,12 +499,33 @@ impl Qwen2Model {
             attn,
         );
         layer.o_proj.forward_into(attn, n, proj)?;
+        if adapted {
+            let h = cfg.hidden_size;
+            add_updates(lora_groups, index, &[Target::O], attn, h, &mut [proj], lora);
+        }
         add_in_place(hidden, proj);
 
         rms_norm_into(hidden, &layer.post_attention_layernorm, eps, x);
         Linear::forward_many_into(&[&layer.gate_proj, &layer.up_proj], x, n, &mut [gate, up])?;
+        if adapted {
+            let targets = [Target::Gate, Target::Up];
+            let h = cfg.hidden_size;
+            add_updates(lora_groups, index, &targets, x, h, &mut [gate, up], lora);
+        }
         silu_mul_into(gate, up, act);
         layer.down_proj.forward_into(act, n, proj)?;
+        if adapted {
+            let ffn = cfg.intermediate_size;
+            add_updates(
+                lora_groups,
+                index,
+                &[Target::Down],
+                act,
+                ffn,
+                &mut [proj],
+                lora,
+            );
+        }
         add_in_place(hidden, proj);
         Ok(())
     }

@@ -15,12 +15,12 @@ use novainfer_core::KvLayout;
 use novainfer_engine::speculative::SpeculativeConfig;
 use novainfer_engine::tokenizer::Tokenizer;
 use novainfer_engine::{
-    AbortHandle, ChatMessage, Delta, EngineConfig, EngineError, EngineHandle, KvBudget, NextDelta,
-    Prompt, RequestOutput, RequestStream, Scheduling, StopReason, TokenLogprob,
+    AbortHandle, ChatMessage, Delta, EngineConfig, EngineError, EngineHandle, KvBudget, LoraConfig,
+    NextDelta, Prompt, RequestOutput, RequestStream, Scheduling, StopReason, TokenLogprob,
     DEFAULT_GPU_MEMORY_UTILIZATION,
 };
 use novainfer_model::device::DEVICE_SPELLINGS;
-use novainfer_model::{DeviceChoice, DtypeChoice, KvCacheDtype};
+use novainfer_model::{AdapterRef, DeviceChoice, DtypeChoice, KvCacheDtype};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -119,7 +119,8 @@ impl PyEngine {
         max_num_batched_tokens=None, enable_prefix_caching=true, kv_layout="block",
         kv_cache_dtype="auto", scheduling_policy="fcfs", priority_aging_steps=256,
         long_prefill_token_threshold=None, max_num_partial_prefills=None,
-        max_long_partial_prefills=None, speculative_config=None))]
+        max_long_partial_prefills=None, speculative_config=None, enable_lora=false,
+        max_loras=1, max_lora_rank=16))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -144,6 +145,9 @@ impl PyEngine {
         max_num_partial_prefills: Option<usize>,
         max_long_partial_prefills: Option<usize>,
         speculative_config: Option<&str>,
+        enable_lora: bool,
+        max_loras: usize,
+        max_lora_rank: usize,
     ) -> PyResult<Self> {
         let speculative = speculative_config
             .map(|json| {
@@ -209,11 +213,53 @@ impl PyEngine {
             speculative,
             kv_events: None,
             tensor_parallel: novainfer_model::TensorParallel::single(),
+            lora: enable_lora.then(|| LoraConfig {
+                max_loras,
+                max_lora_rank,
+                modules: Vec::new(),
+            }),
         };
         let handle = py
             .detach(|| EngineHandle::spawn(&cfg))
             .map_err(engine_error)?;
         Ok(Self { handle })
+    }
+
+    /// Loads the LoRA adapter at `path` (a PEFT directory or a GGUF adapter) as `name`;
+    /// `replace` swaps out an adapter already loaded under that name.
+    #[pyo3(signature = (name, path, replace=false))]
+    fn load_lora(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        path: PathBuf,
+        replace: bool,
+    ) -> PyResult<usize> {
+        let loras = self.handle.frontend().loras().clone();
+        let info = py
+            .detach(|| loras.load_as(name, &path, replace))
+            .map_err(engine_error)?;
+        Ok(info.rank)
+    }
+
+    /// Forgets adapter `name`; requests running on it finish with it.
+    fn unload_lora(&self, name: &str) -> PyResult<()> {
+        self.handle
+            .frontend()
+            .loras()
+            .unload(name)
+            .map_err(engine_error)
+    }
+
+    /// The loaded adapters as `(name, path, rank)`, by name.
+    fn list_loras(&self) -> Vec<(String, PathBuf, usize)> {
+        self.handle
+            .frontend()
+            .loras()
+            .list()
+            .into_iter()
+            .map(|a| (a.name, a.path, a.rank))
+            .collect()
     }
 
     /// Engine counters: requests, preemptions, KV blocks, prefix-cache hits, tokens. Counts
@@ -344,14 +390,28 @@ impl PyEngine {
 
     /// Runs every prompt to completion; returns per prompt its completions and cached-token count.
     /// `priority` (one per prompt) orders them under the priority policy.
-    #[pyo3(signature = (prompts, params, priority=None))]
+    /// `adapters`: per prompt, the name of a loaded LoRA adapter (`None`: the base model).
+    #[pyo3(signature = (prompts, params, priority=None, adapters=None))]
     fn generate(
         &self,
         py: Python<'_>,
         prompts: Vec<Vec<u32>>,
         params: Vec<PyRef<'_, PySamplingParams>>,
         priority: Option<Vec<i32>>,
+        adapters: Option<Vec<Option<String>>>,
     ) -> PyResult<Vec<PyOutput>> {
+        let adapters = adapters.unwrap_or_else(|| vec![None; prompts.len()]);
+        if adapters.len() != prompts.len() {
+            return Err(invalid(
+                "lora_request",
+                format!(
+                    "got {} prompts but {} LoRA requests",
+                    prompts.len(),
+                    adapters.len()
+                ),
+            ));
+        }
+        let adapters = self.adapters(&adapters)?;
         let priority = priority.unwrap_or_else(|| vec![0; prompts.len()]);
         if priority.len() != prompts.len() {
             return Err(invalid(
@@ -389,9 +449,11 @@ impl PyEngine {
                     .iter()
                     .zip(&params)
                     .zip(&priority)
-                    .map(|((prompt, p), &priority)| {
+                    .zip(adapters)
+                    .map(|(((prompt, p), &priority), adapter)| {
                         let scheduling = Scheduling {
                             priority,
+                            adapter,
                             ..Scheduling::default()
                         };
                         self.handle
@@ -430,18 +492,20 @@ impl PyEngine {
     }
 
     /// Starts one request and returns an iterator over its deltas.
-    #[pyo3(signature = (prompt, params, priority=0))]
+    #[pyo3(signature = (prompt, params, priority=0, adapter=None))]
     fn stream(
         &self,
         py: Python<'_>,
         prompt: Vec<u32>,
         params: PyRef<'_, PySamplingParams>,
         priority: i32,
+        adapter: Option<String>,
     ) -> PyResult<PyTokenStream> {
         let params = params.inner.clone();
         let frontend = self.handle.frontend();
         let scheduling = Scheduling {
             priority,
+            adapter: self.adapters(&[adapter])?.pop().flatten(),
             ..Scheduling::default()
         };
         let stream = py
@@ -460,19 +524,21 @@ impl PyEngine {
 
     /// Logits for every prompt position as little-endian f32 bytes, with `(rows, vocab)`;
     /// `step_by_step` feeds the prompt one token at a time through the KV cache.
-    #[pyo3(signature = (prompt, step_by_step=false))]
+    #[pyo3(signature = (prompt, step_by_step=false, adapter=None))]
     fn prompt_logits(
         &self,
         py: Python<'_>,
         prompt: Vec<u32>,
         step_by_step: bool,
+        adapter: Option<String>,
     ) -> PyResult<(Py<PyBytes>, usize, usize)> {
         let frontend = self.handle.frontend();
         let rows = prompt.len();
+        let adapter = self.adapters(&[adapter])?.pop().flatten();
         let logits = py
             .detach(|| {
                 let prompt = frontend.prompt_token_ids(&Prompt::TokenIds(prompt))?;
-                self.handle.prompt_logits(prompt, step_by_step)
+                self.handle.prompt_logits(prompt, step_by_step, adapter)
             })
             .map_err(engine_error)?;
         let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -481,6 +547,18 @@ impl PyEngine {
             rows,
             logits.len() / rows.max(1),
         ))
+    }
+}
+
+impl PyEngine {
+    /// The adapters `names` name (`None`: the base model), each looked up once.
+    fn adapters(&self, names: &[Option<String>]) -> PyResult<Vec<Option<AdapterRef>>> {
+        let loras = self.handle.frontend().loras();
+        names
+            .iter()
+            .map(|n| n.as_deref().map(|n| loras.get(n)).transpose())
+            .collect::<Result<_, _>>()
+            .map_err(engine_error)
     }
 }
 

@@ -45,7 +45,10 @@ pub fn engine_error(e: EngineError) -> PyErr {
         EngineError::InvalidParameter(_)
         | EngineError::EmptyPrompt
         | EngineError::PromptTokenOutOfRange { .. }
-        | EngineError::Ignored { .. } => "InvalidParameterError",
+        | EngineError::Ignored { .. }
+        | EngineError::AdapterNotFound { .. }
+        | EngineError::AdapterExists { .. }
+        | EngineError::LoraDisabled => "InvalidParameterError",
         EngineError::PromptTooLong { .. } | EngineError::InputTooLong { .. } => {
             "PromptTooLongError"
         }

@@ -126,6 +126,24 @@ pub struct ServeArgs {
     /// overtake the rest (default: none on a GPU, 1 on the CPU).
     #[arg(long)]
     pub max_long_partial_prefills: Option<usize>,
+    /// Serve LoRA adapters, chosen per request by naming one as `model` (vLLM's option;
+    /// implied by --lora-modules and --allow-runtime-lora). CPU only for now.
+    #[arg(long)]
+    pub enable_lora: bool,
+    /// LoRA adapters to load at start-up: `name=path` (a PEFT directory or a GGUF adapter
+    /// file), or vLLM's JSON '{"name": ..., "path": ..., "base_model_name": ...}' to attach
+    /// one to a --model other than the first.
+    #[arg(long, num_args = 1.., value_name = "NAME=PATH")]
+    pub lora_modules: Vec<String>,
+    /// Most distinct adapters among the running requests; requests on another adapter wait.
+    #[arg(long, default_value_t = 1)]
+    pub max_loras: usize,
+    /// Largest LoRA rank an adapter may have.
+    #[arg(long, default_value_t = 16)]
+    pub max_lora_rank: usize,
+    /// Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key).
+    #[arg(long, env = "VLLM_ALLOW_RUNTIME_LORA_UPDATING")]
+    pub allow_runtime_lora: bool,
 
     // Serving options.
     /// Requests in the engine at once; more wait in the queue.
@@ -235,6 +253,47 @@ pub const MAX_TIMEOUT_SECS: f64 = 7.0 * 24.0 * 3600.0;
 
 /// The env var that also sets `--api-key`.
 pub const API_KEY_ENV: &str = "NOVAINFER_API_KEY";
+
+/// One `--lora-modules` entry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraModule {
+    pub name: String,
+    pub path: std::path::PathBuf,
+    /// The served model it belongs to (`None`: the first).
+    pub base_model_name: Option<String>,
+}
+
+impl LoraModule {
+    /// `name=path`, or vLLM's JSON object with `name`, `path` and optional `base_model_name`.
+    pub fn parse(spec: &str) -> Result<Self, ArgsError> {
+        let bad = |why: String| ArgsError::from(ParamError::new("lora_modules", why));
+        if spec.trim_start().starts_with('{') {
+            #[derive(serde::Deserialize)]
+            #[serde(deny_unknown_fields)]
+            struct Json {
+                name: String,
+                path: std::path::PathBuf,
+                base_model_name: Option<String>,
+            }
+            let j: Json = serde_json::from_str(spec).map_err(|e| bad(format!("{spec}: {e}")))?;
+            return Ok(Self {
+                name: j.name,
+                path: j.path,
+                base_model_name: j.base_model_name,
+            });
+        }
+        match spec.split_once('=') {
+            Some((name, path)) if !name.is_empty() && !path.is_empty() => Ok(Self {
+                name: name.to_owned(),
+                path: path.into(),
+                base_model_name: None,
+            }),
+            _ => Err(bad(format!(
+                "{spec:?} is neither name=path nor a JSON object with name and path"
+            ))),
+        }
+    }
+}
 
 /// Argument values clap cannot check on its own.
 #[derive(Debug, thiserror::Error)]
@@ -474,6 +533,40 @@ impl ServeArgs {
             })
             .transpose()?;
         Ok(cfg)
+    }
+
+    /// `--lora-modules`, parsed.
+    pub fn lora_modules(&self) -> Result<Vec<LoraModule>, ArgsError> {
+        self.lora_modules
+            .iter()
+            .map(|m| LoraModule::parse(m))
+            .collect()
+    }
+
+    /// The LoRA options of served model `name` (`first`: the first --model, which takes the
+    /// adapters that name no base); `None` when LoRA is off.
+    pub fn lora_config(
+        &self,
+        name: &str,
+        first: bool,
+    ) -> Result<Option<novainfer_engine::LoraConfig>, ArgsError> {
+        let modules = self.lora_modules()?;
+        if !self.enable_lora && modules.is_empty() && !self.allow_runtime_lora {
+            return Ok(None);
+        }
+        let modules = modules
+            .into_iter()
+            .filter(|m| match &m.base_model_name {
+                Some(base) => base == name,
+                None => first,
+            })
+            .map(|m| (m.name, m.path))
+            .collect();
+        Ok(Some(novainfer_engine::LoraConfig {
+            max_loras: self.max_loras,
+            max_lora_rank: self.max_lora_rank,
+            modules,
+        }))
     }
 
     /// The server-wide timeout, if any.

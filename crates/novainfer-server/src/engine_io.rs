@@ -8,6 +8,7 @@
 
 use futures_util::future::try_join_all;
 use novainfer_engine::{AbortHandle, EngineError, EngineHandle, EngineStats, TokenLogprob};
+use novainfer_model::AdapterRef;
 use tokio::sync::oneshot;
 
 /// A callback the engine thread runs once with the answer.
@@ -66,14 +67,15 @@ async fn request<T: Send + 'static>(
 pub async fn embed_all(
     handle: &EngineHandle,
     inputs: Vec<Vec<u32>>,
+    adapter: Option<AdapterRef>,
 ) -> Result<Vec<Vec<f32>>, EngineError> {
     let mut vectors = Vec::with_capacity(inputs.len());
     let mut inputs = inputs.into_iter().peekable();
     while inputs.peek().is_some() {
-        let window = inputs
-            .by_ref()
-            .take(EMBED_WINDOW)
-            .map(|ids| request(handle, move |reply| handle.embed_with(ids, reply)));
+        let window = inputs.by_ref().take(EMBED_WINDOW).map(|ids| {
+            let adapter = adapter.clone();
+            request(handle, move |reply| handle.embed_with(ids, adapter, reply))
+        });
         vectors.extend(try_join_all(window).await?);
     }
     Ok(vectors)
@@ -85,9 +87,10 @@ pub async fn score_prompt(
     handle: &EngineHandle,
     prompt_ids: Vec<u32>,
     top_k: usize,
+    adapter: Option<AdapterRef>,
 ) -> Result<Vec<Option<TokenLogprob>>, EngineError> {
     request(handle, |reply| {
-        handle.score_prompt_with(prompt_ids, top_k, reply)
+        handle.score_prompt_with(prompt_ids, top_k, adapter, reply)
     })
     .await
 }

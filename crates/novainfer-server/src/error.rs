@@ -212,6 +212,11 @@ impl From<EngineError> for ApiError {
             | EngineError::ChatTemplate(_)
             | EngineError::Tokenizer(_) => ApiError::invalid(message),
             EngineError::EngineStopped | EngineError::Aborted => ApiError::unavailable(message),
+            // A request naming an adapter that is not (or no longer) loaded, as vLLM answers.
+            EngineError::AdapterNotFound { .. } => ApiError::not_found(message),
+            EngineError::AdapterExists { .. } | EngineError::LoraDisabled => {
+                ApiError::invalid(message)
+            }
             // A valid request this device's executor cannot serve (yet): the client's to change.
             EngineError::Model(novainfer_model::ModelError::Unsupported { .. }) => {
                 ApiError::invalid(message).with_code("unsupported_on_device")

@@ -56,7 +56,7 @@ impl Generation {
         for (i, ids) in prompts.into_iter().enumerate() {
             let tx = tx.clone();
             let sink = DeltaSink::new(move |item| tx.send((i, item)).is_ok());
-            match handle.submit_scheduled_to(ids, params.clone(), scheduling, sink) {
+            match handle.submit_scheduled_to(ids, params.clone(), scheduling.clone(), sink) {
                 Ok(abort) => aborts.push(abort),
                 Err(e) => {
                     // Nothing runs unless all are accepted.

@@ -110,6 +110,7 @@ fn load_models(
         }
         tracing::info!(model = %name, path = %path.display(), "loading model");
         let mut config = args.engine_config(path.clone())?;
+        config.lora = args.lora_config(&name, i == 0)?;
         config.kv_events = publisher
             .clone()
             .map(|p| p as Arc<dyn novainfer_core::KvEventSink>);
@@ -131,7 +132,46 @@ fn load_models(
         tracing::info!(model = %served.name, max_model_len = served.frontend.max_model_len(), reasoning = served.reasoning, "model ready");
         models.push(Arc::new(served));
     }
-    Ok(Models(models))
+    let models = Models(models);
+    check_lora_names(args, &models)?;
+    Ok(models)
+}
+
+/// Every `--lora-modules` entry names a served model as its base, and no adapter shares a name
+/// with a model or with another model's adapter (`model` in a request must name one thing).
+fn check_lora_names(args: &ServeArgs, models: &Models) -> Result<(), ServeError> {
+    let modules = args.lora_modules()?;
+    if let Some(m) = modules.iter().find(|m| {
+        m.base_model_name
+            .as_ref()
+            .is_some_and(|b| models.served(b).is_none())
+    }) {
+        return Err(args::ArgsError::from(novainfer_core::ParamError::new(
+            "lora_modules",
+            format!(
+                "adapter `{}` names base_model_name {:?}, which is not a served model ({})",
+                m.name,
+                m.base_model_name.as_deref().unwrap_or_default(),
+                models
+                    .0
+                    .iter()
+                    .map(|m| m.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        ))
+        .into());
+    }
+    let names = models.names();
+    if let Some(dup) = names
+        .iter()
+        .enumerate()
+        .find(|(i, n)| names[..*i].contains(n))
+        .map(|(_, n)| n)
+    {
+        return Err(ServeError::DuplicateName(dup.clone()));
+    }
+    Ok(())
 }
 
 fn app_state(args: &ServeArgs, models: Models) -> AppState {
@@ -177,6 +217,7 @@ fn app_state(args: &ServeArgs, models: Models) -> AppState {
                 .collect()
         }),
         lifecycle: Lifecycle::default(),
+        allow_runtime_lora: args.allow_runtime_lora,
     }
 }
 

@@ -140,6 +140,8 @@ pub struct ModelSnapshot<'a> {
     pub metrics: &'a ModelMetrics,
     pub engine: Option<EngineStats>,
     pub kv_config: &'a KvConfig,
+    /// `--max-loras` when LoRA is on for this model; 0 when off.
+    pub max_loras: usize,
 }
 
 fn header(out: &mut String, name: &str, kind: &str, help: &str) {
@@ -412,6 +414,7 @@ mod tests {
                 engine: Some(engine),
                 kv_config: &crate::models::KvConfig {
                     layout: "block",
+                    max_loras: 0,
                     block_size: 16,
                     dtype: "f16",
                     prefix_caching: true,

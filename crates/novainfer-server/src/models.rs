@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use novainfer_engine::{EngineConfig, EngineHandle, Frontend};
-use novainfer_model::{Device, KvCacheDtype};
+use novainfer_model::{AdapterRef, Device, KvCacheDtype};
 
 use crate::args::ReasoningParser;
 use crate::error::ApiError;
@@ -157,19 +157,63 @@ impl ServedModel {
     }
 }
 
+/// The model a request runs on: a served model, or one of its LoRA adapters (named in `model`
+/// like a model, as in vLLM). It derefs to the served model; its own `name` is the one the
+/// request gave, which responses echo.
+#[derive(Clone)]
+pub struct ModelRef {
+    pub name: String,
+    /// The adapter the request runs with; `None`: the base model.
+    pub adapter: Option<AdapterRef>,
+    served: Arc<ServedModel>,
+}
+
+impl ModelRef {
+    /// The served model itself, without an adapter.
+    pub fn base(served: &Arc<ServedModel>) -> Self {
+        Self {
+            name: served.name.clone(),
+            adapter: None,
+            served: served.clone(),
+        }
+    }
+
+    /// The served model underneath (the one an adapter belongs to).
+    pub fn served(&self) -> &Arc<ServedModel> {
+        &self.served
+    }
+}
+
+impl std::ops::Deref for ModelRef {
+    type Target = ServedModel;
+    fn deref(&self) -> &ServedModel {
+        &self.served
+    }
+}
+
 pub struct Models(pub Vec<Arc<ServedModel>>);
 
 impl Models {
-    /// The model a request names; with one model served, `model` may be omitted.
-    pub fn get(&self, requested: Option<&str>) -> Result<Arc<ServedModel>, ApiError> {
+    /// The model or LoRA adapter a request names; with one model served, `model` may be
+    /// omitted (the base model).
+    pub fn get(&self, requested: Option<&str>) -> Result<ModelRef, ApiError> {
         match requested {
-            Some(name) => self
-                .0
-                .iter()
-                .find(|m| m.name == name)
-                .cloned()
-                .ok_or_else(|| ApiError::model_not_found(name, &self.names())),
-            None if self.0.len() == 1 => Ok(self.0[0].clone()),
+            Some(name) => {
+                if let Some(m) = self.0.iter().find(|m| m.name == name) {
+                    return Ok(ModelRef::base(m));
+                }
+                for m in &self.0 {
+                    if let Ok(adapter) = m.frontend.loras().get(name) {
+                        return Ok(ModelRef {
+                            name: name.to_owned(),
+                            adapter: Some(adapter),
+                            served: m.clone(),
+                        });
+                    }
+                }
+                Err(ApiError::model_not_found(name, &self.names()))
+            }
+            None if self.0.len() == 1 => Ok(ModelRef::base(&self.0[0])),
             None => Err(ApiError::invalid_param(
                 "model",
                 format!(
@@ -180,8 +224,22 @@ impl Models {
         }
     }
 
+    /// Every name a request may give: the served models, then their adapters.
     pub fn names(&self) -> Vec<String> {
-        self.0.iter().map(|m| m.name.clone()).collect()
+        let adapters = self
+            .0
+            .iter()
+            .flat_map(|m| m.frontend.loras().list().into_iter().map(|a| a.name));
+        self.0
+            .iter()
+            .map(|m| m.name.clone())
+            .chain(adapters)
+            .collect()
+    }
+
+    /// The served model named `name` (not an adapter).
+    pub fn served(&self, name: &str) -> Option<&Arc<ServedModel>> {
+        self.0.iter().find(|m| m.name == name)
     }
 }
 

@@ -39,6 +39,8 @@ pub struct AppState {
     /// `--allowed-hosts`, lower-cased; `None`: any Host.
     pub allowed_hosts: Option<Vec<String>>,
     pub lifecycle: crate::lifecycle::Lifecycle,
+    /// `--allow-runtime-lora`: the load/unload adapter endpoints answer.
+    pub allow_runtime_lora: bool,
 }
 
 /// Connection and shutdown timings (`--header-read-timeout` and friends).

@@ -174,6 +174,7 @@ pub fn render(out: &mut String, models: &[ModelSnapshot<'_>]) {
         }
     }
     cache_config_info(out, models);
+    lora_requests_info(out, models);
     for (name, help, value) in SERVER_COUNTERS {
         header(out, name, "counter", help);
         for m in models {
@@ -232,6 +233,28 @@ fn cache_config_info(out: &mut String, models: &[ModelSnapshot<'_>]) {
     }
 }
 
+/// `vllm:lora_requests_info`: a gauge whose labels name the adapters of the running and of the
+/// waiting requests (comma-separated) and `max_lora`; its value is the time of the reading in
+/// seconds, as vLLM's. Only for models serving LoRA.
+fn lora_requests_info(out: &mut String, models: &[ModelSnapshot<'_>]) {
+    let name = "vllm:lora_requests_info";
+    header(out, name, "gauge", "Running stats on lora requests.");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    for m in models.iter().filter(|m| m.max_loras > 0) {
+        let Some(stats) = &m.engine else { continue };
+        let _ = writeln!(
+            out,
+            "{name}{{max_lora=\"{}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\",{}}} {now}",
+            m.max_loras,
+            stats.running_adapters.join(","),
+            stats.waiting_adapters.join(","),
+            labels(m)
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -267,6 +290,7 @@ mod tests {
                 metrics: &metrics,
                 engine: Some(engine),
                 kv_config: &kv_config,
+                max_loras: 0,
             }],
         );
         let l = "model_name=\"m\",engine=\"0\"";

@@ -24,6 +24,7 @@ pub struct SchedulerConfig {
     kv_layout: KvLayout,
     policy: SchedulingPolicy,
     priority_aging_steps: usize,
+    max_loras: Option<usize>,
 }
 
 impl SchedulerConfig {
@@ -82,6 +83,11 @@ impl SchedulerConfig {
     pub fn priority_aging_steps(&self) -> usize {
         self.priority_aging_steps
     }
+    /// Most distinct LoRA adapters among the running requests, if set (vLLM's `max_loras`):
+    /// a waiting request on another adapter waits, and requests behind it may go first.
+    pub fn max_loras(&self) -> Option<usize> {
+        self.max_loras
+    }
 }
 
 /// Raw values with vLLM-like defaults; [`build`](Self::build) checks them.
@@ -100,6 +106,7 @@ pub struct SchedulerConfigBuilder {
     kv_layout: KvLayout,
     policy: SchedulingPolicy,
     priority_aging_steps: usize,
+    max_loras: Option<usize>,
 }
 
 impl Default for SchedulerConfigBuilder {
@@ -123,6 +130,7 @@ impl Default for SchedulerConfigBuilder {
             // explicit priority rules for a while, and a difference of a few levels is made up
             // within minutes.
             priority_aging_steps: 256,
+            max_loras: None,
         }
     }
 }
@@ -141,6 +149,7 @@ impl SchedulerConfigBuilder {
     setter!(kv_layout: KvLayout);
     setter!(policy: SchedulingPolicy);
     setter!(priority_aging_steps: usize);
+    setter!(max_loras: Option<usize>);
 
     pub fn build(self) -> Result<SchedulerConfig, ParamError> {
         let at_least = |param: &'static str, value: usize, min: usize| {
@@ -167,6 +176,9 @@ impl SchedulerConfigBuilder {
         at_least("priority_aging_steps", self.priority_aging_steps, 1)?;
         if let Some(t) = self.long_prefill_token_threshold {
             at_least("long_prefill_token_threshold", t, 1)?;
+        }
+        if let Some(n) = self.max_loras {
+            at_least("max_loras", n, 1)?;
         }
         if let Some(n) = self.max_num_partial_prefills {
             at_least("max_num_partial_prefills", n, 1)?;
@@ -220,6 +232,7 @@ impl SchedulerConfigBuilder {
             kv_layout: self.kv_layout,
             policy: self.policy,
             priority_aging_steps: self.priority_aging_steps,
+            max_loras: self.max_loras,
         })
     }
 }
@@ -265,6 +278,7 @@ mod tests {
         );
         assert_eq!(param(b().kv_layout(KvLayout::Slot)), "block_size");
         assert_eq!(param(b().priority_aging_steps(0)), "priority_aging_steps");
+        assert_eq!(param(b().max_loras(Some(0))), "max_loras");
         assert!(b()
             .kv_layout(KvLayout::Slot)
             .block_size(1)

@@ -53,12 +53,12 @@ pub use output::{ChunkOutput, FinishedRequest, RequestUpdate, ScheduledRequest, 
 pub use policy::SchedulingPolicy;
 
 use crate::finish::FinishReason;
-use crate::ids::RequestId;
+use crate::ids::{AdapterId, RequestId};
 use crate::kv_cache_manager::{BlockCopy, KvCacheManager, KvCacheStats, PrefixHit};
 use crate::kv_manager::{AnyKv, KvLayout};
 use crate::request::{Request, RequestKind, RequestStatus};
 use crate::slot_kv_manager::SlotKvManager;
-use policy::{priority_key, Seats};
+use policy::{priority_key, RunningAdapters, Seats};
 
 #[derive(Debug, Clone)]
 pub struct Scheduler {
@@ -137,6 +137,24 @@ impl Scheduler {
     pub fn running_ids(&self) -> &[RequestId] {
         &self.running
     }
+    /// The distinct LoRA adapters of the running requests and of the waiting ones (an
+    /// adapter in both is listed in both), each in no particular order.
+    pub fn adapters_in_use(&self) -> (Vec<AdapterId>, Vec<AdapterId>) {
+        let distinct = |ids: &mut dyn Iterator<Item = &RequestId>| {
+            let mut out: Vec<AdapterId> = Vec::new();
+            for a in ids.filter_map(|id| self.requests.get(id).and_then(|r| r.adapter)) {
+                if !out.contains(&a) {
+                    out.push(a);
+                }
+            }
+            out
+        };
+        (
+            distinct(&mut self.running.iter()),
+            distinct(&mut self.waiting.iter()),
+        )
+    }
+
     pub fn num_running(&self) -> usize {
         self.running.len()
     }
@@ -489,6 +507,10 @@ impl Scheduler {
         }
         let mut partial = self.partial_prefills();
         let mut seats = Seats::of(self.running.iter().map(|id| &self.requests[id]));
+        let mut adapters = RunningAdapters::of(
+            self.running.iter().map(|id| &self.requests[id]),
+            self.config.max_loras(),
+        );
         // Long prompts held back by `max_long_partial_prefills`: they keep their place in the
         // queue and let the ones behind them in.
         let mut held: Vec<RequestId> = Vec::new();
@@ -498,6 +520,10 @@ impl Scheduler {
             };
             let id = self.waiting[at];
             let request = &self.requests[&id];
+            if !adapters.admits(request.adapter) {
+                held.push(id); // its adapter has no room; requests on running ones may go
+                continue;
+            }
             let hit = match request.kind {
                 RequestKind::ScorePrompt => PrefixHit::none(),
                 _ => self.kv.as_dyn().lookup_prefix(request),
@@ -533,6 +559,7 @@ impl Scheduler {
                 partial.1 += usize::from(self.is_long(request));
             }
             seats.take(request.tenant);
+            adapters.take(request.adapter);
             self.waiting.remove(at);
             let request = self
                 .requests
@@ -739,6 +766,7 @@ impl Scheduler {
             block_table: self.kv.as_dyn().block_table(id).to_vec(),
             output,
             is_resumed_from_preemption: resumed,
+            adapter: request.adapter,
         });
         out.num_batched_tokens += num_new;
     }

@@ -1,7 +1,7 @@
 //! What one scheduling step hands to the model runner, and what `update` hands back.
 
 use crate::finish::FinishReason;
-use crate::ids::{BlockId, RequestId};
+use crate::ids::{AdapterId, BlockId, RequestId};
 use crate::kv_cache_manager::BlockCopy;
 
 /// One request's share of a step.
@@ -19,6 +19,8 @@ pub struct ScheduledRequest {
     pub output: ChunkOutput,
     /// The request was preempted and is recomputed from token 0 (drop its model-side state).
     pub is_resumed_from_preemption: bool,
+    /// The LoRA adapter the chunk runs with (`None`: the base model).
+    pub adapter: Option<AdapterId>,
 }
 
 impl ScheduledRequest {

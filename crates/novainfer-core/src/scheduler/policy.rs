@@ -15,6 +15,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
 
+use crate::ids::AdapterId;
 use crate::request::{Request, Tenant};
 use crate::sampling_params::ParamError;
 
@@ -94,6 +95,43 @@ impl Seats {
     pub(super) fn fewer(&self, a: Tenant, b: Tenant) -> bool {
         let held = |t: Tenant| self.0.get(&t.id).copied().unwrap_or(0) as u128;
         held(a) * u128::from(b.weight.get()) < held(b) * u128::from(a.weight.get())
+    }
+}
+
+/// The distinct LoRA adapters of the running requests, against `max_loras`.
+#[derive(Debug)]
+pub(super) struct RunningAdapters {
+    held: Vec<AdapterId>,
+    max: Option<usize>,
+}
+
+impl RunningAdapters {
+    pub(super) fn of<'a>(running: impl Iterator<Item = &'a Request>, max: Option<usize>) -> Self {
+        let mut adapters = Self {
+            held: Vec::new(),
+            max,
+        };
+        for r in running {
+            adapters.take(r.adapter);
+        }
+        adapters
+    }
+
+    /// Whether a request on `adapter` may start now: the base model always may, an adapter
+    /// already running may, another one only while fewer than `max_loras` run.
+    pub(super) fn admits(&self, adapter: Option<AdapterId>) -> bool {
+        match (adapter, self.max) {
+            (None, _) | (_, None) => true,
+            (Some(a), Some(max)) => self.held.contains(&a) || self.held.len() < max,
+        }
+    }
+
+    pub(super) fn take(&mut self, adapter: Option<AdapterId>) {
+        if let Some(a) = adapter {
+            if !self.held.contains(&a) {
+                self.held.push(a);
+            }
+        }
     }
 }
 

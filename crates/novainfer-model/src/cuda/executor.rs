@@ -374,6 +374,12 @@ impl Executor for CudaExecutor {
     }
 
     fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput> {
+        if batch.seqs.iter().any(|s| s.adapter.is_some()) {
+            return Err(ModelError::Unsupported {
+                what: "LoRA adapters".into(),
+                device: self.device().to_string(),
+            });
+        }
         if batch.only_samples() {
             return Ok(ForwardOutput {
                 logits: self.run_in_pool(batch, Tail::Logits)?,

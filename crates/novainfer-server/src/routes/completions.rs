@@ -10,7 +10,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use novainfer_engine::fim::FimTokens;
 use novainfer_engine::tokenizer::Tokenizer;
-use novainfer_engine::{Delta, EngineHandle, Prompt, TokenLogprob};
+use novainfer_engine::{Delta, Prompt, TokenLogprob};
 use serde_json::Value;
 
 use super::driver::{each_choice, respond, Flow, Renderer};
@@ -20,6 +20,7 @@ use crate::accounting::{completion_logprobs, extend_completion_logprobs, stop_re
 use crate::engine_io;
 use crate::error::ApiError;
 use crate::keys::Tenant;
+use crate::models::ModelRef;
 use crate::params::{request_timeout, sampling_params, EndpointParams};
 use crate::protocol::inputs;
 use crate::protocol::request::{parse_generation, CompletionRequest};
@@ -108,7 +109,7 @@ pub async fn completions(
         })
         .await?;
     if let Some(k) = echo_logprobs {
-        score_prompts(&app, &model.handle, &mut echoes, k).await?;
+        score_prompts(&app, &model, &mut echoes, k).await?;
     }
     let shape = Shape {
         id: response_id,
@@ -160,7 +161,7 @@ struct Echo {
 /// beside the running streams (any length the model takes), and aborted if the client leaves.
 async fn score_prompts(
     app: &AppState,
-    handle: &EngineHandle,
+    model: &ModelRef,
     echoes: &mut [Echo],
     k: usize,
 ) -> Result<(), ApiError> {
@@ -171,7 +172,9 @@ async fn score_prompts(
         .await
         .inspect_err(|e| app.metrics.rejected(e.code.unwrap_or_default()))?;
     for echo in echoes {
-        echo.logprobs = Some(engine_io::score_prompt(handle, echo.token_ids.clone(), k).await?);
+        let ids = echo.token_ids.clone();
+        let adapter = model.adapter.clone();
+        echo.logprobs = Some(engine_io::score_prompt(&model.handle, ids, k, adapter).await?);
     }
     Ok(())
 }

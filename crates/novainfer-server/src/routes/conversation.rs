@@ -12,7 +12,7 @@ use serde_json::Value;
 use super::run::{prepare, Launch, Pending};
 use crate::error::ApiError;
 use crate::keys::Tenant;
-use crate::models::ServedModel;
+use crate::models::ModelRef;
 use crate::params::{request_timeout, sampling_params, EndpointParams};
 use crate::protocol::request::SharedFields;
 use crate::reasoning::prompt_opens_thinking;
@@ -21,7 +21,7 @@ use crate::tools::Tools;
 
 /// A conversation to answer, with the sampling fields in chat's names.
 pub struct Conversation {
-    pub model: Arc<ServedModel>,
+    pub model: ModelRef,
     pub messages: Vec<ChatMessage>,
     pub tools: Option<Tools>,
     pub shared: SharedFields,

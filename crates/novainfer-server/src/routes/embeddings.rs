@@ -74,7 +74,7 @@ pub async fn embeddings(
     .await
     .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))??;
     let prompt_tokens = prompt_ids.iter().map(Vec::len).sum::<usize>();
-    let vectors = engine_io::embed_all(&model.handle, prompt_ids).await?;
+    let vectors = engine_io::embed_all(&model.handle, prompt_ids, model.adapter.clone()).await?;
     let data: Vec<Value> = vectors
         .into_iter()
         .enumerate()

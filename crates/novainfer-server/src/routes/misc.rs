@@ -6,7 +6,7 @@ use axum::extract::{Path, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
-use novainfer_engine::Prompt;
+use novainfer_engine::{AdapterInfo, Prompt};
 use serde_json::{json, Value};
 
 use super::chat::template_vars;
@@ -34,8 +34,26 @@ fn model_card(m: &ServedModel) -> Value {
     })
 }
 
+/// A LoRA adapter's card, as vLLM lists it: its base model as `parent`, its source as `root`.
+fn adapter_card(m: &ServedModel, a: &AdapterInfo) -> Value {
+    json!({
+        "id": a.name,
+        "object": "model",
+        "created": m.created,
+        "owned_by": "novainfer",
+        "root": a.path.display().to_string(),
+        "parent": m.name,
+        "max_model_len": m.frontend.max_model_len(),
+    })
+}
+
+/// Every served model, each followed by its LoRA adapters.
 pub async fn list_models(State(app): State<Arc<AppState>>) -> Response {
-    let data: Vec<Value> = app.models.0.iter().map(|m| model_card(m)).collect();
+    let mut data: Vec<Value> = Vec::new();
+    for m in &app.models.0 {
+        data.push(model_card(m));
+        data.extend(m.frontend.loras().list().iter().map(|a| adapter_card(m, a)));
+    }
     axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
@@ -44,7 +62,19 @@ pub async fn get_model(
     Path(model): Path<String>,
 ) -> Result<Response, ApiError> {
     let m = app.models.get(Some(&model))?;
-    Ok(axum::Json(model_card(&m)).into_response())
+    let card = match &m.adapter {
+        None => model_card(&m),
+        Some(a) => {
+            let info = AdapterInfo {
+                name: a.name().to_owned(),
+                id: a.id(),
+                path: a.source().to_owned(),
+                rank: a.rank(),
+            };
+            adapter_card(&m, &info)
+        }
+    };
+    Ok(axum::Json(card).into_response())
 }
 
 /// Liveness: 200 while every engine thread runs; 503 (for good) once one has died.
@@ -86,6 +116,7 @@ pub async fn metrics(State(app): State<Arc<AppState>>) -> Response {
             metrics: &m.metrics,
             engine,
             kv_config: &m.kv_config,
+            max_loras: m.frontend.loras().max_loras(),
         })
         .collect();
     let mut text = render(

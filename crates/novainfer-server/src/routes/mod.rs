@@ -9,6 +9,7 @@ mod driver;
 mod embeddings;
 mod infill;
 mod info;
+mod lora;
 mod messages;
 mod misc;
 mod responses;
@@ -57,6 +58,8 @@ pub fn router(state: Arc<AppState>, cors_origins: &[String]) -> Router {
         .route("/tokenize", post(misc::tokenize))
         .route("/detokenize", post(misc::detokenize))
         .route("/server_info", get(info::server_info))
+        .route("/v1/load_lora_adapter", post(lora::load))
+        .route("/v1/unload_lora_adapter", post(lora::unload))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,

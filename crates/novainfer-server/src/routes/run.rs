@@ -22,11 +22,11 @@ use crate::fair_admission::{Permit, Ticket};
 use crate::generation::{Generation, Registration};
 use crate::keys::Tenant;
 use crate::lifecycle::{not_live, EngineFailure};
-use crate::models::ServedModel;
+use crate::models::ModelRef;
 use crate::state::{AppState, RequestId};
 
 pub struct Launch {
-    pub model: Arc<ServedModel>,
+    pub model: ModelRef,
     pub params: SamplingParams,
     /// The request's own timeout in seconds.
     pub timeout: Option<f64>,
@@ -55,7 +55,7 @@ pub enum Event {
 pub struct Running {
     pub gen: Generation,
     pub run: RunState,
-    pub model: Arc<ServedModel>,
+    pub model: ModelRef,
     deadline: Option<Instant>,
     timeout_secs: f64,
     /// How the request ended, for the log line and metrics (`None`: the client went away).
@@ -122,6 +122,7 @@ pub fn prepare(
     let scheduling = Scheduling {
         priority: l.priority,
         tenant: app.tenant_weights.share(l.tenant, &user),
+        adapter: l.model.adapter.clone(),
     };
     let ticket = app
         .admission

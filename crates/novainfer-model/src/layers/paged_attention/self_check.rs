@@ -116,6 +116,7 @@ impl Problem {
                 query_len: tokens.len(),
                 block_table: table,
                 output: SpanOutput::LastLogits,
+                adapter: None,
             });
             q.extend(numbers(tokens.len() * shape.num_heads * hd, seed + 2, 1.0));
             positions.extend(tokens);

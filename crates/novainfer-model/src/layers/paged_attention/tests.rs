@@ -84,6 +84,7 @@ impl Fixture {
             query_len: positions.len(),
             block_table: self.table.clone(),
             output: crate::forward_batch::SpanOutput::LastLogits,
+            adapter: None,
         };
         paged_attention(q, positions, &[span], self.pool.layer(0), self.shape, isa)
     }
@@ -404,6 +405,7 @@ fn a_row_is_bit_identical_alone_and_in_a_mixed_batch() {
                 query_len: r.len(),
                 block_table: tables[i].clone(),
                 output: crate::forward_batch::SpanOutput::LastLogits,
+                adapter: None,
             });
             positions.extend(r.clone());
             q.extend(random(r.len() * width, 40 + i as u64, 1.0));
