@@ -23,6 +23,7 @@ from .errors import (
 )
 from .async_llm import AsyncLLM
 from .llm import LLM
+from .lora import LoRARequest
 from .outputs import CompletionOutput, Logprob, RequestOutput, StreamDelta
 from .structured_outputs import StructuredOutputsParams
 from .tokenizer import Tokenizer
@@ -31,6 +32,7 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "SamplingParams",
+    "LoRARequest",
     "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",

@@ -18,6 +18,7 @@ from typing import Any
 
 from . import _native
 from .llm import LLM, ChatMessage, PromptInput, _priority
+from .lora import LoRARequest
 from .outputs import CompletionOutput, Logprob, RequestOutput, StopReason, StreamDelta, _logprobs
 
 __all__ = ["AsyncLLM"]
@@ -35,11 +36,18 @@ class AsyncLLM:
         return self.llm.device
 
     async def generate_stream(
-        self, prompt: PromptInput, sampling_params: _native.SamplingParams | None = None, priority: int = 0
+        self,
+        prompt: PromptInput,
+        sampling_params: _native.SamplingParams | None = None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[StreamDelta]:
-        """Yields `StreamDelta`s for one prompt as tokens are generated; `priority` as in `LLM.generate`."""
+        """Yields `StreamDelta`s for one prompt as tokens are generated; `priority` and `lora_request` as in
+        `LLM.generate`."""
         (params,) = self.llm._params_for(1, sampling_params)
-        stream = self.llm._engine.stream(self.llm._token_ids(prompt), params, _priority(priority))
+        adapters = self.llm._adapters(1, lora_request)
+        adapter = None if adapters is None else adapters[0]
+        stream = self.llm._engine.stream(self.llm._token_ids(prompt), params, _priority(priority), adapter)
         async for delta in _deltas(stream):
             yield delta
 
@@ -61,10 +69,14 @@ class AsyncLLM:
             yield delta
 
     async def generate(
-        self, prompt: PromptInput, sampling_params: _native.SamplingParams | None = None, priority: int = 0
+        self,
+        prompt: PromptInput,
+        sampling_params: _native.SamplingParams | None = None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutput:
         """Completes one prompt; concurrent calls are batched together by the engine (in `priority` order
-        under ``scheduling_policy="priority"``)."""
+        under ``scheduling_policy="priority"``), also across LoRA adapters (`lora_request`)."""
         token_ids = self.llm._token_ids(prompt)
         (params,) = self.llm._params_for(1, sampling_params)
         texts: list[list[str]] = [[] for _ in range(params.n)]
@@ -72,7 +84,7 @@ class AsyncLLM:
         reasons = ["abort"] * params.n
         stop_reasons: list[StopReason] = [None] * params.n
         logprobs: list[list[dict[int, Logprob]] | None] = [None] * params.n
-        async for d in self.generate_stream(token_ids, params, priority):
+        async for d in self.generate_stream(token_ids, params, priority, lora_request):
             texts[d.index].append(d.text)
             ids[d.index].extend(d.token_ids)
             if d.logprobs is not None:

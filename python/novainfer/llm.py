@@ -17,6 +17,7 @@ from . import _native
 from .errors import InvalidParameterError
 from .cuda_libs import find_cuda_libraries
 from .fetch import resolve_model
+from .lora import LoRARequest
 from .outputs import CompletionOutput, RequestOutput, StreamDelta, _logprobs
 from .tokenizer import Tokenizer, render_chat
 
@@ -104,6 +105,12 @@ class LLM:
     acceptance say will pay (none when drafting would be slower); ``"draft_policy": "always"`` in the config
     drafts ``num_speculative_tokens`` every step instead.
 
+    `enable_lora` serves LoRA adapters (vLLM's names): a request given a `LoRARequest` runs with that adapter
+    (a PEFT directory or a GGUF adapter file, loaded the first time it is named; at most `max_lora_rank`);
+    requests on different adapters and on the base model share batches, and at most `max_loras` distinct
+    adapters run at once (requests on others wait). KV computed under an adapter is only reused by requests on
+    the same adapter. CPU only for now.
+
     `device` is ``"auto"`` (the first usable NVIDIA GPU when its executor can run the model, else the CPU —
     the SLOT layout and head sizes without GPU kernels run on the CPU; the choice and its reason are logged
     on the ``novainfer`` logger and kept in `device`), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. An explicit GPU
@@ -138,6 +145,9 @@ class LLM:
         max_num_partial_prefills: int | None = None,
         max_long_partial_prefills: int | None = None,
         speculative_config: Mapping[str, Any] | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
     ) -> None:
         for name, value in (
             ("block_size", block_size),
@@ -148,6 +158,8 @@ class LLM:
             ("long_prefill_token_threshold", 1 if long_prefill_token_threshold is None else long_prefill_token_threshold),
             ("max_num_partial_prefills", 1 if max_num_partial_prefills is None else max_num_partial_prefills),
             ("max_long_partial_prefills", 1 if max_long_partial_prefills is None else max_long_partial_prefills),
+            ("max_loras", max_loras),
+            ("max_lora_rank", max_lora_rank),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidParameterError(f"{name} must be a positive int, got {value!r}", name)
@@ -206,7 +218,12 @@ class LLM:
             max_num_partial_prefills=max_num_partial_prefills,
             max_long_partial_prefills=max_long_partial_prefills,
             speculative_config=None if speculative_config is None else json.dumps(dict(speculative_config)),
+            enable_lora=bool(enable_lora),
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
         )
+        # Adapters loaded through a LoRARequest: name → (lora_int_id, lora_path).
+        self._loras: dict[str, tuple[int, str]] = {}
 
         _log.info("novainfer: %s runs on %s (%s)", self.model_path, self.device, self._engine.device_reason)
 
@@ -289,6 +306,61 @@ class LLM:
             f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt"
         )
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads `lora_request`'s adapter now (requests naming it load it anyway); False if it was loaded.
+
+        Raises `ModelLoadError` naming the field or tensor when the adapter does not fit the model, and
+        `InvalidParameterError` when LoRA is off or the name is taken by another adapter.
+        """
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidParameterError(
+                f"lora_request must be a LoRARequest, got {type(lora_request).__name__}", "lora_request"
+            )
+        known = self._loras.get(lora_request.lora_name)
+        wanted = (lora_request.lora_int_id, lora_request.lora_path)
+        if known is not None:
+            if known != wanted:
+                raise InvalidParameterError(
+                    f"LoRA adapter {lora_request.lora_name!r} is loaded with id {known[0]} from {known[1]!r}; "
+                    "give another adapter another name",
+                    "lora_request",
+                )
+            return False
+        if any(i == lora_request.lora_int_id for i, _ in self._loras.values()):
+            raise InvalidParameterError(
+                f"lora_int_id {lora_request.lora_int_id} already identifies another adapter", "lora_request"
+            )
+        self._engine.load_lora(lora_request.lora_name, lora_request.lora_path)
+        self._loras[lora_request.lora_name] = wanted
+        return True
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unloads an adapter; requests running on it finish with it, later ones naming it load it again."""
+        self._engine.unload_lora(lora_name)
+        self._loras.pop(lora_name, None)
+
+    def list_loras(self) -> list[str]:
+        """Names of the loaded adapters."""
+        return [name for name, _path, _rank in self._engine.list_loras()]
+
+    def _adapters(self, n: int, lora_request: object) -> list[str | None] | None:
+        """Per prompt, the adapter to run with (loaded on first use); None when no prompt has one."""
+        if lora_request is None:
+            return None
+        requests = [lora_request] * n if isinstance(lora_request, LoRARequest) else _as_list(lora_request, "lora_request")
+        if len(requests) != n:
+            raise InvalidParameterError(
+                f"lora_request must be one LoRARequest or a list of {n} (None for the base model)", "lora_request"
+            )
+        names: list[str | None] = []
+        for r in requests:
+            if r is None:
+                names.append(None)
+                continue
+            self.add_lora(r)
+            names.append(r.lora_name)
+        return names
+
     def _params_for(self, n: int, sampling_params: object) -> list[_native.SamplingParams]:
         if sampling_params is None:
             return [SamplingParams()] * n
@@ -307,6 +379,7 @@ class LLM:
         sampling_params: _native.SamplingParams | Sequence[_native.SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Completes each prompt; returns one `RequestOutput` per prompt, in order.
 
@@ -316,6 +389,8 @@ class LLM:
         vLLM compatibility and shows nothing: the whole batch runs in one call into the engine.
         `priority` (vLLM's) gives one int per prompt; under ``scheduling_policy="priority"`` lower values are
         scheduled first (it changes the order of work, never a request's output).
+        `lora_request` (vLLM's) runs every prompt with one LoRA adapter, or gives one per prompt (None: the base
+        model); see `LLM`'s `enable_lora`.
         Ctrl-C (SIGINT) while it runs raises `KeyboardInterrupt` within about 50 ms plus the engine step in
         progress, and aborts every prompt of the batch (their KV blocks are freed).
         """
@@ -337,7 +412,8 @@ class LLM:
                     f"priority must be one 32-bit int per prompt ({len(token_ids)}), got {priority!r}", "priority"
                 )
             priorities = [_priority(p) for p in priorities]
-        results = self._engine.generate(token_ids, params, priorities)
+        adapters = self._adapters(len(token_ids), lora_request)
+        results = self._engine.generate(token_ids, params, priorities, adapters)
         return [
             RequestOutput(
                 request_id=str(next(_request_ids)),
@@ -359,6 +435,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Replies to one conversation (a list of messages) or to several (a list of such lists).
 
@@ -372,7 +449,7 @@ class LLM:
         (an assistant's ``tool_calls``, whose ``arguments`` may be a JSON string, and a ``tool`` message's
         ``tool_call_id``). As in vLLM, the output is the model's text: calls appear in it in the model's own
         format (``<tool_call>{...}</tool_call>`` for Qwen2.5), neither parsed nor constrained; the server's
-        chat endpoint does both.
+        chat endpoint does both. `lora_request` as in `generate`.
         """
         if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
             raise InvalidParameterError(f"use_tqdm must be a bool or a callable, got {use_tqdm!r}", "use_tqdm")
@@ -392,7 +469,8 @@ class LLM:
         # The template already wrote the special tokens; encoding must not add more.
         token_ids = [self._engine.encode(p, False) for p in prompts]
         params = self._params_for(len(token_ids), sampling_params)
-        results = self._engine.generate(token_ids, params)
+        adapters = self._adapters(len(token_ids), lora_request)
+        results = self._engine.generate(token_ids, params, None, adapters)
         return [
             RequestOutput(
                 request_id=str(next(_request_ids)),
@@ -405,13 +483,18 @@ class LLM:
         ]
 
     def generate_stream(
-        self, prompt: PromptInput, sampling_params: _native.SamplingParams | None = None, priority: int = 0
+        self,
+        prompt: PromptInput,
+        sampling_params: _native.SamplingParams | None = None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> Iterator[StreamDelta]:
-        """Yields `StreamDelta`s for one prompt as tokens are generated; `priority` as in `generate`.
+        """Yields `StreamDelta`s for one prompt as tokens are generated; `priority` and `lora_request` as in
+        `generate`.
 
         Stopping the iteration early (``break``, or closing the generator) aborts the request.
         """
-        return self._stream(self._token_ids(prompt), sampling_params, priority)
+        return self._stream(self._token_ids(prompt), sampling_params, priority, lora_request)
 
     def chat_stream(
         self,
@@ -420,17 +503,24 @@ class LLM:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> Iterator[StreamDelta]:
         """Like `chat` for one conversation (`tools` as there), yielding `StreamDelta`s as tokens are
-        generated; `priority` as in `generate`."""
+        generated; `priority` and `lora_request` as in `generate`."""
         prompt = self.apply_chat_template(messages, tools=tools)
-        return self._stream(self._engine.encode(prompt, False), sampling_params, priority)
+        return self._stream(self._engine.encode(prompt, False), sampling_params, priority, lora_request)
 
     def _stream(
-        self, token_ids: list[int], sampling_params: _native.SamplingParams | None, priority: int = 0
+        self,
+        token_ids: list[int],
+        sampling_params: _native.SamplingParams | None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> Iterator[StreamDelta]:
         (params,) = self._params_for(1, sampling_params)
-        stream = self._engine.stream(token_ids, params, _priority(priority))
+        adapters = self._adapters(1, lora_request)
+        adapter = None if adapters is None else adapters[0]
+        stream = self._engine.stream(token_ids, params, _priority(priority), adapter)
 
         def deltas() -> Iterator[StreamDelta]:
             try:
@@ -441,11 +531,15 @@ class LLM:
 
         return deltas()
 
-    def prompt_logits(self, token_ids: Sequence[int], *, step_by_step: bool = False) -> tuple[bytes, int, int]:
+    def prompt_logits(
+        self, token_ids: Sequence[int], *, step_by_step: bool = False, lora_request: LoRARequest | None = None
+    ) -> tuple[bytes, int, int]:
         """Next-token logits at every position of `token_ids`: little-endian f32 bytes, rows, vocab size.
 
-        With `step_by_step` the tokens go through the KV cache one at a time, as in decoding; otherwise in
-        one prefill. Meant for checking the model against a reference
-        (``numpy.frombuffer(b, "<f4").reshape(rows, vocab)``).
+        With `step_by_step` the tokens go through the KV cache one at a time, as in decoding (base model
+        only); otherwise in one prefill, with `lora_request`'s adapter if given. Meant for checking the model
+        against a reference (``numpy.frombuffer(b, "<f4").reshape(rows, vocab)``).
         """
-        return self._engine.prompt_logits(self._token_ids(token_ids), step_by_step)
+        adapters = self._adapters(1, lora_request)
+        adapter = None if adapters is None else adapters[0]
+        return self._engine.prompt_logits(self._token_ids(token_ids), step_by_step, adapter)
