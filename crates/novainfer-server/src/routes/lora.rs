@@ -10,6 +10,7 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
+use novainfer_engine::EngineError;
 use serde::Deserialize;
 
 use super::JsonBody;
@@ -97,7 +98,12 @@ pub async fn load(
         loras.load_as(&req.lora_name, &req.lora_path, req.load_inplace)
     })
     .await
-    .map_err(|e| ApiError::internal(format!("loading the adapter panicked: {e}")))??;
+    .map_err(|e| ApiError::internal(format!("loading the adapter panicked: {e}")))?
+    .map_err(|e| match e {
+        // The file is the client's to fix (missing, corrupt, made for another model): a 400.
+        EngineError::Model(_) => ApiError::invalid(e.to_string()).with_param("lora_path"),
+        other => other.into(),
+    })?;
     tracing::info!(lora = %name, path = %info.path.display(), rank = info.rank, model = %served.name, "LoRA adapter loaded");
     Ok(success(format!(
         "Success: LoRA adapter '{name}' added successfully."
