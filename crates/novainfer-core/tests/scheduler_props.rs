@@ -18,15 +18,18 @@
 //! scheduled in every step once the budgets cover one token per seat, so once a request
 //! heads the running order it never waits; under the priority policy, nobody is admitted
 //! while a better-ranked (aged) request of the same tenant stays waiting, except a long
-//! prompt held back by `max_long_partial_prefills`.
+//! prompt held back by `max_long_partial_prefills`, or one whose LoRA adapter has no room.
+//! Requests carry LoRA adapters (or none): the fake model's KV starts from the adapter's own
+//! seed, so KV served across adapters by the prefix cache changes the outputs; and the running
+//! requests never hold more distinct adapters than `max_loras`.
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
 
 use novainfer_core::{
-    slot_mapping, BlockId, ChunkOutput, FinishReason, Fork, KvLayout, Request, RequestId,
-    RequestKind, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput, SchedulingPolicy,
-    Tenant,
+    slot_mapping, AdapterId, BlockId, ChunkOutput, FinishReason, Fork, KvLayout, Request,
+    RequestId, RequestKind, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput,
+    SchedulingPolicy, Tenant,
 };
 use proptest::prelude::*;
 
@@ -38,6 +41,11 @@ fn mix(x: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
+}
+
+/// The "KV" before position 0: the adapter's (a different adapter is a different model).
+fn seed(adapter: Option<AdapterId>) -> u64 {
+    adapter.map_or(0, |a| mix(a.0 ^ 0x10ca))
 }
 
 /// KV of position `pos` given the KV of `pos - 1` (or a seed at 0).
@@ -62,6 +70,7 @@ struct Arrival {
     kind: RequestKind,
     priority: i32,
     tenant: u64,
+    adapter: Option<AdapterId>,
 }
 
 #[derive(Debug, Clone)]
@@ -82,6 +91,7 @@ struct Workload {
     /// Most draft tokens proposed per decode (0: no speculation), and a seed for them.
     max_draft: usize,
     draft_seed: u64,
+    max_loras: Option<usize>,
     prefixes: Vec<Vec<u32>>,
     arrivals: Vec<Arrival>,
 }
@@ -124,6 +134,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                     1usize..=8,
                     prop_oneof![Just(0usize), 1usize..=5],
                     any::<u64>(),
+                    proptest::option::of(1usize..=2),
                 ),
                 proptest::collection::vec(proptest::collection::vec(0u32..VOCAB as u32, 40), 3),
                 proptest::collection::vec(arrival(), 1..=16),
@@ -139,7 +150,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 mns,
                 pc,
                 (th, mp, mlp, ms),
-                (policy, aging_steps, max_draft, draft_seed),
+                (policy, aging_steps, max_draft, draft_seed, max_loras),
                 prefixes,
                 arrivals,
             )| {
@@ -160,6 +171,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                     aging_steps,
                     max_draft,
                     draft_seed,
+                    max_loras,
                     prefixes,
                     arrivals,
                 }
@@ -182,7 +194,11 @@ fn arrival() -> impl Strategy<Value = Arrival> {
             1 => Just(RequestKind::Embed),
             1 => Just(RequestKind::ScorePrompt)
         ],
-        (-2i32..=2, 0u64..3),
+        (
+            -2i32..=2,
+            0u64..3,
+            prop_oneof![3 => Just(None), 1 => (1u64..=3).prop_map(|a| Some(AdapterId(a)))],
+        ),
     )
         .prop_map(
             |(
@@ -195,7 +211,7 @@ fn arrival() -> impl Strategy<Value = Arrival> {
                 abort_after,
                 n,
                 kind,
-                (priority, tenant),
+                (priority, tenant, adapter),
             )| {
                 Arrival {
                     step,
@@ -210,14 +226,15 @@ fn arrival() -> impl Strategy<Value = Arrival> {
                     kind,
                     priority,
                     tenant,
+                    adapter,
                 }
             },
         )
 }
 
 /// The "KV" at every position of `prompt` computed alone.
-fn prompt_kv(prompt: &[u32]) -> Vec<u64> {
-    let mut kv = 0;
+fn prompt_kv(prompt: &[u32], adapter: Option<AdapterId>) -> Vec<u64> {
+    let mut kv = seed(adapter);
     prompt
         .iter()
         .enumerate()
@@ -240,7 +257,7 @@ fn oracle(
         return (Vec::new(), FinishReason::Ignored);
     }
     let mut tokens = prompt.to_vec();
-    let mut kv = 0;
+    let mut kv = seed(a.adapter);
     let mut computed = 0;
     loop {
         for (pos, &t) in tokens.iter().enumerate().skip(computed) {
@@ -286,7 +303,7 @@ impl FakeModel {
             let bs = self.block_size;
             let slots = slot_mapping(&s.block_table, s.start_position, s.token_ids.len(), bs);
             let mut prev = match s.start_position {
-                0 => 0,
+                0 => seed(s.adapter),
                 p => {
                     let slot = s.block_table[(p - 1) / bs].index() * bs + (p - 1) % bs;
                     let (pos, kv) = self.slots[slot].expect("reading a slot never written");
@@ -339,8 +356,8 @@ impl FakeModel {
 
     /// A draft for a request whose tokens so far are `history`: each token the model's true
     /// continuation or noise, by `rng`.
-    fn draft(history: &[u32], len: usize, rng: &mut u64) -> Vec<u32> {
-        let mut kv = 0;
+    fn draft(history: &[u32], adapter: Option<AdapterId>, len: usize, rng: &mut u64) -> Vec<u32> {
+        let mut kv = seed(adapter);
         for (pos, &t) in history.iter().enumerate() {
             kv = kv_at(kv, t, pos);
         }
@@ -409,6 +426,7 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
         .max_long_partial_prefills(w.max_long_partial)
         .policy(w.policy)
         .priority_aging_steps(w.aging_steps)
+        .max_loras(w.max_loras)
         .build()
         .expect("the strategy only makes valid configs");
     let mut sched = Scheduler::new(cfg);
@@ -443,7 +461,9 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
             .with_eos_token_ids(vec![EOS])
             .with_ignore_eos(a.ignore_eos)
         };
-        r.with_priority(a.priority).with_tenant(tenant)
+        r.with_priority(a.priority)
+            .with_tenant(tenant)
+            .with_adapter(a.adapter)
     };
     // Under the priority policy, a request's rank (aged priority, arrival): one level is worth
     // `aging_steps` steps of arrival, so the rank of two requests never changes with time.
@@ -505,6 +525,18 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
         let running_before: Vec<RequestId> = sched.running_ids().to_vec();
         let out = sched.schedule();
         prop_assert!(out.num_batched_tokens <= w.max_num_batched_tokens);
+        let (running_adapters, _) = sched.adapters_in_use();
+        if let Some(max) = w.max_loras {
+            prop_assert!(
+                running_adapters.len() <= max,
+                "more adapters running than max_loras"
+            );
+        }
+        // A waiting request whose adapter found no room this step.
+        let held_by_adapter = |r: &Request| {
+            r.adapter.is_some_and(|a| !running_adapters.contains(&a))
+                && w.max_loras.is_some_and(|m| running_adapters.len() >= m)
+        };
         // The bound: the head of the running order never waits a step.
         if w.max_num_batched_tokens >= w.max_num_seqs && w.max_scored >= w.max_num_seqs {
             if let Some(head) = sched.running_ids().first() {
@@ -529,7 +561,7 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
                     });
                     if o.tenant == a.tenant && still_waiting && rank(o) < rank(a) {
                         prop_assert!(
-                            is_held_long(o),
+                            is_held_long(o) || held_by_adapter(o),
                             "{} admitted before better-ranked {}",
                             id,
                             other
@@ -623,7 +655,8 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
             for id in sched.running_ids().to_vec() {
                 draft_rng = mix(draft_rng ^ id.0);
                 let len = (draft_rng % (w.max_draft as u64 + 1)) as usize;
-                let draft = FakeModel::draft(&history[&id], len, &mut draft_rng);
+                let adapter = sched.request(id).and_then(|r| r.adapter);
+                let draft = FakeModel::draft(&history[&id], adapter, len, &mut draft_rng);
                 sched.set_draft(id, draft);
             }
         }
@@ -634,7 +667,7 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
                 let (i, k) = origin(id);
                 let a = &w.arrivals[i];
                 if a.kind.is_prefill_only() {
-                    let kv = prompt_kv(&prompts[i]);
+                    let kv = prompt_kv(&prompts[i], a.adapter);
                     let fits = !kv.is_empty() && kv.len() <= w.max_model_len;
                     prop_assert_eq!(h, &prompts[i], "a prefill-only request got tokens");
                     match finished[&id] {
