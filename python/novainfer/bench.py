@@ -27,6 +27,8 @@
 - ``serve``: the HTTP server under a bounded streaming chat load (see `bench_serve`).
 - ``llama-cpp``: NovaInfer and llama.cpp's own bench tools side by side on one GGUF, point by point, each in a
   fresh process with its peak RSS (see `bench_llama_cpp`).
+- ``lora``: decode speed with LoRA adapters against the base model, at batch 1 and over many requests on
+  several adapters (see `bench_lora`).
 
 Prompts are fixed pseudo-random token ids (a seeded LCG), so runs are comparable across machines.
 """
@@ -207,18 +209,22 @@ BENCH_SCHEMA = {
 }
 
 
-def _decode_speed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, float]:
+def _decode_speed(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, adapters: list[str] | None = None
+) -> tuple[float, float]:
     """Decode speed of `prompts` run together: tokens after each stream's first, over the time from the first
     stream's first token to the last stream's end (the short prompts are computed before any decoding).
     Returns (tok/s, CPU ms per token): the process's CPU time (all threads) over the same window, which other
-    programs on a shared machine disturb much less than the wall clock."""
+    programs on a shared machine disturb much less than the wall clock. `adapters`: per prompt, a loaded LoRA
+    adapter's name."""
     import threading
 
     firsts: list[tuple[float, float]] = []
     ends: list[tuple[float, float]] = []
     counts: list[int] = []
     lock = threading.Lock()
-    streams = [llm._engine.stream(p, params) for p in prompts]
+    names = adapters or [None] * len(prompts)
+    streams = [llm._engine.stream(p, params, 0, a) for p, a in zip(prompts, names)]
 
     def clocks() -> tuple[float, float]:
         return time.perf_counter(), time.process_time()
@@ -290,6 +296,7 @@ MODES: dict[str, str] = {
     "serve": "the HTTP server under a bounded streaming chat load (latency percentiles)",
     "soak": "the server under aborts, bad requests and faults for --duration s, then a leak check",
     "llama-cpp": "NovaInfer beside llama.cpp's bench tools (--llama-cpp BIN_DIR) on one GGUF",
+    "lora": "decode with LoRA adapters vs the base model: batch 1, and --num-requests over --lora-adapters",
 }
 
 
@@ -323,6 +330,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     prefix.add_argument("--output-tokens", type=int, default=16, help="prefix: tokens generated per request")
     p.add_argument("--requantize-q5-0", action="store_true", help="re-encode Q5_0 GGUF tensors as Q8_0")
     from .bench_llama_cpp import add_llama_cpp_args
+    from .bench_lora import add_lora_args
     from .bench_serve import add_serve_args
     from .bench_soak import add_soak_args
     from .bench_speculative import add_speculative_args
@@ -331,6 +339,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     add_soak_args(p.add_argument_group("soak"))
     add_speculative_args(p.add_argument_group("speculative (--llama-cpp also compares llama.cpp's lookup)"))
     add_llama_cpp_args(p.add_argument_group("llama-cpp"))
+    add_lora_args(p.add_argument_group("lora (also --num-requests, --prompt-tokens, --decode-tokens, --repeat)"))
 
 
 def run_bench(llm: LLM, args: argparse.Namespace, make_llm: Callable[..., LLM] | None = None) -> int:

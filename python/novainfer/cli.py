@@ -217,6 +217,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .bench_soak import run_bench_soak
 
             return run_bench_soak(args)
+        if args.mode == "lora":
+            from .bench_lora import run_bench_lora
+
+            return run_bench_lora(
+                _llm(args, enable_lora=True, max_loras=max(args.lora_adapters, len(args.lora or [])),
+                     max_lora_rank=max(args.lora_rank, 64) if args.lora else args.lora_rank),
+                args,
+            )
         if args.mode == "speculative":
             from .bench_speculative import run_bench_speculative
 

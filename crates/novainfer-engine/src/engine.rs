@@ -253,6 +253,8 @@ pub struct Frontend {
     grammars: Arc<GrammarCompiler>,
     /// The LoRA adapters requests may name (empty, and refusing loads, when LoRA is off).
     loras: Arc<LoraRegistry>,
+    /// The model's shape (what adapters are checked against).
+    model_config: Arc<Qwen2Config>,
 }
 
 impl Frontend {
@@ -263,6 +265,11 @@ impl Frontend {
     /// The LoRA adapters of this engine.
     pub fn loras(&self) -> &Arc<LoraRegistry> {
         &self.loras
+    }
+
+    /// The model's hyper-parameters.
+    pub fn model_config(&self) -> &Qwen2Config {
+        &self.model_config
     }
 
     pub fn max_model_len(&self) -> usize {
@@ -446,7 +453,15 @@ impl LoadedEngine {
         };
         let executor = weights.into_executor(num_blocks, scheduler.block_size())?;
         let loras = lora_registry(cfg, executor.as_ref())?;
-        let frontend = Frontend::new(tokenizer, chat_template, vocab_size, max_model_len, loras);
+        let model_config = executor.config().clone();
+        let frontend = Frontend::new(
+            tokenizer,
+            chat_template,
+            vocab_size,
+            max_model_len,
+            loras,
+            model_config,
+        );
         Ok(Self {
             executor,
             device: resolved,
@@ -673,6 +688,7 @@ impl Frontend {
         vocab_size: usize,
         max_model_len: usize,
         loras: LoraRegistry,
+        model_config: Qwen2Config,
     ) -> Self {
         let tokenizer = Arc::new(tokenizer);
         let grammars = {
@@ -688,6 +704,7 @@ impl Frontend {
             vocab_size,
             max_model_len,
             loras: Arc::new(loras),
+            model_config: Arc::new(model_config),
         }
     }
 }

@@ -242,6 +242,26 @@ impl PyEngine {
         Ok(info.rank)
     }
 
+    /// The model's shape: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+    /// num_key_value_heads, head_dim, vocab_size.
+    #[getter]
+    fn model_config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.handle.frontend().model_config();
+        let d = PyDict::new(py);
+        for (key, value) in [
+            ("hidden_size", c.hidden_size),
+            ("intermediate_size", c.intermediate_size),
+            ("num_hidden_layers", c.num_hidden_layers),
+            ("num_attention_heads", c.num_attention_heads),
+            ("num_key_value_heads", c.num_key_value_heads),
+            ("head_dim", c.head_dim()),
+            ("vocab_size", c.vocab_size),
+        ] {
+            d.set_item(key, value)?;
+        }
+        Ok(d)
+    }
+
     /// Forgets adapter `name`; requests running on it finish with it.
     fn unload_lora(&self, name: &str) -> PyResult<()> {
         self.handle

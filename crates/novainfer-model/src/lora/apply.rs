@@ -4,23 +4,27 @@
 //!   rows:      [ a a a | - | b | a | - - ]      a, b: adapters, -: base model
 //!   groups:    a → rows {0,1,2, 5}, b → {4}
 //!   per group: xg = x[rows]             gathered (skipped when the rows are contiguous)
-//!              t  = xg · Aᵀ             [m, r]
-//!              y[rows] += t · Bᵀ        [m, out]  (B carries the scale)
+//!              t  = xg · Aᵀ             [m, r]   one dot per element
+//!              y[rows] += t · Bᵀ        r passes of y_row += t[j] · Bᵀ[j] (B carries the scale)
 //! ```
-//! Every element is one [`dot`] over a fixed length in a fixed order, the same kernel
-//! [`matmul_f32_into`] uses, so a row's update never depends on which other rows (or
-//! adapters) share its batch: batch invariance holds with adapters as without.
+//! Each element of `t` is one [`dot`] over a fixed length (the kernel of the dense matmul);
+//! each element of `y` adds its `r` terms in order `j = 0..r`. Neither depends on how
+//! the work is split or on which other rows (or adapters) share the batch, so batch
+//! invariance holds with adapters as without.
 
 use std::ops::Range;
 
-use super::{AdapterRef, Target};
+use super::{AdapterRef, Target, Weights};
 use crate::forward_batch::SeqSpan;
-use crate::layers::dense::matmul_f32_into;
-use crate::layers::ops::dot;
+use crate::layers::parallel::SharedOut;
 
-/// Products smaller than this many multiply-adds run on the calling thread: handing them
-/// to the pool costs more (a fork and a join) than the arithmetic.
-const INLINE_MACS: usize = 1 << 16;
+/// Phases smaller than this many multiply-adds run on the calling thread: handing them to
+/// the pool costs more (a fork and a join) than the arithmetic.
+const INLINE_MACS: usize = 1 << 14;
+/// Most projections sharing one input (q, k and v).
+const MAX_TARGETS: usize = 3;
+/// Output columns per work item of a pooled `Bᵀ` update.
+const UPDATE_COLS: usize = 256;
 
 /// The rows of one forward pass that run with each adapter, in first-appearance order.
 #[derive(Default)]
@@ -74,13 +78,43 @@ impl AdapterGroups {
 /// Buffers of [`add_updates`], kept between calls.
 #[derive(Default)]
 pub struct LoraScratch {
+    /// The rows of groups whose rows are not contiguous in the batch, gathered.
     gathered: Vec<f32>,
+    /// Per group: where its input rows start (in `x`, or in `gathered`).
+    inputs: Vec<Input>,
+    /// `x Aᵀ` of every job, one after another (`[rows, rank]` each).
     low: Vec<f32>,
-    update: Vec<f32>,
+    jobs: Vec<Job>,
 }
+
+#[derive(Clone, Copy)]
+enum Input {
+    /// Row `r` of the batch onwards (the group's rows are contiguous).
+    Batch(usize),
+    /// Row `r` of `gathered` onwards.
+    Gathered(usize),
+}
+
+/// One (group, target) product of an [`add_updates`] call.
+#[derive(Clone, Copy)]
+struct Job {
+    group: usize,
+    /// Index into the call's `targets`.
+    target: usize,
+    /// Where its `x Aᵀ` starts in `low`.
+    low_at: usize,
+}
+
+/// Activation rows, and rows of `A`, per work item of the `x Aᵀ` phase.
+const ROW_TILE: usize = 32;
+const RANK_CHUNK: usize = 4;
 
 /// Adds every group's update of `targets` in layer `layer` to `outs` (one per target, each
 /// `[rows, out]`); the targets share the input `x: [rows, in_features]`.
+///
+/// Two phases, each one hand-off to the pool at most (small ones stay on this thread): every
+/// group's `t = x Aᵀ` for every target, then every `y += t Bᵀ`, split by output columns so
+/// that each slice of a `Bᵀ` is streamed once by one thread whatever the number of groups.
 pub fn add_updates(
     groups: &AdapterGroups,
     layer: usize,
@@ -92,53 +126,272 @@ pub fn add_updates(
 ) {
     let LoraScratch {
         gathered,
+        inputs,
         low,
-        update,
+        jobs,
     } = scratch;
-    for g in &groups.groups {
+    let pair = |job: &Job| {
+        groups.groups[job.group]
+            .adapter
+            .layer(layer)
+            .get(targets[job.target])
+            .expect("jobs are made for present targets")
+    };
+    gathered.clear();
+    inputs.clear();
+    jobs.clear();
+    let mut low_len = 0;
+    for (gi, g) in groups.groups.iter().enumerate() {
         let lora = g.adapter.layer(layer);
-        if targets.iter().all(|&t| lora.get(t).is_none()) {
-            continue;
-        }
-        let input: &[f32] = match g.ranges.as_slice() {
-            [one] => &x[one.start * in_features..one.end * in_features],
+        inputs.push(match g.ranges.as_slice() {
+            [one] => Input::Batch(one.start),
             many => {
-                gathered.clear();
+                let at = gathered.len() / in_features;
                 for r in many {
                     gathered.extend_from_slice(&x[r.start * in_features..r.end * in_features]);
                 }
-                gathered
+                Input::Gathered(at)
             }
+        });
+        for (ti, &t) in targets.iter().enumerate() {
+            if let Some(p) = lora.get(t) {
+                jobs.push(Job {
+                    group: gi,
+                    target: ti,
+                    low_at: low_len,
+                });
+                low_len += g.num_rows * p.rank;
+            }
+        }
+    }
+    if jobs.is_empty() {
+        return;
+    }
+    low.clear();
+    low.resize(low_len, 0.0);
+
+    // Phase 1: t = x Aᵀ, items are (job, tile of rows, chunk of A's rows): a decode row's
+    // product is split too, so both threads stream A.
+    let tiles = |job: &Job| {
+        groups.groups[job.group].num_rows.div_ceil(ROW_TILE) * pair(job).rank.div_ceil(RANK_CHUNK)
+    };
+    let a_macs: usize = jobs
+        .iter()
+        .map(|j| groups.groups[j.group].num_rows * pair(j).rank * in_features)
+        .sum();
+    let low_out = SharedOut::new(low);
+    let (gathered, inputs, jobs) = (&*gathered, &*inputs, &*jobs);
+    let a_item = |job: &Job, item: usize| {
+        let p = pair(job);
+        let chunks = p.rank.div_ceil(RANK_CHUNK);
+        let (tile, chunk) = (item / chunks, item % chunks);
+        let rows = tile * ROW_TILE..((tile + 1) * ROW_TILE).min(groups.groups[job.group].num_rows);
+        let ranks = chunk * RANK_CHUNK..((chunk + 1) * RANK_CHUNK).min(p.rank);
+        let src = match inputs[job.group] {
+            Input::Batch(r) => &x[r * in_features..],
+            Input::Gathered(r) => &gathered[r * in_features..],
         };
-        for (&target, y) in targets.iter().zip(outs.iter_mut()) {
-            let Some(pair) = lora.get(target) else {
-                continue;
-            };
-            let out_features = pair.b.len() / pair.rank;
-            // update = (input Aᵀ) Bᵀ
-            matmul(input, g.num_rows, &pair.a, pair.rank, in_features, low);
-            matmul(low, g.num_rows, &pair.b, out_features, pair.rank, update);
-            let mut i = 0;
-            for r in &g.ranges {
-                let dst = &mut y[r.start * out_features..r.end * out_features];
-                let src = &update[i * out_features..(i + r.len()) * out_features];
-                dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
-                i += r.len();
+        for i in rows {
+            // SAFETY: each item owns its (rows × ranks) cells of its job's section of `low`.
+            let d = unsafe { low_out.range(job.low_at + i * p.rank + ranks.start, ranks.len()) };
+            let xi = &src[i * in_features..(i + 1) * in_features];
+            for (v, j) in d.iter_mut().zip(ranks.clone()) {
+                let row = j * in_features..(j + 1) * in_features;
+                *v = p.scale
+                    * match &p.a {
+                        Weights::F32(a) => dot(xi, &a[row]),
+                        Weights::Bf16(a) => dot(xi, &a[row]),
+                    };
             }
+        }
+    };
+    if a_macs < INLINE_MACS {
+        for job in jobs {
+            (0..tiles(job)).for_each(|t| a_item(job, t));
+        }
+    } else {
+        let items: usize = jobs.iter().map(tiles).sum();
+        candle_core::utils::barrier_pool().execute_chunked(items, |range| {
+            for item in range {
+                let (mut job, mut tile) = (0, item);
+                while tile >= tiles(&jobs[job]) {
+                    tile -= tiles(&jobs[job]);
+                    job += 1;
+                }
+                a_item(&jobs[job], tile);
+            }
+        });
+    }
+
+    // Phase 2: y += t Bᵀ, items are (target, chunk of output columns) over every group.
+    let low: &[f32] = low;
+    let out_of = |ti: usize| {
+        jobs.iter()
+            .find(|j| j.target == ti)
+            .map(|j| pair(j).out_features())
+    };
+    let b_macs: usize = jobs
+        .iter()
+        .map(|j| groups.groups[j.group].num_rows * pair(j).bt.len())
+        .sum();
+    assert!(
+        outs.len() <= MAX_TARGETS,
+        "at most {MAX_TARGETS} targets share an input"
+    );
+    let mut ys: [Option<SharedOut>; MAX_TARGETS] = [None; MAX_TARGETS];
+    for (slot, y) in ys.iter_mut().zip(outs.iter_mut()) {
+        *slot = Some(SharedOut::new(y));
+    }
+    let b_item = |ti: usize, cols: Range<usize>| {
+        for job in jobs.iter().filter(|j| j.target == ti) {
+            let p = pair(job);
+            let g = &groups.groups[job.group];
+            let out = p.out_features();
+            let y = ys[ti].expect("one output per target");
+            let rows = g.ranges.iter().flat_map(|r| r.clone());
+            for (i, row) in rows.enumerate() {
+                // SAFETY: `row` lies in the target's output (its ranges come from the batch's
+                // spans) and `cols` in `0..out`; items own disjoint columns of a target, and a
+                // row belongs to one group.
+                let dst = unsafe { y.range(row * out + cols.start, cols.len()) };
+                let t = &low[job.low_at + i * p.rank..job.low_at + (i + 1) * p.rank];
+                for (j, &tj) in t.iter().enumerate() {
+                    let w = j * out + cols.start..j * out + cols.end;
+                    match &p.bt {
+                        Weights::F32(bt) => axpy(dst, tj, &bt[w]),
+                        Weights::Bf16(bt) => axpy(dst, tj, &bt[w]),
+                    }
+                }
+            }
+        }
+    };
+    if b_macs < INLINE_MACS {
+        for ti in 0..targets.len() {
+            if let Some(out) = out_of(ti) {
+                b_item(ti, 0..out);
+            }
+        }
+        return;
+    }
+    let chunks: Vec<usize> = (0..targets.len())
+        .map(|ti| out_of(ti).map_or(0, |out| out.div_ceil(UPDATE_COLS)))
+        .collect();
+    let items: usize = chunks.iter().sum();
+    candle_core::utils::barrier_pool().execute_chunked(items, |range| {
+        for item in range {
+            let (mut ti, mut chunk) = (0, item);
+            while chunk >= chunks[ti] {
+                chunk -= chunks[ti];
+                ti += 1;
+            }
+            let out = out_of(ti).expect("chunks exist for present targets");
+            b_item(
+                ti,
+                chunk * UPDATE_COLS..((chunk + 1) * UPDATE_COLS).min(out),
+            );
+        }
+    });
+}
+
+/// A stored weight: f32, or bf16 bits (widened exactly by a shift).
+trait Elem: Copy {
+    fn f32(self) -> f32;
+    /// Eight consecutive weights from `p` as f32 lanes.
+    ///
+    /// # Safety
+    /// `p..p + 8` must be readable.
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self
+    }
+
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller guarantees eight readable values.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+}
+
+impl Elem for u16 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        f32::from_bits(u32::from(self) << 16)
+    }
+
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees eight readable values (16 bytes).
+        unsafe {
+            let bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast::<__m128i>()));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(bits))
         }
     }
 }
 
-/// `y = x Wᵀ` (`x: [rows, k]`, `w: [n, k]`): [`matmul_f32_into`], or the same dots on this
-/// thread when the product is small.
-fn matmul(x: &[f32], rows: usize, w: &[f32], n: usize, k: usize, y: &mut Vec<f32>) {
-    if rows * n * k >= INLINE_MACS {
-        return matmul_f32_into(x, rows, w, n, k, y);
-    }
-    y.clear();
-    for xi in x.chunks_exact(k).take(rows) {
-        y.extend(w.chunks_exact(k).take(n).map(|wj| dot(xi, wj)));
-    }
+/// `Σ a[i] · w[i]` over four 8-lane accumulators reduced in a fixed order, so the result
+/// never depends on batch composition. Written with intrinsics: the compiler vectorised the
+/// portable form two lanes wide here. Not inlined, so every caller runs the same code.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+#[inline(never)]
+fn dot<W: Elem>(a: &[f32], w: &[W]) -> f32 {
+    use std::arch::x86_64::*;
+    const STEP: usize = 32;
+    let w = &w[..a.len()];
+    let split = a.len() / STEP * STEP;
+    // SAFETY: AVX2 and FMA are enabled at compile time (cfg above); every load reads
+    // `i..i + 8` with `i + 32 <= split <= a.len() == w.len()`.
+    let main = unsafe {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let (pa, pw) = (a.as_ptr(), w.as_ptr());
+        let mut i = 0;
+        while i < split {
+            for (k, acc) in acc.iter_mut().enumerate() {
+                let at = i + 8 * k;
+                *acc = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(at)), W::load8(pw.add(at)), *acc);
+            }
+            i += STEP;
+        }
+        let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
+        ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
+            + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
+    };
+    let tail: f32 = a[split..]
+        .iter()
+        .zip(&w[split..])
+        .map(|(x, y)| x * y.f32())
+        .sum();
+    main + tail
+}
+
+/// The portable form of the dot above (other targets).
+#[cfg(not(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+)))]
+#[inline(never)]
+fn dot<W: Elem>(a: &[f32], w: &[W]) -> f32 {
+    a.iter().zip(&w[..a.len()]).map(|(x, y)| x * y.f32()).sum()
+}
+
+/// `dst += t · w`, element by element.
+#[inline]
+fn axpy<W: Elem>(dst: &mut [f32], t: f32, w: &[W]) {
+    dst.iter_mut().zip(w).for_each(|(d, &b)| *d += t * b.f32());
 }
 
 #[cfg(test)]
@@ -147,7 +400,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::lora::{AdapterId, LayerLora, LoraAdapter, LoraPair};
+    use crate::lora::{AdapterId, LayerLora, LoraAdapter, LoraPair, Weights};
 
     fn data(len: usize, seed: u64) -> Vec<f32> {
         let mut state = seed
@@ -168,8 +421,9 @@ mod tests {
         let mut layer = LayerLora::default();
         layer.0[target.index()] = Some(LoraPair {
             rank: r,
-            a: data(r * inp, id * 2),
-            b: data(out * r, id * 2 + 1),
+            scale: 0.5,
+            a: Weights::F32(data(r * inp, id * 2)),
+            bt: Weights::F32(data(r * out, id * 2 + 1)),
         });
         AdapterRef(Arc::new(LoraAdapter {
             id: AdapterId(id),
@@ -199,13 +453,13 @@ mod tests {
             let low: Vec<f64> = (0..p.rank)
                 .map(|j| {
                     (0..inp)
-                        .map(|i| f64::from(p.a[j * inp + i]) * f64::from(x[row * inp + i]))
+                        .map(|i| f64::from(p.a.get(j * inp + i)) * f64::from(x[row * inp + i]))
                         .sum()
                 })
                 .collect();
             for o in 0..n {
                 out[row * n + o] += (0..p.rank)
-                    .map(|j| f64::from(p.b[o * p.rank + j]) * low[j])
+                    .map(|j| f64::from(p.scale) * f64::from(p.bt.get(j * n + o)) * low[j])
                     .sum::<f64>();
             }
         }
@@ -285,18 +539,87 @@ mod tests {
     }
 
     #[test]
-    fn inline_and_pooled_products_agree_bit_for_bit() {
-        let (rows, n, k) = (3, 70, 400); // above INLINE_MACS
-        assert!(rows * n * k >= INLINE_MACS);
-        let x = data(rows * k, 1);
-        let w = data(n * k, 2);
-        let mut pooled = Vec::new();
-        matmul(&x, rows, &w, n, k, &mut pooled);
-        let mut inline = Vec::new();
-        for xi in x.chunks_exact(k) {
-            inline.extend(w.chunks_exact(k).map(|wj| dot(xi, wj)));
+    fn inline_and_pooled_updates_agree_bit_for_bit() {
+        // Prefill-sized (pooled) and one row at a time (inline) give the same bits.
+        let (inp, out, rows, r) = (64, 1000, 40, 4);
+        assert!(rows * r * out >= INLINE_MACS && r * out < INLINE_MACS && r * inp < INLINE_MACS);
+        let a = adapter(5, Target::Gate, out, inp, r);
+        let x = data(rows * inp, 3);
+        let mut groups = AdapterGroups::default();
+        groups.build(&[span(0, rows, Some(&a))]);
+        let mut all = vec![0.5; rows * out];
+        let mut scratch = LoraScratch::default();
+        add_updates(
+            &groups,
+            0,
+            &[Target::Gate],
+            &x,
+            inp,
+            &mut [&mut all],
+            &mut scratch,
+        );
+        for row in 0..rows {
+            let mut one = vec![0.5; out];
+            groups.build(&[span(0, 1, Some(&a))]);
+            let xr = &x[row * inp..(row + 1) * inp];
+            add_updates(
+                &groups,
+                0,
+                &[Target::Gate],
+                xr,
+                inp,
+                &mut [&mut one],
+                &mut scratch,
+            );
+            assert_eq!(one, all[row * out..(row + 1) * out], "row {row}");
         }
-        assert_eq!(pooled, inline);
+    }
+
+    #[test]
+    fn bf16_weights_give_the_bits_of_the_same_values_in_f32() {
+        let (inp, out, rows) = (40, 300, 3);
+        let round = |w: &Weights| match w {
+            Weights::F32(v) => v
+                .iter()
+                .map(|x| f32::from_bits(x.to_bits() & 0xffff_0000))
+                .collect(),
+            Weights::Bf16(_) => unreachable!(),
+        };
+        let f = adapter(9, Target::Up, out, inp, 8);
+        let p = f.layer(0).get(Target::Up).expect("present");
+        let (a, bt): (Vec<f32>, Vec<f32>) = (round(&p.a), round(&p.bt));
+        let make = |bf16: bool| {
+            let mut layer = LayerLora::default();
+            layer.0[Target::Up.index()] = Some(LoraPair {
+                rank: 8,
+                scale: 0.5,
+                a: Weights::new(a.clone(), bf16),
+                bt: Weights::new(bt.clone(), bf16),
+            });
+            AdapterRef(Arc::new(LoraAdapter {
+                id: AdapterId(10 + u64::from(bf16)),
+                name: "r".into(),
+                source: Path::new("mem").to_owned(),
+                rank: 8,
+                layers: vec![layer],
+            }))
+        };
+        let (wide, narrow) = (make(false), make(true));
+        assert!(matches!(
+            narrow.layer(0).get(Target::Up).map(|p| &p.a),
+            Some(Weights::Bf16(_))
+        ));
+        let x = data(rows * inp, 4);
+        let run = |ad: &AdapterRef| {
+            let mut groups = AdapterGroups::default();
+            groups.build(&[span(0, rows, Some(ad))]);
+            let mut y = vec![1.0; rows * out];
+            let mut s = LoraScratch::default();
+            add_updates(&groups, 0, &[Target::Up], &x, inp, &mut [&mut y], &mut s);
+            y
+        };
+        assert_eq!(run(&wide), run(&narrow));
+        assert!(wide.weight_bytes() == 2 * narrow.weight_bytes());
     }
 
     #[test]

@@ -103,18 +103,20 @@ pub(super) fn load(path: &Path) -> Result<Vec<RawPair>> {
             }
             (None, None) => unreachable!("an entry is made with one half"),
         };
-        let mut read = |name: &str| -> Result<(Vec<usize>, Vec<f32>)> {
+        let mut read = |name: &str| -> Result<(Vec<usize>, Vec<f32>, bool)> {
             let q = content
                 .tensor(&mut file, name, &Device::Cpu)
                 .map_err(|e| corrupt(format!("tensor `{name}`: {e}")))?;
+            let bf16 = q.dtype() == candle_core::quantized::GgmlDType::BF16;
             let t = q.dequantize(&Device::Cpu)?;
-            Ok((t.dims().to_vec(), t.flatten_all()?.to_vec1::<f32>()?))
+            Ok((t.dims().to_vec(), t.flatten_all()?.to_vec1::<f32>()?, bf16))
         };
-        let (a_shape, a) = read(&a_name)?;
-        let (b_shape, b) = read(&b_name)?;
+        let (a_shape, a, a_bf16) = read(&a_name)?;
+        let (b_shape, b, b_bf16) = read(&b_name)?;
         out.push(RawPair {
             layer,
             target,
+            bf16: a_bf16 && b_bf16,
             a_name,
             a_shape,
             a,

@@ -115,19 +115,75 @@ impl Target {
     }
 }
 
-/// One projection's update: `y += (x Aᵀ) Bᵀ`, the scale already in `B`.
+/// An adapter matrix, exactly as its file holds it: bf16 files stay bf16 (half the bytes a
+/// decode step streams, converted in registers), every other type is held as f32 (f16 and
+/// quantized GGUF types widen exactly). Never rounded to a narrower type than the file's.
+#[derive(Clone)]
+pub enum Weights {
+    F32(Vec<f32>),
+    /// bf16 bit patterns.
+    Bf16(Vec<u16>),
+}
+
+impl Weights {
+    /// `values`, kept as bf16 when `bf16` says they all are (their low 16 bits are zero).
+    fn new(values: Vec<f32>, bf16: bool) -> Self {
+        if bf16 && values.iter().all(|v| v.to_bits() & 0xffff == 0) {
+            Weights::Bf16(values.iter().map(|v| (v.to_bits() >> 16) as u16).collect())
+        } else {
+            Weights::F32(values)
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Weights::F32(w) => w.len(),
+            Weights::Bf16(w) => w.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Weights::F32(w) => std::mem::size_of_val(w.as_slice()),
+            Weights::Bf16(w) => std::mem::size_of_val(w.as_slice()),
+        }
+    }
+
+    /// Element `i` as f32.
+    #[cfg(test)]
+    fn get(&self, i: usize) -> f32 {
+        match self {
+            Weights::F32(w) => w[i],
+            Weights::Bf16(w) => f32::from_bits(u32::from(w[i]) << 16),
+        }
+    }
+}
+
+/// One projection's update: `y += scale · (x Aᵀ) Bᵀ`.
 #[derive(Clone)]
 pub struct LoraPair {
     rank: usize,
+    /// `lora_alpha / r` (or `/ √r`), applied to `x Aᵀ` so both matrices stay as stored.
+    scale: f32,
     /// `[rank, in]`, row-major.
-    a: Vec<f32>,
-    /// `[out, rank]`, row-major, times the adapter's scale.
-    b: Vec<f32>,
+    a: Weights,
+    /// `Bᵀ`: `[rank, out]`, row-major. Transposed so that applying it is `rank` passes over
+    /// contiguous rows of `out` values (see [`apply`]), not `out` dot products of length `rank`.
+    bt: Weights,
 }
 
 impl LoraPair {
     pub fn rank(&self) -> usize {
         self.rank
+    }
+
+    /// Output features of the projection.
+    fn out_features(&self) -> usize {
+        self.bt.len() / self.rank
     }
 }
 
@@ -264,10 +320,17 @@ impl LoraAdapter {
             if slot.is_some() {
                 return Err(err(p.a_name, "appears twice".into()));
             }
+            let mut bt = vec![0f32; rank * out];
+            for (o, row) in p.b.chunks_exact(rank).enumerate() {
+                for (j, &v) in row.iter().enumerate() {
+                    bt[j * out + o] = v;
+                }
+            }
             *slot = Some(LoraPair {
                 rank,
-                a: p.a,
-                b: p.b.into_iter().map(|v| v * scale).collect(),
+                scale,
+                a: Weights::new(p.a, p.bf16),
+                bt: Weights::new(bt, p.bf16),
             });
             max_rank = max_rank.max(rank);
         }
@@ -307,7 +370,7 @@ impl LoraAdapter {
         self.layers
             .iter()
             .flat_map(|l| l.0.iter().flatten())
-            .map(|p| (p.a.len() + p.b.len()) * std::mem::size_of::<f32>())
+            .map(|p| p.a.bytes() + p.bt.bytes())
             .sum()
     }
 }
@@ -342,6 +405,8 @@ struct RawPair {
     b_name: String,
     b_shape: Vec<usize>,
     b: Vec<f32>,
+    /// Both matrices are bf16 in the file (and are kept so).
+    bf16: bool,
     scale: Scale,
 }
 

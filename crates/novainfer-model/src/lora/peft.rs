@@ -173,6 +173,7 @@ fn pairs(
         out.push(RawPair {
             layer,
             target,
+            bf16: a.1.dtype() == DType::BF16 && b.1.dtype() == DType::BF16,
             a_shape: a.1.dims().to_vec(),
             a: to_f32(&a.1)?,
             a_name: a.0,
