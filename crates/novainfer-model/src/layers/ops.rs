@@ -132,31 +132,109 @@ impl RopeAngles {
     }
 }
 
-/// Dot product with 32 independent accumulators (four AVX registers, enough to
-/// hide FMA latency), so the compiler vectorises it and the summation order is
-/// fixed: the result never depends on batch composition.
-#[inline]
+/// Dot product over four 8-lane accumulators reduced in a fixed order, so the result never
+/// depends on batch composition. With AVX2/FMA (the wheel's x86-64-v3 baseline) it is
+/// written with intrinsics: the portable 32-lane form this replaced compiled to two-lane
+/// SSE operations with spills, a quarter of the machine's width. Not inlined, so every
+/// caller (the dense matmul, LoRA, the reference attention) runs the same code.
+#[inline(never)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    const LANES: usize = 32;
-    let mut acc = [0f32; LANES];
-    let split = a.len() / LANES * LANES;
-    let (a_main, a_rest) = a.split_at(split);
-    let (b_main, b_rest) = b[..a.len()].split_at(split);
-    for (x, y) in a_main.chunks_exact(LANES).zip(b_main.chunks_exact(LANES)) {
-        for l in 0..LANES {
-            acc[l] += x[l] * y[l];
+    dot_with(a, b)
+}
+
+/// A stored weight a [`dot_with`] reads: f32, or bf16 bits (widened exactly by a shift).
+pub trait DotElem: Copy {
+    fn to_f32(self) -> f32;
+    /// Eight consecutive values from `p` as f32 lanes.
+    ///
+    /// # Safety
+    /// `p..p + 8` must be readable.
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl DotElem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller guarantees eight readable values.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+}
+
+impl DotElem for u16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits(u32::from(self) << 16)
+    }
+
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees eight readable values (16 bytes).
+        unsafe {
+            let bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast::<__m128i>()));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(bits))
         }
     }
-    let tail: f32 = a_rest.iter().zip(b_rest).map(|(x, y)| x * y).sum();
-    // Pairwise reduction of the lanes, in a fixed order.
-    let mut width = LANES / 2;
-    while width > 0 {
-        for l in 0..width {
-            acc[l] += acc[l + width];
+}
+
+/// [`dot`] of f32 activations with weights of any [`DotElem`] type.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+#[inline(always)]
+pub fn dot_with<W: DotElem>(a: &[f32], w: &[W]) -> f32 {
+    use std::arch::x86_64::*;
+    const STEP: usize = 32;
+    let w = &w[..a.len()];
+    let split = a.len() / STEP * STEP;
+    // SAFETY: AVX2 and FMA are enabled at compile time (cfg above); every load reads
+    // `i..i + 8` with `i + 32 <= split <= a.len() == w.len()`.
+    let main = unsafe {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let (pa, pw) = (a.as_ptr(), w.as_ptr());
+        let mut i = 0;
+        while i < split {
+            for (k, acc) in acc.iter_mut().enumerate() {
+                let at = i + 8 * k;
+                *acc = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(at)), W::load8(pw.add(at)), *acc);
+            }
+            i += STEP;
         }
-        width /= 2;
-    }
-    acc[0] + tail
+        let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let mut l = [0f32; 8];
+        _mm256_storeu_ps(l.as_mut_ptr(), sum);
+        ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
+    };
+    let tail: f32 = a[split..]
+        .iter()
+        .zip(&w[split..])
+        .map(|(x, y)| x * y.to_f32())
+        .sum();
+    main + tail
+}
+
+/// The portable [`dot_with`] (targets without AVX2/FMA), in one fixed order.
+#[cfg(not(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+)))]
+#[inline(always)]
+pub fn dot_with<W: DotElem>(a: &[f32], w: &[W]) -> f32 {
+    a.iter()
+        .zip(&w[..a.len()])
+        .map(|(x, y)| x * y.to_f32())
+        .sum()
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ use std::ops::Range;
 
 use super::{AdapterRef, Target, Weights};
 use crate::forward_batch::SeqSpan;
+use crate::layers::ops::{dot_with, DotElem};
 use crate::layers::parallel::SharedOut;
 
 /// Phases smaller than this many multiply-adds run on the calling thread: handing them to
@@ -293,105 +294,19 @@ pub fn add_updates(
     });
 }
 
-/// A stored weight: f32, or bf16 bits (widened exactly by a shift).
-trait Elem: Copy {
-    fn f32(self) -> f32;
-    /// Eight consecutive weights from `p` as f32 lanes.
-    ///
-    /// # Safety
-    /// `p..p + 8` must be readable.
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
-    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
-}
-
-impl Elem for f32 {
-    #[inline(always)]
-    fn f32(self) -> f32 {
-        self
-    }
-
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
-    #[inline(always)]
-    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
-        // SAFETY: the caller guarantees eight readable values.
-        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
-    }
-}
-
-impl Elem for u16 {
-    #[inline(always)]
-    fn f32(self) -> f32 {
-        f32::from_bits(u32::from(self) << 16)
-    }
-
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
-    #[inline(always)]
-    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller guarantees eight readable values (16 bytes).
-        unsafe {
-            let bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast::<__m128i>()));
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(bits))
-        }
-    }
-}
-
-/// `Σ a[i] · w[i]` over four 8-lane accumulators reduced in a fixed order, so the result
-/// never depends on batch composition. Written with intrinsics: the compiler vectorised the
-/// portable form two lanes wide here. Not inlined, so every caller runs the same code.
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-))]
+/// `Σ a[i] · w[i]`: the dense matmul's kernel, over either weight type; not inlined, so
+/// every caller runs the same code.
 #[inline(never)]
-fn dot<W: Elem>(a: &[f32], w: &[W]) -> f32 {
-    use std::arch::x86_64::*;
-    const STEP: usize = 32;
-    let w = &w[..a.len()];
-    let split = a.len() / STEP * STEP;
-    // SAFETY: AVX2 and FMA are enabled at compile time (cfg above); every load reads
-    // `i..i + 8` with `i + 32 <= split <= a.len() == w.len()`.
-    let main = unsafe {
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let (pa, pw) = (a.as_ptr(), w.as_ptr());
-        let mut i = 0;
-        while i < split {
-            for (k, acc) in acc.iter_mut().enumerate() {
-                let at = i + 8 * k;
-                *acc = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(at)), W::load8(pw.add(at)), *acc);
-            }
-            i += STEP;
-        }
-        let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
-        ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
-            + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
-    };
-    let tail: f32 = a[split..]
-        .iter()
-        .zip(&w[split..])
-        .map(|(x, y)| x * y.f32())
-        .sum();
-    main + tail
-}
-
-/// The portable form of the dot above (other targets).
-#[cfg(not(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-)))]
-#[inline(never)]
-fn dot<W: Elem>(a: &[f32], w: &[W]) -> f32 {
-    a.iter().zip(&w[..a.len()]).map(|(x, y)| x * y.f32()).sum()
+fn dot<W: DotElem>(a: &[f32], w: &[W]) -> f32 {
+    dot_with(a, w)
 }
 
 /// `dst += t · w`, element by element.
 #[inline]
-fn axpy<W: Elem>(dst: &mut [f32], t: f32, w: &[W]) {
-    dst.iter_mut().zip(w).for_each(|(d, &b)| *d += t * b.f32());
+fn axpy<W: DotElem>(dst: &mut [f32], t: f32, w: &[W]) {
+    dst.iter_mut()
+        .zip(w)
+        .for_each(|(d, &b)| *d += t * b.to_f32());
 }
 
 #[cfg(test)]
