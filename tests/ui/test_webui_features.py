@@ -637,3 +637,34 @@ def test_math_renders_as_mathml(ui_page: Page, shot) -> None:
     # MathML is laid out by the browser: the fraction is taller than a line of text.
     assert body.locator("math[display='block']").bounding_box()["height"] > 30
     shot(page, "math")
+
+
+# ------------------------------------------------------------------ LoRA adapters
+
+
+def test_the_model_picker_offers_lora_adapters(ui_context, tiny_models, tmp_path) -> None:
+    """A served LoRA adapter is in the model list, marked as an adapter of its model; choosing it sends its name
+    as `model` and the reply streams like any other."""
+    from harness import start_server
+    from tiny_lora import write_peft_adapter
+
+    adapter, _ = write_peft_adapter(tmp_path / "tune", seed=7)
+    srv = start_server(tiny_models["f32"], tmp_path / "server.log", extra_args=("--lora-modules", f"tune={adapter}"))
+    try:
+        page = ui_context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda err: errors.append(str(err)))
+        page.goto(srv.url + "/")
+        page.wait_for_selector("#prompt")
+        bodies = chat_bodies(page)
+        open_settings(page)
+        expect(page.locator("#set-model option")).to_have_text([srv.model, f"tune (LoRA adapter of {srv.model})"])
+        page.select_option("#set-model", "tune")
+        page.get_by_role("button", name="Save").click()
+        send(page, "hi")
+        wait_idle(page)
+        assert bodies[-1]["model"] == "tune"
+        expect(assistant(page)).not_to_be_empty()
+        assert not errors, errors
+    finally:
+        srv.stop()

@@ -613,6 +613,7 @@ function init() {
     await loadModels();
     settingsDialog.open(current().settings, modelIds(), opener, {
       modelsError: state.modelsError, info: modelInfo(modelOf(current())), prefs: state.prefs,
+      parents: Object.fromEntries(state.models.filter((m) => m.parent).map((m) => [m.id, m.parent])),
     });
   });
   renderAll({ toEnd: true });

@@ -106,15 +106,19 @@ export class SettingsDialog {
 
   /**
    * Opens the dialog for `settings`, offering `models` (ids) and keeping an unknown current one.
-   * `info`: the model's /server_info entry (limits and features) or null.
+   * `info`: the model's /server_info entry (limits and features) or null. `parents`: for each
+   * LoRA adapter among `models`, the model it adapts (its /v1/models card's `parent`).
    */
-  open(settings, models, opener, { modelsError = null, info = null, prefs = {} } = {}) {
+  open(settings, models, opener, { modelsError = null, info = null, prefs = {}, parents = {} } = {}) {
     this.opener = opener;
     const select = this.$('set-model');
     const ids = [...models];
     if (settings.model && !ids.includes(settings.model)) ids.push(settings.model);
-    select.replaceChildren(...ids.map((id) => h('option', { value: id },
-      models.includes(id) ? id : `${id} (not served now)`)));
+    const label = (id) => {
+      if (!models.includes(id)) return `${id} (not served now)`;
+      return parents[id] ? `${id} (LoRA adapter of ${parents[id]})` : id;
+    };
+    select.replaceChildren(...ids.map((id) => h('option', { value: id }, label(id))));
     this.$('set-model-note').textContent = modelsError ? `Could not load the model list: ${modelsError}` : '';
     // max_tokens cannot exceed the context the model has.
     if (info?.max_model_len) this.$('set-max-tokens').max = String(info.max_model_len); else this.$('set-max-tokens').removeAttribute('max');
