@@ -289,6 +289,7 @@ mod tests {
             parent: None,
             token_ids: k.token_ids.to_vec(),
             block_size: 1,
+            lora_id: None,
         };
         assert_eq!(
             pool.take_events(),

@@ -22,6 +22,8 @@ pub enum KvEvent {
         /// `block_size` tokens per block, concatenated.
         token_ids: Vec<u32>,
         block_size: usize,
+        /// The LoRA adapter whose KV the blocks hold (`None`: the base model's).
+        lora_id: Option<u64>,
     },
     /// Cached blocks whose content is gone (evicted to hold other tokens).
     BlockRemoved { block_hashes: Vec<BlockHash> },
@@ -56,14 +58,18 @@ impl KvEventLog {
             return;
         };
         let block_size = key.token_ids.len();
+        // The only extra key today is a request's adapter id (`Request::cache_keys`).
+        let lora = key.extra_keys.first().copied();
         if let Some(KvEvent::BlockStored {
             block_hashes,
             token_ids,
             block_size: size,
+            lora_id,
             ..
         }) = events.last_mut()
         {
             if *size == block_size
+                && *lora_id == lora
                 && key.parent.is_some()
                 && block_hashes.last() == key.parent.as_ref()
             {
@@ -77,6 +83,7 @@ impl KvEventLog {
             parent: key.parent,
             token_ids: key.token_ids.to_vec(),
             block_size,
+            lora_id: lora,
         });
     }
 
@@ -146,12 +153,14 @@ mod tests {
                     parent: None,
                     token_ids: vec![1, 2, 3, 4],
                     block_size: 2,
+                    lora_id: None,
                 },
                 KvEvent::BlockStored {
                     block_hashes: vec![other],
                     parent: None,
                     token_ids: vec![9, 9],
                     block_size: 2,
+                    lora_id: None,
                 },
                 KvEvent::BlockRemoved {
                     block_hashes: vec![h0, h1]
@@ -161,5 +170,28 @@ mod tests {
         );
         assert!(log.take().is_empty(), "taking empties the log");
         assert!(log.is_enabled());
+    }
+
+    #[test]
+    fn an_adapters_blocks_carry_its_id() {
+        let mut log = KvEventLog::default();
+        log.enable();
+        let key = |parent, tokens: &'static [u32], extra: &'static [u64]| BlockKey {
+            parent,
+            token_ids: tokens,
+            extra_keys: extra,
+        };
+        log.stored(BlockHash(1), &key(None, &[1, 2], &[7]));
+        log.stored(BlockHash(2), &key(Some(BlockHash(1)), &[3, 4], &[7]));
+        log.stored(BlockHash(3), &key(None, &[1, 2], &[]));
+        let ids: Vec<Option<u64>> = log
+            .take()
+            .iter()
+            .map(|e| match e {
+                KvEvent::BlockStored { lora_id, .. } => *lora_id,
+                _ => unreachable!("only stores were logged"),
+            })
+            .collect();
+        assert_eq!(ids, vec![Some(7), None]);
     }
 }

@@ -414,11 +414,11 @@ mod tests {
                 engine: Some(engine),
                 kv_config: &crate::models::KvConfig {
                     layout: "block",
-                    max_loras: 0,
                     block_size: 16,
                     dtype: "f16",
                     prefix_caching: true,
                 },
+                max_loras: 0,
             }],
         );
         for line in [

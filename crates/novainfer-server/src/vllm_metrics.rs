@@ -293,6 +293,10 @@ mod tests {
                 max_loras: 0,
             }],
         );
+        assert!(
+            !out.contains("vllm:lora_requests_info{"),
+            "no LoRA, no series"
+        );
         let l = "model_name=\"m\",engine=\"0\"";
         for line in [
             format!("vllm:num_requests_running{{{l}}} 3"),
@@ -313,5 +317,44 @@ mod tests {
         ] {
             assert!(out.lines().any(|x| x == line), "missing {line:?} in\n{out}");
         }
+    }
+
+    #[test]
+    fn lora_requests_info_names_the_running_and_waiting_adapters() {
+        let metrics = ModelMetrics::default();
+        let kv_config = KvConfig {
+            layout: "block",
+            block_size: 16,
+            dtype: "f16",
+            prefix_caching: true,
+        };
+        let engine = EngineStats {
+            running_adapters: vec!["sql".into(), "docs".into()],
+            waiting_adapters: vec!["chat".into()],
+            ..EngineStats::default()
+        };
+        let mut out = String::new();
+        render(
+            &mut out,
+            &[ModelSnapshot {
+                name: "m",
+                metrics: &metrics,
+                engine: Some(engine),
+                kv_config: &kv_config,
+                max_loras: 2,
+            }],
+        );
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("vllm:lora_requests_info{"))
+            .expect("the series is rendered");
+        assert!(
+            line.starts_with(
+                "vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"sql,docs\",\
+                 waiting_lora_adapters=\"chat\",model_name=\"m\",engine=\"0\"} "
+            ),
+            "{line}"
+        );
+        assert!(out.contains("# TYPE vllm:lora_requests_info gauge"));
     }
 }

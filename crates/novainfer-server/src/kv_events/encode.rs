@@ -6,7 +6,7 @@
 //! ```text
 //! batch:            [ts: float64, [event, ...], data_parallel_rank: 0]
 //! BlockStored:      {"type": "BlockStored", "block_hashes": [hash, ...], "parent_block_hash": hash | nil,
-//!                    "token_ids": [id, ...], "block_size": n, "lora_id": nil, "medium": nil, "lora_name": nil}
+//!                    "token_ids": [id, ...], "block_size": n, "lora_id": id or nil, "medium": nil, "lora_name": nil}
 //!                   ["BlockStored", [hash, ...], parent | nil, [id, ...], n, nil, nil, nil]
 //! BlockRemoved:     {"type": "BlockRemoved", "block_hashes": [hash, ...], "medium": nil}
 //!                   ["BlockRemoved", [hash, ...], nil]
@@ -80,6 +80,7 @@ fn write_batch(
                 parent,
                 token_ids,
                 block_size,
+                lora_id,
             } => {
                 start_event(out, encoding, "BlockStored", 8)?;
                 key(out, encoding, "block_hashes")?;
@@ -98,8 +99,15 @@ fn write_batch(
                 }
                 key(out, encoding, "block_size")?;
                 encode::write_uint(out, *block_size as u64)?;
-                // No LoRA, and the engine's one pool.
-                for name in ["lora_id", "medium", "lora_name"] {
+                key(out, encoding, "lora_id")?;
+                match lora_id {
+                    Some(id) => {
+                        encode::write_uint(out, *id)?;
+                    }
+                    None => nil(out)?,
+                }
+                // The engine's one pool; adapter names are not known in the core.
+                for name in ["medium", "lora_name"] {
                     key(out, encoding, name)?;
                     nil(out)?;
                 }
@@ -177,6 +185,7 @@ mod tests {
                 parent: None,
                 token_ids: vec![1, 300],
                 block_size: 1,
+                lora_id: None,
             },
             KvEvent::BlockRemoved {
                 block_hashes: vec![BlockHash(7)],
