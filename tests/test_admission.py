@@ -23,12 +23,15 @@ from test_server import KV, assert_openai_error, post_json
 #: A running stream's largest inter-token gap while embedding batches run beside it may be at most this many
 #: single-input embedding requests (each timed alone first, HTTP round trip included) plus GAP_SLACK_S: with
 #: a step budget of STEP_BUDGET tokens (about one input), a step holds the stream's token and at most one
-#: input's worth of embedding work. The large batch takes far longer than that bound (checked), so running it
+#: input's worth of embedding work. The large batches take far longer than that bound (checked), so running them
 #: in one go, or all queued inputs between two steps, would fail the test.
 GAP_FORWARDS = 4
 STEP_BUDGET = "512"
 GAP_SLACK_S = 0.1
 LARGE_BATCH = 128
+#: Large batches sent at once: one alone (158 ms on a 2-core Zen 4 since the dense matmul runs 8 lanes wide)
+#: no longer takes twice the bound, and a request may hold at most 128 inputs.
+LARGE_REQUESTS = 4
 EMBEDDERS = 4
 
 #: A long ordinary-token text for the tiny byte-level vocabulary (about 500 tokens).
@@ -67,7 +70,8 @@ def embed(server, inputs: list[str]):
 
 
 def test_embeddings_beside_a_stream_do_not_stall_it(tiny_models):
-    args = tiny(tiny_models, "--max-concurrent-embeddings", str(EMBEDDERS + 1), "--max-num-batched-tokens", STEP_BUDGET)
+    pool = str(EMBEDDERS + LARGE_REQUESTS)
+    args = tiny(tiny_models, "--max-concurrent-embeddings", pool, "--max-num-batched-tokens", STEP_BUDGET)
     with ServerProcess(args) as server:
         embed(server, distinct(1))  # warm up
         started = time.monotonic()
@@ -79,16 +83,16 @@ def test_embeddings_beside_a_stream_do_not_stall_it(tiny_models):
         stop = threading.Event()
 
         def large_batch() -> None:
-            t0 = time.monotonic()
             results.append(embed(server, distinct(LARGE_BATCH))[0])
-            large.append(time.monotonic() - t0)
+            large.append(time.monotonic())
 
         def embedder() -> None:
             while not stop.is_set():
                 results.append(embed(server, distinct(4))[0])
 
-        threads = [threading.Thread(target=large_batch)]
+        threads = [threading.Thread(target=large_batch) for _ in range(LARGE_REQUESTS)]
         threads += [threading.Thread(target=embedder) for _ in range(EMBEDDERS)]
+        t0 = time.monotonic()
         for t in threads:
             t.start()
         try:
@@ -99,11 +103,13 @@ def test_embeddings_beside_a_stream_do_not_stall_it(tiny_models):
             for t in threads:
                 t.join()
         bound = GAP_FORWARDS * one_forward + GAP_SLACK_S
-        print(f"one embedding request of one input {one_forward * 1e3:.1f} ms; the {LARGE_BATCH}-input batch "
-              f"{large[0] * 1e3:.0f} ms; stream gaps beside: median {statistics.median(gaps) * 1e3:.1f} ms, "
-              f"max {max(gaps) * 1e3:.1f} ms (bound {bound * 1e3:.0f} ms); {len(results)} batches")
+        large_s = max(large) - t0
+        print(f"one embedding request of one input {one_forward * 1e3:.1f} ms; {LARGE_REQUESTS} batches of "
+              f"{LARGE_BATCH} inputs {large_s * 1e3:.0f} ms; stream gaps beside: median "
+              f"{statistics.median(gaps) * 1e3:.1f} ms, max {max(gaps) * 1e3:.1f} ms (bound {bound * 1e3:.0f} ms); "
+              f"{len(results)} batches")
         assert max(gaps) < bound
-        assert large[0] > 2 * bound, "the large batch is too quick to tell interleaving from not"
+        assert large_s > 2 * bound, "the large batches are too quick to tell interleaving from not"
         assert results and set(results) == {200}
         server.wait_idle("tiny")
 

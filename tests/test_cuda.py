@@ -225,3 +225,20 @@ def test_demo_greedy_chat_agrees_with_the_cpu_engine(gpu, demo_gguf):
             disagreements=disagreements)
     assert len(disagreements) <= 2, disagreements
     assert all(d["cpu_margin_nats"] < NEAR_TIE_NATS for d in disagreements), disagreements
+
+
+def test_lora_runs_on_the_cpu_until_the_gpu_executor_has_it(gpu, gpu_models, tmp_path):
+    # The CUDA executor refuses adapters (issue 34's GPU half): auto moves to the CPU, an explicit GPU is refused.
+    from tiny_lora import write_peft_adapter
+    from tiny_qwen2 import tiny_config
+
+    from novainfer import InvalidParameterError, LoRARequest
+
+    path, _ = write_peft_adapter(tmp_path / "a", seed=3, model_config=tiny_config(head_dim=64))
+    auto = LLM(gpu_models["f32"], enable_lora=True)
+    assert auto.device == "cpu"
+    out = auto.generate([1, 2, 3], SamplingParams(max_tokens=4), lora_request=LoRARequest("a", 1, str(path)))
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(InvalidParameterError) as e:
+        LLM(gpu_models["f32"], device="cuda", enable_lora=True)
+    assert e.value.param == "enable_lora"

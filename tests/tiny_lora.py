@@ -95,12 +95,13 @@ def write_peft_adapter(
     dtype: str = "f32",
     config_extra: dict | None = None,
     layers: tuple[int, ...] | None = None,
+    model_config: dict | None = None,
 ) -> tuple[Path, dict[str, np.ndarray]]:
-    """A PEFT adapter directory and the deltas it applies. `dtype` "bf16" stores the tensors as bf16 (the deltas
-    are then those of the rounded values)."""
+    """A PEFT adapter directory and the deltas it applies, for a model of `model_config` (default the tiny
+    model's). `dtype` "bf16" stores the tensors as bf16 (the deltas are then those of the rounded values)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    weights = lora_weights(targets=targets, rank=rank, seed=seed, layers=layers)
+    weights = lora_weights(targets=targets, rank=rank, seed=seed, layers=layers, config=model_config)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

@@ -482,7 +482,7 @@ fn lora_registry(cfg: &EngineConfig, executor: &dyn Executor) -> Result<LoraRegi
     };
     if !executor.supports_adapters() {
         return Err(ModelError::Unsupported {
-            what: "LoRA adapters".into(),
+            what: "serving LoRA adapters".into(),
             device: executor.device().to_string(),
         }
         .into());
@@ -552,6 +552,20 @@ fn resolve_device(cfg: &EngineConfig) -> Result<Resolved> {
             .into());
         }
         resolved = on_the_cpu(&format!("kv_cache_dtype=\"{dtype}\" runs on the CPU only"));
+    }
+    if resolved.device != novainfer_model::Device::Cpu && cfg.lora.is_some() {
+        if cfg.device != DeviceChoice::Auto {
+            return Err(ParamError::new(
+                "enable_lora",
+                format!(
+                    "LoRA adapters run on the CPU only for now; turn LoRA off on {}, or use \
+                     device=\"cpu\"",
+                    resolved.device
+                ),
+            )
+            .into());
+        }
+        resolved = on_the_cpu("LoRA adapters run on the CPU only for now");
     }
     Ok(resolved)
 }

@@ -376,7 +376,7 @@ impl Executor for CudaExecutor {
     fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput> {
         if batch.seqs.iter().any(|s| s.adapter.is_some()) {
             return Err(ModelError::Unsupported {
-                what: "LoRA adapters".into(),
+                what: "serving LoRA adapters".into(),
                 device: self.device().to_string(),
             });
         }
