@@ -5,7 +5,7 @@
 //!   groups:    a → rows {0,1,2, 5}, b → {4}
 //!   per group: xg = x[rows]             gathered (skipped when the rows are contiguous)
 //!              t  = xg · Aᵀ             [m, r]   one dot per element
-//!              y[rows] += t · Bᵀ        r passes of y_row += t[j] · Bᵀ[j] (B carries the scale)
+//!              y[rows] += t · Bᵀ        y_row[c] += Σ_j t[j] · Bᵀ[j, c], j in order (t carries the scale)
 //! ```
 //! Each element of `t` is one [`dot`] over a fixed length (the kernel of the dense matmul);
 //! each element of `y` adds its `r` terms in order `j = 0..r`. Neither depends on how
@@ -256,12 +256,9 @@ pub fn add_updates(
                 // row belongs to one group.
                 let dst = unsafe { y.range(row * out + cols.start, cols.len()) };
                 let t = &low[job.low_at + i * p.rank..job.low_at + (i + 1) * p.rank];
-                for (j, &tj) in t.iter().enumerate() {
-                    let w = j * out + cols.start..j * out + cols.end;
-                    match &p.bt {
-                        Weights::F32(bt) => axpy(dst, tj, &bt[w]),
-                        Weights::Bf16(bt) => axpy(dst, tj, &bt[w]),
-                    }
+                match &p.bt {
+                    Weights::F32(bt) => add_rank_update(dst, t, bt, out, cols.start),
+                    Weights::Bf16(bt) => add_rank_update(dst, t, bt, out, cols.start),
                 }
             }
         }
@@ -301,12 +298,71 @@ fn dot<W: DotElem>(a: &[f32], w: &[W]) -> f32 {
     dot_with(a, w)
 }
 
-/// `dst += t · w`, element by element.
-#[inline]
-fn axpy<W: DotElem>(dst: &mut [f32], t: f32, w: &[W]) {
-    dst.iter_mut()
-        .zip(w)
-        .for_each(|(d, &b)| *d += t * b.to_f32());
+/// `dst[c] += Σ_j t[j] · Bᵀ[j, col0 + c]`, `Bᵀ` rows `out` apart. Each element takes its `r`
+/// terms as fused multiply-adds in order `j = 0..r`, whichever lanes or tail it falls in (the
+/// tail uses `mul_add`, the same single rounding), so the result does not depend on how the
+/// columns were split. Blocks of 32 columns stay in registers across all `j`: per term one
+/// weight load, not a load and a store of `dst` too.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+#[inline(never)]
+fn add_rank_update<W: DotElem>(dst: &mut [f32], t: &[f32], bt: &[W], out: usize, col0: usize) {
+    use std::arch::x86_64::*;
+    let n = dst.len();
+    let main = n / 32 * 32;
+    assert!(
+        t.is_empty() || (t.len() - 1) * out + col0 + n <= bt.len(),
+        "rank update beyond Bᵀ: this is a bug"
+    );
+    let mut c = 0;
+    while c < main {
+        // SAFETY: AVX2/FMA are enabled at compile time; `dst[c..c + 32]` is in bounds
+        // (`c + 32 <= main <= n`) and every weight read `j * out + col0 + c + 8k .. + 8` lies
+        // within row j's `col0..col0 + n` part of `Bᵀ` (asserted above).
+        unsafe {
+            let d = dst.as_mut_ptr().add(c);
+            let mut acc = [
+                _mm256_loadu_ps(d),
+                _mm256_loadu_ps(d.add(8)),
+                _mm256_loadu_ps(d.add(16)),
+                _mm256_loadu_ps(d.add(24)),
+            ];
+            for (j, &tj) in t.iter().enumerate() {
+                let tv = _mm256_set1_ps(tj);
+                let w = bt.as_ptr().add(j * out + col0 + c);
+                for (k, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(tv, W::load8(w.add(8 * k)), *a);
+                }
+            }
+            for (k, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(d.add(8 * k), *a);
+            }
+        }
+        c += 32;
+    }
+    for (c, d) in dst.iter_mut().enumerate().skip(main) {
+        for (j, &tj) in t.iter().enumerate() {
+            *d = tj.mul_add(bt[j * out + col0 + c].to_f32(), *d);
+        }
+    }
+}
+
+/// The portable [`add_rank_update`] (targets without AVX2/FMA), in the same order.
+#[cfg(not(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+)))]
+#[inline(never)]
+fn add_rank_update<W: DotElem>(dst: &mut [f32], t: &[f32], bt: &[W], out: usize, col0: usize) {
+    for (c, d) in dst.iter_mut().enumerate() {
+        for (j, &tj) in t.iter().enumerate() {
+            *d = tj.mul_add(bt[j * out + col0 + c].to_f32(), *d);
+        }
+    }
 }
 
 #[cfg(test)]
