@@ -276,7 +276,8 @@ impl LoraAdapter {
         let mut max_rank = 0;
         for p in parts {
             let (out, inp) = p.target.shape(cfg);
-            let rank = p.a_shape[0];
+            // A malformed file may hold a scalar: its rank is 0, refused below.
+            let rank = p.a_shape.first().copied().unwrap_or(0);
             if p.layer >= cfg.num_hidden_layers {
                 return Err(err(
                     p.a_name,
@@ -438,5 +439,92 @@ impl Eq for AdapterRef {}
 impl fmt::Debug for AdapterRef {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "AdapterRef({} {:?})", self.0.id, self.0.name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> Qwen2Config {
+        Qwen2Config {
+            vocab_size: 32,
+            hidden_size: 8,
+            intermediate_size: 16,
+            num_hidden_layers: 2,
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            max_position_embeddings: 64,
+            rope_theta: 1e4,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: false,
+            torch_dtype: None,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        }
+    }
+
+    fn pair(layer: usize, a_shape: Vec<usize>, b_shape: Vec<usize>) -> RawPair {
+        let (a, b) = (a_shape.iter().product(), b_shape.iter().product());
+        RawPair {
+            layer,
+            target: Target::Up,
+            a_name: "A".into(),
+            a_shape,
+            a: vec![0.5; a],
+            b_name: "B".into(),
+            b_shape,
+            b: vec![0.25; b],
+            bf16: false,
+            scale: Scale::Alpha {
+                alpha: 8.0,
+                rs: false,
+            },
+        }
+    }
+
+    fn load(parts: Vec<RawPair>) -> Result<LoraAdapter> {
+        let limits = AdapterLimits { max_rank: 4 };
+        LoraAdapter::from_parts(Path::new("x"), AdapterId(1), "x", &cfg(), limits, parts)
+    }
+
+    fn field(r: Result<LoraAdapter>) -> String {
+        match r {
+            Err(ModelError::Adapter { field, .. }) => field,
+            other => panic!("expected an adapter error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn malformed_updates_are_errors_naming_the_tensor_not_panics() {
+        assert_eq!(field(load(vec![pair(0, vec![], vec![16, 2])])), "A");
+        assert_eq!(field(load(vec![pair(0, vec![0, 8], vec![16, 0])])), "A");
+        assert_eq!(field(load(vec![pair(0, vec![2, 8], vec![16, 3])])), "B");
+        assert_eq!(field(load(vec![pair(5, vec![2, 8], vec![16, 2])])), "A");
+        assert_eq!(field(load(vec![pair(0, vec![8, 8], vec![16, 8])])), "r");
+        assert_eq!(field(load(Vec::new())), "tensors");
+        let twice = vec![
+            pair(0, vec![2, 8], vec![16, 2]),
+            pair(0, vec![2, 8], vec![16, 2]),
+        ];
+        assert_eq!(field(load(twice)), "A");
+    }
+
+    #[test]
+    fn the_scale_follows_the_rank_and_b_is_transposed() {
+        let a = load(vec![pair(1, vec![2, 8], vec![16, 2])]).expect("valid");
+        let p = a.layer(1).get(Target::Up).expect("present");
+        assert_eq!((p.rank, p.scale, p.out_features()), (2, 4.0, 16));
+        assert!(a.layer(0).get(Target::Up).is_none());
+        assert_eq!(a.weight_bytes(), (2 * 8 + 2 * 16) * 4);
+        assert_eq!(
+            Scale::Alpha {
+                alpha: 16.0,
+                rs: true
+            }
+            .of(16),
+            4.0
+        );
+        assert_eq!(Scale::Fixed(1.0).of(7), 1.0);
     }
 }

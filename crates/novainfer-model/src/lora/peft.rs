@@ -154,6 +154,15 @@ fn pairs(
             .entry((layer, target.index()))
             .or_insert((target, None, None));
         let half = if is_a { &mut entry.1 } else { &mut entry.2 };
+        if let Some((other, _)) = half {
+            // `lora_A.weight` beside `lora_A.<adapter>.weight`: two adapters in one file.
+            return Err(err(
+                &name,
+                format!(
+                    "adapts the same projection as `{other}`: the file holds more than one adapter"
+                ),
+            ));
+        }
         *half = Some((name, tensor));
     }
     let mut out = Vec::with_capacity(found.len());
