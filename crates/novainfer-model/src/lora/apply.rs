@@ -173,7 +173,7 @@ pub fn add_updates(
 
     // Phase 1: t = x Aᵀ, items are (job, tile of rows, chunk of A's rows): a decode row's
     // product is split too, so both threads stream A.
-    let tiles = |job: &Job| {
+    let a_items = |job: &Job| {
         groups.groups[job.group].num_rows.div_ceil(ROW_TILE) * pair(job).rank.div_ceil(RANK_CHUNK)
     };
     let a_macs: usize = jobs
@@ -208,15 +208,15 @@ pub fn add_updates(
     };
     if a_macs < INLINE_MACS {
         for job in jobs {
-            (0..tiles(job)).for_each(|t| a_item(job, t));
+            (0..a_items(job)).for_each(|t| a_item(job, t));
         }
     } else {
-        let items: usize = jobs.iter().map(tiles).sum();
+        let items: usize = jobs.iter().map(a_items).sum();
         candle_core::utils::barrier_pool().execute_chunked(items, |range| {
             for item in range {
                 let (mut job, mut tile) = (0, item);
-                while tile >= tiles(&jobs[job]) {
-                    tile -= tiles(&jobs[job]);
+                while tile >= a_items(&jobs[job]) {
+                    tile -= a_items(&jobs[job]);
                     job += 1;
                 }
                 a_item(&jobs[job], tile);
@@ -389,12 +389,19 @@ mod tests {
 
     /// An adapter of one layer with `target` of shape `[out, in]` at rank `r`.
     fn adapter(id: u64, target: Target, out: usize, inp: usize, r: usize) -> AdapterRef {
+        let a = Weights::F32(data(r * inp, id * 2));
+        let bt = Weights::F32(data(r * out, id * 2 + 1));
+        one_pair(id, target, r, a, bt)
+    }
+
+    /// Adapter `id` of one layer whose only update is `target`'s `(a, bt)` at rank `r`.
+    fn one_pair(id: u64, target: Target, r: usize, a: Weights, bt: Weights) -> AdapterRef {
         let mut layer = LayerLora::default();
         layer.0[target.index()] = Some(LoraPair {
             rank: r,
             scale: 0.5,
-            a: Weights::F32(data(r * inp, id * 2)),
-            bt: Weights::F32(data(r * out, id * 2 + 1)),
+            a,
+            bt,
         });
         AdapterRef(Arc::new(LoraAdapter {
             id: AdapterId(id),
@@ -560,20 +567,11 @@ mod tests {
         let p = f.layer(0).get(Target::Up).expect("present");
         let (a, bt): (Vec<f32>, Vec<f32>) = (round(&p.a), round(&p.bt));
         let make = |bf16: bool| {
-            let mut layer = LayerLora::default();
-            layer.0[Target::Up.index()] = Some(LoraPair {
-                rank: 8,
-                scale: 0.5,
-                a: Weights::new(a.clone(), bf16),
-                bt: Weights::new(bt.clone(), bf16),
-            });
-            AdapterRef(Arc::new(LoraAdapter {
-                id: AdapterId(10 + u64::from(bf16)),
-                name: "r".into(),
-                source: Path::new("mem").to_owned(),
-                rank: 8,
-                layers: vec![layer],
-            }))
+            let (a, bt) = (
+                Weights::new(a.clone(), bf16),
+                Weights::new(bt.clone(), bf16),
+            );
+            one_pair(10 + u64::from(bf16), Target::Up, 8, a, bt)
         };
         let (wide, narrow) = (make(false), make(true));
         assert!(matches!(

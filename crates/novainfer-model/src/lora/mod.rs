@@ -5,7 +5,7 @@
 //! the model per adapter and forbid mixing adapters in a batch, so the update is applied
 //! beside the base product instead (Punica / S-LoRA): `y += s · (x Aᵀ) Bᵀ` on the rows of the
 //! requests that use the adapter ([`apply`]). The scale `s` (`lora_alpha / r`, or
-//! `lora_alpha / √r` for rsLoRA) is folded into `B` at load.
+//! `lora_alpha / √r` for rsLoRA) multiplies `x Aᵀ`, so both matrices stay exactly as stored.
 //!
 //! Two file formats load into the same [`LoraAdapter`]: PEFT directories ([`peft`]) and
 //! llama.cpp's GGUF adapters ([`gguf`]). Both are checked against the base model's config:
@@ -252,7 +252,7 @@ impl LoraAdapter {
         Self::from_parts(path, id, name, cfg, limits, parts)
     }
 
-    /// Checks every update's shape against `cfg` and folds in its scale.
+    /// Checks every update's shape against `cfg`, works out its scale and transposes `B`.
     fn from_parts(
         path: &Path,
         id: AdapterId,
