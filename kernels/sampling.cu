@@ -1,5 +1,6 @@
 // sampling.cu — greedy argmax, and temperature / top-k / top-p / min-p sampling with a
-// per-row counter-based RNG. Launcher: crates/novainfer-cuda/src/ops/sampling.rs.
+// per-row counter-based RNG; `draw` runs either per row of a step and adds the token's raw
+// logprob, so a step returns ids instead of logits. Launcher: crates/novainfer-cuda/src/ops/sampling.rs.
 //
 // One block of SAMPLE_THREADS threads per row, whatever the number of rows; thread t owns
 // the contiguous ids [t·chunk, (t+1)·chunk). Every sum is per-thread in id order, then a
@@ -348,6 +349,60 @@ __device__ void argmax_row(const T* __restrict__ logits, u32* __restrict__ out, 
     }
 }
 
+// The raw logprob of row `blockIdx.x`'s token ids[row]: x[id] − max − ln Σ exp(x − max) over
+// the sanitized row, the engine sampler's `log_softmax` of the raw logits (sums per thread in
+// id order, then the block's fixed tree, as everywhere here). −inf for an all −inf row or an
+// id past the vocabulary.
+template <typename T>
+__device__ void token_logprob_row(const T* __restrict__ logits, const u32* __restrict__ ids,
+                                  float* __restrict__ out, int vocab) {
+    __shared__ float fscratch[WARP_SIZE];
+    const i64 row = blockIdx.x;
+    const T* x = logits + row * vocab;
+    const int chunk = (vocab + blockDim.x - 1) / blockDim.x;
+    const int begin = min((int)threadIdx.x * chunk, vocab);
+    const int end = min(begin + chunk, vocab);
+    float local_max = NEG_INF;
+    for (int i = begin; i < end; ++i) local_max = fmaxf(local_max, sanitize(load_f32(x, i)));
+    const float max = block_max(local_max, fscratch);
+    if (max == NEG_INF) {
+        if (threadIdx.x == 0) out[row] = NEG_INF;
+        return;
+    }
+    float s = 0.0f;
+    for (int i = begin; i < end; ++i) s = __fadd_rn(s, expf(__fsub_rn(sanitize(load_f32(x, i)), max)));
+    const float total = block_sum(s, fscratch);
+    if (threadIdx.x == 0) {
+        const u32 id = ids[row];
+        const float xi = id < (u32)vocab ? sanitize(load_f32(x, (int)id)) : NEG_INF;
+        out[row] = __fsub_rn(__fsub_rn(xi, max), logf(total));
+    }
+}
+
+// What `draw` does with a row (`DrawMode` in ops/sampling.rs).
+#define DRAW_SKIP 0    // a row the engine samples from its logits: left alone
+#define DRAW_GREEDY 1  // argmax_row
+#define DRAW_RANDOM 2  // sample_row with params[row]
+
+// One step's draws in one launch, a row per block: the token (greedy or sampled, by the row's
+// mode, which is the same for the whole block) into ids[row], then its raw logprob into
+// logprobs[row]. A row's result depends on its logits, its params and mode only.
+template <typename T>
+__device__ void draw_row(const T* __restrict__ logits, const SampleParams* __restrict__ params,
+                         const i32* __restrict__ modes, float* __restrict__ scratch,
+                         u32* __restrict__ ids, float* __restrict__ logprobs, int vocab) {
+    const i32 mode = modes[blockIdx.x];
+    if (mode == DRAW_GREEDY) {
+        argmax_row(logits, ids, vocab);
+    } else if (mode == DRAW_RANDOM) {
+        sample_row(logits, params, scratch, ids, vocab);
+    } else {
+        return;
+    }
+    __syncthreads();  // thread 0's ids[row] is visible to the block from here
+    token_logprob_row(logits, ids, logprobs, vocab);
+}
+
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) argmax_f32(const float* logits, u32* out, int vocab) {
     argmax_row(logits, out, vocab);
 }
@@ -361,4 +416,14 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_f32(const fl
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_bf16(const bf16* logits, const SampleParams* params,
                                        float* scratch, u32* out, int vocab) {
     sample_row(logits, params, scratch, out, vocab);
+}
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    draw_f32(const float* logits, const SampleParams* params, const i32* modes, float* scratch,
+             u32* ids, float* logprobs, int vocab) {
+    draw_row(logits, params, modes, scratch, ids, logprobs, vocab);
+}
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    draw_bf16(const bf16* logits, const SampleParams* params, const i32* modes, float* scratch,
+              u32* ids, float* logprobs, int vocab) {
+    draw_row(logits, params, modes, scratch, ids, logprobs, vocab);
 }

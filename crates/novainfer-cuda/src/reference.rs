@@ -3,7 +3,7 @@
 //! The parity tests compare the GPU against these; norms, RoPE, SwiGLU, attention and
 //! dequantization are compared against `novainfer-model` and candle themselves.
 
-use crate::sample_params::SampleParams;
+use crate::sample_params::{DrawMode, SampleParams};
 
 /// Philox4x32-10 (Salmon, Moraes, Dror, Shaw: "Parallel random numbers: as easy as
 /// 1, 2, 3", SC'11), the same rounds as `philox4x32_10` in `kernels/sampling.cu`.
@@ -117,6 +117,60 @@ pub fn sample(logits: &[f32], p: &SampleParams) -> SampleOutcome {
     }
 }
 
+/// The sampler's sanitizing: NaN counts as −inf, +inf as `f32::MAX`.
+fn sanitize(v: f32) -> f32 {
+    if v.is_nan() {
+        f32::NEG_INFINITY
+    } else if v == f32::INFINITY {
+        f32::MAX
+    } else {
+        v
+    }
+}
+
+/// The first index of the row's maximum, NaN as −inf (0 for an all −inf row): `argmax_row`.
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = (0u32, f32::NEG_INFINITY);
+    for (i, &v) in row.iter().enumerate() {
+        let v = sanitize(v);
+        if v > best.1 {
+            best = (i as u32, v);
+        }
+    }
+    best.0
+}
+
+/// `log_softmax(row)[id]` over the sanitized row, in f64 (`token_logprob_row` sums in f32:
+/// they agree to f32 rounding of the sum); −inf for an all −inf row or an id past the row.
+pub fn token_logprob(row: &[f32], id: u32) -> f32 {
+    let max = row
+        .iter()
+        .map(|&v| sanitize(v))
+        .fold(f32::NEG_INFINITY, f32::max);
+    let Some(&x) = row.get(id as usize) else {
+        return f32::NEG_INFINITY;
+    };
+    if max == f32::NEG_INFINITY {
+        return f32::NEG_INFINITY;
+    }
+    let total: f64 = row
+        .iter()
+        .map(|&v| (f64::from(sanitize(v)) - f64::from(max)).exp())
+        .sum();
+    (f64::from(sanitize(x)) - f64::from(max) - total.ln()) as f32
+}
+
+/// The `draw` kernel on one row: `None` for a skipped row, else the token (greedy or drawn)
+/// and its raw logprob.
+pub fn draw(row: &[f32], mode: DrawMode, params: &SampleParams) -> Option<(u32, f32)> {
+    let token = match mode {
+        DrawMode::Skip => return None,
+        DrawMode::Greedy => argmax(row),
+        DrawMode::Random => sample(row, params).token,
+    };
+    Some((token, token_logprob(row, token)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -177,6 +231,27 @@ mod tests {
             sample(&logits, &params(None, 1.0, 0.2, 0)).survivors,
             vec![0, 1]
         );
+    }
+
+    #[test]
+    fn draw_is_argmax_or_sample_with_the_raw_logprob() {
+        let row = [1.0, 3.0, f32::NAN, 3.0, 2.0];
+        assert_eq!(draw(&row, DrawMode::Skip, &SampleParams::UNUSED), None);
+        let (id, lp) = draw(&row, DrawMode::Greedy, &SampleParams::UNUSED).expect("greedy");
+        assert_eq!(id, 1, "the first of the tied maxima");
+        let z: f64 = [1.0f64, 3.0, 3.0, 2.0]
+            .iter()
+            .map(|x| (x - 3.0).exp())
+            .sum();
+        assert!((f64::from(lp) + z.ln()).abs() < 1e-6, "{lp}");
+        let p = params(Some(2), 1.0, 0.0, 5);
+        let (id, lp) = draw(&row, DrawMode::Random, &p).expect("random");
+        assert_eq!(id, sample(&row, &p).token);
+        assert!([1, 3].contains(&id));
+        assert_eq!(lp, token_logprob(&row, id));
+        assert_eq!(token_logprob(&row, 9), f32::NEG_INFINITY);
+        assert_eq!(token_logprob(&[f32::NAN; 3], 0), f32::NEG_INFINITY);
+        assert_eq!(argmax(&[f32::NEG_INFINITY; 3]), 0);
     }
 
     #[test]

@@ -10,6 +10,18 @@ use crate::error::{CudaError, Result};
 /// scaled logit ±inf or NaN.
 pub const MIN_SAMPLING_TEMPERATURE: f32 = 1e-5;
 
+/// What the `draw` kernel does with one row (`DRAW_*` in `kernels/sampling.cu`).
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DrawMode {
+    /// A row the engine samples from its logits: the kernel leaves it alone.
+    Skip = 0,
+    /// The first index of the row's maximum.
+    Greedy = 1,
+    /// One draw under the row's [`SampleParams`].
+    Random = 2,
+}
+
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SampleParams {
@@ -29,6 +41,17 @@ pub struct SampleParams {
 const _: () = assert!(std::mem::size_of::<SampleParams>() == 32);
 
 impl SampleParams {
+    /// Parameters of a row that is not drawn at random (greedy or skipped): valid values the
+    /// kernel never reads.
+    pub const UNUSED: Self = Self {
+        seed: 0,
+        offset: 0,
+        inv_temperature: 1.0,
+        top_p: 1.0,
+        min_p: 0.0,
+        top_k: 0,
+    };
+
     /// Checks the ranges the kernel relies on: a finite temperature of at least
     /// [`MIN_SAMPLING_TEMPERATURE`] (below it the CPU samples greedily: use argmax), p in
     /// range.

@@ -39,6 +39,7 @@ pub(crate) struct KernelTable {
     pub silu_mul: PerDtype<CudaFunction>,
     pub argmax: PerDtype<CudaFunction>,
     pub sample: PerDtype<CudaFunction>,
+    pub draw: PerDtype<CudaFunction>,
     pub qkv: PerDtype<CudaFunction>,
     pub gather: PerDtype<CudaFunction>,
     /// Indexed by [`QuantType::index`].
@@ -66,6 +67,7 @@ impl KernelTable {
             silu_mul: per(&kernels::SILU_MUL, "silu_mul")?,
             argmax: per(&kernels::SAMPLING, "argmax")?,
             sample: per(&kernels::SAMPLING, "sample")?,
+            draw: per(&kernels::SAMPLING, "draw")?,
             qkv: per(&kernels::QKV, "qkv_bias_rope_cache")?,
             gather: per(&kernels::GATHER, "gather_rows")?,
             dequant: [

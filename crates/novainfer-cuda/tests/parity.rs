@@ -21,7 +21,7 @@ use novainfer_cuda::ops::paged_attention::{
 use novainfer_cuda::ops::reshape_and_cache::reshape_and_cache;
 use novainfer_cuda::ops::rms_norm::{add_rms_norm, rms_norm};
 use novainfer_cuda::ops::rope::{rope_neox, RopeHeads, RopeTable};
-use novainfer_cuda::ops::sampling::{argmax, sample};
+use novainfer_cuda::ops::sampling::{argmax, draw, sample, DrawMode};
 use novainfer_cuda::ops::silu_mul::{silu_mul, silu_mul_fused};
 use novainfer_cuda::ops::DtypeKind;
 use novainfer_cuda::{reference, GpuContext, SampleParams};
@@ -639,4 +639,100 @@ fn sampling_matches_the_reference_and_is_batch_invariant() {
     )
     .expect("launch");
     assert_eq!(down(&gpu, &one)[0], got[5]);
+}
+
+/// `draw`: greedy rows give the reference argmax, random rows a reference survivor (the
+/// reference token on all but a rare boundary row), skipped rows are untouched, every drawn
+/// row's logprob is the reference's within f32 rounding of the sum, and a row alone gives its
+/// batched result.
+#[test]
+fn draw_matches_the_reference_and_is_batch_invariant() {
+    let Some(gpu) = common::gpu_or_skip("draw") else {
+        return;
+    };
+    let (rows, vocab) = (48, 151_936);
+    let mut rng = Rng(31);
+    let mut logits = rng.vec(rows * vocab, 12.0);
+    logits[7 * vocab + 11] = f32::NAN; // sanitized as −inf, never drawn
+    let modes: Vec<DrawMode> = (0..rows)
+        .map(|r| [DrawMode::Greedy, DrawMode::Random, DrawMode::Skip][r % 3])
+        .collect();
+    let params: Vec<SampleParams> = (0..rows)
+        .map(|r| match modes[r] {
+            DrawMode::Random => SampleParams::new(
+                77 + r as u64,
+                r as u64,
+                [0.6, 1.0, 1.3][r % 3],
+                [None, Some(40)][r % 2],
+                [1.0, 0.95][r % 2],
+                0.0,
+            )
+            .expect("valid"),
+            _ => SampleParams::UNUSED,
+        })
+        .collect();
+    let run = |logits: &[f32], params: &[SampleParams], modes: &[DrawMode]| {
+        let n = modes.len();
+        let mut scratch = zeros::<f32>(&gpu, n * vocab);
+        let mut ids = up(&gpu, &vec![u32::MAX; n]);
+        let mut lps = up(&gpu, &vec![f32::NAN; n]);
+        draw(
+            &gpu,
+            &up(&gpu, logits).as_view(),
+            &up(&gpu, params).as_view(),
+            &up(&gpu, modes).as_view(),
+            vocab,
+            &mut scratch.as_view_mut(),
+            &mut ids.as_view_mut(),
+            &mut lps.as_view_mut(),
+        )
+        .expect("launch");
+        (down(&gpu, &ids), down(&gpu, &lps))
+    };
+    let (ids, lps) = run(&logits, &params, &modes);
+    let mut agree = 0;
+    let mut random = 0;
+    for r in 0..rows {
+        let row = &logits[r * vocab..(r + 1) * vocab];
+        match modes[r] {
+            DrawMode::Skip => {
+                assert_eq!(ids[r], u32::MAX, "row {r}: a skipped row is left alone");
+                assert!(lps[r].is_nan(), "row {r}: its logprob too");
+                continue;
+            }
+            DrawMode::Greedy => assert_eq!(ids[r], reference::argmax(row), "row {r}"),
+            DrawMode::Random => {
+                let want = reference::sample(row, &params[r]);
+                assert!(
+                    want.survivors.contains(&ids[r]),
+                    "row {r}: {} not a survivor",
+                    ids[r]
+                );
+                agree += usize::from(ids[r] == want.token);
+                random += 1;
+            }
+        }
+        let want = reference::token_logprob(row, ids[r]);
+        assert!(
+            (lps[r] - want).abs() <= 1e-4 * want.abs().max(1.0),
+            "row {r}: logprob {} vs reference {want}",
+            lps[r]
+        );
+    }
+    assert!(
+        agree + 1 >= random,
+        "only {agree} of {random} random rows drew the reference token"
+    );
+    for r in [1, 3, 4] {
+        let (one, lp) = run(
+            &logits[r * vocab..(r + 1) * vocab],
+            &params[r..=r],
+            &modes[r..=r],
+        );
+        assert_eq!(
+            (one[0], lp[0].to_bits()),
+            (ids[r], lps[r].to_bits()),
+            "row {r} alone"
+        );
+    }
 }

@@ -360,6 +360,9 @@ mod tests {
         fn device(&self) -> Device {
             Device::Cpu
         }
+        fn capabilities(&self) -> novainfer_model::Capabilities {
+            novainfer_model::capabilities::CPU
+        }
         fn config(&self) -> &Qwen2Config {
             &self.config
         }
@@ -398,7 +401,7 @@ mod tests {
             }
             Ok(ForwardOutput {
                 logits,
-                hidden: Vec::new(),
+                ..ForwardOutput::default()
             })
         }
         fn embed(&mut self, _: &[u32]) -> novainfer_model::Result<Vec<f32>> {

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use novainfer_core::{KvLayout, ParamError, SamplingParams, SchedulerConfig, SchedulingPolicy};
 use novainfer_model::device::{self, Resolved};
 use novainfer_model::{
-    load_weights, Checkpoint, DeviceChoice, DeviceWeights, DtypeChoice, Executor, KvCacheDtype,
-    KvStorage, LoadOptions, ModelError, OpenedCheckpoint, Qwen2Config, StepLimits,
+    load_weights, Capabilities, Checkpoint, DeviceChoice, DeviceWeights, DtypeChoice, Executor,
+    KvCacheDtype, LoadOptions, ModelError, OpenedCheckpoint, Qwen2Config, StepLimits,
 };
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
@@ -430,8 +430,12 @@ impl LoadedEngine {
             let target = weights.kv_bytes_per_block(DRAFT_BLOCK_SIZE) as f64;
             target / (target + d.kv_bytes_per_block(DRAFT_BLOCK_SIZE) as f64)
         });
-        let cpu =
-            (resolved.device == novainfer_model::Device::Cpu).then(CpuDefaults::for_this_machine);
+        // A model in host memory shares the host's cores and memory with everything else:
+        // its step and context defaults follow them.
+        let cpu = weights
+            .capabilities()
+            .host_memory
+            .then(CpuDefaults::for_this_machine);
         let (num_blocks, max_model_len) = size_kv_cache(
             cfg,
             weights.as_ref(),
@@ -480,7 +484,7 @@ fn lora_registry(cfg: &EngineConfig, executor: &dyn Executor) -> Result<LoraRegi
     let Some(lora) = &cfg.lora else {
         return Ok(registry);
     };
-    if !executor.supports_adapters() {
+    if !executor.capabilities().adapters {
         return Err(ModelError::Unsupported {
             what: "serving LoRA adapters".into(),
             device: executor.device().to_string(),
@@ -520,52 +524,58 @@ fn check_arguments(cfg: &EngineConfig) -> Result<()> {
     Ok(())
 }
 
-/// The device `cfg.device` names, moved to the CPU under `auto` when a CPU-only option (the
-/// SLOT layout, a CPU-only KV dtype) was asked for; an explicit GPU with one is refused.
+/// The device `cfg.device` names, moved to the CPU under `auto` when an option its backend
+/// lacks (the SLOT layout, a KV dtype, LoRA adapters: see [`Capabilities`]) was asked for;
+/// an explicit device without one is refused naming the option.
 fn resolve_device(cfg: &EngineConfig) -> Result<Resolved> {
     let mut resolved = device::resolve(cfg.device)?;
-    if resolved.device != novainfer_model::Device::Cpu && cfg.kv_layout == KvLayout::Slot {
-        if cfg.device != DeviceChoice::Auto {
-            return Err(ParamError::new(
+    let lacks = |resolved: &Resolved| -> Option<(&'static str, String, String)> {
+        let caps = Capabilities::of(resolved.device);
+        let device = resolved.device;
+        if cfg.kv_layout == KvLayout::Slot && !caps.slot_layout {
+            return Some((
                 "kv_layout",
                 format!(
-                    "the SLOT layout runs on the CPU only; use kv_layout=\"block\" on {}, or \
-                     device=\"cpu\"",
-                    resolved.device
+                    "the SLOT layout runs on the CPU only; use kv_layout=\"block\" on {device}, \
+                     or device=\"cpu\""
                 ),
-            )
-            .into());
+                "kv_layout=\"slot\" runs on the CPU only".to_owned(),
+            ));
         }
-        resolved = on_the_cpu("kv_layout=\"slot\" runs on the CPU only");
-    }
-    if resolved.device != novainfer_model::Device::Cpu && !gpu_kv_dtype(cfg.kv_cache_dtype) {
-        let dtype = cfg.kv_cache_dtype.as_str();
-        if cfg.device != DeviceChoice::Auto {
-            return Err(ParamError::new(
+        if caps.kv_storage(cfg.kv_cache_dtype).is_none() {
+            let dtype = cfg.kv_cache_dtype.as_str();
+            let held: Vec<&str> = caps.kv_dtypes.iter().map(|d| d.as_str()).collect();
+            let quoted: Vec<String> = held.iter().map(|d| format!("\"{d}\"")).collect();
+            return Some((
                 "kv_cache_dtype",
                 format!(
-                    "kv_cache_dtype=\"{dtype}\" runs on the CPU only ({} stores bf16); use \
-                     \"auto\" or \"bf16\" there, or device=\"cpu\"",
-                    resolved.device
+                    "kv_cache_dtype=\"{dtype}\" runs on the CPU only ({device} stores {}); use \
+                     \"auto\" or {} there, or device=\"cpu\"",
+                    held.join(", "),
+                    quoted.join(" or ")
                 ),
-            )
-            .into());
+                format!("kv_cache_dtype=\"{dtype}\" runs on the CPU only"),
+            ));
         }
-        resolved = on_the_cpu(&format!("kv_cache_dtype=\"{dtype}\" runs on the CPU only"));
-    }
-    if resolved.device != novainfer_model::Device::Cpu && cfg.lora.is_some() {
-        if cfg.device != DeviceChoice::Auto {
-            return Err(ParamError::new(
+        if cfg.lora.is_some() && !caps.adapters {
+            return Some((
                 "enable_lora",
                 format!(
-                    "LoRA adapters run on the CPU only for now; turn LoRA off on {}, or use \
-                     device=\"cpu\"",
-                    resolved.device
+                    "LoRA adapters run on the CPU only for now; turn LoRA off on {device}, or use \
+                     device=\"cpu\""
                 ),
-            )
-            .into());
+                "LoRA adapters run on the CPU only for now".to_owned(),
+            ));
         }
-        resolved = on_the_cpu("LoRA adapters run on the CPU only for now");
+        None
+    };
+    if let Some((param, message, why)) = lacks(&resolved) {
+        if cfg.device != DeviceChoice::Auto {
+            return Err(ParamError::new(param, message).into());
+        }
+        resolved = on_the_cpu(&why);
+        // The CPU runs every option: nothing is left to refuse.
+        debug_assert!(lacks(&resolved).is_none());
     }
     Ok(resolved)
 }
@@ -696,7 +706,7 @@ fn draft_model(
 }
 
 impl Frontend {
-    fn new(
+    pub(crate) fn new(
         tokenizer: Tokenizer,
         chat_template: Option<Arc<ChatTemplate>>,
         vocab_size: usize,
@@ -781,14 +791,6 @@ fn load_draft_weights(
     load_weights(device, opened, opts, limits).map_err(|e| bad(e.to_string()))
 }
 
-/// The GPU executor's pool is bf16 only.
-fn gpu_kv_dtype(dtype: KvCacheDtype) -> bool {
-    matches!(
-        dtype,
-        KvCacheDtype::Auto | KvCacheDtype::Fixed(KvStorage::Bf16)
-    )
-}
-
 fn on_the_cpu(why: &str) -> Resolved {
     Resolved {
         device: novainfer_model::Device::Cpu,
@@ -826,7 +828,7 @@ fn size_kv_cache(
     let per_block = weights.kv_bytes_per_block(block_size);
     let budget = cfg.kv_cache.bytes(weights, cfg.gpu_memory_utilization)?;
     let budget = (budget as f64 * share) as usize;
-    let on_gpu = weights.device() != novainfer_model::Device::Cpu;
+    let on_gpu = !weights.capabilities().host_memory;
     let num_blocks = budget / per_block;
     let capacity = num_blocks * block_size;
     let model_max = model.max_position_embeddings;
@@ -945,6 +947,9 @@ mod tests {
     impl DeviceWeights for FakeGpu {
         fn device(&self) -> novainfer_model::Device {
             novainfer_model::Device::Cuda(0)
+        }
+        fn capabilities(&self) -> Capabilities {
+            novainfer_model::capabilities::CUDA
         }
         fn config(&self) -> &Qwen2Config {
             &self.0

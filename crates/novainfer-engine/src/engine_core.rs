@@ -24,6 +24,7 @@ use novainfer_core::{
 use novainfer_model::lora::AdapterId;
 use novainfer_model::sampler::{SampledToken, Sampler};
 use novainfer_model::AdapterRef;
+use novainfer_model::Draw;
 use novainfer_structured::{CompiledGrammar, Constraint};
 
 use crate::engine::{Frontend, LoadedEngine};
@@ -34,7 +35,7 @@ use crate::prefill::{PrefillJob, PrefillTask};
 use crate::request::{Scheduling, Speculation};
 use crate::request_group::{Completion, PendingCompletion, RequestGroup};
 use crate::sequence::SequenceOutput;
-use crate::speculative::{max_verify_rows, share_room, Proposer};
+use crate::speculative::{share_room, Proposer};
 use crate::verify::{sample_row, verify_draft, GrammarOutcomes};
 
 /// What one step sampled, per request (one token, or with drafts the confirmed ones and the
@@ -104,7 +105,7 @@ impl EngineCore {
     /// `outputs` goes to the output thread ([`crate::output_processor::run`]).
     pub fn new(loaded: LoadedEngine, outputs: mpsc::Sender<Vec<OutputEvent>>) -> Self {
         let runner = ModelRunner::new(loaded.executor);
-        let device = runner.device();
+        let backend = runner.capabilities();
         let target = runner.config().clone();
         let stats = EngineStats {
             kv_pool_bytes: runner.kv_pool_bytes(),
@@ -128,7 +129,7 @@ impl EngineCore {
             proposer: loaded
                 .speculative
                 .as_ref()
-                .map(|config| Proposer::new(config, loaded.draft, device, &target)),
+                .map(|config| Proposer::new(config, loaded.draft, &backend, &target)),
             kv_events: None,
             adapters: HashMap::new(),
         }
@@ -376,7 +377,11 @@ impl EngineCore {
             .filter_map(|id| scheduler.request(*id))
             .filter(|r| !r.kind.is_prefill_only() && !r.output_token_ids.is_empty())
             .collect();
-        let room = max_verify_rows(self.runner.device()).saturating_sub(decoding.len());
+        let room = self
+            .runner
+            .capabilities()
+            .verify_rows
+            .saturating_sub(decoding.len());
         if room == 0 {
             return;
         }
@@ -440,9 +445,11 @@ impl EngineCore {
                 self.stats.num_prompt_tokens_computed += s.token_ids.len() as u64;
             }
         }
-        let output = self.runner.execute(out, &self.adapters)?;
+        let draws = self.device_draws(out);
+        let output = self.runner.execute(out, &self.adapters, &draws)?;
         let vocab = self.runner.config().vocab_size;
         let hidden_size = self.runner.config().hidden_size;
+        let mut drawn = output.tokens.into_iter();
         let mut logits = output.logits;
         let mut hidden = output.hidden.chunks_exact(hidden_size);
         let mut at = 0; // the next unread logits row
@@ -451,6 +458,16 @@ impl EngineCore {
         for s in &out.scheduled {
             match s.output {
                 ChunkOutput::Nothing => {}
+                ChunkOutput::Sample if draws.contains_key(&s.request_id) => {
+                    let token = drawn
+                        .next()
+                        .expect("one drawn token per drawn request: this is a bug");
+                    let active = self
+                        .active
+                        .get_mut(&s.request_id)
+                        .expect("scheduled request is active: this is a bug");
+                    sampled.push((s.request_id, vec![active.sampler.accept_drawn(token)]));
+                }
                 ChunkOutput::Sample => {
                     let row = logits
                         .get_mut(at * vocab..(at + 1) * vocab)
@@ -489,6 +506,37 @@ impl EngineCore {
         }
         self.observe_decode_step(out, started.elapsed().as_secs_f64());
         Ok((sampled, forks))
+    }
+
+    /// The sampled requests of `out` the backend draws itself, when its capabilities say it
+    /// can: those whose sampler needs nothing of the host ([`Sampler::device_draw`]), with no
+    /// grammar to mask the row and no held-back completions to start from a copy of it. The
+    /// others get their logits row back and are sampled here.
+    fn device_draws(&self, out: &SchedulerOutput) -> HashMap<RequestId, Draw> {
+        let mut draws = HashMap::new();
+        if !self.runner.capabilities().sampling.draws {
+            return draws;
+        }
+        for s in &out.scheduled {
+            if !matches!(s.output, ChunkOutput::Sample)
+                || self
+                    .groups
+                    .get(&s.request_id)
+                    .is_some_and(|g| g.has_pending())
+            {
+                continue;
+            }
+            let Some(active) = self.active.get(&s.request_id) else {
+                continue;
+            };
+            if active.constraint.is_some() {
+                continue;
+            }
+            if let Some(draw) = active.sampler.device_draw() {
+                draws.insert(s.request_id, draw);
+            }
+        }
+        draws
     }
 
     /// Tells the proposer what a step of decodes and drafts cost (prompt chunks would say

@@ -26,6 +26,9 @@ pub mod stop;
 pub mod tokenizer;
 pub mod verify;
 
+#[cfg(test)]
+mod device_draw_tests;
+
 pub use chat_template::{ChatMessage, ToolCallMessage};
 pub use engine::{
     EngineConfig, Frontend, KvBudget, LoadedEngine, DEFAULT_GPU_MEMORY_UTILIZATION,

@@ -4,9 +4,10 @@
 
 use std::collections::HashMap;
 
-use novainfer_core::{slot_mapping, AdapterId, ChunkOutput, SchedulerOutput};
+use novainfer_core::{slot_mapping, AdapterId, ChunkOutput, RequestId, SchedulerOutput};
 use novainfer_model::{
-    AdapterRef, Device, Executor, ForwardBatch, ForwardOutput, Qwen2Config, SpanOutput,
+    AdapterRef, Capabilities, Device, Draw, Executor, ForwardBatch, ForwardOutput, Qwen2Config,
+    SpanOutput,
 };
 
 use crate::error::{EngineError, Result};
@@ -28,6 +29,11 @@ impl ModelRunner {
         self.executor.device()
     }
 
+    /// What the backend can do; the engine asks this rather than the device kind.
+    pub fn capabilities(&self) -> Capabilities {
+        self.executor.capabilities()
+    }
+
     /// Bytes of one pool entry (a block, or a cell in the SLOT layout).
     pub fn kv_bytes_per_block(&self) -> usize {
         self.executor.kv_bytes_per_block()
@@ -44,18 +50,20 @@ impl ModelRunner {
     }
 
     /// Runs the step's block copies, then every scheduled chunk in one forward pass; returns
-    /// what the chunks ask for (logits rows and hidden rows, in `out.scheduled` order).
-    /// `adapters` holds every adapter a scheduled request names.
+    /// what the chunks ask for (logits rows, drawn tokens and hidden rows, in `out.scheduled`
+    /// order). `adapters` holds every adapter a scheduled request names; `draws` the sampled
+    /// requests the device draws itself (only for a backend whose capabilities say it can).
     pub fn execute(
         &mut self,
         out: &SchedulerOutput,
         adapters: &HashMap<AdapterId, AdapterRef>,
+        draws: &HashMap<RequestId, Draw>,
     ) -> Result<ForwardOutput> {
         for c in &out.block_copies {
             self.executor
                 .copy_block(c.src.index(), c.dst.index(), c.num_tokens)?;
         }
-        let batch = self.build_batch(out, adapters)?;
+        let batch = self.build_batch(out, adapters, draws)?;
         Ok(self.executor.forward(&batch)?)
     }
 
@@ -68,6 +76,7 @@ impl ModelRunner {
         &self,
         out: &SchedulerOutput,
         adapters: &HashMap<AdapterId, AdapterRef>,
+        draws: &HashMap<RequestId, Draw>,
     ) -> Result<ForwardBatch> {
         let block_size = self.executor.block_size();
         let mut batch = ForwardBatch::default();
@@ -81,7 +90,10 @@ impl ModelRunner {
             let table = s.block_table.iter().map(|b| b.0).collect();
             let output = match s.output {
                 ChunkOutput::Nothing => SpanOutput::None,
-                ChunkOutput::Sample => SpanOutput::LastLogits,
+                ChunkOutput::Sample => match draws.get(&s.request_id) {
+                    Some(&draw) => SpanOutput::Draw(draw),
+                    None => SpanOutput::LastLogits,
+                },
                 ChunkOutput::Hidden => SpanOutput::LastHidden,
                 ChunkOutput::PromptLogits | ChunkOutput::Verify => SpanOutput::AllLogits,
             };

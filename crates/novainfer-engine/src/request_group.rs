@@ -76,6 +76,11 @@ impl RequestGroup {
     }
 
     /// The completions still waiting for completion 0's prompt, to start now.
+    /// Whether completions still wait for completion 0's first row.
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
     pub fn take_pending(&mut self) -> Vec<PendingCompletion> {
         std::mem::take(&mut self.pending)
     }

@@ -16,7 +16,7 @@ use serde_json::Value;
 
 use crate::draft_model::DraftModel;
 use crate::draft_policy::{Decoding, DraftPolicy};
-use novainfer_model::{Device, Qwen2Config};
+use novainfer_model::{Capabilities, Qwen2Config};
 
 /// How drafts are made.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -173,20 +173,6 @@ impl SpeculativeConfig {
     }
 }
 
-/// Most rows (decodes plus draft tokens) a decode step may verify on `device`. A step reads
-/// every weight once whatever its rows; while that read dominates, extra rows are almost free
-/// and drafts pay. Past about this many rows the step is bound by compute instead (on the CPU:
-/// 16 rows of the 0.5B model cost ~5× one row on 2 cores, docs/benchmarks.md), so a draft's
-/// rows would cost what they save: drafts share the room left by the decodes, and a batch
-/// that fills it drafts nothing.
-pub fn max_verify_rows(device: Device) -> usize {
-    match device {
-        Device::Cpu => 8,
-        // An estimate (not yet measured): a GPU stays bandwidth-bound over many more rows.
-        Device::Cuda(_) => 64,
-    }
-}
-
 /// Cuts `drafts` (in running order) to `room` tokens in all, one token per request per round,
 /// so every request keeps a share.
 pub fn share_room(drafts: &mut [Vec<u32>], room: usize) {
@@ -224,16 +210,6 @@ enum Source {
     Draft(Box<DraftModel>),
 }
 
-/// What a row of a step is assumed to cost relative to the step's fixed part until the engine
-/// has measured steps of several sizes ([`DraftPolicy`]).
-pub fn assumed_row_share(device: Device) -> f64 {
-    match device {
-        // 16 rows of the 0.5B model cost ~5× one row on 2 cores: ~0.36 a row.
-        Device::Cpu => 0.3,
-        Device::Cuda(_) => 0.01,
-    }
-}
-
 /// Weights a token's forward pass reads (its matrix multiplications: attention, MLP, logits),
 /// which on a CPU or a GPU alike set most of what a decode row or a prefill token costs.
 fn weights_per_token(c: &Qwen2Config) -> f64 {
@@ -259,11 +235,12 @@ pub struct Proposer {
 
 impl Proposer {
     /// `draft` is the loaded draft model when the method is [`SpeculativeMethod::DraftModel`];
-    /// `device` and `target` are the target's.
+    /// `backend` (what a step's extra row is assumed to cost, until measured) and `target` are
+    /// the target's.
     pub fn new(
         config: &SpeculativeConfig,
         draft: Option<DraftModel>,
-        device: Device,
+        backend: &Capabilities,
         target: &Qwen2Config,
     ) -> Self {
         let source = match (&config.method, draft) {
@@ -283,7 +260,7 @@ impl Proposer {
         let policy = DraftPolicy::new(
             config.num_speculative_tokens,
             config.policy,
-            assumed_row_share(device),
+            backend.assumed_row_share,
             draft_share,
         );
         Self { source, policy }
@@ -482,7 +459,7 @@ mod tests {
             bos_token_id: None,
             eos_token_ids: vec![],
         };
-        let mut p = Proposer::new(&config, None, Device::Cpu, &target);
+        let mut p = Proposer::new(&config, None, &novainfer_model::capabilities::CPU, &target);
         let mut r = Request::new(RequestId(1), vec![5, 6, 7, 8, 9, 5, 6], 10);
         assert_eq!(p.propose(&[&r], 8), vec![vec![7, 8, 9]]);
         r.output_token_ids.extend([7, 1]);

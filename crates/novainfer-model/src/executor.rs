@@ -2,24 +2,28 @@
 //! GPU's, each owning its weights and its paged KV pool.
 //!
 //! The engine never sees a tensor. It asks an [`Executor`] three things in the step loop (run
-//! this [`ForwardBatch`] and give me the rows to sample; how many bytes is a KV block; copy
-//! block a to b) and, off the hot path, for embeddings and prompt logits. The cut is at the
-//! runner, not at each op, so a device is free to fuse, preallocate and (later) replay CUDA
-//! graphs without the engine knowing.
+//! this [`ForwardBatch`] and give me its tokens or the rows to sample; how many bytes is a KV
+//! block; copy block a to b) and, off the hot path, for embeddings and prompt logits. The cut
+//! is at the runner, not at each op, so a device is free to fuse, preallocate and (later)
+//! replay CUDA graphs without the engine knowing. What a backend can do beyond that (KV
+//! formats, adapters, sampling on the device) it states in its [`Capabilities`].
+//!
+//! The backends: [`crate::cpu`] (the oracle, always built) and [`crate::cuda`] (feature `cuda`).
 //!
 //! Loading is two-phase because the KV pool is sized from what the weights leave free:
 //! [`DeviceWeights`] is a model whose weights are on the device and whose pool does not exist
 //! yet; [`DeviceWeights::into_executor`] allocates the pool and gives the [`Executor`].
 
+use crate::capabilities::Capabilities;
 use crate::config::Qwen2Config;
+use crate::cpu::CpuWeights;
 use crate::device::Device;
 #[cfg(not(feature = "cuda"))]
 use crate::error::ModelError;
 use crate::error::Result;
 use crate::forward_batch::{ForwardBatch, ForwardOutput};
 use crate::loader::OpenedCheckpoint;
-use crate::paged_kv::PagedKvCache;
-use crate::qwen2::{LoadOptions, LogitsFor, Qwen2Model};
+use crate::qwen2::{LoadOptions, Qwen2Model};
 
 /// Sizes the engine fixes before loading, which a device may preallocate for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,6 +47,8 @@ pub struct DeviceMemory {
 /// A model whose weights are loaded on a device, before its KV pool exists.
 pub trait DeviceWeights: Send {
     fn device(&self) -> Device;
+    /// What the executor this becomes can do (the same table as its [`Executor::capabilities`]).
+    fn capabilities(&self) -> Capabilities;
     fn config(&self) -> &Qwen2Config;
     /// Bytes one KV block of `block_size` tokens takes on this device (all layers, K and V).
     fn kv_bytes_per_block(&self, block_size: usize) -> usize;
@@ -70,11 +76,10 @@ pub trait Executor: Send {
     fn weight_bytes_per_token(&self) -> Option<usize> {
         None
     }
-    /// Whether [`Self::forward`] runs spans with a LoRA adapter ([`SeqSpan::adapter`](crate::SeqSpan)).
-    /// A device without it answers such a batch with [`ModelError::Unsupported`](crate::ModelError).
-    fn supports_adapters(&self) -> bool {
-        false
-    }
+    /// What this backend can do ([`Capabilities`]): the engine asks, never the device kind.
+    /// A batch asking for more (an adapter span without `adapters`, a draw without
+    /// `sampling.draws`) is answered with [`ModelError::Unsupported`](crate::ModelError).
+    fn capabilities(&self) -> Capabilities;
     /// Copies the first `num_tokens` slots of block `src` into block `dst`, every layer.
     fn copy_block(&mut self, src: usize, dst: usize, num_tokens: usize) -> Result<()>;
     /// Writes the batch's K/V at its slots and returns what each span asks for (logits
@@ -112,106 +117,5 @@ pub fn load_weights(
             device: device.to_string(),
             reason: "this build of novainfer has no CUDA support (feature `cuda` off)".into(),
         }),
-    }
-}
-
-/// The CPU model before its pool exists.
-pub struct CpuWeights(pub Qwen2Model);
-
-impl DeviceWeights for CpuWeights {
-    fn device(&self) -> Device {
-        Device::Cpu
-    }
-
-    fn config(&self) -> &Qwen2Config {
-        self.0.config()
-    }
-
-    fn kv_bytes_per_block(&self, block_size: usize) -> usize {
-        PagedKvCache::bytes_per_block(self.0.config(), block_size, self.0.kv_dtype())
-    }
-
-    fn device_memory(&self) -> Result<Option<DeviceMemory>> {
-        Ok(None)
-    }
-
-    fn into_executor(
-        self: Box<Self>,
-        num_blocks: usize,
-        block_size: usize,
-    ) -> Result<Box<dyn Executor>> {
-        let kv = PagedKvCache::new(self.0.config(), num_blocks, block_size, self.0.kv_dtype());
-        Ok(Box::new(CpuExecutor { model: self.0, kv }))
-    }
-}
-
-/// The CPU model and its pool (in the model's KV dtype): the oracle every other device is checked against.
-pub struct CpuExecutor {
-    model: Qwen2Model,
-    kv: PagedKvCache,
-}
-
-impl CpuExecutor {
-    pub fn new(model: Qwen2Model, kv: PagedKvCache) -> Self {
-        Self { model, kv }
-    }
-
-    pub fn model(&self) -> &Qwen2Model {
-        &self.model
-    }
-}
-
-impl Executor for CpuExecutor {
-    fn device(&self) -> Device {
-        Device::Cpu
-    }
-
-    fn supports_adapters(&self) -> bool {
-        true
-    }
-
-    fn config(&self) -> &Qwen2Config {
-        self.model.config()
-    }
-
-    fn block_size(&self) -> usize {
-        self.kv.block_size()
-    }
-
-    fn num_blocks(&self) -> usize {
-        self.kv.num_blocks()
-    }
-
-    fn kv_bytes_per_block(&self) -> usize {
-        PagedKvCache::bytes_per_block(self.model.config(), self.kv.block_size(), self.kv.dtype())
-    }
-
-    fn weight_bytes_per_token(&self) -> Option<usize> {
-        Some(self.model.weight_bytes_per_token())
-    }
-
-    fn copy_block(&mut self, src: usize, dst: usize, num_tokens: usize) -> Result<()> {
-        self.kv.copy_block(src, dst, num_tokens)
-    }
-
-    fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput> {
-        self.model.forward_outputs(batch, &mut self.kv)
-    }
-
-    fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        self.model.embed(tokens)
-    }
-
-    fn prompt_logits(&mut self, tokens: &[u32], step_by_step: bool) -> Result<Vec<f32>> {
-        let model = &self.model;
-        let mut cache = model.new_cache(tokens.len());
-        if !step_by_step {
-            return model.forward(tokens, &mut cache, LogitsFor::AllTokens);
-        }
-        let mut logits = Vec::with_capacity(tokens.len() * model.config().vocab_size);
-        for &id in tokens {
-            logits.extend(model.forward(&[id], &mut cache, LogitsFor::LastToken)?);
-        }
-        Ok(logits)
     }
 }

@@ -7,22 +7,28 @@
 //!   seqs:          a {start 0, len 4}, b {start 4, len 1}, c {start 5, len 2}
 //!   logits rows:   in `seqs` order, one for a `LastLogits` sequence (its last token),
 //!                  one per token for an `AllLogits` one
+//!   tokens:        one per `Draw` sequence: the next token, sampled on the device
 //!   hidden rows:   one per `LastHidden` sequence (its last token's final hidden state)
 //! ```
 //! A sequence attends to its own history (through its block table) and never
 //! sees another sequence's tokens.
 
+pub use crate::draw::{Draw, DrawRule, DrawnToken};
 use crate::error::{ModelError, Result};
 use crate::lora::AdapterRef;
 
 /// What a forward pass returns for one sequence of the batch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub enum SpanOutput {
     /// Nothing (a prefill chunk before the prompt's end): the work is its K/V.
     #[default]
     None,
     /// The last token's logits (to sample from).
     LastLogits,
+    /// The next token, drawn by the device from the last token's logits by this rule; only
+    /// the token and its logprob leave the device. For a backend whose
+    /// [`Capabilities::sampling`](crate::Capabilities) has `draws`.
+    Draw(Draw),
     /// Every token's logits (scoring a prompt).
     AllLogits,
     /// The last token's final hidden state, after the final norm (an embedding).
@@ -41,11 +47,12 @@ pub struct SeqSpan {
     pub adapter: Option<AdapterRef>,
 }
 
-/// What one forward pass returns: f32 logits rows `[rows, vocab]` and final hidden rows
-/// `[rows, hidden]`, each in `batch.seqs` order (see the module docs).
+/// What one forward pass returns: f32 logits rows `[rows, vocab]`, drawn tokens and final
+/// hidden rows `[rows, hidden]`, each in `batch.seqs` order (see the module docs).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ForwardOutput {
     pub logits: Vec<f32>,
+    pub tokens: Vec<DrawnToken>,
     pub hidden: Vec<f32>,
 }
 
@@ -123,7 +130,8 @@ impl ForwardBatch {
         self.seqs.clear();
     }
 
-    /// Rows (flattened token indices) whose logits are returned, in order.
+    /// Rows (flattened token indices) whose logits are computed, in order: those returned,
+    /// and a `Draw` span's, which the device samples in place.
     pub fn logits_indices(&self) -> Vec<usize> {
         let mut rows = Vec::new();
         self.logits_indices_into(&mut rows);
@@ -136,7 +144,7 @@ impl ForwardBatch {
         for s in self.seqs.iter().filter(|s| s.query_len > 0) {
             let all = s.query_start..s.query_start + s.query_len;
             match s.output {
-                SpanOutput::LastLogits => rows.push(all.end - 1),
+                SpanOutput::LastLogits | SpanOutput::Draw(_) => rows.push(all.end - 1),
                 SpanOutput::AllLogits => rows.extend(all),
                 SpanOutput::None | SpanOutput::LastHidden => {}
             }
@@ -161,11 +169,22 @@ impl ForwardBatch {
         );
     }
 
-    /// Whether every span asks for at most its last token's logits (a plain generation step).
+    /// Whether every span asks for at most its last token's logits or token (a plain
+    /// generation step).
     pub fn only_samples(&self) -> bool {
+        self.seqs.iter().all(|s| {
+            matches!(
+                s.output,
+                SpanOutput::None | SpanOutput::LastLogits | SpanOutput::Draw(_)
+            )
+        })
+    }
+
+    /// Whether any span asks the device to draw its token.
+    pub fn has_draws(&self) -> bool {
         self.seqs
             .iter()
-            .all(|s| matches!(s.output, SpanOutput::None | SpanOutput::LastLogits))
+            .any(|s| matches!(s.output, SpanOutput::Draw(_)))
     }
 
     /// A batch of the spans `which` (indices into `seqs`, in order), each with its output.

@@ -5,10 +5,13 @@
 //! Activations are f32; weights are f32/bf16/f16 or GGUF-quantized. The crate
 //! knows nothing about requests or scheduling: it maps token ids to logits.
 
+pub mod capabilities;
 pub mod config;
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;
+pub mod draw;
 pub mod error;
 pub mod executor;
 pub mod forward_batch;
@@ -27,13 +30,15 @@ pub mod quant;
 pub mod qwen2;
 pub mod sampler;
 
+pub use capabilities::{Capabilities, DeviceSampling};
 pub use config::{Qwen2Config, WeightDtype};
+pub use cpu::{CpuExecutor, CpuWeights};
 pub use device::{Device, DeviceChoice};
 pub use error::{ModelError, Result};
-pub use executor::{
-    load_weights, CpuExecutor, CpuWeights, DeviceMemory, DeviceWeights, Executor, StepLimits,
+pub use executor::{load_weights, DeviceMemory, DeviceWeights, Executor, StepLimits};
+pub use forward_batch::{
+    Draw, DrawRule, DrawnToken, ForwardBatch, ForwardOutput, SeqSpan, SpanOutput,
 };
-pub use forward_batch::{ForwardBatch, ForwardOutput, SeqSpan, SpanOutput};
 pub use kv_cache::SequenceKvCache;
 pub use kv_dtype::{KvCacheDtype, KvStorage};
 pub use loader::{Checkpoint, ModelFormat, OpenedCheckpoint};

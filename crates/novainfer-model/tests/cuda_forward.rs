@@ -24,8 +24,8 @@ use candle_core::{DType, Tensor};
 use common::weights;
 use novainfer_cuda::gpu_test::{when_unavailable_from_env, WhenUnavailable};
 use novainfer_model::{
-    load_weights, Checkpoint, Device, Executor, ForwardBatch, LoadOptions, ModelError, Qwen2Config,
-    SpanOutput, StepLimits,
+    load_weights, Checkpoint, Device, Draw, DrawRule, Executor, ForwardBatch, LoadOptions,
+    ModelError, Qwen2Config, SpanOutput, StepLimits,
 };
 
 fn config(tie: bool) -> Qwen2Config {
@@ -294,5 +294,78 @@ fn cuda_logits_match_the_cpu_over_a_mixed_schedule() {
         let want = cpu.forward(&again).expect("cpu").logits;
         let got = gpu.forward(&again).expect("gpu").logits;
         compare(&format!("tie={tie} pool untouched"), &want, &got, v);
+
+        // Draws on the device: the same step with its rows drawn (greedy and seeded) returns
+        // tokens and no logits; each is what the draw's CPU twin picks from the GPU's own
+        // logits row (greedy exactly; a random draw among the twin's survivors), with the
+        // row's raw logprob.
+        let rules = [
+            DrawRule::Greedy,
+            DrawRule::Random {
+                temperature: 0.8,
+                top_k: Some(20),
+                top_p: 0.9,
+                min_p: 0.0,
+            },
+            DrawRule::Random {
+                temperature: 1.0,
+                top_k: None,
+                top_p: 1.0,
+                min_p: 0.05,
+            },
+        ];
+        let seqs: [(&[u32], usize, &[u32]); 3] =
+            [(&a[..1], 9, &ta), (&b[..1], 9, &ta_fork), (&c[..1], 5, &tc)];
+        let mut logits_step = ForwardBatch::default();
+        let mut draw_step = ForwardBatch::default();
+        for (i, &(tokens, start, table)) in seqs.iter().enumerate() {
+            let slots = slots(table, start..start + 1);
+            logits_step.push(tokens, start, slots.clone(), table.to_vec(), true);
+            let draw = Draw {
+                seed: 40 + i as u64,
+                offset: 3,
+                rule: rules[i],
+            };
+            draw_step.push_span(tokens, start, slots, table.to_vec(), SpanOutput::Draw(draw));
+        }
+        let rows = gpu.forward(&logits_step).expect("gpu logits").logits;
+        let drawn = gpu.forward(&draw_step).expect("gpu draws");
+        assert!(drawn.logits.is_empty(), "drawn rows send no logits");
+        assert_eq!(drawn.tokens.len(), 3);
+        for (i, (row, got)) in rows.chunks(v).zip(&drawn.tokens).enumerate() {
+            let SpanOutput::Draw(draw) = draw_step.seqs[i].output else {
+                unreachable!()
+            };
+            let twin = draw.on_host(row).expect("twin");
+            if i == 0 {
+                assert_eq!(got.token_id, twin.token_id, "tie={tie}: greedy draw");
+            }
+            assert!(
+                (got.logprob - twin.logprob).abs() < 1e-4,
+                "tie={tie} row {i}: logprob {} vs {}",
+                got.logprob,
+                twin.logprob
+            );
+            assert!(row[got.token_id as usize].is_finite());
+        }
+        // A batch mixing drawn and logits rows returns each kind in span order.
+        let mut mixed = ForwardBatch::default();
+        let s0 = &draw_step.seqs[0];
+        mixed.push_span(&a[..1], 9, slots(&ta, 9..10), ta.to_vec(), s0.output);
+        mixed.push(&c[..1], 5, slots(&tc, 5..6), tc.to_vec(), true);
+        let out = gpu.forward(&mixed).expect("gpu mixed draws");
+        assert_eq!(out.tokens.len(), 1);
+        assert_eq!(out.tokens[0].token_id, drawn.tokens[0].token_id);
+        compare(
+            &format!("tie={tie} logits beside a draw"),
+            &rows[2 * v..],
+            &out.logits,
+            v,
+        );
+        // The CPU draws nothing itself: such a batch is refused, not sampled.
+        assert!(matches!(
+            cpu.forward(&draw_step),
+            Err(ModelError::Unsupported { .. })
+        ));
     }
 }

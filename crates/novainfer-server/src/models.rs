@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use novainfer_engine::{EngineConfig, EngineHandle, Frontend};
-use novainfer_model::{AdapterRef, Device, KvCacheDtype};
+use novainfer_model::{AdapterRef, Capabilities, Device};
 
 use crate::args::ReasoningParser;
 use crate::error::ApiError;
@@ -96,12 +96,10 @@ pub struct KvConfig {
 
 impl KvConfig {
     pub fn new(cfg: &EngineConfig, device: Device) -> Self {
-        let dtype = match (device, cfg.kv_cache_dtype) {
-            (Device::Cpu, d) => d.for_cpu().as_str(),
-            // The GPU pool is bf16 only (the engine refuses, or moves to the CPU, otherwise).
-            (Device::Cuda(_), KvCacheDtype::Auto) => "bf16",
-            (Device::Cuda(_), d) => d.as_str(),
-        };
+        // The engine refuses, or moves to the CPU, a dtype the device's backend cannot hold.
+        let dtype = Capabilities::of(device)
+            .kv_storage(cfg.kv_cache_dtype)
+            .map_or(cfg.kv_cache_dtype.as_str(), |s| s.as_str());
         Self {
             layout: cfg.kv_layout.as_str(),
             block_size: cfg.effective_block_size(),
@@ -260,7 +258,7 @@ mod tests {
         let mut cfg = EngineConfig::new("/m");
         assert_eq!(KvConfig::new(&cfg, Device::Cpu).dtype, "f16");
         assert_eq!(KvConfig::new(&cfg, Device::Cuda(0)).dtype, "bf16");
-        cfg.kv_cache_dtype = KvCacheDtype::parse("q8_0").expect("known dtype");
+        cfg.kv_cache_dtype = novainfer_model::KvCacheDtype::parse("q8_0").expect("known dtype");
         let kv = KvConfig::new(&cfg, Device::Cpu);
         assert_eq!(
             (kv.dtype, kv.layout, kv.block_size),

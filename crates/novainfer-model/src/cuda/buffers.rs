@@ -5,6 +5,7 @@
 
 use half::bf16;
 use novainfer_cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PinnedHostSlice};
+use novainfer_cuda::sample_params::{DrawMode, SampleParams};
 use novainfer_cuda::GpuContext;
 
 use super::driver_error;
@@ -37,6 +38,12 @@ pub(crate) struct Activations {
     pub last_normed: CudaSlice<bf16>,
     /// `[R, vocab]`.
     pub logits: CudaSlice<f32>,
+    /// `[R, vocab]`: the `draw` kernel's scaled logits of random rows, then (the draw done)
+    /// the rows going back as logits, gathered to the front for one copy.
+    pub row_scratch: CudaSlice<f32>,
+    /// `[R]` each: the drawn tokens and their raw logprobs.
+    pub drawn_ids: CudaSlice<u32>,
+    pub drawn_logprobs: CudaSlice<f32>,
 }
 
 impl Activations {
@@ -54,6 +61,11 @@ impl Activations {
                 .alloc_zeros::<bf16>(n.max(1))
                 .map_err(driver_error("cuMemAlloc"))
         };
+        let f32s = |n: usize| -> Result<CudaSlice<f32>> {
+            gpu.stream()
+                .alloc_zeros::<f32>(n.max(1))
+                .map_err(driver_error("cuMemAlloc"))
+        };
         let t = max_tokens;
         Ok(Self {
             residual: bf(t * h)?,
@@ -67,10 +79,48 @@ impl Activations {
             last_residual: bf(max_rows * h)?,
             last_proj: bf(max_rows * h)?,
             last_normed: bf(max_rows * h)?,
-            logits: gpu
+            logits: f32s(max_rows * v)?,
+            row_scratch: f32s(max_rows * v)?,
+            drawn_ids: gpu
                 .stream()
-                .alloc_zeros::<f32>((max_rows * v).max(1))
+                .alloc_zeros::<u32>(max_rows.max(1))
                 .map_err(driver_error("cuMemAlloc"))?,
+            drawn_logprobs: f32s(max_rows)?,
+        })
+    }
+}
+
+/// Pinned host memory every device-to-host copy of a step lands in: a copy from device to
+/// pageable memory goes through a driver bounce buffer at a fraction of the bus's speed
+/// (31 ms of a 56 ms step at batch 64 on the first GPU run). Allocated without
+/// write-combining (cudarc's `alloc_pinned` default), which would make the host's reads of
+/// it uncached.
+pub(crate) struct Readback {
+    /// `[R, vocab]`: logits rows the engine samples itself.
+    pub logits: PinnedHostSlice<f32>,
+    /// `[R, hidden]`: embeddings' final hidden rows.
+    pub hidden: PinnedHostSlice<bf16>,
+    /// `[R]` each: drawn tokens and their logprobs.
+    pub ids: PinnedHostSlice<u32>,
+    pub logprobs: PinnedHostSlice<f32>,
+}
+
+impl Readback {
+    pub fn new(gpu: &GpuContext, cfg: &Qwen2Config, max_rows: usize) -> Result<Self> {
+        fn pinned<T: novainfer_cuda::cudarc::driver::DeviceRepr>(
+            gpu: &GpuContext,
+            len: usize,
+        ) -> Result<PinnedHostSlice<T>> {
+            // SAFETY: the memory is uninitialised until a device copy writes it; the tail
+            // reads back only the values the step's copies wrote (see `forward::Step`).
+            unsafe { gpu.context().alloc_pinned_with_flags::<T>(len.max(1), 0) }
+                .map_err(driver_error("cuMemHostAlloc"))
+        }
+        Ok(Self {
+            logits: pinned(gpu, max_rows * cfg.vocab_size)?,
+            hidden: pinned(gpu, max_rows * cfg.hidden_size)?,
+            ids: pinned(gpu, max_rows)?,
+            logprobs: pinned(gpu, max_rows)?,
         })
     }
 }
@@ -114,6 +164,9 @@ pub(crate) struct StepViews<'a> {
     pub seq_lens: CudaView<'a, i32>,
     pub query_start_loc: CudaView<'a, i32>,
     pub sample_rows: CudaView<'a, i32>,
+    pub draw_params: CudaView<'a, SampleParams>,
+    pub draw_modes: CudaView<'a, DrawMode>,
+    pub host_rows: CudaView<'a, i32>,
 }
 
 impl StepBuffers {
@@ -166,6 +219,9 @@ impl StepBuffers {
             seq_lens: typed(&self.device, l.seq_lens, s)?,
             query_start_loc: typed(&self.device, l.query_start_loc, s + 1)?,
             sample_rows: typed(&self.device, l.sample_rows, step.sample_rows.len())?,
+            draw_params: typed(&self.device, l.draw_params, step.draw_params.len())?,
+            draw_modes: typed(&self.device, l.draw_modes, step.draw_modes.len())?,
+            host_rows: typed(&self.device, l.host_rows, step.host_rows.len())?,
         })
     }
 }
@@ -176,9 +232,11 @@ fn typed<T>(buf: &CudaSlice<u8>, offset: usize, len: usize) -> Result<CudaView<'
     let section = buf
         .try_slice(offset..offset + bytes)
         .ok_or_else(|| too_small("step metadata", offset + bytes, buf.len()))?;
-    // SAFETY: `T` is one of u32, i32, i64: every bit pattern is a valid value. The section
-    // starts at a multiple of 256 bytes from an allocation's base (StepLayout's alignment),
-    // so it is aligned for `T`, and it holds exactly `len` values.
+    // SAFETY: `T` is one of u32, i32, i64, `SampleParams` (plain old data) or `DrawMode`,
+    // whose bytes `StepLayout::write` wrote as one of its values (a device read of another
+    // i32 is no Rust value; the kernel treats unknown modes as skips). The section starts at
+    // a multiple of 256 bytes from an allocation's base (StepLayout's alignment), so it is
+    // aligned for `T`, and it holds exactly `len` values.
     unsafe { section.transmute::<T>(len) }
         .ok_or_else(|| too_small("step metadata", offset + bytes, buf.len()))
 }

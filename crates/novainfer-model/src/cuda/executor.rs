@@ -7,10 +7,11 @@ use novainfer_cuda::ops::paged_attention::{AttentionConfig, DecodeScratch};
 use novainfer_cuda::ops::rope::RopeTable;
 use novainfer_cuda::GpuContext;
 
-use super::buffers::{Activations, KvPool, StepBuffers};
+use super::buffers::{Activations, KvPool, Readback, StepBuffers};
 use super::cuda_error;
-use super::forward::{Step, Tail};
+use super::forward::{Step, Tail, TailOut};
 use super::weights::GpuModel;
+use crate::capabilities::{self, Capabilities};
 use crate::config::{Qwen2Config, WeightDtype};
 use crate::device::Device;
 use crate::error::{ModelError, Result};
@@ -30,6 +31,7 @@ pub struct CudaWeights {
     rope: RopeTable,
     act: Activations,
     scratch: DecodeScratch,
+    readback: Readback,
     limits: StepLimits,
 }
 
@@ -74,6 +76,7 @@ impl CudaWeights {
             limits.max_seq_len,
         )
         .map_err(err)?;
+        let readback = Readback::new(&gpu, &cfg, limits.max_num_seqs)?;
         // Everything above is queued on the stream; finish it so errors surface here and
         // freed upload buffers are back with the driver before memory is measured.
         gpu.synchronize().map_err(err)?;
@@ -88,6 +91,7 @@ impl CudaWeights {
             rope,
             act,
             scratch,
+            readback,
             limits,
         })
     }
@@ -131,6 +135,10 @@ fn attention_config(
 impl DeviceWeights for CudaWeights {
     fn device(&self) -> Device {
         self.device
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        capabilities::CUDA
     }
 
     fn config(&self) -> &Qwen2Config {
@@ -206,6 +214,7 @@ impl CudaWeights {
             meta,
             kv,
             scratch: &mut self.scratch,
+            readback: &mut self.readback,
         }
     }
 }
@@ -254,16 +263,16 @@ impl CudaExecutor {
                 .w
                 .step(&mut self.meta, &mut scratch_pool)
                 .run(&step, tail)?;
-            out.extend(rows);
+            out.extend(rows.rows);
         }
         Ok(out)
     }
 }
 
 impl CudaExecutor {
-    fn run_in_pool(&mut self, batch: &ForwardBatch, tail: Tail) -> Result<Vec<f32>> {
+    fn run_in_pool(&mut self, batch: &ForwardBatch, tail: Tail) -> Result<TailOut> {
         if batch.seqs.is_empty() {
-            return Ok(Vec::new());
+            return Ok(TailOut::default());
         }
         let step = PackedStep::pack(batch, &self.capacity)?;
         self.w.step(&mut self.meta, &mut self.kv).run(&step, tail)
@@ -280,30 +289,41 @@ impl CudaExecutor {
             .filter(|&i| {
                 matches!(
                     batch.seqs[i].output,
-                    SpanOutput::None | SpanOutput::LastLogits
+                    SpanOutput::None | SpanOutput::LastLogits | SpanOutput::Draw(_)
                 )
             })
             .collect();
-        let plain_logits = self.run_in_pool(&batch.select(&plain), Tail::Logits)?;
+        let TailOut {
+            rows: plain_logits,
+            tokens: plain_tokens,
+        } = self.run_in_pool(&batch.select(&plain), Tail::Logits)?;
         let vocab = self.w.cfg.vocab_size;
         let mut plain_rows = plain_logits.chunks_exact(vocab);
+        let mut plain_tokens = plain_tokens.into_iter();
         let mut out = ForwardOutput::default();
+        let missing =
+            |what: &str| ModelError::config("forward", format!("a sampled span got no {what}"));
         for (i, span) in batch.seqs.iter().enumerate() {
             match span.output {
                 SpanOutput::None => {}
                 SpanOutput::LastLogits => {
                     if span.query_len > 0 {
-                        let row = plain_rows.next().ok_or_else(|| {
-                            ModelError::config("forward", "a sampled span got no logits row")
-                        })?;
+                        let row = plain_rows.next().ok_or_else(|| missing("logits row"))?;
                         out.logits.extend_from_slice(row);
+                    }
+                }
+                SpanOutput::Draw(_) => {
+                    if span.query_len > 0 {
+                        out.tokens
+                            .push(plain_tokens.next().ok_or_else(|| missing("token"))?);
                     }
                 }
                 SpanOutput::LastHidden => {
                     let mut one = batch.select(&[i]);
                     // The eager forward's sampled rows are its hidden tail's rows.
                     one.seqs[0].output = SpanOutput::LastLogits;
-                    out.hidden.extend(self.run_in_pool(&one, Tail::Hidden)?);
+                    out.hidden
+                        .extend(self.run_in_pool(&one, Tail::Hidden)?.rows);
                 }
                 SpanOutput::AllLogits => {
                     let group = self.capacity.max_seqs.max(1);
@@ -311,7 +331,8 @@ impl CudaExecutor {
                     while start < span.query_len {
                         let end = (start + group).min(span.query_len);
                         let tokens = batch.one_token_spans(i, start..end);
-                        out.logits.extend(self.run_in_pool(&tokens, Tail::Logits)?);
+                        out.logits
+                            .extend(self.run_in_pool(&tokens, Tail::Logits)?.rows);
                         start = end;
                     }
                 }
@@ -324,6 +345,10 @@ impl CudaExecutor {
 impl Executor for CudaExecutor {
     fn device(&self) -> Device {
         self.w.device
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        capabilities::CUDA
     }
 
     fn config(&self) -> &Qwen2Config {
@@ -381,8 +406,10 @@ impl Executor for CudaExecutor {
             });
         }
         if batch.only_samples() {
+            let TailOut { rows, tokens } = self.run_in_pool(batch, Tail::Logits)?;
             return Ok(ForwardOutput {
-                logits: self.run_in_pool(batch, Tail::Logits)?,
+                logits: rows,
+                tokens,
                 hidden: Vec::new(),
             });
         }

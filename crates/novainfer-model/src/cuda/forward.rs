@@ -3,7 +3,9 @@
 //! ```text
 //! embed → per layer: [add_]rms_norm → QKV GEMM → bias+RoPE+KV write → paged attention
 //!         → o_proj GEMM → add_rms_norm → gate|up GEMM → silu·mul → down GEMM
-//!       → the sampled rows gathered → add_rms_norm (final) → lm_head GEMM (f32) → host
+//!       → the sampled rows gathered → add_rms_norm (final) → lm_head GEMM (f32)
+//!       → draw (tokens of the rows drawn on the device) → pinned host memory: the drawn
+//!         ids and logprobs, and only the logits rows the engine samples itself
 //! ```
 //! The residual add of each sublayer is fused into the next norm (`add_rms_norm`: residual
 //! += x, then norm), which is the CPU's `hidden += …; rms_norm(hidden)`; the last layer's
@@ -21,24 +23,37 @@ use novainfer_cuda::ops::paged_attention::{
 use novainfer_cuda::ops::qkv::{qkv_bias_rope_cache, QkvInput};
 use novainfer_cuda::ops::rms_norm::{add_rms_norm, rms_norm};
 use novainfer_cuda::ops::rope::{RopeHeads, RopeTable};
+use novainfer_cuda::ops::sampling::{draw, DrawMode};
 use novainfer_cuda::ops::silu_mul::silu_mul_fused;
 use novainfer_cuda::GpuContext;
 
-use super::buffers::{head, head_mut, Activations, KvPool, StepBuffers};
+use super::buffers::{head, head_mut, Activations, KvPool, Readback, StepBuffers};
 use super::weights::{GpuMatrix, GpuModel};
 use super::{cuda_error, driver_error};
 use crate::config::Qwen2Config;
 use crate::device::Device;
 use crate::error::Result;
+use crate::forward_batch::DrawnToken;
 use crate::prepare::PackedStep;
 
 /// What a step returns for its sampled rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Tail {
-    /// f32 logits: the engine's steps and prompt logits.
+    /// Per the step's draw modes: drawn tokens for the rows drawn on the device, f32 logits
+    /// for the others (the engine's steps and prompt logits).
     Logits,
     /// The final normed hidden state (bf16 widened to f32): embeddings.
     Hidden,
+}
+
+/// A step's results on the host.
+#[derive(Debug, Default)]
+pub(crate) struct TailOut {
+    /// `Tail::Logits`: the logits rows not drawn (the step's `host_rows`, in order);
+    /// `Tail::Hidden`: the hidden rows.
+    pub rows: Vec<f32>,
+    /// The drawn tokens, in sampled-row order.
+    pub tokens: Vec<DrawnToken>,
 }
 
 /// Everything a step borrows.
@@ -52,13 +67,14 @@ pub(crate) struct Step<'a> {
     pub meta: &'a mut StepBuffers,
     pub kv: &'a mut KvPool,
     pub scratch: &'a mut DecodeScratch,
+    pub readback: &'a mut Readback,
 }
 
 impl Step<'_> {
     /// Runs `step` (already validated against the buffers and the pool) and returns, for
     /// its sampled rows, the f32 logits `[rows, vocab]` or the final normed hidden states
     /// `[rows, hidden]`.
-    pub fn run(self, step: &PackedStep, tail: Tail) -> Result<Vec<f32>> {
+    pub fn run(self, step: &PackedStep, tail: Tail) -> Result<TailOut> {
         let (gpu, device) = (self.gpu, self.device);
         let result = self.run_inner(step, tail);
         // A failed step may leave work queued that reads the staging buffer or the
@@ -72,7 +88,7 @@ impl Step<'_> {
         })
     }
 
-    fn run_inner(self, step: &PackedStep, tail: Tail) -> Result<Vec<f32>, Failure> {
+    fn run_inner(self, step: &PackedStep, tail: Tail) -> Result<TailOut, Failure> {
         let Step {
             gpu,
             cfg,
@@ -82,11 +98,12 @@ impl Step<'_> {
             meta,
             kv,
             scratch,
+            readback,
             ..
         } = self;
         let n = step.num_tokens();
         if n == 0 {
-            return Ok(Vec::new());
+            return Ok(TailOut::default());
         }
         let (h, f, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (hd, nh, nkv) = (
@@ -207,7 +224,7 @@ impl Step<'_> {
         if rows == 0 {
             // Nothing to sample (prefill chunks only): the step's work is its KV writes.
             gpu.synchronize()?;
-            return Ok(Vec::new());
+            return Ok(TailOut::default());
         }
         let mut last_residual = head_mut(&mut act.last_residual, rows * h, "last_residual")?;
         gather_rows::<bf16>(
@@ -233,12 +250,19 @@ impl Step<'_> {
             &mut head_mut(&mut act.last_normed, rows * h, "last_normed")?,
         )?;
         if tail == Tail::Hidden {
-            let hidden = gpu
-                .stream()
-                .clone_dtoh(&head(&act.last_normed, rows * h, "last_normed")?)
+            let hidden = &mut readback.hidden;
+            gpu.stream()
+                .memcpy_dtoh(&head(&act.last_normed, rows * h, "last_normed")?, hidden)
                 .map_err(driver_error("cuMemcpyDtoHAsync"))?;
+            // Waits for the copy, and so for the step: kernels' own errors surface here.
+            let values = hidden
+                .as_slice()
+                .map_err(driver_error("cuEventSynchronize"))?;
             gpu.synchronize()?;
-            return Ok(hidden.into_iter().map(f32::from).collect());
+            return Ok(TailOut {
+                rows: values[..rows * h].iter().map(|&x| f32::from(x)).collect(),
+                tokens: Vec::new(),
+            });
         }
         let lm_head = model.lm_head();
         gemm_bf16_f32out(
@@ -252,14 +276,77 @@ impl Step<'_> {
             },
             &mut head_mut(&mut act.logits, rows * vocab, "logits")?,
         )?;
-        let mut logits = vec![0f32; rows * vocab];
-        gpu.stream()
-            .memcpy_dtoh(&head(&act.logits, rows * vocab, "logits")?, &mut logits)
-            .map_err(driver_error("cuMemcpyDtoHAsync"))?;
-        // The copy into pageable memory has returned, but kernels' own errors surface at a
-        // synchronisation: take them here, as this step's.
+        let draws = step.num_draws();
+        if draws > 0 {
+            draw::<f32>(
+                gpu,
+                &head(&act.logits, rows * vocab, "logits")?,
+                &views.draw_params,
+                &views.draw_modes,
+                vocab,
+                &mut head_mut(&mut act.row_scratch, rows * vocab, "row_scratch")?,
+                &mut head_mut(&mut act.drawn_ids, rows, "drawn_ids")?,
+                &mut head_mut(&mut act.drawn_logprobs, rows, "drawn_logprobs")?,
+            )?;
+            gpu.stream()
+                .memcpy_dtoh(&head(&act.drawn_ids, rows, "drawn_ids")?, &mut readback.ids)
+                .map_err(driver_error("cuMemcpyDtoHAsync"))?;
+            gpu.stream()
+                .memcpy_dtoh(
+                    &head(&act.drawn_logprobs, rows, "drawn_logprobs")?,
+                    &mut readback.logprobs,
+                )
+                .map_err(driver_error("cuMemcpyDtoHAsync"))?;
+        }
+        let host = step.host_rows.len();
+        if host > 0 {
+            // Only the rows the engine samples itself cross the bus: all of them as they are,
+            // or gathered to the front of the scratch (the draw is done with it: same stream).
+            let source = if host == rows {
+                head(&act.logits, rows * vocab, "logits")?
+            } else {
+                gather_rows::<f32>(
+                    gpu,
+                    &head(&act.logits, rows * vocab, "logits")?,
+                    &views.host_rows,
+                    vocab,
+                    &mut head_mut(&mut act.row_scratch, host * vocab, "row_scratch")?,
+                )?;
+                head(&act.row_scratch, host * vocab, "row_scratch")?
+            };
+            gpu.stream()
+                .memcpy_dtoh(&source, &mut readback.logits)
+                .map_err(driver_error("cuMemcpyDtoHAsync"))?;
+        }
+        // Every copy above was recorded on the stream; waiting for the stream covers them and
+        // surfaces the kernels' own errors as this step's.
         gpu.synchronize()?;
-        Ok(logits)
+        let mut out = TailOut::default();
+        if host > 0 {
+            let values = readback
+                .logits
+                .as_slice()
+                .map_err(driver_error("cuEventSynchronize"))?;
+            out.rows = values[..host * vocab].to_vec();
+        }
+        if draws > 0 {
+            let ids = readback
+                .ids
+                .as_slice()
+                .map_err(driver_error("cuEventSynchronize"))?;
+            let logprobs = readback
+                .logprobs
+                .as_slice()
+                .map_err(driver_error("cuEventSynchronize"))?;
+            out.tokens = (0..rows)
+                .filter(|&r| step.draw_modes[r] != DrawMode::Skip)
+                .map(|r| DrawnToken {
+                    token_id: ids[r],
+                    logprob: logprobs[r],
+                })
+                .collect();
+        }
+        Ok(out)
     }
 }
 

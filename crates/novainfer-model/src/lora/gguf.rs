@@ -79,8 +79,9 @@ pub(super) fn load(path: &Path) -> Result<Vec<RawPair>> {
         Scale::Alpha { alpha, rs: false }
     };
 
-    let mut found: BTreeMap<(usize, usize), (Target, Option<String>, Option<String>)> =
-        BTreeMap::new();
+    // (layer, target index) → the target and the names of its lora_a and lora_b tensors.
+    type Halves = (Target, Option<String>, Option<String>);
+    let mut found: BTreeMap<(usize, usize), Halves> = BTreeMap::new();
     for name in content.tensor_infos.keys() {
         let Some((layer, target, is_a)) = parse_name(name) else {
             return Err(err(

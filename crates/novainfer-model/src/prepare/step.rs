@@ -7,8 +7,10 @@
 //! against the vocabulary, positions against the RoPE table, slots against the pool, the
 //! block-table entries a sequence's history reaches against the pool and the padded row.
 
+use novainfer_cuda::sample_params::{DrawMode, SampleParams};
+
 use crate::error::{ModelError, Result};
-use crate::forward_batch::ForwardBatch;
+use crate::forward_batch::{ForwardBatch, SpanOutput};
 
 /// What the executor's buffers and pool were sized for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,7 +30,7 @@ pub struct StepCapacity {
 
 /// A step as the kernels read it. Sequences with no tokens in this step are left out: they
 /// attend to nothing and produce no row.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PackedStep {
     pub token_ids: Vec<u32>,
     pub positions: Vec<i32>,
@@ -40,9 +42,15 @@ pub struct PackedStep {
     pub seq_lens: Vec<i32>,
     /// `[num_seqs + 1]`: sequence s owns tokens `query_start_loc[s]..query_start_loc[s+1]`.
     pub query_start_loc: Vec<i32>,
-    /// The token rows whose logits are returned, in `batch.seqs` order (the CPU's
+    /// The token rows whose logits are computed, in `batch.seqs` order (the CPU's
     /// `ForwardBatch::logits_indices`).
     pub sample_rows: Vec<i32>,
+    /// Per sampled row: what the `draw` kernel does with it ([`DrawMode::Skip`] for a row
+    /// whose logits go back to the engine) and its parameters.
+    pub draw_modes: Vec<DrawMode>,
+    pub draw_params: Vec<SampleParams>,
+    /// Indices into the sampled rows of those returned as logits, in order.
+    pub host_rows: Vec<i32>,
     /// Every sequence has exactly one query token: the decode kernel applies.
     pub decode_only: bool,
     /// The longest `seq_lens` entry.
@@ -162,7 +170,15 @@ impl PackedStep {
             seq_lens.push(reach as i32);
             query_start_loc.push(range.end as i32);
         }
+        let (draw_modes, draw_params) = draws(batch)?;
+        let host_rows = (0..draw_modes.len())
+            .filter(|&r| draw_modes[r] == DrawMode::Skip)
+            .map(|r| r as i32)
+            .collect();
         Ok(Self {
+            draw_modes,
+            draw_params,
+            host_rows,
             token_ids: batch.token_ids.clone(),
             positions,
             slot_mapping,
@@ -173,6 +189,33 @@ impl PackedStep {
             query_start_loc,
             sample_rows: batch.logits_indices().iter().map(|&r| r as i32).collect(),
         })
+    }
+}
+
+/// The `draw` kernel's mode and parameters for each sampled row, in `logits_indices` order.
+fn draws(batch: &ForwardBatch) -> Result<(Vec<DrawMode>, Vec<SampleParams>)> {
+    let mut modes = Vec::new();
+    let mut params = Vec::new();
+    for s in batch.seqs.iter().filter(|s| s.query_len > 0) {
+        let (mode, p, rows) = match s.output {
+            SpanOutput::None | SpanOutput::LastHidden => continue,
+            SpanOutput::LastLogits => (DrawMode::Skip, SampleParams::UNUSED, 1),
+            SpanOutput::AllLogits => (DrawMode::Skip, SampleParams::UNUSED, s.query_len),
+            SpanOutput::Draw(d) => {
+                let (mode, p) = d.kernel_args()?;
+                (mode, p, 1)
+            }
+        };
+        modes.extend(std::iter::repeat_n(mode, rows));
+        params.extend(std::iter::repeat_n(p, rows));
+    }
+    Ok((modes, params))
+}
+
+impl PackedStep {
+    /// Sampled rows the device draws itself.
+    pub fn num_draws(&self) -> usize {
+        self.draw_modes.len() - self.host_rows.len()
     }
 }
 
@@ -187,6 +230,9 @@ pub struct StepLayout {
     pub seq_lens: usize,
     pub query_start_loc: usize,
     pub sample_rows: usize,
+    pub draw_params: usize,
+    pub draw_modes: usize,
+    pub host_rows: usize,
     pub block_tables: usize,
     pub total: usize,
     pub max_blocks_per_seq: usize,
@@ -210,6 +256,9 @@ impl StepLayout {
         let seq_lens = section(4 * s);
         let query_start_loc = section(4 * (s + 1));
         let sample_rows = section(4 * s);
+        let draw_params = section(std::mem::size_of::<SampleParams>() * s);
+        let draw_modes = section(4 * s);
+        let host_rows = section(4 * s);
         let block_tables = section(4 * s * cap.max_blocks_per_seq);
         Self {
             slot_mapping,
@@ -218,6 +267,9 @@ impl StepLayout {
             seq_lens,
             query_start_loc,
             sample_rows,
+            draw_params,
+            draw_modes,
+            host_rows,
             block_tables,
             total: at.max(ALIGN),
             max_blocks_per_seq: cap.max_blocks_per_seq,
@@ -264,11 +316,38 @@ impl StepLayout {
         );
         put(
             staging,
+            self.draw_params,
+            step.draw_params.iter().map(params_bytes),
+        );
+        put(
+            staging,
+            self.draw_modes,
+            step.draw_modes.iter().map(|&m| (m as i32).to_ne_bytes()),
+        );
+        put(
+            staging,
+            self.host_rows,
+            step.host_rows.iter().map(|v| v.to_ne_bytes()),
+        );
+        put(
+            staging,
             self.block_tables,
             step.block_tables.iter().map(|v| v.to_ne_bytes()),
         );
         self.block_tables + 4 * step.block_tables.len()
     }
+}
+
+/// The kernel's `SampleParams` (`#[repr(C)]`, 32 bytes, no padding) as the device reads it.
+fn params_bytes(p: &SampleParams) -> [u8; 32] {
+    let mut out = [0u8; 32];
+    out[0..8].copy_from_slice(&p.seed.to_ne_bytes());
+    out[8..16].copy_from_slice(&p.offset.to_ne_bytes());
+    out[16..20].copy_from_slice(&p.inv_temperature.to_ne_bytes());
+    out[20..24].copy_from_slice(&p.top_p.to_ne_bytes());
+    out[24..28].copy_from_slice(&p.min_p.to_ne_bytes());
+    out[28..32].copy_from_slice(&p.top_k.to_ne_bytes());
+    out
 }
 
 #[cfg(test)]
@@ -357,10 +436,87 @@ mod tests {
             layout.seq_lens,
             layout.query_start_loc,
             layout.sample_rows,
+            layout.draw_params,
+            layout.draw_modes,
+            layout.host_rows,
             layout.block_tables,
         ] {
             assert_eq!(at % ALIGN, 0);
         }
+    }
+
+    /// Draw spans get their kernel mode and parameters, logits spans `Skip` and a host row;
+    /// the parameters land in the staging buffer in the kernel struct's field order.
+    #[test]
+    fn draws_are_packed_per_sampled_row() {
+        use crate::forward_batch::{Draw, DrawRule};
+        let mut b = ForwardBatch::default();
+        let random = Draw {
+            seed: 0x0102_0304_0506_0708,
+            offset: 11,
+            rule: DrawRule::Random {
+                temperature: 0.5,
+                top_k: Some(7),
+                top_p: 0.9,
+                min_p: 0.1,
+            },
+        };
+        let greedy = Draw {
+            seed: 1,
+            offset: 0,
+            rule: DrawRule::Greedy,
+        };
+        b.push_span(&[1], 0, vec![0], vec![0], SpanOutput::Draw(random));
+        b.push_span(&[2, 3], 0, vec![4, 5], vec![1], SpanOutput::AllLogits);
+        b.push_span(&[4], 0, vec![8], vec![2], SpanOutput::None);
+        b.push_span(&[5], 0, vec![12], vec![3], SpanOutput::Draw(greedy));
+        b.push_span(&[6], 0, vec![16], vec![4], SpanOutput::LastLogits);
+        let cap = StepCapacity { max_seqs: 8, ..CAP };
+        let p = PackedStep::pack(&b, &cap).expect("valid");
+        assert_eq!(p.sample_rows, [0, 1, 2, 4, 5]);
+        assert_eq!(
+            p.draw_modes,
+            [
+                DrawMode::Random,
+                DrawMode::Skip,
+                DrawMode::Skip,
+                DrawMode::Greedy,
+                DrawMode::Skip
+            ]
+        );
+        assert_eq!(p.host_rows, [1, 2, 4]);
+        assert_eq!(p.num_draws(), 2);
+        assert_eq!(p.draw_params[0].top_k, 7);
+        assert_eq!(p.draw_params[0].inv_temperature, 2.0);
+
+        let layout = StepLayout::new(&cap);
+        let mut staging = vec![0u8; layout.total];
+        layout.write(&p, &mut staging);
+        let at = layout.draw_params;
+        assert_eq!(&staging[at..at + 8], &random.seed.to_ne_bytes());
+        assert_eq!(&staging[at + 8..at + 16], &11u64.to_ne_bytes());
+        assert_eq!(&staging[at + 16..at + 20], &2.0f32.to_ne_bytes());
+        assert_eq!(&staging[at + 20..at + 24], &0.9f32.to_ne_bytes());
+        assert_eq!(&staging[at + 24..at + 28], &0.1f32.to_ne_bytes());
+        assert_eq!(&staging[at + 28..at + 32], &7i32.to_ne_bytes());
+        let i32_at = |at: usize| i32::from_ne_bytes(staging[at..at + 4].try_into().expect("4"));
+        assert_eq!(i32_at(layout.draw_modes), DrawMode::Random as i32);
+        assert_eq!(i32_at(layout.draw_modes + 4 * 3), DrawMode::Greedy as i32);
+        assert_eq!(i32_at(layout.host_rows + 4 * 2), 4);
+
+        // A rule outside the kernel's ranges is refused before anything runs.
+        let mut bad = ForwardBatch::default();
+        let zero = Draw {
+            rule: DrawRule::Random {
+                temperature: 0.0,
+                top_k: None,
+                top_p: 1.0,
+                min_p: 0.0,
+            },
+            ..greedy
+        };
+        bad.push_span(&[1], 0, vec![0], vec![0], SpanOutput::Draw(zero));
+        assert_eq!(field(PackedStep::pack(&bad, &CAP)), "draw");
     }
 
     fn field(r: Result<PackedStep>) -> String {

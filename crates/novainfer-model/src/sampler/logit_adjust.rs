@@ -58,6 +58,17 @@ impl LogitAdjust {
 
     /// Puts back what the last [`apply`](Self::apply) changed (in reverse, so an id both
     /// biased and masked gets its value from before either) and counts the sampled token.
+    /// Whether the next row would be changed: a bias, or stop ids still held back by
+    /// `min_tokens`.
+    pub fn is_active(&self) -> bool {
+        !self.bias.is_empty() || (self.sampled < self.min_tokens && !self.stop_ids.is_empty())
+    }
+
+    /// Counts a token sampled elsewhere (on the device) toward `min_tokens`.
+    pub fn count_sampled(&mut self) {
+        self.sampled += 1;
+    }
+
     pub fn restore(&mut self, logits: &mut [f32]) {
         for &(id, x) in self.overwritten.iter().rev() {
             logits[id as usize] = x;

@@ -23,6 +23,7 @@ use novainfer_core::SamplingParams;
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use crate::draw::{Draw, DrawRule, DrawnToken};
 use logit_adjust::LogitAdjust;
 use penalties::{Penalties, PenaltyState};
 use row_math::BlockMaxima;
@@ -50,8 +51,15 @@ pub struct SampledToken {
 #[derive(Debug, Clone)]
 pub struct Sampler {
     greedy: bool,
+    /// The request's temperature (the truncation keeps its inverse).
+    temperature: f32,
     truncation: Truncation,
     num_top_logprobs: Option<usize>,
+    /// The key of the device's counter-based draws ([`Self::device_draw`]); the host's own
+    /// stream is `rng`, seeded from the same value.
+    seed: u64,
+    /// Tokens sampled so far, here or on the device: the device draw's counter.
+    sampled: u64,
     rng: ChaCha8Rng,
     penalties: PenaltyState,
     adjust: LogitAdjust,
@@ -64,8 +72,12 @@ impl Sampler {
     pub fn new(params: &SamplingParams, prompt_ids: &[u32], fallback_seed: u64) -> Self {
         let temperature = params.temperature();
         let greedy = params.is_greedy() || temperature < MIN_SAMPLING_TEMPERATURE;
+        let seed = params.seed().unwrap_or(fallback_seed);
         Self {
             greedy,
+            temperature,
+            seed,
+            sampled: 0,
             truncation: Truncation {
                 inv_temperature: if greedy { 1.0 } else { 1.0 / temperature },
                 top_k: params.top_k(),
@@ -73,7 +85,7 @@ impl Sampler {
                 min_p: params.min_p(),
             },
             num_top_logprobs: params.logprobs(),
-            rng: ChaCha8Rng::seed_from_u64(params.seed().unwrap_or(fallback_seed)),
+            rng: ChaCha8Rng::seed_from_u64(seed),
             penalties: PenaltyState::new(Penalties::from_params(params), prompt_ids),
             adjust: LogitAdjust::new(params),
             scratch: Scratch::default(),
@@ -132,6 +144,7 @@ impl Sampler {
         self.adjust.restore(logits);
         self.penalties.restore(logits);
         self.penalties.record(token_id);
+        self.sampled += 1;
 
         let chosen = logits.get(token_id as usize).copied();
         let logprob = chosen.map_or(f32::NEG_INFINITY, log_softmax);
@@ -144,6 +157,50 @@ impl Sampler {
             logprob,
             top_logprobs,
             rank,
+        }
+    }
+}
+
+impl Sampler {
+    /// The next token as a device may draw it ([`Draw`]), when nothing this sampler would do
+    /// to the row needs the host: no penalty, no logit bias, no `min_tokens` mask pending and
+    /// no top logprobs asked for. `None` means: sample the logits row here.
+    ///
+    /// A drawn token follows the same distribution as one sampled here, from a different
+    /// random stream (the device's counter-based generator keyed by the request's seed, at the
+    /// count of tokens sampled so far); greedy rows are the same token either way.
+    pub fn device_draw(&self) -> Option<Draw> {
+        if self.num_top_logprobs.is_some() || self.penalties.is_active() || self.adjust.is_active()
+        {
+            return None;
+        }
+        let rule = if self.greedy {
+            DrawRule::Greedy
+        } else {
+            DrawRule::Random {
+                temperature: self.temperature,
+                top_k: self.truncation.top_k,
+                top_p: self.truncation.top_p,
+                min_p: self.truncation.min_p,
+            }
+        };
+        Some(Draw {
+            seed: self.seed,
+            offset: self.sampled,
+            rule,
+        })
+    }
+
+    /// Takes a token the device drew for [`Self::device_draw`] as this sampler's next one.
+    pub fn accept_drawn(&mut self, drawn: DrawnToken) -> SampledToken {
+        self.penalties.record(drawn.token_id);
+        self.adjust.count_sampled();
+        self.sampled += 1;
+        SampledToken {
+            token_id: drawn.token_id,
+            logprob: drawn.logprob,
+            top_logprobs: Vec::new(),
+            rank: 0,
         }
     }
 }

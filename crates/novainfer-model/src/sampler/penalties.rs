@@ -85,6 +85,11 @@ impl PenaltyState {
         }
     }
 
+    /// Whether any penalty changes a row (a neutral state records and changes nothing).
+    pub fn is_active(&self) -> bool {
+        !self.penalties.is_neutral()
+    }
+
     /// Notes a generated token for the penalties of later steps.
     pub fn record(&mut self, token_id: u32) {
         if !self.penalties.is_neutral() {

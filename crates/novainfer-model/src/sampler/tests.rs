@@ -510,3 +510,97 @@ fn min_tokens_keeps_eos_and_stop_tokens_away_then_lets_them_through() {
         "rank counts the raw row, masked ids included"
     );
 }
+
+/// What the device may draw: a plain row (greedy or truncated sampling), never one that needs
+/// the host's penalties, bias, `min_tokens` mask or top logprobs; the counter is the number
+/// of tokens sampled so far, wherever they were sampled.
+#[test]
+fn device_draws_cover_plain_rows_and_count_every_token() {
+    let greedy = Sampler::new(&params(SamplingParams::builder().temperature(0.0)), &[], 9);
+    assert_eq!(
+        greedy.device_draw(),
+        Some(Draw {
+            seed: 9,
+            offset: 0,
+            rule: DrawRule::Greedy
+        })
+    );
+    let mut s = Sampler::new(
+        &params(
+            SamplingParams::builder()
+                .temperature(0.7)
+                .top_k(40)
+                .top_p(0.9)
+                .min_p(0.05)
+                .seed(Some(5)),
+        ),
+        &[1, 2],
+        9,
+    );
+    let rule = DrawRule::Random {
+        temperature: 0.7,
+        top_k: Some(40),
+        top_p: 0.9,
+        min_p: 0.05,
+    };
+    assert_eq!(
+        s.device_draw(),
+        Some(Draw {
+            seed: 5,
+            offset: 0,
+            rule
+        })
+    );
+    let t = s.accept_drawn(DrawnToken {
+        token_id: 3,
+        logprob: -0.5,
+    });
+    assert_eq!((t.token_id, t.logprob, t.rank), (3, -0.5, 0));
+    assert!(t.top_logprobs.is_empty());
+    s.sample(&mut [0.0, 1.0, 2.0, 3.0]);
+    assert_eq!(
+        s.device_draw().map(|d| d.offset),
+        Some(2),
+        "one drawn, one sampled here"
+    );
+
+    for host_only in [
+        SamplingParams::builder().temperature(1.0).logprobs(Some(0)),
+        SamplingParams::builder()
+            .temperature(1.0)
+            .presence_penalty(0.5),
+        SamplingParams::builder()
+            .temperature(0.0)
+            .repetition_penalty(1.1),
+        SamplingParams::builder()
+            .temperature(1.0)
+            .frequency_penalty(-0.5),
+        SamplingParams::builder()
+            .temperature(1.0)
+            .logit_bias(vec![(3, 2.0)]),
+    ] {
+        let s = Sampler::new(&params(host_only), &[1], 0);
+        assert_eq!(s.device_draw(), None);
+    }
+
+    // min_tokens holds the stop ids back for two tokens, drawn or not; then the row is plain.
+    let mut s = Sampler::new(
+        &params(
+            SamplingParams::builder()
+                .temperature(0.0)
+                .max_tokens(Some(8))
+                .min_tokens(2),
+        ),
+        &[],
+        0,
+    )
+    .with_eos_token_ids(&[1], false);
+    assert_eq!(s.device_draw(), None);
+    s.sample(&mut [0.0, 1.0, 2.0]);
+    assert_eq!(s.device_draw(), None);
+    s.accept_drawn(DrawnToken {
+        token_id: 2,
+        logprob: -0.1,
+    });
+    assert!(s.device_draw().is_some(), "min_tokens reached");
+}

@@ -1,0 +1,344 @@
+//! The engine's side of sampling on the device, with a toy backend (no model): which rows the
+//! engine asks the backend to draw, that drawn tokens reach the right requests, and that a
+//! backend whose capabilities say it draws nothing (the CPU) is never asked to.
+//!
+//! The toy's logits are a fixed function of a sequence's last token and position, and it
+//! draws with the device kernel's CPU twin (`Draw::on_host`), exactly as the GPU would.
+
+use std::collections::HashMap;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+
+use novainfer_core::{RequestId, SamplingParams, SchedulerConfig};
+use novainfer_model::capabilities::{self, Capabilities};
+use novainfer_model::{
+    Device, Draw, DrawRule, Executor, ForwardBatch, ForwardOutput, Qwen2Config, SpanOutput,
+};
+
+use crate::engine::{Frontend, LoadedEngine};
+use crate::gguf_tokenizer::test_support::tiny_byte_level_tokenizer;
+use crate::lora::LoraRegistry;
+use crate::output_processor::OutputEvent;
+use crate::{EngineCore, Scheduling};
+
+const BLOCK: usize = 4;
+
+/// What the toy was asked for, per sampled span: its draw, or `None` for a logits row.
+type Asked = Arc<Mutex<Vec<Option<Draw>>>>;
+
+struct Toy {
+    config: Qwen2Config,
+    caps: Capabilities,
+    asked: Asked,
+}
+
+impl Toy {
+    /// Logits of the position after `token` at `position`: a broad spread with a few
+    /// clear leaders, all depending on both.
+    fn row(&self, token: u32, position: usize) -> Vec<f32> {
+        let v = self.config.vocab_size;
+        let mut h =
+            (u64::from(token) * 0x9E37_79B9_7F4A_7C15) ^ ((position as u64 + 1) * 0xBF58_476D);
+        (0..v)
+            .map(|_| {
+                h ^= h >> 29;
+                h = h.wrapping_mul(0x94D0_49BB_1331_11EB);
+                h ^= h >> 32;
+                let x = (h % 1000) as f32 / 250.0 - 2.0;
+                if h.is_multiple_of(97) {
+                    x + 6.0
+                } else {
+                    x
+                }
+            })
+            .collect()
+    }
+}
+
+impl Executor for Toy {
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.caps
+    }
+    fn config(&self) -> &Qwen2Config {
+        &self.config
+    }
+    fn block_size(&self) -> usize {
+        BLOCK
+    }
+    fn num_blocks(&self) -> usize {
+        256
+    }
+    fn kv_bytes_per_block(&self) -> usize {
+        64
+    }
+    fn copy_block(&mut self, _: usize, _: usize, _: usize) -> novainfer_model::Result<()> {
+        Ok(())
+    }
+    fn forward(&mut self, batch: &ForwardBatch) -> novainfer_model::Result<ForwardOutput> {
+        let mut out = ForwardOutput::default();
+        for s in &batch.seqs {
+            let last = s.query_start + s.query_len - 1;
+            let row = || self.row(batch.token_ids[last], batch.positions[last]);
+            match s.output {
+                SpanOutput::None => {}
+                SpanOutput::LastLogits => {
+                    self.asked.lock().expect("lock").push(None);
+                    out.logits.extend(row());
+                }
+                SpanOutput::Draw(draw) => {
+                    if !self.caps.sampling.draws {
+                        return Err(novainfer_model::ModelError::Unsupported {
+                            what: "draws".into(),
+                            device: "toy".into(),
+                        });
+                    }
+                    self.asked.lock().expect("lock").push(Some(draw));
+                    out.tokens.push(draw.on_host(&row())?);
+                }
+                SpanOutput::AllLogits | SpanOutput::LastHidden => unreachable!("not asked here"),
+            }
+        }
+        Ok(out)
+    }
+    fn embed(&mut self, _: &[u32]) -> novainfer_model::Result<Vec<f32>> {
+        unreachable!()
+    }
+    fn prompt_logits(&mut self, _: &[u32], _: bool) -> novainfer_model::Result<Vec<f32>> {
+        unreachable!()
+    }
+}
+
+/// An engine over the toy with `caps`, and what it asked the toy for.
+fn engine(caps: Capabilities) -> (EngineCore, mpsc::Receiver<Vec<OutputEvent>>, Asked) {
+    let tokenizer = tiny_byte_level_tokenizer();
+    let vocab = tokenizer.vocab_size();
+    let config = Qwen2Config {
+        vocab_size: vocab,
+        hidden_size: 8,
+        intermediate_size: 8,
+        num_hidden_layers: 1,
+        num_attention_heads: 1,
+        num_key_value_heads: 1,
+        max_position_embeddings: 256,
+        rope_theta: 1e4,
+        rms_norm_eps: 1e-6,
+        tie_word_embeddings: false,
+        torch_dtype: None,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+    };
+    let asked = Asked::default();
+    let toy = Toy {
+        config: config.clone(),
+        caps,
+        asked: asked.clone(),
+    };
+    let scheduler = SchedulerConfig::builder()
+        .max_num_batched_tokens(256)
+        .max_num_seqs(16)
+        .max_model_len(256)
+        .block_size(BLOCK)
+        .num_blocks(256)
+        .build()
+        .expect("scheduler config");
+    let loaded = LoadedEngine {
+        executor: Box::new(toy),
+        device: novainfer_model::device::Resolved {
+            device: Device::Cpu,
+            reason: "test".into(),
+        },
+        frontend: Frontend::new(
+            tokenizer,
+            None,
+            vocab,
+            256,
+            LoraRegistry::new(None, config.clone()),
+            config,
+        ),
+        scheduler,
+        seed: 1234,
+        speculative: None,
+        draft: None,
+    };
+    let (tx, rx) = mpsc::channel();
+    (EngineCore::new(loaded, tx), rx, asked)
+}
+
+/// Each completion's tokens with their logprobs.
+type Tokens = HashMap<RequestId, Vec<(u32, f32)>>;
+
+/// Runs `requests` (id, prompt, params) to completion: the tokens, and what the backend was
+/// asked for.
+fn run(
+    caps: Capabilities,
+    requests: &[(u64, Vec<u32>, SamplingParams)],
+) -> (Tokens, Vec<Option<Draw>>) {
+    let (mut core, rx, asked) = engine(caps);
+    let (sink, _deltas) = mpsc::channel();
+    for (id, prompt, params) in requests {
+        core.add_request(
+            RequestId(*id),
+            prompt.clone(),
+            params.clone(),
+            Scheduling::default(),
+            None,
+            sink.clone().into(),
+        )
+        .expect("request accepted");
+    }
+    let mut tokens = Tokens::new();
+    for _ in 0..200 {
+        if !core.has_work() {
+            break;
+        }
+        core.step();
+        while let Ok(events) = rx.try_recv() {
+            for event in events {
+                match event {
+                    OutputEvent::Token { id, token, .. } => {
+                        tokens
+                            .entry(id)
+                            .or_default()
+                            .push((token.token_id, token.logprob));
+                    }
+                    OutputEvent::Failed { error, .. } => panic!("request failed: {error}"),
+                    _ => {}
+                }
+            }
+        }
+    }
+    assert!(!core.has_work(), "the requests finished");
+    let asked = asked.lock().expect("lock").clone();
+    (tokens, asked)
+}
+
+fn params(temperature: f32, max_tokens: i64) -> novainfer_core::SamplingParamsBuilder {
+    SamplingParams::builder()
+        .temperature(temperature)
+        .max_tokens(Some(max_tokens))
+        .ignore_eos(true)
+}
+
+fn drawing() -> Capabilities {
+    Capabilities {
+        sampling: novainfer_model::DeviceSampling { draws: true },
+        ..capabilities::CPU
+    }
+}
+
+#[test]
+fn the_engine_never_asks_the_cpu_backend_to_draw() {
+    let requests = vec![
+        (0, vec![5, 6, 7], params(0.0, 6).build().expect("valid")),
+        (
+            10,
+            vec![8, 9],
+            params(0.9, 6).seed(Some(3)).build().expect("valid"),
+        ),
+        (
+            20,
+            vec![11],
+            params(1.0, 5).top_p(0.8).build().expect("valid"),
+        ),
+    ];
+    let (tokens, asked) = run(capabilities::CPU, &requests);
+    assert_eq!(tokens.len(), 3);
+    assert!(!asked.is_empty());
+    assert!(
+        asked.iter().all(Option::is_none),
+        "the CPU backend was asked to draw"
+    );
+}
+
+/// Greedy rows drawn by the backend are the tokens (and logprobs) the engine's own sampler
+/// picks from the same rows, whatever else shares the step; rows that need the host (top
+/// logprobs, penalties, bias, n > 1's first row) come back as logits beside drawn ones.
+#[test]
+fn drawn_tokens_reach_their_requests_and_greedy_matches_the_host() {
+    let requests = vec![
+        (0, vec![5, 6, 7], params(0.0, 7).build().expect("valid")),
+        (
+            10,
+            vec![8, 9],
+            params(0.0, 7).logprobs(Some(2)).build().expect("valid"),
+        ),
+        (
+            20,
+            vec![3],
+            params(0.0, 7).presence_penalty(0.5).build().expect("valid"),
+        ),
+        (
+            30,
+            vec![12, 13, 14, 15, 16],
+            params(0.0, 7).build().expect("valid"),
+        ),
+        (40, vec![4, 4], params(0.0, 6).n(2).build().expect("valid")),
+        (
+            50,
+            vec![17],
+            params(0.0, 6)
+                .logit_bias(vec![(3, 1.5)])
+                .build()
+                .expect("valid"),
+        ),
+    ];
+    let (host, host_asked) = run(capabilities::CPU, &requests);
+    let (device, asked) = run(drawing(), &requests);
+    assert!(host_asked.iter().all(Option::is_none));
+    assert_eq!(
+        host.keys().len(),
+        7,
+        "six requests, one with two completions"
+    );
+    for (id, want) in &host {
+        let got = &device[id];
+        assert_eq!(
+            got.iter().map(|t| t.0).collect::<Vec<_>>(),
+            want.iter().map(|t| t.0).collect::<Vec<_>>(),
+            "{id}: tokens"
+        );
+        for ((_, a), (_, b)) in got.iter().zip(want) {
+            assert!((a - b).abs() < 1e-5, "{id}: logprob {a} vs {b}");
+        }
+    }
+    let drawn = asked.iter().filter(|d| d.is_some()).count();
+    let rows = asked.len();
+    // Requests 0 and 30 draw every token; 40's completions after their first; 10, 20 and 50
+    // never (their samplers need the host); 40's shared first row is a logits row.
+    assert!(drawn >= 7 + 7 + 2 * 5, "{drawn} of {rows} rows drawn");
+    assert!(rows - drawn >= 3 * 7 - 1, "{} logits rows", rows - drawn);
+    assert!(asked.iter().flatten().all(|d| d.rule == DrawRule::Greedy));
+}
+
+/// A seeded random request draws the same tokens alone and in a batch: each row's draw is
+/// keyed by its seed and counted by its own tokens, and its offsets run 0, 1, 2, ...
+#[test]
+fn seeded_draws_do_not_depend_on_the_batch() {
+    let seeded = params(0.8, 8)
+        .top_k(20)
+        .seed(Some(77))
+        .build()
+        .expect("valid");
+    let alone = run(drawing(), &[(0, vec![5, 6], seeded.clone())]);
+    let crowd: Vec<_> = (1..6)
+        .map(|i| {
+            (
+                i * 10,
+                vec![i as u32 + 3, 9],
+                params(1.0, 8).build().expect("valid"),
+            )
+        })
+        .chain([(0, vec![5, 6], seeded)])
+        .collect();
+    let crowded = run(drawing(), &crowd);
+    assert_eq!(alone.0[&RequestId(0)], crowded.0[&RequestId(0)]);
+    let offsets: Vec<u64> = alone.1.iter().flatten().map(|d| d.offset).collect();
+    assert_eq!(offsets, (0..8).collect::<Vec<_>>());
+    assert!(alone.1.iter().flatten().all(|d| d.seed == 77));
+    // Unseeded requests are keyed by the engine's seed and their id, so they differ.
+    let keys: std::collections::HashSet<u64> = crowded.1.iter().flatten().map(|d| d.seed).collect();
+    assert_eq!(keys.len(), 6);
+}
