@@ -1,6 +1,23 @@
 """GPU benchmarks for docs/benchmarks.md, run by `scripts/gpu-test run` on a machine with an NVIDIA GPU.
 
-For each demo model cached under $NOVAINFER_HOME (the 0.5B one is staged by `scripts/gpu-test stage-model`):
+Two modes.
+
+``--synthetic`` (what `scripts/gpu-test run` always runs): real-shape Qwen2 checkpoints with random bf16 weights
+(tools/synthetic_checkpoint.py; a GPU machine that cannot fetch a model still measures 0.5B, 1.5B and 7B speed),
+written under ``--synthetic-root`` unless already there. Each shape runs in a child process of its own (a crash or
+a hang costs its points only, and the GPU memory is surely freed between shapes), in order of priority within a
+time budget (``--budget-s``): a point that would not fit is reported as not run, and one that overruns is stopped.
+- 0.5B and 1.5B: batch-1 decode (128-token prompt, 256 tokens), prefill of a 4096-token prompt and decode at that
+  depth, 16 and 64 sequences of 512 prompt + 128 output tokens (`novainfer.bench.bench_batched`).
+- 0.5B: a kernel-time breakdown (`kernel_breakdown`) at batch 1 and batch 64 right after its batch-1 decode, and,
+  last of all, nano-vllm's workload.
+- 7B: batch-1 decode and 64 × (512 + 128).
+Decode rates are given as a share of the bandwidth limit: the GPU's measured device-to-device copy rate over the
+bytes one step reads (bf16 weights, one embedding row, and the bf16 KV of every sequence's context). A markdown
+summary table is printed last (and written to ``--table-out``).
+
+Without ``--synthetic`` (the demo mode; for each demo model cached under $NOVAINFER_HOME, the 0.5B one staged by
+`scripts/gpu-test stage-model`):
 - batch-1 decode tokens/s through NovaInfer on ``device="cuda"``, next to the bandwidth limit: the bytes of
   weights one decoded token reads (bf16, as the CUDA executor holds them; the embedding table contributes one
   row) divided into the GPU's measured device-to-device copy rate;
@@ -10,12 +27,15 @@ For each demo model cached under $NOVAINFER_HOME (the 0.5B one is staged by `scr
   left padding) on the same GPU, from the f32 checkpoint tools/gguf_to_hf.py writes.
 
 Timings are wall-clock around whole generate calls after one warm-up (the figures are rates over seconds of
-work, far above launch jitter); the copy bandwidth uses CUDA events. Prints one block per model.
+work, far above launch jitter); the copy bandwidth uses CUDA events. The pure helpers (bandwidth limits, the
+profile's aggregation, the tables, the plan) are tested on the CPU in tests/test_gpu_tools.py.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import random
 import sys
 import time
@@ -60,9 +80,12 @@ def weight_bytes_per_token(config: dict) -> int:
 
 
 def workload(vocab: int) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's benchmark: (prompts, output lengths), lengths uniform in WORKLOAD's range, ids below `vocab`."""
     rng = random.Random(WORKLOAD["seed"])
     lo, hi = WORKLOAD["lengths"]
-    prompts = [[rng.randrange(1000, min(vocab, 150_000)) for _ in range(rng.randint(lo, hi))]
+    top = min(vocab, 150_000)
+    first = min(1000, top // 2)  # 1000 for every real vocabulary; a test's tiny tokenizer has 448 tokens
+    prompts = [[rng.randrange(first, top) for _ in range(rng.randint(lo, hi))]
                for _ in range(WORKLOAD["num_requests"])]
     outputs = [rng.randint(lo, hi) for _ in prompts]
     return prompts, outputs
@@ -116,7 +139,8 @@ def hf_figures(hf_dir: Path) -> dict[str, float]:
     return {"decode_b1_tok_s": decode, "workload_output_tok_s": sum(outputs) / seconds, "workload_seconds": seconds}
 
 
-def main() -> int:
+def demo_main() -> int:
+    """The demo mode: NovaInfer and transformers on each cached demo model (see the module docstring)."""
     from gguf_to_hf import convert
     from novainfer.fetch import cache_dir, models_dir
 
@@ -148,6 +172,608 @@ def main() -> int:
               f"({ours['workload_seconds']:.1f} s), transformers (static batches of 64) "
               f"{theirs['workload_output_tok_s']:.0f} output tok/s ({theirs['workload_seconds']:.1f} s)")
     return 0 if ran else 1
+
+
+# --------------------------------------------------------------------------- bandwidth limits
+
+
+def kv_bytes_per_position(config: dict) -> int:
+    """bf16 bytes of K and V that one context position holds over all layers (what decode attention reads)."""
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    return 2 * 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
+
+
+def decode_limit(bandwidth: float, config: dict, batch: int, context: float) -> float:
+    """Tokens/s a decode step of `batch` sequences with `context` positions each cannot beat when every byte it
+    reads (the weights once, each sequence's KV) moves at `bandwidth` bytes/s."""
+    step_bytes = weight_bytes_per_token(config) + batch * context * kv_bytes_per_position(config)
+    return batch * bandwidth / step_bytes
+
+
+# --------------------------------------------------------------------------- kernel-time breakdown
+
+PROFILE_WINDOW = "novainfer.generate"
+
+
+def _enum_name(value: object) -> str:
+    """`DeviceType.CUDA` → "CUDA", whether the enum has `.name` (pybind11) or only its str()."""
+    name = getattr(value, "name", None)
+    return name if isinstance(name, str) else str(value).rsplit(".", 1)[-1]
+
+
+def event_times(evt: object) -> tuple[float | None, float | None, float | None]:
+    """(start_us, end_us, duration_us) of a profiler FunctionEvent, or Nones where this torch lacks them.
+
+    The interval is `time_range.start/end` (every version; device and host events share its time base); the
+    duration falls back to `device_time_total` (torch ≥ 2.4) or `cuda_time_total` (older) without it."""
+    time_range = getattr(evt, "time_range", None)
+    start, end = getattr(time_range, "start", None), getattr(time_range, "end", None)
+    if start is not None and end is not None:
+        return float(start), float(end), float(end) - float(start)
+    for attr in ("device_time_total", "cuda_time_total"):
+        value = getattr(evt, attr, None)
+        if isinstance(value, (int, float)):
+            return None, None, float(value)
+    return None, None, None
+
+
+def is_device_event(evt: object) -> bool:
+    """Whether a FunctionEvent ran on the GPU (a kernel, memcpy or memset, as CUPTI recorded it)."""
+    device_type = getattr(evt, "device_type", None)
+    return device_type is not None and _enum_name(device_type) == "CUDA"
+
+
+def interval_union(intervals: list[tuple[float, float]], window: tuple[float, float] | None = None) -> float:
+    """Total length covered by `intervals` (start, end), each clipped to `window` when one is given: the time
+    the GPU was busy with at least one event, however many overlapped."""
+    clipped = []
+    for start, end in intervals:
+        if window is not None:
+            start, end = max(start, window[0]), min(end, window[1])
+        if end > start:
+            clipped.append((start, end))
+    clipped.sort()
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in clipped:
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def _by_name(items: list[tuple[str, float]]) -> list[dict]:
+    """[(name, duration_us)] → rows of name, total_us, count, mean_us, share (of the summed time), largest first."""
+    totals: dict[str, list[float]] = {}
+    for name, duration in items:
+        entry = totals.setdefault(name, [0.0, 0])
+        entry[0] += duration
+        entry[1] += 1
+    grand = sum(t for t, _ in totals.values()) or 1.0
+    rows = [
+        {"name": name, "total_us": t, "count": int(n), "mean_us": t / n, "share": t / grand}
+        for name, (t, n) in totals.items()
+    ]
+    rows.sort(key=lambda r: (-r["total_us"], r["name"]))
+    return rows
+
+
+def aggregate_profile(events: list, window_name: str = PROFILE_WINDOW) -> dict:
+    """The kernel-time breakdown of a profile's FunctionEvents (`prof.events()`).
+
+    Device events (kernels, memcpys, memsets) by name: total time, count, mean, share of the GPU time; the GPU
+    time (summed), the busy time (union of device intervals within the window), the window (the host event named
+    `window_name`, else the span of the device events) and the busy fraction; every `Memcpy ... Pageable` by name
+    (a host copy from unpinned memory: synchronous and slow); the host events (CUDA API calls as CUPTI saw them)
+    by name. Where a torch lists kernels only under their launching host event (`evt.kernels`, old versions),
+    those are used, without intervals (busy time then None)."""
+    device: list[tuple[str, float]] = []
+    intervals: list[tuple[float, float]] = []
+    host: list[tuple[str, float]] = []
+    window: tuple[float, float] | None = None
+    nested_kernels: list[tuple[str, float]] = []
+    for evt in events:
+        name = str(getattr(evt, "name", None) or getattr(evt, "key", "?"))
+        start, end, duration = event_times(evt)
+        if is_device_event(evt):
+            # Kineto mirrors record_function ranges onto the GPU timeline (gpu_user_annotation): not GPU work.
+            if duration is None or name == window_name or getattr(evt, "is_user_annotation", False) is True:
+                continue
+            device.append((name, duration))
+            if start is not None and end is not None:
+                intervals.append((start, end))
+            continue
+        if name == window_name:
+            if start is not None and end is not None and (window is None or end - start > window[1] - window[0]):
+                window = (start, end)
+            continue
+        if duration is not None:
+            host.append((name, duration))
+        for kernel in getattr(evt, "kernels", None) or ():
+            kernel_duration = getattr(kernel, "duration", None)
+            if kernel_duration is None:
+                interval = getattr(kernel, "interval", None)
+                if interval is not None:
+                    kernel_duration = interval.end - interval.start
+            if kernel_duration is not None:
+                nested_kernels.append((str(getattr(kernel, "name", "?")), float(kernel_duration)))
+    if not device and nested_kernels:
+        device = nested_kernels
+    if window is None and intervals:
+        window = (min(s for s, _ in intervals), max(e for _, e in intervals))
+    busy = interval_union(intervals, window) if intervals else None
+    window_us = None if window is None else window[1] - window[0]
+    rows = _by_name(device)
+    pageable = [r for r in rows if "memcpy" in r["name"].lower() and "pageable" in r["name"].lower()]
+    return {
+        "rows": rows,
+        "device_us": sum(d for _, d in device),
+        "device_events": len(device),
+        "busy_us": busy,
+        "window_us": window_us,
+        "busy_fraction": None if busy is None or not window_us else busy / window_us,
+        "pageable": pageable,
+        "host_rows": _by_name(host),
+    }
+
+
+def _us(value: float) -> str:
+    return f"{value / 1e3:.2f} ms" if value >= 1e3 else f"{value:.1f} us"
+
+
+def format_breakdown(breakdown: dict, *, title: str, steps: int | None = None, top: int = 25) -> str:
+    """A plain-text report of `aggregate_profile`'s result (plus the optional `steps` and `wall_s` keys the
+    profiling run adds): the top device events by time, the busy fraction, per-step times, pageable copies."""
+    lines = [title]
+    device_us, window_us, busy = breakdown["device_us"], breakdown["window_us"], breakdown["busy_us"]
+    if not breakdown["rows"]:
+        lines.append("  no device events recorded (CUPTI saw no kernels: is the CUDA profiler activity available?)")
+        return "\n".join(lines)
+    wall_s = breakdown.get("wall_s")
+    summary = f"  GPU time {_us(device_us)} in {breakdown['device_events']} device events"
+    if busy is not None and window_us:
+        summary += f"; GPU busy {_us(busy)} of a {_us(window_us)} window ({100 * busy / window_us:.1f}%)"
+    lines.append(summary)
+    if steps:
+        per_step = f"  per step ({steps} steps): GPU time {_us(device_us / steps)}"
+        if window_us:
+            per_step += f", wall {_us(window_us / steps)} (profiled window)"
+        if wall_s:
+            per_step += f", wall {_us(wall_s * 1e6 / steps)} (perf_counter)"
+        per_step += f", {breakdown['device_events'] / steps:.1f} device events"
+        lines.append(per_step)
+    if breakdown["pageable"]:
+        total = sum(r["count"] for r in breakdown["pageable"])
+        lines.append(f"  WARNING: {total} pageable memcpy events (host memory not pinned: synchronous copies):")
+        lines += [f"    {r['count']} x {r['name']} ({_us(r['total_us'])})" for r in breakdown["pageable"]]
+    width = min(90, max(len(r["name"]) for r in breakdown["rows"][:top]))
+    lines.append(f"  {'device event':<{width}} {'total':>10} {'count':>7} {'mean':>10} {'share':>6}")
+    for r in breakdown["rows"][:top]:
+        name = r["name"] if len(r["name"]) <= width else r["name"][: width - 3] + "..."
+        lines.append(
+            f"  {name:<{width}} {_us(r['total_us']):>10} {r['count']:>7} {_us(r['mean_us']):>10} "
+            f"{100 * r['share']:>5.1f}%"
+        )
+    if len(breakdown["rows"]) > top:
+        rest = breakdown["rows"][top:]
+        lines.append(f"  ... {len(rest)} more names, {100 * sum(r['share'] for r in rest):.1f}% of the GPU time")
+    host = breakdown["host_rows"][:8]
+    if host:
+        lines.append("  host side (CUDA API calls as CUPTI saw them; the engine's own work is not recorded):")
+        lines += [f"    {r['name'][:60]:<60} {_us(r['total_us']):>10} {r['count']:>7}" for r in host]
+    return "\n".join(lines)
+
+
+def kernel_breakdown(llm, batch: int, prompt_tokens: int = 128, decode_steps: int = 32) -> dict:  # noqa: ANN001
+    """Profile one `llm.generate` of `batch` distinct `prompt_tokens`-token prompts decoding `decode_steps` tokens
+    each (EOS ignored) under torch.profiler (CPU + CUDA: CUPTI records the kernels our extension launches
+    through the driver API too) and return `aggregate_profile`'s breakdown plus steps, wall_s, tokens and the
+    prompt tokens the profiled call computed.
+
+    The same call runs once before, unprofiled: its prompts' KV lands in the prefix cache (so the profiled call is
+    decode steps, bar the prompts' last tokens) and every kernel of this batch size is loaded and warm."""
+    from novainfer import SamplingParams
+    from novainfer.bench import _prompt, _vocab
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    prompts = [_prompt(prompt_tokens, _vocab(llm), seed=5000 + i) for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=decode_steps, ignore_eos=True)
+    llm.generate(prompts, params)
+    before = llm.stats()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function(PROFILE_WINDOW):
+            start = time.perf_counter()
+            llm.generate(prompts, params)
+            wall = time.perf_counter() - start
+    after = llm.stats()
+    breakdown = aggregate_profile(list(prof.events()))
+    breakdown.update(
+        steps=int(after["num_steps"] - before["num_steps"]),
+        wall_s=wall,
+        tokens=batch * decode_steps,
+        prompt_tokens_computed=int(after["num_prompt_tokens_computed"] - before["num_prompt_tokens_computed"]),
+    )
+    return breakdown
+
+
+# --------------------------------------------------------------------------- synthetic mode: the plan
+
+SHAPE_ORDER = ("0.5b", "1.5b", "7b")
+KV_CACHE_BYTES = 16 << 30  # far more than any point needs; a fixed size keeps start-up the same on every GPU
+MAX_MODEL_LEN = 8192
+
+# step → (rows it reports, seconds it must have left to start). Rows are named here so that a step which never
+# ran still has its rows in the table.
+STEPS: dict[str, tuple[tuple[str, ...], float]] = {
+    "decode_b1": (("decode b1 (128+256)",), 15),
+    "depth_4096": (("prefill 4096", "decode b1 @4096"), 20),
+    "batched_16": (("prefill 16x512", "decode 16x(512+128)"), 15),
+    "batched_64": (("prefill 64x512", "decode 64x(512+128)"), 20),
+    "profile_b1": (("profile b1 (128+32)",), 30),
+    "profile_b64": (("profile b64 (128+32)",), 30),
+    "workload": (("256 req U[100,1024]",), 60),
+}
+# Child runs in order of priority: (shape, steps, most seconds it may take once its checkpoint is there).
+# nano-vllm's workload is the longest and least predictable point, so it runs last, in a run of its own.
+GROUPS: tuple[tuple[str, tuple[str, ...], float], ...] = (
+    # The breakdowns right after the first rate: they say where a step's time goes, whatever else is cut.
+    ("0.5b", ("decode_b1", "profile_b1", "profile_b64", "depth_4096", "batched_16", "batched_64"), 180),
+    ("1.5b", ("decode_b1", "depth_4096", "batched_16", "batched_64"), 150),
+    ("7b", ("decode_b1", "batched_64"), 150),
+    ("0.5b", ("workload",), 240),
+)
+# A child's fixed costs (start, imports, model load, warm-up) that must fit besides its first step.
+CHILD_OVERHEAD_S = 25.0
+# Pessimistic write rate for a checkpoint not yet on disk (one thread into a VM's page cache ran at 0.4 GB/s).
+WRITE_BYTES_PER_S = 0.3e9
+# Seconds kept back for the summary at the end of the budget.
+RESERVE_S = 10.0
+
+
+def planned_rows(shape: str, steps: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(shape, point) of every row the steps report, in order."""
+    return [(shape, point) for step in steps for point in STEPS[step][0]]
+
+
+def checkpoint_bytes(shape: str) -> int:
+    """bf16 bytes of a synthetic checkpoint of a named shape."""
+    from synthetic_checkpoint import resolve_shape, tensor_shapes
+
+    _, spec = resolve_shape(shape)
+    return sum(2 * math.prod(s) for s, _ in tensor_shapes(spec).values())
+
+
+def fill_missing(rows: list[dict], planned: list[tuple[str, str]], note: str) -> list[dict]:
+    """`rows` plus a row with `note` for every planned (shape, point) that has none, in the plan's order."""
+    have = {(r["shape"], r["point"]) for r in rows}
+    missing = [{"shape": s, "point": p, "tok_s": None, "limit_tok_s": None, "note": note}
+               for s, p in planned if (s, p) not in have]
+    return rows + missing
+
+
+def _rate(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def summary_table(rows: list[dict]) -> str:
+    """The markdown table of result rows: shape, point, tok/s, % of the bandwidth limit (decode rows), note."""
+    lines = ["| shape | point | tok/s | % of bandwidth limit | note |", "|---|---|---:|---:|---|"]
+    for r in rows:
+        tok_s = "" if r.get("tok_s") is None else _rate(r["tok_s"])
+        limit = r.get("limit_tok_s")
+        share = "" if r.get("tok_s") is None or not limit else f"{100 * r['tok_s'] / limit:.0f}% of {_rate(limit)}"
+        note = str(r.get("note") or "").replace("|", "/")
+        lines.append(f"| {r['shape']} | {r['point']} | {tok_s} | {share} | {note} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- synthetic mode: one shape (child)
+
+RESULT_PREFIX = "RESULT "
+
+
+class BudgetExceeded(BaseException):
+    """Raised by the SIGALRM handler at the child's deadline; generate aborts its batch and lets it through. A
+    BaseException, like KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
+
+
+def _emit(row: dict, emitted: list[dict]) -> None:
+    """Print a row for people and as a RESULT line for the parent; remember it in `emitted`."""
+    emitted.append(row)
+    tok_s = "" if row["tok_s"] is None else f"{_rate(row['tok_s'])} tok/s"
+    limit = row.get("limit_tok_s")
+    share = ""
+    if tok_s and limit:
+        share = f" ({100 * row['tok_s'] / limit:.0f}% of the {_rate(limit)} tok/s bandwidth limit)"
+    text = " ".join(part for part in (tok_s + share, row.get("note") or "") if part)
+    print(f"{row['shape']}: {row['point']}: {text}", flush=True)
+    print(RESULT_PREFIX + json.dumps(row), flush=True)
+
+
+def _row(shape: str, point: str, tok_s: float | None, limit: float | None = None, note: str = "") -> dict:
+    return {"shape": shape, "point": point, "tok_s": tok_s, "limit_tok_s": limit, "note": note}
+
+
+def _run_step(step: str, llm, shape: str, config: dict, bandwidth: float) -> list[dict]:  # noqa: ANN001
+    """Run one step on a loaded model; returns its rows (named as in STEPS)."""
+    from novainfer import SamplingParams
+    from novainfer.bench import bench_batched, bench_latency
+
+    names = STEPS[step][0]
+    if step == "decode_b1":
+        decode = max(bench_latency(llm, 128, 256)[1] for _ in range(3))
+        return [_row(shape, names[0], decode, decode_limit(bandwidth, config, 1, 128 + 128), "best of 3")]
+    if step == "depth_4096":
+        runs = [bench_latency(llm, 4096, 129) for _ in range(2)]
+        prefill, decode = max(r[0] for r in runs), max(r[1] for r in runs)
+        return [
+            _row(shape, names[0], prefill, None, "prompt / time to first token, best of 2"),
+            _row(shape, names[1], decode, decode_limit(bandwidth, config, 1, 4096 + 64), "best of 2"),
+        ]
+    if step in ("batched_16", "batched_64"):
+        n = 16 if step == "batched_16" else 64
+        runs = [bench_batched(llm, n, 512, 128) for _ in range(2)]
+        prefill, decode = max(r[0] for r in runs), max(r[1] for r in runs)
+        return [
+            _row(shape, names[0], prefill, None, "best of 2"),
+            _row(shape, names[1], decode, decode_limit(bandwidth, config, n, 512 + 64), "aggregate, best of 2"),
+        ]
+    if step in ("profile_b1", "profile_b64"):
+        batch = 1 if step == "profile_b1" else 64
+        b = kernel_breakdown(llm, batch)
+        print(format_breakdown(b, title=f"{shape}: kernel-time breakdown, batch {batch}, 128-token prompts "
+                                        f"(prefix-cached), {b['tokens'] // batch} tokens each; "
+                                        f"{b['prompt_tokens_computed']} prompt tokens computed",
+                               steps=b["steps"]), flush=True)
+        notes = []
+        if b["busy_fraction"] is not None:
+            notes.append(f"GPU busy {100 * b['busy_fraction']:.0f}%")
+        if b["steps"]:
+            notes.append(f"{b['wall_s'] * 1e3 / b['steps']:.2f} ms/step")
+            notes.append(f"{b['device_events'] / b['steps']:.0f} device events/step")
+        if not b["rows"]:
+            notes.append("no device events recorded")
+        if b["pageable"]:
+            notes.append(f"{sum(r['count'] for r in b['pageable'])} PAGEABLE memcpy")
+        rate = b["tokens"] / b["wall_s"] if b["wall_s"] > 0 else None
+        return [_row(shape, names[0], rate, None, ", ".join(notes) + " (under the profiler)")]
+    if step == "workload":
+        prompts, outputs = workload(llm._engine.vocab_size)
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        seconds = time.perf_counter() - start
+        return [_row(shape, names[0], sum(outputs) / seconds, None, f"output tokens, {seconds:.1f} s, EOS ignored")]
+    raise ValueError(f"unknown step {step!r}")
+
+
+def child_main(
+    shape: str, model_dir: Path, steps: tuple[str, ...], deadline: float, bandwidth: float, device: str = "cuda"
+) -> int:
+    """Load one synthetic checkpoint on `device` and run `steps` before `deadline` (time.time()), printing one
+    RESULT line per row. Returns 1 if anything failed (a step stopped at the deadline is not a failure).
+    `device="cpu"` is for testing this on a machine without a GPU (a small KV pool instead of 16 GiB)."""
+    import signal
+
+    planned = planned_rows(shape, steps)
+    config = json.loads((model_dir / "config.json").read_text())
+
+    def on_alarm(signum, frame):  # noqa: ANN001, ARG001
+        raise BudgetExceeded
+
+    # generate() runs Python's signal handlers while it waits, so the exception aborts its batch within ~50 ms.
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(deadline - time.time(), 0.01))
+    emitted: list[dict] = []
+    failed = 0
+    try:
+        from novainfer import LLM
+        from novainfer.bench import bench_latency
+
+        start = time.perf_counter()
+        on_gpu = device.startswith("cuda")
+        llm = LLM(model_dir, device=device, max_num_seqs=256, max_num_batched_tokens=8192,
+                  kv_cache_bytes=KV_CACHE_BYTES if on_gpu else 256 << 20, max_model_len=MAX_MODEL_LEN)
+        assert llm.device.startswith(device), (llm.device, device)
+        loaded = time.perf_counter() - start
+        bench_latency(llm, 128, 16)  # warm-up: kernels loaded, pool touched
+        print(f"{shape}: loaded on {llm.device} in {loaded:.1f} s, warmed up in "
+              f"{time.perf_counter() - start - loaded:.1f} s; weights {weight_bytes_per_token(config) / 2**30:.2f} GiB "
+              f"bf16, KV {kv_bytes_per_position(config) / 1024:.1f} KiB/position", flush=True)
+        for step in steps:
+            left = deadline - time.time()
+            if left < STEPS[step][1]:
+                for point in STEPS[step][0]:
+                    _emit(_row(shape, point, None, None, f"not run: time budget ({max(left, 0):.0f} s left)"), emitted)
+                continue
+            step_start = time.perf_counter()
+            try:
+                for row in _run_step(step, llm, shape, config, bandwidth):
+                    _emit(row, emitted)
+            except BudgetExceeded:
+                raise
+            except Exception as e:  # noqa: BLE001 - one failed point must not cost the others
+                failed = 1
+                print(f"{shape}: {step} FAILED after {time.perf_counter() - step_start:.1f} s: {e!r}", flush=True)
+                done = {(r["shape"], r["point"]) for r in emitted}
+                for point in STEPS[step][0]:
+                    if (shape, point) not in done:
+                        _emit(_row(shape, point, None, None, f"FAILED: {type(e).__name__}: {str(e)[:120]}"), emitted)
+    except BudgetExceeded:
+        print(f"{shape}: stopped at its time budget", flush=True)
+        for r in fill_missing(emitted, planned, "stopped: time budget")[len(emitted):]:
+            _emit(r, emitted)
+    except Exception as e:  # noqa: BLE001 - the load failed: every point reports it
+        failed = 1
+        import traceback
+
+        traceback.print_exc()
+        for r in fill_missing(emitted, planned, f"FAILED: {type(e).__name__}: {str(e)[:120]}")[len(emitted):]:
+            _emit(r, emitted)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    return failed
+
+
+# --------------------------------------------------------------------------- synthetic mode: the parent
+
+
+def run_child(
+    shape: str, model_dir: Path, steps: tuple[str, ...], bandwidth: float, seconds: float, device: str = "cuda"
+) -> tuple[list[dict], str | None]:
+    """Run `child_main` in a fresh process with `seconds` to spend, echoing its output; returns its rows and
+    None, or what went wrong ("exit code N", "killed ...")."""
+    import queue
+    import subprocess
+    import threading
+
+    deadline = time.time() + seconds
+    cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--child", shape, str(model_dir),
+           "--steps", ",".join(steps), "--deadline", repr(deadline), "--bandwidth", repr(bandwidth), "--device", device]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    rows: list[dict] = []
+    problem = None
+    # The child stops itself at its deadline; past it by this much it is taken as hung.
+    grace = 15.0
+    while True:
+        try:
+            line = lines.get(timeout=max(deadline + grace - time.time(), 0.1))
+        except queue.Empty:
+            if problem is not None:
+                break  # killed 5 s ago and the pipe still open: give up on the rest of its output
+            problem = f"killed: still running {grace:.0f} s past its time budget"
+            proc.kill()
+            # What it printed before it was killed is still worth its rows; the pipe closes with the process.
+            deadline, grace = time.time(), 5.0
+            continue
+        if line is None:
+            break
+        if line.startswith(RESULT_PREFIX):
+            try:
+                rows.append(json.loads(line[len(RESULT_PREFIX):]))
+            except ValueError:
+                print(line, end="")
+        else:
+            print(line, end="", flush=True)
+    code = proc.wait()
+    if problem is None and code != 0:
+        problem = f"exit code {code}"
+    return rows, problem
+
+
+def synthetic_main(args: argparse.Namespace) -> int:
+    """The synthetic mode (see the module docstring); returns 1 if any point failed."""
+    from synthetic_checkpoint import ensure_checkpoint, is_complete
+
+    started = time.monotonic()
+    end = started + args.budget_s - RESERVE_S
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    unknown = sorted(set(shapes) - set(SHAPE_ORDER))
+    if unknown:
+        raise SystemExit(f"unknown shapes {unknown}; known: {', '.join(SHAPE_ORDER)}")
+    bandwidth = args.bandwidth
+    if bandwidth is None:
+        bandwidth = copy_bandwidth()
+        import torch
+
+        torch.cuda.empty_cache()  # the copy's 2 GiB go back to the driver before the children start
+    print(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s (read + written); budget {args.budget_s:.0f} s",
+          flush=True)
+    rows: list[dict] = []
+    failed = False
+    for shape, steps, cap in GROUPS:
+        if shape not in shapes:
+            continue
+        planned = planned_rows(shape, steps)
+        model_dir = args.synthetic_root / shape
+        first_step = STEPS[steps[0]][1]
+        left = end - time.monotonic()
+        if not is_complete(model_dir, shape):
+            write_s = checkpoint_bytes(shape) / WRITE_BYTES_PER_S
+            if left < write_s + CHILD_OVERHEAD_S + first_step:
+                rows = fill_missing(rows, planned,
+                                    f"not run: time budget (checkpoint not written, {max(left, 0):.0f} s left)")
+                continue
+            start = time.monotonic()
+            try:
+                ensure_checkpoint(model_dir, shape, args.tokenizer)
+            except Exception as e:  # noqa: BLE001 - the other shapes still run
+                failed = True
+                print(f"{shape}: writing the checkpoint FAILED: {e!r}", flush=True)
+                rows = fill_missing(rows, planned, f"FAILED: checkpoint: {type(e).__name__}: {str(e)[:100]}")
+                continue
+            print(f"{shape}: wrote {model_dir} ({checkpoint_bytes(shape) / 2**30:.1f} GiB) in "
+                  f"{time.monotonic() - start:.1f} s", flush=True)
+        seconds = min(end - time.monotonic(), cap)
+        if seconds < CHILD_OVERHEAD_S + first_step:
+            rows = fill_missing(rows, planned, f"not run: time budget ({max(seconds, 0):.0f} s for it)")
+            continue
+        child_rows, problem = run_child(shape, model_dir, steps, bandwidth, seconds, args.device)
+        if problem is not None:
+            failed = True
+        if any(str(r.get("note", "")).startswith("FAILED") for r in child_rows):
+            failed = True
+        rows = fill_missing(rows + child_rows, planned, f"not run: child {problem}")
+    table = summary_table(rows)
+    heading = ("## Speed on synthetic checkpoints (random bf16 weights, real shapes; "
+               f"{time.monotonic() - started:.0f} s)\n\n"
+               f"Bandwidth limit: the device-to-device copy rate ({bandwidth / 1e12:.2f} TB/s, read + written) over "
+               "the bytes a decode step reads (bf16 weights once, each sequence's bf16 KV at its mean context).\n")
+    if args.table_out is not None:
+        # scripts/gpu-test appends it to its summary, last; printed here too it would show twice there.
+        args.table_out.write_text(heading + "\n" + table + "\n", encoding="utf-8")
+        print(f"\nsummary table written to {args.table_out}", flush=True)
+    else:
+        print("\n" + heading + "\n" + table, flush=True)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--synthetic", action="store_true", help="benchmark synthetic checkpoints (see above)")
+    parser.add_argument("--synthetic-root", type=Path,
+                        help="where the checkpoints are (default $NOVAINFER_HOME/synthetic)")
+    parser.add_argument("--tokenizer", type=Path, default=ROOT / ".gpu" / "tokenizer",
+                        help="tokenizer directory for new checkpoints (scripts/gpu-test build writes it)")
+    parser.add_argument("--shapes", default=",".join(SHAPE_ORDER))
+    parser.add_argument("--budget-s", type=float, default=540.0, help="seconds the synthetic mode may take")
+    parser.add_argument("--table-out", type=Path, help="also write the summary table (markdown) here")
+    parser.add_argument("--child", nargs=2, metavar=("SHAPE", "DIR"), help=argparse.SUPPRESS)
+    parser.add_argument("--steps", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    # Given, the copy is not measured (tests on a machine without a GPU pass both).
+    parser.add_argument("--bandwidth", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        shape, model_dir = args.child
+        try:
+            return child_main(shape, Path(model_dir), tuple(args.steps.split(",")), args.deadline, args.bandwidth,
+                              args.device)
+        except BudgetExceeded:  # the alarm between child_main's handlers: its rows are out, nothing failed
+            return 0
+    if args.synthetic:
+        if args.synthetic_root is None:
+            from novainfer.fetch import cache_dir
+
+            args.synthetic_root = cache_dir() / "synthetic"
+        return synthetic_main(args)
+    return demo_main()
 
 
 if __name__ == "__main__":
