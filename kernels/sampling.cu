@@ -379,6 +379,67 @@ __device__ void token_logprob_row(const T* __restrict__ logits, const u32* __res
     }
 }
 
+// One token's change before a drawn row is sampled (`RowEdit` in sample_params.rs, 16 bytes):
+// penalise (EDIT_PENALIZE), add `bias`, then −inf (EDIT_MASK), the engine sampler's order.
+struct RowEdit {
+    u32 token_id;
+    u32 output_count;
+    u32 flags;
+    float bias;
+};
+#define EDIT_PENALIZE 1u
+#define EDIT_IN_PROMPT 2u
+#define EDIT_MASK 4u
+
+// The penalty strengths of a row (`RowPenalties`, 16 bytes).
+struct RowPenalties {
+    float repetition;
+    float frequency;
+    float presence;
+    float pad;
+};
+
+// The engine sampler's penalty rule with its roundings (`RowPenalties::penalize`): repetition
+// divides a positive logit and multiplies a negative one, then frequency × count and presence
+// are subtracted, each product and difference rounded on its own (no fused multiply-add).
+__device__ __forceinline__ float penalize(float x, RowPenalties p, bool in_prompt, u32 count) {
+    if (in_prompt || count > 0) x = x > 0.0f ? __fdiv_rn(x, p.repetition) : __fmul_rn(x, p.repetition);
+    if (count > 0) {
+        x = __fsub_rn(x, __fmul_rn(p.frequency, (float)count));
+        x = __fsub_rn(x, p.presence);
+    }
+    return x;
+}
+
+// grid (rows), a block per row. A drawn row with edits (offsets[row] < offsets[row + 1]) is
+// copied, sanitized, into `adjusted` and its edits applied; other rows are left alone (`draw`
+// samples them from the raw logits). Each edit names a distinct token, so threads may apply
+// them in any order.
+template <typename T>
+__device__ void adjust_row(const T* __restrict__ logits, float* __restrict__ adjusted,
+                           const i32* __restrict__ offsets, const RowEdit* __restrict__ edits,
+                           const RowPenalties* __restrict__ penalties, int vocab) {
+    const i64 row = blockIdx.x;
+    const int begin = offsets[row], end = offsets[row + 1];
+    if (begin >= end) return;
+    const T* x = logits + row * vocab;
+    float* y = adjusted + row * vocab;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) y[i] = sanitize(load_f32(x, i));
+    __syncthreads();
+    const RowPenalties p = penalties[row];
+    for (int e = begin + threadIdx.x; e < end; e += blockDim.x) {
+        const RowEdit edit = edits[e];
+        if (edit.token_id >= (u32)vocab) continue;
+        float v = y[edit.token_id];
+        if (edit.flags & EDIT_PENALIZE) {
+            v = penalize(v, p, (edit.flags & EDIT_IN_PROMPT) != 0, edit.output_count);
+        }
+        v = __fadd_rn(v, edit.bias);
+        if (edit.flags & EDIT_MASK) v = NEG_INF;
+        y[edit.token_id] = v;
+    }
+}
+
 // What `draw` does with a row (`DrawMode` in ops/sampling.rs).
 #define DRAW_SKIP 0    // a row the engine samples from its logits: left alone
 #define DRAW_GREEDY 1  // argmax_row
@@ -386,16 +447,22 @@ __device__ void token_logprob_row(const T* __restrict__ logits, const u32* __res
 
 // One step's draws in one launch, a row per block: the token (greedy or sampled, by the row's
 // mode, which is the same for the whole block) into ids[row], then its raw logprob into
-// logprobs[row]. A row's result depends on its logits, its params and mode only.
+// logprobs[row]. A row with edits is drawn from its `adjusted` copy (`adjust_rows` ran
+// first), the logprob always from the raw logits. A row's result depends on its logits, its
+// params, edits and mode only.
 template <typename T>
-__device__ void draw_row(const T* __restrict__ logits, const SampleParams* __restrict__ params,
+__device__ void draw_row(const T* __restrict__ logits, const float* __restrict__ adjusted,
+                         const i32* __restrict__ offsets, const SampleParams* __restrict__ params,
                          const i32* __restrict__ modes, float* __restrict__ scratch,
                          u32* __restrict__ ids, float* __restrict__ logprobs, int vocab) {
-    const i32 mode = modes[blockIdx.x];
+    const i64 row = blockIdx.x;
+    const i32 mode = modes[row];
+    const bool edited = offsets[row] < offsets[row + 1];
     if (mode == DRAW_GREEDY) {
-        argmax_row(logits, ids, vocab);
+        if (edited) argmax_row(adjusted, ids, vocab); else argmax_row(logits, ids, vocab);
     } else if (mode == DRAW_RANDOM) {
-        sample_row(logits, params, scratch, ids, vocab);
+        if (edited) sample_row(adjusted, params, scratch, ids, vocab);
+        else sample_row(logits, params, scratch, ids, vocab);
     } else {
         return;
     }
@@ -418,12 +485,24 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_bf16(const b
     sample_row(logits, params, scratch, out, vocab);
 }
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    draw_f32(const float* logits, const SampleParams* params, const i32* modes, float* scratch,
-             u32* ids, float* logprobs, int vocab) {
-    draw_row(logits, params, modes, scratch, ids, logprobs, vocab);
+    adjust_rows_f32(const float* logits, float* adjusted, const i32* offsets, const RowEdit* edits,
+                    const RowPenalties* penalties, int vocab) {
+    adjust_row(logits, adjusted, offsets, edits, penalties, vocab);
 }
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    draw_bf16(const bf16* logits, const SampleParams* params, const i32* modes, float* scratch,
-              u32* ids, float* logprobs, int vocab) {
-    draw_row(logits, params, modes, scratch, ids, logprobs, vocab);
+    adjust_rows_bf16(const bf16* logits, float* adjusted, const i32* offsets, const RowEdit* edits,
+                     const RowPenalties* penalties, int vocab) {
+    adjust_row(logits, adjusted, offsets, edits, penalties, vocab);
+}
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    draw_f32(const float* logits, const float* adjusted, const i32* offsets,
+             const SampleParams* params, const i32* modes, float* scratch, u32* ids,
+             float* logprobs, int vocab) {
+    draw_row(logits, adjusted, offsets, params, modes, scratch, ids, logprobs, vocab);
+}
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    draw_bf16(const bf16* logits, const float* adjusted, const i32* offsets,
+              const SampleParams* params, const i32* modes, float* scratch, u32* ids,
+              float* logprobs, int vocab) {
+    draw_row(logits, adjusted, offsets, params, modes, scratch, ids, logprobs, vocab);
 }

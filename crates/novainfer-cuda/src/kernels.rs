@@ -102,6 +102,7 @@ pub const DTYPED_ENTRIES: &[(KernelSource, &str)] = &[
     (SILU_MUL, "silu_mul"),
     (SAMPLING, "argmax"),
     (SAMPLING, "sample"),
+    (SAMPLING, "adjust_rows"),
     (SAMPLING, "draw"),
     (DEQUANT, "dequant_q4_k"),
     (DEQUANT, "dequant_q5_0"),

@@ -3,7 +3,7 @@
 //! The parity tests compare the GPU against these; norms, RoPE, SwiGLU, attention and
 //! dequantization are compared against `novainfer-model` and candle themselves.
 
-use crate::sample_params::{DrawMode, SampleParams};
+use crate::sample_params::{DrawMode, RowEdit, RowPenalties, SampleParams};
 
 /// Philox4x32-10 (Salmon, Moraes, Dror, Shaw: "Parallel random numbers: as easy as
 /// 1, 2, 3", SC'11), the same rounds as `philox4x32_10` in `kernels/sampling.cu`.
@@ -160,13 +160,39 @@ pub fn token_logprob(row: &[f32], id: u32) -> f32 {
     (f64::from(sanitize(x)) - f64::from(max) - total.ln()) as f32
 }
 
-/// The `draw` kernel on one row: `None` for a skipped row, else the token (greedy or drawn)
-/// and its raw logprob.
-pub fn draw(row: &[f32], mode: DrawMode, params: &SampleParams) -> Option<(u32, f32)> {
+/// The `adjust_rows` kernel on one row: the sanitized row with `edits` applied (each edited
+/// id penalised, biased, then masked: [`RowEdit`]).
+pub fn adjust(row: &[f32], penalties: &RowPenalties, edits: &[RowEdit]) -> Vec<f32> {
+    let mut out: Vec<f32> = row.iter().map(|&v| sanitize(v)).collect();
+    for e in edits {
+        let Some(x) = out.get_mut(e.token_id as usize) else {
+            continue;
+        };
+        if e.flags & RowEdit::PENALIZE != 0 {
+            *x = penalties.penalize(*x, e.flags & RowEdit::IN_PROMPT != 0, e.output_count);
+        }
+        *x += e.bias;
+        if e.flags & RowEdit::MASK != 0 {
+            *x = f32::NEG_INFINITY;
+        }
+    }
+    out
+}
+
+/// The `draw` kernel on one row: `None` for a skipped row, else the token (greedy or drawn
+/// from the row after `edits`, when there are any) and its logprob in the raw row.
+pub fn draw(
+    row: &[f32],
+    mode: DrawMode,
+    params: &SampleParams,
+    edits: Option<(&RowPenalties, &[RowEdit])>,
+) -> Option<(u32, f32)> {
+    let adjusted = edits.map(|(p, e)| adjust(row, p, e));
+    let source = adjusted.as_deref().unwrap_or(row);
     let token = match mode {
         DrawMode::Skip => return None,
-        DrawMode::Greedy => argmax(row),
-        DrawMode::Random => sample(row, params).token,
+        DrawMode::Greedy => argmax(source),
+        DrawMode::Random => sample(source, params).token,
     };
     Some((token, token_logprob(row, token)))
 }
@@ -236,8 +262,11 @@ mod tests {
     #[test]
     fn draw_is_argmax_or_sample_with_the_raw_logprob() {
         let row = [1.0, 3.0, f32::NAN, 3.0, 2.0];
-        assert_eq!(draw(&row, DrawMode::Skip, &SampleParams::UNUSED), None);
-        let (id, lp) = draw(&row, DrawMode::Greedy, &SampleParams::UNUSED).expect("greedy");
+        assert_eq!(
+            draw(&row, DrawMode::Skip, &SampleParams::UNUSED, None),
+            None
+        );
+        let (id, lp) = draw(&row, DrawMode::Greedy, &SampleParams::UNUSED, None).expect("greedy");
         assert_eq!(id, 1, "the first of the tied maxima");
         let z: f64 = [1.0f64, 3.0, 3.0, 2.0]
             .iter()
@@ -245,13 +274,56 @@ mod tests {
             .sum();
         assert!((f64::from(lp) + z.ln()).abs() < 1e-6, "{lp}");
         let p = params(Some(2), 1.0, 0.0, 5);
-        let (id, lp) = draw(&row, DrawMode::Random, &p).expect("random");
+        let (id, lp) = draw(&row, DrawMode::Random, &p, None).expect("random");
         assert_eq!(id, sample(&row, &p).token);
         assert!([1, 3].contains(&id));
         assert_eq!(lp, token_logprob(&row, id));
         assert_eq!(token_logprob(&row, 9), f32::NEG_INFINITY);
         assert_eq!(token_logprob(&[f32::NAN; 3], 0), f32::NEG_INFINITY);
         assert_eq!(argmax(&[f32::NEG_INFINITY; 3]), 0);
+
+        // Edits: a penalty and a mask move the greedy choice; the logprob stays the raw row's.
+        let pen = RowPenalties {
+            repetition: 2.0,
+            frequency: 0.5,
+            presence: 0.25,
+            _pad: 0.0,
+        };
+        let edits = [
+            RowEdit {
+                token_id: 1,
+                output_count: 2,
+                flags: RowEdit::PENALIZE,
+                bias: 0.0,
+            },
+            RowEdit {
+                token_id: 3,
+                output_count: 0,
+                flags: RowEdit::MASK,
+                bias: 0.0,
+            },
+            RowEdit {
+                token_id: 0,
+                output_count: 0,
+                flags: 0,
+                bias: 0.75,
+            },
+        ];
+        let adjusted = adjust(&row, &pen, &edits);
+        // id 1: 3 / 2 − 0.5·2 − 0.25 = 0.25; id 3 masked; id 0: 1 + 0.75.
+        assert_eq!(
+            adjusted,
+            [1.75, 0.25, f32::NEG_INFINITY, f32::NEG_INFINITY, 2.0]
+        );
+        let (id, lp) = draw(
+            &row,
+            DrawMode::Greedy,
+            &SampleParams::UNUSED,
+            Some((&pen, &edits)),
+        )
+        .expect("greedy");
+        assert_eq!(id, 4);
+        assert_eq!(lp, token_logprob(&row, 4));
     }
 
     #[test]

@@ -22,6 +22,71 @@ pub enum DrawMode {
     Random = 2,
 }
 
+/// One token's change before a drawn row is sampled (`RowEdit` in `kernels/sampling.cu`,
+/// 16 bytes): the engine sampler's penalties, logit bias and `min_tokens` mask, in its order:
+/// penalise (when [`RowEdit::PENALIZE`]), add `bias`, then `-inf` (when [`RowEdit::MASK`]).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowEdit {
+    pub token_id: u32,
+    /// Times the token was generated so far (frequency and presence penalties).
+    pub output_count: u32,
+    /// [`RowEdit::PENALIZE`] | [`RowEdit::IN_PROMPT`] | [`RowEdit::MASK`].
+    pub flags: u32,
+    /// Added after the penalties (0 for none).
+    pub bias: f32,
+}
+const _: () = assert!(std::mem::size_of::<RowEdit>() == 16);
+
+impl RowEdit {
+    /// Apply the row's penalties to this token (it was in the prompt or the output).
+    pub const PENALIZE: u32 = 1;
+    /// The token is in the prompt (the repetition penalty counts it).
+    pub const IN_PROMPT: u32 = 2;
+    /// Held back (`min_tokens`): `-inf` after everything else.
+    pub const MASK: u32 = 4;
+}
+
+/// The penalty strengths of one drawn row (`RowPenalties` in the kernel, 16 bytes).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowPenalties {
+    pub repetition: f32,
+    pub frequency: f32,
+    pub presence: f32,
+    pub _pad: f32,
+}
+const _: () = assert!(std::mem::size_of::<RowPenalties>() == 16);
+
+impl RowPenalties {
+    /// No penalty (repetition 1, frequency and presence 0).
+    pub const NEUTRAL: Self = Self {
+        repetition: 1.0,
+        frequency: 0.0,
+        presence: 0.0,
+        _pad: 0.0,
+    };
+
+    /// The penalised value of `logit`, the engine sampler's rule and roundings (vLLM's:
+    /// repetition divides a positive logit and multiplies a negative one; then frequency ×
+    /// count is subtracted, then presence).
+    pub fn penalize(&self, logit: f32, in_prompt: bool, output_count: u32) -> f32 {
+        let mut x = logit;
+        if in_prompt || output_count > 0 {
+            x = if x > 0.0 {
+                x / self.repetition
+            } else {
+                x * self.repetition
+            };
+        }
+        if output_count > 0 {
+            x -= self.frequency * output_count as f32;
+            x -= self.presence;
+        }
+        x
+    }
+}
+
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SampleParams {

@@ -40,6 +40,7 @@ pub(crate) struct KernelTable {
     pub argmax: PerDtype<CudaFunction>,
     pub sample: PerDtype<CudaFunction>,
     pub draw: PerDtype<CudaFunction>,
+    pub adjust_rows: PerDtype<CudaFunction>,
     pub qkv: PerDtype<CudaFunction>,
     pub gather: PerDtype<CudaFunction>,
     /// Indexed by [`QuantType::index`].
@@ -68,6 +69,7 @@ impl KernelTable {
             argmax: per(&kernels::SAMPLING, "argmax")?,
             sample: per(&kernels::SAMPLING, "sample")?,
             draw: per(&kernels::SAMPLING, "draw")?,
+            adjust_rows: per(&kernels::SAMPLING, "adjust_rows")?,
             qkv: per(&kernels::QKV, "qkv_bias_rope_cache")?,
             gather: per(&kernels::GATHER, "gather_rows")?,
             dequant: [

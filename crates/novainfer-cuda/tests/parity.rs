@@ -21,7 +21,9 @@ use novainfer_cuda::ops::paged_attention::{
 use novainfer_cuda::ops::reshape_and_cache::reshape_and_cache;
 use novainfer_cuda::ops::rms_norm::{add_rms_norm, rms_norm};
 use novainfer_cuda::ops::rope::{rope_neox, RopeHeads, RopeTable};
-use novainfer_cuda::ops::sampling::{argmax, draw, sample, DrawMode};
+use novainfer_cuda::ops::sampling::{
+    adjust_rows, argmax, draw, sample, DrawMode, RowEdit, RowEdits, RowPenalties,
+};
 use novainfer_cuda::ops::silu_mul::{silu_mul, silu_mul_fused};
 use novainfer_cuda::ops::DtypeKind;
 use novainfer_cuda::{reference, GpuContext, SampleParams};
@@ -641,10 +643,11 @@ fn sampling_matches_the_reference_and_is_batch_invariant() {
     assert_eq!(down(&gpu, &one)[0], got[5]);
 }
 
-/// `draw`: greedy rows give the reference argmax, random rows a reference survivor (the
-/// reference token on all but a rare boundary row), skipped rows are untouched, every drawn
-/// row's logprob is the reference's within f32 rounding of the sum, and a row alone gives its
-/// batched result.
+/// `adjust_rows` then `draw`: greedy rows give the reference argmax, random rows a reference
+/// survivor (the reference token on all but a rare boundary row), skipped rows are untouched,
+/// rows with edits (penalties, bias, mask) are drawn from the reference's adjusted row, every
+/// drawn row's logprob is the raw row's reference within f32 rounding of the sum, and a row
+/// alone gives its batched result.
 #[test]
 fn draw_matches_the_reference_and_is_batch_invariant() {
     let Some(gpu) = common::gpu_or_skip("draw") else {
@@ -671,14 +674,87 @@ fn draw_matches_the_reference_and_is_batch_invariant() {
             _ => SampleParams::UNUSED,
         })
         .collect();
-    let run = |logits: &[f32], params: &[SampleParams], modes: &[DrawMode]| {
+    // Every fourth row has edits: the row's current best penalised, masked or biased away,
+    // and a few other tokens touched.
+    let penalties: Vec<RowPenalties> = (0..rows)
+        .map(|r| RowPenalties {
+            repetition: 1.0 + 0.1 * (r % 5) as f32,
+            frequency: 0.3,
+            presence: 0.2,
+            _pad: 0.0,
+        })
+        .collect();
+    let row_edits: Vec<Vec<RowEdit>> = (0..rows)
+        .map(|r| {
+            if r % 4 != 0 {
+                return Vec::new();
+            }
+            let row = &logits[r * vocab..(r + 1) * vocab];
+            let best = reference::argmax(row);
+            let flags = [RowEdit::PENALIZE | RowEdit::IN_PROMPT, RowEdit::MASK, 0][r / 4 % 3];
+            let mut edits = vec![RowEdit {
+                token_id: best,
+                output_count: 3,
+                flags,
+                bias: if flags == 0 { -30.0 } else { 0.0 },
+            }];
+            for k in 1..20u32 {
+                let id = (best + k * 7919) % vocab as u32;
+                edits.push(RowEdit {
+                    token_id: id,
+                    output_count: k % 3,
+                    flags: RowEdit::PENALIZE,
+                    bias: 0.5,
+                });
+            }
+            edits.sort_by_key(|e| e.token_id);
+            edits.dedup_by_key(|e| e.token_id);
+            edits
+        })
+        .collect();
+    let run = |logits: &[f32],
+               params: &[SampleParams],
+               modes: &[DrawMode],
+               penalties: &[RowPenalties],
+               row_edits: &[Vec<RowEdit>]| {
         let n = modes.len();
+        let mut offsets = vec![0i32];
+        let mut flat = Vec::new();
+        for e in row_edits {
+            flat.extend_from_slice(e);
+            offsets.push(flat.len() as i32);
+        }
+        if flat.is_empty() {
+            flat.push(RowEdit {
+                token_id: 0,
+                output_count: 0,
+                flags: 0,
+                bias: 0.0,
+            });
+        }
+        let raw = up(&gpu, logits);
+        let (offsets, flat, penalties) = (up(&gpu, &offsets), up(&gpu, &flat), up(&gpu, penalties));
+        let mut adjusted = zeros::<f32>(&gpu, n * vocab);
+        adjust_rows(
+            &gpu,
+            &raw.as_view(),
+            &RowEdits {
+                offsets: offsets.as_view(),
+                edits: flat.as_view(),
+                penalties: penalties.as_view(),
+            },
+            vocab,
+            &mut adjusted.as_view_mut(),
+        )
+        .expect("adjust");
         let mut scratch = zeros::<f32>(&gpu, n * vocab);
         let mut ids = up(&gpu, &vec![u32::MAX; n]);
         let mut lps = up(&gpu, &vec![f32::NAN; n]);
         draw(
             &gpu,
-            &up(&gpu, logits).as_view(),
+            &raw.as_view(),
+            &adjusted.as_view(),
+            &offsets.as_view(),
             &up(&gpu, params).as_view(),
             &up(&gpu, modes).as_view(),
             vocab,
@@ -689,20 +765,25 @@ fn draw_matches_the_reference_and_is_batch_invariant() {
         .expect("launch");
         (down(&gpu, &ids), down(&gpu, &lps))
     };
-    let (ids, lps) = run(&logits, &params, &modes);
+    let (ids, lps) = run(&logits, &params, &modes, &penalties, &row_edits);
     let mut agree = 0;
     let mut random = 0;
     for r in 0..rows {
         let row = &logits[r * vocab..(r + 1) * vocab];
+        let source = if row_edits[r].is_empty() {
+            row.to_vec()
+        } else {
+            reference::adjust(row, &penalties[r], &row_edits[r])
+        };
         match modes[r] {
             DrawMode::Skip => {
                 assert_eq!(ids[r], u32::MAX, "row {r}: a skipped row is left alone");
                 assert!(lps[r].is_nan(), "row {r}: its logprob too");
                 continue;
             }
-            DrawMode::Greedy => assert_eq!(ids[r], reference::argmax(row), "row {r}"),
+            DrawMode::Greedy => assert_eq!(ids[r], reference::argmax(&source), "row {r}"),
             DrawMode::Random => {
-                let want = reference::sample(row, &params[r]);
+                let want = reference::sample(&source, &params[r]);
                 assert!(
                     want.survivors.contains(&ids[r]),
                     "row {r}: {} not a survivor",
@@ -723,14 +804,17 @@ fn draw_matches_the_reference_and_is_batch_invariant() {
         agree + 1 >= random,
         "only {agree} of {random} random rows drew the reference token"
     );
-    for r in [1, 3, 4] {
-        let (one, lp) = run(
-            &logits[r * vocab..(r + 1) * vocab],
+    for r in [1, 3, 4, 8] {
+        let one = |v: &[f32]| v[r * vocab..(r + 1) * vocab].to_vec();
+        let (id, lp) = run(
+            &one(&logits),
             &params[r..=r],
             &modes[r..=r],
+            &penalties[r..=r],
+            &row_edits[r..=r],
         );
         assert_eq!(
-            (one[0], lp[0].to_bits()),
+            (id[0], lp[0].to_bits()),
             (ids[r], lps[r].to_bits()),
             "row {r} alone"
         );

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use novainfer_core::{RequestId, SamplingParams, SchedulerConfig};
 use novainfer_model::capabilities::{self, Capabilities};
+use novainfer_model::draw::RowEdit;
 use novainfer_model::{
     Device, Draw, DrawRule, Executor, ForwardBatch, ForwardOutput, Qwen2Config, SpanOutput,
 };
@@ -82,7 +83,7 @@ impl Executor for Toy {
         for s in &batch.seqs {
             let last = s.query_start + s.query_len - 1;
             let row = || self.row(batch.token_ids[last], batch.positions[last]);
-            match s.output {
+            match &s.output {
                 SpanOutput::None => {}
                 SpanOutput::LastLogits => {
                     self.asked.lock().expect("lock").push(None);
@@ -95,7 +96,7 @@ impl Executor for Toy {
                             device: "toy".into(),
                         });
                     }
-                    self.asked.lock().expect("lock").push(Some(draw));
+                    self.asked.lock().expect("lock").push(Some(draw.clone()));
                     out.tokens.push(draw.on_host(&row())?);
                 }
                 SpanOutput::AllLogits | SpanOutput::LastHidden => unreachable!("not asked here"),
@@ -254,44 +255,45 @@ fn the_engine_never_asks_the_cpu_backend_to_draw() {
 }
 
 /// Greedy rows drawn by the backend are the tokens (and logprobs) the engine's own sampler
-/// picks from the same rows, whatever else shares the step; rows that need the host (top
-/// logprobs, penalties, bias, n > 1's first row) come back as logits beside drawn ones.
+/// picks from the same rows, penalties, bias and `min_tokens` included, whatever else shares
+/// the step; rows that need the host (top logprobs, n > 1's shared first row) come back as
+/// logits beside drawn ones.
 #[test]
 fn drawn_tokens_reach_their_requests_and_greedy_matches_the_host() {
+    let greedy = |max_tokens| params(0.0, max_tokens);
     let requests = vec![
-        (0, vec![5, 6, 7], params(0.0, 7).build().expect("valid")),
-        (
-            10,
-            vec![8, 9],
-            params(0.0, 7).logprobs(Some(2)).build().expect("valid"),
-        ),
+        (0, vec![5, 6, 7], greedy(7)),
+        (10, vec![8, 9], greedy(7).logprobs(Some(2))),
         (
             20,
             vec![3],
-            params(0.0, 7).presence_penalty(0.5).build().expect("valid"),
+            greedy(7).presence_penalty(1.5).frequency_penalty(0.7),
         ),
-        (
-            30,
-            vec![12, 13, 14, 15, 16],
-            params(0.0, 7).build().expect("valid"),
-        ),
-        (40, vec![4, 4], params(0.0, 6).n(2).build().expect("valid")),
+        (30, vec![12, 13, 14, 15, 16], greedy(7)),
+        (40, vec![4, 4], greedy(6).n(2)),
         (
             50,
             vec![17],
-            params(0.0, 6)
-                .logit_bias(vec![(3, 1.5)])
-                .build()
-                .expect("valid"),
+            greedy(6).logit_bias(vec![(3, 1.5), (9, -100.0)]),
+        ),
+        (60, vec![18, 19, 18], greedy(7).repetition_penalty(1.8)),
+        (
+            70,
+            vec![21],
+            greedy(6).min_tokens(3).stop_token_ids(vec![2, 5]),
         ),
     ];
+    let requests: Vec<_> = requests
+        .into_iter()
+        .map(|(id, prompt, p)| (id, prompt, p.build().expect("valid")))
+        .collect();
     let (host, host_asked) = run(capabilities::CPU, &requests);
     let (device, asked) = run(drawing(), &requests);
     assert!(host_asked.iter().all(Option::is_none));
     assert_eq!(
         host.keys().len(),
-        7,
-        "six requests, one with two completions"
+        9,
+        "eight requests, one with two completions"
     );
     for (id, want) in &host {
         let got = &device[id];
@@ -306,11 +308,27 @@ fn drawn_tokens_reach_their_requests_and_greedy_matches_the_host() {
     }
     let drawn = asked.iter().filter(|d| d.is_some()).count();
     let rows = asked.len();
-    // Requests 0 and 30 draw every token; 40's completions after their first; 10, 20 and 50
-    // never (their samplers need the host); 40's shared first row is a logits row.
-    assert!(drawn >= 7 + 7 + 2 * 5, "{drawn} of {rows} rows drawn");
-    assert!(rows - drawn >= 3 * 7 - 1, "{} logits rows", rows - drawn);
+    // Every request draws every token but 10 (top logprobs need the host) and 40's shared
+    // first row.
+    assert_eq!(rows - drawn, 7 + 1, "logits rows");
     assert!(asked.iter().flatten().all(|d| d.rule == DrawRule::Greedy));
+    // The edits carry what the host sampler would do: 50's bias, 70's mask until its third
+    // token, 20's and 60's penalties.
+    let edited: Vec<_> = asked
+        .iter()
+        .flatten()
+        .filter_map(|d| d.adjust.clone())
+        .collect();
+    assert!(edited
+        .iter()
+        .any(|a| a.edits.iter().any(|e| e.token_id == 9 && e.bias == -100.0)));
+    let masks = edited
+        .iter()
+        .filter(|a| a.edits.iter().any(|e| e.flags & RowEdit::MASK != 0))
+        .count();
+    assert_eq!(masks, 3, "70's first three rows hold back its stop ids");
+    assert!(edited.iter().any(|a| a.penalties.repetition == 1.8
+        && a.edits.iter().any(|e| e.flags & RowEdit::IN_PROMPT != 0)));
 }
 
 /// A seeded random request draws the same tokens alone and in a batch: each row's draw is

@@ -91,7 +91,7 @@ impl ModelRunner {
             let output = match s.output {
                 ChunkOutput::Nothing => SpanOutput::None,
                 ChunkOutput::Sample => match draws.get(&s.request_id) {
-                    Some(&draw) => SpanOutput::Draw(draw),
+                    Some(draw) => SpanOutput::Draw(draw.clone()),
                     None => SpanOutput::LastLogits,
                 },
                 ChunkOutput::Hidden => SpanOutput::LastHidden,

@@ -6,22 +6,40 @@
 //! twin (`novainfer_cuda::reference::draw`), for tests and for a backend that honours draws
 //! without the kernel.
 
+use std::sync::Arc;
+
 use novainfer_cuda::reference;
 use novainfer_cuda::sample_params::{DrawMode, SampleParams};
+pub use novainfer_cuda::sample_params::{RowEdit, RowPenalties};
 
 use crate::error::{ModelError, Result};
+
+/// Most [`RowEdit`]s one drawn row may carry (its device buffers are sized for this many per
+/// row); a sampler with more (a long prompt under a repetition penalty) samples on the host.
+pub const MAX_DEVICE_EDITS: usize = 2048;
+
+/// What a drawn row changes before it is sampled: the engine sampler's penalties, logit bias
+/// and `min_tokens` mask, one [`RowEdit`] per token they touch (at most
+/// [`MAX_DEVICE_EDITS`]). The token's logprob stays that of the raw row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Adjust {
+    pub penalties: RowPenalties,
+    pub edits: Vec<RowEdit>,
+}
 
 /// How a device picks one sequence's next token ([`SpanOutput::Draw`]): the semantics of
 /// `kernels/sampling.cu` (which follow the engine's sampler on a raw row: temperature, then
 /// top-k, top-p, min-p, then one draw), with a counter-based generator keyed per sequence, so
 /// a token depends on its own logits, seed and offset only, never on the rest of the batch.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Draw {
     /// Generator key: the request's seed, or the engine's fallback for it.
     pub seed: u64,
     /// Generator counter: how many tokens this sequence sampled before.
     pub offset: u64,
     pub rule: DrawRule,
+    /// Changes to the row before the draw, if any (shared: the engine builds it once a step).
+    pub adjust: Option<Arc<Adjust>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -66,7 +84,11 @@ impl Draw {
     /// This draw on one raw logits row, on the host, by the kernel's CPU twin.
     pub fn on_host(&self, row: &[f32]) -> Result<DrawnToken> {
         let (mode, params) = self.kernel_args()?;
-        let (token_id, logprob) = reference::draw(row, mode, &params)
+        let edits = self
+            .adjust
+            .as_deref()
+            .map(|a| (&a.penalties, a.edits.as_slice()));
+        let (token_id, logprob) = reference::draw(row, mode, &params, edits)
             .ok_or_else(|| ModelError::config("draw", "a drawn row was skipped"))?;
         Ok(DrawnToken { token_id, logprob })
     }
@@ -83,6 +105,7 @@ mod tests {
             seed: 3,
             offset: 9,
             rule: DrawRule::Greedy,
+            adjust: None,
         };
         assert_eq!(greedy.kernel_args().expect("greedy").0, DrawMode::Greedy);
         assert_eq!(greedy.on_host(&row).expect("greedy").token_id, 1);
@@ -95,6 +118,7 @@ mod tests {
                 top_p: 1.0,
                 min_p: 0.0,
             },
+            adjust: None,
         };
         let (mode, params) = random(4).kernel_args().expect("random");
         assert_eq!(
@@ -124,6 +148,7 @@ mod tests {
                 top_p: 1.0,
                 min_p: 0.0,
             },
+            adjust: None,
         };
         let err = bad
             .kernel_args()

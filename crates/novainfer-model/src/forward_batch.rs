@@ -13,12 +13,12 @@
 //! A sequence attends to its own history (through its block table) and never
 //! sees another sequence's tokens.
 
-pub use crate::draw::{Draw, DrawRule, DrawnToken};
+pub use crate::draw::{Adjust, Draw, DrawRule, DrawnToken};
 use crate::error::{ModelError, Result};
 use crate::lora::AdapterRef;
 
 /// What a forward pass returns for one sequence of the batch.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub enum SpanOutput {
     /// Nothing (a prefill chunk before the prompt's end): the work is its K/V.
     #[default]
@@ -143,7 +143,7 @@ impl ForwardBatch {
         rows.clear();
         for s in self.seqs.iter().filter(|s| s.query_len > 0) {
             let all = s.query_start..s.query_start + s.query_len;
-            match s.output {
+            match &s.output {
                 SpanOutput::LastLogits | SpanOutput::Draw(_) => rows.push(all.end - 1),
                 SpanOutput::AllLogits => rows.extend(all),
                 SpanOutput::None | SpanOutput::LastHidden => {}
@@ -198,7 +198,7 @@ impl ForwardBatch {
                 self.positions.get(r.start).copied().unwrap_or(0),
                 self.slot_mapping[r].to_vec(),
                 s.block_table.clone(),
-                s.output,
+                s.output.clone(),
                 s.adapter.clone(),
             );
         }

@@ -37,7 +37,7 @@ pub use device::{Device, DeviceChoice};
 pub use error::{ModelError, Result};
 pub use executor::{load_weights, DeviceMemory, DeviceWeights, Executor, StepLimits};
 pub use forward_batch::{
-    Draw, DrawRule, DrawnToken, ForwardBatch, ForwardOutput, SeqSpan, SpanOutput,
+    Adjust, Draw, DrawRule, DrawnToken, ForwardBatch, ForwardOutput, SeqSpan, SpanOutput,
 };
 pub use kv_cache::SequenceKvCache;
 pub use kv_dtype::{KvCacheDtype, KvStorage};

@@ -32,8 +32,9 @@ use std::path::Path;
 use candle_core::{DType, Tensor};
 use common::weights;
 use novainfer_cuda::gpu_test::{when_unavailable_from_env, WhenUnavailable};
+use novainfer_model::draw::{RowEdit, RowPenalties};
 use novainfer_model::{
-    load_weights, Checkpoint, Device, Draw, DrawRule, Executor, ForwardBatch, KvCacheDtype,
+    load_weights, Adjust, Checkpoint, Device, Draw, DrawRule, Executor, ForwardBatch, KvCacheDtype,
     KvStorage, LoadOptions, ModelError, Qwen2Config, SpanOutput, StepLimits,
 };
 
@@ -397,6 +398,7 @@ fn cuda_logits_match_the_cpu_over_a_mixed_schedule() {
                 seed: 40 + i as u64,
                 offset: 3,
                 rule: rules[i],
+                adjust: None,
             };
             draw_step.push_span(tokens, start, slots, table.to_vec(), SpanOutput::Draw(draw));
         }
@@ -405,7 +407,7 @@ fn cuda_logits_match_the_cpu_over_a_mixed_schedule() {
         assert!(drawn.logits.is_empty(), "drawn rows send no logits");
         assert_eq!(drawn.tokens.len(), 3);
         for (i, (row, got)) in rows.chunks(v).zip(&drawn.tokens).enumerate() {
-            let SpanOutput::Draw(draw) = draw_step.seqs[i].output else {
+            let SpanOutput::Draw(draw) = &draw_step.seqs[i].output else {
                 unreachable!()
             };
             let twin = draw.on_host(row).expect("twin");
@@ -423,7 +425,13 @@ fn cuda_logits_match_the_cpu_over_a_mixed_schedule() {
         // A batch mixing drawn and logits rows returns each kind in span order.
         let mut mixed = ForwardBatch::default();
         let s0 = &draw_step.seqs[0];
-        mixed.push_span(&a[..1], 9, slots(&ta, 9..10), ta.to_vec(), s0.output);
+        mixed.push_span(
+            &a[..1],
+            9,
+            slots(&ta, 9..10),
+            ta.to_vec(),
+            s0.output.clone(),
+        );
         mixed.push(&c[..1], 5, slots(&tc, 5..6), tc.to_vec(), true);
         let out = gpu.forward(&mixed).expect("gpu mixed draws");
         assert_eq!(out.tokens.len(), 1);
@@ -434,6 +442,67 @@ fn cuda_logits_match_the_cpu_over_a_mixed_schedule() {
             &out.logits,
             v,
         );
+        // A drawn row with edits: its best token masked, another biased and a third
+        // penalised; the GPU draws what the twin draws from the same row after the edits.
+        let best = (0..v as u32)
+            .max_by(|&x, &y| rows[x as usize].total_cmp(&rows[y as usize]))
+            .expect("a row");
+        let edits = vec![
+            RowEdit {
+                token_id: best,
+                output_count: 0,
+                flags: RowEdit::MASK,
+                bias: 0.0,
+            },
+            RowEdit {
+                token_id: (best + 1) % v as u32,
+                output_count: 2,
+                flags: RowEdit::PENALIZE | RowEdit::IN_PROMPT,
+                bias: 0.0,
+            },
+            RowEdit {
+                token_id: (best + 7) % v as u32,
+                output_count: 0,
+                flags: 0,
+                bias: 1.0,
+            },
+        ];
+        let mut edits = edits;
+        edits.sort_by_key(|e| e.token_id);
+        let edited = Draw {
+            seed: 1,
+            offset: 0,
+            rule: DrawRule::Greedy,
+            adjust: Some(std::sync::Arc::new(Adjust {
+                penalties: RowPenalties {
+                    repetition: 1.3,
+                    frequency: 0.4,
+                    presence: 0.2,
+                    _pad: 0.0,
+                },
+                edits,
+            })),
+        };
+        let mut one = ForwardBatch::default();
+        one.push_span(
+            &a[..1],
+            9,
+            slots(&ta, 9..10),
+            ta.to_vec(),
+            SpanOutput::Draw(edited.clone()),
+        );
+        let got = gpu.forward(&one).expect("gpu edited draw").tokens;
+        let twin = edited.on_host(&rows[..v]).expect("twin");
+        assert_eq!(
+            got[0].token_id, twin.token_id,
+            "tie={tie}: edited greedy draw"
+        );
+        assert_ne!(
+            got[0].token_id, best,
+            "tie={tie}: the masked best is never drawn"
+        );
+        assert!((got[0].logprob - twin.logprob).abs() < 1e-4);
+
         // The CPU draws nothing itself: such a batch is refused, not sampled.
         assert!(matches!(
             cpu.forward(&draw_step),

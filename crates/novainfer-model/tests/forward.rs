@@ -261,7 +261,7 @@ fn a_mixed_step_equals_its_pieces_and_each_request_alone() {
     let mut mixed = ForwardBatch::default();
     for (tokens, table, out) in &spans {
         let slots = slots(table, 0..tokens.len(), bs);
-        mixed.push_span(tokens, 0, slots, table.clone(), *out);
+        mixed.push_span(tokens, 0, slots, table.clone(), out.clone());
     }
     let mut kv = PagedKvCache::new(&cfg, 16, bs, model.kv_dtype());
     let got = model.forward_outputs(&mixed, &mut kv).expect("mixed step");

@@ -1,7 +1,7 @@
 //! Launcher of `kernels/sampling.cu`: greedy argmax, seeded top-k/top-p/min-p sampling, and
 //! `draw`, which runs either per row of a step with the token's logprob.
 
-use cudarc::driver::{CudaView, CudaViewMut, DeviceRepr, PushKernelArg};
+use cudarc::driver::{CudaView, CudaViewMut, DeviceRepr, PushKernelArg, ValidAsZeroBits};
 
 use super::{check_len, check_multiple, launch, per_row, to_i32, Dtype};
 use crate::context::GpuContext;
@@ -10,10 +10,24 @@ use crate::error::Result;
 /// Threads per row; must equal `SAMPLE_THREADS` in the kernel.
 pub const SAMPLE_THREADS: u32 = 1024;
 
-pub use crate::sample_params::{DrawMode, SampleParams};
+pub use crate::sample_params::{DrawMode, RowEdit, RowPenalties, SampleParams};
 
 // SAFETY: `DrawMode` is `#[repr(i32)]`, the kernel's `i32` mode.
 unsafe impl DeviceRepr for DrawMode {}
+// SAFETY: `#[repr(C)]` plain old data with the kernel structs' field order and types (sizes
+// asserted where they are defined).
+unsafe impl DeviceRepr for RowEdit {}
+unsafe impl DeviceRepr for RowPenalties {}
+// SAFETY: integers and floats: all-zero bytes are a valid value (token 0, no flags, no bias).
+unsafe impl ValidAsZeroBits for RowEdit {}
+
+/// A step's row edits in CSR form: row r's are `edits[offsets[r]..offsets[r + 1]]`, each
+/// token at most once per row; `penalties[r]` their strengths.
+pub struct RowEdits<'a> {
+    pub offsets: CudaView<'a, i32>,            // [rows + 1]
+    pub edits: CudaView<'a, RowEdit>,          // [offsets[rows]]
+    pub penalties: CudaView<'a, RowPenalties>, // [rows]
+}
 
 // SAFETY: `SampleParams` is `#[repr(C)]` plain old data with the kernel struct's field
 // order and types (its size is asserted where it is defined).
@@ -67,15 +81,47 @@ pub fn sample<T: Dtype>(
     launch(args, per_row(rows, SAMPLE_THREADS)?)
 }
 
+/// Copies each row of `logits` that has edits, sanitized, into `adjusted` and applies them
+/// (penalties, bias, mask: [`RowEdit`]); rows without edits are not touched. The CPU twin is
+/// [`crate::reference::adjust`].
+pub fn adjust_rows<T: Dtype>(
+    gpu: &GpuContext,
+    logits: &CudaView<'_, T>, // [rows, vocab]
+    edits: &RowEdits<'_>,
+    vocab: usize,
+    adjusted: &mut CudaViewMut<'_, f32>, // [rows, vocab]
+) -> Result<()> {
+    let rows = check_multiple("logits", logits.len(), vocab)?;
+    check_len("offsets", edits.offsets.len(), rows + 1)?;
+    check_len("penalties", edits.penalties.len(), rows)?;
+    check_len("adjusted", adjusted.len(), rows * vocab)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let vocab = to_i32("vocab", vocab)?;
+    let f = gpu.kernels().adjust_rows.get::<T>();
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(logits)
+        .arg(adjusted)
+        .arg(&edits.offsets)
+        .arg(&edits.edits)
+        .arg(&edits.penalties)
+        .arg(&vocab);
+    launch(args, per_row(rows, SAMPLE_THREADS)?)
+}
+
 /// One step's draws in one launch: for each row of `logits`, by `modes[row]`, the greedy or
 /// sampled token into `ids[row]` and its raw logprob (`log_softmax` of the row) into
 /// `logprobs[row]`; a [`DrawMode::Skip`] row is left alone (the engine samples it from its
-/// logits). `scratch` holds `[rows, vocab]` f32 for the random rows' scaled logits. The CPU
-/// twin is [`crate::reference::draw`].
+/// logits). A row with edits (`offsets[row] < offsets[row + 1]`) is drawn from its copy in
+/// `adjusted`, written by [`adjust_rows`] first. `scratch` holds `[rows, vocab]` f32 for the
+/// random rows' scaled logits. The CPU twin is [`crate::reference::draw`].
 #[allow(clippy::too_many_arguments)]
 pub fn draw<T: Dtype>(
     gpu: &GpuContext,
     logits: &CudaView<'_, T>,            // [rows, vocab]
+    adjusted: &CudaView<'_, f32>,        // [rows, vocab]
+    offsets: &CudaView<'_, i32>,         // [rows + 1]
     params: &CudaView<'_, SampleParams>, // [rows]
     modes: &CudaView<'_, DrawMode>,      // [rows]
     vocab: usize,
@@ -84,6 +130,8 @@ pub fn draw<T: Dtype>(
     logprobs: &mut CudaViewMut<'_, f32>, // [rows]
 ) -> Result<()> {
     let rows = check_multiple("logits", logits.len(), vocab)?;
+    check_len("adjusted", adjusted.len(), rows * vocab)?;
+    check_len("offsets", offsets.len(), rows + 1)?;
     check_len("params", params.len(), rows)?;
     check_len("modes", modes.len(), rows)?;
     check_len("scratch", scratch.len(), rows * vocab)?;
@@ -96,6 +144,8 @@ pub fn draw<T: Dtype>(
     let f = gpu.kernels().draw.get::<T>();
     let mut args = gpu.stream().launch_builder(f);
     args.arg(logits)
+        .arg(adjusted)
+        .arg(offsets)
         .arg(params)
         .arg(modes)
         .arg(scratch)

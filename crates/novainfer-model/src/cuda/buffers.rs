@@ -5,13 +5,14 @@
 
 use half::bf16;
 use novainfer_cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PinnedHostSlice};
-use novainfer_cuda::sample_params::{DrawMode, SampleParams};
+use novainfer_cuda::sample_params::{DrawMode, RowEdit, RowPenalties, SampleParams};
 use novainfer_cuda::GpuContext;
 
 use super::driver_error;
 use crate::config::Qwen2Config;
+use crate::draw::MAX_DEVICE_EDITS;
 use crate::error::{ModelError, Result};
-use crate::prepare::{PackedStep, StepLayout};
+use crate::prepare::{write_edits, PackedStep, StepLayout};
 
 /// Per-token activations for `max_num_batched_tokens` tokens and the sampling tail for
 /// `max_num_seqs` rows; bf16 except the logits.
@@ -41,6 +42,8 @@ pub(crate) struct Activations {
     /// `[R, vocab]`: the `draw` kernel's scaled logits of random rows, then (the draw done)
     /// the rows going back as logits, gathered to the front for one copy.
     pub row_scratch: CudaSlice<f32>,
+    /// `[R, vocab]`: drawn rows with edits, after them (`adjust_rows`).
+    pub adjusted: CudaSlice<f32>,
     /// `[R]` each: the drawn tokens and their raw logprobs.
     pub drawn_ids: CudaSlice<u32>,
     pub drawn_logprobs: CudaSlice<f32>,
@@ -81,6 +84,7 @@ impl Activations {
             last_normed: bf(max_rows * h)?,
             logits: f32s(max_rows * v)?,
             row_scratch: f32s(max_rows * v)?,
+            adjusted: f32s(max_rows * v)?,
             drawn_ids: gpu
                 .stream()
                 .alloc_zeros::<u32>(max_rows.max(1))
@@ -167,6 +171,8 @@ pub(crate) struct StepViews<'a> {
     pub draw_params: CudaView<'a, SampleParams>,
     pub draw_modes: CudaView<'a, DrawMode>,
     pub host_rows: CudaView<'a, i32>,
+    pub row_penalties: CudaView<'a, RowPenalties>,
+    pub edit_offsets: CudaView<'a, i32>,
 }
 
 impl StepBuffers {
@@ -222,6 +228,8 @@ impl StepBuffers {
             draw_params: typed(&self.device, l.draw_params, step.draw_params.len())?,
             draw_modes: typed(&self.device, l.draw_modes, step.draw_modes.len())?,
             host_rows: typed(&self.device, l.host_rows, step.host_rows.len())?,
+            row_penalties: typed(&self.device, l.row_penalties, step.row_penalties.len())?,
+            edit_offsets: typed(&self.device, l.edit_offsets, step.edit_offsets.len())?,
         })
     }
 }
@@ -239,6 +247,62 @@ fn typed<T>(buf: &CudaSlice<u8>, offset: usize, len: usize) -> Result<CudaView<'
     // aligned for `T`, and it holds exactly `len` values.
     unsafe { section.transmute::<T>(len) }
         .ok_or_else(|| too_small("step metadata", offset + bytes, buf.len()))
+}
+
+/// The drawn rows' edits of a step (penalties, bias, mask), uploaded apart from the step's
+/// metadata because their count varies from none to [`MAX_DEVICE_EDITS`] a row: a pinned
+/// staging buffer and its device copy, for `max_rows` rows.
+pub(crate) struct EditBuffers {
+    staging: PinnedHostSlice<u8>,
+    device: CudaSlice<RowEdit>,
+}
+
+impl EditBuffers {
+    pub fn new(gpu: &GpuContext, max_rows: usize) -> Result<Self> {
+        let capacity = max_rows.max(1) * MAX_DEVICE_EDITS;
+        // SAFETY: written by `write_edits` before each upload, which copies only what it wrote.
+        let staging = unsafe { gpu.context().alloc_pinned::<u8>(16 * capacity) }
+            .map_err(driver_error("cuMemHostAlloc"))?;
+        let device = gpu
+            .stream()
+            .alloc_zeros::<RowEdit>(capacity)
+            .map_err(driver_error("cuMemAlloc"))?;
+        Ok(Self { staging, device })
+    }
+
+    /// Uploads `step`'s edits and returns them; with none, one stale entry that no offset
+    /// reaches (the kernels take a non-empty view). Like [`StepBuffers::upload`], the copy
+    /// completes before this returns.
+    pub fn upload(&mut self, gpu: &GpuContext, step: &PackedStep) -> Result<CudaView<'_, RowEdit>> {
+        let n = step.edits.len();
+        if n > 0 {
+            let staging = self
+                .staging
+                .as_mut_slice()
+                .map_err(driver_error("cuEventSynchronize"))?;
+            if staging.len() < 16 * n {
+                return Err(too_small("row edits", n, staging.len() / 16));
+            }
+            let used = write_edits(&step.edits, staging);
+            // SAFETY: `RowEdit` is `#[repr(C)]` plain old data of 16 bytes (alignment 4; the
+            // pinned allocation is page-aligned) and `write_edits` just wrote `n` of them.
+            let edits: &[RowEdit] = unsafe {
+                std::slice::from_raw_parts(staging[..used].as_ptr().cast::<RowEdit>(), n)
+            };
+            let capacity = self.device.len();
+            let mut dst = self
+                .device
+                .try_slice_mut(0..n)
+                .ok_or_else(|| too_small("row edits", n, capacity))?;
+            gpu.stream()
+                .memcpy_htod(edits, &mut dst)
+                .map_err(driver_error("cuMemcpyHtoDAsync"))?;
+        }
+        let len = self.device.len();
+        self.device
+            .try_slice(0..n.max(1))
+            .ok_or_else(|| too_small("row edits", n, len))
+    }
 }
 
 /// One layer's K and V, each `[num_blocks, block_size, KVH, D]` bf16.

@@ -7,7 +7,7 @@ use novainfer_cuda::ops::paged_attention::{AttentionConfig, DecodeScratch};
 use novainfer_cuda::ops::rope::RopeTable;
 use novainfer_cuda::GpuContext;
 
-use super::buffers::{Activations, KvPool, Readback, StepBuffers};
+use super::buffers::{Activations, EditBuffers, KvPool, Readback, StepBuffers};
 use super::cuda_error;
 use super::forward::{Step, Tail, TailOut};
 use super::weights::GpuModel;
@@ -32,6 +32,7 @@ pub struct CudaWeights {
     act: Activations,
     scratch: DecodeScratch,
     readback: Readback,
+    edits: EditBuffers,
     limits: StepLimits,
 }
 
@@ -77,6 +78,7 @@ impl CudaWeights {
         )
         .map_err(err)?;
         let readback = Readback::new(&gpu, &cfg, limits.max_num_seqs)?;
+        let edits = EditBuffers::new(&gpu, limits.max_num_seqs)?;
         // Everything above is queued on the stream; finish it so errors surface here and
         // freed upload buffers are back with the driver before memory is measured.
         gpu.synchronize().map_err(err)?;
@@ -92,6 +94,7 @@ impl CudaWeights {
             act,
             scratch,
             readback,
+            edits,
             limits,
         })
     }
@@ -215,6 +218,7 @@ impl CudaWeights {
             kv,
             scratch: &mut self.scratch,
             readback: &mut self.readback,
+            edits: &mut self.edits,
         }
     }
 }

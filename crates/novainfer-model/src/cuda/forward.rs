@@ -23,11 +23,11 @@ use novainfer_cuda::ops::paged_attention::{
 use novainfer_cuda::ops::qkv::{qkv_bias_rope_cache, QkvInput};
 use novainfer_cuda::ops::rms_norm::{add_rms_norm, rms_norm};
 use novainfer_cuda::ops::rope::{RopeHeads, RopeTable};
-use novainfer_cuda::ops::sampling::{draw, DrawMode};
+use novainfer_cuda::ops::sampling::{adjust_rows, draw, DrawMode, RowEdits};
 use novainfer_cuda::ops::silu_mul::silu_mul_fused;
 use novainfer_cuda::GpuContext;
 
-use super::buffers::{head, head_mut, Activations, KvPool, Readback, StepBuffers};
+use super::buffers::{head, head_mut, Activations, EditBuffers, KvPool, Readback, StepBuffers};
 use super::weights::{GpuMatrix, GpuModel};
 use super::{cuda_error, driver_error};
 use crate::config::Qwen2Config;
@@ -68,6 +68,7 @@ pub(crate) struct Step<'a> {
     pub kv: &'a mut KvPool,
     pub scratch: &'a mut DecodeScratch,
     pub readback: &'a mut Readback,
+    pub edits: &'a mut EditBuffers,
 }
 
 impl Step<'_> {
@@ -99,6 +100,7 @@ impl Step<'_> {
             kv,
             scratch,
             readback,
+            edits,
             ..
         } = self;
         let n = step.num_tokens();
@@ -278,9 +280,25 @@ impl Step<'_> {
         )?;
         let draws = step.num_draws();
         if draws > 0 {
+            if !step.edits.is_empty() {
+                let edits = edits.upload(gpu, step)?;
+                adjust_rows::<f32>(
+                    gpu,
+                    &head(&act.logits, rows * vocab, "logits")?,
+                    &RowEdits {
+                        offsets: again(&views.edit_offsets),
+                        edits,
+                        penalties: again(&views.row_penalties),
+                    },
+                    vocab,
+                    &mut head_mut(&mut act.adjusted, rows * vocab, "adjusted")?,
+                )?;
+            }
             draw::<f32>(
                 gpu,
                 &head(&act.logits, rows * vocab, "logits")?,
+                &head(&act.adjusted, rows * vocab, "adjusted")?,
+                &views.edit_offsets,
                 &views.draw_params,
                 &views.draw_modes,
                 vocab,

@@ -17,4 +17,4 @@ pub mod step;
 pub use dequant::{dequantize_bf16, GpuQuant};
 pub use matrix::{HostMatrix, MatrixPart, PartData};
 pub use reader::{HostLayer, HostModelReader};
-pub use step::{PackedStep, StepCapacity, StepLayout};
+pub use step::{write_edits, PackedStep, StepCapacity, StepLayout};

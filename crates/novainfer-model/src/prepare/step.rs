@@ -7,8 +7,9 @@
 //! against the vocabulary, positions against the RoPE table, slots against the pool, the
 //! block-table entries a sequence's history reaches against the pool and the padded row.
 
-use novainfer_cuda::sample_params::{DrawMode, SampleParams};
+use novainfer_cuda::sample_params::{DrawMode, RowEdit, RowPenalties, SampleParams};
 
+use crate::draw::MAX_DEVICE_EDITS;
 use crate::error::{ModelError, Result};
 use crate::forward_batch::{ForwardBatch, SpanOutput};
 
@@ -51,6 +52,12 @@ pub struct PackedStep {
     pub draw_params: Vec<SampleParams>,
     /// Indices into the sampled rows of those returned as logits, in order.
     pub host_rows: Vec<i32>,
+    /// The drawn rows' edits (penalties, bias, mask) in CSR form: row r's are
+    /// `edits[edit_offsets[r]..edit_offsets[r + 1]]` (`[rows + 1]`), with strengths
+    /// `row_penalties[r]`.
+    pub edit_offsets: Vec<i32>,
+    pub edits: Vec<RowEdit>,
+    pub row_penalties: Vec<RowPenalties>,
     /// Every sequence has exactly one query token: the decode kernel applies.
     pub decode_only: bool,
     /// The longest `seq_lens` entry.
@@ -170,7 +177,13 @@ impl PackedStep {
             seq_lens.push(reach as i32);
             query_start_loc.push(range.end as i32);
         }
-        let (draw_modes, draw_params) = draws(batch)?;
+        let Draws {
+            modes: draw_modes,
+            params: draw_params,
+            edit_offsets,
+            edits,
+            penalties: row_penalties,
+        } = draws(batch)?;
         let host_rows = (0..draw_modes.len())
             .filter(|&r| draw_modes[r] == DrawMode::Skip)
             .map(|r| r as i32)
@@ -179,6 +192,9 @@ impl PackedStep {
             draw_modes,
             draw_params,
             host_rows,
+            edit_offsets,
+            edits,
+            row_penalties,
             token_ids: batch.token_ids.clone(),
             positions,
             slot_mapping,
@@ -192,24 +208,57 @@ impl PackedStep {
     }
 }
 
-/// The `draw` kernel's mode and parameters for each sampled row, in `logits_indices` order.
-fn draws(batch: &ForwardBatch) -> Result<(Vec<DrawMode>, Vec<SampleParams>)> {
-    let mut modes = Vec::new();
-    let mut params = Vec::new();
+/// What the `adjust_rows` and `draw` kernels take per sampled row.
+struct Draws {
+    modes: Vec<DrawMode>,
+    params: Vec<SampleParams>,
+    edit_offsets: Vec<i32>,
+    edits: Vec<RowEdit>,
+    penalties: Vec<RowPenalties>,
+}
+
+/// The kernels' mode, parameters and edits for each sampled row, in `logits_indices` order.
+fn draws(batch: &ForwardBatch) -> Result<Draws> {
+    let mut d = Draws {
+        modes: Vec::new(),
+        params: Vec::new(),
+        edit_offsets: vec![0],
+        edits: Vec::new(),
+        penalties: Vec::new(),
+    };
     for s in batch.seqs.iter().filter(|s| s.query_len > 0) {
-        let (mode, p, rows) = match s.output {
+        let (mode, p, rows, adjust) = match &s.output {
             SpanOutput::None | SpanOutput::LastHidden => continue,
-            SpanOutput::LastLogits => (DrawMode::Skip, SampleParams::UNUSED, 1),
-            SpanOutput::AllLogits => (DrawMode::Skip, SampleParams::UNUSED, s.query_len),
-            SpanOutput::Draw(d) => {
-                let (mode, p) = d.kernel_args()?;
-                (mode, p, 1)
+            SpanOutput::LastLogits => (DrawMode::Skip, SampleParams::UNUSED, 1, None),
+            SpanOutput::AllLogits => (DrawMode::Skip, SampleParams::UNUSED, s.query_len, None),
+            SpanOutput::Draw(draw) => {
+                let (mode, p) = draw.kernel_args()?;
+                (mode, p, 1, draw.adjust.as_deref())
             }
         };
-        modes.extend(std::iter::repeat_n(mode, rows));
-        params.extend(std::iter::repeat_n(p, rows));
+        for _ in 0..rows {
+            d.modes.push(mode);
+            d.params.push(p);
+            match adjust {
+                Some(a) => {
+                    if a.edits.len() > MAX_DEVICE_EDITS {
+                        return Err(bad(
+                            "draw",
+                            format!(
+                                "{} edits of one row exceed the {MAX_DEVICE_EDITS} the device takes",
+                                a.edits.len()
+                            ),
+                        ));
+                    }
+                    d.edits.extend_from_slice(&a.edits);
+                    d.penalties.push(a.penalties);
+                }
+                None => d.penalties.push(RowPenalties::NEUTRAL),
+            }
+            d.edit_offsets.push(d.edits.len() as i32);
+        }
     }
-    Ok((modes, params))
+    Ok(d)
 }
 
 impl PackedStep {
@@ -233,6 +282,8 @@ pub struct StepLayout {
     pub draw_params: usize,
     pub draw_modes: usize,
     pub host_rows: usize,
+    pub row_penalties: usize,
+    pub edit_offsets: usize,
     pub block_tables: usize,
     pub total: usize,
     pub max_blocks_per_seq: usize,
@@ -259,6 +310,8 @@ impl StepLayout {
         let draw_params = section(std::mem::size_of::<SampleParams>() * s);
         let draw_modes = section(4 * s);
         let host_rows = section(4 * s);
+        let row_penalties = section(std::mem::size_of::<RowPenalties>() * s);
+        let edit_offsets = section(4 * (s + 1));
         let block_tables = section(4 * s * cap.max_blocks_per_seq);
         Self {
             slot_mapping,
@@ -270,6 +323,8 @@ impl StepLayout {
             draw_params,
             draw_modes,
             host_rows,
+            row_penalties,
+            edit_offsets,
             block_tables,
             total: at.max(ALIGN),
             max_blocks_per_seq: cap.max_blocks_per_seq,
@@ -331,11 +386,40 @@ impl StepLayout {
         );
         put(
             staging,
+            self.row_penalties,
+            step.row_penalties.iter().map(|p| {
+                let mut out = [0u8; 16];
+                out[0..4].copy_from_slice(&p.repetition.to_ne_bytes());
+                out[4..8].copy_from_slice(&p.frequency.to_ne_bytes());
+                out[8..12].copy_from_slice(&p.presence.to_ne_bytes());
+                out
+            }),
+        );
+        put(
+            staging,
+            self.edit_offsets,
+            step.edit_offsets.iter().map(|v| v.to_ne_bytes()),
+        );
+        put(
+            staging,
             self.block_tables,
             step.block_tables.iter().map(|v| v.to_ne_bytes()),
         );
         self.block_tables + 4 * step.block_tables.len()
     }
+}
+
+/// The kernel's `RowEdit`s (`#[repr(C)]`, 16 bytes each, no padding) as the device reads them,
+/// into `staging` (the edit buffer's own, uploaded apart from the step's metadata); returns the
+/// bytes written.
+pub fn write_edits(edits: &[RowEdit], staging: &mut [u8]) -> usize {
+    for (e, out) in edits.iter().zip(staging.chunks_exact_mut(16)) {
+        out[0..4].copy_from_slice(&e.token_id.to_ne_bytes());
+        out[4..8].copy_from_slice(&e.output_count.to_ne_bytes());
+        out[8..12].copy_from_slice(&e.flags.to_ne_bytes());
+        out[12..16].copy_from_slice(&e.bias.to_ne_bytes());
+    }
+    16 * edits.len()
 }
 
 /// The kernel's `SampleParams` (`#[repr(C)]`, 32 bytes, no padding) as the device reads it.
@@ -439,6 +523,8 @@ mod tests {
             layout.draw_params,
             layout.draw_modes,
             layout.host_rows,
+            layout.row_penalties,
+            layout.edit_offsets,
             layout.block_tables,
         ] {
             assert_eq!(at % ALIGN, 0);
@@ -460,16 +546,18 @@ mod tests {
                 top_p: 0.9,
                 min_p: 0.1,
             },
+            adjust: None,
         };
         let greedy = Draw {
             seed: 1,
             offset: 0,
             rule: DrawRule::Greedy,
+            adjust: None,
         };
-        b.push_span(&[1], 0, vec![0], vec![0], SpanOutput::Draw(random));
+        b.push_span(&[1], 0, vec![0], vec![0], SpanOutput::Draw(random.clone()));
         b.push_span(&[2, 3], 0, vec![4, 5], vec![1], SpanOutput::AllLogits);
         b.push_span(&[4], 0, vec![8], vec![2], SpanOutput::None);
-        b.push_span(&[5], 0, vec![12], vec![3], SpanOutput::Draw(greedy));
+        b.push_span(&[5], 0, vec![12], vec![3], SpanOutput::Draw(greedy.clone()));
         b.push_span(&[6], 0, vec![16], vec![4], SpanOutput::LastLogits);
         let cap = StepCapacity { max_seqs: 8, ..CAP };
         let p = PackedStep::pack(&b, &cap).expect("valid");
@@ -503,6 +591,60 @@ mod tests {
         assert_eq!(i32_at(layout.draw_modes), DrawMode::Random as i32);
         assert_eq!(i32_at(layout.draw_modes + 4 * 3), DrawMode::Greedy as i32);
         assert_eq!(i32_at(layout.host_rows + 4 * 2), 4);
+
+        assert_eq!(p.edit_offsets, [0, 0, 0, 0, 0, 0], "no row has edits");
+
+        // A drawn row with edits: CSR offsets over the sampled rows, its strengths, and the
+        // edits' bytes in the kernel's field order.
+        let edits = vec![
+            RowEdit {
+                token_id: 4,
+                output_count: 2,
+                flags: RowEdit::PENALIZE | RowEdit::IN_PROMPT,
+                bias: 0.0,
+            },
+            RowEdit {
+                token_id: 9,
+                output_count: 0,
+                flags: RowEdit::MASK,
+                bias: -1.5,
+            },
+        ];
+        let penalties = RowPenalties {
+            repetition: 1.2,
+            frequency: 0.5,
+            presence: 0.25,
+            _pad: 0.0,
+        };
+        let adjusted = Draw {
+            adjust: Some(std::sync::Arc::new(crate::draw::Adjust {
+                penalties,
+                edits: edits.clone(),
+            })),
+            ..greedy.clone()
+        };
+        let mut e = ForwardBatch::default();
+        e.push_span(&[6], 0, vec![16], vec![4], SpanOutput::LastLogits);
+        e.push_span(&[1], 0, vec![0], vec![0], SpanOutput::Draw(adjusted));
+        let p = PackedStep::pack(&e, &cap).expect("valid");
+        assert_eq!(p.edit_offsets, [0, 0, 2]);
+        assert_eq!(p.edits, edits);
+        assert_eq!(p.row_penalties, [RowPenalties::NEUTRAL, penalties]);
+        let mut staging = vec![0u8; layout.total];
+        layout.write(&p, &mut staging);
+        let word = |at: usize| -> [u8; 4] { staging[at..at + 4].try_into().expect("4") };
+        assert_eq!(f32::from_ne_bytes(word(layout.row_penalties + 16)), 1.2);
+        assert_eq!(f32::from_ne_bytes(word(layout.row_penalties + 16 + 4)), 0.5);
+        assert_eq!(
+            f32::from_ne_bytes(word(layout.row_penalties + 16 + 8)),
+            0.25
+        );
+        assert_eq!(i32::from_ne_bytes(word(layout.edit_offsets + 8)), 2);
+        let mut bytes = vec![0u8; 64];
+        assert_eq!(write_edits(&p.edits, &mut bytes), 32);
+        assert_eq!(&bytes[16..20], &9u32.to_ne_bytes());
+        assert_eq!(&bytes[24..28], &RowEdit::MASK.to_ne_bytes());
+        assert_eq!(&bytes[28..32], &(-1.5f32).to_ne_bytes());
 
         // A rule outside the kernel's ranges is refused before anything runs.
         let mut bad = ForwardBatch::default();

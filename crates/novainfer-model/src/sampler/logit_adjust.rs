@@ -64,6 +64,16 @@ impl LogitAdjust {
         !self.bias.is_empty() || (self.sampled < self.min_tokens && !self.stop_ids.is_empty())
     }
 
+    /// The biases, and the ids the next row holds back (`min_tokens` not reached yet).
+    pub fn pending(&self) -> (&[(u32, f32)], &[u32]) {
+        let masked = if self.sampled < self.min_tokens {
+            &self.stop_ids[..]
+        } else {
+            &[]
+        };
+        (&self.bias, masked)
+    }
+
     /// Counts a token sampled elsewhere (on the device) toward `min_tokens`.
     pub fn count_sampled(&mut self) {
         self.sampled += 1;

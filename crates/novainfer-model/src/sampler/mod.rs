@@ -23,7 +23,10 @@ use novainfer_core::SamplingParams;
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::draw::{Draw, DrawRule, DrawnToken};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use crate::draw::{Adjust, Draw, DrawRule, DrawnToken, RowEdit, MAX_DEVICE_EDITS};
 use logit_adjust::LogitAdjust;
 use penalties::{Penalties, PenaltyState};
 use row_math::BlockMaxima;
@@ -162,18 +165,22 @@ impl Sampler {
 }
 
 impl Sampler {
-    /// The next token as a device may draw it ([`Draw`]), when nothing this sampler would do
-    /// to the row needs the host: no penalty, no logit bias, no `min_tokens` mask pending and
-    /// no top logprobs asked for. `None` means: sample the logits row here.
+    /// The next token as a device may draw it ([`Draw`]): everything but top logprobs, with
+    /// the penalties, logit bias and `min_tokens` mask as edits of the row (at most
+    /// [`MAX_DEVICE_EDITS`]). `None` means: sample the logits row here.
     ///
     /// A drawn token follows the same distribution as one sampled here, from a different
     /// random stream (the device's counter-based generator keyed by the request's seed, at the
     /// count of tokens sampled so far); greedy rows are the same token either way.
     pub fn device_draw(&self) -> Option<Draw> {
-        if self.num_top_logprobs.is_some() || self.penalties.is_active() || self.adjust.is_active()
-        {
+        if self.num_top_logprobs.is_some() {
             return None;
         }
+        let adjust = if self.penalties.is_active() || self.adjust.is_active() {
+            Some(Arc::new(self.device_edits()?))
+        } else {
+            None
+        };
         let rule = if self.greedy {
             DrawRule::Greedy
         } else {
@@ -188,6 +195,40 @@ impl Sampler {
             seed: self.seed,
             offset: self.sampled,
             rule,
+            adjust,
+        })
+    }
+
+    /// This sampler's changes to the next row as one edit per token, in id order; `None`
+    /// past [`MAX_DEVICE_EDITS`].
+    fn device_edits(&self) -> Option<Adjust> {
+        fn edit(edits: &mut BTreeMap<u32, RowEdit>, id: u32) -> &mut RowEdit {
+            edits.entry(id).or_insert(RowEdit {
+                token_id: id,
+                output_count: 0,
+                flags: 0,
+                bias: 0.0,
+            })
+        }
+        let mut edits = BTreeMap::new();
+        let (penalties, touched) = self.penalties.touched();
+        if self.penalties.is_active() {
+            for (id, in_prompt, count) in touched {
+                let e = edit(&mut edits, id);
+                e.flags |= RowEdit::PENALIZE | if in_prompt { RowEdit::IN_PROMPT } else { 0 };
+                e.output_count = count;
+            }
+        }
+        let (bias, masked) = self.adjust.pending();
+        for &(id, b) in bias {
+            edit(&mut edits, id).bias = b;
+        }
+        for &id in masked {
+            edit(&mut edits, id).flags |= RowEdit::MASK;
+        }
+        (edits.len() <= MAX_DEVICE_EDITS).then(|| Adjust {
+            penalties: penalties.for_device(),
+            edits: edits.into_values().collect(),
         })
     }
 

@@ -13,6 +13,7 @@
 use std::collections::HashMap;
 
 use novainfer_core::SamplingParams;
+use novainfer_cuda::sample_params::RowPenalties;
 
 /// What the penalties need to know about one token id.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -42,22 +43,20 @@ impl Penalties {
         self.repetition == 1.0 && self.presence == 0.0 && self.frequency == 0.0
     }
 
-    /// The penalised value of one logit; a pure function so the rule reads in one place.
+    /// The penalised value of one logit. The rule reads in one place, shared with the
+    /// device's sampler and its twin ([`RowPenalties::penalize`]).
     pub fn penalize(&self, logit: f32, in_prompt: bool, output_count: u32) -> f32 {
-        let mut x = logit;
-        if in_prompt || output_count > 0 {
-            x = if x > 0.0 {
-                x / self.repetition
-            } else {
-                x * self.repetition
-            };
+        self.for_device().penalize(logit, in_prompt, output_count)
+    }
+
+    /// These strengths as the device's sampler takes them.
+    pub fn for_device(&self) -> RowPenalties {
+        RowPenalties {
+            repetition: self.repetition,
+            frequency: self.frequency,
+            presence: self.presence,
+            _pad: 0.0,
         }
-        // vLLM subtracts frequency first, then presence; the order fixes the rounding.
-        if output_count > 0 {
-            x -= self.frequency * output_count as f32;
-            x -= self.presence;
-        }
-        x
     }
 }
 
@@ -88,6 +87,16 @@ impl PenaltyState {
     /// Whether any penalty changes a row (a neutral state records and changes nothing).
     pub fn is_active(&self) -> bool {
         !self.penalties.is_neutral()
+    }
+
+    /// The strengths, and each token they touch: `(id, in the prompt, times generated)`.
+    pub fn touched(&self) -> (Penalties, impl Iterator<Item = (u32, bool, u32)> + '_) {
+        (
+            self.penalties,
+            self.seen
+                .iter()
+                .map(|(&id, s)| (id, s.in_prompt, s.output_count)),
+        )
     }
 
     /// Notes a generated token for the penalties of later steps.

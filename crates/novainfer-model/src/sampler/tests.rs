@@ -8,6 +8,7 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::*;
+use crate::draw::RowEdit;
 
 const QWEN2_VOCAB: usize = 151_936;
 
@@ -522,7 +523,8 @@ fn device_draws_cover_plain_rows_and_count_every_token() {
         Some(Draw {
             seed: 9,
             offset: 0,
-            rule: DrawRule::Greedy
+            rule: DrawRule::Greedy,
+            adjust: None,
         })
     );
     let mut s = Sampler::new(
@@ -548,7 +550,8 @@ fn device_draws_cover_plain_rows_and_count_every_token() {
         Some(Draw {
             seed: 5,
             offset: 0,
-            rule
+            rule,
+            adjust: None,
         })
     );
     let t = s.accept_drawn(DrawnToken {
@@ -564,26 +567,54 @@ fn device_draws_cover_plain_rows_and_count_every_token() {
         "one drawn, one sampled here"
     );
 
-    for host_only in [
-        SamplingParams::builder().temperature(1.0).logprobs(Some(0)),
-        SamplingParams::builder()
-            .temperature(1.0)
-            .presence_penalty(0.5),
-        SamplingParams::builder()
-            .temperature(0.0)
-            .repetition_penalty(1.1),
-        SamplingParams::builder()
-            .temperature(1.0)
-            .frequency_penalty(-0.5),
-        SamplingParams::builder()
-            .temperature(1.0)
-            .logit_bias(vec![(3, 2.0)]),
-    ] {
-        let s = Sampler::new(&params(host_only), &[1], 0);
-        assert_eq!(s.device_draw(), None);
-    }
+    // Top logprobs need the whole raw row on the host.
+    let top = Sampler::new(
+        &params(SamplingParams::builder().temperature(1.0).logprobs(Some(0))),
+        &[1],
+        0,
+    );
+    assert_eq!(top.device_draw(), None);
 
-    // min_tokens holds the stop ids back for two tokens, drawn or not; then the row is plain.
+    // Penalties and bias become edits of the tokens they touch, with the strengths.
+    let mut s = Sampler::new(
+        &params(
+            SamplingParams::builder()
+                .temperature(0.0)
+                .repetition_penalty(1.1)
+                .frequency_penalty(-0.5)
+                .logit_bias(vec![(3, 2.0)]),
+        ),
+        &[1, 1, 4],
+        0,
+    );
+    s.sample(&mut [0.0, 1.0, 2.0, 3.0, 4.0, 9.0]);
+    let draw = s.device_draw().expect("drawn with edits");
+    let adjust = draw.adjust.expect("edits");
+    assert_eq!(adjust.penalties.repetition, 1.1);
+    assert_eq!(adjust.penalties.frequency, -0.5);
+    let edit = |id: u32| adjust.edits.iter().find(|e| e.token_id == id).copied();
+    let prompt = RowEdit::PENALIZE | RowEdit::IN_PROMPT;
+    assert_eq!(
+        edit(1).map(|e| (e.flags, e.output_count)),
+        Some((prompt, 0))
+    );
+    assert_eq!(edit(4).map(|e| e.flags), Some(prompt));
+    // Token 5 (the row's maximum) was generated once; token 3 carries the bias only.
+    assert_eq!(
+        edit(5).map(|e| (e.flags, e.output_count)),
+        Some((RowEdit::PENALIZE, 1))
+    );
+    assert_eq!(edit(3).map(|e| (e.flags, e.bias)), Some((0, 2.0)));
+    assert!(adjust
+        .edits
+        .windows(2)
+        .all(|w| w[0].token_id < w[1].token_id));
+
+    // A plain row needs no edits.
+    let plain = Sampler::new(&params(SamplingParams::builder().temperature(0.7)), &[1], 0);
+    assert_eq!(plain.device_draw().and_then(|d| d.adjust), None);
+
+    // min_tokens masks the stop ids for two tokens, drawn or not; then the row is plain.
     let mut s = Sampler::new(
         &params(
             SamplingParams::builder()
@@ -595,12 +626,59 @@ fn device_draws_cover_plain_rows_and_count_every_token() {
         0,
     )
     .with_eos_token_ids(&[1], false);
-    assert_eq!(s.device_draw(), None);
+    let masked = |s: &Sampler| {
+        s.device_draw().and_then(|d| d.adjust).is_some_and(|a| {
+            a.edits
+                .iter()
+                .any(|e| e.token_id == 1 && e.flags == RowEdit::MASK)
+        })
+    };
+    assert!(masked(&s));
     s.sample(&mut [0.0, 1.0, 2.0]);
-    assert_eq!(s.device_draw(), None);
+    assert!(masked(&s));
     s.accept_drawn(DrawnToken {
         token_id: 2,
         logprob: -0.1,
     });
-    assert!(s.device_draw().is_some(), "min_tokens reached");
+    assert_eq!(
+        s.device_draw().and_then(|d| d.adjust),
+        None,
+        "min_tokens reached"
+    );
+}
+
+/// The edits a sampler sends the device, applied by the device's twin, give the token the
+/// sampler picks itself: greedy rows under penalties, bias and the min_tokens mask, over
+/// many steps of a sequence whose history feeds the penalties.
+#[test]
+fn device_edits_reproduce_the_host_sampler() {
+    let vocab = 512;
+    let make = || {
+        Sampler::new(
+            &params(
+                SamplingParams::builder()
+                    .temperature(0.0)
+                    .repetition_penalty(1.3)
+                    .presence_penalty(0.4)
+                    .frequency_penalty(0.25)
+                    .logit_bias(vec![(7, 3.0), (11, -2.0)])
+                    .max_tokens(Some(40))
+                    .min_tokens(5),
+            ),
+            &[7, 20, 21, 300],
+            0,
+        )
+        .with_eos_token_ids(&[3], false)
+    };
+    let (mut host, mut device) = (make(), make());
+    for step in 0..30u64 {
+        let mut row = lm_like_row(vocab, step % 4);
+        row[3] += 20.0; // EOS leads: only the mask keeps it out before min_tokens
+        let draw = device.device_draw().expect("drawable");
+        let twin = draw.on_host(&row).expect("twin");
+        let want = host.sample(&mut row.clone());
+        assert_eq!(twin.token_id, want.token_id, "step {step}");
+        assert!((twin.logprob - want.logprob).abs() < 1e-5, "step {step}");
+        device.accept_drawn(twin);
+    }
 }
