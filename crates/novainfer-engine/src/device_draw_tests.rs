@@ -360,3 +360,31 @@ fn seeded_draws_do_not_depend_on_the_batch() {
     let keys: std::collections::HashSet<u64> = crowded.1.iter().flatten().map(|d| d.seed).collect();
     assert_eq!(keys.len(), 6);
 }
+
+/// On a drawing backend the n completions of a seeded request are the lone requests with
+/// seeds seed, seed + 1, ...: the shared first row is sampled on the host by the device's
+/// rule, the later rows are drawn, one stream per completion either way.
+#[test]
+fn n_completions_draw_what_lone_requests_draw() {
+    let p = |seed, n| {
+        params(1.0, 8)
+            .top_p(0.95)
+            .seed(Some(seed))
+            .n(n)
+            .build()
+            .expect("valid")
+    };
+    let (together, asked) = run(drawing(), &[(0, vec![5, 6, 7], p(7, 3))]);
+    assert!(
+        asked.iter().any(Option::is_none),
+        "the shared first row came back as logits"
+    );
+    for i in 0..3u64 {
+        let (alone, _) = run(drawing(), &[(0, vec![5, 6, 7], p(7 + i, 1))]);
+        assert_eq!(
+            together[&RequestId(i)],
+            alone[&RequestId(0)],
+            "completion {i}"
+        );
+    }
+}

@@ -36,7 +36,7 @@ use crate::request::{Scheduling, Speculation};
 use crate::request_group::{Completion, PendingCompletion, RequestGroup};
 use crate::sequence::SequenceOutput;
 use crate::speculative::{share_room, Proposer};
-use crate::verify::{sample_row, verify_draft, GrammarOutcomes};
+use crate::verify::{sample_row_as_device, verify_draft, GrammarOutcomes};
 
 /// What one step sampled, per request (one token, or with drafts the confirmed ones and the
 /// next), and the completions it starts.
@@ -620,9 +620,11 @@ impl EngineCore {
             Some(group) => group.take_pending(),
             None => Vec::new(),
         };
+        let device_draws = self.runner.capabilities().sampling.draws;
         for mut child in children {
             let child_id = child.request.id;
-            let first = sample_row(
+            let first = sample_row_as_device(
+                device_draws,
                 child_id,
                 &mut child.sampler,
                 child.constraint.as_mut(),
@@ -642,7 +644,8 @@ impl EngineCore {
             .active
             .get_mut(&id)
             .expect("scheduled request is active: this is a bug");
-        let token = sample_row(
+        let token = sample_row_as_device(
+            device_draws,
             id,
             &mut active.sampler,
             active.constraint.as_mut(),

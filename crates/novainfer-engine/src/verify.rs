@@ -40,6 +40,28 @@ pub fn sample_row(
     token
 }
 
+/// [`sample_row`], except that on a backend that draws tokens itself (`device_draws`) a row
+/// the device could have drawn is sampled here by the device's rule, through its CPU twin
+/// ([`novainfer_model::Draw::on_host`]). A request's tokens then come from one random stream
+/// whichever side sampled each row: the first row of an n > 1 request, which all its
+/// completions sample from copies of here, draws what a lone request with the same seed
+/// draws on the device.
+pub fn sample_row_as_device(
+    device_draws: bool,
+    id: RequestId,
+    sampler: &mut Sampler,
+    constraint: Option<&mut Constraint>,
+    row: &mut [f32],
+    outcomes: &mut GrammarOutcomes,
+) -> SampledToken {
+    if device_draws && constraint.is_none() {
+        if let Some(token) = sampler.device_draw().and_then(|d| d.on_host(row).ok()) {
+            return sampler.accept_drawn(token);
+        }
+    }
+    sample_row(id, sampler, constraint, row, outcomes)
+}
+
 /// Verifies request `id`'s draft: samples the rows in order (row `i` follows draft token
 /// `i - 1`) and stops at the first token that is not the draft's, or when the grammar ends.
 /// Every output token is thus sampled from the target's own distribution after the tokens
