@@ -136,6 +136,27 @@ def test_n_completions_fork_the_prompt_on_the_gpu(tiny_gpu):
     assert [o.token_ids for o in outs] == [a.token_ids for a in alone]
 
 
+def test_seeded_draws_on_the_gpu_are_the_same_alone_and_batched(tiny_gpu):
+    """Rows drawn on the device (greedy, top-k/top-p/min-p, penalties, bias, min_tokens) depend on
+    their own seed and token count only: each request alone gives what it gave in a batch of 16."""
+    variants = [
+        dict(temperature=0.8, top_k=20),
+        dict(temperature=1.2, top_p=0.9),
+        dict(temperature=1.0, min_p=0.05),
+        dict(temperature=0.7, presence_penalty=0.8, frequency_penalty=0.3),
+        dict(temperature=0.9, repetition_penalty=1.3),
+        dict(temperature=1.0, logit_bias={300: 4.0, 301: -100.0}),
+        dict(temperature=1.0, min_tokens=6),
+        dict(temperature=0.0, presence_penalty=1.0),
+    ]
+    params = [SamplingParams(seed=100 + i, max_tokens=16, **variants[i % len(variants)]) for i in range(16)]
+    prompts = [PROMPT[: 3 + i % 8] for i in range(16)]
+    together = [o.outputs[0].token_ids for o in tiny_gpu.generate(prompts, params)]
+    alone = [tiny_gpu.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    assert together == alone
+    assert all(301 not in t for t in together[5::8]), "a -100 bias keeps its token out"
+
+
 def test_64_concurrent_requests_leak_no_blocks_and_batch_invariance_is_measured(tiny_gpu):
     prompts = [PROMPT[: 2 + i % 10] + [40 + i] for i in range(64)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
