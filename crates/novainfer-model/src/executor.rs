@@ -83,7 +83,8 @@ pub trait Executor: Send {
     /// Copies the first `num_tokens` slots of block `src` into block `dst`, every layer.
     fn copy_block(&mut self, src: usize, dst: usize, num_tokens: usize) -> Result<()>;
     /// Writes the batch's K/V at its slots and returns what each span asks for (logits
-    /// rows and final hidden rows, in `batch.seqs` order; see [`SpanOutput`](crate::SpanOutput)).
+    /// rows, drawn tokens and final hidden rows, each in `batch.seqs` order; see
+    /// [`SpanOutput`](crate::SpanOutput)).
     fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput>;
     /// Unit-length embedding of a whole prompt (its last token's final hidden state),
     /// computed apart from the pool in one call: a reference to check devices against each
