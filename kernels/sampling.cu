@@ -440,6 +440,87 @@ __device__ void adjust_row(const T* __restrict__ logits, float* __restrict__ adj
     }
 }
 
+// Most top logprobs a row returns (vLLM's and the engine's MAX_LOGPROBS).
+#define MAX_TOP_LOGPROBS 20
+
+// For a row that asked for logprobs (n ≥ 0; −1: none): the chosen token's rank in the raw row
+// (how many ids have a logit at least its own, vLLM's count) into ranks[row], and the n most
+// likely tokens (value descending, then id ascending: `top_k_cut`'s rank order) with their raw
+// logprobs into top_ids / top_lps[row · MAX_TOP_LOGPROBS ..]. `scratch` holds the row's
+// x − max for the rank cut. Sums as in `token_logprob_row`.
+template <typename T>
+__device__ void top_logprobs_row(const T* __restrict__ logits, const u32* __restrict__ ids, int n,
+                                 float* __restrict__ scratch, u32* __restrict__ top_ids,
+                                 float* __restrict__ top_lps, u32* __restrict__ ranks, int vocab) {
+    __shared__ float fscratch[WARP_SIZE];
+    __shared__ u32 hist[256];
+    __shared__ u32 counts[SAMPLE_THREADS];
+    __shared__ u32 result[4];
+    __shared__ u32 picked[MAX_TOP_LOGPROBS];
+    __shared__ u32 num_picked;
+    if (n < 0) return;
+    n = min(min(n, MAX_TOP_LOGPROBS), vocab);
+    const i64 row = blockIdx.x;
+    const T* x = logits + row * vocab;
+    const int chunk = (vocab + blockDim.x - 1) / blockDim.x;
+    RowCtx r;
+    r.d = scratch + row * vocab;
+    r.vocab = vocab;
+    r.begin = min((int)threadIdx.x * chunk, vocab);
+    r.end = min(r.begin + chunk, vocab);
+    r.log_min_p = NEG_INF;
+    float local_max = NEG_INF;
+    for (int i = r.begin; i < r.end; ++i) local_max = fmaxf(local_max, sanitize(load_f32(x, i)));
+    const float max = block_max(local_max, fscratch);
+    const u32 chosen = ids[row];
+    const float xc = chosen < (u32)vocab ? sanitize(load_f32(x, (int)chosen)) : NEG_INF;
+    u32 at_least = 0;
+    float s = 0.0f;
+    for (int i = r.begin; i < r.end; ++i) {
+        const float v = sanitize(load_f32(x, i));
+        at_least += v >= xc;
+        if (max != NEG_INF) s = __fadd_rn(s, expf(__fsub_rn(v, max)));
+    }
+    at_least = block_sum_u32(at_least, counts);
+    const float total = block_sum(s, fscratch);
+    if (threadIdx.x == 0) ranks[row] = at_least;
+    if (n == 0) return;
+    float* d = scratch + row * vocab;
+    for (int i = r.begin; i < r.end; ++i) d[i] = __fsub_rn(sanitize(load_f32(x, i)), max);
+    if (threadIdx.x == 0) num_picked = 0;
+    __syncthreads();
+    RankCut cut = {0xffffffffu, 0xffffffffu};
+    if (n < vocab) cut = top_k_cut(r, n, hist, counts, result);
+    for (int i = r.begin; i < r.end; ++i) {
+        if (in_cut(r, i, cut)) {
+            const u32 slot = atomicAdd(&num_picked, 1u);
+            if (slot < MAX_TOP_LOGPROBS) picked[slot] = (u32)i;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int m = min((int)num_picked, n);
+        // Insertion sort of at most 20 ids by (key ascending, id ascending).
+        for (int a = 1; a < m; ++a) {
+            const u32 id = picked[a];
+            const u32 key = key_of(d[id]);
+            int b = a - 1;
+            while (b >= 0 && (key_of(d[picked[b]]) > key ||
+                              (key_of(d[picked[b]]) == key && picked[b] > id))) {
+                picked[b + 1] = picked[b];
+                --b;
+            }
+            picked[b + 1] = id;
+        }
+        const float log_total = max == NEG_INF ? 0.0f : logf(total);
+        for (int k = 0; k < m; ++k) {
+            top_ids[row * MAX_TOP_LOGPROBS + k] = picked[k];
+            top_lps[row * MAX_TOP_LOGPROBS + k] =
+                max == NEG_INF ? NEG_INF : __fsub_rn(d[picked[k]], log_total);
+        }
+    }
+}
+
 // What `draw` does with a row (`DrawMode` in ops/sampling.rs).
 #define DRAW_SKIP 0    // a row the engine samples from its logits: left alone
 #define DRAW_GREEDY 1  // argmax_row
@@ -453,8 +534,10 @@ __device__ void adjust_row(const T* __restrict__ logits, float* __restrict__ adj
 template <typename T>
 __device__ void draw_row(const T* __restrict__ logits, const float* __restrict__ adjusted,
                          const i32* __restrict__ offsets, const SampleParams* __restrict__ params,
-                         const i32* __restrict__ modes, float* __restrict__ scratch,
-                         u32* __restrict__ ids, float* __restrict__ logprobs, int vocab) {
+                         const i32* __restrict__ modes, const i32* __restrict__ tops,
+                         float* __restrict__ scratch, u32* __restrict__ ids,
+                         float* __restrict__ logprobs, u32* __restrict__ top_ids,
+                         float* __restrict__ top_lps, u32* __restrict__ ranks, int vocab) {
     const i64 row = blockIdx.x;
     const i32 mode = modes[row];
     const bool edited = offsets[row] < offsets[row + 1];
@@ -468,6 +551,8 @@ __device__ void draw_row(const T* __restrict__ logits, const float* __restrict__
     }
     __syncthreads();  // thread 0's ids[row] is visible to the block from here
     token_logprob_row(logits, ids, logprobs, vocab);
+    __syncthreads();  // the sample's scratch is free for the rank cut
+    top_logprobs_row(logits, ids, tops[row], scratch, top_ids, top_lps, ranks, vocab);
 }
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) argmax_f32(const float* logits, u32* out, int vocab) {
@@ -496,13 +581,15 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 }
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     draw_f32(const float* logits, const float* adjusted, const i32* offsets,
-             const SampleParams* params, const i32* modes, float* scratch, u32* ids,
-             float* logprobs, int vocab) {
-    draw_row(logits, adjusted, offsets, params, modes, scratch, ids, logprobs, vocab);
+             const SampleParams* params, const i32* modes, const i32* tops, float* scratch,
+             u32* ids, float* logprobs, u32* top_ids, float* top_lps, u32* ranks, int vocab) {
+    draw_row(logits, adjusted, offsets, params, modes, tops, scratch, ids, logprobs, top_ids,
+             top_lps, ranks, vocab);
 }
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     draw_bf16(const bf16* logits, const float* adjusted, const i32* offsets,
-              const SampleParams* params, const i32* modes, float* scratch, u32* ids,
-              float* logprobs, int vocab) {
-    draw_row(logits, adjusted, offsets, params, modes, scratch, ids, logprobs, vocab);
+              const SampleParams* params, const i32* modes, const i32* tops, float* scratch,
+              u32* ids, float* logprobs, u32* top_ids, float* top_lps, u32* ranks, int vocab) {
+    draw_row(logits, adjusted, offsets, params, modes, tops, scratch, ids, logprobs, top_ids,
+             top_lps, ranks, vocab);
 }

@@ -160,6 +160,24 @@ pub fn token_logprob(row: &[f32], id: u32) -> f32 {
     (f64::from(sanitize(x)) - f64::from(max) - total.ln()) as f32
 }
 
+/// The logprobs a row asked for, as `top_logprobs_row` computes them: the rank of `id` in
+/// the sanitized raw row (how many ids have a logit at least its own) and the `n` (at most
+/// [`crate::sample_params::MAX_TOP_LOGPROBS`]) most likely ids, value descending then id
+/// ascending, with their raw logprobs (sums in f64 here).
+pub fn top_logprobs(row: &[f32], id: u32, n: usize) -> (u32, Vec<(u32, f32)>) {
+    let x: Vec<f32> = row.iter().map(|&v| sanitize(v)).collect();
+    let chosen = x.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY);
+    let rank = x.iter().filter(|&&v| v >= chosen).count() as u32;
+    let mut order: Vec<u32> = (0..x.len() as u32).collect();
+    order.sort_by(|&a, &b| x[b as usize].total_cmp(&x[a as usize]).then(a.cmp(&b)));
+    order.truncate(n.min(crate::sample_params::MAX_TOP_LOGPROBS));
+    let top = order
+        .into_iter()
+        .map(|i| (i, token_logprob(row, i)))
+        .collect();
+    (rank, top)
+}
+
 /// The `adjust_rows` kernel on one row: the sanitized row with `edits` applied (each edited
 /// id penalised, biased, then masked: [`RowEdit`]).
 pub fn adjust(row: &[f32], penalties: &RowPenalties, edits: &[RowEdit]) -> Vec<f32> {
@@ -324,6 +342,14 @@ mod tests {
         .expect("greedy");
         assert_eq!(id, 4);
         assert_eq!(lp, token_logprob(&row, 4));
+
+        // Logprobs: rank counts ids at least as likely (ties included), the top list is
+        // value descending then id ascending.
+        let (rank, top) = top_logprobs(&row, 4, 3);
+        assert_eq!(rank, 3, "ids 1, 3 (3.0) and 4 (2.0) are at least 2.0");
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 3, 4]);
+        assert_eq!(top[0].1, token_logprob(&row, 1));
+        assert_eq!(top_logprobs(&row, 1, 0), (2, vec![]));
     }
 
     #[test]

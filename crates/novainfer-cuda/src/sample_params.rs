@@ -10,6 +10,10 @@ use crate::error::{CudaError, Result};
 /// scaled logit ±inf or NaN.
 pub const MIN_SAMPLING_TEMPERATURE: f32 = 1e-5;
 
+/// Most top logprobs the `draw` kernel returns a row (`MAX_TOP_LOGPROBS` in the kernel; vLLM's
+/// and the engine's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
 /// What the `draw` kernel does with one row (`DRAW_*` in `kernels/sampling.cu`).
 #[repr(i32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -22,7 +22,8 @@ use novainfer_cuda::ops::reshape_and_cache::reshape_and_cache;
 use novainfer_cuda::ops::rms_norm::{add_rms_norm, rms_norm};
 use novainfer_cuda::ops::rope::{rope_neox, RopeHeads, RopeTable};
 use novainfer_cuda::ops::sampling::{
-    adjust_rows, argmax, draw, sample, DrawMode, RowEdit, RowEdits, RowPenalties,
+    adjust_rows, argmax, draw, sample, DrawMode, RowEdit, RowEdits, RowPenalties, TopLogprobs,
+    MAX_TOP_LOGPROBS,
 };
 use novainfer_cuda::ops::silu_mul::{silu_mul, silu_mul_fused};
 use novainfer_cuda::ops::DtypeKind;
@@ -712,11 +713,14 @@ fn draw_matches_the_reference_and_is_batch_invariant() {
             edits
         })
         .collect();
+    // Rows ask for none, the chosen token's rank only, or 5 or 20 top logprobs.
+    let asked: Vec<i32> = (0..rows).map(|r| [-1, 0, 5, 20][r % 4]).collect();
     let run = |logits: &[f32],
                params: &[SampleParams],
                modes: &[DrawMode],
                penalties: &[RowPenalties],
-               row_edits: &[Vec<RowEdit>]| {
+               row_edits: &[Vec<RowEdit>],
+               asked: &[i32]| {
         let n = modes.len();
         let mut offsets = vec![0i32];
         let mut flat = Vec::new();
@@ -750,6 +754,10 @@ fn draw_matches_the_reference_and_is_batch_invariant() {
         let mut scratch = zeros::<f32>(&gpu, n * vocab);
         let mut ids = up(&gpu, &vec![u32::MAX; n]);
         let mut lps = up(&gpu, &vec![f32::NAN; n]);
+        let tops = up(&gpu, asked);
+        let mut top_ids = zeros::<u32>(&gpu, n * MAX_TOP_LOGPROBS);
+        let mut top_lps = zeros::<f32>(&gpu, n * MAX_TOP_LOGPROBS);
+        let mut ranks = zeros::<u32>(&gpu, n);
         draw(
             &gpu,
             &raw.as_view(),
@@ -761,11 +769,31 @@ fn draw_matches_the_reference_and_is_batch_invariant() {
             &mut scratch.as_view_mut(),
             &mut ids.as_view_mut(),
             &mut lps.as_view_mut(),
+            TopLogprobs {
+                tops: &tops.as_view(),
+                ids: &mut top_ids.as_view_mut(),
+                logprobs: &mut top_lps.as_view_mut(),
+                ranks: &mut ranks.as_view_mut(),
+            },
         )
         .expect("launch");
-        (down(&gpu, &ids), down(&gpu, &lps))
+        let (top_ids, top_lps) = (down(&gpu, &top_ids), down(&gpu, &top_lps));
+        let tops: Vec<Vec<(u32, f32)>> = (0..n)
+            .map(|r| {
+                let k = asked[r].max(0) as usize;
+                (0..k)
+                    .map(|j| {
+                        (
+                            top_ids[r * MAX_TOP_LOGPROBS + j],
+                            top_lps[r * MAX_TOP_LOGPROBS + j],
+                        )
+                    })
+                    .collect()
+            })
+            .collect();
+        (down(&gpu, &ids), down(&gpu, &lps), tops, down(&gpu, &ranks))
     };
-    let (ids, lps) = run(&logits, &params, &modes, &penalties, &row_edits);
+    let (ids, lps, tops, ranks) = run(&logits, &params, &modes, &penalties, &row_edits, &asked);
     let mut agree = 0;
     let mut random = 0;
     for r in 0..rows {
@@ -799,6 +827,21 @@ fn draw_matches_the_reference_and_is_batch_invariant() {
             "row {r}: logprob {} vs reference {want}",
             lps[r]
         );
+        if asked[r] >= 0 {
+            let (rank, top) = reference::top_logprobs(row, ids[r], asked[r] as usize);
+            assert_eq!(ranks[r], rank, "row {r}: rank");
+            assert_eq!(
+                tops[r].iter().map(|t| t.0).collect::<Vec<_>>(),
+                top.iter().map(|t| t.0).collect::<Vec<_>>(),
+                "row {r}: top ids"
+            );
+            for (got, want) in tops[r].iter().zip(&top) {
+                assert!(
+                    (got.1 - want.1).abs() <= 1e-4 * want.1.abs().max(1.0),
+                    "row {r}"
+                );
+            }
+        }
     }
     assert!(
         agree + 1 >= random,
@@ -806,17 +849,23 @@ fn draw_matches_the_reference_and_is_batch_invariant() {
     );
     for r in [1, 3, 4, 8] {
         let one = |v: &[f32]| v[r * vocab..(r + 1) * vocab].to_vec();
-        let (id, lp) = run(
+        let (id, lp, top, rank) = run(
             &one(&logits),
             &params[r..=r],
             &modes[r..=r],
             &penalties[r..=r],
             &row_edits[r..=r],
+            &asked[r..=r],
         );
         assert_eq!(
             (id[0], lp[0].to_bits()),
             (ids[r], lps[r].to_bits()),
             "row {r} alone"
+        );
+        assert_eq!(
+            (&top[0], rank[0]),
+            (&tops[r], ranks[r]),
+            "row {r} alone: logprobs"
         );
     }
 }

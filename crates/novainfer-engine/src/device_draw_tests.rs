@@ -21,6 +21,7 @@ use crate::gguf_tokenizer::test_support::tiny_byte_level_tokenizer;
 use crate::lora::LoraRegistry;
 use crate::output_processor::OutputEvent;
 use crate::{EngineCore, Scheduling};
+use novainfer_model::sampler::SampledToken;
 
 const BLOCK: usize = 4;
 
@@ -169,7 +170,7 @@ fn engine(caps: Capabilities) -> (EngineCore, mpsc::Receiver<Vec<OutputEvent>>, 
 }
 
 /// Each completion's tokens with their logprobs.
-type Tokens = HashMap<RequestId, Vec<(u32, f32)>>;
+type Tokens = HashMap<RequestId, Vec<SampledToken>>;
 
 /// Runs `requests` (id, prompt, params) to completion: the tokens, and what the backend was
 /// asked for.
@@ -200,10 +201,7 @@ fn run(
             for event in events {
                 match event {
                     OutputEvent::Token { id, token, .. } => {
-                        tokens
-                            .entry(id)
-                            .or_default()
-                            .push((token.token_id, token.logprob));
+                        tokens.entry(id).or_default().push(token);
                     }
                     OutputEvent::Failed { error, .. } => panic!("request failed: {error}"),
                     _ => {}
@@ -255,9 +253,8 @@ fn the_engine_never_asks_the_cpu_backend_to_draw() {
 }
 
 /// Greedy rows drawn by the backend are the tokens (and logprobs) the engine's own sampler
-/// picks from the same rows, penalties, bias and `min_tokens` included, whatever else shares
-/// the step; rows that need the host (top logprobs, n > 1's shared first row) come back as
-/// logits beside drawn ones.
+/// picks from the same rows, penalties, bias, `min_tokens` and top logprobs included, whatever
+/// else shares the step; n > 1's shared first row comes back as logits beside drawn ones.
 #[test]
 fn drawn_tokens_reach_their_requests_and_greedy_matches_the_host() {
     let greedy = |max_tokens| params(0.0, max_tokens);
@@ -298,19 +295,26 @@ fn drawn_tokens_reach_their_requests_and_greedy_matches_the_host() {
     for (id, want) in &host {
         let got = &device[id];
         assert_eq!(
-            got.iter().map(|t| t.0).collect::<Vec<_>>(),
-            want.iter().map(|t| t.0).collect::<Vec<_>>(),
+            got.iter().map(|t| t.token_id).collect::<Vec<_>>(),
+            want.iter().map(|t| t.token_id).collect::<Vec<_>>(),
             "{id}: tokens"
         );
-        for ((_, a), (_, b)) in got.iter().zip(want) {
-            assert!((a - b).abs() < 1e-5, "{id}: logprob {a} vs {b}");
+        for (a, b) in got.iter().zip(want) {
+            assert!((a.logprob - b.logprob).abs() < 1e-5, "{id}: logprob");
+            // Top logprobs (request 10's): the same ids in the same order, and the rank.
+            assert_eq!(a.rank, b.rank, "{id}: rank");
+            let ids = |t: &SampledToken| t.top_logprobs.iter().map(|p| p.0).collect::<Vec<_>>();
+            assert_eq!(ids(a), ids(b), "{id}: top logprobs");
+            for (x, y) in a.top_logprobs.iter().zip(&b.top_logprobs) {
+                assert!((x.1 - y.1).abs() < 1e-5, "{id}: top logprob");
+            }
         }
     }
     let drawn = asked.iter().filter(|d| d.is_some()).count();
     let rows = asked.len();
-    // Every request draws every token but 10 (top logprobs need the host) and 40's shared
-    // first row.
-    assert_eq!(rows - drawn, 7 + 1, "logits rows");
+    // Every row is drawn but 40's shared first row (10's top logprobs come with its draws).
+    assert_eq!(rows - drawn, 1, "logits rows");
+    assert!(asked.iter().flatten().any(|d| d.logprobs == Some(2)));
     assert!(asked.iter().flatten().all(|d| d.rule == DrawRule::Greedy));
     // The edits carry what the host sampler would do: 50's bias, 70's mask until its third
     // token, 20's and 60's penalties.
@@ -352,7 +356,13 @@ fn seeded_draws_do_not_depend_on_the_batch() {
         .chain([(0, vec![5, 6], seeded)])
         .collect();
     let crowded = run(drawing(), &crowd);
-    assert_eq!(alone.0[&RequestId(0)], crowded.0[&RequestId(0)]);
+    let ids = |t: &Tokens| {
+        t[&RequestId(0)]
+            .iter()
+            .map(|t| t.token_id)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(ids(&alone.0), ids(&crowded.0));
     let offsets: Vec<u64> = alone.1.iter().flatten().map(|d| d.offset).collect();
     assert_eq!(offsets, (0..8).collect::<Vec<_>>());
     assert!(alone.1.iter().flatten().all(|d| d.seed == 77));
@@ -382,8 +392,14 @@ fn n_completions_draw_what_lone_requests_draw() {
     for i in 0..3u64 {
         let (alone, _) = run(drawing(), &[(0, vec![5, 6, 7], p(7 + i, 1))]);
         assert_eq!(
-            together[&RequestId(i)],
-            alone[&RequestId(0)],
+            together[&RequestId(i)]
+                .iter()
+                .map(|t| t.token_id)
+                .collect::<Vec<_>>(),
+            alone[&RequestId(0)]
+                .iter()
+                .map(|t| t.token_id)
+                .collect::<Vec<_>>(),
             "completion {i}"
         );
     }

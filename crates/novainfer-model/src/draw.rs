@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use novainfer_cuda::reference;
 use novainfer_cuda::sample_params::{DrawMode, SampleParams};
-pub use novainfer_cuda::sample_params::{RowEdit, RowPenalties};
+pub use novainfer_cuda::sample_params::{RowEdit, RowPenalties, MAX_TOP_LOGPROBS};
 
 use crate::error::{ModelError, Result};
 
@@ -40,6 +40,9 @@ pub struct Draw {
     pub rule: DrawRule,
     /// Changes to the row before the draw, if any (shared: the engine builds it once a step).
     pub adjust: Option<Arc<Adjust>>,
+    /// `Some(n)`: the token's rank in the raw row and the `n` (at most
+    /// [`MAX_TOP_LOGPROBS`]) most likely tokens with their raw logprobs come back too.
+    pub logprobs: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -57,11 +60,17 @@ pub enum DrawRule {
 }
 
 /// A token a device drew ([`SpanOutput::Draw`]).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct DrawnToken {
     pub token_id: u32,
     /// `log_softmax(raw logits row)[token_id]`, as the engine's sampler reports it.
     pub logprob: f32,
+    /// When the draw asked for logprobs: the token's rank in the raw row (how many ids have a
+    /// logit at least its own); else 0.
+    pub rank: u32,
+    /// When the draw asked for `n`: the `n` most likely ids of the raw row with their
+    /// logprobs, by logprob descending then id ascending.
+    pub top_logprobs: Vec<(u32, f32)>,
 }
 
 impl Draw {
@@ -90,7 +99,16 @@ impl Draw {
             .map(|a| (&a.penalties, a.edits.as_slice()));
         let (token_id, logprob) = reference::draw(row, mode, &params, edits)
             .ok_or_else(|| ModelError::config("draw", "a drawn row was skipped"))?;
-        Ok(DrawnToken { token_id, logprob })
+        let (rank, top_logprobs) = match self.logprobs {
+            Some(n) => reference::top_logprobs(row, token_id, n),
+            None => (0, Vec::new()),
+        };
+        Ok(DrawnToken {
+            token_id,
+            logprob,
+            rank,
+            top_logprobs,
+        })
     }
 }
 
@@ -106,6 +124,7 @@ mod tests {
             offset: 9,
             rule: DrawRule::Greedy,
             adjust: None,
+            logprobs: None,
         };
         assert_eq!(greedy.kernel_args().expect("greedy").0, DrawMode::Greedy);
         assert_eq!(greedy.on_host(&row).expect("greedy").token_id, 1);
@@ -119,6 +138,7 @@ mod tests {
                 min_p: 0.0,
             },
             adjust: None,
+            logprobs: None,
         };
         let (mode, params) = random(4).kernel_args().expect("random");
         assert_eq!(
@@ -149,6 +169,7 @@ mod tests {
                 min_p: 0.0,
             },
             adjust: None,
+            logprobs: None,
         };
         let err = bad
             .kernel_args()

@@ -399,6 +399,8 @@ fn cuda_logits_match_the_cpu_over_a_mixed_schedule() {
                 offset: 3,
                 rule: rules[i],
                 adjust: None,
+                // The greedy row also asks for its rank and 3 top logprobs.
+                logprobs: (i == 0).then_some(3),
             };
             draw_step.push_span(tokens, start, slots, table.to_vec(), SpanOutput::Draw(draw));
         }
@@ -413,6 +415,12 @@ fn cuda_logits_match_the_cpu_over_a_mixed_schedule() {
             let twin = draw.on_host(row).expect("twin");
             if i == 0 {
                 assert_eq!(got.token_id, twin.token_id, "tie={tie}: greedy draw");
+                assert_eq!(got.rank, twin.rank, "tie={tie}: rank");
+                let ids = |t: &[(u32, f32)]| t.iter().map(|p| p.0).collect::<Vec<_>>();
+                assert_eq!(ids(&got.top_logprobs), ids(&twin.top_logprobs), "tie={tie}");
+                for (a, b) in got.top_logprobs.iter().zip(&twin.top_logprobs) {
+                    assert!((a.1 - b.1).abs() < 1e-4, "tie={tie}: top logprob");
+                }
             }
             assert!(
                 (got.logprob - twin.logprob).abs() < 1e-4,
@@ -482,6 +490,7 @@ fn cuda_logits_match_the_cpu_over_a_mixed_schedule() {
                 },
                 edits,
             })),
+            logprobs: None,
         };
         let mut one = ForwardBatch::default();
         one.push_span(

@@ -10,6 +10,19 @@ use crate::error::Result;
 /// Threads per row; must equal `SAMPLE_THREADS` in the kernel.
 pub const SAMPLE_THREADS: u32 = 1024;
 
+pub use crate::sample_params::MAX_TOP_LOGPROBS;
+
+/// Where `draw` writes the logprobs a row asked for: the chosen token's rank in the raw row,
+/// and the most likely tokens with their raw logprobs (`MAX_TOP_LOGPROBS` slots a row, the
+/// first `tops[row]` filled).
+pub struct TopLogprobs<'a, 'b> {
+    /// `[rows]`: −1 (none asked), else how many top tokens (at most `MAX_TOP_LOGPROBS`).
+    pub tops: &'b CudaView<'a, i32>,
+    pub ids: &'b mut CudaViewMut<'a, u32>, // [rows · MAX_TOP_LOGPROBS]
+    pub logprobs: &'b mut CudaViewMut<'a, f32>, // [rows · MAX_TOP_LOGPROBS]
+    pub ranks: &'b mut CudaViewMut<'a, u32>, // [rows]
+}
+
 pub use crate::sample_params::{DrawMode, RowEdit, RowPenalties, SampleParams};
 
 // SAFETY: `DrawMode` is `#[repr(i32)]`, the kernel's `i32` mode.
@@ -114,8 +127,10 @@ pub fn adjust_rows<T: Dtype>(
 /// sampled token into `ids[row]` and its raw logprob (`log_softmax` of the row) into
 /// `logprobs[row]`; a [`DrawMode::Skip`] row is left alone (the engine samples it from its
 /// logits). A row with edits (`offsets[row] < offsets[row + 1]`) is drawn from its copy in
-/// `adjusted`, written by [`adjust_rows`] first. `scratch` holds `[rows, vocab]` f32 for the
-/// random rows' scaled logits. The CPU twin is [`crate::reference::draw`].
+/// `adjusted`, written by [`adjust_rows`] first. A row that asked for logprobs gets them in
+/// `top` (see [`TopLogprobs`]). `scratch` holds `[rows, vocab]` f32 for the random rows'
+/// scaled logits. The CPU twins are [`crate::reference::draw`] and
+/// [`crate::reference::top_logprobs`].
 #[allow(clippy::too_many_arguments)]
 pub fn draw<T: Dtype>(
     gpu: &GpuContext,
@@ -128,9 +143,14 @@ pub fn draw<T: Dtype>(
     scratch: &mut CudaViewMut<'_, f32>,  // [rows, vocab]
     ids: &mut CudaViewMut<'_, u32>,      // [rows]
     logprobs: &mut CudaViewMut<'_, f32>, // [rows]
+    top: TopLogprobs<'_, '_>,
 ) -> Result<()> {
     let rows = check_multiple("logits", logits.len(), vocab)?;
     check_len("adjusted", adjusted.len(), rows * vocab)?;
+    check_len("tops", top.tops.len(), rows)?;
+    check_len("top ids", top.ids.len(), rows * MAX_TOP_LOGPROBS)?;
+    check_len("top logprobs", top.logprobs.len(), rows * MAX_TOP_LOGPROBS)?;
+    check_len("ranks", top.ranks.len(), rows)?;
     check_len("offsets", offsets.len(), rows + 1)?;
     check_len("params", params.len(), rows)?;
     check_len("modes", modes.len(), rows)?;
@@ -148,9 +168,13 @@ pub fn draw<T: Dtype>(
         .arg(offsets)
         .arg(params)
         .arg(modes)
+        .arg(top.tops)
         .arg(scratch)
         .arg(ids)
         .arg(logprobs)
+        .arg(top.ids)
+        .arg(top.logprobs)
+        .arg(top.ranks)
         .arg(&vocab);
     launch(args, per_row(rows, SAMPLE_THREADS)?)
 }

@@ -10,7 +10,7 @@ use novainfer_cuda::GpuContext;
 
 use super::driver_error;
 use crate::config::Qwen2Config;
-use crate::draw::MAX_DEVICE_EDITS;
+use crate::draw::{MAX_DEVICE_EDITS, MAX_TOP_LOGPROBS};
 use crate::error::{ModelError, Result};
 use crate::prepare::{write_edits, PackedStep, StepLayout};
 
@@ -47,6 +47,10 @@ pub(crate) struct Activations {
     /// `[R]` each: the drawn tokens and their raw logprobs.
     pub drawn_ids: CudaSlice<u32>,
     pub drawn_logprobs: CudaSlice<f32>,
+    /// `[R · MAX_TOP_LOGPROBS]` each, and `[R]`: the logprobs drawn rows asked for.
+    pub top_ids: CudaSlice<u32>,
+    pub top_logprobs: CudaSlice<f32>,
+    pub ranks: CudaSlice<u32>,
 }
 
 impl Activations {
@@ -69,6 +73,11 @@ impl Activations {
                 .alloc_zeros::<f32>(n.max(1))
                 .map_err(driver_error("cuMemAlloc"))
         };
+        let u32s = |n: usize| -> Result<CudaSlice<u32>> {
+            gpu.stream()
+                .alloc_zeros::<u32>(n.max(1))
+                .map_err(driver_error("cuMemAlloc"))
+        };
         let t = max_tokens;
         Ok(Self {
             residual: bf(t * h)?,
@@ -85,11 +94,11 @@ impl Activations {
             logits: f32s(max_rows * v)?,
             row_scratch: f32s(max_rows * v)?,
             adjusted: f32s(max_rows * v)?,
-            drawn_ids: gpu
-                .stream()
-                .alloc_zeros::<u32>(max_rows.max(1))
-                .map_err(driver_error("cuMemAlloc"))?,
+            drawn_ids: u32s(max_rows)?,
             drawn_logprobs: f32s(max_rows)?,
+            top_ids: u32s(max_rows * MAX_TOP_LOGPROBS)?,
+            top_logprobs: f32s(max_rows * MAX_TOP_LOGPROBS)?,
+            ranks: u32s(max_rows)?,
         })
     }
 }
@@ -107,6 +116,10 @@ pub(crate) struct Readback {
     /// `[R]` each: drawn tokens and their logprobs.
     pub ids: PinnedHostSlice<u32>,
     pub logprobs: PinnedHostSlice<f32>,
+    /// `[R · MAX_TOP_LOGPROBS]` each, and `[R]`: the logprobs drawn rows asked for.
+    pub top_ids: PinnedHostSlice<u32>,
+    pub top_logprobs: PinnedHostSlice<f32>,
+    pub ranks: PinnedHostSlice<u32>,
 }
 
 impl Readback {
@@ -125,6 +138,9 @@ impl Readback {
             hidden: pinned(gpu, max_rows * cfg.hidden_size)?,
             ids: pinned(gpu, max_rows)?,
             logprobs: pinned(gpu, max_rows)?,
+            top_ids: pinned(gpu, max_rows * MAX_TOP_LOGPROBS)?,
+            top_logprobs: pinned(gpu, max_rows * MAX_TOP_LOGPROBS)?,
+            ranks: pinned(gpu, max_rows)?,
         })
     }
 }
@@ -173,6 +189,7 @@ pub(crate) struct StepViews<'a> {
     pub host_rows: CudaView<'a, i32>,
     pub row_penalties: CudaView<'a, RowPenalties>,
     pub edit_offsets: CudaView<'a, i32>,
+    pub tops: CudaView<'a, i32>,
 }
 
 impl StepBuffers {
@@ -230,6 +247,7 @@ impl StepBuffers {
             host_rows: typed(&self.device, l.host_rows, step.host_rows.len())?,
             row_penalties: typed(&self.device, l.row_penalties, step.row_penalties.len())?,
             edit_offsets: typed(&self.device, l.edit_offsets, step.edit_offsets.len())?,
+            tops: typed(&self.device, l.tops, step.tops.len())?,
         })
     }
 }

@@ -23,7 +23,9 @@ use novainfer_cuda::ops::paged_attention::{
 use novainfer_cuda::ops::qkv::{qkv_bias_rope_cache, QkvInput};
 use novainfer_cuda::ops::rms_norm::{add_rms_norm, rms_norm};
 use novainfer_cuda::ops::rope::{RopeHeads, RopeTable};
-use novainfer_cuda::ops::sampling::{adjust_rows, draw, DrawMode, RowEdits};
+use novainfer_cuda::ops::sampling::{
+    adjust_rows, draw, DrawMode, RowEdits, TopLogprobs, MAX_TOP_LOGPROBS,
+};
 use novainfer_cuda::ops::silu_mul::silu_mul_fused;
 use novainfer_cuda::GpuContext;
 
@@ -305,6 +307,16 @@ impl Step<'_> {
                 &mut head_mut(&mut act.row_scratch, rows * vocab, "row_scratch")?,
                 &mut head_mut(&mut act.drawn_ids, rows, "drawn_ids")?,
                 &mut head_mut(&mut act.drawn_logprobs, rows, "drawn_logprobs")?,
+                TopLogprobs {
+                    tops: &views.tops,
+                    ids: &mut head_mut(&mut act.top_ids, rows * MAX_TOP_LOGPROBS, "top_ids")?,
+                    logprobs: &mut head_mut(
+                        &mut act.top_logprobs,
+                        rows * MAX_TOP_LOGPROBS,
+                        "top_logprobs",
+                    )?,
+                    ranks: &mut head_mut(&mut act.ranks, rows, "ranks")?,
+                },
             )?;
             gpu.stream()
                 .memcpy_dtoh(&head(&act.drawn_ids, rows, "drawn_ids")?, &mut readback.ids)
@@ -315,6 +327,24 @@ impl Step<'_> {
                     &mut readback.logprobs,
                 )
                 .map_err(driver_error("cuMemcpyDtoHAsync"))?;
+            if step.tops.iter().any(|&t| t >= 0) {
+                let slots = rows * MAX_TOP_LOGPROBS;
+                gpu.stream()
+                    .memcpy_dtoh(
+                        &head(&act.top_ids, slots, "top_ids")?,
+                        &mut readback.top_ids,
+                    )
+                    .map_err(driver_error("cuMemcpyDtoHAsync"))?;
+                gpu.stream()
+                    .memcpy_dtoh(
+                        &head(&act.top_logprobs, slots, "top_logprobs")?,
+                        &mut readback.top_logprobs,
+                    )
+                    .map_err(driver_error("cuMemcpyDtoHAsync"))?;
+                gpu.stream()
+                    .memcpy_dtoh(&head(&act.ranks, rows, "ranks")?, &mut readback.ranks)
+                    .map_err(driver_error("cuMemcpyDtoHAsync"))?;
+            }
         }
         let host = step.host_rows.len();
         if host > 0 {
@@ -348,24 +378,46 @@ impl Step<'_> {
             out.rows = values[..host * vocab].to_vec();
         }
         if draws > 0 {
-            let ids = readback
-                .ids
-                .as_slice()
-                .map_err(driver_error("cuEventSynchronize"))?;
-            let logprobs = readback
-                .logprobs
-                .as_slice()
-                .map_err(driver_error("cuEventSynchronize"))?;
-            out.tokens = (0..rows)
-                .filter(|&r| step.draw_modes[r] != DrawMode::Skip)
-                .map(|r| DrawnToken {
-                    token_id: ids[r],
-                    logprob: logprobs[r],
-                })
-                .collect();
+            out.tokens = drawn_tokens(step, readback)?;
         }
         Ok(out)
     }
+}
+
+/// The drawn rows' tokens from the pinned readback (the step's copies are complete), with
+/// the logprobs each asked for, in sampled-row order.
+fn drawn_tokens(step: &PackedStep, readback: &Readback) -> Result<Vec<DrawnToken>> {
+    let sync = driver_error("cuEventSynchronize");
+    let ids = readback.ids.as_slice().map_err(&sync)?;
+    let logprobs = readback.logprobs.as_slice().map_err(&sync)?;
+    let asked = step.tops.iter().any(|&t| t >= 0);
+    let (top_ids, top_lps, ranks): (&[u32], &[f32], &[u32]) = if asked {
+        (
+            readback.top_ids.as_slice().map_err(&sync)?,
+            readback.top_logprobs.as_slice().map_err(&sync)?,
+            readback.ranks.as_slice().map_err(&sync)?,
+        )
+    } else {
+        (&[], &[], &[])
+    };
+    let mut tokens = Vec::with_capacity(step.num_draws());
+    for (r, &mode) in step.draw_modes.iter().enumerate() {
+        if mode == DrawMode::Skip {
+            continue;
+        }
+        let mut token = DrawnToken {
+            token_id: ids[r],
+            logprob: logprobs[r],
+            ..DrawnToken::default()
+        };
+        if let Ok(n) = usize::try_from(step.tops[r]) {
+            let at = r * MAX_TOP_LOGPROBS;
+            token.rank = ranks[r];
+            token.top_logprobs = (0..n).map(|k| (top_ids[at + k], top_lps[at + k])).collect();
+        }
+        tokens.push(token);
+    }
+    Ok(tokens)
 }
 
 /// `y[..n] = x[..n] · Wᵀ` over the first `n` rows of the activation buffers.

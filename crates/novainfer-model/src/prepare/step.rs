@@ -9,7 +9,7 @@
 
 use novainfer_cuda::sample_params::{DrawMode, RowEdit, RowPenalties, SampleParams};
 
-use crate::draw::MAX_DEVICE_EDITS;
+use crate::draw::{MAX_DEVICE_EDITS, MAX_TOP_LOGPROBS};
 use crate::error::{ModelError, Result};
 use crate::forward_batch::{ForwardBatch, SpanOutput};
 
@@ -58,6 +58,8 @@ pub struct PackedStep {
     pub edit_offsets: Vec<i32>,
     pub edits: Vec<RowEdit>,
     pub row_penalties: Vec<RowPenalties>,
+    /// Per sampled row: −1, or how many top logprobs its draw returns (with its rank).
+    pub tops: Vec<i32>,
     /// Every sequence has exactly one query token: the decode kernel applies.
     pub decode_only: bool,
     /// The longest `seq_lens` entry.
@@ -183,6 +185,7 @@ impl PackedStep {
             edit_offsets,
             edits,
             penalties: row_penalties,
+            tops,
         } = draws(batch)?;
         let host_rows = (0..draw_modes.len())
             .filter(|&r| draw_modes[r] == DrawMode::Skip)
@@ -195,6 +198,7 @@ impl PackedStep {
             edit_offsets,
             edits,
             row_penalties,
+            tops,
             token_ids: batch.token_ids.clone(),
             positions,
             slot_mapping,
@@ -215,6 +219,7 @@ struct Draws {
     edit_offsets: Vec<i32>,
     edits: Vec<RowEdit>,
     penalties: Vec<RowPenalties>,
+    tops: Vec<i32>,
 }
 
 /// The kernels' mode, parameters and edits for each sampled row, in `logits_indices` order.
@@ -225,20 +230,34 @@ fn draws(batch: &ForwardBatch) -> Result<Draws> {
         edit_offsets: vec![0],
         edits: Vec::new(),
         penalties: Vec::new(),
+        tops: Vec::new(),
     };
     for s in batch.seqs.iter().filter(|s| s.query_len > 0) {
-        let (mode, p, rows, adjust) = match &s.output {
+        let (mode, p, rows, adjust, top) = match &s.output {
             SpanOutput::None | SpanOutput::LastHidden => continue,
-            SpanOutput::LastLogits => (DrawMode::Skip, SampleParams::UNUSED, 1, None),
-            SpanOutput::AllLogits => (DrawMode::Skip, SampleParams::UNUSED, s.query_len, None),
+            SpanOutput::LastLogits => (DrawMode::Skip, SampleParams::UNUSED, 1, None, -1),
+            SpanOutput::AllLogits => (DrawMode::Skip, SampleParams::UNUSED, s.query_len, None, -1),
             SpanOutput::Draw(draw) => {
                 let (mode, p) = draw.kernel_args()?;
-                (mode, p, 1, draw.adjust.as_deref())
+                let top = match draw.logprobs {
+                    None => -1,
+                    Some(n) if n <= MAX_TOP_LOGPROBS => n as i32,
+                    Some(n) => {
+                        return Err(bad(
+                            "draw",
+                            format!(
+                                "{n} top logprobs exceed the {MAX_TOP_LOGPROBS} a draw returns"
+                            ),
+                        ))
+                    }
+                };
+                (mode, p, 1, draw.adjust.as_deref(), top)
             }
         };
         for _ in 0..rows {
             d.modes.push(mode);
             d.params.push(p);
+            d.tops.push(top);
             match adjust {
                 Some(a) => {
                     if a.edits.len() > MAX_DEVICE_EDITS {
@@ -284,6 +303,7 @@ pub struct StepLayout {
     pub host_rows: usize,
     pub row_penalties: usize,
     pub edit_offsets: usize,
+    pub tops: usize,
     pub block_tables: usize,
     pub total: usize,
     pub max_blocks_per_seq: usize,
@@ -312,6 +332,7 @@ impl StepLayout {
         let host_rows = section(4 * s);
         let row_penalties = section(std::mem::size_of::<RowPenalties>() * s);
         let edit_offsets = section(4 * (s + 1));
+        let tops = section(4 * s);
         let block_tables = section(4 * s * cap.max_blocks_per_seq);
         Self {
             slot_mapping,
@@ -325,6 +346,7 @@ impl StepLayout {
             host_rows,
             row_penalties,
             edit_offsets,
+            tops,
             block_tables,
             total: at.max(ALIGN),
             max_blocks_per_seq: cap.max_blocks_per_seq,
@@ -399,6 +421,11 @@ impl StepLayout {
             staging,
             self.edit_offsets,
             step.edit_offsets.iter().map(|v| v.to_ne_bytes()),
+        );
+        put(
+            staging,
+            self.tops,
+            step.tops.iter().map(|v| v.to_ne_bytes()),
         );
         put(
             staging,
@@ -525,6 +552,7 @@ mod tests {
             layout.host_rows,
             layout.row_penalties,
             layout.edit_offsets,
+            layout.tops,
             layout.block_tables,
         ] {
             assert_eq!(at % ALIGN, 0);
@@ -547,12 +575,14 @@ mod tests {
                 min_p: 0.1,
             },
             adjust: None,
+            logprobs: None,
         };
         let greedy = Draw {
             seed: 1,
             offset: 0,
             rule: DrawRule::Greedy,
             adjust: None,
+            logprobs: Some(7),
         };
         b.push_span(&[1], 0, vec![0], vec![0], SpanOutput::Draw(random.clone()));
         b.push_span(&[2, 3], 0, vec![4, 5], vec![1], SpanOutput::AllLogits);
@@ -593,6 +623,12 @@ mod tests {
         assert_eq!(i32_at(layout.host_rows + 4 * 2), 4);
 
         assert_eq!(p.edit_offsets, [0, 0, 0, 0, 0, 0], "no row has edits");
+        assert_eq!(
+            p.tops,
+            [-1, -1, -1, 7, -1],
+            "the greedy draw asked for 7 top logprobs"
+        );
+        assert_eq!(i32_at(layout.tops + 4 * 3), 7);
 
         // A drawn row with edits: CSR offsets over the sampled rows, its strengths, and the
         // edits' bytes in the kernel's field order.

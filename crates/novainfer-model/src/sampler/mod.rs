@@ -165,17 +165,14 @@ impl Sampler {
 }
 
 impl Sampler {
-    /// The next token as a device may draw it ([`Draw`]): everything but top logprobs, with
-    /// the penalties, logit bias and `min_tokens` mask as edits of the row (at most
-    /// [`MAX_DEVICE_EDITS`]). `None` means: sample the logits row here.
+    /// The next token as a device may draw it ([`Draw`]): the penalties, logit bias and
+    /// `min_tokens` mask as edits of the row (at most [`MAX_DEVICE_EDITS`]), the logprobs
+    /// asked for as the draw's. `None` means: sample the logits row here.
     ///
     /// A drawn token follows the same distribution as one sampled here, from a different
     /// random stream (the device's counter-based generator keyed by the request's seed, at the
     /// count of tokens sampled so far); greedy rows are the same token either way.
     pub fn device_draw(&self) -> Option<Draw> {
-        if self.num_top_logprobs.is_some() {
-            return None;
-        }
         let adjust = if self.penalties.is_active() || self.adjust.is_active() {
             Some(Arc::new(self.device_edits()?))
         } else {
@@ -196,6 +193,7 @@ impl Sampler {
             offset: self.sampled,
             rule,
             adjust,
+            logprobs: self.num_top_logprobs,
         })
     }
 
@@ -240,8 +238,8 @@ impl Sampler {
         SampledToken {
             token_id: drawn.token_id,
             logprob: drawn.logprob,
-            top_logprobs: Vec::new(),
-            rank: 0,
+            top_logprobs: drawn.top_logprobs,
+            rank: drawn.rank,
         }
     }
 }

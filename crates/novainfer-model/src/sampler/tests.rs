@@ -525,6 +525,7 @@ fn device_draws_cover_plain_rows_and_count_every_token() {
             offset: 0,
             rule: DrawRule::Greedy,
             adjust: None,
+            logprobs: None,
         })
     );
     let mut s = Sampler::new(
@@ -552,11 +553,13 @@ fn device_draws_cover_plain_rows_and_count_every_token() {
             offset: 0,
             rule,
             adjust: None,
+            logprobs: None,
         })
     );
     let t = s.accept_drawn(DrawnToken {
         token_id: 3,
         logprob: -0.5,
+        ..DrawnToken::default()
     });
     assert_eq!((t.token_id, t.logprob, t.rank), (3, -0.5, 0));
     assert!(t.top_logprobs.is_empty());
@@ -567,13 +570,13 @@ fn device_draws_cover_plain_rows_and_count_every_token() {
         "one drawn, one sampled here"
     );
 
-    // Top logprobs need the whole raw row on the host.
+    // Logprobs asked for are the draw's to return.
     let top = Sampler::new(
-        &params(SamplingParams::builder().temperature(1.0).logprobs(Some(0))),
+        &params(SamplingParams::builder().temperature(1.0).logprobs(Some(5))),
         &[1],
         0,
     );
-    assert_eq!(top.device_draw(), None);
+    assert_eq!(top.device_draw().and_then(|d| d.logprobs), Some(5));
 
     // Penalties and bias become edits of the tokens they touch, with the strengths.
     let mut s = Sampler::new(
@@ -639,6 +642,7 @@ fn device_draws_cover_plain_rows_and_count_every_token() {
     s.accept_drawn(DrawnToken {
         token_id: 2,
         logprob: -0.1,
+        ..DrawnToken::default()
     });
     assert_eq!(
         s.device_draw().and_then(|d| d.adjust),
@@ -663,7 +667,8 @@ fn device_edits_reproduce_the_host_sampler() {
                     .frequency_penalty(0.25)
                     .logit_bias(vec![(7, 3.0), (11, -2.0)])
                     .max_tokens(Some(40))
-                    .min_tokens(5),
+                    .min_tokens(5)
+                    .logprobs(Some(3)),
             ),
             &[7, 20, 21, 300],
             0,
@@ -679,6 +684,21 @@ fn device_edits_reproduce_the_host_sampler() {
         let want = host.sample(&mut row.clone());
         assert_eq!(twin.token_id, want.token_id, "step {step}");
         assert!((twin.logprob - want.logprob).abs() < 1e-5, "step {step}");
-        device.accept_drawn(twin);
+        assert_eq!(twin.rank, want.rank, "step {step}");
+        let ids = |t: &[(u32, f32)]| t.iter().map(|p| p.0).collect::<Vec<_>>();
+        assert_eq!(
+            ids(&twin.top_logprobs),
+            ids(&want.top_logprobs),
+            "step {step}"
+        );
+        for (a, b) in twin.top_logprobs.iter().zip(&want.top_logprobs) {
+            assert!((a.1 - b.1).abs() < 1e-5, "step {step}");
+        }
+        let got = device.accept_drawn(twin);
+        assert_eq!(
+            (got.token_id, got.rank),
+            (want.token_id, want.rank),
+            "step {step}"
+        );
     }
 }
