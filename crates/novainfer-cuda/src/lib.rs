@@ -7,6 +7,8 @@
 //! * Without the `cuda` feature the crate still has the sources, the cache naming, the CPU
 //!   twins of device-side algorithms ([`reference`]) and a [`GpuContext`] whose constructor
 //!   returns [`CudaError::NotAvailable`]; cudarc is not even built.
+//! * [`rope_scaling`] is the RoPE frequency math (plain, linear, dynamic NTK, YaRN) that the
+//!   CPU model and the GPU's cos/sin table share, so both rotate by the same angles.
 //! * Every kernel is batch invariant: a row's result never depends on what else is in the
 //!   launch (each `.cu` file says how).
 
@@ -15,6 +17,7 @@ pub mod error;
 pub mod gpu_test;
 pub mod kernels;
 pub mod reference;
+pub mod rope_scaling;
 pub mod sample_params;
 pub mod validate;
 
@@ -41,5 +44,6 @@ pub use no_cuda::{device_count, GpuContext};
 #[cfg(feature = "cuda")]
 pub use cudarc;
 pub use error::{CudaError, Result};
+pub use rope_scaling::{RopeScaling, Yarn};
 pub use sample_params::{SampleParams, MIN_SAMPLING_TEMPERATURE};
 pub use validate::{validate_step, StepInputs, StepLimits};

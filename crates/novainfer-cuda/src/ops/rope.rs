@@ -1,14 +1,16 @@
 //! Launcher of `kernels/rope.cu`: neox-style rotary embedding of q and k in place.
 //!
-//! The cos/sin table is built on the host with the CPU's formula (`novainfer-model`'s
-//! `Rope`: angle = pos · θ^(−2i/head_dim) in f64, rounded to f32), so rotations match the
-//! CPU bit for bit in f32.
+//! The cos/sin table is built on the host by [`crate::rope_scaling`], the function the CPU's
+//! `Rope` (`novainfer-model`) uses too: angle = pos · inv_freq[i] in f64 (θ^(−2i/head_dim)
+//! unscaled; linear, dynamic NTK or YaRN frequencies for a scaled checkpoint), times YaRN's
+//! attention factor, rounded to f32; so rotations match the CPU bit for bit in f32.
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PushKernelArg};
 
 use super::{check_len, launch, per_row, to_i32, Dtype};
 use crate::context::{driver, GpuContext};
 use crate::error::{CudaError, Result};
+use crate::rope_scaling::{cos_sin_table, RopeScaling};
 
 /// The `[max_positions, head_dim]` cos|sin table on the device.
 pub struct RopeTable {
@@ -18,13 +20,25 @@ pub struct RopeTable {
 }
 
 impl RopeTable {
+    /// Plain RoPE (no scaling).
     pub fn new(
         gpu: &GpuContext,
         head_dim: usize,
         theta: f64,
         max_positions: usize,
     ) -> Result<Self> {
-        let host = host_table(head_dim, theta, max_positions)?;
+        Self::with_scaling(gpu, head_dim, theta, &RopeScaling::None, max_positions)
+    }
+
+    /// RoPE with the checkpoint's `scaling` (linear, dynamic NTK, YaRN), the CPU's table.
+    pub fn with_scaling(
+        gpu: &GpuContext,
+        head_dim: usize,
+        theta: f64,
+        scaling: &RopeScaling,
+        max_positions: usize,
+    ) -> Result<Self> {
+        let host = host_table_scaled(head_dim, theta, scaling, max_positions)?;
         let cos_sin = gpu
             .stream()
             .clone_htod(&host)
@@ -51,24 +65,25 @@ impl RopeTable {
     }
 }
 
-/// Row `pos` holds `cos(pos·f_i)` for i < head_dim/2, then `sin(pos·f_i)`.
+/// Row `pos` holds `cos(pos·f_i)` for i < head_dim/2, then `sin(pos·f_i)` (plain RoPE).
 pub fn host_table(head_dim: usize, theta: f64, max_positions: usize) -> Result<Vec<f32>> {
+    host_table_scaled(head_dim, theta, &RopeScaling::None, max_positions)
+}
+
+/// [`host_table`] with `scaling`'s frequencies and attention factor.
+pub fn host_table_scaled(
+    head_dim: usize,
+    theta: f64,
+    scaling: &RopeScaling,
+    max_positions: usize,
+) -> Result<Vec<f32>> {
     if head_dim == 0 || !head_dim.is_multiple_of(2) {
         return Err(CudaError::invalid(
             "head_dim",
             format!("{head_dim} must be even and > 0"),
         ));
     }
-    let half = head_dim / 2;
-    let inv_freq: Vec<f64> = (0..half)
-        .map(|i| theta.powf(-2.0 * i as f64 / head_dim as f64))
-        .collect();
-    let mut table = Vec::with_capacity(max_positions * head_dim);
-    for pos in 0..max_positions {
-        table.extend(inv_freq.iter().map(|f| (pos as f64 * f).cos() as f32));
-        table.extend(inv_freq.iter().map(|f| (pos as f64 * f).sin() as f32));
-    }
-    Ok(table)
+    Ok(cos_sin_table(head_dim, theta, scaling, max_positions))
 }
 
 /// Head counts of q and k.
