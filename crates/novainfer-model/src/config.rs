@@ -2,12 +2,17 @@
 //!
 //! Both sources end in the same [`Qwen2Config`], validated once: a config that
 //! passes [`Qwen2Config::validate`] can build a model whose shapes are consistent.
+//! The RoPE scaling is read beside it ([`Qwen2Config::from_hf_dir_with_rope_scaling`],
+//! `crate::rope_scaling`) and travels with the opened checkpoint
+//! ([`crate::OpenedCheckpoint::rope_scaling`]).
 
 use std::path::Path;
 
 use serde::Deserialize;
+use serde_json::{Map, Value};
 
 use crate::error::{ModelError, Result};
+use crate::rope_scaling::{self, ModelDims, RopeScaling};
 
 /// Weight storage types a checkpoint may use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,16 +127,27 @@ impl Qwen2Config {
         Ok(())
     }
 
-    /// Reads `config.json` and, when present, `generation_config.json` from an HF directory.
+    /// Reads `config.json` and, when present, `generation_config.json` from an HF directory
+    /// (a bad `rope_scaling` is an error here too).
     pub fn from_hf_dir(dir: &Path) -> Result<Self> {
+        Self::from_hf_dir_with_rope_scaling(dir).map(|(cfg, _)| cfg)
+    }
+
+    /// [`Self::from_hf_dir`] and the RoPE scaling config.json asks for (`rope_scaling`, else
+    /// transformers 5's `rope_parameters`; see `crate::rope_scaling`).
+    pub fn from_hf_dir_with_rope_scaling(dir: &Path) -> Result<(Self, RopeScaling)> {
         let raw: HfConfig = read_json(&dir.join("config.json"))?;
         let generation: Option<GenerationConfig> = match dir.join("generation_config.json") {
             p if p.exists() => Some(read_json(&p)?),
             _ => None,
         };
-        let cfg = raw.into_config(generation)?;
+        let (cfg, rope_spec) = raw.into_config(generation)?;
         cfg.validate()?;
-        Ok(cfg)
+        let scaling = match rope_spec {
+            None => RopeScaling::None,
+            Some((section, spec)) => rope_scaling::from_hf(section, &spec, ModelDims::of(&cfg))?,
+        };
+        Ok((cfg, scaling))
     }
 }
 
@@ -160,11 +176,6 @@ impl OneOrMany {
     }
 }
 
-#[derive(Debug, Deserialize)]
-struct RopeParameters {
-    rope_theta: Option<f64>,
-}
-
 /// `config.json` as transformers writes it; newer versions moved some fields.
 #[derive(Debug, Deserialize)]
 struct HfConfig {
@@ -180,7 +191,10 @@ struct HfConfig {
     #[serde(default = "default_max_positions")]
     max_position_embeddings: usize,
     rope_theta: Option<f64>,
-    rope_parameters: Option<RopeParameters>,
+    /// transformers 5: `rope_theta` and the scaling in one object (maybe per layer type).
+    rope_parameters: Option<Value>,
+    /// transformers 4: the scaling (`type`/`rope_type`, `factor`, ...); wins when not null.
+    rope_scaling: Option<Value>,
     #[serde(default = "default_rms_norm_eps")]
     rms_norm_eps: f64,
     #[serde(default)]
@@ -208,8 +222,13 @@ struct GenerationConfig {
 
 const QWEN2_ARCH: &str = "Qwen2ForCausalLM";
 
+/// Where a config.json's rope scaling lives, and that object.
+type RopeSpec = Option<(&'static str, Map<String, Value>)>;
+
 impl HfConfig {
-    fn into_config(self, generation: Option<GenerationConfig>) -> Result<Qwen2Config> {
+    /// The config and its rope scaling's source, read as transformers 5 reads them: a non-null
+    /// `rope_scaling` is the scaling, else `rope_parameters` is.
+    fn into_config(self, generation: Option<GenerationConfig>) -> Result<(Qwen2Config, RopeSpec)> {
         let is_qwen2 = self.architectures.iter().any(|a| a == QWEN2_ARCH)
             || (self.architectures.is_empty() && self.model_type.as_deref() == Some("qwen2"));
         if !is_qwen2 {
@@ -230,10 +249,34 @@ impl HfConfig {
                 format!("only silu is supported, got {act:?}"),
             ));
         }
-        let rope_theta = self
-            .rope_theta
-            .or(self.rope_parameters.and_then(|p| p.rope_theta))
-            .unwrap_or(10_000.0);
+        let object =
+            |field: &'static str, v: Option<Value>| -> Result<Option<Map<String, Value>>> {
+                match v {
+                    None | Some(Value::Null) => Ok(None),
+                    Some(Value::Object(m)) => Ok(Some(m)),
+                    Some(other) => Err(ModelError::config(
+                        field,
+                        format!("must be an object or null, got {other}"),
+                    )),
+                }
+            };
+        let rope_parameters = object("rope_parameters", self.rope_parameters)?
+            .map(|p| rope_scaling::flatten_rope_parameters(&p))
+            .transpose()?;
+        let theta_in_parameters = match rope_parameters.as_ref().and_then(|p| p.get("rope_theta")) {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(v.as_f64().ok_or_else(|| {
+                ModelError::config(
+                    "rope_parameters.rope_theta",
+                    format!("must be a number, got {v}"),
+                )
+            })?),
+        };
+        let rope_theta = self.rope_theta.or(theta_in_parameters).unwrap_or(10_000.0);
+        let rope_spec = match object("rope_scaling", self.rope_scaling)? {
+            Some(spec) => Some(("rope_scaling", spec)),
+            None => rope_parameters.map(|p| ("rope_parameters", p)),
+        };
         let torch_dtype = match self.torch_dtype.or(self.dtype) {
             None => None,
             Some(s) => Some(WeightDtype::parse(&s).ok_or_else(|| {
@@ -248,7 +291,7 @@ impl HfConfig {
             .or(self.eos_token_id)
             .map(OneOrMany::into_vec)
             .unwrap_or_default();
-        Ok(Qwen2Config {
+        let cfg = Qwen2Config {
             vocab_size: self.vocab_size,
             hidden_size: self.hidden_size,
             intermediate_size: self.intermediate_size,
@@ -262,7 +305,17 @@ impl HfConfig {
             torch_dtype,
             bos_token_id: gen_bos.or(self.bos_token_id),
             eos_token_ids,
-        })
+        };
+        Ok((cfg, rope_spec))
+    }
+}
+
+impl ModelDims {
+    pub(crate) fn of(cfg: &Qwen2Config) -> Self {
+        Self {
+            head_dim: cfg.head_dim(),
+            max_position_embeddings: cfg.max_position_embeddings,
+        }
     }
 }
 
@@ -309,6 +362,78 @@ mod tests {
         let cfg = Qwen2Config::from_hf_dir(dir.path()).expect("valid config");
         assert_eq!(cfg.rope_theta, 1e6);
         assert_eq!(cfg.eos_token_ids, vec![299]);
+    }
+
+    #[test]
+    fn rope_scaling_is_read_in_both_spellings() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let qwen = BASE.replace(
+            r#""eos_token_id": 299"#,
+            r#""eos_token_id": 299, "rope_scaling": {"type": "yarn", "factor": 4.0,
+                "original_max_position_embeddings": 128}"#,
+        );
+        write(dir.path(), "config.json", &qwen);
+        let (cfg, scaling) = Qwen2Config::from_hf_dir_with_rope_scaling(dir.path()).expect("valid");
+        assert_eq!(cfg.max_position_embeddings, 512, "stays the model's");
+        assert_eq!(scaling.max_positions(cfg.max_position_embeddings), 512);
+        let RopeScaling::Yarn(y) = scaling else {
+            panic!("{scaling:?}")
+        };
+        assert_eq!((y.factor, y.original_max_position_embeddings), (4.0, 128));
+
+        // transformers 5: the scaling inside rope_parameters, beside rope_theta.
+        let v5 = BASE.replace(
+            r#""rope_theta": 10000.0"#,
+            r#""rope_parameters": {"rope_theta": 1000000.0, "rope_type": "linear", "factor": 2.0}"#,
+        );
+        write(dir.path(), "config.json", &v5);
+        let (cfg, scaling) = Qwen2Config::from_hf_dir_with_rope_scaling(dir.path()).expect("valid");
+        assert_eq!(cfg.rope_theta, 1e6);
+        assert_eq!(scaling, RopeScaling::Linear { factor: 2.0 });
+
+        // A null rope_scaling, or none at all, is plain RoPE.
+        write(
+            dir.path(),
+            "config.json",
+            &BASE.replace(
+                r#""eos_token_id": 299"#,
+                r#""eos_token_id": 299, "rope_scaling": null"#,
+            ),
+        );
+        let (_, scaling) = Qwen2Config::from_hf_dir_with_rope_scaling(dir.path()).expect("valid");
+        assert_eq!(scaling, RopeScaling::None);
+    }
+
+    #[test]
+    fn a_bad_rope_scaling_fails_the_load_naming_its_field() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for (extra, field) in [
+            (
+                r#""rope_scaling": {"type": "su", "factor": 4.0}"#,
+                "rope_scaling.type",
+            ),
+            (r#""rope_scaling": {"type": "yarn"}"#, "rope_scaling.factor"),
+            (r#""rope_scaling": [4]"#, "rope_scaling"),
+            (
+                r#""rope_parameters": {"rope_type": "yarn", "factor": -1}"#,
+                "rope_parameters.factor",
+            ),
+            (
+                r#""rope_parameters": {"rope_theta": "big"}"#,
+                "rope_parameters.rope_theta",
+            ),
+        ] {
+            let text = BASE.replace(
+                r#""eos_token_id": 299"#,
+                &format!(r#""eos_token_id": 299, {extra}"#),
+            );
+            write(dir.path(), "config.json", &text);
+            let err = Qwen2Config::from_hf_dir(dir.path()).expect_err(extra);
+            assert!(
+                matches!(&err, ModelError::InvalidConfig { field: f, .. } if f == field),
+                "{extra}: {err}"
+            );
+        }
     }
 
     #[test]

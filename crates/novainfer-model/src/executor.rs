@@ -105,8 +105,9 @@ pub fn load_weights(
     match device {
         Device::Cpu => {
             let _ = limits; // The CPU allocates per step.
-            Ok(Box::new(CpuWeights(Qwen2Model::build(
+            Ok(Box::new(CpuWeights(Qwen2Model::build_scaled(
                 opened.config,
+                opened.rope_scaling,
                 opened.checkpoint,
                 opts,
             )?)))

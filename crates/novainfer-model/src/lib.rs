@@ -28,6 +28,7 @@ pub mod parallel;
 pub mod prepare;
 pub mod quant;
 pub mod qwen2;
+pub mod rope_scaling;
 pub mod sampler;
 
 pub use capabilities::{Capabilities, DeviceSampling};
@@ -46,3 +47,4 @@ pub use lora::{AdapterLimits, AdapterRef, LoraAdapter};
 pub use paged_kv::PagedKvCache;
 pub use parallel::{HeadShard, TensorParallel};
 pub use qwen2::{DtypeChoice, LoadOptions, LoadedModel, LogitsFor, Qwen2Model};
+pub use rope_scaling::{RopeScaling, Yarn};

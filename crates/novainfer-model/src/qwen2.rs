@@ -25,6 +25,7 @@ use crate::lora::apply::{add_updates, AdapterGroups, LoraScratch};
 use crate::lora::Target;
 use crate::paged_kv::PagedKvCache;
 use crate::quant;
+use crate::rope_scaling::RopeScaling;
 
 /// How dense (safetensors) weights are stored in memory. GGUF tensors keep their own types.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -111,6 +112,7 @@ pub struct Qwen2Model {
     norm: Vec<f32>,
     lm_head: Linear,
     rope: Rope,
+    rope_scaling: RopeScaling,
     kv_dtype: KvStorage,
     attn_isa: AttnIsa,
     /// Buffers of finished forwards, handed to the next ones (see [`Workspace`]).
@@ -156,14 +158,24 @@ impl Qwen2Model {
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         let opened = Checkpoint::open(path)?;
         Ok(LoadedModel {
-            model: Self::build(opened.config, opened.checkpoint, opts)?,
+            model: Self::build_scaled(opened.config, opened.rope_scaling, opened.checkpoint, opts)?,
             format: opened.format,
             gguf_metadata: opened.gguf_metadata,
         })
     }
 
-    /// Builds the model from any checkpoint, checking every name and shape.
+    /// Builds the model from any checkpoint, checking every name and shape (plain RoPE).
     pub fn build<S: TensorSource>(cfg: Qwen2Config, source: S, opts: &LoadOptions) -> Result<Self> {
+        Self::build_scaled(cfg, RopeScaling::None, source, opts)
+    }
+
+    /// [`Self::build`] with the checkpoint's RoPE scaling ([`crate::OpenedCheckpoint::rope_scaling`]).
+    pub fn build_scaled<S: TensorSource>(
+        cfg: Qwen2Config,
+        rope_scaling: RopeScaling,
+        source: S,
+        opts: &LoadOptions,
+    ) -> Result<Self> {
         let mut b = Builder {
             src: CheckedSource::new(source),
             opts: *opts,
@@ -199,7 +211,7 @@ impl Qwen2Model {
             b.linear("lm_head", cfg.vocab_size, h, false)?
         };
         b.src.finish()?;
-        let rope = Rope::new(cfg.head_dim(), cfg.rope_theta);
+        let rope = Rope::scaled(cfg.head_dim(), cfg.rope_theta, &rope_scaling);
         Ok(Self {
             kv_dtype: opts.kv_cache_dtype.for_cpu(),
             attn_isa: AttnIsa::select(attention_shape(&cfg), opts.kv_cache_dtype.for_cpu()),
@@ -209,12 +221,18 @@ impl Qwen2Model {
             norm,
             lm_head,
             rope,
+            rope_scaling,
             workspaces: Mutex::new(Vec::new()),
         })
     }
 
     pub fn config(&self) -> &Qwen2Config {
         &self.cfg
+    }
+
+    /// How this model scales RoPE (none unless its checkpoint says so).
+    pub fn rope_scaling(&self) -> &RopeScaling {
+        &self.rope_scaling
     }
 
     /// A fresh cache for one sequence of up to `capacity` tokens, in the model's KV dtype.

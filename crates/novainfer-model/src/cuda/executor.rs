@@ -60,8 +60,14 @@ impl CudaWeights {
             device,
             HostModelReader::new(cfg.clone(), opened.checkpoint),
         )?;
-        let rope = RopeTable::new(&gpu, cfg.head_dim(), cfg.rope_theta, limits.max_seq_len)
-            .map_err(err)?;
+        let rope = RopeTable::with_scaling(
+            &gpu,
+            cfg.head_dim(),
+            cfg.rope_theta,
+            &opened.rope_scaling,
+            limits.max_seq_len,
+        )
+        .map_err(err)?;
         let act = Activations::new(
             &gpu,
             &cfg,

@@ -1,5 +1,7 @@
 //! Element-wise and row-wise ops on `[rows, features]` f32 slices.
 
+use novainfer_cuda::rope_scaling::{rotation, RopeScaling};
+
 /// `x · rsqrt(mean(x²) + eps) · w` per row, accumulated in f64 so the result does
 /// not depend on how the row is split for SIMD.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f64) -> Vec<f32> {
@@ -59,17 +61,28 @@ pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
 
 /// Rotary position embedding, "neox" style as Qwen2 uses it: dimension `i` is
 /// rotated together with `i + head_dim/2` (not with its neighbour).
+///
+/// The frequencies (and YaRN's attention factor, which multiplies cos and sin, so attention
+/// itself needs no change) come from [`novainfer_cuda::rope_scaling`], the function the GPU's
+/// table is built with; unscaled, they are `θ^(−2i/head_dim)` exactly as always.
 #[derive(Debug, Clone)]
 pub struct Rope {
     inv_freq: Vec<f64>,
+    attention_factor: f64,
 }
 
 impl Rope {
+    /// Plain RoPE.
     pub fn new(head_dim: usize, theta: f64) -> Self {
-        let inv_freq = (0..head_dim / 2)
-            .map(|i| theta.powf(-2.0 * i as f64 / head_dim as f64))
-            .collect();
-        Self { inv_freq }
+        Self::scaled(head_dim, theta, &RopeScaling::None)
+    }
+
+    /// RoPE with a checkpoint's `rope_scaling` (linear, dynamic NTK, YaRN).
+    pub fn scaled(head_dim: usize, theta: f64, scaling: &RopeScaling) -> Self {
+        Self {
+            inv_freq: scaling.inv_freq(head_dim, theta),
+            attention_factor: scaling.attention_factor(),
+        }
     }
 
     /// Rotates every head of every row in place; row `r` sits at `positions[r]`.
@@ -92,10 +105,10 @@ impl Rope {
         angles.cos.clear();
         angles.sin.clear();
         for &pos in positions {
-            for f in &self.inv_freq {
-                let angle = pos as f64 * f;
-                angles.cos.push(angle.cos() as f32);
-                angles.sin.push(angle.sin() as f32);
+            for &f in &self.inv_freq {
+                let (cos, sin) = rotation(pos, f, self.attention_factor);
+                angles.cos.push(cos);
+                angles.sin.push(sin);
             }
         }
     }
@@ -268,6 +281,36 @@ mod tests {
         let mut at_zero = vec![0.3f32, -0.7, 1.1, 2.0];
         rope.apply(&mut at_zero, &[0], 4);
         assert_eq!(at_zero, vec![0.3, -0.7, 1.1, 2.0]);
+    }
+
+    #[test]
+    fn scaled_rope_rotates_by_the_shared_frequencies_times_the_attention_factor() {
+        use novainfer_cuda::rope_scaling::Yarn;
+        // head_dim 4, θ = 100, YaRN factor 4 over an original context of 16: the ramp keeps
+        // pair 0 at θ's frequency (1) and divides pair 1's (1/10) by 4; cos and sin carry the
+        // attention factor 0.1·ln 4 + 1.
+        let yarn = Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 16,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: 0.1 * 4f64.ln() + 1.0,
+            truncate: true,
+        };
+        let rope = Rope::scaled(4, 100.0, &RopeScaling::Yarn(yarn));
+        let a = yarn.attention_factor;
+        let mut x = vec![1.0f32, 0.0, 0.0, 1.0];
+        rope.apply(&mut x, &[3], 4);
+        let (c0, s0) = ((3f64.cos() * a) as f32, (3f64.sin() * a) as f32);
+        let (c1, s1) = ((0.075f64.cos() * a) as f32, (0.075f64.sin() * a) as f32);
+        let expected = [c0, -s1, s0, c1];
+        for (got, want) in x.iter().zip(expected) {
+            assert!((got - want).abs() < 1e-6, "{x:?} vs {expected:?}");
+        }
+        // Unscaled through `scaled` is `new`, bit for bit.
+        let plain = Rope::new(16, 1e6).angles(&[0, 5, 4095]);
+        let same = Rope::scaled(16, 1e6, &RopeScaling::None).angles(&[0, 5, 4095]);
+        assert_eq!((plain.cos, plain.sin), (same.cos, same.sin));
     }
 
     #[test]

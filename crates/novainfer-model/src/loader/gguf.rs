@@ -15,6 +15,7 @@ use candle_core::Device;
 use super::{RawTensor, TensorSource};
 use crate::config::Qwen2Config;
 use crate::error::{ModelError, Result};
+use crate::rope_scaling::{self, ModelDims, RopeScaling};
 
 pub struct GgufCheckpoint {
     path: PathBuf,
@@ -129,6 +130,12 @@ impl GgufCheckpoint {
         };
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// The RoPE scaling of llama.cpp's `qwen2.rope.scaling.*` keys, for `cfg` (this file's
+    /// [`Self::config`]); see `crate::rope_scaling`.
+    pub fn rope_scaling(&self, cfg: &Qwen2Config) -> Result<RopeScaling> {
+        rope_scaling::from_gguf(&self.content.metadata, "qwen2", ModelDims::of(cfg))
     }
 }
 

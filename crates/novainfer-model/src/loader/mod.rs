@@ -101,10 +101,23 @@ pub enum Checkpoint {
 pub struct OpenedCheckpoint {
     pub checkpoint: Checkpoint,
     pub config: crate::config::Qwen2Config,
+    /// How the checkpoint scales RoPE (config.json's `rope_scaling`, GGUF's
+    /// `rope.scaling.*`): every device builds its rotations from it.
+    pub rope_scaling: crate::rope_scaling::RopeScaling,
     pub format: ModelFormat,
     /// GGUF metadata (tokenizer, chat template) when the model came from a GGUF file.
     pub gguf_metadata:
         Option<std::collections::HashMap<String, candle_core::quantized::gguf_file::Value>>,
+}
+
+impl OpenedCheckpoint {
+    /// The longest sequence the model serves: `max_position_embeddings`, scaled by the RoPE
+    /// scaling as vLLM derives `max_model_len` (times the factor for linear and dynamic,
+    /// `original_max_position_embeddings · factor` for YaRN). The engine's context limit.
+    pub fn max_model_len(&self) -> usize {
+        self.rope_scaling
+            .max_positions(self.config.max_position_embeddings)
+    }
 }
 
 impl Checkpoint {
@@ -112,16 +125,23 @@ impl Checkpoint {
     pub fn open(path: &Path) -> Result<OpenedCheckpoint> {
         let format = ModelFormat::detect(path)?;
         Ok(match &format {
-            ModelFormat::HfDir(dir) => OpenedCheckpoint {
-                config: crate::config::Qwen2Config::from_hf_dir(dir)?,
-                checkpoint: Checkpoint::Hf(HfCheckpoint::open(dir)?),
-                format,
-                gguf_metadata: None,
-            },
+            ModelFormat::HfDir(dir) => {
+                let (config, rope_scaling) =
+                    crate::config::Qwen2Config::from_hf_dir_with_rope_scaling(dir)?;
+                OpenedCheckpoint {
+                    config,
+                    rope_scaling,
+                    checkpoint: Checkpoint::Hf(HfCheckpoint::open(dir)?),
+                    format,
+                    gguf_metadata: None,
+                }
+            }
             ModelFormat::Gguf(file) => {
                 let ckpt = GgufCheckpoint::open(file)?;
+                let config = ckpt.config()?;
                 OpenedCheckpoint {
-                    config: ckpt.config()?,
+                    rope_scaling: ckpt.rope_scaling(&config)?,
+                    config,
                     gguf_metadata: Some(ckpt.metadata().clone()),
                     checkpoint: Checkpoint::Gguf(ckpt),
                     format,
