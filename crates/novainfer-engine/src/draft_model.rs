@@ -120,6 +120,13 @@ impl DraftModel {
         }
     }
 
+    /// Drafts only while a sequence is shorter than `max_positions` (by default the draft's
+    /// `max_position_embeddings`; the engine gives its RoPE-scaled context).
+    pub fn with_max_positions(mut self, max_positions: usize) -> Self {
+        self.max_positions = max_positions;
+        self
+    }
+
     pub fn config(&self) -> &Qwen2Config {
         self.executor.config()
     }

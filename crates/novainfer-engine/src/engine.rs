@@ -409,10 +409,12 @@ impl LoadedEngine {
             kv_cache_dtype: cfg.kv_cache_dtype,
         };
         let opened = Checkpoint::open(&cfg.model)?;
+        // max_position_embeddings scaled by the checkpoint's rope_scaling (vLLM's rule).
+        let model_max_len = opened.max_model_len();
         let mut resolved = resolve_device(cfg)?;
         let tokenizer = open_tokenizer(&opened, &cfg.model)?;
         let chat_template = open_chat_template(&tokenizer)?;
-        let limits = step_limits(cfg, &opened.config);
+        let limits = step_limits(cfg, model_max_len);
         let weights = load_target_weights(cfg, &mut resolved, opened, &opts, limits)?;
         let draft_weights = match cfg.speculative.as_ref().map(|s| &s.method) {
             Some(SpeculativeMethod::DraftModel { model }) => Some(load_draft_weights(
@@ -426,7 +428,7 @@ impl LoadedEngine {
         };
         // Both pools hold as many tokens: the target's share of the budget is its part of
         // the bytes a token takes in both.
-        let kv_share = draft_weights.as_ref().map_or(1.0, |d| {
+        let kv_share = draft_weights.as_ref().map_or(1.0, |(d, _)| {
             let target = weights.kv_bytes_per_block(DRAFT_BLOCK_SIZE) as f64;
             target / (target + d.kv_bytes_per_block(DRAFT_BLOCK_SIZE) as f64)
         });
@@ -439,15 +441,17 @@ impl LoadedEngine {
         let (num_blocks, max_model_len) = size_kv_cache(
             cfg,
             weights.as_ref(),
+            model_max_len,
             cpu.map(|d| d.max_model_len_cap),
             kv_share,
         )?;
         let scheduler = scheduler_config(cfg, cpu, num_blocks, max_model_len)?;
         let vocab_size = weights.config().vocab_size;
         let draft = match draft_weights {
-            Some(d) => Some(draft_model(
+            Some((d, draft_max_len)) => Some(draft_model(
                 cfg,
                 d,
+                draft_max_len,
                 weights.as_ref(),
                 kv_share,
                 vocab_size,
@@ -591,8 +595,10 @@ fn open_chat_template(tokenizer: &Tokenizer) -> Result<Option<Arc<ChatTemplate>>
     })
 }
 
-/// The largest step a device must size its buffers for.
-fn step_limits(cfg: &EngineConfig, config: &Qwen2Config) -> StepLimits {
+/// The largest step a device must size its buffers for; `model_max_len` is the model's
+/// context ([`OpenedCheckpoint::max_model_len`]: `max_position_embeddings`, scaled by its RoPE
+/// scaling), the most positions a device's RoPE table needs.
+fn step_limits(cfg: &EngineConfig, model_max_len: usize) -> StepLimits {
     StepLimits {
         // The CPU's default budget is never larger, so buffers sized for this hold it.
         max_num_batched_tokens: cfg
@@ -604,7 +610,7 @@ fn step_limits(cfg: &EngineConfig, config: &Qwen2Config) -> StepLimits {
         max_seq_len: cfg
             .max_model_len
             .unwrap_or(usize::MAX)
-            .clamp(1, config.max_position_embeddings),
+            .clamp(1, model_max_len.max(1)),
     }
 }
 
@@ -684,6 +690,7 @@ fn scheduler_config(
 fn draft_model(
     cfg: &EngineConfig,
     draft: Box<dyn DeviceWeights>,
+    draft_max_len: usize,
     target: &dyn DeviceWeights,
     kv_share: f64,
     vocab_size: usize,
@@ -698,11 +705,10 @@ fn draft_model(
         draft_kv_bytes = bytes,
         "speculative decoding with a draft model: its KV pool takes this share of the KV budget"
     );
-    Ok(DraftModel::new(
-        executor,
-        vocab_size,
-        max_num_batched_tokens,
-    ))
+    Ok(
+        DraftModel::new(executor, vocab_size, max_num_batched_tokens)
+            .with_max_positions(draft_max_len),
+    )
 }
 
 impl Frontend {
@@ -754,13 +760,14 @@ fn open_tokenizer(opened: &OpenedCheckpoint, path: &Path) -> Result<Tokenizer> {
 
 /// Loads a draft model on the target's device, after checking that it speaks the target's
 /// tokenizer (the same token for every id; the models' vocabularies may differ by padding).
+/// Also returns its context ([`OpenedCheckpoint::max_model_len`], RoPE scaling included).
 fn load_draft_weights(
     path: &Path,
     device: novainfer_model::Device,
     opts: &LoadOptions,
     limits: StepLimits,
     target_tokenizer: &Tokenizer,
-) -> Result<Box<dyn DeviceWeights>> {
+) -> Result<(Box<dyn DeviceWeights>, usize)> {
     let bad = |why: String| -> EngineError {
         ParamError::new(
             "speculative_config",
@@ -788,7 +795,9 @@ fn load_draft_weights(
             target_tokenizer.id_to_token(id)
         )));
     }
-    load_weights(device, opened, opts, limits).map_err(|e| bad(e.to_string()))
+    let max_len = opened.max_model_len();
+    let weights = load_weights(device, opened, opts, limits).map_err(|e| bad(e.to_string()))?;
+    Ok((weights, max_len))
 }
 
 fn on_the_cpu(why: &str) -> Resolved {
@@ -814,12 +823,16 @@ fn auto_fallback(choice: DeviceChoice, resolved: &Resolved, err: &ModelError) ->
 
 /// Blocks that fit in the KV budget, and the `max_model_len` they allow: an
 /// explicit `max_model_len` that cannot fit is an error naming both numbers; the
-/// default (the model's context length, at most `default_cap`) is lowered to what fits.
+/// default (the model's context length `model_max`, at most `default_cap`) is lowered to what
+/// fits. `model_max` is [`OpenedCheckpoint::max_model_len`]: `max_position_embeddings`, or with a
+/// `rope_scaling` what vLLM derives (times the factor; `original_max_position_embeddings` times
+/// the factor for YaRN).
 /// `share`: the part of the KV budget this model's pool gets (less than 1 when a draft model
 /// takes the rest).
 fn size_kv_cache(
     cfg: &EngineConfig,
     weights: &dyn DeviceWeights,
+    model_max: usize,
     default_cap: Option<usize>,
     share: f64,
 ) -> Result<(usize, usize)> {
@@ -831,7 +844,14 @@ fn size_kv_cache(
     let on_gpu = !weights.capabilities().host_memory;
     let num_blocks = budget / per_block;
     let capacity = num_blocks * block_size;
-    let model_max = model.max_position_embeddings;
+    let context = if model_max == model.max_position_embeddings {
+        format!("max_position_embeddings of {model_max}")
+    } else {
+        format!(
+            "context length of {model_max} (max_position_embeddings {}, scaled by its rope_scaling)",
+            model.max_position_embeddings
+        )
+    };
     let max_model_len = match cfg.max_model_len {
         Some(n) if n < 2 => {
             return Err(ParamError::new("max_model_len", format!("must be >= 2, got {n}")).into())
@@ -839,7 +859,7 @@ fn size_kv_cache(
         Some(n) if n > model_max => {
             return Err(ParamError::new(
                 "max_model_len",
-                format!("{n} exceeds the model's max_position_embeddings of {model_max}"),
+                format!("{n} exceeds the model's {context}"),
             )
             .into())
         }
@@ -1003,17 +1023,83 @@ mod tests {
         );
         let mut cfg = EngineConfig::new("/m");
         cfg.gpu_memory_utilization = 0.5;
-        let (blocks, max_len) = size_kv_cache(&cfg, &gpu, None, 1.0).expect("sized");
+        let (blocks, max_len) = size_kv_cache(&cfg, &gpu, 4096, None, 1.0).expect("sized");
         assert_eq!(blocks, (GIB / 2) / gpu.kv_bytes_per_block(16));
         assert_eq!(max_len, 4096, "the model's context fits");
 
         cfg.kv_cache = KvBudget::Bytes(gpu.kv_bytes_per_block(16) * 10);
-        assert_eq!(size_kv_cache(&cfg, &gpu, None, 1.0).expect("sized").0, 10);
+        assert_eq!(
+            size_kv_cache(&cfg, &gpu, 4096, None, 1.0).expect("sized").0,
+            10
+        );
 
         cfg.kv_cache = KvBudget::FractionOfAvailable(0.5);
-        let err = size_kv_cache(&cfg, &gpu, None, 1.0).expect_err("host fraction on a GPU");
+        let err = size_kv_cache(&cfg, &gpu, 4096, None, 1.0).expect_err("host fraction on a GPU");
         assert_eq!(err.param(), Some("kv_cache_fraction"));
         assert!(err.to_string().contains("gpu_memory_utilization"), "{err}");
+    }
+
+    #[test]
+    fn a_rope_scaled_context_sets_the_step_limits_and_the_default_max_model_len() {
+        // YaRN factor 4 over the 4096 positions the config states: 16384 (what
+        // OpenedCheckpoint::max_model_len derives, as vLLM does).
+        let scaled = novainfer_model::RopeScaling::Yarn(novainfer_model::Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 4096,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: 1.0,
+            truncate: true,
+        })
+        .max_positions(4096);
+        assert_eq!(scaled, 16384);
+        let mut cfg = EngineConfig::new("/m");
+        // The device's RoPE table must cover the scaled context, not max_position_embeddings.
+        assert_eq!(step_limits(&cfg, scaled).max_seq_len, 16384);
+        cfg.max_model_len = Some(10_000);
+        assert_eq!(step_limits(&cfg, scaled).max_seq_len, 10_000);
+        cfg.max_model_len = Some(1 << 20);
+        assert_eq!(
+            step_limits(&cfg, scaled).max_seq_len,
+            16384,
+            "refused later, never sized for"
+        );
+
+        let gpu = FakeGpu(
+            tiny_config(),
+            DeviceMemory {
+                free: 8 * GIB,
+                total: 8 * GIB,
+            },
+        );
+        let mut cfg = EngineConfig::new("/m");
+        let (_, max_len) = size_kv_cache(&cfg, &gpu, scaled, None, 1.0).expect("sized");
+        assert_eq!(max_len, 16384, "the default is the scaled context");
+        let (_, max_len) = size_kv_cache(&cfg, &gpu, scaled, Some(8192), 1.0).expect("sized");
+        assert_eq!(max_len, 8192, "a default cap still applies");
+        cfg.max_model_len = Some(16384);
+        assert_eq!(
+            size_kv_cache(&cfg, &gpu, scaled, None, 1.0)
+                .expect("fits")
+                .1,
+            16384
+        );
+        cfg.max_model_len = Some(16385);
+        let err =
+            size_kv_cache(&cfg, &gpu, scaled, None, 1.0).expect_err("past the scaled context");
+        assert_eq!(err.param(), Some("max_model_len"));
+        let text = err.to_string();
+        assert!(
+            text.contains("16384") && text.contains("rope_scaling"),
+            "{text}"
+        );
+        // Unscaled, the message names max_position_embeddings as before.
+        cfg.max_model_len = Some(4097);
+        let err = size_kv_cache(&cfg, &gpu, 4096, None, 1.0).expect_err("past the context");
+        assert!(
+            err.to_string().contains("max_position_embeddings of 4096"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -1028,7 +1114,8 @@ mod tests {
         let mut cfg = EngineConfig::new("/m");
         cfg.max_model_len = Some(4096);
         cfg.gpu_memory_utilization = 1e-6;
-        let err = size_kv_cache(&cfg, &gpu, None, 1.0).expect_err("a kilobyte holds no context");
+        let err =
+            size_kv_cache(&cfg, &gpu, 4096, None, 1.0).expect_err("a kilobyte holds no context");
         assert_eq!(err.param(), Some("gpu_memory_utilization"));
     }
 }
