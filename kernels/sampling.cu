@@ -521,6 +521,33 @@ __device__ void top_logprobs_row(const T* __restrict__ logits, const u32* __rest
     }
 }
 
+// grid (rows): a row with a grammar mask (masks_at[row] ≥ 0: its words start at
+// masks[masks_at[row] · words]) gets −inf, in place, for every id whose bit is clear and every id
+// past the words: the engine's `apply_mask`, before anything else reads the row (its logprobs
+// are then those of the masked row, as on the host).
+template <typename T>
+__device__ void mask_row(T* __restrict__ logits, const i32* __restrict__ masks_at,
+                         const u32* __restrict__ masks, int words, int vocab) {
+    const i64 row = blockIdx.x;
+    const i32 at = masks_at[row];
+    if (at < 0) return;
+    const u32* w = masks + (i64)at * words;
+    T* x = logits + row * vocab;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const bool allowed = i / 32 < words && ((w[i / 32] >> (i % 32)) & 1u);
+        if (!allowed) store_f32(x, i, NEG_INF);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    mask_rows_f32(float* logits, const i32* masks_at, const u32* masks, int words, int vocab) {
+    mask_row(logits, masks_at, masks, words, vocab);
+}
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    mask_rows_bf16(bf16* logits, const i32* masks_at, const u32* masks, int words, int vocab) {
+    mask_row(logits, masks_at, masks, words, vocab);
+}
+
 // What `draw` does with a row (`DrawMode` in ops/sampling.rs).
 #define DRAW_SKIP 0    // a row the engine samples from its logits: left alone
 #define DRAW_GREEDY 1  // argmax_row

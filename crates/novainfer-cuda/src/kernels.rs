@@ -103,6 +103,7 @@ pub const DTYPED_ENTRIES: &[(KernelSource, &str)] = &[
     (SAMPLING, "argmax"),
     (SAMPLING, "sample"),
     (SAMPLING, "adjust_rows"),
+    (SAMPLING, "mask_rows"),
     (SAMPLING, "draw"),
     (DEQUANT, "dequant_q4_k"),
     (DEQUANT, "dequant_q5_0"),

@@ -178,6 +178,17 @@ pub fn top_logprobs(row: &[f32], id: u32, n: usize) -> (u32, Vec<(u32, f32)>) {
     (rank, top)
 }
 
+/// The `mask_rows` kernel on one row (the engine's `apply_mask`): −inf for every id whose bit
+/// in `words` is clear and every id past them.
+pub fn mask_row(row: &mut [f32], words: &[u32]) {
+    for (i, x) in row.iter_mut().enumerate() {
+        let allowed = words.get(i / 32).is_some_and(|w| (w >> (i % 32)) & 1 == 1);
+        if !allowed {
+            *x = f32::NEG_INFINITY;
+        }
+    }
+}
+
 /// The `adjust_rows` kernel on one row: the sanitized row with `edits` applied (each edited
 /// id penalised, biased, then masked: [`RowEdit`]).
 pub fn adjust(row: &[f32], penalties: &RowPenalties, edits: &[RowEdit]) -> Vec<f32> {
@@ -350,6 +361,12 @@ mod tests {
         assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 3, 4]);
         assert_eq!(top[0].1, token_logprob(&row, 1));
         assert_eq!(top_logprobs(&row, 1, 0), (2, vec![]));
+
+        // A mask keeps the ids whose bits are set; ids past the words are masked too.
+        let mut long = vec![1.0f32; 40];
+        mask_row(&mut long, &[0b1010]);
+        let kept: Vec<usize> = (0..40).filter(|&i| long[i] == 1.0).collect();
+        assert_eq!(kept, [1, 3]);
     }
 
     #[test]

@@ -41,6 +41,7 @@ pub(crate) struct KernelTable {
     pub sample: PerDtype<CudaFunction>,
     pub draw: PerDtype<CudaFunction>,
     pub adjust_rows: PerDtype<CudaFunction>,
+    pub mask_rows: PerDtype<CudaFunction>,
     pub qkv: PerDtype<CudaFunction>,
     pub gather: PerDtype<CudaFunction>,
     /// Indexed by [`QuantType::index`].
@@ -70,6 +71,7 @@ impl KernelTable {
             sample: per(&kernels::SAMPLING, "sample")?,
             draw: per(&kernels::SAMPLING, "draw")?,
             adjust_rows: per(&kernels::SAMPLING, "adjust_rows")?,
+            mask_rows: per(&kernels::SAMPLING, "mask_rows")?,
             qkv: per(&kernels::QKV, "qkv_bias_rope_cache")?,
             gather: per(&kernels::GATHER, "gather_rows")?,
             dequant: [

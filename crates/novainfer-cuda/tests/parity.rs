@@ -22,8 +22,8 @@ use novainfer_cuda::ops::reshape_and_cache::reshape_and_cache;
 use novainfer_cuda::ops::rms_norm::{add_rms_norm, rms_norm};
 use novainfer_cuda::ops::rope::{rope_neox, RopeHeads, RopeTable};
 use novainfer_cuda::ops::sampling::{
-    adjust_rows, argmax, draw, sample, DrawMode, RowEdit, RowEdits, RowPenalties, TopLogprobs,
-    MAX_TOP_LOGPROBS,
+    adjust_rows, argmax, draw, mask_rows, sample, DrawMode, RowEdit, RowEdits, RowPenalties,
+    TopLogprobs, MAX_TOP_LOGPROBS,
 };
 use novainfer_cuda::ops::silu_mul::{silu_mul, silu_mul_fused};
 use novainfer_cuda::ops::DtypeKind;
@@ -867,5 +867,45 @@ fn draw_matches_the_reference_and_is_batch_invariant() {
             (&tops[r], ranks[r]),
             "row {r} alone: logprobs"
         );
+    }
+}
+
+/// `mask_rows`: masked rows equal the reference's mask (−inf where a bit is clear or past the
+/// words), unmasked rows are untouched, in place.
+#[test]
+fn mask_rows_matches_the_reference() {
+    let Some(gpu) = common::gpu_or_skip("mask_rows") else {
+        return;
+    };
+    let (rows, vocab) = (6usize, 1000usize);
+    let words = vocab.div_ceil(32);
+    let mut rng = Rng(5);
+    let logits = rng.vec(rows * vocab, 4.0);
+    let masks_at: Vec<i32> = vec![-1, 0, -1, 1, 2, -1];
+    // Three masks: every other id; ids below 100 only; one word short (ids past it masked).
+    let mut masks = vec![0x5555_5555u32; words];
+    masks.extend((0..words).map(|w| match w {
+        0..=2 => u32::MAX,
+        3 => (1u32 << 4) - 1,
+        _ => 0,
+    }));
+    masks.extend((0..words).map(|w| if w + 1 < words { 0xF0F0_F0F0 } else { 0 }));
+    let mut device = up(&gpu, &logits);
+    mask_rows::<f32>(
+        &gpu,
+        &mut device.as_view_mut(),
+        &up(&gpu, &masks_at).as_view(),
+        &up(&gpu, &masks).as_view(),
+        words,
+        vocab,
+    )
+    .expect("launch");
+    let got = down(&gpu, &device);
+    for r in 0..rows {
+        let mut want = logits[r * vocab..(r + 1) * vocab].to_vec();
+        if let Ok(at) = usize::try_from(masks_at[r]) {
+            reference::mask_row(&mut want, &masks[at * words..(at + 1) * words]);
+        }
+        assert_eq!(got[r * vocab..(r + 1) * vocab], want[..], "row {r}");
     }
 }

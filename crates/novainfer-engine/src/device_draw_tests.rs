@@ -181,12 +181,16 @@ fn run(
     let (mut core, rx, asked) = engine(caps);
     let (sink, _deltas) = mpsc::channel();
     for (id, prompt, params) in requests {
+        let grammar = core
+            .frontend()
+            .compile_structured(params)
+            .expect("grammar compiles");
         core.add_request(
             RequestId(*id),
             prompt.clone(),
             params.clone(),
             Scheduling::default(),
-            None,
+            grammar,
             sink.clone().into(),
         )
         .expect("request accepted");
@@ -402,5 +406,56 @@ fn n_completions_draw_what_lone_requests_draw() {
                 .collect::<Vec<_>>(),
             "completion {i}"
         );
+    }
+}
+
+/// A grammar's rows are drawn with its mask: greedy tokens equal the host's, the output
+/// follows the grammar, and an n > 1 request's completions equal lone seeded requests.
+#[test]
+fn grammar_rows_are_drawn_with_their_mask() {
+    let regex = || Some(novainfer_core::StructuredOutput::Regex("(ab|ba)+c".into()));
+    let greedy = params(0.0, 12)
+        .ignore_eos(false)
+        .structured_output(regex())
+        .build()
+        .expect("valid");
+    let (host, _) = run(capabilities::CPU, &[(0, vec![5, 6], greedy.clone())]);
+    let (device, asked) = run(drawing(), &[(0, vec![5, 6], greedy)]);
+    let ids = |t: &Tokens, id: u64| {
+        t[&RequestId(id)]
+            .iter()
+            .map(|t| t.token_id)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(ids(&device, 0), ids(&host, 0));
+    assert!(asked
+        .iter()
+        .all(|d| d.as_ref().is_some_and(|d| d.allowed.is_some())));
+    let tokenizer = tiny_byte_level_tokenizer();
+    let text = tokenizer.decode(&ids(&device, 0), false).expect("decode");
+    // max_tokens may end it before its `c`: the text is a prefix of the language.
+    let body = text.strip_suffix('c').unwrap_or(&text);
+    assert!(
+        !body.is_empty()
+            && body
+                .as_bytes()
+                .chunks(2)
+                .all(|p| p == b"ab" || p == b"ba" || p == b"a" || p == b"b"),
+        "{text:?} is a prefix of (ab|ba)+c"
+    );
+
+    let seeded = |seed, n| {
+        params(1.0, 12)
+            .ignore_eos(false)
+            .structured_output(regex())
+            .seed(Some(seed))
+            .n(n)
+            .build()
+            .expect("valid")
+    };
+    let (together, _) = run(drawing(), &[(0, vec![5, 6], seeded(3, 2))]);
+    for i in 0..2 {
+        let (alone, _) = run(drawing(), &[(0, vec![5, 6], seeded(3 + i, 1))]);
+        assert_eq!(ids(&together, i), ids(&alone, 0), "completion {i}");
     }
 }

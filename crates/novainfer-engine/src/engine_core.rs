@@ -36,7 +36,9 @@ use crate::request::{Scheduling, Speculation};
 use crate::request_group::{Completion, PendingCompletion, RequestGroup};
 use crate::sequence::SequenceOutput;
 use crate::speculative::{share_room, Proposer};
-use crate::verify::{sample_row_as_device, verify_draft, GrammarOutcomes};
+use crate::verify::{
+    advance_grammar, device_mask, sample_row_as_device, verify_draft, GrammarOutcomes,
+};
 
 /// What one step sampled, per request (one token, or with drafts the confirmed ones and the
 /// next), and the completions it starts.
@@ -466,7 +468,16 @@ impl EngineCore {
                         .active
                         .get_mut(&s.request_id)
                         .expect("scheduled request is active: this is a bug");
-                    sampled.push((s.request_id, vec![active.sampler.accept_drawn(token)]));
+                    let token = active.sampler.accept_drawn(token);
+                    if let Some(constraint) = active.constraint.as_mut() {
+                        advance_grammar(
+                            s.request_id,
+                            constraint,
+                            token.token_id,
+                            &mut self.grammar_outcomes,
+                        );
+                    }
+                    sampled.push((s.request_id, vec![token]));
                 }
                 ChunkOutput::Sample => {
                     let row = logits
@@ -512,11 +523,12 @@ impl EngineCore {
     /// can: those whose sampler needs nothing of the host ([`Sampler::device_draw`]), with no
     /// grammar to mask the row and no held-back completions to start from a copy of it. The
     /// others get their logits row back and are sampled here.
-    fn device_draws(&self, out: &SchedulerOutput) -> HashMap<RequestId, Draw> {
+    fn device_draws(&mut self, out: &SchedulerOutput) -> HashMap<RequestId, Draw> {
         let mut draws = HashMap::new();
         if !self.runner.capabilities().sampling.draws {
             return draws;
         }
+        let vocab = self.runner.config().vocab_size;
         for s in &out.scheduled {
             if !matches!(s.output, ChunkOutput::Sample)
                 || self
@@ -526,15 +538,21 @@ impl EngineCore {
             {
                 continue;
             }
-            let Some(active) = self.active.get(&s.request_id) else {
+            let Some(active) = self.active.get_mut(&s.request_id) else {
                 continue;
             };
-            if active.constraint.is_some() {
+            let Some(mut draw) = active.sampler.device_draw() else {
                 continue;
+            };
+            // A grammar's mask was started when its last token was accepted; waiting for it
+            // here (rather than while the step runs) is the price of masking on the device.
+            if let Some(constraint) = active.constraint.as_mut() {
+                match device_mask(constraint, vocab) {
+                    Some(words) => draw.allowed = Some(words),
+                    None => continue,
+                }
             }
-            if let Some(draw) = active.sampler.device_draw() {
-                draws.insert(s.request_id, draw);
-            }
+            draws.insert(s.request_id, draw);
         }
         draws
     }

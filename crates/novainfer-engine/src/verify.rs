@@ -1,6 +1,8 @@
 //! Turning a step's logits rows into tokens: sampling a row (masked by the request's grammar)
 //! and verifying a speculative draft.
 
+use std::sync::Arc;
+
 use novainfer_core::RequestId;
 use novainfer_model::sampler::{SampledToken, Sampler};
 use novainfer_structured::{Constraint, Progress};
@@ -32,12 +34,32 @@ pub fn sample_row(
         return sampler.sample(row);
     }
     let token = sampler.sample(row);
-    match constraint.accept(token.token_id) {
+    advance_grammar(id, constraint, token.token_id, outcomes);
+    token
+}
+
+/// Advances request `id`'s grammar past `token` (which its mask allowed) and notes what it
+/// said; the next mask starts computing at once, off this thread.
+pub fn advance_grammar(
+    id: RequestId,
+    constraint: &mut Constraint,
+    token: u32,
+    outcomes: &mut GrammarOutcomes,
+) {
+    match constraint.accept(token) {
         Ok(Progress::Finished) => outcomes.finished.push(id),
         Ok(Progress::Continue) => constraint.prefetch(),
         Err(e) => outcomes.failed.push((id, e.to_string())),
     }
-    token
+}
+
+/// The grammar's mask of the next token as a device takes it: `⌈vocab / 32⌉` words (ids past
+/// the grammar's vocabulary disallowed). `None` when the grammar fails to give one: the row is
+/// then sampled on the host, whose path reports the failure.
+pub fn device_mask(constraint: &mut Constraint, vocab: usize) -> Option<Arc<[u32]>> {
+    let mut words = constraint.mask_words().ok()?;
+    words.resize(vocab.div_ceil(32), 0);
+    Some(words.into())
 }
 
 /// [`sample_row`], except that on a backend that draws tokens itself (`device_draws`) a row
@@ -50,13 +72,23 @@ pub fn sample_row_as_device(
     device_draws: bool,
     id: RequestId,
     sampler: &mut Sampler,
-    constraint: Option<&mut Constraint>,
+    mut constraint: Option<&mut Constraint>,
     row: &mut [f32],
     outcomes: &mut GrammarOutcomes,
 ) -> SampledToken {
-    if device_draws && constraint.is_none() {
-        if let Some(token) = sampler.device_draw().and_then(|d| d.on_host(row).ok()) {
-            return sampler.accept_drawn(token);
+    if device_draws {
+        let draw = sampler.device_draw().and_then(|mut draw| {
+            if let Some(c) = constraint.as_deref_mut() {
+                draw.allowed = Some(device_mask(c, row.len())?);
+            }
+            Some(draw)
+        });
+        if let Some(token) = draw.and_then(|d| d.on_host(row).ok()) {
+            let token = sampler.accept_drawn(token);
+            if let Some(c) = constraint {
+                advance_grammar(id, c, token.token_id, outcomes);
+            }
+            return token;
         }
     }
     sample_row(id, sampler, constraint, row, outcomes)

@@ -43,6 +43,10 @@ pub struct Draw {
     /// `Some(n)`: the token's rank in the raw row and the `n` (at most
     /// [`MAX_TOP_LOGPROBS`]) most likely tokens with their raw logprobs come back too.
     pub logprobs: Option<usize>,
+    /// A grammar's mask of the next token: `⌈vocab / 32⌉` words, bit `i % 32` of word `i / 32`
+    /// set when id `i` is allowed. The row is masked before anything else reads it, so the
+    /// logprobs are the masked row's, as on the host.
+    pub allowed: Option<Arc<[u32]>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -93,6 +97,16 @@ impl Draw {
     /// This draw on one raw logits row, on the host, by the kernel's CPU twin.
     pub fn on_host(&self, row: &[f32]) -> Result<DrawnToken> {
         let (mode, params) = self.kernel_args()?;
+        let masked;
+        let row = match &self.allowed {
+            Some(words) => {
+                let mut copy = row.to_vec();
+                reference::mask_row(&mut copy, words);
+                masked = copy;
+                &masked[..]
+            }
+            None => row,
+        };
         let edits = self
             .adjust
             .as_deref()
@@ -125,6 +139,7 @@ mod tests {
             rule: DrawRule::Greedy,
             adjust: None,
             logprobs: None,
+            allowed: None,
         };
         assert_eq!(greedy.kernel_args().expect("greedy").0, DrawMode::Greedy);
         assert_eq!(greedy.on_host(&row).expect("greedy").token_id, 1);
@@ -139,6 +154,7 @@ mod tests {
             },
             adjust: None,
             logprobs: None,
+            allowed: None,
         };
         let (mode, params) = random(4).kernel_args().expect("random");
         assert_eq!(
@@ -170,6 +186,7 @@ mod tests {
             },
             adjust: None,
             logprobs: None,
+            allowed: None,
         };
         let err = bad
             .kernel_args()

@@ -401,6 +401,7 @@ fn cuda_logits_match_the_cpu_over_a_mixed_schedule() {
                 adjust: None,
                 // The greedy row also asks for its rank and 3 top logprobs.
                 logprobs: (i == 0).then_some(3),
+                allowed: None,
             };
             draw_step.push_span(tokens, start, slots, table.to_vec(), SpanOutput::Draw(draw));
         }
@@ -491,6 +492,7 @@ fn cuda_logits_match_the_cpu_over_a_mixed_schedule() {
                 edits,
             })),
             logprobs: None,
+            allowed: None,
         };
         let mut one = ForwardBatch::default();
         one.push_span(
@@ -511,6 +513,30 @@ fn cuda_logits_match_the_cpu_over_a_mixed_schedule() {
             "tie={tie}: the masked best is never drawn"
         );
         assert!((got[0].logprob - twin.logprob).abs() < 1e-4);
+
+        // A grammar's mask: only ids 5 and 17 allowed; the logprob is the masked row's.
+        let mut words = vec![0u32; v.div_ceil(32)];
+        words[0] |= 1 << 5;
+        words[0] |= 1 << 17;
+        let masked = Draw {
+            allowed: Some(words.into()),
+            logprobs: Some(2),
+            ..edited
+        };
+        let mut one = ForwardBatch::default();
+        one.push_span(
+            &a[..1],
+            9,
+            slots(&ta, 9..10),
+            ta.to_vec(),
+            SpanOutput::Draw(masked.clone()),
+        );
+        let got = gpu.forward(&one).expect("gpu masked draw").tokens;
+        let twin = masked.on_host(&rows[..v]).expect("twin");
+        assert!([5, 17].contains(&got[0].token_id), "tie={tie}: masked draw");
+        assert_eq!(got[0].token_id, twin.token_id, "tie={tie}: masked draw");
+        assert!((got[0].logprob - twin.logprob).abs() < 1e-4);
+        assert_eq!(got[0].top_logprobs.len(), 2);
 
         // The CPU draws nothing itself: such a batch is refused, not sampled.
         assert!(matches!(

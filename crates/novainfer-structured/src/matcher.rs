@@ -66,6 +66,23 @@ impl GrammarMatcher {
         Ok(())
     }
 
+    /// The next token's mask as words of 32 ids (bit `i % 32` of word `i / 32` set when id
+    /// `i` is allowed), for a device that masks the row itself. Fails as
+    /// [`Self::apply_mask`] does when the grammar allows no token.
+    pub fn mask_words(&mut self) -> Result<Vec<u32>, StructuredError> {
+        self.compute_mask()?;
+        let mask = self
+            .mask
+            .as_ref()
+            .expect("computed just above: this is a bug");
+        if mask.is_zero() {
+            return Err(StructuredError::Matcher(
+                "the grammar allows no token here".into(),
+            ));
+        }
+        Ok(mask.as_slice().to_vec())
+    }
+
     /// Advances past `token` (which the mask allowed); [`Progress::Finished`] when the grammar
     /// is complete and can take nothing more.
     pub fn accept(&mut self, token: u32) -> Result<Progress, StructuredError> {
@@ -186,6 +203,11 @@ impl Constraint {
     /// See [`GrammarMatcher::apply_mask`].
     pub fn apply_mask(&mut self, logits: &mut [f32]) -> Result<(), StructuredError> {
         self.matcher()?.apply_mask(logits)
+    }
+
+    /// See [`GrammarMatcher::mask_words`]; waits for a mask under way.
+    pub fn mask_words(&mut self) -> Result<Vec<u32>, StructuredError> {
+        self.matcher()?.mask_words()
     }
 
     /// See [`GrammarMatcher::accept`].

@@ -94,6 +94,35 @@ pub fn sample<T: Dtype>(
     launch(args, per_row(rows, SAMPLE_THREADS)?)
 }
 
+/// A grammar's token masks over rows of `logits`, in place: row r with `masks_at[r] >= 0`
+/// gets −inf for every id whose bit in its `words` mask words (at `masks[masks_at[r] · words]`)
+/// is clear, and for every id past them. Rows with −1 are left alone. The CPU twin is
+/// [`crate::reference::mask_row`].
+pub fn mask_rows<T: Dtype>(
+    gpu: &GpuContext,
+    logits: &mut CudaViewMut<'_, T>, // [rows, vocab]
+    masks_at: &CudaView<'_, i32>,    // [rows]
+    masks: &CudaView<'_, u32>,       // [masked rows, words]
+    words: usize,
+    vocab: usize,
+) -> Result<()> {
+    let rows = check_multiple("logits", logits.len(), vocab)?;
+    check_len("masks_at", masks_at.len(), rows)?;
+    check_multiple("masks", masks.len(), words.max(1))?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let (words, vocab) = (to_i32("words", words)?, to_i32("vocab", vocab)?);
+    let f = gpu.kernels().mask_rows.get::<T>();
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(logits)
+        .arg(masks_at)
+        .arg(masks)
+        .arg(&words)
+        .arg(&vocab);
+    launch(args, per_row(rows, SAMPLE_THREADS)?)
+}
+
 /// Copies each row of `logits` that has edits, sanitized, into `adjusted` and applies them
 /// (penalties, bias, mask: [`RowEdit`]); rows without edits are not touched. The CPU twin is
 /// [`crate::reference::adjust`].

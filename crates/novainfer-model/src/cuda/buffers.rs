@@ -190,6 +190,7 @@ pub(crate) struct StepViews<'a> {
     pub row_penalties: CudaView<'a, RowPenalties>,
     pub edit_offsets: CudaView<'a, i32>,
     pub tops: CudaView<'a, i32>,
+    pub masks_at: CudaView<'a, i32>,
 }
 
 impl StepBuffers {
@@ -248,6 +249,7 @@ impl StepBuffers {
             row_penalties: typed(&self.device, l.row_penalties, step.row_penalties.len())?,
             edit_offsets: typed(&self.device, l.edit_offsets, step.edit_offsets.len())?,
             tops: typed(&self.device, l.tops, step.tops.len())?,
+            masks_at: typed(&self.device, l.masks_at, step.masks_at.len())?,
         })
     }
 }
@@ -320,6 +322,54 @@ impl EditBuffers {
         self.device
             .try_slice(0..n.max(1))
             .ok_or_else(|| too_small("row edits", n, len))
+    }
+}
+
+/// The grammar masks of a step's drawn rows (`⌈vocab / 32⌉` words a row, up to `max_rows`
+/// rows), uploaded apart from the step's metadata like the edits.
+pub(crate) struct MaskBuffers {
+    staging: PinnedHostSlice<u32>,
+    device: CudaSlice<u32>,
+}
+
+impl MaskBuffers {
+    pub fn new(gpu: &GpuContext, cfg: &Qwen2Config, max_rows: usize) -> Result<Self> {
+        let capacity = max_rows.max(1) * cfg.vocab_size.div_ceil(32);
+        // SAFETY: written before each upload, which copies only what was written.
+        let staging = unsafe { gpu.context().alloc_pinned::<u32>(capacity) }
+            .map_err(driver_error("cuMemHostAlloc"))?;
+        let device = gpu
+            .stream()
+            .alloc_zeros::<u32>(capacity)
+            .map_err(driver_error("cuMemAlloc"))?;
+        Ok(Self { staging, device })
+    }
+
+    /// Uploads `step`'s masks and returns them (a stale word when there are none: no row's
+    /// `masks_at` reaches it). The copy completes before this returns.
+    pub fn upload(&mut self, gpu: &GpuContext, step: &PackedStep) -> Result<CudaView<'_, u32>> {
+        let n = step.masks.len();
+        let capacity = self.device.len();
+        if n > 0 {
+            let staging = self
+                .staging
+                .as_mut_slice()
+                .map_err(driver_error("cuEventSynchronize"))?;
+            let words = staging
+                .get_mut(..n)
+                .ok_or_else(|| too_small("grammar masks", n, capacity))?;
+            words.copy_from_slice(&step.masks);
+            let mut dst = self
+                .device
+                .try_slice_mut(0..n)
+                .ok_or_else(|| too_small("grammar masks", n, capacity))?;
+            gpu.stream()
+                .memcpy_htod(&*words, &mut dst)
+                .map_err(driver_error("cuMemcpyHtoDAsync"))?;
+        }
+        self.device
+            .try_slice(0..n.max(1))
+            .ok_or_else(|| too_small("grammar masks", n, capacity))
     }
 }
 

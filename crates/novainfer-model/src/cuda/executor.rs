@@ -7,7 +7,7 @@ use novainfer_cuda::ops::paged_attention::{AttentionConfig, DecodeScratch};
 use novainfer_cuda::ops::rope::RopeTable;
 use novainfer_cuda::GpuContext;
 
-use super::buffers::{Activations, EditBuffers, KvPool, Readback, StepBuffers};
+use super::buffers::{Activations, EditBuffers, KvPool, MaskBuffers, Readback, StepBuffers};
 use super::cuda_error;
 use super::forward::{Step, Tail, TailOut};
 use super::weights::GpuModel;
@@ -33,6 +33,7 @@ pub struct CudaWeights {
     scratch: DecodeScratch,
     readback: Readback,
     edits: EditBuffers,
+    masks: MaskBuffers,
     limits: StepLimits,
 }
 
@@ -85,6 +86,7 @@ impl CudaWeights {
         .map_err(err)?;
         let readback = Readback::new(&gpu, &cfg, limits.max_num_seqs)?;
         let edits = EditBuffers::new(&gpu, limits.max_num_seqs)?;
+        let masks = MaskBuffers::new(&gpu, &cfg, limits.max_num_seqs)?;
         // Everything above is queued on the stream; finish it so errors surface here and
         // freed upload buffers are back with the driver before memory is measured.
         gpu.synchronize().map_err(err)?;
@@ -101,6 +103,7 @@ impl CudaWeights {
             scratch,
             readback,
             edits,
+            masks,
             limits,
         })
     }
@@ -225,6 +228,7 @@ impl CudaWeights {
             scratch: &mut self.scratch,
             readback: &mut self.readback,
             edits: &mut self.edits,
+            masks: &mut self.masks,
         }
     }
 }

@@ -24,12 +24,14 @@ use novainfer_cuda::ops::qkv::{qkv_bias_rope_cache, QkvInput};
 use novainfer_cuda::ops::rms_norm::{add_rms_norm, rms_norm};
 use novainfer_cuda::ops::rope::{RopeHeads, RopeTable};
 use novainfer_cuda::ops::sampling::{
-    adjust_rows, draw, DrawMode, RowEdits, TopLogprobs, MAX_TOP_LOGPROBS,
+    adjust_rows, draw, mask_rows, DrawMode, RowEdits, TopLogprobs, MAX_TOP_LOGPROBS,
 };
 use novainfer_cuda::ops::silu_mul::silu_mul_fused;
 use novainfer_cuda::GpuContext;
 
-use super::buffers::{head, head_mut, Activations, EditBuffers, KvPool, Readback, StepBuffers};
+use super::buffers::{
+    head, head_mut, Activations, EditBuffers, KvPool, MaskBuffers, Readback, StepBuffers,
+};
 use super::weights::{GpuMatrix, GpuModel};
 use super::{cuda_error, driver_error};
 use crate::config::Qwen2Config;
@@ -71,6 +73,7 @@ pub(crate) struct Step<'a> {
     pub scratch: &'a mut DecodeScratch,
     pub readback: &'a mut Readback,
     pub edits: &'a mut EditBuffers,
+    pub masks: &'a mut MaskBuffers,
 }
 
 impl Step<'_> {
@@ -103,6 +106,7 @@ impl Step<'_> {
             scratch,
             readback,
             edits,
+            masks,
             ..
         } = self;
         let n = step.num_tokens();
@@ -280,6 +284,19 @@ impl Step<'_> {
             },
             &mut head_mut(&mut act.logits, rows * vocab, "logits")?,
         )?;
+        if step.masks_at.iter().any(|&m| m >= 0) {
+            // A grammar's rows are masked in place first: everything after (logprobs, edits,
+            // the draw) reads the masked row, as the host sampler does.
+            let words = masks.upload(gpu, step)?;
+            mask_rows::<f32>(
+                gpu,
+                &mut head_mut(&mut act.logits, rows * vocab, "logits")?,
+                &views.masks_at,
+                &words,
+                step.mask_words,
+                vocab,
+            )?;
+        }
         let draws = step.num_draws();
         if draws > 0 {
             if !step.edits.is_empty() {

@@ -60,6 +60,11 @@ pub struct PackedStep {
     pub row_penalties: Vec<RowPenalties>,
     /// Per sampled row: −1, or how many top logprobs its draw returns (with its rank).
     pub tops: Vec<i32>,
+    /// Per sampled row: −1, or which of `masks` (a grammar's, `mask_words` words each) the
+    /// row is masked by.
+    pub masks_at: Vec<i32>,
+    pub masks: Vec<u32>,
+    pub mask_words: usize,
     /// Every sequence has exactly one query token: the decode kernel applies.
     pub decode_only: bool,
     /// The longest `seq_lens` entry.
@@ -186,7 +191,9 @@ impl PackedStep {
             edits,
             penalties: row_penalties,
             tops,
-        } = draws(batch)?;
+            masks_at,
+            masks,
+        } = draws(batch, cap.vocab_size)?;
         let host_rows = (0..draw_modes.len())
             .filter(|&r| draw_modes[r] == DrawMode::Skip)
             .map(|r| r as i32)
@@ -199,6 +206,9 @@ impl PackedStep {
             edits,
             row_penalties,
             tops,
+            masks_at,
+            masks,
+            mask_words: cap.vocab_size.div_ceil(32),
             token_ids: batch.token_ids.clone(),
             positions,
             slot_mapping,
@@ -220,10 +230,13 @@ struct Draws {
     edits: Vec<RowEdit>,
     penalties: Vec<RowPenalties>,
     tops: Vec<i32>,
+    masks_at: Vec<i32>,
+    masks: Vec<u32>,
 }
 
 /// The kernels' mode, parameters and edits for each sampled row, in `logits_indices` order.
-fn draws(batch: &ForwardBatch) -> Result<Draws> {
+fn draws(batch: &ForwardBatch, vocab_size: usize) -> Result<Draws> {
+    let words = vocab_size.div_ceil(32);
     let mut d = Draws {
         modes: Vec::new(),
         params: Vec::new(),
@@ -231,12 +244,21 @@ fn draws(batch: &ForwardBatch) -> Result<Draws> {
         edits: Vec::new(),
         penalties: Vec::new(),
         tops: Vec::new(),
+        masks_at: Vec::new(),
+        masks: Vec::new(),
     };
     for s in batch.seqs.iter().filter(|s| s.query_len > 0) {
-        let (mode, p, rows, adjust, top) = match &s.output {
+        let (mode, p, rows, adjust, top, allowed) = match &s.output {
             SpanOutput::None | SpanOutput::LastHidden => continue,
-            SpanOutput::LastLogits => (DrawMode::Skip, SampleParams::UNUSED, 1, None, -1),
-            SpanOutput::AllLogits => (DrawMode::Skip, SampleParams::UNUSED, s.query_len, None, -1),
+            SpanOutput::LastLogits => (DrawMode::Skip, SampleParams::UNUSED, 1, None, -1, None),
+            SpanOutput::AllLogits => (
+                DrawMode::Skip,
+                SampleParams::UNUSED,
+                s.query_len,
+                None,
+                -1,
+                None,
+            ),
             SpanOutput::Draw(draw) => {
                 let (mode, p) = draw.kernel_args()?;
                 let top = match draw.logprobs {
@@ -251,13 +273,39 @@ fn draws(batch: &ForwardBatch) -> Result<Draws> {
                         ))
                     }
                 };
-                (mode, p, 1, draw.adjust.as_deref(), top)
+                if let Some(mask) = &draw.allowed {
+                    if mask.len() != words {
+                        return Err(bad(
+                            "draw",
+                            format!(
+                                "a grammar mask of {} words for a vocabulary of {vocab_size} \
+                                 ({words} words)",
+                                mask.len()
+                            ),
+                        ));
+                    }
+                }
+                (
+                    mode,
+                    p,
+                    1,
+                    draw.adjust.as_deref(),
+                    top,
+                    draw.allowed.as_deref(),
+                )
             }
         };
         for _ in 0..rows {
             d.modes.push(mode);
             d.params.push(p);
             d.tops.push(top);
+            match allowed {
+                Some(mask) => {
+                    d.masks_at.push((d.masks.len() / words) as i32);
+                    d.masks.extend_from_slice(mask);
+                }
+                None => d.masks_at.push(-1),
+            }
             match adjust {
                 Some(a) => {
                     if a.edits.len() > MAX_DEVICE_EDITS {
@@ -304,6 +352,7 @@ pub struct StepLayout {
     pub row_penalties: usize,
     pub edit_offsets: usize,
     pub tops: usize,
+    pub masks_at: usize,
     pub block_tables: usize,
     pub total: usize,
     pub max_blocks_per_seq: usize,
@@ -333,6 +382,7 @@ impl StepLayout {
         let row_penalties = section(std::mem::size_of::<RowPenalties>() * s);
         let edit_offsets = section(4 * (s + 1));
         let tops = section(4 * s);
+        let masks_at = section(4 * s);
         let block_tables = section(4 * s * cap.max_blocks_per_seq);
         Self {
             slot_mapping,
@@ -347,6 +397,7 @@ impl StepLayout {
             row_penalties,
             edit_offsets,
             tops,
+            masks_at,
             block_tables,
             total: at.max(ALIGN),
             max_blocks_per_seq: cap.max_blocks_per_seq,
@@ -426,6 +477,11 @@ impl StepLayout {
             staging,
             self.tops,
             step.tops.iter().map(|v| v.to_ne_bytes()),
+        );
+        put(
+            staging,
+            self.masks_at,
+            step.masks_at.iter().map(|v| v.to_ne_bytes()),
         );
         put(
             staging,
@@ -553,6 +609,7 @@ mod tests {
             layout.row_penalties,
             layout.edit_offsets,
             layout.tops,
+            layout.masks_at,
             layout.block_tables,
         ] {
             assert_eq!(at % ALIGN, 0);
@@ -576,6 +633,7 @@ mod tests {
             },
             adjust: None,
             logprobs: None,
+            allowed: None,
         };
         let greedy = Draw {
             seed: 1,
@@ -583,6 +641,7 @@ mod tests {
             rule: DrawRule::Greedy,
             adjust: None,
             logprobs: Some(7),
+            allowed: None,
         };
         b.push_span(&[1], 0, vec![0], vec![0], SpanOutput::Draw(random.clone()));
         b.push_span(&[2, 3], 0, vec![4, 5], vec![1], SpanOutput::AllLogits);
@@ -681,6 +740,36 @@ mod tests {
         assert_eq!(&bytes[16..20], &9u32.to_ne_bytes());
         assert_eq!(&bytes[24..28], &RowEdit::MASK.to_ne_bytes());
         assert_eq!(&bytes[28..32], &(-1.5f32).to_ne_bytes());
+
+        // Grammar masks: one per masked row, ⌈vocab / 32⌉ words each (CAP's vocab is 50: 2).
+        let mut m = ForwardBatch::default();
+        let masked = |words: Vec<u32>| Draw {
+            allowed: Some(words.into()),
+            ..greedy.clone()
+        };
+        m.push_span(&[1], 0, vec![0], vec![0], SpanOutput::LastLogits);
+        m.push_span(
+            &[2],
+            0,
+            vec![4],
+            vec![1],
+            SpanOutput::Draw(masked(vec![5, 6])),
+        );
+        m.push_span(
+            &[3],
+            0,
+            vec![8],
+            vec![2],
+            SpanOutput::Draw(masked(vec![7, 8])),
+        );
+        let p = PackedStep::pack(&m, &cap).expect("valid");
+        assert_eq!(
+            (p.masks_at, p.masks, p.mask_words),
+            (vec![-1, 0, 1], vec![5, 6, 7, 8], 2)
+        );
+        let mut short = ForwardBatch::default();
+        short.push_span(&[2], 0, vec![4], vec![1], SpanOutput::Draw(masked(vec![5])));
+        assert_eq!(field(PackedStep::pack(&short, &cap)), "draw");
 
         // A rule outside the kernel's ranges is refused before anything runs.
         let mut bad = ForwardBatch::default();

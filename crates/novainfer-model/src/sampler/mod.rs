@@ -194,6 +194,7 @@ impl Sampler {
             rule,
             adjust,
             logprobs: self.num_top_logprobs,
+            allowed: None,
         })
     }
 

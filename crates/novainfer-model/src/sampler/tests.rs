@@ -526,6 +526,7 @@ fn device_draws_cover_plain_rows_and_count_every_token() {
             rule: DrawRule::Greedy,
             adjust: None,
             logprobs: None,
+            allowed: None,
         })
     );
     let mut s = Sampler::new(
@@ -554,6 +555,7 @@ fn device_draws_cover_plain_rows_and_count_every_token() {
             rule,
             adjust: None,
             logprobs: None,
+            allowed: None,
         })
     );
     let t = s.accept_drawn(DrawnToken {
