@@ -134,7 +134,7 @@ pub(crate) fn from_hf(
                 match num(key)? {
                     // transformers: `get(key) or default`, so 0 is the default too.
                     None => Ok(default),
-                    Some(b) if b == 0.0 => Ok(default),
+                    Some(0.0) => Ok(default),
                     Some(b) if b > 0.0 => Ok(b),
                     Some(b) => Err(ModelError::config(
                         field(key),
@@ -330,7 +330,7 @@ pub(crate) fn from_gguf(
         // Absent type: llama.cpp's default is linear, a no-op without a factor.
         None | Some("linear") => match factor {
             None => RopeScaling::None,
-            Some(f) if f == 1.0 => RopeScaling::None,
+            Some(1.0) => RopeScaling::None,
             Some(f) => RopeScaling::Linear {
                 factor: check_factor(&factor_key, f)?,
             },
@@ -359,7 +359,7 @@ pub(crate) fn from_gguf(
             let beta = |k: &str, default: f64| -> Result<f64> {
                 match num(k)? {
                     None => Ok(default),
-                    Some(b) if b == 0.0 => Ok(default),
+                    Some(0.0) => Ok(default),
                     Some(b) if b.is_finite() && b > 0.0 => Ok(b),
                     Some(b) => Err(ModelError::config(key(k), format!("must be positive, got {b}"))),
                 }
