@@ -6,6 +6,7 @@ Written from the model's math, not from any engine's code:
     per layer:  h = rms_norm(x) * w_in
                 q, k, v = h Wq^T + bq, h Wk^T + bk, h Wv^T + bv          (split into heads)
                 q, k = rope_neox(q, pos), rope_neox(k, pos)               (absolute positions)
+                       (frequencies and a cos/sin factor from `rope_scaling`: see `rope_frequencies`)
                 a = softmax(q k^T / sqrt(head_dim) + causal_mask) v   (kv head = q head // group)
                 x = x + a Wo^T
                 h = rms_norm(x) * w_post
@@ -24,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -68,6 +70,73 @@ def load_checkpoint(hf_dir: str | Path) -> dict[str, np.ndarray]:
     return tensors
 
 
+def rope_frequencies(config: dict, head_dim: int) -> tuple[np.ndarray, float]:
+    """The rotary inverse frequencies [head_dim/2] and the factor cos and sin are multiplied by.
+
+    Written from transformers' definitions (modeling_rope_utils.py), not from the engine:
+
+    - no scaling (`rope_scaling` absent/null, type "default"):  1 / theta^(2i/d)
+    - "linear":   the plain frequencies / factor
+    - "dynamic":  theta' = theta * (factor * L / M - (factor - 1)) ** (d / (d - 2)), M =
+      max_position_embeddings; transformers uses L = the current length, the engine (like vLLM)
+      the longest one, L = M * factor, so that is the reference too
+    - "yarn":     `_compute_yarn_parameters`: a ramp between the correction dimensions of beta_fast
+      and beta_slow blends theta's frequencies (kept) with them divided by factor; attention factor
+      `attention_factor`, else get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) when both
+      are non-zero, else get_mscale(factor) = 0.1 ln(factor) + 1 (1 when factor <= 1)
+
+    The scaling is `rope_scaling` when not null, else transformers 5's `rope_parameters`; its type is
+    `rope_type`, else `type`.
+    """
+    theta = config.get("rope_theta") or config.get("rope_parameters", {})["rope_theta"]
+    spec = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = spec.get("rope_type", spec.get("type")) or "default"
+    d = head_dim
+    exponents = np.arange(0, d, 2, dtype=np.float64) / d  # 2i/d
+    if kind == "default":
+        return 1.0 / theta**exponents, 1.0
+    factor = float(spec["factor"])
+    if kind == "linear":
+        return 1.0 / theta**exponents / factor, 1.0
+    if kind == "dynamic":
+        m = config["max_position_embeddings"]
+        longest = m * factor
+        base = theta * ((factor * longest / m) - (factor - 1)) ** (d / (d - 2))
+        return 1.0 / base**exponents, 1.0
+    if kind != "yarn":
+        raise ValueError(f"no reference for rope type {kind!r}")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = spec.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = spec.get("mscale"), spec.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention = get_mscale(factor)
+    beta_fast = spec.get("beta_fast") or 32
+    beta_slow = spec.get("beta_slow") or 1
+    original = spec.get("original_max_position_embeddings") or config["max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        # The dimension whose wavelength fits `rotations` times into the original context.
+        return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if spec.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    extrapolation = 1.0 / theta**exponents
+    interpolation = extrapolation / factor
+    keep = 1.0 - ramp  # share of the unscaled frequency
+    return interpolation * (1.0 - keep) + extrapolation * keep, float(attention)
+
+
 class KVCache:
     """Per-layer keys and values of the tokens so far, each [num_kv_heads, num_tokens, head_dim]."""
 
@@ -95,9 +164,7 @@ class Qwen2Reference:
         self.num_kv_heads = config["num_key_value_heads"]
         self.head_dim = config.get("head_dim") or config["hidden_size"] // self.num_heads
         self.eps = config["rms_norm_eps"]
-        self.rope_theta = (
-            config.get("rope_theta") or config.get("rope_parameters", {})["rope_theta"]
-        )
+        self.inv_freq, self.rope_attention_factor = rope_frequencies(config, self.head_dim)
         self.w = {name: w.astype(dtype) for name, w in weights.items()}
         if config.get("tie_word_embeddings", False):
             self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
@@ -142,9 +209,9 @@ class Qwen2Reference:
     def _rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """NeoX-style rotary embedding: dimension j pairs with j + head_dim/2 (rotate halves)."""
         half = self.head_dim // 2
-        inv_freq = self.rope_theta ** (-np.arange(half, dtype=np.float64) * 2 / self.head_dim)
-        angles = positions[:, None].astype(np.float64) * inv_freq[None, :]  # [n, half]
-        cos, sin = np.cos(angles).astype(x.dtype), np.sin(angles).astype(x.dtype)
+        angles = positions[:, None].astype(np.float64) * self.inv_freq[None, :]  # [n, half]
+        scale = self.rope_attention_factor  # YaRN's; 1 otherwise
+        cos, sin = (np.cos(angles) * scale).astype(x.dtype), (np.sin(angles) * scale).astype(x.dtype)
         x1, x2 = x[..., :half], x[..., half:]
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 

@@ -258,10 +258,20 @@ def _dims(head_dim: int | None) -> tuple[int, int, int]:
     return hidden, INTERMEDIATE_SIZE * hidden // HIDDEN_SIZE, head_dim
 
 
-def tiny_config(*, dtype: str = "f32", tie_word_embeddings: bool = False, head_dim: int | None = None) -> dict:
+def tiny_config(
+    *,
+    dtype: str = "f32",
+    tie_word_embeddings: bool = False,
+    head_dim: int | None = None,
+    rope_scaling: dict | None = None,
+    max_position_embeddings: int = MAX_POSITIONS,
+) -> dict:
+    """config.json of the tiny model; `rope_scaling` (written as given) and a smaller
+    `max_position_embeddings` make a long-context variant whose positions past the original window
+    tests can reach with short prompts."""
     specials = special_token_ids()
     hidden, intermediate, _ = _dims(head_dim)
-    return {
+    config = {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
         "vocab_size": VOCAB_SIZE,
@@ -270,7 +280,7 @@ def tiny_config(*, dtype: str = "f32", tie_word_embeddings: bool = False, head_d
         "num_hidden_layers": NUM_LAYERS,
         "num_attention_heads": NUM_HEADS,
         "num_key_value_heads": NUM_KV_HEADS,
-        "max_position_embeddings": MAX_POSITIONS,
+        "max_position_embeddings": max_position_embeddings,
         "rope_theta": ROPE_THETA,
         "rms_norm_eps": RMS_NORM_EPS,
         "tie_word_embeddings": tie_word_embeddings,
@@ -285,6 +295,9 @@ def tiny_config(*, dtype: str = "f32", tie_word_embeddings: bool = False, head_d
         "initializer_range": 0.02,
         "use_cache": True,
     }
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    return config
 
 
 def tiny_weights(
@@ -357,14 +370,23 @@ def write_tiny_model(
     seed: int = 0,
     head_dim: int | None = None,
     fim: bool = False,
+    rope_scaling: dict | None = None,
+    max_position_embeddings: int = MAX_POSITIONS,
 ) -> Path:
     """Write the tiny Qwen2 HF directory into `out_dir` (created if needed) and return it. With `fim` the
-    tokenizer also has Qwen2.5-Coder's FIM tokens (`FIM_TOKENS`, ids from 448) and the vocabulary grows to match."""
+    tokenizer also has Qwen2.5-Coder's FIM tokens (`FIM_TOKENS`, ids from 448) and the vocabulary grows to match.
+    `rope_scaling` and `max_position_embeddings` go to config.json as given (the weights do not change)."""
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = tiny_config(dtype=dtype, tie_word_embeddings=tie_word_embeddings, head_dim=head_dim)
+    config = tiny_config(
+        dtype=dtype,
+        tie_word_embeddings=tie_word_embeddings,
+        head_dim=head_dim,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_position_embeddings,
+    )
     extra_vocab = len(FIM_TOKENS) if fim else 0
     config["vocab_size"] += extra_vocab
     write_json(out / "config.json", config)
@@ -407,7 +429,10 @@ def write_tiny_model(
 
 def write_tiny_gguf(out_path: str | Path, *, hf_dir: str | Path, qtype: str = "f32") -> Path:
     """Write the HF checkpoint in `hf_dir` as a GGUF file the way llama.cpp's converter would
-    for Qwen2; with qtype "q8_0" the 2-D weights are Q8_0 and norms/biases stay f32."""
+    for Qwen2; with qtype "q8_0" the 2-D weights are Q8_0 and norms/biases stay f32. A `rope_scaling`
+    in its config.json becomes llama.cpp's `rope.scaling.*` keys as convert_hf_to_gguf.py writes them
+    (yarn: type, factor, original context, and beta_fast/beta_slow/attention_factor when given;
+    linear: type and factor); GGUF has no dynamic NTK for Qwen2, so that is refused."""
     import gguf
     from numpy_qwen2 import load_checkpoint
 
@@ -442,6 +467,7 @@ def write_tiny_gguf(out_path: str | Path, *, hf_dir: str | Path, qtype: str = "f
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    _add_rope_scaling(writer, config.get("rope_scaling"))
     writer.add_file_type(
         gguf.LlamaFileType.ALL_F32 if qtype == "f32" else gguf.LlamaFileType.MOSTLY_Q8_0
     )
@@ -472,6 +498,33 @@ def write_tiny_gguf(out_path: str | Path, *, hf_dir: str | Path, qtype: str = "f
     writer.write_tensors_to_file()
     writer.close()
     return out_path
+
+
+def _add_rope_scaling(writer, spec: dict | None) -> None:
+    """config.json's rope_scaling as llama.cpp's converter writes it into GGUF metadata."""
+    import gguf
+
+    if not spec:
+        return
+    kind = spec.get("rope_type", spec.get("type"))
+    if kind in (None, "default"):
+        return
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(spec["factor"])
+    elif kind == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(spec["factor"])
+        if "original_max_position_embeddings" in spec:
+            writer.add_rope_scaling_orig_ctx_len(spec["original_max_position_embeddings"])
+        if spec.get("attention_factor") is not None:
+            writer.add_rope_scaling_yarn_attn_factor(spec["attention_factor"])
+        if spec.get("beta_fast") is not None:
+            writer.add_rope_scaling_yarn_beta_fast(spec["beta_fast"])
+        if spec.get("beta_slow") is not None:
+            writer.add_rope_scaling_yarn_beta_slow(spec["beta_slow"])
+    else:
+        raise ValueError(f"llama.cpp's GGUF has no Qwen2 rope scaling {kind!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
