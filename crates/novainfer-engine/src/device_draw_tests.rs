@@ -6,6 +6,7 @@
 //! draws with the device kernel's CPU twin (`Draw::on_host`), exactly as the GPU would.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
@@ -32,6 +33,8 @@ struct Toy {
     config: Qwen2Config,
     caps: Capabilities,
     asked: Asked,
+    /// Verify spans drawn on the device (`SpanOutput::DrawEach`).
+    verifies: Arc<AtomicUsize>,
 }
 
 impl Toy {
@@ -100,7 +103,22 @@ impl Executor for Toy {
                     self.asked.lock().expect("lock").push(Some(draw.clone()));
                     out.tokens.push(draw.on_host(&row())?);
                 }
-                SpanOutput::AllLogits | SpanOutput::LastHidden => unreachable!("not asked here"),
+                SpanOutput::DrawEach(each) => {
+                    self.verifies.fetch_add(1, Ordering::Relaxed);
+                    for (t, draw) in (s.query_start..=last).zip(each) {
+                        self.asked.lock().expect("lock").push(Some(draw.clone()));
+                        let row = self.row(batch.token_ids[t], batch.positions[t]);
+                        out.tokens.push(draw.on_host(&row)?);
+                    }
+                }
+                SpanOutput::AllLogits => {
+                    for t in s.query_start..=last {
+                        self.asked.lock().expect("lock").push(None);
+                        out.logits
+                            .extend(self.row(batch.token_ids[t], batch.positions[t]));
+                    }
+                }
+                SpanOutput::LastHidden => unreachable!("not asked here"),
             }
         }
         Ok(out)
@@ -113,8 +131,17 @@ impl Executor for Toy {
     }
 }
 
-/// An engine over the toy with `caps`, and what it asked the toy for.
-fn engine(caps: Capabilities) -> (EngineCore, mpsc::Receiver<Vec<OutputEvent>>, Asked) {
+/// An engine over the toy with `caps` (and speculative decoding, if given), what it asked
+/// the toy for, and a count of the verify spans the toy drew.
+fn engine_with(
+    caps: Capabilities,
+    speculative: Option<crate::speculative::SpeculativeConfig>,
+) -> (
+    EngineCore,
+    mpsc::Receiver<Vec<OutputEvent>>,
+    Asked,
+    Arc<AtomicUsize>,
+) {
     let tokenizer = tiny_byte_level_tokenizer();
     let vocab = tokenizer.vocab_size();
     let config = Qwen2Config {
@@ -133,10 +160,12 @@ fn engine(caps: Capabilities) -> (EngineCore, mpsc::Receiver<Vec<OutputEvent>>, 
         eos_token_ids: vec![],
     };
     let asked = Asked::default();
+    let verifies = Arc::new(AtomicUsize::new(0));
     let toy = Toy {
         config: config.clone(),
         caps,
         asked: asked.clone(),
+        verifies: verifies.clone(),
     };
     let scheduler = SchedulerConfig::builder()
         .max_num_batched_tokens(256)
@@ -162,11 +191,11 @@ fn engine(caps: Capabilities) -> (EngineCore, mpsc::Receiver<Vec<OutputEvent>>, 
         ),
         scheduler,
         seed: 1234,
-        speculative: None,
+        speculative,
         draft: None,
     };
     let (tx, rx) = mpsc::channel();
-    (EngineCore::new(loaded, tx), rx, asked)
+    (EngineCore::new(loaded, tx), rx, asked, verifies)
 }
 
 /// Each completion's tokens with their logprobs.
@@ -178,7 +207,17 @@ fn run(
     caps: Capabilities,
     requests: &[(u64, Vec<u32>, SamplingParams)],
 ) -> (Tokens, Vec<Option<Draw>>) {
-    let (mut core, rx, asked) = engine(caps);
+    let (tokens, asked, _) = run_with(caps, None, requests);
+    (tokens, asked)
+}
+
+/// [`run`] with speculative decoding; also the number of verify spans drawn.
+fn run_with(
+    caps: Capabilities,
+    speculative: Option<crate::speculative::SpeculativeConfig>,
+    requests: &[(u64, Vec<u32>, SamplingParams)],
+) -> (Tokens, Vec<Option<Draw>>, usize) {
+    let (mut core, rx, asked, verifies) = engine_with(caps, speculative);
     let (sink, _deltas) = mpsc::channel();
     for (id, prompt, params) in requests {
         let grammar = core
@@ -215,7 +254,8 @@ fn run(
     }
     assert!(!core.has_work(), "the requests finished");
     let asked = asked.lock().expect("lock").clone();
-    (tokens, asked)
+    let verifies = verifies.load(Ordering::Relaxed);
+    (tokens, asked, verifies)
 }
 
 fn params(temperature: f32, max_tokens: i64) -> novainfer_core::SamplingParamsBuilder {
@@ -457,5 +497,45 @@ fn grammar_rows_are_drawn_with_their_mask() {
     for i in 0..2 {
         let (alone, _) = run(drawing(), &[(0, vec![5, 6], seeded(3 + i, 1))]);
         assert_eq!(ids(&together, i), ids(&alone, 0), "completion {i}");
+    }
+}
+
+/// Speculative decoding on a drawing backend: each verify's rows are drawn on the device
+/// (row i by the sampler's rule after the draft's first i tokens) and the engine keeps them up
+/// to the first that is not the draft's; greedy outputs equal the host's, with penalties too.
+#[test]
+fn verify_rows_are_drawn_and_cut_at_the_first_mismatch() {
+    let spec = || {
+        Some(
+            crate::speculative::SpeculativeConfig::from_json(&serde_json::json!({
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "prompt_lookup_min": 1,
+                "prompt_lookup_max": 2,
+                "draft_policy": "always",
+            }))
+            .expect("config"),
+        )
+    };
+    let requests: Vec<_> = [
+        (0, vec![5, 6, 5, 6, 5], params(0.0, 24)),
+        (10, vec![7, 8, 7, 8], params(0.0, 24).presence_penalty(0.3)),
+        (20, vec![9, 9, 9], params(0.0, 24).logprobs(Some(1))),
+    ]
+    .into_iter()
+    .map(|(id, p, b)| (id, p, b.build().expect("valid")))
+    .collect();
+    let (host, _, host_verifies) = run_with(capabilities::CPU, spec(), &requests);
+    let (device, _, verifies) = run_with(drawing(), spec(), &requests);
+    assert_eq!(host_verifies, 0, "the CPU backend is never asked to draw");
+    assert!(verifies > 0, "verify rows were drawn on the device");
+    for (id, want) in &host {
+        let got = &device[id];
+        let ids = |t: &[SampledToken]| t.iter().map(|t| t.token_id).collect::<Vec<_>>();
+        assert_eq!(ids(got), ids(want), "{id}");
+        for (a, b) in got.iter().zip(want) {
+            assert!((a.logprob - b.logprob).abs() < 1e-5, "{id}");
+            assert_eq!(a.rank, b.rank, "{id}");
+        }
     }
 }

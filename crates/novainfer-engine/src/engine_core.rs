@@ -24,7 +24,9 @@ use novainfer_core::{
 use novainfer_model::lora::AdapterId;
 use novainfer_model::sampler::{SampledToken, Sampler};
 use novainfer_model::AdapterRef;
-use novainfer_model::Draw;
+use novainfer_model::{Draw, DrawnToken};
+
+use crate::model_runner::DeviceDraws;
 use novainfer_structured::{CompiledGrammar, Constraint};
 
 use crate::engine::{Frontend, LoadedEngine};
@@ -460,7 +462,7 @@ impl EngineCore {
         for s in &out.scheduled {
             match s.output {
                 ChunkOutput::Nothing => {}
-                ChunkOutput::Sample if draws.contains_key(&s.request_id) => {
+                ChunkOutput::Sample if draws.samples.contains_key(&s.request_id) => {
                     let token = drawn
                         .next()
                         .expect("one drawn token per drawn request: this is a bug");
@@ -485,6 +487,29 @@ impl EngineCore {
                         .expect("one logits row per sampled request: this is a bug");
                     at += 1;
                     self.sample(s.request_id, row, &mut sampled, &mut forks);
+                }
+                ChunkOutput::Verify if draws.verifies.contains_key(&s.request_id) => {
+                    // The rows were drawn on the device: keep them up to the first that is
+                    // not the draft's token, as `verify_draft` does with host samples.
+                    let draft = s.draft_token_ids();
+                    let active = self
+                        .active
+                        .get_mut(&s.request_id)
+                        .expect("verified request is active: this is a bug");
+                    let mut tokens = Vec::with_capacity(draft.len() + 1);
+                    let mut confirmed = true;
+                    for i in 0..=draft.len() {
+                        let token = drawn
+                            .next()
+                            .expect("one drawn token per verified row: this is a bug");
+                        // Rows after the first token that is not the draft's are not kept.
+                        if confirmed {
+                            let token = active.sampler.accept_drawn(token);
+                            confirmed = draft.get(i) == Some(&token.token_id);
+                            tokens.push(token);
+                        }
+                    }
+                    self.record_verify(s.request_id, draft.len(), tokens, &mut sampled);
                 }
                 ChunkOutput::Verify => {
                     let n = s.token_ids.len();
@@ -523,13 +548,19 @@ impl EngineCore {
     /// can: those whose sampler needs nothing of the host ([`Sampler::device_draw`]), with no
     /// grammar to mask the row and no held-back completions to start from a copy of it. The
     /// others get their logits row back and are sampled here.
-    fn device_draws(&mut self, out: &SchedulerOutput) -> HashMap<RequestId, Draw> {
-        let mut draws = HashMap::new();
+    fn device_draws(&mut self, out: &SchedulerOutput) -> DeviceDraws {
+        let mut draws = DeviceDraws::default();
         if !self.runner.capabilities().sampling.draws {
             return draws;
         }
         let vocab = self.runner.config().vocab_size;
         for s in &out.scheduled {
+            if matches!(s.output, ChunkOutput::Verify) {
+                if let Some(each) = self.verify_draws(s.request_id, s.draft_token_ids()) {
+                    draws.verifies.insert(s.request_id, each);
+                }
+                continue;
+            }
             if !matches!(s.output, ChunkOutput::Sample)
                 || self
                     .groups
@@ -552,9 +583,32 @@ impl EngineCore {
                     None => continue,
                 }
             }
-            draws.insert(s.request_id, draw);
+            draws.samples.insert(s.request_id, draw);
         }
         draws
+    }
+
+    /// The rules of a verify's rows when the device can draw them all: row i's is the
+    /// sampler's after accepting the draft's first i tokens (rows past the first rejection
+    /// are dropped, so assuming acceptance is exact for every row kept). `None` (the rows
+    /// come back as logits) for a grammar, whose matcher cannot be advanced on a copy.
+    fn verify_draws(&self, id: RequestId, draft: &[u32]) -> Option<Vec<Draw>> {
+        let active = self.active.get(&id)?;
+        if active.constraint.is_some() {
+            return None;
+        }
+        let mut sampler = active.sampler.clone();
+        let mut each = Vec::with_capacity(draft.len() + 1);
+        for i in 0..=draft.len() {
+            each.push(sampler.device_draw()?);
+            if let Some(&token) = draft.get(i) {
+                sampler.accept_drawn(DrawnToken {
+                    token_id: token,
+                    ..DrawnToken::default()
+                });
+            }
+        }
+        Some(each)
     }
 
     /// Tells the proposer what a step of decodes and drafts cost (prompt chunks would say
@@ -602,19 +656,32 @@ impl EngineCore {
             vocab,
             &mut self.grammar_outcomes,
         );
+        self.record_verify(id, draft.len(), tokens, sampled);
+    }
+
+    /// Counts what request `id`'s verification confirmed (`tokens`: the confirmed draft
+    /// tokens and the one after them) and hands the tokens on.
+    fn record_verify(
+        &mut self,
+        id: RequestId,
+        drafted: usize,
+        tokens: Vec<SampledToken>,
+        sampled: &mut Vec<(RequestId, Vec<SampledToken>)>,
+    ) {
+        let draft_len = drafted;
         let accepted = tokens.len() - 1;
         self.stats.num_drafts += 1;
-        self.stats.num_draft_tokens += draft.len() as u64;
+        self.stats.num_draft_tokens += draft_len as u64;
         self.stats.num_accepted_tokens += accepted as u64;
         self.verified.push((
             id,
             Speculation {
-                num_draft_tokens: draft.len(),
+                num_draft_tokens: draft_len,
                 num_accepted_tokens: accepted,
             },
         ));
         if let Some(proposer) = self.proposer.as_mut() {
-            proposer.record(id, draft.len(), accepted);
+            proposer.record(id, draft_len, accepted);
         }
         sampled.push((id, tokens));
     }

@@ -12,6 +12,14 @@ use novainfer_model::{
 
 use crate::error::{EngineError, Result};
 
+/// The rows of a step the backend draws itself: sampled requests' next tokens, and verified
+/// requests' rows (one rule per token: the sampler's after the draft's first i tokens).
+#[derive(Debug, Default)]
+pub struct DeviceDraws {
+    pub samples: HashMap<RequestId, Draw>,
+    pub verifies: HashMap<RequestId, Vec<Draw>>,
+}
+
 pub struct ModelRunner {
     executor: Box<dyn Executor>,
 }
@@ -57,7 +65,7 @@ impl ModelRunner {
         &mut self,
         out: &SchedulerOutput,
         adapters: &HashMap<AdapterId, AdapterRef>,
-        draws: &HashMap<RequestId, Draw>,
+        draws: &DeviceDraws,
     ) -> Result<ForwardOutput> {
         for c in &out.block_copies {
             self.executor
@@ -76,7 +84,7 @@ impl ModelRunner {
         &self,
         out: &SchedulerOutput,
         adapters: &HashMap<AdapterId, AdapterRef>,
-        draws: &HashMap<RequestId, Draw>,
+        draws: &DeviceDraws,
     ) -> Result<ForwardBatch> {
         let block_size = self.executor.block_size();
         let mut batch = ForwardBatch::default();
@@ -90,12 +98,16 @@ impl ModelRunner {
             let table = s.block_table.iter().map(|b| b.0).collect();
             let output = match s.output {
                 ChunkOutput::Nothing => SpanOutput::None,
-                ChunkOutput::Sample => match draws.get(&s.request_id) {
+                ChunkOutput::Sample => match draws.samples.get(&s.request_id) {
                     Some(draw) => SpanOutput::Draw(draw.clone()),
                     None => SpanOutput::LastLogits,
                 },
+                ChunkOutput::Verify => match draws.verifies.get(&s.request_id) {
+                    Some(each) => SpanOutput::DrawEach(each.clone()),
+                    None => SpanOutput::AllLogits,
+                },
                 ChunkOutput::Hidden => SpanOutput::LastHidden,
-                ChunkOutput::PromptLogits | ChunkOutput::Verify => SpanOutput::AllLogits,
+                ChunkOutput::PromptLogits => SpanOutput::AllLogits,
             };
             let adapter = match s.adapter {
                 None => None,

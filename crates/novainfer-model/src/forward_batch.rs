@@ -29,6 +29,10 @@ pub enum SpanOutput {
     /// the token and its logprob leave the device. For a backend whose
     /// [`Capabilities::sampling`](crate::Capabilities) has `draws`.
     Draw(Draw),
+    /// Every token's next token, each drawn on the device by its own rule (a speculative
+    /// verify: rule i is the sampler's after the draft's first i tokens; one per token).
+    /// Only the tokens leave the device; the caller keeps the prefix that matches the draft.
+    DrawEach(Vec<Draw>),
     /// Every token's logits (scoring a prompt).
     AllLogits,
     /// The last token's final hidden state, after the final norm (an embedding).
@@ -145,7 +149,7 @@ impl ForwardBatch {
             let all = s.query_start..s.query_start + s.query_len;
             match &s.output {
                 SpanOutput::LastLogits | SpanOutput::Draw(_) => rows.push(all.end - 1),
-                SpanOutput::AllLogits => rows.extend(all),
+                SpanOutput::AllLogits | SpanOutput::DrawEach(_) => rows.extend(all),
                 SpanOutput::None | SpanOutput::LastHidden => {}
             }
         }
@@ -180,11 +184,11 @@ impl ForwardBatch {
         })
     }
 
-    /// Whether any span asks the device to draw its token.
+    /// Whether any span asks the device to draw a token.
     pub fn has_draws(&self) -> bool {
         self.seqs
             .iter()
-            .any(|s| matches!(s.output, SpanOutput::Draw(_)))
+            .any(|s| matches!(s.output, SpanOutput::Draw(_) | SpanOutput::DrawEach(_)))
     }
 
     /// A batch of the spans `which` (indices into `seqs`, in order), each with its output.

@@ -339,14 +339,23 @@ impl CudaExecutor {
                     out.hidden
                         .extend(self.run_in_pool(&one, Tail::Hidden)?.rows);
                 }
-                SpanOutput::AllLogits => {
+                SpanOutput::AllLogits | SpanOutput::DrawEach(_) => {
+                    // As one-token spans over the span's table, max_seqs at a time and in
+                    // order (each token's K/V is written before a later token reads it); a
+                    // verify's tokens each drawn by their own rule.
                     let group = self.capacity.max_seqs.max(1);
                     let mut start = 0;
                     while start < span.query_len {
                         let end = (start + group).min(span.query_len);
-                        let tokens = batch.one_token_spans(i, start..end);
-                        out.logits
-                            .extend(self.run_in_pool(&tokens, Tail::Logits)?.rows);
+                        let mut tokens = batch.one_token_spans(i, start..end);
+                        if let SpanOutput::DrawEach(each) = &span.output {
+                            for (one, draw) in tokens.seqs.iter_mut().zip(&each[start..end]) {
+                                one.output = SpanOutput::Draw(draw.clone());
+                            }
+                        }
+                        let TailOut { rows, tokens } = self.run_in_pool(&tokens, Tail::Logits)?;
+                        out.logits.extend(rows);
+                        out.tokens.extend(tokens);
                         start = end;
                     }
                 }

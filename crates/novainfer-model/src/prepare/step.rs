@@ -11,7 +11,7 @@ use novainfer_cuda::sample_params::{DrawMode, RowEdit, RowPenalties, SampleParam
 
 use crate::draw::{MAX_DEVICE_EDITS, MAX_TOP_LOGPROBS};
 use crate::error::{ModelError, Result};
-use crate::forward_batch::{ForwardBatch, SpanOutput};
+use crate::forward_batch::{Draw, ForwardBatch, SpanOutput};
 
 /// What the executor's buffers and pool were sized for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -236,7 +236,6 @@ struct Draws {
 
 /// The kernels' mode, parameters and edits for each sampled row, in `logits_indices` order.
 fn draws(batch: &ForwardBatch, vocab_size: usize) -> Result<Draws> {
-    let words = vocab_size.div_ceil(32);
     let mut d = Draws {
         modes: Vec::new(),
         params: Vec::new(),
@@ -248,84 +247,92 @@ fn draws(batch: &ForwardBatch, vocab_size: usize) -> Result<Draws> {
         masks: Vec::new(),
     };
     for s in batch.seqs.iter().filter(|s| s.query_len > 0) {
-        let (mode, p, rows, adjust, top, allowed) = match &s.output {
-            SpanOutput::None | SpanOutput::LastHidden => continue,
-            SpanOutput::LastLogits => (DrawMode::Skip, SampleParams::UNUSED, 1, None, -1, None),
-            SpanOutput::AllLogits => (
-                DrawMode::Skip,
-                SampleParams::UNUSED,
-                s.query_len,
-                None,
-                -1,
-                None,
-            ),
-            SpanOutput::Draw(draw) => {
-                let (mode, p) = draw.kernel_args()?;
-                let top = match draw.logprobs {
-                    None => -1,
-                    Some(n) if n <= MAX_TOP_LOGPROBS => n as i32,
-                    Some(n) => {
-                        return Err(bad(
-                            "draw",
-                            format!(
-                                "{n} top logprobs exceed the {MAX_TOP_LOGPROBS} a draw returns"
-                            ),
-                        ))
-                    }
-                };
-                if let Some(mask) = &draw.allowed {
-                    if mask.len() != words {
-                        return Err(bad(
-                            "draw",
-                            format!(
-                                "a grammar mask of {} words for a vocabulary of {vocab_size} \
-                                 ({words} words)",
-                                mask.len()
-                            ),
-                        ));
-                    }
+        match &s.output {
+            SpanOutput::None | SpanOutput::LastHidden => {}
+            SpanOutput::LastLogits => d.push_skip(1),
+            SpanOutput::AllLogits => d.push_skip(s.query_len),
+            SpanOutput::Draw(draw) => d.push_draw(draw, vocab_size)?,
+            SpanOutput::DrawEach(each) => {
+                if each.len() != s.query_len {
+                    return Err(bad(
+                        "draw",
+                        format!("{} rules for a span of {} tokens", each.len(), s.query_len),
+                    ));
                 }
-                (
-                    mode,
-                    p,
-                    1,
-                    draw.adjust.as_deref(),
-                    top,
-                    draw.allowed.as_deref(),
-                )
-            }
-        };
-        for _ in 0..rows {
-            d.modes.push(mode);
-            d.params.push(p);
-            d.tops.push(top);
-            match allowed {
-                Some(mask) => {
-                    d.masks_at.push((d.masks.len() / words) as i32);
-                    d.masks.extend_from_slice(mask);
+                for draw in each {
+                    d.push_draw(draw, vocab_size)?;
                 }
-                None => d.masks_at.push(-1),
             }
-            match adjust {
-                Some(a) => {
-                    if a.edits.len() > MAX_DEVICE_EDITS {
-                        return Err(bad(
-                            "draw",
-                            format!(
-                                "{} edits of one row exceed the {MAX_DEVICE_EDITS} the device takes",
-                                a.edits.len()
-                            ),
-                        ));
-                    }
-                    d.edits.extend_from_slice(&a.edits);
-                    d.penalties.push(a.penalties);
-                }
-                None => d.penalties.push(RowPenalties::NEUTRAL),
-            }
-            d.edit_offsets.push(d.edits.len() as i32);
         }
     }
     Ok(d)
+}
+
+impl Draws {
+    /// `rows` rows whose logits go back to the engine.
+    fn push_skip(&mut self, rows: usize) {
+        for _ in 0..rows {
+            self.modes.push(DrawMode::Skip);
+            self.params.push(SampleParams::UNUSED);
+            self.tops.push(-1);
+            self.masks_at.push(-1);
+            self.penalties.push(RowPenalties::NEUTRAL);
+            self.edit_offsets.push(self.edits.len() as i32);
+        }
+    }
+
+    /// One row drawn by `draw`, checked against what the kernels take.
+    fn push_draw(&mut self, draw: &Draw, vocab_size: usize) -> Result<()> {
+        let words = vocab_size.div_ceil(32);
+        let (mode, p) = draw.kernel_args()?;
+        let top = match draw.logprobs {
+            None => -1,
+            Some(n) if n <= MAX_TOP_LOGPROBS => n as i32,
+            Some(n) => {
+                return Err(bad(
+                    "draw",
+                    format!("{n} top logprobs exceed the {MAX_TOP_LOGPROBS} a draw returns"),
+                ))
+            }
+        };
+        self.modes.push(mode);
+        self.params.push(p);
+        self.tops.push(top);
+        match draw.allowed.as_deref() {
+            Some(mask) if mask.len() != words => {
+                return Err(bad(
+                    "draw",
+                    format!(
+                    "a grammar mask of {} words for a vocabulary of {vocab_size} ({words} words)",
+                    mask.len()
+                ),
+                ))
+            }
+            Some(mask) => {
+                self.masks_at.push((self.masks.len() / words) as i32);
+                self.masks.extend_from_slice(mask);
+            }
+            None => self.masks_at.push(-1),
+        }
+        match draw.adjust.as_deref() {
+            Some(a) if a.edits.len() > MAX_DEVICE_EDITS => {
+                return Err(bad(
+                    "draw",
+                    format!(
+                        "{} edits of one row exceed the {MAX_DEVICE_EDITS} the device takes",
+                        a.edits.len()
+                    ),
+                ))
+            }
+            Some(a) => {
+                self.edits.extend_from_slice(&a.edits);
+                self.penalties.push(a.penalties);
+            }
+            None => self.penalties.push(RowPenalties::NEUTRAL),
+        }
+        self.edit_offsets.push(self.edits.len() as i32);
+        Ok(())
+    }
 }
 
 impl PackedStep {
@@ -769,6 +776,28 @@ mod tests {
         );
         let mut short = ForwardBatch::default();
         short.push_span(&[2], 0, vec![4], vec![1], SpanOutput::Draw(masked(vec![5])));
+        assert_eq!(field(PackedStep::pack(&short, &cap)), "draw");
+
+        // A verify span: each token's row drawn by its own rule; one rule per token.
+        let mut v = ForwardBatch::default();
+        let each = vec![greedy.clone(), random.clone(), greedy.clone()];
+        v.push_span(
+            &[1, 2, 3],
+            0,
+            vec![0, 1, 2],
+            vec![0],
+            SpanOutput::DrawEach(each),
+        );
+        let p = PackedStep::pack(&v, &cap).expect("valid");
+        assert_eq!(p.sample_rows, [0, 1, 2]);
+        assert_eq!(
+            p.draw_modes,
+            [DrawMode::Greedy, DrawMode::Random, DrawMode::Greedy]
+        );
+        assert_eq!(p.tops, [7, -1, 7]);
+        let mut short = ForwardBatch::default();
+        let one = vec![greedy.clone()];
+        short.push_span(&[1, 2], 0, vec![0, 1], vec![0], SpanOutput::DrawEach(one));
         assert_eq!(field(PackedStep::pack(&short, &cap)), "draw");
 
         // A rule outside the kernel's ranges is refused before anything runs.
