@@ -264,7 +264,7 @@ def tiny_config(
     tie_word_embeddings: bool = False,
     head_dim: int | None = None,
     rope_scaling: dict | None = None,
-    max_position_embeddings: int = MAX_POSITIONS,
+    max_position_embeddings: int | None = None,
 ) -> dict:
     """config.json of the tiny model; `rope_scaling` (written as given) and a smaller
     `max_position_embeddings` make a long-context variant whose positions past the original window
@@ -280,7 +280,8 @@ def tiny_config(
         "num_hidden_layers": NUM_LAYERS,
         "num_attention_heads": NUM_HEADS,
         "num_key_value_heads": NUM_KV_HEADS,
-        "max_position_embeddings": max_position_embeddings,
+        # Read at call time, not bound as a default: tests patch MAX_POSITIONS for a longer context.
+        "max_position_embeddings": MAX_POSITIONS if max_position_embeddings is None else max_position_embeddings,
         "rope_theta": ROPE_THETA,
         "rms_norm_eps": RMS_NORM_EPS,
         "tie_word_embeddings": tie_word_embeddings,
@@ -371,7 +372,7 @@ def write_tiny_model(
     head_dim: int | None = None,
     fim: bool = False,
     rope_scaling: dict | None = None,
-    max_position_embeddings: int = MAX_POSITIONS,
+    max_position_embeddings: int | None = None,
 ) -> Path:
     """Write the tiny Qwen2 HF directory into `out_dir` (created if needed) and return it. With `fim` the
     tokenizer also has Qwen2.5-Coder's FIM tokens (`FIM_TOKENS`, ids from 448) and the vocabulary grows to match.
