@@ -38,12 +38,12 @@ struct Toy {
 }
 
 impl Toy {
-    /// Logits of the position after `token` at `position`: a broad spread with a few
-    /// clear leaders, all depending on both.
-    fn row(&self, token: u32, position: usize) -> Vec<f32> {
+    /// Logits of the position after `token`: a broad spread with a few clear leaders, a
+    /// function of the token alone (so a greedy walk falls into a cycle, which prompt-lookup
+    /// drafts then predict and verifies accept).
+    fn row(&self, token: u32, _position: usize) -> Vec<f32> {
         let v = self.config.vocab_size;
-        let mut h =
-            (u64::from(token) * 0x9E37_79B9_7F4A_7C15) ^ ((position as u64 + 1) * 0xBF58_476D);
+        let mut h = (u64::from(token) + 1) * 0x9E37_79B9_7F4A_7C15;
         (0..v)
             .map(|_| {
                 h ^= h >> 29;
@@ -211,12 +211,13 @@ fn run(
     (tokens, asked)
 }
 
-/// [`run`] with speculative decoding; also the number of verify spans drawn.
+/// [`run`] with speculative decoding; also the number of verify spans drawn and of draft
+/// tokens accepted.
 fn run_with(
     caps: Capabilities,
     speculative: Option<crate::speculative::SpeculativeConfig>,
     requests: &[(u64, Vec<u32>, SamplingParams)],
-) -> (Tokens, Vec<Option<Draw>>, usize) {
+) -> (Tokens, Vec<Option<Draw>>, (usize, u64)) {
     let (mut core, rx, asked, verifies) = engine_with(caps, speculative);
     let (sink, _deltas) = mpsc::channel();
     for (id, prompt, params) in requests {
@@ -254,7 +255,10 @@ fn run_with(
     }
     assert!(!core.has_work(), "the requests finished");
     let asked = asked.lock().expect("lock").clone();
-    let verifies = verifies.load(Ordering::Relaxed);
+    let verifies = (
+        verifies.load(Ordering::Relaxed),
+        core.stats().num_accepted_tokens,
+    );
     (tokens, asked, verifies)
 }
 
@@ -518,17 +522,20 @@ fn verify_rows_are_drawn_and_cut_at_the_first_mismatch() {
         )
     };
     let requests: Vec<_> = [
-        (0, vec![5, 6, 5, 6, 5], params(0.0, 24)),
-        (10, vec![7, 8, 7, 8], params(0.0, 24).presence_penalty(0.3)),
-        (20, vec![9, 9, 9], params(0.0, 24).logprobs(Some(1))),
+        (0, vec![5, 6, 5, 6, 5], params(0.0, 48)),
+        (10, vec![7, 8, 7, 8], params(0.0, 48).presence_penalty(0.3)),
+        (20, vec![9, 9, 9], params(0.0, 48).logprobs(Some(1))),
     ]
     .into_iter()
     .map(|(id, p, b)| (id, p, b.build().expect("valid")))
     .collect();
-    let (host, _, host_verifies) = run_with(capabilities::CPU, spec(), &requests);
-    let (device, _, verifies) = run_with(drawing(), spec(), &requests);
+    let (host, _, (host_verifies, host_accepted)) = run_with(capabilities::CPU, spec(), &requests);
+    let (device, _, (verifies, accepted)) = run_with(drawing(), spec(), &requests);
     assert_eq!(host_verifies, 0, "the CPU backend is never asked to draw");
     assert!(verifies > 0, "verify rows were drawn on the device");
+    // Drafts were accepted, and as many as on the host: the same tokens confirmed.
+    assert!(accepted > 0);
+    assert_eq!(accepted, host_accepted);
     for (id, want) in &host {
         let got = &device[id];
         let ids = |t: &[SampledToken]| t.iter().map(|t| t.token_id).collect::<Vec<_>>();
