@@ -13,6 +13,7 @@ pub mod generation;
 pub mod ignored;
 pub mod indent;
 pub mod keys;
+pub mod kv_config;
 pub mod kv_events;
 pub mod lifecycle;
 pub mod limits;

@@ -2,149 +2,16 @@
 //! dashboards built for vLLM read, with vLLM's names, types, labels and meaning.
 //!
 //! Every series carries vLLM's labels `model_name` and `engine` (always `"0"`: one engine
-//! core per served model). The values are the ones NovaInfer's own `novainfer:*` series
-//! show; only the spelling differs, and where vLLM knows fewer values (finish reasons) ours
-//! are folded into its. Who reads what is listed in docs/api.md ("vLLM-compatible metrics").
+//! core per served model). The series both namespaces share are defined once, in
+//! [`crate::metrics::SERIES`], with both spellings; only vLLM's own (its cache configuration,
+//! LoRA requests, and finish reasons folded into vLLM's fewer) are here. Who reads what is listed in docs/api.md ("vLLM-compatible metrics").
 
 use std::fmt::Write;
 
-use novainfer_engine::EngineStats;
-
-use crate::metrics::{Histogram, ModelMetrics, ModelSnapshot};
+use crate::metrics::{header, render_series, ModelSnapshot};
 
 /// vLLM's `engine` label: the index of the engine core inside one server.
 const ENGINE: &str = "0";
-
-type Stat = fn(&EngineStats) -> f64;
-
-/// Engine-side series: (name, type, help, value).
-const ENGINE_SERIES: &[(&str, &str, &str, Stat)] = &[
-    (
-        "vllm:num_requests_running",
-        "gauge",
-        "Number of requests in model execution batches.",
-        |s| s.num_running as f64,
-    ),
-    (
-        "vllm:num_requests_waiting",
-        "gauge",
-        "Number of requests waiting to be processed.",
-        |s| s.num_waiting as f64,
-    ),
-    (
-        "vllm:kv_cache_usage_perc",
-        "gauge",
-        "KV-cache usage. 1 means 100 percent usage.",
-        kv_usage,
-    ),
-    (
-        "vllm:gpu_cache_usage_perc",
-        "gauge",
-        "KV-cache usage. 1 means 100 percent usage (deprecated: vllm:kv_cache_usage_perc).",
-        kv_usage,
-    ),
-    (
-        "vllm:prefix_cache_queries_total",
-        "counter",
-        "Prefix cache queries, in terms of number of queried tokens.",
-        |s| s.kv.num_query_tokens as f64,
-    ),
-    (
-        "vllm:prefix_cache_hits_total",
-        "counter",
-        "Prefix cache hits, in terms of number of cached tokens.",
-        |s| s.kv.num_hit_tokens as f64,
-    ),
-    (
-        "vllm:gpu_prefix_cache_queries_total",
-        "counter",
-        "Prefix cache queries in tokens (deprecated: vllm:prefix_cache_queries).",
-        |s| s.kv.num_query_tokens as f64,
-    ),
-    (
-        "vllm:gpu_prefix_cache_hits_total",
-        "counter",
-        "Prefix cache hits in tokens (deprecated: vllm:prefix_cache_hits).",
-        |s| s.kv.num_hit_tokens as f64,
-    ),
-    (
-        "vllm:num_preemptions_total",
-        "counter",
-        "Cumulative number of preemption from the engine.",
-        |s| s.num_preemptions as f64,
-    ),
-    (
-        "vllm:spec_decode_num_drafts_total",
-        "counter",
-        "Number of spec decoding drafts.",
-        |s| s.num_drafts as f64,
-    ),
-    (
-        "vllm:spec_decode_num_draft_tokens_total",
-        "counter",
-        "Number of draft tokens.",
-        |s| s.num_draft_tokens as f64,
-    ),
-    (
-        "vllm:spec_decode_num_accepted_tokens_total",
-        "counter",
-        "Number of accepted tokens.",
-        |s| s.num_accepted_tokens as f64,
-    ),
-];
-
-/// vLLM's KV usage: the fraction of blocks not free (cached free blocks count as free).
-fn kv_usage(s: &EngineStats) -> f64 {
-    s.kv.num_used_blocks as f64 / s.kv.num_blocks.max(1) as f64
-}
-
-type Count = fn(&ModelMetrics) -> u64;
-
-const SERVER_COUNTERS: &[(&str, &str, Count)] = &[
-    (
-        "vllm:prompt_tokens_total",
-        "Number of prefill tokens processed.",
-        |m| m.prompt_tokens.load(std::sync::atomic::Ordering::Relaxed),
-    ),
-    (
-        "vllm:generation_tokens_total",
-        "Number of generation tokens processed.",
-        |m| {
-            m.generation_tokens
-                .load(std::sync::atomic::Ordering::Relaxed)
-        },
-    ),
-];
-
-type HistogramOf = fn(&ModelMetrics) -> &Histogram;
-
-const HISTOGRAMS: &[(&str, &str, HistogramOf)] = &[
-    (
-        "vllm:time_to_first_token_seconds",
-        "Histogram of time to first token in seconds.",
-        |m| &m.ttft,
-    ),
-    (
-        "vllm:inter_token_latency_seconds",
-        "Histogram of inter-token latency in seconds.",
-        |m| &m.itl,
-    ),
-    (
-        "vllm:e2e_request_latency_seconds",
-        "Histogram of e2e request latency in seconds.",
-        |m| &m.e2e,
-    ),
-    (
-        "vllm:request_queue_time_seconds",
-        "Histogram of time spent in WAITING phase for request.",
-        |m| &m.queue_time,
-    ),
-    (
-        "vllm:request_prefill_time_seconds",
-        "Histogram of time spent in PREFILL phase for request.",
-        |m| &m.prefill_time,
-    ),
-];
 
 /// vLLM's finish reasons, and ours that each one counts.
 const FINISHED: &[(&str, &[&str])] = &[
@@ -155,32 +22,17 @@ const FINISHED: &[(&str, &[&str])] = &[
     ("error", &["error"]),
 ];
 
-fn header(out: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-}
-
 fn labels(m: &ModelSnapshot<'_>) -> String {
     format!("model_name=\"{}\",engine=\"{ENGINE}\"", m.name)
 }
 
-/// Appends every `vllm:*` series for `models` to `out`.
+/// Appends every `vllm:*` series for `models` to `out`: the per-model series of
+/// [`crate::metrics::SERIES`] under their vLLM names, and vLLM's own (the cache
+/// configuration, LoRA requests, finish reasons folded into vLLM's).
 pub fn render(out: &mut String, models: &[ModelSnapshot<'_>]) {
-    for (name, kind, help, value) in ENGINE_SERIES {
-        header(out, name, kind, help);
-        for m in models {
-            if let Some(stats) = &m.engine {
-                let _ = writeln!(out, "{name}{{{}}} {}", labels(m), value(stats));
-            }
-        }
-    }
+    render_series(out, models, |s| s.vllm, labels);
     cache_config_info(out, models);
     lora_requests_info(out, models);
-    for (name, help, value) in SERVER_COUNTERS {
-        header(out, name, "counter", help);
-        for m in models {
-            let _ = writeln!(out, "{name}{{{}}} {}", labels(m), value(m.metrics));
-        }
-    }
     let name = "vllm:request_success_total";
     header(
         out,
@@ -196,12 +48,6 @@ pub fn render(out: &mut String, models: &[ModelSnapshot<'_>]) {
                 "{name}{{{},finished_reason=\"{reason}\"}} {count}",
                 labels(m)
             );
-        }
-    }
-    for (name, help, histogram) in HISTOGRAMS {
-        header(out, name, "histogram", help);
-        for m in models {
-            histogram(m.metrics).render(out, name, &labels(m));
         }
     }
 }
@@ -258,7 +104,9 @@ fn lora_requests_info(out: &mut String, models: &[ModelSnapshot<'_>]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::KvConfig;
+    use crate::kv_config::KvConfig;
+    use crate::metrics::ModelMetrics;
+    use novainfer_engine::EngineStats;
 
     #[test]
     fn the_vllm_contract_is_rendered_with_vllm_labels() {

@@ -125,6 +125,7 @@ pub async fn metrics(State(app): State<Arc<AppState>>) -> Response {
         app.admission.num_running(),
         &snapshots,
     );
+    crate::vllm_metrics::render(&mut text, &snapshots);
     app.endpoint_metrics.render(&mut text);
     for m in &app.models.0 {
         if let Some(publisher) = &m.kv_events {
