@@ -690,3 +690,27 @@ def _nothing_left_running(request: pytest.FixtureRequest) -> None:
         if name in request.fixturenames:
             srv = request.getfixturevalue(name)
             assert srv.wait_metric(RUNNING, 0) == 0, f"{name} still runs a request after the test"
+
+
+def test_a_reply_a_screen_long_in_one_delta_leaves_the_view_at_its_end(ui_browser, server: Server) -> None:
+    """At the end of the conversation when a reply arrives, the view follows it even when one delta adds far
+    more than the "near the end" margin: no scroll-to-latest button, the last line in view. (A stubbed reply
+    arrives whole, so this checks the end-of-stream render; the per-frame update mid-stream follows the same
+    rule, forced once the reader was at the end, and is exercised by the streaming scroll test.)"""
+    ctx = new_context(ui_browser, viewport={"width": 900, "height": 420})
+    page = ctx.new_page()
+    try:
+        page.goto(server.url + "/")
+        page.wait_for_selector("#prompt")
+        text = "\n\n".join(f"Line {i} of a long reply." for i in range(60))
+        stub_chat(page, sse(chunk({"role": "assistant", "content": ""}), chunk({"content": text}),
+                            chunk({}, finish="stop")))
+        send(page, "a long answer please")
+        wait_idle(page)
+        expect(page.locator("article.msg-assistant").last).to_contain_text("Line 59 of a long reply.")
+        messages = page.locator("#messages")
+        assert messages.evaluate("el => el.scrollHeight > el.clientHeight + 400")
+        assert messages.evaluate("el => el.scrollHeight - el.scrollTop - el.clientHeight") < 80
+        expect(page.get_by_role("button", name="Scroll to the latest message")).to_be_hidden()
+    finally:
+        ctx.close()

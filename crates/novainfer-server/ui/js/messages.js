@@ -71,7 +71,9 @@ export class MessageView {
     old.className = fresh.className;
     old.setAttribute('aria-label', fresh.getAttribute('aria-label'));
     old.replaceChildren(...fresh.childNodes);
-    if (follow) this.scrollToEnd(false);
+    // Forced: the reader was at the end before this update; one frame's worth of streamed
+    // text can add more than the "near" margin, and asking again would then stop following.
+    if (follow) this.scrollToEnd(true);
   }
 
   nearBottom() {
