@@ -52,6 +52,13 @@ impl GrammarMatcher {
     /// Sets every logit the grammar forbids to `-inf` (ids past the vocabulary too). Fails when
     /// the grammar allows no token at all, which only a broken matcher does.
     pub fn apply_mask(&mut self, logits: &mut [f32]) -> Result<(), StructuredError> {
+        mask_logits(self.allowed()?, logits);
+        Ok(())
+    }
+
+    /// The next token's mask as words of 32 ids, computed if needed; an error when the
+    /// grammar allows no token at all, which only a broken matcher does.
+    fn allowed(&mut self) -> Result<&[u32], StructuredError> {
         self.compute_mask()?;
         let mask = self
             .mask
@@ -62,25 +69,14 @@ impl GrammarMatcher {
                 "the grammar allows no token here".into(),
             ));
         }
-        mask_logits(mask.as_slice(), logits);
-        Ok(())
+        Ok(mask.as_slice())
     }
 
     /// The next token's mask as words of 32 ids (bit `i % 32` of word `i / 32` set when id
     /// `i` is allowed), for a device that masks the row itself. Fails as
     /// [`Self::apply_mask`] does when the grammar allows no token.
     pub fn mask_words(&mut self) -> Result<Vec<u32>, StructuredError> {
-        self.compute_mask()?;
-        let mask = self
-            .mask
-            .as_ref()
-            .expect("computed just above: this is a bug");
-        if mask.is_zero() {
-            return Err(StructuredError::Matcher(
-                "the grammar allows no token here".into(),
-            ));
-        }
-        Ok(mask.as_slice().to_vec())
+        Ok(self.allowed()?.to_vec())
     }
 
     /// Advances past `token` (which the mask allowed); [`Progress::Finished`] when the grammar
