@@ -10,18 +10,9 @@ use novainfer_model::{CpuExecutor, Executor, ForwardBatch, PagedKvCache, Qwen2Co
 
 const BLOCK_SIZE: usize = 4;
 
-/// The GPU test's model: head_dim 64, 2 layers, untied or tied.
+/// The GPU test's model (head_dim 64), untied or tied.
 fn config(tie: bool) -> Qwen2Config {
-    Qwen2Config {
-        vocab_size: 96,
-        hidden_size: 256,
-        intermediate_size: 384,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        max_position_embeddings: 64,
-        ..common::config(tie)
-    }
+    common::config_hd64(tie)
 }
 
 fn slots(table: &[u32], positions: std::ops::Range<usize>) -> Vec<usize> {

@@ -104,6 +104,21 @@ pub fn config(tie: bool) -> Qwen2Config {
     }
 }
 
+/// The GPU tests' tiny model: head_dim 64 (the smallest the attention kernels are built for),
+/// hidden 256, 4 heads, 2 KV heads, 2 layers.
+pub fn config_hd64(tie: bool) -> Qwen2Config {
+    Qwen2Config {
+        vocab_size: 96,
+        hidden_size: 256,
+        intermediate_size: 384,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        max_position_embeddings: 64,
+        ..config(tie)
+    }
+}
+
 /// Deterministic pseudo-random weights (no RNG crate needed for a fixture).
 pub fn tensor(shape: &[usize], seed: usize, scale: f32) -> Tensor {
     let n: usize = shape.iter().product();
