@@ -33,7 +33,8 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{hmax, score_block, tile_sum, transpose_8_rows};
+use super::avx2::score_block;
+use super::ymm::{hmax, tile_sum, transpose_8_rows};
 use super::*;
 
 /// Positions (or dimensions) per 512-bit vector.
