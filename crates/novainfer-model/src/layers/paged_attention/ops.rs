@@ -1,5 +1,6 @@
-//! The arithmetic of the attention kernel, once portable, once in AVX2/FMA/F16C and once in
-//! AVX-512F ([`avx512`]).
+//! The arithmetic of the attention kernel, once portable ([`Scalar`]) and once vectorized
+//! ([`vectorized`]), a body generic over [`simd::Simd`] that AVX2/FMA/F16C ([`Avx2`], 8
+//! lanes) and AVX-512F ([`Avx512`], 16 lanes) instantiate.
 //!
 //! All implementations perform the same IEEE operations in the same order on every
 //! number, so they agree bit for bit (tested); only the speed differs:
@@ -16,7 +17,7 @@
 //!   position order. Positions past a row's own limit carry `e_j = 0`, so a row may run a
 //!   few extra (exact no-op) steps when it shares a tile with later rows.
 
-use crate::kv_dtype::{q8_block, KvStorage};
+use crate::kv_dtype::KvStorage;
 
 /// Positions per softmax tile (and rows of the K/V scratch): the per-row work of a tile
 /// (maximum, rescaling, sums, reloading the running values) is paid once per `TILE` positions.
@@ -29,10 +30,6 @@ const _: () = assert!(
     TILE.is_multiple_of(GROUP) && VECS.is_power_of_two(),
     "the softmax sum is a pairwise tree over the tile's vectors"
 );
-
-/// Query rows per register block of the scores and the value pass: `ROW_BLOCK × 2`
-/// accumulators plus 2 loaded vectors and a broadcast fill 15 of the 16 AVX2 registers.
-const ROW_BLOCK: usize = 6;
 
 /// `rows` as the fewest blocks `(first row, rows)` of at most `max`, as even as
 /// possible: a block of 1-2 rows has too few accumulators to hide the FMA latency.
@@ -114,7 +111,7 @@ const EXP_P: [f32; 6] = [
 ];
 
 /// `exp(x)` for `x ≤ 0` (smaller than −87.3 gives `exp(−87.3)`, a number that only ever
-/// multiplies zeros or vanishes next to 1); bit-identical to one lane of the AVX2 version.
+/// multiplies zeros or vanishes next to 1); bit-identical to one lane of the vectorized one.
 #[inline(always)]
 pub(super) fn exp_scalar(x: f32) -> f32 {
     let x = x.max(EXP_LO);
@@ -225,315 +222,12 @@ pub(super) use avx2::Avx2;
 pub(super) use avx512::Avx512;
 
 #[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]
-mod ymm;
-
+mod simd;
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use std::arch::x86_64::*;
-
-    use super::ymm::{hmax, tile_sum, transpose_8_rows};
-    use super::*;
-
-    /// AVX2 + FMA + F16C; needs `head_dim % 8 == 0`.
-    #[derive(Clone, Copy)]
-    pub(in super::super) struct Avx2;
-
-    impl Avx2 {
-        pub(in super::super) fn detect() -> bool {
-            is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn exp8(x: __m256) -> __m256 {
-        // SAFETY (whole body): the caller runs with AVX2+FMA enabled.
-        unsafe {
-            let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
-            let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-                _mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
-            );
-            let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
-            let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
-            let z = _mm256_mul_ps(r, r);
-            let mut y = _mm256_set1_ps(EXP_P[0]);
-            for p in &EXP_P[1..] {
-                y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(*p));
-            }
-            let y = _mm256_add_ps(_mm256_fmadd_ps(y, z, r), _mm256_set1_ps(1.0));
-            let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-                _mm256_cvtps_epi32(n),
-                _mm256_set1_epi32(127),
-            ));
-            _mm256_mul_ps(y, _mm256_castsi256_ps(e))
-        }
-    }
-
-    /// `$f::<R, $c>($args)` for `R = min($rows, ROW_BLOCK)`.
-    macro_rules! by_rows {
-        ($rows:expr, $f:ident, $c:literal, ($($arg:expr),*)) => {
-            match $rows.min(ROW_BLOCK) {
-                1 => $f::<1, $c>($($arg),*),
-                2 => $f::<2, $c>($($arg),*),
-                3 => $f::<3, $c>($($arg),*),
-                4 => $f::<4, $c>($($arg),*),
-                5 => $f::<5, $c>($($arg),*),
-                _ => $f::<6, $c>($($arg),*),
-            }
-        };
-    }
-
-    /// Scores of `R` query rows (`q`, rows of `hd`) against `G` key groups (`kt`, groups of
-    /// `8·hd`), into `s` (rows `TILE` apart): `R·G` accumulators, each key vector loaded once
-    /// for the `R` rows.
-    ///
-    /// # Safety
-    /// AVX2+FMA; the rows and groups exist.
-    #[inline(always)]
-    pub(super) unsafe fn score_block<const R: usize, const G: usize>(
-        q: *const f32,
-        hd: usize,
-        kt: *const f32,
-        s: *mut f32,
-    ) {
-        // SAFETY: the caller's contract.
-        unsafe {
-            let mut acc = [[_mm256_setzero_ps(); G]; R];
-            for d in 0..hd {
-                let k: [__m256; G] =
-                    std::array::from_fn(|g| _mm256_loadu_ps(kt.add(g * GROUP * hd + d * GROUP)));
-                for (r, row) in acc.iter_mut().enumerate() {
-                    let qb = _mm256_broadcast_ss(&*q.add(r * hd + d));
-                    for (x, kg) in row.iter_mut().zip(&k) {
-                        *x = _mm256_fmadd_ps(qb, *kg, *x);
-                    }
-                }
-            }
-            for (r, row) in acc.iter().enumerate() {
-                for (g, x) in row.iter().enumerate() {
-                    _mm256_storeu_ps(s.add(r * TILE + g * GROUP), *x);
-                }
-            }
-        }
-    }
-
-    /// `R` rows × `C` 8-dim chunks of the value accumulation: each value vector loaded once
-    /// for the `R` rows.
-    ///
-    /// # Safety
-    /// AVX2+FMA; the rows, chunks and `n` value rows exist.
-    #[inline(always)]
-    unsafe fn acc_block<const R: usize, const C: usize>(
-        acc: *mut f32,
-        hd: usize,
-        alpha: *const f32,
-        e: *const f32,
-        v: *const f32,
-        n: usize,
-    ) {
-        // SAFETY: the caller's contract.
-        unsafe {
-            let mut a: [[__m256; C]; R] = std::array::from_fn(|r| {
-                let al = _mm256_broadcast_ss(&*alpha.add(r));
-                std::array::from_fn(|c| _mm256_mul_ps(_mm256_loadu_ps(acc.add(r * hd + 8 * c)), al))
-            });
-            for j in 0..n {
-                let vj: [__m256; C] =
-                    std::array::from_fn(|c| _mm256_loadu_ps(v.add(j * hd + 8 * c)));
-                for (r, row) in a.iter_mut().enumerate() {
-                    let w = _mm256_broadcast_ss(&*e.add(r * TILE + j));
-                    for (x, vc) in row.iter_mut().zip(&vj) {
-                        *x = _mm256_fmadd_ps(w, *vc, *x);
-                    }
-                }
-            }
-            for (r, row) in a.iter().enumerate() {
-                for (c, x) in row.iter().enumerate() {
-                    _mm256_storeu_ps(acc.add(r * hd + 8 * c), *x);
-                }
-            }
-        }
-    }
-
-    impl AttnOps for Avx2 {
-        #[inline(always)]
-        unsafe fn decode_row(self, dtype: KvStorage, src: &[u8], dst: &mut [f32]) {
-            let hd = dst.len();
-            debug_assert!(hd.is_multiple_of(8) && src.len() >= dtype.row_bytes(hd));
-            let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
-            // SAFETY: `src` holds one encoded row of `hd` numbers (checked above in debug
-            // builds, guaranteed by the pool's geometry), `dst` holds `hd` floats, and every
-            // access below stays inside those; AVX2/F16C were detected.
-            unsafe {
-                match dtype {
-                    KvStorage::F32 => std::ptr::copy_nonoverlapping(s, d.cast::<u8>(), hd * 4),
-                    KvStorage::F16 => {
-                        for c in 0..hd / 8 {
-                            let h = _mm_loadu_si128(s.add(16 * c).cast());
-                            _mm256_storeu_ps(d.add(8 * c), _mm256_cvtph_ps(h));
-                        }
-                    }
-                    KvStorage::Bf16 => {
-                        for c in 0..hd / 8 {
-                            let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(s.add(16 * c).cast()));
-                            let f = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h));
-                            _mm256_storeu_ps(d.add(8 * c), f);
-                        }
-                    }
-                    KvStorage::Q8_0 => {
-                        let qk = q8_block(hd);
-                        for b in 0..hd / qk {
-                            let blk = s.add(b * (2 + qk));
-                            let bits = u16::from_le_bytes([*blk, *blk.add(1)]);
-                            let scale = _mm256_set1_ps(half::f16::from_bits(bits).to_f32());
-                            for c in 0..qk / 8 {
-                                let q = _mm_loadl_epi64(blk.add(2 + 8 * c).cast());
-                                let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-                                _mm256_storeu_ps(d.add(b * qk + 8 * c), _mm256_mul_ps(f, scale));
-                            }
-                        }
-                    }
-                }
-            }
-        }
-
-        #[inline(always)]
-        unsafe fn transpose(self, k: &[f32], hd: usize, groups: usize, kt: &mut [f32]) {
-            debug_assert!(hd.is_multiple_of(8) && k.len().min(kt.len()) >= groups * GROUP * hd);
-            for g in 0..groups {
-                let at = g * GROUP * hd;
-                // SAFETY: group g's 8 rows of hd floats in, as many out (checked above).
-                unsafe { transpose_8_rows(k.as_ptr().add(at), hd, kt.as_mut_ptr().add(at), GROUP) };
-            }
-        }
-
-        #[inline(always)]
-        unsafe fn scores(
-            self,
-            q: &[f32],
-            hd: usize,
-            rows: usize,
-            kt: &[f32],
-            groups: usize,
-            s: &mut [f32],
-        ) {
-            debug_assert!(q.len() >= rows * hd && kt.len() >= groups * GROUP * hd);
-            debug_assert!(s.len() >= rows * TILE && groups <= TILE / GROUP);
-            let (q, kt, s) = (q.as_ptr(), kt.as_ptr(), s.as_mut_ptr());
-            for (r0, nr) in row_blocks(rows, ROW_BLOCK) {
-                let (qr, sr) = (q.wrapping_add(r0 * hd), s.wrapping_add(r0 * TILE));
-                let mut g0 = 0;
-                while g0 < groups {
-                    let (k, so) = (
-                        kt.wrapping_add(g0 * GROUP * hd),
-                        sr.wrapping_add(g0 * GROUP),
-                    );
-                    // SAFETY: rows r0.., groups g0.. lie inside the slices (checked above).
-                    unsafe {
-                        if groups - g0 >= 2 {
-                            by_rows!(nr, score_block, 2, (qr, hd, k, so));
-                        } else {
-                            by_rows!(nr, score_block, 1, (qr, hd, k, so));
-                        }
-                    }
-                    g0 += if groups - g0 >= 2 { 2 } else { 1 };
-                }
-            }
-        }
-
-        #[inline(always)]
-        unsafe fn softmax(self, s: &mut [f32], m: f32, n: usize) -> (f32, f32) {
-            debug_assert!(s.len() >= TILE && (1..=TILE).contains(&n));
-            // SAFETY: s holds TILE = VECS·8 floats; AVX2+FMA were detected.
-            unsafe {
-                let p = s.as_mut_ptr();
-                let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-                let n = _mm256_set1_epi32(n as i32);
-                let x: [__m256; VECS] = std::array::from_fn(|c| _mm256_loadu_ps(p.add(8 * c)));
-                let live: [__m256; VECS] = std::array::from_fn(|c| {
-                    let j = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * c as i32));
-                    _mm256_castsi256_ps(_mm256_cmpgt_epi32(n, j))
-                });
-                let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
-                let mut mx = _mm256_set1_ps(m);
-                for c in 0..VECS {
-                    mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, x[c], live[c]));
-                }
-                let m = hmax(mx);
-                let mv = _mm256_set1_ps(m);
-                let e: [__m256; VECS] =
-                    std::array::from_fn(|c| _mm256_and_ps(exp8(_mm256_sub_ps(x[c], mv)), live[c]));
-                for (c, ec) in e.iter().enumerate() {
-                    _mm256_storeu_ps(p.add(8 * c), *ec);
-                }
-                (m, tile_sum(e))
-            }
-        }
-
-        #[inline(always)]
-        unsafe fn accumulate(
-            self,
-            acc: &mut [f32],
-            hd: usize,
-            alpha: &[f32],
-            e: &[f32],
-            v: &[f32],
-            n: usize,
-        ) {
-            let rows = acc.len() / hd;
-            debug_assert!(hd.is_multiple_of(8) && alpha.len() >= rows && v.len() >= n * hd);
-            debug_assert!(e.len() >= rows * TILE && n <= TILE);
-            let (acc, alpha, e, v) = (acc.as_mut_ptr(), alpha.as_ptr(), e.as_ptr(), v.as_ptr());
-            let chunks = hd / 8;
-            for (r0, nr) in row_blocks(rows, ROW_BLOCK) {
-                let (a, al, er) = (
-                    acc.wrapping_add(r0 * hd),
-                    alpha.wrapping_add(r0),
-                    e.wrapping_add(r0 * TILE),
-                );
-                let mut c0 = 0;
-                while c0 < chunks {
-                    let (ac, vc) = (a.wrapping_add(8 * c0), v.wrapping_add(8 * c0));
-                    // SAFETY: rows r0.., dims 8·c0.. lie inside the slices (checked above).
-                    unsafe {
-                        if chunks - c0 >= 2 {
-                            by_rows!(nr, acc_block, 2, (ac, hd, al, er, vc, n));
-                        } else {
-                            by_rows!(nr, acc_block, 1, (ac, hd, al, er, vc, n));
-                        }
-                    }
-                    c0 += if chunks - c0 >= 2 { 2 } else { 1 };
-                }
-            }
-        }
-
-        #[inline(always)]
-        unsafe fn merge(self, acc: &mut [f32], ca: f32, b: &[f32], cb: f32) {
-            // SAFETY: both hold hd floats, a multiple of 8.
-            unsafe {
-                let (ca, cb) = (_mm256_set1_ps(ca), _mm256_set1_ps(cb));
-                for c in 0..acc.len() / 8 {
-                    let a = acc.as_mut_ptr().add(8 * c);
-                    let x = _mm256_mul_ps(_mm256_loadu_ps(a), ca);
-                    let y = _mm256_fmadd_ps(_mm256_loadu_ps(b.as_ptr().add(8 * c)), cb, x);
-                    _mm256_storeu_ps(a, y);
-                }
-            }
-        }
-
-        #[inline(always)]
-        unsafe fn finish(self, acc: &[f32], l: f32, out: &mut [f32]) {
-            // SAFETY: both hold hd floats, a multiple of 8.
-            unsafe {
-                let l = _mm256_set1_ps(l);
-                for c in 0..acc.len() / 8 {
-                    let x = _mm256_div_ps(_mm256_loadu_ps(acc.as_ptr().add(8 * c)), l);
-                    _mm256_storeu_ps(out.as_mut_ptr().add(8 * c), x);
-                }
-            }
-        }
-    }
-}
+mod vectorized;
+#[cfg(target_arch = "x86_64")]
+mod ymm;

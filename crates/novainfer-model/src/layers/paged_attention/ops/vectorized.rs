@@ -1,0 +1,365 @@
+//! The kernel's arithmetic once for every SIMD width ([`Simd`]): per number the same IEEE
+//! operations in the same order as [`super::Scalar`], `S::LANES` lanes at a time.
+//!
+//! Where the width could have changed the order, and why it does not:
+//! * scores: [`AttnOps::transpose`] lays the keys out `LANES` positions side by side
+//!   (`LANES / 8` groups of 8 interleaved), so a vector holds `LANES` scores of one query
+//!   row, each still its own FMA chain from zero over `d` in order; groups left over when
+//!   their number is not a multiple of `LANES / 8` keep the 8-wide layout and run the
+//!   8-lane ([`Avx2`]) block;
+//! * the softmax sum: the documented order works on the tile's [`VECS`] vectors of 8 (lane
+//!   `l` of vector `c` is position `8c + l`). A wider vector `k` holds vectors
+//!   `k·LANES/8 ..` of 8 in its 8-lane parts, so the exponentials are split back into
+//!   those parts, in order, and summed by the 8-lane [`tile_sum`]. (Adding a tile's two
+//!   16-lane vectors first would pair vector 0 with 2 and 1 with 3, which is *not* the
+//!   documented `(e0+e1)+(e2+e3)`.) The maximum is exact in any order, but it is folded
+//!   in the 8-lane order too, so that even a signed zero comes out the same;
+//! * `exp` is one body of lane-wise operations;
+//! * decoding (f16 → f32 and bf16 → f32 are exact, q8_0 is one exact conversion and one
+//!   multiplication), the value pass (`acc·α`, then FMAs in position order), merging and
+//!   finishing work per number: the width changes nothing.
+//!
+//! No closure here holds a [`Simd`] operation (register arrays are filled by loops, not
+//! `std::array::from_fn`): a closure is compiled without its caller's target features, so
+//! an AVX-512 intrinsic inside one is not inlined but called, its vectors passed through
+//! memory (a first AVX-512 version ran 20x slower than AVX2 that way).
+//! `layers::inlining_tests` checks the compiled test binary for such calls.
+//!
+//! Arrays of a tile's vectors are [`VECS`] long (the 8-lane count) whatever the width, as
+//! their length cannot depend on `S::LANES`; a wider ISA uses the first `TILE / LANES`.
+
+use std::arch::x86_64::*;
+
+use super::simd::Simd;
+use super::ymm::{hmax, tile_sum, transpose_8_rows};
+use super::{row_blocks, AttnOps, Avx2, EXP_LO, EXP_P, GROUP, LN2_HI, LN2_LO, LOG2E, TILE, VECS};
+use crate::kv_dtype::{q8_block, KvStorage};
+
+/// `$f::<$s, R, $c>($args)` for `R = $rows`, `1 ≤ $rows ≤ 8` (a `ROW_BLOCK`).
+macro_rules! by_rows {
+    ($rows:expr, $f:ident::<$s:ty, $c:literal>($($arg:expr),*)) => {
+        match $rows {
+            1 => $f::<$s, 1, $c>($($arg),*),
+            2 => $f::<$s, 2, $c>($($arg),*),
+            3 => $f::<$s, 3, $c>($($arg),*),
+            4 => $f::<$s, 4, $c>($($arg),*),
+            5 => $f::<$s, 5, $c>($($arg),*),
+            6 => $f::<$s, 6, $c>($($arg),*),
+            7 => $f::<$s, 7, $c>($($arg),*),
+            _ => $f::<$s, 8, $c>($($arg),*),
+        }
+    };
+}
+
+/// `exp(x)` lane-wise, [`super::exp_scalar`] operation for operation.
+///
+/// # Safety
+/// `S`'s ISA.
+#[inline(always)]
+unsafe fn exp<S: Simd>(x: S::V) -> S::V {
+    // SAFETY (whole body): the caller's contract.
+    unsafe {
+        let x = S::max(x, S::splat(EXP_LO));
+        let n = S::round(S::mul(x, S::splat(LOG2E)));
+        let r = S::fma(n, S::splat(-LN2_HI), x);
+        let r = S::fma(n, S::splat(-LN2_LO), r);
+        let z = S::mul(r, r);
+        let mut y = S::splat(EXP_P[0]);
+        for p in &EXP_P[1..] {
+            y = S::fma(y, r, S::splat(*p));
+        }
+        let y = S::add(S::fma(y, z, r), S::splat(1.0));
+        S::mul(y, S::pow2(n))
+    }
+}
+
+/// Scores of `R` query rows (`q`, rows of `hd`) against `P` key vectors (`kt`, blocks of
+/// `LANES·hd` in the `LANES`-wide layout), into `s` (rows `TILE` apart): `R·P`
+/// accumulators, each key vector loaded once for the `R` rows.
+///
+/// # Safety
+/// `S`'s ISA; the rows and key vectors exist.
+#[inline(always)]
+unsafe fn score_block<S: Simd, const R: usize, const P: usize>(
+    q: *const f32,
+    hd: usize,
+    kt: *const f32,
+    s: *mut f32,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut acc = [[S::zero(); P]; R];
+        for d in 0..hd {
+            let mut k = [S::zero(); P];
+            for (p, kp) in k.iter_mut().enumerate() {
+                *kp = S::load(kt.add(p * S::LANES * hd + d * S::LANES));
+            }
+            for (r, row) in acc.iter_mut().enumerate() {
+                let qb = S::splat(*q.add(r * hd + d));
+                for (x, kp) in row.iter_mut().zip(&k) {
+                    *x = S::fma(qb, *kp, *x);
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            for (p, x) in row.iter().enumerate() {
+                S::store(s.add(r * TILE + p * S::LANES), *x);
+            }
+        }
+    }
+}
+
+/// `R` rows × `C` `LANES`-dim chunks of the value accumulation: each value vector loaded
+/// once for the `R` rows.
+///
+/// # Safety
+/// `S`'s ISA; the rows, chunks and `n` value rows exist.
+#[inline(always)]
+unsafe fn acc_block<S: Simd, const R: usize, const C: usize>(
+    acc: *mut f32,
+    hd: usize,
+    alpha: *const f32,
+    e: *const f32,
+    v: *const f32,
+    n: usize,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut a = [[S::zero(); C]; R];
+        for (r, row) in a.iter_mut().enumerate() {
+            let al = S::splat(*alpha.add(r));
+            for (c, x) in row.iter_mut().enumerate() {
+                *x = S::mul(S::load(acc.add(r * hd + S::LANES * c)), al);
+            }
+        }
+        for j in 0..n {
+            let mut vj = [S::zero(); C];
+            for (c, x) in vj.iter_mut().enumerate() {
+                *x = S::load(v.add(j * hd + S::LANES * c));
+            }
+            for (r, row) in a.iter_mut().enumerate() {
+                let w = S::splat(*e.add(r * TILE + j));
+                for (x, vc) in row.iter_mut().zip(&vj) {
+                    *x = S::fma(w, *vc, *x);
+                }
+            }
+        }
+        for (r, row) in a.iter().enumerate() {
+            for (c, x) in row.iter().enumerate() {
+                S::store(acc.add(r * hd + S::LANES * c), *x);
+            }
+        }
+    }
+}
+
+impl<S: Simd> AttnOps for S {
+    #[inline(always)]
+    unsafe fn decode_row(self, dtype: KvStorage, src: &[u8], dst: &mut [f32]) {
+        let (hd, lanes) = (dst.len(), S::LANES);
+        debug_assert!(hd.is_multiple_of(lanes) && src.len() >= dtype.row_bytes(hd));
+        let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
+        // SAFETY: `src` holds one encoded row of `hd` numbers (checked above in debug builds,
+        // guaranteed by the pool's geometry), `dst` holds `hd` floats, and every access below
+        // stays inside those (q8_0 blocks are multiples of `LANES` when `hd` is); the ISA was
+        // detected.
+        unsafe {
+            match dtype {
+                KvStorage::F32 => std::ptr::copy_nonoverlapping(s, d.cast::<u8>(), hd * 4),
+                KvStorage::F16 => {
+                    for c in 0..hd / lanes {
+                        S::store(d.add(lanes * c), S::load_f16(s.add(2 * lanes * c)));
+                    }
+                }
+                KvStorage::Bf16 => {
+                    for c in 0..hd / lanes {
+                        S::store(d.add(lanes * c), S::load_bf16(s.add(2 * lanes * c)));
+                    }
+                }
+                KvStorage::Q8_0 => {
+                    let qk = q8_block(hd);
+                    for b in 0..hd / qk {
+                        let blk = s.add(b * (2 + qk));
+                        let bits = u16::from_le_bytes([*blk, *blk.add(1)]);
+                        let scale = S::splat(half::f16::from_bits(bits).to_f32());
+                        for c in 0..qk / lanes {
+                            let f = S::load_i8(blk.add(2 + lanes * c));
+                            S::store(d.add(b * qk + lanes * c), S::mul(f, scale));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// `LANES / 8` groups side by side: with `w = LANES / 8`, group `g < groups / w · w` at
+    /// `kt[(g / w)·LANES·hd + d·LANES + (g % w)·8 + j] = k[(8g + j)·hd + d]`; the groups
+    /// left over in the portable layout at `g·8·hd` (so 8 lanes is the portable layout).
+    #[inline(always)]
+    unsafe fn transpose(self, k: &[f32], hd: usize, groups: usize, kt: &mut [f32]) {
+        debug_assert!(hd.is_multiple_of(8) && k.len().min(kt.len()) >= groups * GROUP * hd);
+        let per = S::LANES / GROUP;
+        let paired = groups / per * per;
+        for g in 0..groups {
+            let (at, stride) = if g < paired {
+                ((g / per) * S::LANES * hd + (g % per) * GROUP, S::LANES)
+            } else {
+                (g * GROUP * hd, GROUP)
+            };
+            // SAFETY: group g's 8 rows of hd floats in; out, hd lines inside the first
+            // groups·8·hd floats of kt (checked above); AVX comes with every `Simd` ISA.
+            unsafe {
+                transpose_8_rows(
+                    k.as_ptr().add(g * GROUP * hd),
+                    hd,
+                    kt.as_mut_ptr().add(at),
+                    stride,
+                )
+            };
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn scores(
+        self,
+        q: &[f32],
+        hd: usize,
+        rows: usize,
+        kt: &[f32],
+        groups: usize,
+        s: &mut [f32],
+    ) {
+        debug_assert!(q.len() >= rows * hd && kt.len() >= groups * GROUP * hd);
+        debug_assert!(s.len() >= rows * TILE && groups <= TILE / GROUP);
+        let (q, kt, s) = (q.as_ptr(), kt.as_ptr(), s.as_mut_ptr());
+        let per = S::LANES / GROUP;
+        let (vecs, paired) = (groups / per, groups / per * per);
+        for (r0, nr) in row_blocks(rows, S::ROW_BLOCK) {
+            let (qr, sr) = (q.wrapping_add(r0 * hd), s.wrapping_add(r0 * TILE));
+            let mut v0 = 0;
+            while v0 < vecs {
+                let (k, so) = (
+                    kt.wrapping_add(v0 * S::LANES * hd),
+                    sr.wrapping_add(v0 * S::LANES),
+                );
+                // SAFETY: rows r0.., key vectors v0.. lie inside the slices (checked above).
+                unsafe {
+                    if vecs - v0 >= 2 {
+                        by_rows!(nr, score_block::<S, 2>(qr, hd, k, so));
+                    } else {
+                        by_rows!(nr, score_block::<S, 1>(qr, hd, k, so));
+                    }
+                }
+                v0 += if vecs - v0 >= 2 { 2 } else { 1 };
+            }
+            for g in paired..groups {
+                let (k, so) = (kt.wrapping_add(g * GROUP * hd), sr.wrapping_add(g * GROUP));
+                // SAFETY: as above; every `Simd` ISA has AVX2/FMA.
+                unsafe { by_rows!(nr, score_block::<Avx2, 1>(qr, hd, k, so)) };
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn softmax(self, s: &mut [f32], m: f32, n: usize) -> (f32, f32) {
+        debug_assert!(s.len() >= TILE && (1..=TILE).contains(&n));
+        let (lanes, per) = (S::LANES, S::LANES / GROUP);
+        let vecs = TILE / lanes;
+        // SAFETY: s holds TILE = vecs·LANES floats; the ISA (and AVX) were detected.
+        unsafe {
+            let p = s.as_mut_ptr();
+            let mut x = [S::zero(); VECS];
+            let mut live = [S::first(0); VECS];
+            for k in 0..vecs {
+                x[k] = S::load(p.add(lanes * k));
+                // Lane l of vector k is position LANES·k + l, live below n.
+                live[k] = S::first(n.saturating_sub(lanes * k).min(lanes));
+            }
+            let ninf = S::splat(f32::NEG_INFINITY);
+            let mut mx = _mm256_set1_ps(m);
+            for k in 0..vecs {
+                let xk = S::select(live[k], x[k], ninf);
+                for h in 0..per {
+                    mx = _mm256_max_ps(mx, S::ymm(xk, h));
+                }
+            }
+            let m = hmax(mx);
+            let mv = S::splat(m);
+            let mut e8 = [_mm256_setzero_ps(); VECS];
+            for k in 0..vecs {
+                let ek = S::zero_unless(live[k], exp::<S>(S::sub(x[k], mv)));
+                S::store(p.add(lanes * k), ek);
+                // The documented vectors of 8, in order (see the module docs).
+                for h in 0..per {
+                    e8[per * k + h] = S::ymm(ek, h);
+                }
+            }
+            (m, tile_sum(e8))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn accumulate(
+        self,
+        acc: &mut [f32],
+        hd: usize,
+        alpha: &[f32],
+        e: &[f32],
+        v: &[f32],
+        n: usize,
+    ) {
+        let (rows, lanes) = (acc.len() / hd, S::LANES);
+        debug_assert!(hd.is_multiple_of(lanes) && alpha.len() >= rows && v.len() >= n * hd);
+        debug_assert!(e.len() >= rows * TILE && n <= TILE);
+        let (acc, alpha, e, v) = (acc.as_mut_ptr(), alpha.as_ptr(), e.as_ptr(), v.as_ptr());
+        let chunks = hd / lanes;
+        for (r0, nr) in row_blocks(rows, S::ROW_BLOCK) {
+            let (a, al, er) = (
+                acc.wrapping_add(r0 * hd),
+                alpha.wrapping_add(r0),
+                e.wrapping_add(r0 * TILE),
+            );
+            let mut c0 = 0;
+            while c0 < chunks {
+                let (ac, vc) = (a.wrapping_add(lanes * c0), v.wrapping_add(lanes * c0));
+                // SAFETY: rows r0.., dims LANES·c0.. lie inside the slices (checked above).
+                unsafe {
+                    if chunks - c0 >= 2 {
+                        by_rows!(nr, acc_block::<S, 2>(ac, hd, al, er, vc, n));
+                    } else {
+                        by_rows!(nr, acc_block::<S, 1>(ac, hd, al, er, vc, n));
+                    }
+                }
+                c0 += if chunks - c0 >= 2 { 2 } else { 1 };
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn merge(self, acc: &mut [f32], ca: f32, b: &[f32], cb: f32) {
+        let lanes = S::LANES;
+        debug_assert!(acc.len().is_multiple_of(lanes) && b.len() >= acc.len());
+        // SAFETY: both hold hd floats, a multiple of LANES.
+        unsafe {
+            let (ca, cb) = (S::splat(ca), S::splat(cb));
+            for c in 0..acc.len() / lanes {
+                let a = acc.as_mut_ptr().add(lanes * c);
+                let x = S::mul(S::load(a), ca);
+                S::store(a, S::fma(S::load(b.as_ptr().add(lanes * c)), cb, x));
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn finish(self, acc: &[f32], l: f32, out: &mut [f32]) {
+        let lanes = S::LANES;
+        debug_assert!(acc.len().is_multiple_of(lanes) && out.len() >= acc.len());
+        // SAFETY: both hold hd floats, a multiple of LANES.
+        unsafe {
+            let l = S::splat(l);
+            for c in 0..acc.len() / lanes {
+                let x = S::div(S::load(acc.as_ptr().add(lanes * c)), l);
+                S::store(out.as_mut_ptr().add(lanes * c), x);
+            }
+        }
+    }
+}
