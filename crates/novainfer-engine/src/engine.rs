@@ -323,7 +323,7 @@ impl Frontend {
         Ok(ids)
     }
 
-    fn check_tokens(&self, ids: &[u32]) -> Result<()> {
+    pub(crate) fn check_tokens(&self, ids: &[u32]) -> Result<()> {
         if ids.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -368,8 +368,13 @@ impl Frontend {
         &self.grammars
     }
 
-    /// How many tokens a request may generate, or why it cannot run at all.
-    pub fn max_new_tokens(&self, prompt_len: usize, params: &SamplingParams) -> Result<usize> {
+    /// How many tokens a request may generate, or why it cannot run at all (through
+    /// [`Frontend::check_request`], the one place a generation request is checked).
+    pub(crate) fn max_new_tokens(
+        &self,
+        prompt_len: usize,
+        params: &SamplingParams,
+    ) -> Result<usize> {
         if let Some(&(id, _)) = params
             .logit_bias()
             .iter()

@@ -18,8 +18,8 @@ use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
 use novainfer_core::{
-    ChunkOutput, FinishReason, Fork, KvCacheStats, KvEventSink, Request, RequestId, SamplingParams,
-    Scheduler, SchedulerOutput,
+    ChunkOutput, FinishReason, Fork, KvCacheStats, KvEventSink, Request, RequestId, Scheduler,
+    SchedulerOutput,
 };
 use novainfer_model::lora::AdapterId;
 use novainfer_model::sampler::{SampledToken, Sampler};
@@ -27,8 +27,9 @@ use novainfer_model::AdapterRef;
 use novainfer_model::{Draw, DrawnToken};
 
 use crate::model_runner::DeviceDraws;
-use novainfer_structured::{CompiledGrammar, Constraint};
+use novainfer_structured::Constraint;
 
+use crate::checked::CheckedRequest;
 use crate::engine::{Frontend, LoadedEngine};
 use crate::error::{EngineError, Result};
 use crate::model_runner::ModelRunner;
@@ -176,19 +177,16 @@ impl EngineCore {
     }
 
     /// Queues a request with ids `id .. id + n` (unique, reserved by the caller),
-    /// one per completion; all their deltas go to `sink`. The prompt must already
-    /// be checked (`Frontend::prompt_token_ids`); `grammar` is `params`' constraint, compiled
-    /// (`Frontend::compile_structured`).
+    /// one per completion; all their deltas go to `sink`. Its limits were checked when it
+    /// was made ([`crate::Frontend::check_request`]): nothing here can refuse it.
     pub fn add_request(
         &mut self,
         id: RequestId,
-        prompt_ids: Vec<u32>,
-        params: SamplingParams,
+        request: CheckedRequest,
         scheduling: Scheduling,
-        grammar: Option<Arc<CompiledGrammar>>,
         sink: DeltaSink,
-    ) -> Result<()> {
-        let max_tokens = self.frontend.max_new_tokens(prompt_ids.len(), &params)?;
+    ) {
+        let (prompt_ids, params, max_tokens, grammar) = request.into_parts();
         let stop = params.stop();
         let eos = self.frontend.tokenizer().eos_token_ids().to_vec();
         let adapter = self.hold_adapter(scheduling.adapter.as_ref());
@@ -226,7 +224,6 @@ impl EngineCore {
         self.groups.insert(id, group);
         self.active.insert(id, completion);
         self.scheduler.add_request(request);
-        Ok(())
     }
 
     /// Queues a prefill-only request (an embedding or a scored prompt) with id `id`

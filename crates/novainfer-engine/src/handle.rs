@@ -28,8 +28,8 @@ use novainfer_core::{ParamError, RequestId, SamplingParams};
 
 use novainfer_model::device::Resolved;
 use novainfer_model::AdapterRef;
-use novainfer_structured::CompiledGrammar;
 
+use crate::checked::CheckedRequest;
 use crate::engine::{EngineConfig, Frontend, LoadedEngine};
 use novainfer_core::FinishReason;
 
@@ -42,12 +42,10 @@ use crate::request::{Delta, Scheduling, TokenLogprob};
 enum Command {
     Generate {
         id: RequestId,
-        prompt_ids: Vec<u32>,
-        // Boxed: the largest field by far, and commands are moved through a channel.
-        params: Box<SamplingParams>,
+        /// Checked by the submitting thread. Boxed: the largest field by far, and commands
+        /// are moved through a channel.
+        request: Box<CheckedRequest>,
         scheduling: Scheduling,
-        /// `params`' constraint, compiled by the submitting thread.
-        grammar: Option<Arc<CompiledGrammar>>,
         deltas: DeltaSink,
     },
     /// A request of `n` completions, with ids `id .. id + n`.
@@ -206,9 +204,20 @@ impl EngineHandle {
         params: SamplingParams,
         scheduling: Scheduling,
     ) -> Result<RequestStream> {
-        let n = params.n();
+        let request = self.frontend.check_request(prompt_ids, params)?;
+        self.submit_checked(request, scheduling)
+    }
+
+    /// [`Self::submit_scheduled`] of a request already checked by
+    /// [`Frontend::check_request`] (to check a batch before starting any of it).
+    pub fn submit_checked(
+        &self,
+        request: CheckedRequest,
+        scheduling: Scheduling,
+    ) -> Result<RequestStream> {
+        let n = request.params().n();
         let (deltas, rx) = mpsc::channel();
-        let abort = self.submit_scheduled_to(prompt_ids, params, scheduling, deltas.into())?;
+        let abort = self.submit_checked_to(request, scheduling, deltas.into())?;
         Ok(RequestStream {
             id: abort.id,
             unfinished: n,
@@ -239,16 +248,25 @@ impl EngineHandle {
         scheduling: Scheduling,
         sink: DeltaSink,
     ) -> Result<AbortHandle> {
-        self.frontend.max_new_tokens(prompt_ids.len(), &params)?;
-        let grammar = self.frontend.compile_structured(&params)?;
-        let n = params.n();
+        let request = self.frontend.check_request(prompt_ids, params)?;
+        self.submit_checked_to(request, scheduling, sink)
+    }
+
+    /// Queues a request checked by [`Frontend::check_request`] (a server checks on its own
+    /// threads, before it waits for a permit); the deltas go to `sink` as in
+    /// [`Self::submit_to`].
+    pub fn submit_checked_to(
+        &self,
+        request: CheckedRequest,
+        scheduling: Scheduling,
+        sink: DeltaSink,
+    ) -> Result<AbortHandle> {
+        let n = request.params().n();
         let id = RequestId(self.next_id.fetch_add(n as u64, Ordering::Relaxed));
         self.send(Command::Generate {
             id,
-            prompt_ids,
-            params: Box::new(params),
+            request: Box::new(request),
             scheduling,
-            grammar,
             deltas: sink,
         })?;
         Ok(AbortHandle {
@@ -426,17 +444,11 @@ fn handle(core: &mut EngineCore, command: Command) {
     match command {
         Command::Generate {
             id,
-            prompt_ids,
-            params,
+            request,
             scheduling,
-            grammar,
             deltas,
         } => {
-            let added =
-                core.add_request(id, prompt_ids, *params, scheduling, grammar, deltas.clone());
-            if let Err(e) = added {
-                deltas.send(Err(e));
-            }
+            core.add_request(id, *request, scheduling, deltas);
         }
         Command::Abort { id } => core.abort(id),
         Command::Finish(id, reason) => core.finish(id, reason),

@@ -3,6 +3,7 @@
 //! through which other threads submit requests.
 
 pub mod chat_template;
+pub mod checked;
 pub mod cpu_defaults;
 pub mod detokenizer;
 pub mod draft_model;
@@ -30,6 +31,7 @@ pub mod verify;
 mod device_draw_tests;
 
 pub use chat_template::{ChatMessage, ToolCallMessage};
+pub use checked::CheckedRequest;
 pub use engine::{
     EngineConfig, Frontend, KvBudget, LoadedEngine, DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS,

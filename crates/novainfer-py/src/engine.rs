@@ -15,9 +15,9 @@ use novainfer_core::KvLayout;
 use novainfer_engine::speculative::SpeculativeConfig;
 use novainfer_engine::tokenizer::Tokenizer;
 use novainfer_engine::{
-    AbortHandle, ChatMessage, Delta, EngineConfig, EngineError, EngineHandle, KvBudget, LoraConfig,
-    NextDelta, Prompt, RequestOutput, RequestStream, Scheduling, StopReason, TokenLogprob,
-    DEFAULT_GPU_MEMORY_UTILIZATION,
+    AbortHandle, ChatMessage, CheckedRequest, Delta, EngineConfig, EngineError, EngineHandle,
+    KvBudget, LoraConfig, NextDelta, Prompt, RequestOutput, RequestStream, Scheduling, StopReason,
+    TokenLogprob, DEFAULT_GPU_MEMORY_UTILIZATION,
 };
 use novainfer_model::device::DEVICE_SPELLINGS;
 use novainfer_model::{AdapterRef, DeviceChoice, DtypeChoice, KvCacheDtype};
@@ -458,26 +458,24 @@ impl PyEngine {
         let (prompts, streams) = py
             .detach(|| {
                 // Check every request before starting any, so a bad one costs no work.
-                let prompts: Vec<Vec<u32>> = prompts
+                let checked: Vec<CheckedRequest> = prompts
                     .into_iter()
-                    .map(|p| frontend.prompt_token_ids(&Prompt::TokenIds(p)))
-                    .collect::<Result<_, _>>()?;
-                for (prompt, p) in prompts.iter().zip(&params) {
-                    frontend.max_new_tokens(prompt.len(), p)?;
-                }
-                let streams: Vec<RequestStream> = prompts
-                    .iter()
                     .zip(&params)
+                    .map(|(p, params)| frontend.check_request(p, params.clone()))
+                    .collect::<Result<_, _>>()?;
+                let prompts: Vec<Vec<u32>> =
+                    checked.iter().map(|r| r.prompt_ids().to_vec()).collect();
+                let streams: Vec<RequestStream> = checked
+                    .into_iter()
                     .zip(&priority)
                     .zip(adapters)
-                    .map(|(((prompt, p), &priority), adapter)| {
+                    .map(|((request, &priority), adapter)| {
                         let scheduling = Scheduling {
                             priority,
                             adapter,
                             ..Scheduling::default()
                         };
-                        self.handle
-                            .submit_scheduled(prompt.clone(), p.clone(), scheduling)
+                        self.handle.submit_checked(request, scheduling)
                     })
                     .collect::<Result<_, _>>()?;
                 Ok::<_, EngineError>((prompts, streams))

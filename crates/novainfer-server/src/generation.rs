@@ -19,8 +19,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use novainfer_core::SamplingParams;
-use novainfer_engine::{AbortHandle, Delta, DeltaSink, EngineError, EngineHandle, Scheduling};
+use novainfer_engine::{
+    AbortHandle, CheckedRequest, Delta, DeltaSink, EngineError, EngineHandle, Scheduling,
+};
 use tokio::sync::{mpsc, Notify};
 
 use crate::error::ApiError;
@@ -40,23 +41,20 @@ pub struct Generation {
 }
 
 impl Generation {
-    /// Submits every prompt with the same parameters; nothing runs unless all are accepted.
+    /// Submits every request (one per prompt, all with the same parameters, checked by
+    /// `Frontend::check_request`); nothing runs unless all are accepted.
     pub fn start(
         handle: &Arc<EngineHandle>,
-        prompts: Vec<Vec<u32>>,
-        params: &SamplingParams,
+        requests: Vec<CheckedRequest>,
         scheduling: Scheduling,
     ) -> Result<Self, ApiError> {
-        for ids in &prompts {
-            handle.frontend().max_new_tokens(ids.len(), params)?;
-        }
         let (tx, rx) = mpsc::unbounded_channel();
-        let mut aborts: Vec<AbortHandle> = Vec::with_capacity(prompts.len());
-        let num_prompts = prompts.len();
-        for (i, ids) in prompts.into_iter().enumerate() {
+        let mut aborts: Vec<AbortHandle> = Vec::with_capacity(requests.len());
+        let unfinished = requests.iter().map(|r| r.params().n()).collect();
+        for (i, request) in requests.into_iter().enumerate() {
             let tx = tx.clone();
             let sink = DeltaSink::new(move |item| tx.send((i, item)).is_ok());
-            match handle.submit_scheduled_to(ids, params.clone(), scheduling.clone(), sink) {
+            match handle.submit_checked_to(request, scheduling.clone(), sink) {
                 Ok(abort) => aborts.push(abort),
                 Err(e) => {
                     // Nothing runs unless all are accepted.
@@ -68,7 +66,7 @@ impl Generation {
         Ok(Self {
             rx,
             aborts,
-            unfinished: vec![params.n(); num_prompts],
+            unfinished,
             handle: Some(handle.clone()),
             ended: false,
         })

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use axum::body::Bytes;
 use futures_util::{Stream, StreamExt};
 use novainfer_core::SamplingParams;
-use novainfer_engine::{Delta, EngineError, Scheduling};
+use novainfer_engine::{CheckedRequest, Delta, EngineError, Scheduling};
 
 use super::log_ms;
 use crate::accounting::RunState;
@@ -83,7 +83,7 @@ pub struct Pending {
     arrival: Instant,
     launch: Launch,
     /// Set by [`Pending::tokenize`].
-    prompts: Vec<Vec<u32>>,
+    requests: Vec<CheckedRequest>,
     ticket: Ticket,
     registration: Registration,
     deadline: Option<Instant>,
@@ -136,7 +136,7 @@ pub fn prepare(
         request_id: request_id.0.clone(),
         arrival,
         launch: l,
-        prompts: Vec::new(),
+        requests: Vec::new(),
         ticket,
         registration,
         // Both timeouts are range-checked, so this cannot overflow; if it did, no deadline.
@@ -152,9 +152,10 @@ pub fn prepare(
 impl Pending {
     /// Runs `work` (rendering and tokenizing the prompts, returning their ids and whatever else
     /// the endpoint needs) on a blocking thread once the tokenizing pool admits it (429 when its
-    /// queue is full), then checks each prompt against the context length. The same thread
-    /// compiles the request's output constraint (cached per distinct one), so a schema that
-    /// cannot compile is a 400 before the request waits for a permit.
+    /// queue is full). The same thread checks each prompt with the request's parameters
+    /// (`Frontend::check_request`: the context length, and the output constraint compiled,
+    /// cached per distinct one), so a prompt too long or a schema that cannot compile is a 400
+    /// before the request waits for a permit, and nothing checks it again.
     pub async fn tokenize<T: Send + 'static>(
         &mut self,
         work: impl FnOnce() -> Result<(Vec<Vec<u32>>, T), ApiError> + Send + 'static,
@@ -162,20 +163,26 @@ impl Pending {
         let frontend = self.launch.model.frontend.clone();
         let params = self.launch.params.clone();
         let field = self.launch.constraint_field;
-        let (prompts, extra) = run_tokenize(&self.app, move || {
-            frontend
-                .compile_structured(&params)
-                .map_err(|e| ApiError::from(e).with_param(field))?;
-            work()
+        let (requests, extra) = run_tokenize(&self.app, move || {
+            let (prompts, extra) = work()?;
+            let requests = prompts
+                .into_iter()
+                .map(|ids| {
+                    frontend.check_request(ids, params.clone()).map_err(|e| {
+                        let e = ApiError::from(e);
+                        // The engine names vLLM's field; the request may have used another.
+                        if e.param.as_deref() == Some("structured_outputs") {
+                            e.with_param(field)
+                        } else {
+                            e
+                        }
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok((requests, extra))
         })
         .await?;
-        for ids in &prompts {
-            self.launch
-                .model
-                .frontend
-                .max_new_tokens(ids.len(), &self.launch.params)?;
-        }
-        self.prompts = prompts;
+        self.requests = requests;
         Ok(extra)
     }
 
@@ -195,11 +202,9 @@ impl Pending {
             _ = self.registration.slot().cancelled() => None,
         };
         let l = self.launch;
-        let prompt_lens = self.prompts.iter().map(Vec::len).collect();
+        let prompt_lens = self.requests.iter().map(|r| r.prompt_ids().len()).collect();
         let gen = match permit {
-            Some(_) => {
-                Generation::start(&l.model.handle, self.prompts, &l.params, self.scheduling)?
-            }
+            Some(_) => Generation::start(&l.model.handle, self.requests, self.scheduling)?,
             None => Generation::empty(),
         };
         self.registration.slot().arm(gen.abort_handles());
