@@ -43,7 +43,7 @@ impl Toy {
     /// drafts then predict and verifies accept).
     fn row(&self, token: u32, _position: usize) -> Vec<f32> {
         let v = self.config.vocab_size;
-        let mut h = (u64::from(token) + 1) * 0x9E37_79B9_7F4A_7C15;
+        let mut h = (u64::from(token) + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         (0..v)
             .map(|_| {
                 h ^= h >> 29;
@@ -221,19 +221,16 @@ fn run_with(
     let (mut core, rx, asked, verifies) = engine_with(caps, speculative);
     let (sink, _deltas) = mpsc::channel();
     for (id, prompt, params) in requests {
-        let grammar = core
+        let request = core
             .frontend()
-            .compile_structured(params)
-            .expect("grammar compiles");
+            .check_request(prompt.clone(), params.clone())
+            .expect("request accepted");
         core.add_request(
             RequestId(*id),
-            prompt.clone(),
-            params.clone(),
+            request,
             Scheduling::default(),
-            grammar,
             sink.clone().into(),
-        )
-        .expect("request accepted");
+        );
     }
     let mut tokens = Tokens::new();
     for _ in 0..200 {

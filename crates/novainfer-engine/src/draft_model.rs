@@ -356,10 +356,10 @@ mod tests {
 
     /// The toy model's next token after `tokens`.
     fn next(tokens: &[u32]) -> u32 {
-        let h = tokens
-            .iter()
-            .enumerate()
-            .fold(7u64, |h, (i, &t)| h * 31 + (i as u64 + 1) * u64::from(t));
+        let h = tokens.iter().enumerate().fold(7u64, |h, (i, &t)| {
+            h.wrapping_mul(31)
+                .wrapping_add((i as u64 + 1).wrapping_mul(u64::from(t)))
+        });
         (h % VOCAB as u64) as u32
     }
 
