@@ -9,6 +9,7 @@ use serde_json::{json, Map, Value};
 
 use novainfer_engine::{ChatMessage, ToolCallMessage};
 
+use super::agent_tools::{tool_result, ToolDialect};
 use super::request::{json_type, object, typed};
 use crate::error::ApiError;
 
@@ -234,6 +235,8 @@ fn tool_result_text(content: Option<&Value>, at: &str) -> Result<String, ApiErro
 /// `tool` messages (before its text, as Anthropic orders them); an assistant turn's
 /// `tool_use` blocks become its tool calls; `thinking` blocks are dropped (templates do not
 /// show past reasoning).
+// Long: one arm per content-block type and role with that block's checks, as Anthropic's
+// documentation lists them; the shared pieces are functions of their own.
 pub fn conversation(
     system: Option<&Value>,
     messages: &Value,
@@ -325,14 +328,7 @@ pub fn conversation(
                     if block.get("is_error").and_then(Value::as_bool) == Some(true) {
                         text = format!("Error: {text}");
                     }
-                    let mut message = ChatMessage::new("tool", text);
-                    message.name = out
-                        .iter()
-                        .flat_map(|m| &m.tool_calls)
-                        .find(|c| c.id.as_deref() == Some(id))
-                        .map(|c| c.name.clone());
-                    message.tool_call_id = Some(id.to_owned());
-                    out.push(message);
+                    out.push(tool_result(&out, id, text));
                 }
                 (kind, role) => {
                     return Err(messages_error(format!(
@@ -351,67 +347,27 @@ pub fn conversation(
     Ok(out)
 }
 
-/// Anthropic's `tools` (`{name, description?, input_schema}`) in chat's shape.
-pub fn chat_tools(tools: Option<&Value>) -> Result<Option<Value>, ApiError> {
-    let items = match tools {
-        None | Some(Value::Null) => return Ok(None),
-        Some(Value::Array(items)) => items,
-        Some(other) => {
-            return Err(ApiError::invalid_param(
-                "tools",
-                format!("`tools` must be a list, got {}", json_type(other)),
-            ))
-        }
-    };
-    const IGNORED: &[&str] = &[
+/// Anthropic's tools: client tools (`{name, description?, input_schema}`, no type or
+/// `custom`); the fields that only steer Anthropic's own service are accepted and ignored.
+pub const TOOLS: ToolDialect = ToolDialect {
+    accepts_type: |t| t.is_none_or(|t| t == "custom"),
+    supported_types: "only client tools (no type, or \"custom\") are supported",
+    fields: &[
+        ("type", None),
+        ("name", Some("name")),
+        ("description", Some("description")),
+        ("input_schema", Some("parameters")),
+    ],
+    ignored: &[
         "cache_control",
         "strict",
         "input_examples",
         "eager_input_streaming",
         "defer_loading",
         "allowed_callers",
-    ];
-    let converted = items
-        .iter()
-        .enumerate()
-        .map(|(i, tool)| {
-            let err = |why: String| ApiError::invalid_param("tools", format!("tools[{i}] {why}"));
-            let Value::Object(tool) = tool else {
-                return Err(err(format!("must be an object, got {}", json_type(tool))));
-            };
-            match tool.get("type") {
-                None | Some(Value::Null) => {}
-                Some(Value::String(t)) if t == "custom" => {}
-                Some(other) => {
-                    return Err(err(format!(
-                        "has type {other}; only client tools (no type, or \"custom\") are supported"
-                    )))
-                }
-            }
-            if let Some(k) = tool.keys().find(|k| {
-                !["type", "name", "description", "input_schema"].contains(&k.as_str())
-                    && !IGNORED.contains(&k.as_str())
-            }) {
-                return Err(err(format!("has an unsupported field `{k}`")));
-            }
-            let mut function = Map::new();
-            for (from, to) in [
-                ("name", "name"),
-                ("description", "description"),
-                ("input_schema", "parameters"),
-            ] {
-                if let Some(v) = tool.get(from).filter(|v| !v.is_null()) {
-                    function.insert(to.to_owned(), v.clone());
-                }
-            }
-            if !function.contains_key("parameters") {
-                return Err(err("needs an `input_schema`".into()));
-            }
-            Ok(json!({"type": "function", "function": function}))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(Some(Value::Array(converted)))
-}
+    ],
+    required: Some("input_schema"),
+};
 
 /// Anthropic's `tool_choice` as chat's, and whether parallel calls are allowed.
 pub fn chat_tool_choice(choice: Option<&Value>) -> Result<(Option<Value>, Option<bool>), ApiError> {
@@ -533,6 +489,7 @@ pub fn error_body(e: &ApiError) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::agent_tools::chat_tools;
 
     #[test]
     fn system_and_blocks_become_a_conversation() {
@@ -583,7 +540,7 @@ mod tests {
 
     #[test]
     fn tools_and_choices_take_chats_shape() {
-        let tools = chat_tools(Some(&json!([
+        let tools = chat_tools(&TOOLS, Some(&json!([
             {"name": "w", "description": "d", "input_schema": {"type": "object"}, "cache_control": {"type": "ephemeral"}}
         ])))
         .expect("valid")
@@ -592,9 +549,10 @@ mod tests {
             tools,
             json!([{"type": "function", "function": {"name": "w", "description": "d", "parameters": {"type": "object"}}}])
         );
-        let e = chat_tools(Some(
-            &json!([{"type": "web_search_20250305", "name": "web_search"}]),
-        ))
+        let e = chat_tools(
+            &TOOLS,
+            Some(&json!([{"type": "web_search_20250305", "name": "web_search"}])),
+        )
         .expect_err("server tool");
         assert_eq!(e.param.as_deref(), Some("tools"));
         assert_eq!(

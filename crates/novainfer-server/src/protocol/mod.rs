@@ -1,5 +1,6 @@
 //! The OpenAI wire format: request bodies in, response objects out.
 
+pub mod agent_tools;
 pub mod infill;
 pub mod inputs;
 pub mod messages;

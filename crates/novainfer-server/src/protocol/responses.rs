@@ -9,6 +9,7 @@ use serde_json::{json, Map, Value};
 
 use novainfer_engine::{ChatMessage, ToolCallMessage};
 
+use super::agent_tools::{tool_result, ToolDialect};
 use super::request::{json_type, object, typed};
 use crate::error::ApiError;
 
@@ -184,6 +185,8 @@ fn check_fields(item: &Map<String, Value>, allowed: &[&str], at: &str) -> Result
 /// messages and the function calls after them form one assistant turn; a function call's
 /// output becomes a `tool` message; reasoning items are dropped (templates do not show past
 /// reasoning).
+// Long: one arm per item type with that type's field checks, in the order the API documents
+// them; the shared pieces (tool results, content text) are already functions of their own.
 pub fn input_messages(input: &Value) -> Result<Vec<ChatMessage>, ApiError> {
     let items = match input {
         Value::String(s) => return Ok(vec![ChatMessage::new("user", s.clone())]),
@@ -295,15 +298,7 @@ pub fn input_messages(input: &Value) -> Result<Vec<ChatMessage>, ApiError> {
                         )))
                     }
                 };
-                let name = out
-                    .iter()
-                    .flat_map(|m| &m.tool_calls)
-                    .find(|c| c.id.as_deref() == Some(call_id.as_str()))
-                    .map(|c| c.name.clone());
-                let mut message = ChatMessage::new("tool", text);
-                message.tool_call_id = Some(call_id);
-                message.name = name;
-                out.push(message);
+                out.push(tool_result(&out, &call_id, text));
             }
             "reasoning" => {}
             other => {
@@ -317,53 +312,21 @@ pub fn input_messages(input: &Value) -> Result<Vec<ChatMessage>, ApiError> {
     Ok(out)
 }
 
-/// `tools` (function tools, flat: `{type, name, description?, parameters?, strict?}`) in
-/// chat's shape, for [`crate::tools::Tools::parse`].
-pub fn chat_tools(tools: Option<&Value>) -> Result<Option<Value>, ApiError> {
-    let items = match tools {
-        None | Some(Value::Null) => return Ok(None),
-        Some(Value::Array(items)) => items,
-        Some(other) => {
-            return Err(ApiError::invalid_param(
-                "tools",
-                format!("`tools` must be a list, got {}", json_type(other)),
-            ))
-        }
-    };
-    let converted = items
-        .iter()
-        .enumerate()
-        .map(|(i, tool)| {
-            let err = |why: String| ApiError::invalid_param("tools", format!("tools[{i}] {why}"));
-            let Value::Object(tool) = tool else {
-                return Err(err(format!("must be an object, got {}", json_type(tool))));
-            };
-            match tool.get("type").and_then(Value::as_str) {
-                Some("function") => {}
-                other => {
-                    return Err(err(format!(
-                        "has type {other:?}; only function tools are supported"
-                    )))
-                }
-            }
-            if let Some(k) = tool.keys().find(|k| {
-                !["type", "name", "description", "parameters", "strict"].contains(&k.as_str())
-            }) {
-                return Err(err(format!("has an unsupported field `{k}`")));
-            }
-            let function: Map<String, Value> = ["name", "description", "parameters", "strict"]
-                .iter()
-                .filter_map(|k| {
-                    tool.get(*k)
-                        .filter(|v| !v.is_null())
-                        .map(|v| (k.to_string(), v.clone()))
-                })
-                .collect();
-            Ok(json!({"type": "function", "function": function}))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(Some(Value::Array(converted)))
-}
+/// The Responses API's tools: function tools, flat (`{type: "function", name,
+/// description?, parameters?, strict?}`).
+pub const TOOLS: ToolDialect = ToolDialect {
+    accepts_type: |t| t.is_some_and(|t| t == "function"),
+    supported_types: "only function tools are supported",
+    fields: &[
+        ("type", None),
+        ("name", Some("name")),
+        ("description", Some("description")),
+        ("parameters", Some("parameters")),
+        ("strict", Some("strict")),
+    ],
+    ignored: &[],
+    required: None,
+};
 
 /// `tool_choice` in chat's shape: the same strings, and `{type: "function", name}` named.
 pub fn chat_tool_choice(choice: Option<&Value>) -> Result<Option<Value>, ApiError> {
@@ -581,6 +544,7 @@ pub struct ResponseObject {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::agent_tools::chat_tools;
 
     #[test]
     fn a_string_is_one_user_message() {
@@ -656,7 +620,7 @@ mod tests {
 
     #[test]
     fn function_tools_and_choices_take_chats_shape() {
-        let tools = chat_tools(Some(&json!([
+        let tools = chat_tools(&TOOLS, Some(&json!([
             {"type": "function", "name": "w", "description": "d", "parameters": {"type": "object"}, "strict": null}
         ])))
         .expect("valid")
@@ -673,7 +637,8 @@ mod tests {
             chat_tool_choice(Some(&json!("required"))).expect("valid"),
             Some(json!("required"))
         );
-        let e = chat_tools(Some(&json!([{"type": "web_search"}]))).expect_err("not a function");
+        let e =
+            chat_tools(&TOOLS, Some(&json!([{"type": "web_search"}]))).expect_err("not a function");
         assert_eq!(e.param.as_deref(), Some("tools"));
         let e = chat_tool_choice(Some(&json!({"type": "web_search"}))).expect_err("hosted");
         assert_eq!(e.param.as_deref(), Some("tool_choice"));

@@ -10,27 +10,27 @@ use std::time::Instant;
 use axum::body::Bytes;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
-use axum::{extract::State, Extension};
-use novainfer_engine::{ChatMessage, Delta, Prompt, StopReason, ToolCallMessage};
-use serde_json::{Map, Value};
+use novainfer_core::SamplingParams;
+use novainfer_engine::{ChatMessage, Delta, StopReason, ToolCallMessage};
+use serde_json::Value;
 
-use super::driver::{each_choice, respond, Flow, Renderer};
-use super::run::{prepare, Launch, Running};
-use super::JsonBody;
+use super::driver::{each_choice, Flow, Renderer};
+use super::generate::{Api, ChatInput, Context, GenerationRequest, Input, Tokenized};
+use super::run::Running;
 use crate::accounting::{chat_logprobs, stop_reason_json};
 use crate::error::ApiError;
 use crate::keys::Tenant;
-use crate::params::{request_timeout, sampling_params, EndpointParams};
+use crate::params::EndpointParams;
 use crate::protocol::inputs;
 use crate::protocol::request::{parse_generation, ChatRequest};
 use crate::protocol::response::{
     unix_now, ChatChoice, ChatCompletion, ChatLogprobs, ChatMessageOut, ToolCallOut, Usage,
     SYSTEM_FINGERPRINT,
 };
-use crate::reasoning::{prompt_opens_thinking, ReasoningSplitter};
+use crate::reasoning::ReasoningSplitter;
 use crate::sessions::MAX_SESSION_ID_LEN;
 use crate::sse;
-use crate::state::{AppState, RequestId};
+use crate::state::AppState;
 use crate::tools::Tools;
 use crate::transform::{finish_reason, ChatPiece, ChatTransform};
 
@@ -64,140 +64,142 @@ fn session_id(body: Option<String>, headers: &HeaderMap) -> Result<Option<String
     }
 }
 
-pub async fn chat_completions(
-    State(app): State<Arc<AppState>>,
-    Extension(request_id): Extension<RequestId>,
-    Extension(tenant): Extension<Tenant>,
-    headers: HeaderMap,
-    JsonBody(body): JsonBody,
-) -> Result<Response, ApiError> {
-    let arrival = Instant::now();
-    let req: ChatRequest = parse_generation(&body)?;
-    crate::ignored::log_once("chat", &req.ignored);
-    let model = app.models.get(req.shared.model.as_deref())?;
-    let add_generation_prompt = req.own.add_generation_prompt.unwrap_or(true);
-    let continue_final = req.own.continue_final_message.unwrap_or(false);
-    if continue_final && add_generation_prompt {
-        // As in vLLM: the two ask for opposite prompt endings.
-        return Err(ApiError::invalid_param(
-            "continue_final_message",
-            "continue_final_message needs add_generation_prompt: false",
-        ));
+/// Chat's `logprobs` and `top_logprobs` as the alternatives per token, when asked for.
+fn logprobs(logprobs: Option<bool>, top: Option<i64>) -> Result<Option<i64>, ApiError> {
+    match (logprobs.unwrap_or(false), top) {
+        (true, top) => Ok(Some(top.unwrap_or(0))),
+        (false, Some(_)) => Err(ApiError::invalid_param(
+            "top_logprobs",
+            "top_logprobs needs logprobs: true",
+        )),
+        (false, None) => Ok(None),
     }
-    let tools = Tools::parse(
-        req.own.tools.as_ref(),
-        req.own.tool_choice.as_ref(),
-        req.own.parallel_tool_calls,
-    )?;
-    let template_vars = template_vars(tools.as_ref(), req.own.chat_template_kwargs.clone());
-    let messages = inputs::messages(&req.own.messages)?;
-    let session = session_id(req.own.session_id.clone(), &headers)?;
-    let logprobs = match (req.own.logprobs.unwrap_or(false), req.own.top_logprobs) {
-        (true, top) => Some(top.unwrap_or(0)),
-        (false, Some(_)) => {
+}
+
+/// Chat completions as an [`Api`].
+pub struct Chat(ChatRequest);
+
+/// What the renderer needs of the request.
+pub struct ChatPlan {
+    shape: Shape,
+    stream: bool,
+    include_usage: bool,
+    turn: Option<SessionTurn>,
+}
+
+impl Api for Chat {
+    const ENDPOINT: &'static str = "chat";
+    type Plan = ChatPlan;
+    type Renderer = ChatRenderer;
+
+    fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        parse_generation(body).map(Chat)
+    }
+
+    fn model(&self) -> Option<&str> {
+        self.0.shared.model.as_deref()
+    }
+
+    fn ignored_fields(&self) -> Vec<&'static str> {
+        self.0.ignored.clone()
+    }
+
+    fn request(self, cx: &Context) -> Result<(GenerationRequest, ChatPlan), ApiError> {
+        let Chat(req) = self;
+        let add_generation_prompt = req.own.add_generation_prompt.unwrap_or(true);
+        let continue_final = req.own.continue_final_message.unwrap_or(false);
+        if continue_final && add_generation_prompt {
+            // As in vLLM: the two ask for opposite prompt endings.
             return Err(ApiError::invalid_param(
-                "top_logprobs",
-                "top_logprobs needs logprobs: true",
-            ))
+                "continue_final_message",
+                "continue_final_message needs add_generation_prompt: false",
+            ));
         }
-        (false, None) => None,
-    };
-    let tool_grammar = tools.as_ref().and_then(Tools::grammar);
-    let constraint_field = match tool_grammar {
-        Some(_) => "tools",
-        None => crate::structured::constraint_field(req.shared.response_format.as_ref()),
-    };
-    let params = sampling_params(
-        &req.shared,
-        EndpointParams {
+        let tools = Tools::parse(
+            req.own.tools.as_ref(),
+            req.own.tool_choice.as_ref(),
+            req.own.parallel_tool_calls,
+        )?;
+        let messages = inputs::messages(&req.own.messages)?;
+        let session = session_id(req.own.session_id.clone(), &cx.headers)?;
+        let logprobs = logprobs(req.own.logprobs, req.own.top_logprobs)?;
+        let conversation = match &session {
+            Some(id) => {
+                cx.app
+                    .sessions
+                    .conversation(cx.tenant, &cx.model.name, id, messages, cx.arrival)
+            }
+            None => messages,
+        };
+        if conversation.is_empty() {
+            return Err(ApiError::invalid_param(
+                "messages",
+                "`messages` must not be empty",
+            ));
+        }
+        let response_id = format!("chatcmpl-{}", cx.request_id.0);
+        let stream = req.shared.stream.unwrap_or(false);
+        let output = EndpointParams {
             max_tokens: req.own.max_completion_tokens.or(req.shared.max_tokens),
             default_max_tokens: None,
             logprobs,
             extra_stop_token_ids: Vec::new(),
-            constraint: tool_grammar,
-        },
-    )?;
-    let conversation = match &session {
-        Some(id) => app
-            .sessions
-            .conversation(tenant, &model.name, id, messages, arrival),
-        None => messages,
-    };
-    if conversation.is_empty() {
-        return Err(ApiError::invalid_param(
-            "messages",
-            "`messages` must not be empty",
-        ));
+            constraint: tools.as_ref().and_then(Tools::grammar),
+        };
+        let plan = ChatPlan {
+            shape: Shape {
+                id: response_id.clone(),
+                model: cx.model.name.clone(),
+                created: unix_now(),
+            },
+            stream,
+            include_usage: req.shared.include_usage(),
+            turn: session.map(|id| SessionTurn {
+                tenant: cx.tenant,
+                id,
+                conversation: conversation.clone(),
+            }),
+        };
+        let input = ChatInput {
+            messages: conversation,
+            tools,
+            template_kwargs: req.own.chat_template_kwargs,
+            add_generation_prompt,
+            continue_final,
+        };
+        let request = GenerationRequest {
+            input: Input::Chat(input),
+            sampling: req.shared,
+            output,
+            response_id,
+            stream,
+            prompt_logprobs: false,
+        };
+        Ok((request, plan))
     }
-    let response_id = format!("chatcmpl-{}", request_id.0);
-    let stream = req.shared.stream.unwrap_or(false);
-    let mut pending = prepare(
-        &app,
-        &request_id,
-        arrival,
-        Launch {
-            model: model.clone(),
-            params,
-            timeout: request_timeout(&req.shared)?,
-            user: req.shared.user.clone(),
-            tenant,
-            priority: req.shared.priority.unwrap_or(0),
-            endpoint: "chat",
-            response_id: response_id.clone(),
-            constraint_field,
-        },
-    )?;
-    let frontend = model.frontend.clone();
-    let rendered = conversation.clone();
-    let prompt_text = pending
-        .tokenize(move || {
-            let text = frontend.render_chat(
-                &rendered,
-                add_generation_prompt,
-                continue_final,
-                template_vars,
-            )?;
-            // The template already placed every special token: add none (as transformers does).
-            let ids = frontend.tokenizer().encode(&text, false)?;
-            let ids = frontend.prompt_token_ids(&Prompt::TokenIds(ids))?;
-            Ok((vec![ids], text))
-        })
-        .await?;
-    let renderer = ChatRenderer {
-        shape: Shape {
-            id: response_id,
-            model: model.name.clone(),
-            created: unix_now(),
-        },
-        reasoning: model.reasoning.then(|| prompt_opens_thinking(&prompt_text)),
-        tool_calls: tools.as_ref().is_some_and(Tools::parses_calls),
-        transforms: Vec::new(),
-        stream,
-        include_usage: req.shared.include_usage(),
-        app: app.clone(),
-        first: ChatPiece::default(),
-        turn: session.map(|id| SessionTurn {
-            tenant,
-            id,
-            conversation,
-        }),
-    };
-    respond(pending, renderer, stream, app.keep_alive).await
-}
 
-/// The template's variables besides the messages: the tools, overridden by the request's
-/// own `chat_template_kwargs`.
-pub(super) fn template_vars(
-    tools: Option<&Tools>,
-    kwargs: Option<Map<String, Value>>,
-) -> Option<Value> {
-    let mut vars = tools.map(Tools::template_vars).unwrap_or_default();
-    vars.extend(kwargs.unwrap_or_default());
-    (!vars.is_empty()).then_some(Value::Object(vars))
+    fn renderer(
+        plan: ChatPlan,
+        cx: &Context,
+        _params: &SamplingParams,
+        prompt: Tokenized,
+    ) -> ChatRenderer {
+        ChatRenderer {
+            shape: plan.shape,
+            reasoning: prompt.reasoning,
+            tool_calls: prompt.tool_calls,
+            transforms: Vec::new(),
+            stream: plan.stream,
+            include_usage: plan.include_usage,
+            app: cx.app.clone(),
+            first: ChatPiece::default(),
+            turn: plan.turn,
+        }
+    }
 }
 
 /// The response's identity, shared by its objects and chunks.
-struct Shape {
+pub struct Shape {
     id: String,
     model: String,
     created: u64,
@@ -246,7 +248,7 @@ fn non_empty(s: String) -> Option<String> {
 }
 
 /// Renders `chat.completion` objects and chunks.
-struct ChatRenderer {
+pub struct ChatRenderer {
     shape: Shape,
     /// Split reasoning off (`Some(true)`: the prompt opened `<think>`).
     reasoning: Option<bool>,

@@ -1,127 +1,122 @@
 //! `POST /v1/completions`: one or more prompts (text or token ids), `n` completions each,
 //! streamed as `text_completion` chunks or returned whole.
 
-use std::sync::Arc;
-use std::time::Instant;
-
 use axum::body::Bytes;
-use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use axum::Extension;
-use novainfer_engine::fim::FimTokens;
+use novainfer_core::SamplingParams;
 use novainfer_engine::tokenizer::Tokenizer;
 use novainfer_engine::{Delta, Prompt, TokenLogprob};
 use serde_json::Value;
 
-use super::driver::{each_choice, respond, Flow, Renderer};
-use super::run::{prepare, Launch, Running};
-use super::JsonBody;
+use super::driver::{each_choice, Flow, Renderer};
+use super::generate::{Api, Context, GenerationRequest, Input, Tokenized};
+use super::run::Running;
 use crate::accounting::{completion_logprobs, extend_completion_logprobs, stop_reason_json};
-use crate::engine_io;
 use crate::error::ApiError;
-use crate::keys::Tenant;
-use crate::models::ModelRef;
-use crate::params::{request_timeout, sampling_params, EndpointParams};
+use crate::params::EndpointParams;
 use crate::protocol::inputs;
 use crate::protocol::request::{parse_generation, CompletionRequest};
 use crate::protocol::response::CompletionLogprobs;
 use crate::protocol::response::{unix_now, Completion, CompletionChoice, SYSTEM_FINGERPRINT};
 use crate::sse;
-use crate::state::{AppState, RequestId};
 
-pub async fn completions(
-    State(app): State<Arc<AppState>>,
-    Extension(request_id): Extension<RequestId>,
-    Extension(tenant): Extension<Tenant>,
-    JsonBody(body): JsonBody,
-) -> Result<Response, ApiError> {
-    let arrival = Instant::now();
-    let req: CompletionRequest = parse_generation(&body)?;
-    crate::ignored::log_once("completions", &req.ignored);
-    let model = app.models.get(req.shared.model.as_deref())?;
-    let prompts = inputs::prompts(&req.own.prompt, "prompt")?;
-    let echo = req.own.echo.unwrap_or(false);
-    let suffix = req.own.suffix.clone();
-    if suffix.is_some() {
-        fim_checks(&prompts, echo)?;
+pub struct Completions(CompletionRequest);
+
+/// What the renderer needs of the request.
+pub struct CompletionsPlan {
+    id: String,
+    model: String,
+    /// The prompts as given, when they are echoed.
+    echo: Option<Vec<Prompt>>,
+    stream: bool,
+    include_usage: bool,
+}
+
+impl Api for Completions {
+    const ENDPOINT: &'static str = "completions";
+    type Plan = CompletionsPlan;
+    type Renderer = Shape;
+
+    fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        parse_generation(body).map(Completions)
     }
-    let params = sampling_params(
-        &req.shared,
-        EndpointParams {
-            max_tokens: req.shared.max_tokens,
-            default_max_tokens: Some(16),
-            logprobs: req.own.logprobs,
-            extra_stop_token_ids: Vec::new(),
-            constraint: None,
-        },
-    )?;
-    let echo_logprobs = params.logprobs().filter(|_| echo);
-    let response_id = format!("cmpl-{}", request_id.0);
-    let stream = req.shared.stream.unwrap_or(false);
-    let include_usage = req.shared.include_usage();
-    let n = params.n();
-    let mut pending = prepare(
-        &app,
-        &request_id,
-        arrival,
-        Launch {
-            model: model.clone(),
-            params,
-            timeout: request_timeout(&req.shared)?,
-            user: req.shared.user.clone(),
-            tenant,
-            priority: req.shared.priority.unwrap_or(0),
-            endpoint: "completions",
-            response_id: response_id.clone(),
-            constraint_field: crate::structured::constraint_field(
-                req.shared.response_format.as_ref(),
-            ),
-        },
-    )?;
-    let frontend = model.frontend.clone();
-    let mut echoes = pending
-        .tokenize(move || {
-            let mut ids = Vec::with_capacity(prompts.len());
-            let mut echoes = Vec::with_capacity(prompts.len());
-            let fim = match &suffix {
-                Some(_) => Some(FimTokens::of(frontend.tokenizer()).ok_or_else(no_fim_tokens)?),
-                None => None,
-            };
-            for p in &prompts {
-                let p_ids = match (&fim, &suffix, p) {
-                    (Some(fim), Some(suffix), Prompt::Text(prefix)) => frontend.prompt_token_ids(
-                        &Prompt::TokenIds(fim.prompt(frontend.tokenizer(), prefix, suffix, "")?),
-                    )?,
-                    _ => frontend.prompt_token_ids(p)?,
-                };
-                let text = match p {
-                    Prompt::Text(t) => t.clone(),
-                    Prompt::TokenIds(t) => frontend.tokenizer().decode(t, false)?,
-                };
-                echoes.push(Echo {
-                    text,
-                    token_ids: p_ids.clone(),
-                    logprobs: None,
-                });
-                ids.push(p_ids);
-            }
-            Ok((ids, echoes))
-        })
-        .await?;
-    if let Some(k) = echo_logprobs {
-        score_prompts(&app, &model, &mut echoes, k).await?;
+
+    fn model(&self) -> Option<&str> {
+        self.0.shared.model.as_deref()
     }
-    let shape = Shape {
-        id: response_id,
-        model: model.name.clone(),
-        created: unix_now(),
-        echoes: if echo { echoes } else { Vec::new() },
-        n,
-        offsets: Vec::new(),
-        stream,
-        include_usage,
-    };
-    respond(pending, shape, stream, app.keep_alive).await
+
+    fn ignored_fields(&self) -> Vec<&'static str> {
+        self.0.ignored.clone()
+    }
+
+    fn request(self, cx: &Context) -> Result<(GenerationRequest, CompletionsPlan), ApiError> {
+        let Completions(req) = self;
+        let prompts = inputs::prompts(&req.own.prompt, "prompt")?;
+        let echo = req.own.echo.unwrap_or(false);
+        let suffix = req.own.suffix;
+        if suffix.is_some() {
+            fim_checks(&prompts, echo)?;
+        }
+        let logprobs = req.own.logprobs;
+        let response_id = format!("cmpl-{}", cx.request_id.0);
+        let stream = req.shared.stream.unwrap_or(false);
+        let plan = CompletionsPlan {
+            id: response_id.clone(),
+            model: cx.model.name.clone(),
+            echo: echo.then(|| prompts.clone()),
+            stream,
+            include_usage: req.shared.include_usage(),
+        };
+        let request = GenerationRequest {
+            input: Input::Prompts { prompts, suffix },
+            output: EndpointParams {
+                max_tokens: req.shared.max_tokens,
+                default_max_tokens: Some(16),
+                logprobs,
+                extra_stop_token_ids: Vec::new(),
+                constraint: None,
+            },
+            sampling: req.shared,
+            response_id,
+            stream,
+            prompt_logprobs: echo,
+        };
+        Ok((request, plan))
+    }
+
+    fn renderer(
+        plan: CompletionsPlan,
+        cx: &Context,
+        params: &SamplingParams,
+        prompt: Tokenized,
+    ) -> Shape {
+        let tokenizer = cx.model.frontend.tokenizer();
+        let mut scores = prompt.prompt_logprobs.into_iter();
+        let echoes = plan
+            .echo
+            .unwrap_or_default()
+            .into_iter()
+            .zip(prompt.prompt_ids)
+            .map(|(p, token_ids)| Echo {
+                text: match p {
+                    Prompt::Text(t) => t,
+                    Prompt::TokenIds(ids) => tokenizer.decode(&ids, false).unwrap_or_default(),
+                },
+                token_ids,
+                logprobs: scores.next(),
+            })
+            .collect();
+        Shape {
+            id: plan.id,
+            model: plan.model,
+            created: unix_now(),
+            echoes,
+            n: params.n(),
+            offsets: Vec::new(),
+            stream: plan.stream,
+            include_usage: plan.include_usage,
+        }
+    }
 }
 
 /// `suffix` (fill-in-the-middle) needs text prompts (the prefixes) and no `echo`.
@@ -141,46 +136,15 @@ fn fim_checks(prompts: &[Prompt], echo: bool) -> Result<(), ApiError> {
     Ok(())
 }
 
-fn no_fim_tokens() -> ApiError {
-    ApiError::invalid_param(
-        "suffix",
-        "this model cannot fill in the middle: its vocabulary has no <|fim_prefix|>, \
-         <|fim_suffix|> and <|fim_middle|> tokens, which `suffix` needs",
-    )
-}
-
 /// A prompt to prepend to its choices (`echo`), with its tokens' logprobs if asked for.
-struct Echo {
+pub struct Echo {
     text: String,
     token_ids: Vec<u32>,
     logprobs: Option<Vec<Option<TokenLogprob>>>,
 }
 
-/// The prompts' own logprobs (`echo` with `logprobs`), under the scoring pool (admitted first:
-/// 429 when its queue is full). Each prompt is a prefill-only engine request, scored in chunks
-/// beside the running streams (any length the model takes), and aborted if the client leaves.
-async fn score_prompts(
-    app: &AppState,
-    model: &ModelRef,
-    echoes: &mut [Echo],
-    k: usize,
-) -> Result<(), ApiError> {
-    let _permit = app
-        .work
-        .scoring
-        .admit()
-        .await
-        .inspect_err(|e| app.metrics.rejected(e.code.unwrap_or_default()))?;
-    for echo in echoes {
-        let ids = echo.token_ids.clone();
-        let adapter = model.adapter.clone();
-        echo.logprobs = Some(engine_io::score_prompt(&model.handle, ids, k, adapter).await?);
-    }
-    Ok(())
-}
-
 /// Renders `text_completion` objects and chunks.
-struct Shape {
+pub struct Shape {
     id: String,
     model: String,
     created: u64,

@@ -8,179 +8,213 @@
 //! Sampling defaults are llama.cpp's (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05),
 //! so a plugin gets what it was tuned for. Generation also ends on any FIM token.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::response::{IntoResponse, Response};
-use axum::{extract::State, Extension};
-use novainfer_core::FinishReason;
+use novainfer_core::{FinishReason, SamplingParams};
 use novainfer_engine::fim::{ExtraChunk, FimTokens};
-use novainfer_engine::{Delta, Prompt, StopReason};
+use novainfer_engine::{Delta, StopReason};
 use serde_json::{json, Map, Value};
 
-use super::driver::{respond, Flow, Renderer};
-use super::run::{prepare, Launch, Running};
-use super::JsonBody;
+use super::driver::{Flow, Renderer};
+use super::generate::{Api, Context, GenerationRequest, Input, Tokenized, NO_FIM};
+use super::run::Running;
 use crate::error::ApiError;
 use crate::indent::IndentLimit;
-use crate::keys::Tenant;
-use crate::params::{sampling_params, EndpointParams};
+use crate::params::EndpointParams;
 use crate::protocol::infill::InfillRequest;
 use crate::protocol::request::{parse, SharedFields};
 use crate::sse;
-use crate::state::{AppState, RequestId};
 
-pub async fn infill(
-    State(app): State<Arc<AppState>>,
-    Extension(request_id): Extension<RequestId>,
-    Extension(tenant): Extension<Tenant>,
-    JsonBody(body): JsonBody,
-) -> Result<Response, ApiError> {
-    let arrival = Instant::now();
-    let req: InfillRequest = parse(&body)?;
-    crate::ignored::log_once("infill", &req.ignored_fields());
-    let model = app.models.get(req.model.as_deref())?;
-    let fim = FimTokens::of(model.frontend.tokenizer()).ok_or_else(|| {
-        ApiError::invalid(
-            "this model cannot fill in the middle: its vocabulary has no <|fim_prefix|>, \
-             <|fim_suffix|> and <|fim_middle|> tokens",
-        )
-    })?;
-    let n_predict = match req.n_predict {
-        None | Some(-1) => None,
-        Some(n) if n >= 1 => Some(n),
-        Some(n) => {
-            return Err(ApiError::invalid_param(
-                "n_predict",
-                format!("n_predict must be -1 (until the context is full) or >= 1, got {n}"),
-            ))
-        }
-    };
-    let n_indent = match req.n_indent {
-        None => 0,
-        Some(n) if n >= 0 => n as usize,
-        Some(n) => {
-            return Err(ApiError::invalid_param(
-                "n_indent",
-                format!("n_indent must be >= 0, got {n}"),
-            ))
-        }
-    };
-    let t_max_predict = match req.t_max_predict_ms {
-        None | Some(0) => None,
-        Some(ms) if ms > 0 => Some(Duration::from_millis(ms as u64)),
-        Some(ms) => {
-            return Err(ApiError::invalid_param(
-                "t_max_predict_ms",
-                format!("t_max_predict_ms must be >= 0, got {ms}"),
-            ))
-        }
-    };
-    let shared = SharedFields {
-        temperature: Some(req.temperature.unwrap_or(0.8)),
-        top_k: Some(req.top_k.unwrap_or(40)),
-        top_p: Some(req.top_p.unwrap_or(0.95)),
-        min_p: Some(req.min_p.unwrap_or(0.05)),
-        repetition_penalty: req.repeat_penalty,
-        presence_penalty: req.presence_penalty,
-        frequency_penalty: req.frequency_penalty,
-        seed: req.seed.filter(|&s| s != -1),
-        stop: req.stop.clone(),
-        ignore_eos: req.ignore_eos,
-        ..SharedFields::default()
-    };
-    let params = sampling_params(
-        &shared,
-        EndpointParams {
+/// llama.cpp's own output limits, checked.
+struct Limits {
+    /// `None`: until the context is full.
+    n_predict: Option<i64>,
+    n_indent: usize,
+    t_max_predict: Option<Duration>,
+}
+
+impl Limits {
+    fn of(req: &InfillRequest) -> Result<Self, ApiError> {
+        let n_predict = match req.n_predict {
+            None | Some(-1) => None,
+            Some(n) if n >= 1 => Some(n),
+            Some(n) => {
+                return Err(ApiError::invalid_param(
+                    "n_predict",
+                    format!("n_predict must be -1 (until the context is full) or >= 1, got {n}"),
+                ))
+            }
+        };
+        let n_indent = match req.n_indent {
+            None => 0,
+            Some(n) if n >= 0 => n as usize,
+            Some(n) => {
+                return Err(ApiError::invalid_param(
+                    "n_indent",
+                    format!("n_indent must be >= 0, got {n}"),
+                ))
+            }
+        };
+        let t_max_predict = match req.t_max_predict_ms {
+            None | Some(0) => None,
+            Some(ms) if ms > 0 => Some(Duration::from_millis(ms as u64)),
+            Some(ms) => {
+                return Err(ApiError::invalid_param(
+                    "t_max_predict_ms",
+                    format!("t_max_predict_ms must be >= 0, got {ms}"),
+                ))
+            }
+        };
+        Ok(Self {
+            n_predict,
+            n_indent,
+            t_max_predict,
+        })
+    }
+}
+
+/// llama.cpp's infill as an [`Api`].
+pub struct Infill(InfillRequest);
+
+/// What the renderer needs of the request.
+pub struct InfillPlan {
+    model: String,
+    n_indent: usize,
+    n_predict: Option<i64>,
+    t_max_predict: Option<Duration>,
+    fields: Option<Vec<String>>,
+    return_tokens: bool,
+    stream: bool,
+}
+
+impl Api for Infill {
+    const ENDPOINT: &'static str = "infill";
+    const RENAMES: &'static [(&'static str, &'static str)] = &[
+        ("max_tokens", "n_predict"),
+        ("repetition_penalty", "repeat_penalty"),
+    ];
+    type Plan = InfillPlan;
+    type Renderer = InfillState;
+
+    fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        parse(body).map(Infill)
+    }
+
+    fn model(&self) -> Option<&str> {
+        self.0.model.as_deref()
+    }
+
+    fn ignored_fields(&self) -> Vec<&'static str> {
+        self.0.ignored_fields()
+    }
+
+    fn request(self, cx: &Context) -> Result<(GenerationRequest, InfillPlan), ApiError> {
+        let Infill(req) = self;
+        let fim = FimTokens::of(cx.model.frontend.tokenizer())
+            .ok_or_else(|| ApiError::invalid(NO_FIM))?;
+        let Limits {
+            n_predict,
+            n_indent,
+            t_max_predict,
+        } = Limits::of(&req)?;
+        // llama.cpp's defaults, which the editor plugins were tuned for.
+        let sampling = SharedFields {
+            temperature: Some(req.temperature.unwrap_or(0.8)),
+            top_k: Some(req.top_k.unwrap_or(40)),
+            top_p: Some(req.top_p.unwrap_or(0.95)),
+            min_p: Some(req.min_p.unwrap_or(0.05)),
+            repetition_penalty: req.repeat_penalty,
+            presence_penalty: req.presence_penalty,
+            frequency_penalty: req.frequency_penalty,
+            seed: req.seed.filter(|&s| s != -1),
+            stop: req.stop.clone(),
+            ignore_eos: req.ignore_eos,
+            ..SharedFields::default()
+        };
+        let output = EndpointParams {
             max_tokens: n_predict,
             default_max_tokens: None,
             logprobs: None,
+            // A middle ends on any FIM or repo-level token, as llama.cpp ends it.
             extra_stop_token_ids: fim.all(),
             constraint: None,
-        },
-    )?;
-    let settings = json!({
-        "n_predict": n_predict.unwrap_or(-1),
-        "temperature": params.temperature(),
-        "top_k": params.top_k().unwrap_or(0),
-        "top_p": params.top_p(),
-        "min_p": params.min_p(),
-        "seed": params.seed(),
-        "stop": params.stop().stop,
-        "n_indent": n_indent,
-        "model": model.name,
-    });
-    let max_model_len = model.frontend.max_model_len();
-    // Room kept for the output when input_extra must be cut to fit.
-    let reserve = n_predict.map_or(max_model_len / 4, |n| n as usize);
-    let max_prompt_tokens = max_model_len.saturating_sub(reserve);
-    let mut pending = prepare(
-        &app,
-        &request_id,
-        arrival,
-        Launch {
-            model: model.clone(),
-            params,
-            timeout: None,
-            user: None,
-            tenant,
-            priority: 0,
-            endpoint: "infill",
-            response_id: format!("infill-{}", request_id.0),
-            // /infill has no constraint of its own.
-            constraint_field: "structured_outputs",
-        },
-    )?;
-    let frontend = model.frontend.clone();
-    let extra: Vec<ExtraChunk> = req
-        .input_extra
-        .unwrap_or_default()
-        .into_iter()
-        .map(|c| ExtraChunk {
-            filename: c.filename.unwrap_or_else(|| "tmp".to_owned()),
-            text: c.text,
-        })
-        .collect();
-    let (prefix, suffix, middle) = (
-        req.input_prefix.unwrap_or_default(),
-        req.input_suffix.unwrap_or_default(),
-        req.prompt.unwrap_or_default(),
-    );
-    let (prompt_tokens, truncated) = pending
-        .tokenize(move || {
-            let built = fim.infill(
-                frontend.tokenizer(),
-                &extra,
-                &prefix,
-                &suffix,
-                &middle,
-                max_prompt_tokens,
-            )?;
-            let ids = frontend.prompt_token_ids(&Prompt::TokenIds(built.token_ids))?;
-            let len = ids.len();
-            Ok((vec![ids], (len, built.extra_tokens_dropped > 0)))
-        })
-        .await?;
-    let stream = req.stream.unwrap_or(false);
-    let state = InfillState {
-        model: model.name.clone(),
-        indent: Some(IndentLimit::new(n_indent)),
-        t_max_predict,
-        fields: req.response_fields,
-        return_tokens: req.return_tokens.unwrap_or(false),
-        settings,
-        prompt_tokens,
-        truncated,
-        stream,
-        ..InfillState::default()
-    };
-    respond(pending, state, stream, app.keep_alive).await
+        };
+        let max_model_len = cx.model.frontend.max_model_len();
+        let stream = req.stream.unwrap_or(false);
+        let input = Input::Infill {
+            extra: req
+                .input_extra
+                .unwrap_or_default()
+                .into_iter()
+                .map(|c| ExtraChunk {
+                    filename: c.filename.unwrap_or_else(|| "tmp".to_owned()),
+                    text: c.text,
+                })
+                .collect(),
+            prefix: req.input_prefix.unwrap_or_default(),
+            suffix: req.input_suffix.unwrap_or_default(),
+            middle: req.prompt.unwrap_or_default(),
+            // Room kept for the output when input_extra must be cut to fit.
+            reserve: n_predict.map_or(max_model_len / 4, |n| n as usize),
+            fim,
+        };
+        let plan = InfillPlan {
+            model: cx.model.name.clone(),
+            n_indent,
+            n_predict,
+            t_max_predict,
+            fields: req.response_fields,
+            return_tokens: req.return_tokens.unwrap_or(false),
+            stream,
+        };
+        let request = GenerationRequest {
+            input,
+            sampling,
+            output,
+            response_id: format!("infill-{}", cx.request_id.0),
+            stream,
+            prompt_logprobs: false,
+        };
+        Ok((request, plan))
+    }
+
+    fn renderer(
+        plan: InfillPlan,
+        _cx: &Context,
+        params: &SamplingParams,
+        prompt: Tokenized,
+    ) -> InfillState {
+        let settings = json!({
+            "n_predict": plan.n_predict.unwrap_or(-1),
+            "temperature": params.temperature(),
+            "top_k": params.top_k().unwrap_or(0),
+            "top_p": params.top_p(),
+            "min_p": params.min_p(),
+            "seed": params.seed(),
+            "stop": params.stop().stop,
+            "n_indent": plan.n_indent,
+            "model": plan.model,
+        });
+        InfillState {
+            model: plan.model,
+            indent: Some(IndentLimit::new(plan.n_indent)),
+            t_max_predict: plan.t_max_predict,
+            fields: plan.fields,
+            return_tokens: plan.return_tokens,
+            settings,
+            prompt_tokens: prompt.prompt_ids.first().map_or(0, Vec::len),
+            truncated: prompt.truncated,
+            stream: plan.stream,
+            ..InfillState::default()
+        }
+    }
 }
 
 /// What the response reports, folded from the deltas.
 #[derive(Default)]
-struct InfillState {
+pub struct InfillState {
     model: String,
     indent: Option<IndentLimit>,
     t_max_predict: Option<Duration>,

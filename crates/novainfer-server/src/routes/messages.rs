@@ -2,40 +2,41 @@
 //!
 //! A request becomes a chat conversation (`crate::protocol::messages`) and runs through the
 //! same driver as chat completions; the chat transforms split the output into reasoning, text
-//! and tool calls, and [`BlockBuilder`] turns those pieces into content blocks (`thinking`,
+//! and tool calls, and [`Blocks`] turns those pieces into content blocks (`thinking`,
 //! `text`, `tool_use`) and, streamed, into Anthropic's events (`message_start`,
 //! `content_block_start` / `_delta` / `_stop`, `message_delta`, `message_stop`). Errors on
 //! these routes take Anthropic's shape ([`anthropic_errors`]).
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::{Request, State};
 use axum::http::header;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
+use axum::Json;
+use novainfer_core::SamplingParams;
 use novainfer_engine::{Delta, StopReason};
 use serde_json::{json, Value};
 
-use super::conversation::{prepare_conversation, template_vars, Conversation};
-use super::driver::{respond, Flow, Renderer};
+use super::driver::{Flow, Renderer};
+use super::generate::{Api, ChatInput, Context, GenerationRequest, Tokenized};
+use super::output_items::{ItemBuilder, ItemLayout, PieceKind};
 use super::run::{run_tokenize, Running};
 use super::{JsonBody, X_REQUEST_ID};
 use crate::accounting::ChoiceState;
 use crate::error::ApiError;
-use crate::keys::Tenant;
+use crate::protocol::agent_tools::chat_tools;
 use crate::protocol::messages::{
-    chat_tool_choice, chat_tools, conversation, error_body, response_format, ContentBlock,
-    CountTokensRequest, MessageObject, MessageUsage, MessagesRequest,
+    chat_tool_choice, conversation, error_body, response_format, ContentBlock, CountTokensRequest,
+    MessageObject, MessageUsage, MessagesRequest, TOOLS,
 };
 use crate::protocol::request::SharedFields;
 use crate::protocol::responses::new_id;
 use crate::sse;
-use crate::state::{AppState, RequestId};
+use crate::state::AppState;
 use crate::tools::Tools;
-use crate::transform::{ChatPiece, ChatTransform};
+use crate::transform::ChatTransform;
 
 /// Chat's field names as this API names them.
 const RENAMES: &[(&str, &str)] = &[
@@ -75,70 +76,92 @@ fn conversation_and_tools(
     messages: &Value,
     tools: Option<&Value>,
     tool_choice: Option<&Value>,
-) -> Result<(Vec<novainfer_engine::ChatMessage>, Option<Tools>), ApiError> {
+) -> Result<ChatInput, ApiError> {
     let messages = conversation(system, messages)?;
     let (choice, parallel) = chat_tool_choice(tool_choice)?;
-    let tools = Tools::parse(chat_tools(tools)?.as_ref(), choice.as_ref(), parallel)?;
-    Ok((messages, tools))
+    let tools = Tools::parse(
+        chat_tools(&TOOLS, tools)?.as_ref(),
+        choice.as_ref(),
+        parallel,
+    )?;
+    Ok(ChatInput::new(messages, tools))
 }
 
-pub async fn create(
-    State(app): State<Arc<AppState>>,
-    Extension(request_id): Extension<RequestId>,
-    Extension(tenant): Extension<Tenant>,
-    JsonBody(body): JsonBody,
-) -> Result<Response, ApiError> {
-    let arrival = Instant::now();
-    let req = MessagesRequest::parse(&body)?;
-    crate::ignored::log_once("messages", &req.ignored());
-    let model = app.models.get(req.model.as_deref())?;
-    let (messages, tools) = conversation_and_tools(
-        req.system.as_ref(),
-        &req.messages,
-        req.tools.as_ref(),
-        req.tool_choice.as_ref(),
-    )?;
-    let stream = req.stream.unwrap_or(false);
-    let shared = SharedFields {
-        model: req.model.clone(),
-        max_tokens: req.max_tokens,
-        temperature: req.temperature,
-        top_p: req.top_p,
-        top_k: req.top_k,
-        stop: req.stop_sequences.as_ref().map(|s| json!(s)),
-        stream: Some(stream),
-        user: req.metadata.as_ref().and_then(|m| m.user_id.clone()),
-        response_format: response_format(req.output_config.as_ref())?,
-        ..SharedFields::default()
-    };
-    let id = new_id("msg");
-    let model_name = model.name.clone();
-    let prepared = prepare_conversation(
-        &app,
-        &request_id,
-        arrival,
-        Conversation {
-            model,
-            messages,
-            tools,
-            shared,
-            tenant,
-            endpoint: "messages",
-            response_id: id.clone(),
-            renames: RENAMES,
-        },
-    )
-    .await?;
-    let renderer = MessagesRenderer {
-        id,
-        model: model_name,
-        builder: BlockBuilder::default(),
-        transform: ChatTransform::new(prepared.reasoning, prepared.tool_calls),
-        reasoning: prepared.reasoning,
-        tool_calls: prepared.tool_calls,
-        stream,
-    };
-    respond(prepared.pending, renderer, stream, app.keep_alive).await
+/// Anthropic's Messages API as an [`Api`].
+pub struct Messages(MessagesRequest);
+
+/// What the renderer needs of the request.
+pub struct MessagesPlan {
+    id: String,
+    model: String,
+    stream: bool,
+}
+
+impl Api for Messages {
+    const ENDPOINT: &'static str = "messages";
+    const RENAMES: &'static [(&'static str, &'static str)] = RENAMES;
+    type Plan = MessagesPlan;
+    type Renderer = MessagesRenderer;
+
+    fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        MessagesRequest::parse(body).map(Messages)
+    }
+
+    fn model(&self) -> Option<&str> {
+        self.0.model.as_deref()
+    }
+
+    fn ignored_fields(&self) -> Vec<&'static str> {
+        self.0.ignored()
+    }
+
+    fn request(self, cx: &Context) -> Result<(GenerationRequest, MessagesPlan), ApiError> {
+        let Messages(req) = self;
+        let chat = conversation_and_tools(
+            req.system.as_ref(),
+            &req.messages,
+            req.tools.as_ref(),
+            req.tool_choice.as_ref(),
+        )?;
+        let stream = req.stream.unwrap_or(false);
+        let sampling = SharedFields {
+            model: req.model.clone(),
+            max_tokens: req.max_tokens,
+            temperature: req.temperature,
+            top_p: req.top_p,
+            top_k: req.top_k,
+            stop: req.stop_sequences.as_ref().map(|s| json!(s)),
+            stream: Some(stream),
+            user: req.metadata.as_ref().and_then(|m| m.user_id.clone()),
+            response_format: response_format(req.output_config.as_ref())?,
+            ..SharedFields::default()
+        };
+        let id = new_id("msg");
+        let plan = MessagesPlan {
+            id: id.clone(),
+            model: cx.model.name.clone(),
+            stream,
+        };
+        let request = GenerationRequest::conversation(chat, sampling, id, stream);
+        Ok((request, plan))
+    }
+
+    fn renderer(
+        plan: MessagesPlan,
+        _cx: &Context,
+        _params: &SamplingParams,
+        prompt: Tokenized,
+    ) -> MessagesRenderer {
+        MessagesRenderer {
+            id: plan.id,
+            model: plan.model,
+            builder: BlockBuilder::default(),
+            transform: ChatTransform::new(prompt.reasoning, prompt.tool_calls),
+            reasoning: prompt.reasoning,
+            tool_calls: prompt.tool_calls,
+            stream: plan.stream,
+        }
+    }
 }
 
 /// The prompt tokens a `/v1/messages` body with these fields would have.
@@ -148,7 +171,7 @@ pub async fn count_tokens(
 ) -> Result<Response, ApiError> {
     let req = CountTokensRequest::parse(&body)?;
     let model = app.models.get(req.model.as_deref())?;
-    let (messages, tools) = conversation_and_tools(
+    let chat = conversation_and_tools(
         req.system.as_ref(),
         &req.messages,
         req.tools.as_ref(),
@@ -156,24 +179,20 @@ pub async fn count_tokens(
     )?;
     response_format(req.output_config.as_ref())?;
     let frontend = model.frontend.clone();
-    let vars = template_vars(tools.as_ref());
-    let count = run_tokenize(&app, move || {
-        let text = frontend.render_chat(&messages, true, false, vars)?;
-        Ok(frontend.tokenizer().encode(&text, false)?.len())
-    })
-    .await?;
+    let count = run_tokenize(&app, move || Ok(chat.render(&frontend)?.0.len())).await?;
     Ok(Json(json!({"input_tokens": count})).into_response())
 }
 
-/// The content blocks of a message as its pieces arrive, and the stream events that report
-/// them. At most the last block is open; a piece of another kind closes it.
+/// A message's content blocks (`thinking`, `text`, `tool_use`) and Anthropic's stream events
+/// for them (`content_block_start` / `_delta` / `_stop`).
 #[derive(Debug, Default)]
-pub struct BlockBuilder {
-    blocks: Vec<ContentBlock>,
-    /// Each `tool_use` block's input as JSON text, as the model wrote it.
+pub struct Blocks {
+    /// Each block's `tool_use` input as JSON text, as the model wrote it (parsed on close).
     inputs: Vec<String>,
-    open: bool,
 }
+
+/// The content blocks of a message as its pieces arrive.
+pub type BlockBuilder = ItemBuilder<Blocks>;
 
 /// An event of type `kind` with `fields`.
 fn event(kind: &str, mut fields: Value) -> Bytes {
@@ -183,118 +202,69 @@ fn event(kind: &str, mut fields: Value) -> Bytes {
     sse::named(kind, &fields)
 }
 
-fn delta_event(index: usize, delta: Value) -> Bytes {
-    event(
-        "content_block_delta",
-        json!({"index": index, "delta": delta}),
-    )
-}
+impl ItemLayout for Blocks {
+    type Item = ContentBlock;
 
-impl BlockBuilder {
-    pub fn blocks(&self) -> &[ContentBlock] {
-        &self.blocks
-    }
-
-    fn open_block(&self) -> Option<&ContentBlock> {
-        self.blocks.last().filter(|_| self.open)
-    }
-
-    fn open(&mut self, block: ContentBlock) -> Vec<Bytes> {
-        let mut events = self.close();
-        let index = self.blocks.len();
-        events.push(event(
-            "content_block_start",
-            json!({"index": index, "content_block": &block}),
-        ));
-        self.blocks.push(block);
-        self.inputs.push(String::new());
-        self.open = true;
-        events
-    }
-
-    fn text(&mut self, delta: &str) -> Vec<Bytes> {
-        let mut events = Vec::new();
-        if !matches!(self.open_block(), Some(ContentBlock::Text { .. })) {
-            events = self.open(ContentBlock::Text {
-                text: String::new(),
-            });
+    fn kind(block: &ContentBlock) -> PieceKind {
+        match block {
+            ContentBlock::Thinking { .. } => PieceKind::Reasoning,
+            ContentBlock::Text { .. } => PieceKind::Text,
+            ContentBlock::ToolUse { .. } => PieceKind::Call,
         }
-        let index = self.blocks.len() - 1;
-        if let Some(ContentBlock::Text { text }) = self.blocks.last_mut() {
-            text.push_str(delta);
-        }
-        events.push(delta_event(
-            index,
-            json!({"type": "text_delta", "text": delta}),
-        ));
-        events
     }
 
-    fn thinking(&mut self, delta: &str) -> Vec<Bytes> {
-        let mut events = Vec::new();
-        if !matches!(self.open_block(), Some(ContentBlock::Thinking { .. })) {
-            events = self.open(ContentBlock::Thinking {
+    fn new_item(&mut self, kind: PieceKind) -> ContentBlock {
+        match kind {
+            PieceKind::Reasoning => ContentBlock::Thinking {
                 thinking: String::new(),
                 signature: String::new(),
-            });
+            },
+            _ => ContentBlock::Text {
+                text: String::new(),
+            },
         }
-        let index = self.blocks.len() - 1;
-        if let Some(ContentBlock::Thinking { thinking, .. }) = self.blocks.last_mut() {
-            thinking.push_str(delta);
-        }
-        events.push(delta_event(
-            index,
-            json!({"type": "thinking_delta", "thinking": delta}),
-        ));
-        events
     }
 
-    fn input(&mut self, delta: &str) -> Vec<Bytes> {
-        if !matches!(self.open_block(), Some(ContentBlock::ToolUse { .. })) {
-            return Vec::new();
+    fn new_call(&mut self, call_id: String, name: String) -> ContentBlock {
+        ContentBlock::ToolUse {
+            id: format!("toolu_{}", call_id.trim_start_matches("call_")),
+            name,
+            input: json!({}),
         }
-        let index = self.blocks.len() - 1;
-        self.inputs[index].push_str(delta);
-        vec![delta_event(
-            index,
-            json!({"type": "input_json_delta", "partial_json": delta}),
+    }
+
+    fn opened(&mut self, index: usize, block: &mut ContentBlock) -> Vec<Bytes> {
+        self.inputs.resize(index + 1, String::new());
+        vec![event(
+            "content_block_start",
+            json!({"index": index, "content_block": &block}),
         )]
     }
 
-    /// The events of one piece of output: thinking, then text, then tool calls.
-    pub fn push(&mut self, piece: ChatPiece) -> Vec<Bytes> {
-        let mut events = Vec::new();
-        if !piece.reasoning.is_empty() {
-            events.extend(self.thinking(&piece.reasoning));
-        }
-        if !piece.content.is_empty() {
-            events.extend(self.text(&piece.content));
-        }
-        for call in piece.calls {
-            if let (Some(id), Some(name)) = (call.id, call.function.name) {
-                events.extend(self.open(ContentBlock::ToolUse {
-                    id: format!("toolu_{}", id.trim_start_matches("call_")),
-                    name,
-                    input: json!({}),
-                }));
+    fn append(&mut self, index: usize, block: &mut ContentBlock, delta: &str) -> Vec<Bytes> {
+        let delta = match block {
+            ContentBlock::Thinking { thinking, .. } => {
+                thinking.push_str(delta);
+                json!({"type": "thinking_delta", "thinking": delta})
             }
-            let arguments = call.function.arguments.unwrap_or_default();
-            if !arguments.is_empty() {
-                events.extend(self.input(&arguments));
+            ContentBlock::Text { text } => {
+                text.push_str(delta);
+                json!({"type": "text_delta", "text": delta})
             }
-        }
-        events
+            ContentBlock::ToolUse { .. } => {
+                self.inputs[index].push_str(delta);
+                json!({"type": "input_json_delta", "partial_json": delta})
+            }
+        };
+        vec![event(
+            "content_block_delta",
+            json!({"index": index, "delta": delta}),
+        )]
     }
 
-    /// Ends the open block: a `tool_use` block gets its input parsed (`{}` if the output
-    /// ended inside it).
-    pub fn close(&mut self) -> Vec<Bytes> {
-        if !self.open {
-            return Vec::new();
-        }
-        self.open = false;
-        let index = self.blocks.len() - 1;
-        if let Some(ContentBlock::ToolUse { input, .. }) = self.blocks.last_mut() {
+    /// A `tool_use` block gets its input parsed (`{}` if the output ended inside it).
+    fn closed(&mut self, index: usize, block: &mut ContentBlock, _: &'static str) -> Vec<Bytes> {
+        if let ContentBlock::ToolUse { input, .. } = block {
             *input = serde_json::from_str::<Value>(&self.inputs[index])
                 .ok()
                 .filter(Value::is_object)
@@ -318,7 +288,7 @@ fn stop_reason(choice: &ChoiceState, called: bool) -> (Option<&'static str>, Opt
     }
 }
 
-struct MessagesRenderer {
+pub struct MessagesRenderer {
     id: String,
     model: String,
     builder: BlockBuilder,
@@ -372,7 +342,7 @@ impl Renderer for MessagesRenderer {
     }
 
     fn closing(&mut self, running: &Running) -> Vec<Bytes> {
-        let mut events = self.builder.close();
+        let mut events = self.builder.close("completed");
         let (reason, sequence) = running
             .run
             .choices
@@ -390,14 +360,14 @@ impl Renderer for MessagesRenderer {
         let choice = running.run.choices.first().cloned().unwrap_or_default();
         let (piece, called) = ChatTransform::new(self.reasoning, self.tool_calls).all(&choice.text);
         self.builder.push(piece);
-        self.builder.close();
+        self.builder.close("completed");
         let (stop_reason, stop_sequence) = stop_reason(&choice, called);
         Json(MessageObject {
             id: self.id,
             kind: "message",
             role: "assistant",
             model: self.model,
-            content: self.builder.blocks().to_vec(),
+            content: self.builder.items().to_vec(),
             stop_reason,
             stop_sequence,
             usage: Self::usage(running),
@@ -419,6 +389,7 @@ mod tests {
     use super::*;
     use crate::protocol::response::{FunctionCallOut, ToolCallOut};
     use crate::sse::parse_named as parse;
+    use crate::transform::ChatPiece;
 
     #[test]
     fn thinking_text_and_tool_use_stream_as_anthropic_events() {
@@ -447,7 +418,7 @@ mod tests {
             }],
             ..ChatPiece::default()
         }));
-        events.extend(b.close());
+        events.extend(b.close("completed"));
         let parsed = parse(&events);
         let kinds: Vec<&str> = parsed.iter().map(|(k, _)| k.as_str()).collect();
         assert_eq!(
@@ -484,7 +455,7 @@ mod tests {
         assert_eq!(parsed[7].1["delta"]["type"], "input_json_delta");
         assert_eq!(parsed[9].1["index"], 2);
         assert_eq!(
-            b.blocks()[2],
+            b.items()[2],
             ContentBlock::ToolUse {
                 id: "toolu_abc".into(),
                 name: "w".into(),

@@ -9,7 +9,7 @@ use axum::Extension;
 use novainfer_engine::{AdapterInfo, Prompt};
 use serde_json::{json, Value};
 
-use super::chat::template_vars;
+use super::generate::template_vars;
 use super::run::run_tokenize;
 use super::JsonBody;
 use crate::engine_io;

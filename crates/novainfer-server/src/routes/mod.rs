@@ -4,14 +4,15 @@
 
 mod chat;
 mod completions;
-mod conversation;
 mod driver;
 mod embeddings;
+mod generate;
 mod infill;
 mod info;
 mod lora;
 mod messages;
 mod misc;
+mod output_items;
 mod responses;
 mod run;
 
@@ -40,20 +41,31 @@ pub const X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
 #[derive(Clone, Copy)]
 pub struct LoggedByHandler;
 
+/// Every route and the middleware each group passes.
+// Long: the route table, which reads best whole.
 pub fn router(state: Arc<AppState>, cors_origins: &[String]) -> Router {
     let state_for_hosts = state.clone();
     let api = Router::new()
         .route("/v1/models", get(misc::list_models))
         .route("/v1/models/{model}", get(misc::get_model))
-        .route("/v1/completions", post(completions::completions))
-        .route("/v1/chat/completions", post(chat::chat_completions))
-        .route("/v1/responses", post(responses::create))
+        .route(
+            "/v1/completions",
+            post(generate::generate::<completions::Completions>),
+        )
+        .route(
+            "/v1/chat/completions",
+            post(generate::generate::<chat::Chat>),
+        )
+        .route(
+            "/v1/responses",
+            post(generate::generate::<responses::Responses>),
+        )
         .route(
             "/v1/responses/{id}",
             get(responses::retrieve).delete(responses::delete),
         )
         .route("/v1/embeddings", post(embeddings::embeddings))
-        .route("/infill", post(infill::infill))
+        .route("/infill", post(generate::generate::<infill::Infill>))
         .route("/v1/requests/{id}/cancel", post(misc::cancel))
         .route("/tokenize", post(misc::tokenize))
         .route("/detokenize", post(misc::detokenize))
@@ -67,7 +79,10 @@ pub fn router(state: Arc<AppState>, cors_origins: &[String]) -> Router {
     // Anthropic's clients read errors in Anthropic's shape: every error of these routes
     // (the API key check included) is rewritten on its way out.
     let anthropic = Router::new()
-        .route("/v1/messages", post(messages::create))
+        .route(
+            "/v1/messages",
+            post(generate::generate::<messages::Messages>),
+        )
         .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),

@@ -3,7 +3,7 @@
 //! A request becomes a chat conversation (`crate::protocol::responses`), optionally continuing
 //! a stored response (`previous_response_id`), and runs through the same driver as chat
 //! completions: the chat transforms split the output into reasoning, text and tool calls, and
-//! [`OutputBuilder`] turns those pieces into output items and, streamed, into the typed event
+//! [`Output`] turns those pieces into output items and, streamed, into the typed event
 //! sequence (`response.created` ... `response.completed`, each with its `sequence_number`).
 //! The non-streamed answer is built by the same builder from the whole output, so both say
 //! the same. A finished response is stored (unless `store: false`) for follow-ups and `GET`.
@@ -15,28 +15,30 @@ use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
+use novainfer_core::SamplingParams;
 use novainfer_engine::{ChatMessage, Delta};
 use serde_json::{json, Value};
 
-use super::conversation::{prepare_conversation, Conversation};
-use super::driver::{respond, Flow, Renderer};
+use super::driver::{Flow, Renderer};
+use super::generate::{Api, ChatInput, Context, GenerationRequest, Tokenized};
+use super::output_items::{ItemBuilder, ItemLayout, PieceKind};
 use super::run::Running;
-use super::JsonBody;
 use crate::error::ApiError;
 use crate::keys::Tenant;
+use crate::protocol::agent_tools::chat_tools;
 use crate::protocol::request::SharedFields;
 use crate::protocol::response::unix_now;
 use crate::protocol::responses::{
-    chat_tool_choice, chat_tools, input_messages, new_id, response_format, IncompleteDetails,
+    chat_tool_choice, input_messages, new_id, response_format, IncompleteDetails,
     InputTokensDetails, OutputItem, OutputText, OutputTokensDetails, ReasoningText, ResponseError,
-    ResponseObject, ResponseUsage, ResponsesRequest,
+    ResponseObject, ResponseUsage, ResponsesRequest, TOOLS,
 };
 use crate::reasoning::ReasoningSplitter;
 use crate::response_store::StoredResponse;
 use crate::sse;
-use crate::state::{AppState, RequestId};
+use crate::state::AppState;
 use crate::tools::Tools;
-use crate::transform::{ChatPiece, ChatTransform};
+use crate::transform::ChatTransform;
 
 /// Chat's field names as this API names them.
 const RENAMES: &[(&str, &str)] = &[
@@ -59,59 +61,11 @@ fn not_found(id: &str) -> ApiError {
     ))
 }
 
-pub async fn create(
-    State(app): State<Arc<AppState>>,
-    Extension(request_id): Extension<RequestId>,
-    Extension(tenant): Extension<Tenant>,
-    JsonBody(body): JsonBody,
-) -> Result<Response, ApiError> {
-    let arrival = Instant::now();
-    let req = ResponsesRequest::parse(&body)?;
-    crate::ignored::log_once("responses", &req.ignored());
-    let model = app.models.get(req.model.as_deref())?;
-    let previous = match &req.previous_response_id {
-        Some(id) => Some(
-            app.responses
-                .get(tenant, id, arrival)
-                .ok_or_else(|| previous_not_found(id))?,
-        ),
-        None => None,
-    };
-    let input = req
-        .input
-        .as_ref()
-        .ok_or_else(|| ApiError::invalid_param("input", "`input` is required"))?;
-    // The stored turns, then the new items; instructions are the request's own (a follow-up
-    // does not inherit them), placed first as the system message.
-    let mut conversation = previous.map(|p| p.conversation.clone()).unwrap_or_default();
-    conversation.extend(input_messages(input)?);
-    let messages: Vec<ChatMessage> = req
-        .instructions
-        .iter()
-        .map(|i| ChatMessage::new("system", i.clone()))
-        .chain(conversation.iter().cloned())
-        .collect();
-    let tools = Tools::parse(
-        chat_tools(req.tools.as_ref())?.as_ref(),
-        chat_tool_choice(req.tool_choice.as_ref())?.as_ref(),
-        req.parallel_tool_calls,
-    )?;
-    let stream = req.stream.unwrap_or(false);
-    let id = new_id("resp");
-    let shared = SharedFields {
-        model: req.model.clone(),
-        max_tokens: req.max_output_tokens,
-        temperature: req.temperature,
-        top_p: req.top_p,
-        stream: Some(stream),
-        user: req.user.clone(),
-        timeout: req.timeout,
-        priority: req.priority,
-        response_format: response_format(req.text.as_ref())?,
-        ..SharedFields::default()
-    };
-    let base = ResponseObject {
-        id: id.clone(),
+/// The response object as it starts: the request's settings echoed, no output yet. `store`:
+/// whether it will be stored (with `--max-stored-responses 0` nothing is, whatever was asked).
+fn base_object(req: &ResponsesRequest, id: String, model: String, store: bool) -> ResponseObject {
+    ResponseObject {
+        id,
         object: "response",
         created_at: unix_now(),
         status: "in_progress",
@@ -120,13 +74,12 @@ pub async fn create(
         incomplete_details: None,
         instructions: req.instructions.clone(),
         max_output_tokens: req.max_output_tokens,
-        model: model.name.clone(),
+        model,
         output: Vec::new(),
         parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
         previous_response_id: req.previous_response_id.clone(),
         reasoning: json!({"effort": null, "summary": null}),
-        // What is done: with `--max-stored-responses 0` nothing is stored.
-        store: req.store.unwrap_or(true) && app.responses.enabled(),
+        store,
         temperature: req.temperature.unwrap_or(1.0),
         text: json!({"format": req
             .text
@@ -145,38 +98,109 @@ pub async fn create(
         usage: None,
         user: req.user.clone(),
         metadata: req.metadata.clone().unwrap_or_default(),
-    };
-    let keep = base.store.then_some(Keep {
-        tenant,
-        conversation,
-    });
-    let prepared = prepare_conversation(
-        &app,
-        &request_id,
-        arrival,
-        Conversation {
-            model,
-            messages,
-            tools,
-            shared,
+    }
+}
+
+/// The Responses API as an [`Api`].
+pub struct Responses(ResponsesRequest);
+
+/// What the renderer needs of the request.
+pub struct ResponsesPlan {
+    base: ResponseObject,
+    stream: bool,
+    keep: Option<Keep>,
+}
+
+impl Api for Responses {
+    const ENDPOINT: &'static str = "responses";
+    const RENAMES: &'static [(&'static str, &'static str)] = RENAMES;
+    type Plan = ResponsesPlan;
+    type Renderer = ResponsesRenderer;
+
+    fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        ResponsesRequest::parse(body).map(Responses)
+    }
+
+    fn model(&self) -> Option<&str> {
+        self.0.model.as_deref()
+    }
+
+    fn ignored_fields(&self) -> Vec<&'static str> {
+        self.0.ignored()
+    }
+
+    fn request(self, cx: &Context) -> Result<(GenerationRequest, ResponsesPlan), ApiError> {
+        let Responses(req) = self;
+        let (app, tenant) = (&cx.app, cx.tenant);
+        let previous = match &req.previous_response_id {
+            Some(id) => Some(
+                app.responses
+                    .get(tenant, id, cx.arrival)
+                    .ok_or_else(|| previous_not_found(id))?,
+            ),
+            None => None,
+        };
+        let input = req
+            .input
+            .as_ref()
+            .ok_or_else(|| ApiError::invalid_param("input", "`input` is required"))?;
+        // The stored turns, then the new items; instructions are the request's own (a
+        // follow-up does not inherit them), placed first as the system message.
+        let mut conversation = previous.map(|p| p.conversation.clone()).unwrap_or_default();
+        conversation.extend(input_messages(input)?);
+        let messages: Vec<ChatMessage> = req
+            .instructions
+            .iter()
+            .map(|i| ChatMessage::new("system", i.clone()))
+            .chain(conversation.iter().cloned())
+            .collect();
+        let tools = Tools::parse(
+            chat_tools(&TOOLS, req.tools.as_ref())?.as_ref(),
+            chat_tool_choice(req.tool_choice.as_ref())?.as_ref(),
+            req.parallel_tool_calls,
+        )?;
+        let stream = req.stream.unwrap_or(false);
+        let id = new_id("resp");
+        let sampling = SharedFields {
+            model: req.model.clone(),
+            max_tokens: req.max_output_tokens,
+            temperature: req.temperature,
+            top_p: req.top_p,
+            stream: Some(stream),
+            user: req.user.clone(),
+            timeout: req.timeout,
+            priority: req.priority,
+            response_format: response_format(req.text.as_ref())?,
+            ..SharedFields::default()
+        };
+        let store = req.store.unwrap_or(true) && app.responses.enabled();
+        let base = base_object(&req, id.clone(), cx.model.name.clone(), store);
+        let keep = base.store.then_some(Keep {
             tenant,
-            endpoint: "responses",
-            response_id: id,
-            renames: RENAMES,
-        },
-    )
-    .await?;
-    let renderer = ResponsesRenderer {
-        base,
-        builder: OutputBuilder::default(),
-        transform: ChatTransform::new(prepared.reasoning, prepared.tool_calls),
-        reasoning: prepared.reasoning,
-        tool_calls: prepared.tool_calls,
-        stream,
-        app: app.clone(),
-        keep,
-    };
-    respond(prepared.pending, renderer, stream, app.keep_alive).await
+            conversation,
+        });
+        let chat = ChatInput::new(messages, tools);
+        let request = GenerationRequest::conversation(chat, sampling, id, stream);
+        Ok((request, ResponsesPlan { base, stream, keep }))
+    }
+
+    fn renderer(
+        plan: ResponsesPlan,
+        cx: &Context,
+        _params: &SamplingParams,
+        prompt: Tokenized,
+    ) -> ResponsesRenderer {
+        ResponsesRenderer {
+            base: plan.base,
+            builder: OutputBuilder::default(),
+            transform: ChatTransform::new(prompt.reasoning, prompt.tool_calls),
+            reasoning: prompt.reasoning,
+            tool_calls: prompt.tool_calls,
+            stream: plan.stream,
+            app: cx.app.clone(),
+            keep: plan.keep,
+        }
+    }
 }
 
 pub async fn retrieve(
@@ -203,21 +227,22 @@ pub async fn delete(
 }
 
 /// Where to store the finished response: its owner and the conversation it answered.
-struct Keep {
+pub struct Keep {
     tenant: Tenant,
     conversation: Vec<ChatMessage>,
 }
 
-/// A response's output items as its pieces arrive, and the stream events that report them.
-/// At most the last item is open (being written); a piece of another kind closes it.
+/// A response's output items (`reasoning`, `message`, `function_call`) and the typed stream
+/// events for them, each numbered (`sequence_number`, shared with the lifecycle events).
 #[derive(Debug, Default)]
-pub struct OutputBuilder {
-    items: Vec<OutputItem>,
-    open: bool,
+pub struct Output {
     seq: u64,
 }
 
-impl OutputBuilder {
+/// A response's output items as its pieces arrive.
+pub type OutputBuilder = ItemBuilder<Output>;
+
+impl Output {
     /// An event of type `kind` with `fields`, numbered.
     pub fn event(&mut self, kind: &str, mut fields: Value) -> Bytes {
         if let Value::Object(map) = &mut fields {
@@ -227,150 +252,103 @@ impl OutputBuilder {
         self.seq += 1;
         sse::named(kind, &fields)
     }
+}
 
-    pub fn items(&self) -> &[OutputItem] {
-        &self.items
-    }
+impl ItemLayout for Output {
+    type Item = OutputItem;
 
-    fn open_item(&self) -> Option<&OutputItem> {
-        self.items.last().filter(|_| self.open)
-    }
-
-    /// Closes the open item, then opens `item`: `output_item.added`, and the empty content
-    /// part a message or reasoning item writes into.
-    fn open(&mut self, item: OutputItem) -> Vec<Bytes> {
-        let mut events = self.close("completed");
-        let index = self.items.len();
-        events.push(self.event(
-            "response.output_item.added",
-            json!({"output_index": index, "item": &item}),
-        ));
-        let id = item.id().to_owned();
-        let part = match &item {
-            OutputItem::Message { .. } => Some(json!(OutputText::new(String::new()))),
-            OutputItem::Reasoning { .. } => Some(json!(ReasoningText::new(String::new()))),
-            OutputItem::FunctionCall { .. } => None,
-        };
-        self.items.push(item);
-        self.open = true;
-        if let Some(part) = part {
-            events.push(self.event(
-                "response.content_part.added",
-                json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}),
-            ));
-            match self.items.last_mut() {
-                Some(OutputItem::Message { content, .. }) => {
-                    content.push(OutputText::new(String::new()))
-                }
-                Some(OutputItem::Reasoning { content, .. }) => {
-                    content.push(ReasoningText::new(String::new()))
-                }
-                _ => {}
-            }
+    fn kind(item: &OutputItem) -> PieceKind {
+        match item {
+            OutputItem::Reasoning { .. } => PieceKind::Reasoning,
+            OutputItem::Message { .. } => PieceKind::Text,
+            OutputItem::FunctionCall { .. } => PieceKind::Call,
         }
-        events
     }
 
-    fn text(&mut self, delta: &str) -> Vec<Bytes> {
-        let mut events = Vec::new();
-        if !matches!(self.open_item(), Some(OutputItem::Message { .. })) {
-            events = self.open(OutputItem::Message {
-                id: new_id("msg"),
-                status: "in_progress",
-                role: "assistant",
-                content: Vec::new(),
-            });
-        }
-        let index = self.items.len() - 1;
-        let Some(OutputItem::Message { id, content, .. }) = self.items.last_mut() else {
-            return events;
-        };
-        content[0].text.push_str(delta);
-        let id = id.clone();
-        events.push(self.event(
-            "response.output_text.delta",
-            json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta, "logprobs": []}),
-        ));
-        events
-    }
-
-    fn reasoning(&mut self, delta: &str) -> Vec<Bytes> {
-        let mut events = Vec::new();
-        if !matches!(self.open_item(), Some(OutputItem::Reasoning { .. })) {
-            events = self.open(OutputItem::Reasoning {
+    fn new_item(&mut self, kind: PieceKind) -> OutputItem {
+        match kind {
+            PieceKind::Reasoning => OutputItem::Reasoning {
                 id: new_id("rs"),
                 summary: Vec::new(),
                 content: Vec::new(),
                 status: "in_progress",
-            });
+            },
+            _ => OutputItem::Message {
+                id: new_id("msg"),
+                status: "in_progress",
+                role: "assistant",
+                content: Vec::new(),
+            },
         }
-        let index = self.items.len() - 1;
-        let Some(OutputItem::Reasoning { id, content, .. }) = self.items.last_mut() else {
-            return events;
+    }
+
+    fn new_call(&mut self, call_id: String, name: String) -> OutputItem {
+        OutputItem::FunctionCall {
+            id: new_id("fc"),
+            call_id,
+            name,
+            arguments: String::new(),
+            status: "in_progress",
+        }
+    }
+
+    /// `output_item.added`, and the empty content part a message or reasoning item writes
+    /// into.
+    fn opened(&mut self, index: usize, item: &mut OutputItem) -> Vec<Bytes> {
+        let mut events = vec![self.event(
+            "response.output_item.added",
+            json!({"output_index": index, "item": &item}),
+        )];
+        let part = match item {
+            OutputItem::Message { content, .. } => {
+                content.push(OutputText::new(String::new()));
+                json!(content[0])
+            }
+            OutputItem::Reasoning { content, .. } => {
+                content.push(ReasoningText::new(String::new()));
+                json!(content[0])
+            }
+            OutputItem::FunctionCall { .. } => return events,
         };
-        content[0].text.push_str(delta);
-        let id = id.clone();
         events.push(self.event(
-            "response.reasoning_text.delta",
-            json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta}),
+            "response.content_part.added",
+            json!({"item_id": item.id(), "output_index": index, "content_index": 0, "part": part}),
         ));
         events
     }
 
-    fn arguments(&mut self, delta: &str) -> Vec<Bytes> {
-        let index = self.items.len().saturating_sub(1);
-        let open = self.open;
-        let Some(OutputItem::FunctionCall { id, arguments, .. }) =
-            self.items.last_mut().filter(|_| open)
-        else {
-            return Vec::new();
+    fn append(&mut self, index: usize, item: &mut OutputItem, delta: &str) -> Vec<Bytes> {
+        let (kind, fields) = match item {
+            OutputItem::Message { id, content, .. } => {
+                content[0].text.push_str(delta);
+                (
+                    "response.output_text.delta",
+                    json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta, "logprobs": []}),
+                )
+            }
+            OutputItem::Reasoning { id, content, .. } => {
+                content[0].text.push_str(delta);
+                (
+                    "response.reasoning_text.delta",
+                    json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta}),
+                )
+            }
+            OutputItem::FunctionCall { id, arguments, .. } => {
+                arguments.push_str(delta);
+                (
+                    "response.function_call_arguments.delta",
+                    json!({"item_id": id, "output_index": index, "delta": delta}),
+                )
+            }
         };
-        arguments.push_str(delta);
-        let id = id.clone();
-        vec![self.event(
-            "response.function_call_arguments.delta",
-            json!({"item_id": id, "output_index": index, "delta": delta}),
-        )]
+        vec![self.event(kind, fields)]
     }
 
-    /// The events of one piece of output: reasoning, then text, then calls.
-    pub fn push(&mut self, piece: ChatPiece) -> Vec<Bytes> {
+    /// The item's `...done` events, then `output_item.done`.
+    fn closed(&mut self, index: usize, item: &mut OutputItem, status: &'static str) -> Vec<Bytes> {
+        item.set_status(status);
         let mut events = Vec::new();
-        if !piece.reasoning.is_empty() {
-            events.extend(self.reasoning(&piece.reasoning));
-        }
-        if !piece.content.is_empty() {
-            events.extend(self.text(&piece.content));
-        }
-        for call in piece.calls {
-            if let (Some(call_id), Some(name)) = (call.id, call.function.name) {
-                events.extend(self.open(OutputItem::FunctionCall {
-                    id: new_id("fc"),
-                    call_id,
-                    name,
-                    arguments: String::new(),
-                    status: "in_progress",
-                }));
-            }
-            let arguments = call.function.arguments.unwrap_or_default();
-            if !arguments.is_empty() {
-                events.extend(self.arguments(&arguments));
-            }
-        }
-        events
-    }
-
-    /// Ends the open item with `status`: its `...done` events, then `output_item.done`.
-    pub fn close(&mut self, status: &'static str) -> Vec<Bytes> {
-        if !self.open {
-            return Vec::new();
-        }
-        self.open = false;
-        let index = self.items.len() - 1;
-        self.items[index].set_status(status);
-        let item = self.items[index].clone();
-        let mut events = Vec::new();
-        match &item {
+        match &*item {
             OutputItem::Message { id, content, .. } => {
                 let part = &content[0];
                 events.push(self.event(
@@ -407,7 +385,7 @@ impl OutputBuilder {
         }
         events.push(self.event(
             "response.output_item.done",
-            json!({"output_index": index, "item": item}),
+            json!({"output_index": index, "item": &item}),
         ));
         events
     }
@@ -428,7 +406,7 @@ fn ending(finish: Option<&str>) -> (&'static str, &'static str, Option<&'static 
     }
 }
 
-struct ResponsesRenderer {
+pub struct ResponsesRenderer {
     base: ResponseObject,
     builder: OutputBuilder,
     transform: ChatTransform,
@@ -532,8 +510,10 @@ impl Renderer for ResponsesRenderer {
         let object = self.object(running, "in_progress");
         vec![
             self.builder
+                .layout
                 .event("response.created", json!({"response": &object})),
             self.builder
+                .layout
                 .event("response.in_progress", json!({"response": &object})),
         ]
     }
@@ -548,7 +528,11 @@ impl Renderer for ResponsesRenderer {
 
     fn closing(&mut self, running: &Running) -> Vec<Bytes> {
         let (object, event, mut events) = self.finish(running);
-        events.push(self.builder.event(event, json!({"response": object})));
+        events.push(
+            self.builder
+                .layout
+                .event(event, json!({"response": object})),
+        );
         events
     }
 
@@ -566,7 +550,7 @@ impl Renderer for ResponsesRenderer {
     }
 
     fn failed(&mut self, running: &Running, error: &ApiError) -> Vec<Bytes> {
-        let mut events = vec![self.builder.event(
+        let mut events = vec![self.builder.layout.event(
             "error",
             json!({"code": error.code, "message": error.message, "param": error.param}),
         )];
@@ -578,13 +562,14 @@ impl Renderer for ResponsesRenderer {
         });
         events.push(
             self.builder
+                .layout
                 .event("response.failed", json!({"response": object})),
         );
         events
     }
 
     fn refused(error: &ApiError) -> Vec<Bytes> {
-        vec![OutputBuilder::default().event(
+        vec![Output::default().event(
             "error",
             json!({"code": error.code, "message": error.message, "param": error.param}),
         )]
@@ -596,6 +581,7 @@ mod tests {
     use super::*;
     use crate::protocol::response::{FunctionCallOut, ToolCallOut};
     use crate::sse::parse_named as parse;
+    use crate::transform::ChatPiece;
 
     fn piece(reasoning: &str, content: &str, calls: Vec<ToolCallOut>) -> ChatPiece {
         ChatPiece {
@@ -631,7 +617,7 @@ mod tests {
     #[test]
     fn reasoning_text_and_a_call_stream_as_typed_events_in_order() {
         let mut b = OutputBuilder::default();
-        let mut events = vec![b.event("response.created", json!({"response": {}}))];
+        let mut events = vec![b.layout.event("response.created", json!({"response": {}}))];
         events.extend(b.push(piece("hm", "", vec![])));
         events.extend(b.push(piece("m", "Let", vec![])));
         events.extend(b.push(piece("", " me.", vec![call_start("w")])));
