@@ -47,6 +47,8 @@ pub struct GgufTokenizer {
     pub control_token_ids: Vec<u32>,
 }
 
+// Long: reads the GGUF tokenizer keys in the order the format lists them, then assembles the
+// tokenizer from them; each key's check is a few lines.
 pub fn build(metadata: &HashMap<String, Value>) -> Result<GgufTokenizer, TokenizerError> {
     let model = required_str(metadata, "tokenizer.ggml.model")?;
     if model != "gpt2" {

@@ -85,6 +85,7 @@ struct Completion {
 
 /// Runs until the engine drops its end of `events`. `finish` tells the engine
 /// to finish a request it still thinks is running.
+// Long: one arm per event kind of the output thread's loop over the live completions it owns.
 pub fn run(events: mpsc::Receiver<Vec<OutputEvent>>, finish: impl Fn(RequestId, FinishReason)) {
     let mut live: HashMap<RequestId, Completion> = HashMap::new();
     for event in events.into_iter().flatten() {

@@ -321,6 +321,9 @@ pub enum ArgsError {
 }
 
 impl ServeArgs {
+    /// Every check of the options that clap's types cannot express.
+    // Long: a flat list of independent checks, each a few lines, kept together so all of
+    // `serve`'s cross-option rules are read in one place.
     pub fn check(&self) -> Result<(), ArgsError> {
         if !self.served_model_name.is_empty() && self.served_model_name.len() != self.model.len() {
             return Err(ArgsError::NameCount {

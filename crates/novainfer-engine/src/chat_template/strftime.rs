@@ -2,6 +2,7 @@
 
 /// A strftime subset over UTC: `%Y %y %m %d %e %H %I %M %S %p %j %a %A %b %B %Z %z %F %T %D %%`,
 /// with glibc's `%-d` style to drop zero padding. Unknown directives are kept as written.
+// Long: the civil-date arithmetic, then one arm per directive; the table is the function.
 pub fn strftime_utc(format: &str, unix_secs: i64) -> String {
     const DAYS: [&str; 7] = [
         "Sunday",

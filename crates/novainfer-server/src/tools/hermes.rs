@@ -257,6 +257,8 @@ impl ToolCallParser {
     }
 
     /// Consumes as much of `pending` as can be decided; `at_end`: nothing more will come.
+    // Long: one arm per parser state, each deciding how far the text it holds can go; the
+    // transitions read best side by side, and splitting them would pass the whole state around.
     fn run(&mut self, at_end: bool) {
         loop {
             match std::mem::replace(&mut self.state, State::Text) {
