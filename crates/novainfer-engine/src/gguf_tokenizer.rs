@@ -22,7 +22,7 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
-use crate::tokenizer::TokenizerError;
+use crate::tokenizer_error::TokenizerError;
 
 /// The pre-tokenizer regex of Qwen2's `tokenizer.json` (llama.cpp pre-tokenizer "qwen2").
 pub const QWEN2_SPLIT_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";

@@ -25,6 +25,7 @@ pub mod sequence;
 pub mod speculative;
 pub mod stop;
 pub mod tokenizer;
+pub mod tokenizer_error;
 pub mod verify;
 
 #[cfg(test)]

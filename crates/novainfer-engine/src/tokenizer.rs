@@ -8,56 +8,13 @@
 //! tokenizer's own eos token, the one the chat template sees as `eos_token`.
 
 use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::quantized::gguf_file;
 use serde_json::Value as Json;
 
 use crate::gguf_tokenizer;
-
-#[derive(Debug, thiserror::Error)]
-pub enum TokenizerError {
-    #[error("cannot read {path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("cannot load tokenizer from {path}: {message}")]
-    Load { path: PathBuf, message: String },
-    #[error("{path} is not valid JSON: {source}")]
-    Json {
-        path: PathBuf,
-        #[source]
-        source: serde_json::Error,
-    },
-    #[error("{file}: field `{field}` {reason}")]
-    Field {
-        file: String,
-        field: String,
-        reason: String,
-    },
-    #[error("{source_name}: `{field}` names token {token:?}, which is not in the vocabulary")]
-    UnknownToken {
-        source_name: String,
-        field: String,
-        token: String,
-    },
-    #[error("GGUF metadata `{key}`: {reason}")]
-    Gguf { key: String, reason: String },
-    #[error("GGUF metadata `{key}` = {value:?} is not supported (supported: {supported})")]
-    Unsupported {
-        key: String,
-        value: String,
-        supported: String,
-    },
-    #[error("cannot build tokenizer: {0}")]
-    Build(String),
-    #[error("cannot encode text: {0}")]
-    Encode(String),
-    #[error("cannot decode token ids: {0}")]
-    Decode(String),
-}
+pub use crate::tokenizer_error::TokenizerError;
 
 /// What generation needs to know about special tokens, beyond the vocabulary itself.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

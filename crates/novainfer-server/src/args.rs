@@ -3,21 +3,12 @@
 
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use novainfer_core::{KvLayout, ParamError};
 use novainfer_engine::{EngineConfig, KvBudget};
 use novainfer_model::{DeviceChoice, DtypeChoice, KvCacheDtype};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum ReasoningParser {
-    /// On when the tokenizer knows a `</think>` token.
-    Auto,
-    /// DeepSeek-R1 style `<think>...</think>`.
-    #[value(name = "deepseek_r1", alias = "deepseek-r1")]
-    DeepseekR1,
-    /// Reasoning stays in the answer's text.
-    None,
-}
+pub use crate::reasoning::ReasoningParser;
 
 #[derive(Debug, Clone, Parser)]
 #[command(
@@ -434,17 +425,6 @@ impl ServeArgs {
             return Err(ArgsError::EmptyKeyEnv);
         }
         Ok(crate::keys::check_keys(&self.api_key)?)
-    }
-
-    /// The server-wide durations, checked by [`Self::check`].
-    pub fn durations(&self) -> crate::state::Durations {
-        let secs = Duration::from_secs_f64;
-        crate::state::Durations {
-            header_read: secs(self.header_read_timeout),
-            body_read: secs(self.body_read_timeout),
-            idle: secs(self.idle_timeout),
-            shutdown_grace: secs(self.shutdown_grace),
-        }
     }
 }
 

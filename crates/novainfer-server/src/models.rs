@@ -7,10 +7,10 @@ use std::sync::Arc;
 use novainfer_engine::{EngineHandle, Frontend};
 use novainfer_model::AdapterRef;
 
-use crate::args::ReasoningParser;
 use crate::error::ApiError;
 pub use crate::kv_config::KvConfig;
 use crate::metrics::ModelMetrics;
+use crate::reasoning::ReasoningParser;
 
 /// Demo-model names and their cached file names. `python/novainfer/fetch.py` (which
 /// downloads them) is the source of truth; this copy lets the standalone binary find them.

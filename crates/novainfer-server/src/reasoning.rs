@@ -7,6 +7,20 @@
 //! so a tag split across deltas is held back until it is complete, and no tag text ever
 //! reaches either field. If `</think>` never comes, everything after `<think>` is reasoning.
 
+use clap::ValueEnum;
+
+/// `--reasoning-parser`: whether a model's output is split.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ReasoningParser {
+    /// On when the tokenizer knows a `</think>` token.
+    Auto,
+    /// DeepSeek-R1 style `<think>...</think>`.
+    #[value(name = "deepseek_r1", alias = "deepseek-r1")]
+    DeepseekR1,
+    /// Reasoning stays in the answer's text.
+    None,
+}
+
 const OPEN: &str = "<think>";
 const CLOSE: &str = "</think>";
 

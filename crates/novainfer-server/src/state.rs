@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::args::ServeArgs;
 use crate::budget::TokenBudget;
 use crate::endpoint_metrics::EndpointMetrics;
 use crate::fair_admission::FairAdmission;
@@ -50,6 +51,19 @@ pub struct Durations {
     pub body_read: Duration,
     pub idle: Duration,
     pub shutdown_grace: Duration,
+}
+
+impl Durations {
+    /// The server-wide durations of `args` (range-checked by `ServeArgs::check`).
+    pub fn of(args: &ServeArgs) -> Self {
+        let secs = Duration::from_secs_f64;
+        Self {
+            header_read: secs(args.header_read_timeout),
+            body_read: secs(args.body_read_timeout),
+            idle: secs(args.idle_timeout),
+            shutdown_grace: secs(args.shutdown_grace),
+        }
+    }
 }
 
 /// The id of the HTTP request being served (from `X-Request-Id`, or generated).
