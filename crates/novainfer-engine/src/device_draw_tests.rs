@@ -43,7 +43,7 @@ impl Toy {
     /// drafts then predict and verifies accept).
     fn row(&self, token: u32, _position: usize) -> Vec<f32> {
         let v = self.config.vocab_size;
-        let mut h = (u64::from(token) + 1) * 0x9E37_79B9_7F4A_7C15;
+        let mut h = (u64::from(token) + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         (0..v)
             .map(|_| {
                 h ^= h >> 29;
