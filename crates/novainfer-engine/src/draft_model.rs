@@ -14,14 +14,10 @@ use std::collections::HashMap;
 use novainfer_core::{slot_mapping, BlockId, Request, RequestId};
 use novainfer_model::{Executor, ForwardBatch, ModelError, Qwen2Config, SpanOutput};
 
+use crate::draft_policy::{DraftWork, STEADY_FEED};
+
 /// Tokens per block of the draft's pool (its own, whatever the target's layout).
 pub const DRAFT_BLOCK_SIZE: usize = 16;
-
-/// Tokens a request that drafts every step feeds the draft model before its first draft token:
-/// its newest token and, after a draft accepted whole, the last draft token (proposed, never
-/// fed). What a request feeds beyond this is catch-up: a prompt, or tokens missed while it did
-/// not draft.
-pub const STEADY_FEED: usize = 2;
 
 /// What the draft's KV holds for one request.
 #[derive(Debug, Default)]
@@ -76,16 +72,6 @@ struct Plan {
     /// the step's catch-up budget runs out).
     feed_from: usize,
     feed: Vec<u32>,
-}
-
-/// What one proposal cost the draft model: forward passes, the rows fed over all of them, and
-/// of the tokens fed, those that were catch-up (counted apart from `rows`): a drafting
-/// request's feed beyond [`STEADY_FEED`], and all a request fed while not drafting yet.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DraftWork {
-    pub passes: usize,
-    pub rows: usize,
-    pub catch_up: usize,
 }
 
 pub struct DraftModel {
@@ -356,10 +342,10 @@ mod tests {
 
     /// The toy model's next token after `tokens`.
     fn next(tokens: &[u32]) -> u32 {
-        let h = tokens
-            .iter()
-            .enumerate()
-            .fold(7u64, |h, (i, &t)| h * 31 + (i as u64 + 1) * u64::from(t));
+        let h = tokens.iter().enumerate().fold(7u64, |h, (i, &t)| {
+            h.wrapping_mul(31)
+                .wrapping_add((i as u64 + 1) * u64::from(t))
+        });
         (h % VOCAB as u64) as u32
     }
 
