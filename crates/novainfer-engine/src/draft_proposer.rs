@@ -40,14 +40,16 @@ impl Proposer for DraftModelProposer {
         if lengths.iter().all(|&k| k == 0) {
             return drafts;
         }
-        let wants: Vec<_> = requests.iter().map(|&(_, r)| r).zip(lengths).collect();
+        let wants: Vec<(RequestId, usize)> =
+            requests.iter().map(|&(_, r)| r.id).zip(lengths).collect();
+        let places: Vec<usize> = requests.iter().map(|&(i, _)| i).collect();
         let started = Instant::now();
-        match self.model.propose(&wants) {
+        match self.model.propose(running, &wants) {
             Ok((proposed, work)) => {
                 self.policy
                     .observe_draft(work, started.elapsed().as_secs_f64());
-                for ((i, _), draft) in requests.iter().zip(proposed) {
-                    drafts[*i] = draft;
+                for (i, draft) in places.into_iter().zip(proposed) {
+                    drafts[i] = draft;
                 }
             }
             Err(e) => tracing::warn!(error = %e, "the draft model failed; no drafts this step"),
@@ -66,6 +68,10 @@ impl Proposer for DraftModelProposer {
     fn retain(&mut self, alive: &mut dyn FnMut(RequestId) -> bool) {
         self.policy.retain(&mut *alive);
         self.model.retain(alive);
+    }
+
+    fn preempted(&mut self, id: RequestId) {
+        self.model.forget(id);
     }
 }
 

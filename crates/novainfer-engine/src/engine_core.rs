@@ -349,6 +349,11 @@ impl EngineCore {
     pub fn step(&mut self) {
         let started = Instant::now();
         let out = self.scheduler.schedule();
+        if let Some(proposer) = self.proposer.as_mut() {
+            for &id in &out.preempted {
+                proposer.preempted(id);
+            }
+        }
         for s in &out.scheduled {
             if let Some(active) = self.active.get_mut(&s.request_id) {
                 active.scheduled_at.get_or_insert(started);
@@ -380,9 +385,14 @@ impl EngineCore {
             .running_ids()
             .iter()
             .filter(|&&id| {
-                scheduler
-                    .request(id)
-                    .is_some_and(|r| !r.kind.is_prefill_only() && !r.output_token_ids.is_empty())
+                // The requests `set_draft` takes drafts for: decoding, after their first token.
+                // One still recomputing its tokens after a preemption would refuse a draft, and
+                // a draft model catching up with it would reserve blocks ahead of its chunks.
+                scheduler.request(id).is_some_and(|r| {
+                    !r.kind.is_prefill_only()
+                        && !r.output_token_ids.is_empty()
+                        && r.num_uncomputed_tokens() == 1
+                })
             })
             .copied()
             .collect();

@@ -6,19 +6,31 @@
 //! and which requests left.
 //!
 //! A proposer sees the requests through [`Running`], the scheduler's view of them, so one
-//! whose state lives in the requests' KV blocks can reach those blocks too.
+//! whose state lives in the requests' KV blocks (a draft model's KV) can reach those blocks
+//! and have them cover what it writes ahead of the target.
 
-use novainfer_core::{Request, RequestId, Scheduler};
+use novainfer_core::{BlockId, Request, RequestId, Scheduler};
 
-/// The running requests as the scheduler holds them.
+/// The running requests as the scheduler holds them, and the blocks their KV lives in.
 pub trait Running {
     /// An unfinished request.
     fn request(&self, id: RequestId) -> Option<&Request>;
+    /// `id`'s block table, in position order (empty if it holds no blocks).
+    fn block_table(&self, id: RequestId) -> &[BlockId];
+    /// Makes `id`'s table cover its first `num_positions` positions with free blocks, never
+    /// preempting ([`Scheduler::reserve_slots`]); false, with nothing changed, if it cannot.
+    fn reserve(&mut self, id: RequestId, num_positions: usize) -> bool;
 }
 
 impl Running for Scheduler {
     fn request(&self, id: RequestId) -> Option<&Request> {
         Scheduler::request(self, id)
+    }
+    fn block_table(&self, id: RequestId) -> &[BlockId] {
+        self.kv().as_dyn().block_table(id)
+    }
+    fn reserve(&mut self, id: RequestId, num_positions: usize) -> bool {
+        self.reserve_slots(id, num_positions)
     }
 }
 
@@ -46,6 +58,10 @@ pub trait Proposer: Send {
 
     /// Keeps the state of requests for which `alive` holds and forgets the others.
     fn retain(&mut self, alive: &mut dyn FnMut(RequestId) -> bool);
+
+    /// `id` was preempted: its blocks were freed, and whatever the proposer kept in them with
+    /// them. A proposer whose state lives apart from the blocks has nothing to do.
+    fn preempted(&mut self, _id: RequestId) {}
 }
 
 /// The requests of `ids` that `running` holds, each with its place in `ids` (a proposer
@@ -101,9 +117,16 @@ mod tests {
         assert_eq!(few, vec![vec![1], vec![2]]);
     }
 
+    /// Requests without blocks: the fake scheduler of proposers that keep nothing in KV.
     impl Running for HashMap<RequestId, Request> {
         fn request(&self, id: RequestId) -> Option<&Request> {
             self.get(&id)
+        }
+        fn block_table(&self, _: RequestId) -> &[BlockId] {
+            &[]
+        }
+        fn reserve(&mut self, _: RequestId, _: usize) -> bool {
+            false
         }
     }
 
