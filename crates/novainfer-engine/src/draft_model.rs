@@ -329,28 +329,28 @@ fn argmax(row: &[f32]) -> u32 {
     best as u32
 }
 
+/// A toy model for the draft's tests and the engine's: its next token is a function of the
+/// tokens its pool holds for the sequence (read back through the block table), so stale or
+/// missing KV changes its answers.
 #[cfg(test)]
-mod tests {
+pub(crate) mod test_support {
     use super::*;
-    use novainfer_core::{Scheduler, SchedulerConfig};
     use novainfer_model::{Device, ForwardBatch, ForwardOutput};
 
-    const VOCAB: usize = 11;
-    const BLOCK: usize = 4;
+    pub const BLOCK: usize = 4;
 
-    /// A model whose next token is a function of the tokens its pool holds for the sequence
-    /// (read back through the block table), so stale or missing KV changes its answers.
-    struct PoolEcho {
+    pub struct PoolEcho {
         config: Qwen2Config,
         /// Per slot: the token written there.
         pool: Vec<Option<u32>>,
     }
 
     impl PoolEcho {
-        fn new(num_blocks: usize) -> Self {
+        /// Over `num_blocks` blocks of [`BLOCK`] tokens, with `vocab` tokens.
+        pub fn new(num_blocks: usize, vocab: usize) -> Self {
             Self {
                 config: Qwen2Config {
-                    vocab_size: VOCAB,
+                    vocab_size: vocab,
                     hidden_size: 8,
                     intermediate_size: 8,
                     num_hidden_layers: 1,
@@ -369,13 +369,13 @@ mod tests {
         }
     }
 
-    /// The toy model's next token after `tokens`.
-    fn next(tokens: &[u32]) -> u32 {
+    /// The toy model's next token after `tokens`, of `vocab`.
+    pub fn next(tokens: &[u32], vocab: usize) -> u32 {
         let h = tokens.iter().enumerate().fold(7u64, |h, (i, &t)| {
             h.wrapping_mul(31)
                 .wrapping_add((i as u64 + 1) * u64::from(t))
         });
-        (h % VOCAB as u64) as u32
+        (h % vocab as u64) as u32
     }
 
     impl Executor for PoolEcho {
@@ -406,20 +406,25 @@ mod tests {
             }
             let mut logits = Vec::new();
             for span in &batch.seqs {
-                if span.output != SpanOutput::LastLogits {
-                    continue;
+                let end = span.query_start + span.query_len;
+                let rows = match span.output {
+                    SpanOutput::LastLogits => end - 1..end,
+                    SpanOutput::AllLogits => span.query_start..end,
+                    _ => continue,
+                };
+                for at in rows {
+                    let history: Vec<u32> = (0..=batch.positions[at])
+                        .map(|p| {
+                            let block = span.block_table[p / BLOCK] as usize;
+                            self.pool[block * BLOCK + p % BLOCK]
+                                .expect("every earlier position was written")
+                        })
+                        .collect();
+                    let vocab = self.config.vocab_size;
+                    let mut row = vec![0.0; vocab];
+                    row[next(&history, vocab) as usize] = 1.0;
+                    logits.extend(row);
                 }
-                let last = span.query_start + span.query_len - 1;
-                let history: Vec<u32> = (0..=batch.positions[last])
-                    .map(|p| {
-                        let block = span.block_table[p / BLOCK] as usize;
-                        self.pool[block * BLOCK + p % BLOCK]
-                            .expect("every earlier position was written")
-                    })
-                    .collect();
-                let mut row = vec![0.0; VOCAB];
-                row[next(&history) as usize] = 1.0;
-                logits.extend(row);
             }
             Ok(ForwardOutput {
                 logits,
@@ -433,12 +438,21 @@ mod tests {
             unreachable!()
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::{PoolEcho, BLOCK};
+    use super::*;
+    use novainfer_core::{Scheduler, SchedulerConfig};
+
+    const VOCAB: usize = 11;
 
     /// The drafts a model without KV would make: each from the whole sequence so far.
     fn reference(tokens: &[u32], k: usize) -> Vec<u32> {
         let mut seq = tokens.to_vec();
         for _ in 0..k {
-            seq.push(next(&seq));
+            seq.push(test_support::next(&seq, VOCAB));
         }
         seq.split_off(tokens.len())
     }
@@ -489,7 +503,7 @@ mod tests {
     fn drafts_follow_the_sequence_through_rejections_and_catch_up() {
         let mut s = scheduler(300, 512);
         // A catch-up budget of 20 tokens a step: the 46 tokens of a take three steps.
-        let mut draft = DraftModel::new(Box::new(PoolEcho::new(300)), VOCAB, 20);
+        let mut draft = DraftModel::new(Box::new(PoolEcho::new(300, VOCAB)), VOCAB, 20);
         let prompt: Vec<u32> = (0..45).map(|i| (i * 7 % VOCAB) as u32).collect();
         let ids = decoding(&mut s, &[prompt, vec![1, 2, 3]]);
         let (a, b) = (ids[0], ids[1]);
@@ -548,7 +562,7 @@ mod tests {
         // Eleven blocks: the two 20-token prompts take ten; the first draft's positions take
         // the last one, and the second finds none.
         let mut s = scheduler(11, 44);
-        let mut draft = DraftModel::new(Box::new(PoolEcho::new(11)), VOCAB, 1000);
+        let mut draft = DraftModel::new(Box::new(PoolEcho::new(11, VOCAB)), VOCAB, 1000);
         let ids = decoding(&mut s, &[vec![1; 20], vec![2; 20]]);
         assert_eq!(s.kv_stats().num_free_blocks, 1);
         let (out, _) = draft
@@ -576,7 +590,7 @@ mod tests {
     fn the_context_end_shortens_or_stops_the_drafts() {
         let mut s = scheduler(32, 64);
         let mut draft =
-            DraftModel::new(Box::new(PoolEcho::new(32)), VOCAB, 1000).with_max_positions(30);
+            DraftModel::new(Box::new(PoolEcho::new(32, VOCAB)), VOCAB, 1000).with_max_positions(30);
         // 30 tokens: at the draft's context end, nothing; 28: three drafts fit.
         let ids = decoding(&mut s, &[vec![1; 29], vec![2; 27]]);
         let (out, _) = draft
@@ -589,7 +603,7 @@ mod tests {
     #[test]
     fn a_preempted_request_is_read_again_from_its_first_token() {
         let mut s = scheduler(32, 64);
-        let mut draft = DraftModel::new(Box::new(PoolEcho::new(32)), VOCAB, 1000);
+        let mut draft = DraftModel::new(Box::new(PoolEcho::new(32, VOCAB)), VOCAB, 1000);
         let ids = decoding(&mut s, &[vec![3; 10]]);
         let request = s.request(ids[0]).expect("running").clone();
         assert_eq!(draft.catch_up(&request), 11 - STEADY_FEED);

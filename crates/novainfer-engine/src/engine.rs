@@ -473,6 +473,36 @@ impl LoadedEngine {
     }
 }
 
+#[cfg(test)]
+impl LoadedEngine {
+    /// An engine over a test toy `executor` on the CPU, with `tokenizer`, no chat template
+    /// and no adapters.
+    pub(crate) fn for_tests(
+        executor: Box<dyn Executor>,
+        tokenizer: Tokenizer,
+        scheduler: SchedulerConfig,
+        speculative: Option<crate::speculative::SpeculativeConfig>,
+        draft: Option<DraftModel>,
+    ) -> Self {
+        let config = executor.config().clone();
+        let vocab = tokenizer.vocab_size();
+        let max_model_len = scheduler.max_model_len();
+        let loras = LoraRegistry::new(None, config.clone());
+        Self {
+            executor,
+            device: Resolved {
+                device: novainfer_model::Device::Cpu,
+                reason: "test".into(),
+            },
+            frontend: Frontend::new(tokenizer, None, vocab, max_model_len, loras, config),
+            scheduler,
+            seed: 1234,
+            speculative,
+            draft,
+        }
+    }
+}
+
 /// The LoRA registry with `cfg`'s start-up adapters loaded (each checked against the model).
 fn lora_registry(cfg: &EngineConfig, executor: &dyn Executor) -> Result<LoraRegistry> {
     let registry = LoraRegistry::new(cfg.lora.as_ref(), executor.config().clone());

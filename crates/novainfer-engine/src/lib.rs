@@ -32,6 +32,8 @@ pub mod verify;
 
 #[cfg(test)]
 mod device_draw_tests;
+#[cfg(test)]
+mod draft_engine_tests;
 
 pub use chat_template::{ChatMessage, ToolCallMessage};
 pub use engine::{
