@@ -657,6 +657,15 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
                 let len = (draft_rng % (w.max_draft as u64 + 1)) as usize;
                 let adapter = sched.request(id).and_then(|r| r.adapter);
                 let draft = FakeModel::draft(&history[&id], adapter, len, &mut draft_rng);
+                // Half the time, as a draft model does, the blocks are first made to cover
+                // the positions the draft writes (the newest token's, then drafts 1..len-1).
+                let decoding = sched
+                    .request(id)
+                    .filter(|r| r.num_uncomputed_tokens() == 1)
+                    .map(|r| r.num_tokens());
+                if let Some(n) = decoding.filter(|_| draft_rng & 2 == 0) {
+                    sched.reserve_slots(id, n + len.saturating_sub(1));
+                }
                 sched.set_draft(id, draft);
             }
         }

@@ -17,9 +17,8 @@ use novainfer_model::{
     Device, Draw, DrawRule, Executor, ForwardBatch, ForwardOutput, Qwen2Config, SpanOutput,
 };
 
-use crate::engine::{Frontend, LoadedEngine};
+use crate::engine::LoadedEngine;
 use crate::gguf_tokenizer::test_support::tiny_byte_level_tokenizer;
-use crate::lora::LoraRegistry;
 use crate::output_processor::OutputEvent;
 use crate::{EngineCore, Scheduling};
 use novainfer_model::sampler::SampledToken;
@@ -162,7 +161,7 @@ fn engine_with(
     let asked = Asked::default();
     let verifies = Arc::new(AtomicUsize::new(0));
     let toy = Toy {
-        config: config.clone(),
+        config,
         caps,
         asked: asked.clone(),
         verifies: verifies.clone(),
@@ -175,25 +174,7 @@ fn engine_with(
         .num_blocks(256)
         .build()
         .expect("scheduler config");
-    let loaded = LoadedEngine {
-        executor: Box::new(toy),
-        device: novainfer_model::device::Resolved {
-            device: Device::Cpu,
-            reason: "test".into(),
-        },
-        frontend: Frontend::new(
-            tokenizer,
-            None,
-            vocab,
-            256,
-            LoraRegistry::new(None, config.clone()),
-            config,
-        ),
-        scheduler,
-        seed: 1234,
-        speculative,
-        draft: None,
-    };
+    let loaded = LoadedEngine::for_tests(Box::new(toy), tokenizer, scheduler, speculative, None);
     let (tx, rx) = mpsc::channel();
     (EngineCore::new(loaded, tx), rx, asked, verifies)
 }

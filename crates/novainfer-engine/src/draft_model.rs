@@ -1,32 +1,47 @@
 //! A draft model for speculative decoding: a smaller Qwen2 with the target's tokenizer that
 //! proposes each request's next tokens greedily, batched over the requests it drafts for.
 //!
-//! It keeps its own paged KV pool (a share of the engine's KV budget) and, per request, which
-//! of the request's tokens that pool holds. Drafts it fed itself stay in its KV until the
-//! target's verification says how many were right; the next proposal keeps the confirmed ones
-//! and overwrites the rest, so each step computes only the tokens it has not seen.
+//! Where its KV lives (as in vLLM v1, whose draft and EAGLE layers get KV tensors indexed by
+//! the target's block table): in the target's blocks. The draft's executor holds a pool of as
+//! many blocks of the same size as the target's, so block `b` holds a request's KV twice, the
+//! target's layers in the target's pool and the draft's in the draft's, and a block's cost in
+//! the KV budget is both models' bytes. So the scheduler's block manager is the one allocator
+//! and the one budget: a request's block table (from the scheduler) places the draft's KV
+//! too, a preemption or a finish frees both, and the draft needs no free list of its own. Its
+//! passes go through a [`ModelRunner`], the target's contract with the device, so what runs
+//! the target on a GPU runs the draft there too.
+//!
+//! What the draft adds to the scheduler's protocol: its drafts' KV is written ahead of the
+//! target's, at the positions the next step will verify, so before a pass it has the
+//! request's table cover them ([`Running::reserve`]: free blocks only, never preempting; the
+//! verify then finds them held). A refused reservation means no draft for the request this
+//! step. The draft cannot tell from the blocks whether its own layers' KV is there (the
+//! target computes every token; the draft reads a request only when drafting pays), so it
+//! tracks, per request, how many positions it wrote; a preemption
+//! ([`Proposer::preempted`](crate::proposer::Proposer::preempted)) forgets that. Blocks shared
+//! through the prefix cache or a fork hold the same tokens at the same positions, so a
+//! request catching up there rewrites the draft KV already in them with the same values.
+//!
+//! Drafts it fed itself stay in its KV until the target's verification says how many were
+//! right; the next proposal keeps the confirmed ones and overwrites the rest, so each step
+//! computes only the tokens it has not seen.
 //!
 //! Greedy drafts are one-hot proposals: verification (sampling the target's row and accepting
 //! while it equals the draft) keeps the target's distribution exactly, at any temperature.
 
 use std::collections::HashMap;
 
-use novainfer_core::{slot_mapping, BlockId, Request, RequestId};
-use novainfer_model::{Executor, ForwardBatch, ModelError, Qwen2Config, SpanOutput};
+use novainfer_core::{Request, RequestId};
+use novainfer_model::{Executor, Qwen2Config, SpanOutput};
 
-/// Tokens per block of the draft's pool (its own, whatever the target's layout).
-pub const DRAFT_BLOCK_SIZE: usize = 16;
+use crate::draft_policy::{DraftWork, STEADY_FEED};
+use crate::error::Result;
+use crate::model_runner::{ModelRunner, Span};
+use crate::proposer::Running;
 
-/// Tokens a request that drafts every step feeds the draft model before its first draft token:
-/// its newest token and, after a draft accepted whole, the last draft token (proposed, never
-/// fed). What a request feeds beyond this is catch-up: a prompt, or tokens missed while it did
-/// not draft.
-pub const STEADY_FEED: usize = 2;
-
-/// What the draft's KV holds for one request.
+/// What the draft's layers hold of one request's KV.
 #[derive(Debug, Default)]
 struct DraftSeq {
-    blocks: Vec<BlockId>,
     /// Positions `0..computed` hold the request's own tokens.
     computed: usize,
     /// Drafts fed at positions `computed..`, not yet confirmed.
@@ -78,21 +93,11 @@ struct Plan {
     feed: Vec<u32>,
 }
 
-/// What one proposal cost the draft model: forward passes, the rows fed over all of them, and
-/// of the tokens fed, those that were catch-up (counted apart from `rows`): a drafting
-/// request's feed beyond [`STEADY_FEED`], and all a request fed while not drafting yet.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DraftWork {
-    pub passes: usize,
-    pub rows: usize,
-    pub catch_up: usize,
-}
-
 pub struct DraftModel {
-    executor: Box<dyn Executor>,
+    /// Over a pool of the target's layout: as many blocks, of the same size.
+    runner: ModelRunner,
     /// Logits rows considered: the vocabulary both models share (they may differ by padding).
     vocab: usize,
-    free: Vec<BlockId>,
     seqs: HashMap<RequestId, DraftSeq>,
     /// Most tokens of requests' pasts fed in one step, so a long prompt the draft has not seen
     /// is caught up in chunks instead of stalling a step.
@@ -102,18 +107,15 @@ pub struct DraftModel {
 }
 
 impl DraftModel {
-    /// `target_vocab`: the target's logits width.
+    /// `executor`: the draft's, over a pool of the target's layout (the number of blocks and
+    /// the block size of the scheduler's pool), whose block tables it reads; `target_vocab`:
+    /// the target's logits width.
     pub fn new(executor: Box<dyn Executor>, target_vocab: usize, catch_up_per_step: usize) -> Self {
         let vocab = executor.config().vocab_size.min(target_vocab);
         let max_positions = executor.config().max_position_embeddings;
-        let free = (0..executor.num_blocks() as u32)
-            .rev()
-            .map(BlockId)
-            .collect();
         Self {
-            executor,
+            runner: ModelRunner::new(executor),
             vocab,
-            free,
             seqs: HashMap::new(),
             catch_up_per_step: catch_up_per_step.max(1),
             max_positions,
@@ -121,14 +123,15 @@ impl DraftModel {
     }
 
     /// Drafts only while a sequence is shorter than `max_positions` (by default the draft's
-    /// `max_position_embeddings`; the engine gives its RoPE-scaled context).
+    /// `max_position_embeddings`; the engine gives its RoPE-scaled context, or the target's
+    /// `max_model_len` if shorter: the scheduler reserves no position past that).
     pub fn with_max_positions(mut self, max_positions: usize) -> Self {
         self.max_positions = max_positions;
         self
     }
 
     pub fn config(&self) -> &Qwen2Config {
-        self.executor.config()
+        self.runner.config()
     }
 
     /// The tokens of `request` the draft model has yet to read beyond [`STEADY_FEED`] before
@@ -141,34 +144,30 @@ impl DraftModel {
         (request.num_tokens() - computed).saturating_sub(STEADY_FEED)
     }
 
-    /// Blocks of the draft's pool in use.
-    pub fn num_used_blocks(&self) -> usize {
-        self.seqs.values().map(|s| s.blocks.len()).sum()
-    }
-
-    /// Drafts of `k` tokens for `wants` (`(request, k)`), in order; a request gets an empty draft
-    /// when `k` is 0 (it is caught up later, when it drafts again), while the draft model is
-    /// still catching up with it, or when the pool cannot hold it.
+    /// Drafts of `k` tokens for `wants` (`(request, k)`, requests `running` holds), in order; a
+    /// request gets an empty draft when `k` is 0 (it is caught up later, when it drafts
+    /// again), while the draft model is still catching up with it, or when its blocks cannot
+    /// be made to cover the draft.
     pub fn propose(
         &mut self,
-        wants: &[(&Request, usize)],
-    ) -> Result<(Vec<Vec<u32>>, DraftWork), ModelError> {
-        let plans = self.plan(wants);
+        running: &mut dyn Running,
+        wants: &[(RequestId, usize)],
+    ) -> Result<(Vec<Vec<u32>>, DraftWork)> {
+        let plans = self.plan(running, wants);
         let mut work = DraftWork::default();
         let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); wants.len()];
         let index: HashMap<RequestId, usize> = wants
             .iter()
             .enumerate()
-            .map(|(i, (r, _))| (r.id, i))
+            .map(|(i, (id, _))| (*id, i))
             .collect();
         if plans.is_empty() {
             return Ok((drafts, work));
         }
         // Round 0: the unseen tokens of each request; the last one's logits give draft 1.
-        let mut batch = ForwardBatch::default();
+        let mut spans = Vec::with_capacity(plans.len());
         let mut sampled_ids = Vec::new();
         for p in &plans {
-            let seq = &self.seqs[&p.id];
             let caught_up = p.k > 0;
             let output = if caught_up {
                 sampled_ids.push(p.id);
@@ -176,7 +175,7 @@ impl DraftModel {
             } else {
                 SpanOutput::None
             };
-            push(&mut batch, seq, &p.feed, p.feed_from, output);
+            spans.push(span(&*running, p.id, &p.feed, p.feed_from, output));
             let catch_up = if caught_up {
                 p.feed.len().saturating_sub(STEADY_FEED)
             } else {
@@ -186,7 +185,7 @@ impl DraftModel {
             work.rows += p.feed.len() - catch_up;
         }
         work.passes += 1;
-        let logits = self.run(&batch)?;
+        let logits = self.run(spans)?;
         for p in &plans {
             let seq = self.seqs.get_mut(&p.id).expect("planned");
             seq.computed = p.feed_from + p.feed.len();
@@ -206,15 +205,23 @@ impl DraftModel {
             if last.is_empty() {
                 break;
             }
-            let mut batch = ForwardBatch::default();
-            for (id, t) in &last {
-                let seq = &self.seqs[id];
-                let at = seq.computed + seq.speculated.len();
-                push(&mut batch, seq, &[*t], at, SpanOutput::LastLogits);
-            }
+            let spans: Vec<Span<'_>> = last
+                .iter()
+                .map(|(id, t)| {
+                    let seq = &self.seqs[id];
+                    let at = seq.computed + seq.speculated.len();
+                    span(
+                        &*running,
+                        *id,
+                        std::slice::from_ref(t),
+                        at,
+                        SpanOutput::LastLogits,
+                    )
+                })
+                .collect();
             work.passes += 1;
             work.rows += last.len();
-            let logits = self.run(&batch)?;
+            let logits = self.run(spans)?;
             let next = self.argmax_rows(&logits);
             for ((id, t), n) in last.iter_mut().zip(next) {
                 let seq = self.seqs.get_mut(id).expect("planned");
@@ -226,24 +233,26 @@ impl DraftModel {
         Ok((drafts, work))
     }
 
-    /// Brings each request's state up to date and decides what it feeds this step; requests
-    /// the pool cannot hold are dropped (they get no draft) and their blocks freed.
-    fn plan(&mut self, wants: &[(&Request, usize)]) -> Vec<Plan> {
+    /// Brings each request's state up to date, decides what it feeds this step, and has its
+    /// blocks cover that and its drafts; a request whose blocks cannot is left out (no draft
+    /// this step; what the draft holds of it stays).
+    fn plan(&mut self, running: &mut dyn Running, wants: &[(RequestId, usize)]) -> Vec<Plan> {
         let mut budget = self.catch_up_per_step;
         let mut plans = Vec::new();
-        for &(request, k) in wants {
+        for &(id, k) in wants {
             if k == 0 {
                 continue;
             }
+            let Some(request) = running.request(id) else {
+                continue;
+            };
             let n = request.num_tokens();
             // Past the draft's context: nothing to propose, and its KV is of no more use.
             if n >= self.max_positions {
-                if let Some(seq) = self.seqs.remove(&request.id) {
-                    self.free.extend(seq.blocks);
-                }
+                self.seqs.remove(&id);
                 continue;
             }
-            let seq = self.seqs.entry(request.id).or_default();
+            let seq = self.seqs.entry(id).or_default();
             seq.reconcile(request);
             // Drafts 1..k-1 are fed; the last is only proposed.
             let k = k.min(self.max_positions - n + 1);
@@ -252,58 +261,62 @@ impl DraftModel {
                 continue;
             }
             let take = unseen.min(budget);
-            budget -= take;
             let k = if take == unseen { k } else { 0 };
-            let end = seq.computed + take + k.saturating_sub(1);
-            let need = end
-                .div_ceil(DRAFT_BLOCK_SIZE)
-                .saturating_sub(seq.blocks.len());
-            if need > self.free.len() {
-                let seq = self.seqs.remove(&request.id).expect("just added");
-                self.free.extend(seq.blocks);
+            let feed_from = seq.computed;
+            let feed = request.token_ids(feed_from..feed_from + take);
+            // The positions this step writes: the fed tokens', then drafts 1..k-1.
+            if !running.reserve(id, feed_from + take + k.saturating_sub(1)) {
                 continue;
             }
-            let at = self.free.len() - need;
-            seq.blocks.extend(self.free.drain(at..));
+            budget -= take;
             plans.push(Plan {
-                id: request.id,
+                id,
                 k,
-                feed_from: seq.computed,
-                feed: request.token_ids(seq.computed..seq.computed + take),
+                feed_from,
+                feed,
             });
         }
         plans
     }
 
-    fn run(&mut self, batch: &ForwardBatch) -> Result<Vec<f32>, ModelError> {
-        Ok(self.executor.forward(batch)?.logits)
+    fn run(&mut self, spans: Vec<Span<'_>>) -> Result<Vec<f32>> {
+        Ok(self.runner.forward(spans)?.logits)
     }
 
     fn argmax_rows(&self, logits: &[f32]) -> Vec<u32> {
-        let width = self.executor.config().vocab_size;
+        let width = self.runner.config().vocab_size;
         logits
             .chunks_exact(width)
             .map(|row| argmax(&row[..self.vocab]))
             .collect()
     }
 
-    /// Keeps the state of requests for which `alive` holds and frees the others' blocks.
-    pub fn retain(&mut self, mut alive: impl FnMut(RequestId) -> bool) {
-        let free = &mut self.free;
-        self.seqs.retain(|id, seq| {
-            let keep = alive(*id);
-            if !keep {
-                free.append(&mut seq.blocks);
-            }
-            keep
-        });
+    /// Keeps the state of requests for which `alive` holds.
+    pub fn retain(&mut self, alive: &mut dyn FnMut(RequestId) -> bool) {
+        self.seqs.retain(|id, _| alive(*id));
+    }
+
+    /// Request `id`'s blocks were freed (a preemption): the KV the draft wrote there is gone.
+    pub fn forget(&mut self, id: RequestId) {
+        self.seqs.remove(&id);
     }
 }
 
-fn push(batch: &mut ForwardBatch, seq: &DraftSeq, tokens: &[u32], start: usize, out: SpanOutput) {
-    let slots = slot_mapping(&seq.blocks, start, tokens.len(), DRAFT_BLOCK_SIZE);
-    let table = seq.blocks.iter().map(|b| b.0).collect();
-    batch.push_span(tokens, start, slots, table, out);
+/// Request `id`'s `tokens` at positions `start..`, in its blocks.
+fn span<'a>(
+    running: &'a dyn Running,
+    id: RequestId,
+    tokens: &'a [u32],
+    start: usize,
+    output: SpanOutput,
+) -> Span<'a> {
+    Span {
+        token_ids: tokens,
+        start_position: start,
+        block_table: running.block_table(id),
+        output,
+        adapter: None,
+    }
 }
 
 fn argmax(row: &[f32]) -> u32 {
@@ -316,32 +329,34 @@ fn argmax(row: &[f32]) -> u32 {
     best as u32
 }
 
+/// A toy model for the draft's tests and the engine's: its next token is a function of the
+/// tokens its pool holds for the sequence (read back through the block table), so stale or
+/// missing KV changes its answers.
 #[cfg(test)]
-mod tests {
+pub(crate) mod test_support {
     use super::*;
-    use novainfer_model::{Device, ForwardOutput, Qwen2Config};
+    use novainfer_model::{Device, ForwardBatch, ForwardOutput};
 
-    const VOCAB: usize = 11;
+    pub const BLOCK: usize = 4;
 
-    /// A model whose next token is a function of the tokens its pool holds for the sequence
-    /// (read back through the block table), so stale or missing KV changes its answers.
-    struct PoolEcho {
+    pub struct PoolEcho {
         config: Qwen2Config,
         /// Per slot: the token written there.
         pool: Vec<Option<u32>>,
     }
 
     impl PoolEcho {
-        fn new(num_blocks: usize, max_positions: usize) -> Self {
+        /// Over `num_blocks` blocks of [`BLOCK`] tokens, with `vocab` tokens.
+        pub fn new(num_blocks: usize, vocab: usize) -> Self {
             Self {
                 config: Qwen2Config {
-                    vocab_size: VOCAB,
+                    vocab_size: vocab,
                     hidden_size: 8,
                     intermediate_size: 8,
                     num_hidden_layers: 1,
                     num_attention_heads: 1,
                     num_key_value_heads: 1,
-                    max_position_embeddings: max_positions,
+                    max_position_embeddings: 4096,
                     rope_theta: 1e4,
                     rms_norm_eps: 1e-6,
                     tie_word_embeddings: false,
@@ -349,18 +364,18 @@ mod tests {
                     bos_token_id: None,
                     eos_token_ids: vec![],
                 },
-                pool: vec![None; num_blocks * DRAFT_BLOCK_SIZE],
+                pool: vec![None; num_blocks * BLOCK],
             }
         }
     }
 
-    /// The toy model's next token after `tokens`.
-    fn next(tokens: &[u32]) -> u32 {
+    /// The toy model's next token after `tokens`, of `vocab`.
+    pub fn next(tokens: &[u32], vocab: usize) -> u32 {
         let h = tokens.iter().enumerate().fold(7u64, |h, (i, &t)| {
             h.wrapping_mul(31)
-                .wrapping_add((i as u64 + 1).wrapping_mul(u64::from(t)))
+                .wrapping_add((i as u64 + 1) * u64::from(t))
         });
-        (h % VOCAB as u64) as u32
+        (h % vocab as u64) as u32
     }
 
     impl Executor for PoolEcho {
@@ -374,10 +389,10 @@ mod tests {
             &self.config
         }
         fn block_size(&self) -> usize {
-            DRAFT_BLOCK_SIZE
+            BLOCK
         }
         fn num_blocks(&self) -> usize {
-            self.pool.len() / DRAFT_BLOCK_SIZE
+            self.pool.len() / BLOCK
         }
         fn kv_bytes_per_block(&self) -> usize {
             1
@@ -391,20 +406,25 @@ mod tests {
             }
             let mut logits = Vec::new();
             for span in &batch.seqs {
-                if span.output != SpanOutput::LastLogits {
-                    continue;
+                let end = span.query_start + span.query_len;
+                let rows = match span.output {
+                    SpanOutput::LastLogits => end - 1..end,
+                    SpanOutput::AllLogits => span.query_start..end,
+                    _ => continue,
+                };
+                for at in rows {
+                    let history: Vec<u32> = (0..=batch.positions[at])
+                        .map(|p| {
+                            let block = span.block_table[p / BLOCK] as usize;
+                            self.pool[block * BLOCK + p % BLOCK]
+                                .expect("every earlier position was written")
+                        })
+                        .collect();
+                    let vocab = self.config.vocab_size;
+                    let mut row = vec![0.0; vocab];
+                    row[next(&history, vocab) as usize] = 1.0;
+                    logits.extend(row);
                 }
-                let last = span.query_start + span.query_len - 1;
-                let history: Vec<u32> = (0..=batch.positions[last])
-                    .map(|p| {
-                        let block = span.block_table[p / DRAFT_BLOCK_SIZE] as usize;
-                        self.pool[block * DRAFT_BLOCK_SIZE + p % DRAFT_BLOCK_SIZE]
-                            .expect("every earlier position was written")
-                    })
-                    .collect();
-                let mut row = vec![0.0; VOCAB];
-                row[next(&history) as usize] = 1.0;
-                logits.extend(row);
             }
             Ok(ForwardOutput {
                 logits,
@@ -418,39 +438,87 @@ mod tests {
             unreachable!()
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::{PoolEcho, BLOCK};
+    use super::*;
+    use novainfer_core::{Scheduler, SchedulerConfig};
+
+    const VOCAB: usize = 11;
 
     /// The drafts a model without KV would make: each from the whole sequence so far.
     fn reference(tokens: &[u32], k: usize) -> Vec<u32> {
         let mut seq = tokens.to_vec();
         for _ in 0..k {
-            seq.push(next(&seq));
+            seq.push(test_support::next(&seq, VOCAB));
         }
         seq.split_off(tokens.len())
     }
 
+    /// The target's scheduler over `num_blocks` blocks of [`BLOCK`] tokens.
+    fn scheduler(num_blocks: usize, max_model_len: usize) -> Scheduler {
+        Scheduler::new(
+            SchedulerConfig::builder()
+                .max_num_batched_tokens(1024)
+                .max_num_seqs(8)
+                .max_model_len(max_model_len)
+                .block_size(BLOCK)
+                .num_blocks(num_blocks)
+                .build()
+                .expect("valid config"),
+        )
+    }
+
+    /// One step of the target (its model left out): `sample` gives the tokens of each sampled
+    /// request from its verified draft (the draft's confirmed prefix, then one of its own).
+    fn target_step(s: &mut Scheduler, mut sample: impl FnMut(RequestId, &[u32]) -> Vec<u32>) {
+        let out = s.schedule();
+        let sampled: Vec<(RequestId, Vec<u32>)> = out
+            .scheduled
+            .iter()
+            .filter(|c| c.sample())
+            .map(|c| (c.request_id, sample(c.request_id, c.draft_token_ids())))
+            .collect();
+        s.update(&out, &sampled);
+    }
+
+    /// A scheduler running `prompts` (ids 1, 2, …), each past its first output token.
+    fn decoding(s: &mut Scheduler, prompts: &[Vec<u32>]) -> Vec<RequestId> {
+        let ids: Vec<RequestId> = (1..=prompts.len() as u64).map(RequestId).collect();
+        for (&id, prompt) in ids.iter().zip(prompts) {
+            s.add_request(Request::new(id, prompt.clone(), 500));
+        }
+        target_step(s, |id, _| vec![id.0 as u32]);
+        ids
+    }
+
+    fn tokens(s: &Scheduler, id: RequestId) -> Vec<u32> {
+        let r = s.request(id).expect("running");
+        r.token_ids(0..r.num_tokens())
+    }
+
     #[test]
     fn drafts_follow_the_sequence_through_rejections_and_catch_up() {
-        // A catch-up budget of 20 tokens a step: the 45-token prompt takes three steps.
-        let mut draft = DraftModel::new(Box::new(PoolEcho::new(64, 4096)), VOCAB, 20);
+        let mut s = scheduler(300, 512);
+        // A catch-up budget of 20 tokens a step: the 46 tokens of a take three steps.
+        let mut draft = DraftModel::new(Box::new(PoolEcho::new(300, VOCAB)), VOCAB, 20);
         let prompt: Vec<u32> = (0..45).map(|i| (i * 7 % VOCAB) as u32).collect();
-        let mut a = Request::new(RequestId(1), prompt, 500);
-        a.output_token_ids.push(3);
-        let mut b = Request::new(RequestId(2), vec![1, 2, 3], 500);
-        b.output_token_ids.push(4);
+        let ids = decoding(&mut s, &[prompt, vec![1, 2, 3]]);
+        let (a, b) = (ids[0], ids[1]);
         let mut rng = 12345u64;
         let (mut drafted_a, mut drafted_b) = (0, 0);
         for step in 0..40 {
-            let (out, work) = draft.propose(&[(&a, 4), (&b, 3)]).expect("runs");
+            let (out, work) = draft.propose(&mut s, &[(a, 4), (b, 3)]).expect("runs");
             if step == 0 {
                 // Only a's first 20 prompt tokens, in one pass.
-                assert_eq!(
-                    work,
-                    DraftWork {
-                        passes: 1,
-                        rows: 0,
-                        catch_up: 20
-                    }
-                );
+                let only_a = DraftWork {
+                    passes: 1,
+                    rows: 0,
+                    catch_up: 20,
+                };
+                assert_eq!(work, only_a);
             }
             if out[0].len() == 4 {
                 assert_eq!(
@@ -460,66 +528,95 @@ mod tests {
             }
             if !out[0].is_empty() {
                 drafted_a += 1;
-                assert_eq!(
-                    out[0],
-                    reference(&a.token_ids(0..a.num_tokens()), 4),
-                    "step {step}"
-                );
+                assert_eq!(out[0], reference(&tokens(&s, a), 4), "step {step}");
             }
             // b waits while a's catch-up takes the whole budget.
             if !out[1].is_empty() {
                 drafted_b += 1;
-                assert_eq!(
-                    out[1],
-                    reference(&b.token_ids(0..b.num_tokens()), 3),
-                    "step {step}"
-                );
+                assert_eq!(out[1], reference(&tokens(&s, b), 3), "step {step}");
+            }
+            for (id, d) in [(a, &out[0]), (b, &out[1])] {
+                if !d.is_empty() {
+                    assert!(s.set_draft(id, d.clone()));
+                }
             }
             // The target keeps a random prefix of each draft, then adds a token of its own.
-            for (r, d) in [(&mut a, &out[0]), (&mut b, &out[1])] {
+            target_step(&mut s, |_, d| {
                 rng = rng
                     .wrapping_mul(6364136223846793005)
                     .wrapping_add(1442695040888963407);
                 let keep = (rng >> 33) as usize % (d.len() + 1);
-                r.output_token_ids.extend_from_slice(&d[..keep]);
-                r.output_token_ids.push((rng >> 40) as u32 % VOCAB as u32);
-            }
+                let mut kept = d[..keep].to_vec();
+                kept.push((rng >> 40) as u32 % VOCAB as u32);
+                kept
+            });
         }
         // Three steps of catch-up, then a draft every step for both.
         assert_eq!((drafted_a, drafted_b), (38, 38));
-        draft.retain(|id| id == RequestId(2));
-        assert!(draft.num_used_blocks() > 0);
-        draft.retain(|_| false);
-        assert_eq!(draft.num_used_blocks(), 0);
+        draft.retain(&mut |id| id == b);
+        assert_eq!(draft.seqs.len(), 1);
     }
 
     #[test]
-    fn a_full_pool_or_the_context_end_gives_no_draft() {
-        // Three blocks: room for one of the two sequences (two blocks each) only.
-        let mut draft = DraftModel::new(Box::new(PoolEcho::new(3, 40)), VOCAB, 1000);
-        let a = Request::new(RequestId(1), vec![1; 20], 100);
-        let b = Request::new(RequestId(2), vec![2; 20], 100);
-        let (out, _) = draft.propose(&[(&a, 4), (&b, 4)]).expect("runs");
-        assert_eq!(out[0], reference(&a.token_ids(0..20), 4));
-        assert!(out[1].is_empty(), "no room for b");
-        assert_eq!(draft.num_used_blocks(), 2);
-        // At the draft's context end: nothing, and its blocks come back.
-        let long = Request::new(RequestId(1), vec![1; 40], 100);
-        assert_eq!(
-            draft.propose(&[(&long, 4)]).expect("runs").0,
-            vec![Vec::<u32>::new()]
-        );
-        assert_eq!(draft.num_used_blocks(), 0);
-        // Near it, the draft is shortened to fit.
-        let near = Request::new(RequestId(3), vec![1; 38], 100);
-        assert_eq!(draft.propose(&[(&near, 4)]).expect("runs").0[0].len(), 3);
+    fn the_drafts_blocks_come_from_the_pool_or_there_is_no_draft() {
+        // Eleven blocks: the two 20-token prompts take ten; the first draft's positions take
+        // the last one, and the second finds none.
+        let mut s = scheduler(11, 44);
+        let mut draft = DraftModel::new(Box::new(PoolEcho::new(11, VOCAB)), VOCAB, 1000);
+        let ids = decoding(&mut s, &[vec![1; 20], vec![2; 20]]);
+        assert_eq!(s.kv_stats().num_free_blocks, 1);
+        let (out, _) = draft
+            .propose(&mut s, &[(ids[0], 4), (ids[1], 4)])
+            .expect("runs");
+        assert_eq!(out[0], reference(&tokens(&s, ids[0]), 4));
+        assert!(out[1].is_empty(), "no room for the second");
+        assert_eq!(s.kv_stats().num_free_blocks, 0);
+        // The target verifies the first draft in the blocks reserved for it.
+        assert!(s.set_draft(ids[0], out[0].clone()));
+        target_step(&mut s, |_, d| {
+            let mut all = d.to_vec();
+            all.push(0);
+            all
+        });
+        assert_eq!(s.request(ids[0]).expect("running").num_tokens(), 26);
+        // Finishes free every block, the draft's positions with them.
+        for id in ids {
+            s.abort_request(id);
+        }
+        assert_eq!(s.kv_stats().num_free_blocks, 11);
+    }
+
+    #[test]
+    fn the_context_end_shortens_or_stops_the_drafts() {
+        let mut s = scheduler(32, 64);
+        let mut draft =
+            DraftModel::new(Box::new(PoolEcho::new(32, VOCAB)), VOCAB, 1000).with_max_positions(30);
+        // 30 tokens: at the draft's context end, nothing; 28: three drafts fit.
+        let ids = decoding(&mut s, &[vec![1; 29], vec![2; 27]]);
+        let (out, _) = draft
+            .propose(&mut s, &[(ids[0], 4), (ids[1], 4)])
+            .expect("runs");
+        assert!(out[0].is_empty());
+        assert_eq!(out[1], reference(&tokens(&s, ids[1]), 3));
+    }
+
+    #[test]
+    fn a_preempted_request_is_read_again_from_its_first_token() {
+        let mut s = scheduler(32, 64);
+        let mut draft = DraftModel::new(Box::new(PoolEcho::new(32, VOCAB)), VOCAB, 1000);
+        let ids = decoding(&mut s, &[vec![3; 10]]);
+        let request = s.request(ids[0]).expect("running").clone();
+        assert_eq!(draft.catch_up(&request), 11 - STEADY_FEED);
+        draft.propose(&mut s, &[(ids[0], 2)]).expect("runs");
+        assert_eq!(draft.catch_up(&request), 0);
+        draft.forget(ids[0]);
+        assert_eq!(draft.catch_up(&request), 11 - STEADY_FEED);
     }
 
     #[test]
     fn reconcile_keeps_the_confirmed_drafts_only() {
         let mut r = Request::new(RequestId(1), vec![1, 2, 3], 10);
         let mut seq = DraftSeq {
-            blocks: vec![],
             computed: 3,
             speculated: vec![7, 8, 9],
         };

@@ -22,10 +22,25 @@
 
 use std::collections::HashMap;
 
-use novainfer_core::RequestId;
+use novainfer_core::{Request, RequestId};
 
-use crate::draft_model::{DraftWork, STEADY_FEED};
-use crate::speculative::DraftPolicyKind;
+use crate::spec_config::DraftPolicyKind;
+
+/// Tokens a request that drafts every step feeds the draft model before its first draft token:
+/// its newest token and, after a draft accepted whole, the last draft token (proposed, never
+/// fed). What a request feeds beyond this is catch-up: a prompt, or tokens missed while it did
+/// not draft.
+pub const STEADY_FEED: usize = 2;
+
+/// What one proposal cost the draft model: forward passes, the rows fed over all of them, and
+/// of the tokens fed, those that were catch-up (counted apart from `rows`): a drafting
+/// request's feed beyond [`STEADY_FEED`], and all a request fed while not drafting yet.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DraftWork {
+    pub passes: usize,
+    pub rows: usize,
+    pub catch_up: usize,
+}
 
 /// Time of work that costs `per_pass` for each pass plus `per_row` for each row, fitted to
 /// measurements by exponentially weighted least squares.
@@ -196,6 +211,19 @@ pub struct Decoding {
     pub catch_up: usize,
     /// Tokens the request may still produce.
     pub remaining: usize,
+}
+
+impl Decoding {
+    /// `request`, with `catch_up` tokens for the draft model to read first.
+    pub fn new(request: &Request, catch_up: usize) -> Self {
+        Self {
+            id: request.id,
+            catch_up,
+            remaining: request
+                .max_tokens
+                .saturating_sub(request.output_token_ids.len()),
+        }
+    }
 }
 
 /// A request's acceptance so far: decayed counts of accepted draft tokens and of tokens that

@@ -13,7 +13,7 @@ use novainfer_model::{
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
 use crate::cpu_defaults::CpuDefaults;
-use crate::draft_model::{DraftModel, DRAFT_BLOCK_SIZE};
+use crate::draft_model::DraftModel;
 use crate::error::{EngineError, Result};
 use crate::lora::LoraRegistry;
 use crate::request::Prompt;
@@ -431,12 +431,6 @@ impl LoadedEngine {
             )?),
             _ => None,
         };
-        // Both pools hold as many tokens: the target's share of the budget is its part of
-        // the bytes a token takes in both.
-        let kv_share = draft_weights.as_ref().map_or(1.0, |(d, _)| {
-            let target = weights.kv_bytes_per_block(DRAFT_BLOCK_SIZE) as f64;
-            target / (target + d.kv_bytes_per_block(DRAFT_BLOCK_SIZE) as f64)
-        });
         // A model in host memory shares the host's cores and memory with everything else:
         // its step and context defaults follow them.
         let cpu = weights
@@ -448,19 +442,16 @@ impl LoadedEngine {
             weights.as_ref(),
             model_max_len,
             cpu.map(|d| d.max_model_len_cap),
-            kv_share,
+            draft_weights.as_ref().map(|(d, _)| d.as_ref()),
         )?;
         let scheduler = scheduler_config(cfg, cpu, num_blocks, max_model_len)?;
         let vocab_size = weights.config().vocab_size;
         let draft = match draft_weights {
             Some((d, draft_max_len)) => Some(draft_model(
-                cfg,
                 d,
-                draft_max_len,
-                weights.as_ref(),
-                kv_share,
+                draft_max_len.min(max_model_len),
+                &scheduler,
                 vocab_size,
-                scheduler.max_num_batched_tokens(),
             )?),
             None => None,
         };
@@ -484,6 +475,36 @@ impl LoadedEngine {
             speculative: cfg.speculative.clone(),
             draft,
         })
+    }
+}
+
+#[cfg(test)]
+impl LoadedEngine {
+    /// An engine over a test toy `executor` on the CPU, with `tokenizer`, no chat template
+    /// and no adapters.
+    pub(crate) fn for_tests(
+        executor: Box<dyn Executor>,
+        tokenizer: Tokenizer,
+        scheduler: SchedulerConfig,
+        speculative: Option<crate::speculative::SpeculativeConfig>,
+        draft: Option<DraftModel>,
+    ) -> Self {
+        let config = executor.config().clone();
+        let vocab = tokenizer.vocab_size();
+        let max_model_len = scheduler.max_model_len();
+        let loras = LoraRegistry::new(None, config.clone());
+        Self {
+            executor,
+            device: Resolved {
+                device: novainfer_model::Device::Cpu,
+                reason: "test".into(),
+            },
+            frontend: Frontend::new(tokenizer, None, vocab, max_model_len, loras, config),
+            scheduler,
+            seed: 1234,
+            speculative,
+            draft,
+        }
     }
 }
 
@@ -690,29 +711,24 @@ fn scheduler_config(
         .build()?)
 }
 
-/// The draft model of speculative decoding, its KV pool taking the rest of the KV budget
-/// after the target's share `kv_share`.
+/// The draft model of speculative decoding over a pool of the scheduler's layout (as many
+/// blocks, of the same size): its KV lives in the target's blocks
+/// ([`crate::draft_model`]). It drafts for sequences shorter than `max_positions`.
 fn draft_model(
-    cfg: &EngineConfig,
     draft: Box<dyn DeviceWeights>,
-    draft_max_len: usize,
-    target: &dyn DeviceWeights,
-    kv_share: f64,
+    max_positions: usize,
+    scheduler: &SchedulerConfig,
     vocab_size: usize,
-    max_num_batched_tokens: usize,
 ) -> Result<DraftModel> {
-    let budget = cfg.kv_cache.bytes(target, cfg.gpu_memory_utilization)?;
-    let bytes = (budget as f64 * (1.0 - kv_share)) as usize;
-    let blocks = bytes / draft.kv_bytes_per_block(DRAFT_BLOCK_SIZE);
-    let executor = draft.into_executor(blocks, DRAFT_BLOCK_SIZE)?;
+    let num_blocks = scheduler.num_blocks();
+    let executor = draft.into_executor(num_blocks, scheduler.block_size())?;
     tracing::info!(
-        draft_kv_blocks = blocks,
-        draft_kv_bytes = bytes,
-        "speculative decoding with a draft model: its KV pool takes this share of the KV budget"
+        draft_kv_bytes = num_blocks * executor.kv_bytes_per_block(),
+        "speculative decoding with a draft model: its KV shares the target's blocks"
     );
     Ok(
-        DraftModel::new(executor, vocab_size, max_num_batched_tokens)
-            .with_max_positions(draft_max_len),
+        DraftModel::new(executor, vocab_size, scheduler.max_num_batched_tokens())
+            .with_max_positions(max_positions),
     )
 }
 
@@ -832,20 +848,19 @@ fn auto_fallback(choice: DeviceChoice, resolved: &Resolved, err: &ModelError) ->
 /// fits. `model_max` is [`OpenedCheckpoint::max_model_len`]: `max_position_embeddings`, or with a
 /// `rope_scaling` what vLLM derives (times the factor; `original_max_position_embeddings` times
 /// the factor for YaRN).
-/// `share`: the part of the KV budget this model's pool gets (less than 1 when a draft model
-/// takes the rest).
+/// With a `draft` model, a block holds the draft's KV too: its bytes are both models'.
 fn size_kv_cache(
     cfg: &EngineConfig,
     weights: &dyn DeviceWeights,
     model_max: usize,
     default_cap: Option<usize>,
-    share: f64,
+    draft: Option<&dyn DeviceWeights>,
 ) -> Result<(usize, usize)> {
     let model: &Qwen2Config = weights.config();
     let block_size = cfg.effective_block_size();
-    let per_block = weights.kv_bytes_per_block(block_size);
+    let per_block = weights.kv_bytes_per_block(block_size)
+        + draft.map_or(0, |d| d.kv_bytes_per_block(block_size));
     let budget = cfg.kv_cache.bytes(weights, cfg.gpu_memory_utilization)?;
-    let budget = (budget as f64 * share) as usize;
     let on_gpu = !weights.capabilities().host_memory;
     let num_blocks = budget / per_block;
     let capacity = num_blocks * block_size;
@@ -1028,18 +1043,28 @@ mod tests {
         );
         let mut cfg = EngineConfig::new("/m");
         cfg.gpu_memory_utilization = 0.5;
-        let (blocks, max_len) = size_kv_cache(&cfg, &gpu, 4096, None, 1.0).expect("sized");
+        let (blocks, max_len) = size_kv_cache(&cfg, &gpu, 4096, None, None).expect("sized");
         assert_eq!(blocks, (GIB / 2) / gpu.kv_bytes_per_block(16));
         assert_eq!(max_len, 4096, "the model's context fits");
 
         cfg.kv_cache = KvBudget::Bytes(gpu.kv_bytes_per_block(16) * 10);
         assert_eq!(
-            size_kv_cache(&cfg, &gpu, 4096, None, 1.0).expect("sized").0,
+            size_kv_cache(&cfg, &gpu, 4096, None, None)
+                .expect("sized")
+                .0,
             10
+        );
+        // A draft model's KV lives in the same blocks: each costs both models' bytes (here a
+        // draft as large as the target, so half the blocks).
+        assert_eq!(
+            size_kv_cache(&cfg, &gpu, 4096, None, Some(&gpu))
+                .expect("sized")
+                .0,
+            5
         );
 
         cfg.kv_cache = KvBudget::FractionOfAvailable(0.5);
-        let err = size_kv_cache(&cfg, &gpu, 4096, None, 1.0).expect_err("host fraction on a GPU");
+        let err = size_kv_cache(&cfg, &gpu, 4096, None, None).expect_err("host fraction on a GPU");
         assert_eq!(err.param(), Some("kv_cache_fraction"));
         assert!(err.to_string().contains("gpu_memory_utilization"), "{err}");
     }
@@ -1078,20 +1103,20 @@ mod tests {
             },
         );
         let mut cfg = EngineConfig::new("/m");
-        let (_, max_len) = size_kv_cache(&cfg, &gpu, scaled, None, 1.0).expect("sized");
+        let (_, max_len) = size_kv_cache(&cfg, &gpu, scaled, None, None).expect("sized");
         assert_eq!(max_len, 16384, "the default is the scaled context");
-        let (_, max_len) = size_kv_cache(&cfg, &gpu, scaled, Some(8192), 1.0).expect("sized");
+        let (_, max_len) = size_kv_cache(&cfg, &gpu, scaled, Some(8192), None).expect("sized");
         assert_eq!(max_len, 8192, "a default cap still applies");
         cfg.max_model_len = Some(16384);
         assert_eq!(
-            size_kv_cache(&cfg, &gpu, scaled, None, 1.0)
+            size_kv_cache(&cfg, &gpu, scaled, None, None)
                 .expect("fits")
                 .1,
             16384
         );
         cfg.max_model_len = Some(16385);
         let err =
-            size_kv_cache(&cfg, &gpu, scaled, None, 1.0).expect_err("past the scaled context");
+            size_kv_cache(&cfg, &gpu, scaled, None, None).expect_err("past the scaled context");
         assert_eq!(err.param(), Some("max_model_len"));
         let text = err.to_string();
         assert!(
@@ -1100,7 +1125,7 @@ mod tests {
         );
         // Unscaled, the message names max_position_embeddings as before.
         cfg.max_model_len = Some(4097);
-        let err = size_kv_cache(&cfg, &gpu, 4096, None, 1.0).expect_err("past the context");
+        let err = size_kv_cache(&cfg, &gpu, 4096, None, None).expect_err("past the context");
         assert!(
             err.to_string().contains("max_position_embeddings of 4096"),
             "{err}"
@@ -1120,7 +1145,7 @@ mod tests {
         cfg.max_model_len = Some(4096);
         cfg.gpu_memory_utilization = 1e-6;
         let err =
-            size_kv_cache(&cfg, &gpu, 4096, None, 1.0).expect_err("a kilobyte holds no context");
+            size_kv_cache(&cfg, &gpu, 4096, None, None).expect_err("a kilobyte holds no context");
         assert_eq!(err.param(), Some("gpu_memory_utilization"));
     }
 }

@@ -35,10 +35,11 @@ use crate::error::{EngineError, Result};
 use crate::model_runner::ModelRunner;
 use crate::output_processor::{DeltaSink, OutputEvent};
 use crate::prefill::{PrefillJob, PrefillTask};
+use crate::proposer::{share_room, Proposer};
 use crate::request::{Scheduling, Speculation};
 use crate::request_group::{Completion, PendingCompletion, RequestGroup};
 use crate::sequence::SequenceOutput;
-use crate::speculative::{share_room, Proposer};
+use crate::speculative::proposer;
 use crate::verify::{
     advance_grammar, device_mask, sample_row_as_device, verify_draft, GrammarOutcomes,
 };
@@ -98,7 +99,7 @@ pub struct EngineCore {
     /// What this step's verifications confirmed, per request (for its usage).
     verified: Vec<(RequestId, Speculation)>,
     /// Drafts for speculative decoding, when on.
-    proposer: Option<Proposer>,
+    proposer: Option<Box<dyn Proposer>>,
     /// Receives each step's KV-cache events, when someone asked for them.
     kv_events: Option<Arc<dyn KvEventSink>>,
     /// The LoRA adapters of the requests in the scheduler: held here so that a request runs
@@ -134,7 +135,7 @@ impl EngineCore {
             proposer: loaded
                 .speculative
                 .as_ref()
-                .map(|config| Proposer::new(config, loaded.draft, &backend, &target)),
+                .map(|config| proposer(config, loaded.draft, &backend, &target)),
             kv_events: None,
             adapters: HashMap::new(),
         }
@@ -345,6 +346,11 @@ impl EngineCore {
     pub fn step(&mut self) {
         let started = Instant::now();
         let out = self.scheduler.schedule();
+        if let Some(proposer) = self.proposer.as_mut() {
+            for &id in &out.preempted {
+                proposer.preempted(id);
+            }
+        }
         for s in &out.scheduled {
             if let Some(active) = self.active.get_mut(&s.request_id) {
                 active.scheduled_at.get_or_insert(started);
@@ -371,23 +377,31 @@ impl EngineCore {
             return;
         };
         let scheduler = &self.scheduler;
-        proposer.retain(|id| scheduler.request(id).is_some());
-        let decoding: Vec<&Request> = scheduler
+        proposer.retain(&mut |id| scheduler.request(id).is_some());
+        let ids: Vec<RequestId> = scheduler
             .running_ids()
             .iter()
-            .filter_map(|id| scheduler.request(*id))
-            .filter(|r| !r.kind.is_prefill_only() && !r.output_token_ids.is_empty())
+            .filter(|&&id| {
+                // The requests `set_draft` takes drafts for: decoding, after their first token.
+                // One still recomputing its tokens after a preemption would refuse a draft, and
+                // a draft model catching up with it would reserve blocks ahead of its chunks.
+                scheduler.request(id).is_some_and(|r| {
+                    !r.kind.is_prefill_only()
+                        && !r.output_token_ids.is_empty()
+                        && r.num_uncomputed_tokens() == 1
+                })
+            })
+            .copied()
             .collect();
         let room = self
             .runner
             .capabilities()
             .verify_rows
-            .saturating_sub(decoding.len());
+            .saturating_sub(ids.len());
         if room == 0 {
             return;
         }
-        let mut drafts = proposer.propose(&decoding, room);
-        let ids: Vec<RequestId> = decoding.iter().map(|r| r.id).collect();
+        let mut drafts = proposer.propose(&mut self.scheduler, &ids, room);
         // A constrained request verifies only what its grammar allows.
         for (id, draft) in ids.iter().zip(drafts.iter_mut()) {
             if let Some(constraint) = self.active.get_mut(id).and_then(|c| c.constraint.as_mut()) {

@@ -8,6 +8,7 @@ pub mod cpu_defaults;
 pub mod detokenizer;
 pub mod draft_model;
 pub mod draft_policy;
+pub mod draft_proposer;
 pub mod engine;
 pub mod engine_core;
 pub mod error;
@@ -16,12 +17,15 @@ pub mod gguf_tokenizer;
 pub mod handle;
 pub mod lora;
 pub mod model_runner;
+pub mod ngram_proposer;
 pub mod output_processor;
 pub mod prefill;
 pub mod prompt_scores;
+pub mod proposer;
 pub mod request;
 pub mod request_group;
 pub mod sequence;
+pub mod spec_config;
 pub mod speculative;
 pub mod stop;
 pub mod tokenizer;
@@ -30,6 +34,8 @@ pub mod verify;
 
 #[cfg(test)]
 mod device_draw_tests;
+#[cfg(test)]
+mod draft_engine_tests;
 
 pub use chat_template::{ChatMessage, ToolCallMessage};
 pub use checked::CheckedRequest;

@@ -1,10 +1,11 @@
 //! `ModelRunner`: the engine's side of the device seam. It turns a `SchedulerOutput`
 //! (logical: token ids, positions, block tables) into one flattened `ForwardBatch`
-//! (physical: slot mapping) and hands it to the device's [`Executor`], CPU or GPU.
+//! (physical: slot mapping) and hands it to the device's [`Executor`], CPU or GPU. A draft
+//! model runs its own passes over the same blocks through a runner of its own ([`Span`]).
 
 use std::collections::HashMap;
 
-use novainfer_core::{slot_mapping, AdapterId, ChunkOutput, RequestId, SchedulerOutput};
+use novainfer_core::{slot_mapping, AdapterId, BlockId, ChunkOutput, RequestId, SchedulerOutput};
 use novainfer_model::{
     AdapterRef, Capabilities, Device, Draw, Executor, ForwardBatch, ForwardOutput, Qwen2Config,
     SpanOutput,
@@ -18,6 +19,16 @@ use crate::error::{EngineError, Result};
 pub struct DeviceDraws {
     pub samples: HashMap<RequestId, Draw>,
     pub verifies: HashMap<RequestId, Vec<Draw>>,
+}
+
+/// One request's chunk of a forward pass in the scheduler's terms: its tokens at positions
+/// `start_position..`, whose KV is written to (and read from) the blocks of `block_table`.
+pub struct Span<'a> {
+    pub token_ids: &'a [u32],
+    pub start_position: usize,
+    pub block_table: &'a [BlockId],
+    pub output: SpanOutput,
+    pub adapter: Option<AdapterRef>,
 }
 
 pub struct ModelRunner {
@@ -75,6 +86,37 @@ impl ModelRunner {
         Ok(self.executor.forward(&batch)?)
     }
 
+    /// Runs `spans` in one forward pass: a proposer's own passes over the scheduler's blocks.
+    pub fn forward<'a>(
+        &mut self,
+        spans: impl IntoIterator<Item = Span<'a>>,
+    ) -> Result<ForwardOutput> {
+        let mut batch = ForwardBatch::default();
+        for span in spans {
+            self.push(&mut batch, span);
+        }
+        Ok(self.executor.forward(&batch)?)
+    }
+
+    /// Appends `span` to `batch`, its block table turned into the slots its KV goes to.
+    fn push(&self, batch: &mut ForwardBatch, span: Span<'_>) {
+        let slots = slot_mapping(
+            span.block_table,
+            span.start_position,
+            span.token_ids.len(),
+            self.executor.block_size(),
+        );
+        let table = span.block_table.iter().map(|b| b.0).collect();
+        batch.push_adapted(
+            span.token_ids,
+            span.start_position,
+            slots,
+            table,
+            span.output,
+            span.adapter,
+        );
+    }
+
     /// Logits at every prompt position, token by token apart from the pool (a reference).
     pub fn stepwise_prompt_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         Ok(self.executor.prompt_logits(tokens, true)?)
@@ -86,16 +128,8 @@ impl ModelRunner {
         adapters: &HashMap<AdapterId, AdapterRef>,
         draws: &DeviceDraws,
     ) -> Result<ForwardBatch> {
-        let block_size = self.executor.block_size();
         let mut batch = ForwardBatch::default();
         for s in &out.scheduled {
-            let slots = slot_mapping(
-                &s.block_table,
-                s.start_position,
-                s.token_ids.len(),
-                block_size,
-            );
-            let table = s.block_table.iter().map(|b| b.0).collect();
             let output = match s.output {
                 ChunkOutput::Nothing => SpanOutput::None,
                 ChunkOutput::Sample => match draws.samples.get(&s.request_id) {
@@ -125,14 +159,14 @@ impl ModelRunner {
                     )
                 }
             };
-            batch.push_adapted(
-                &s.token_ids,
-                s.start_position,
-                slots,
-                table,
+            let span = Span {
+                token_ids: &s.token_ids,
+                start_position: s.start_position,
+                block_table: &s.block_table,
                 output,
                 adapter,
-            );
+            };
+            self.push(&mut batch, span);
         }
         Ok(batch)
     }

@@ -180,6 +180,27 @@ impl Scheduler {
         self.kv.take_kv_events()
     }
 
+    /// Makes running request `id`'s table cover its first `num_positions` positions, with free
+    /// blocks only (this never preempts), for a proposer that writes its own KV in the
+    /// request's blocks ahead of the target's (a draft model's drafts, at the positions the
+    /// next step verifies): the steps after find the blocks held and take them as they would
+    /// have allocated them. False, with nothing changed, if `id` is not running, the
+    /// positions pass `max_model_len`, or the pool is short.
+    pub fn reserve_slots(&mut self, id: RequestId, num_positions: usize) -> bool {
+        let Some(request) = self.requests.get(&id) else {
+            return false;
+        };
+        if request.status() != RequestStatus::Running || num_positions > self.config.max_model_len()
+        {
+            return false;
+        }
+        let num_new = num_positions.saturating_sub(request.num_computed_tokens);
+        self.kv
+            .as_dyn_mut()
+            .allocate_slots(request, num_new, &PrefixHit::none())
+            .is_some()
+    }
+
     /// Proposes `draft` to follow running request `id`'s next token in the next step (the
     /// next `schedule` consumes or drops it). False, and nothing kept, unless `id` is a
     /// generation decoding after its first output token.

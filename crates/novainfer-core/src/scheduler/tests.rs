@@ -737,3 +737,39 @@ fn a_prefill_chunk_preempts_nobody_when_that_would_not_make_room() {
     assert!(s.allocate_or_preempt_later(RequestId(2), 12, &mut budget, &mut out));
     assert_eq!(out.preempted, vec![RequestId(3)]);
 }
+
+#[test]
+fn reserved_slots_take_free_blocks_only_and_serve_the_next_verify() {
+    // Six blocks of 4 tokens; max_model_len 24.
+    let mut s = Scheduler::new(config(64, 4, 4, 6));
+    s.add_request(req(1, vec![1; 8], 20));
+    s.add_request(req(2, vec![2; 4], 20));
+    step(&mut s, 5);
+    let table = |s: &Scheduler, id: u64| s.kv().as_dyn().block_table(RequestId(id)).len();
+    assert_eq!((table(&s, 1), table(&s, 2)), (2, 1));
+    // Request 1's newest token (position 8) and four positions after it: two blocks more,
+    // its counters untouched.
+    assert!(s.reserve_slots(RequestId(1), 13));
+    assert_eq!(table(&s, 1), 4);
+    assert_eq!(s.request(RequestId(1)).unwrap().num_computed_tokens, 8);
+    assert!(s.reserve_slots(RequestId(1), 10), "covered already");
+    assert_eq!(table(&s, 1), 4);
+    // Refused, with nothing taken: more blocks than are free (one), past max_model_len, or
+    // a request that is not running.
+    assert!(!s.reserve_slots(RequestId(2), 12));
+    assert!(!s.reserve_slots(RequestId(1), 25));
+    assert!(!s.reserve_slots(RequestId(9), 4));
+    assert_eq!(table(&s, 2), 1);
+    assert_eq!(s.kv_stats().num_free_blocks, 1);
+    // The verify of four drafts runs in the reserved blocks; request 2's decode takes the
+    // last free one.
+    assert!(s.set_draft(RequestId(1), vec![5, 5, 5, 5]));
+    let (out, _) = step(&mut s, 5);
+    assert_eq!(
+        shape(&out),
+        vec![(1, 8, 5, true), (2, 4, 1, true)],
+        "the decodes, request 1's with its drafts"
+    );
+    assert_eq!(table(&s, 1), 4);
+    assert_eq!(s.kv_stats().num_free_blocks, 0);
+}
