@@ -36,7 +36,7 @@ pub fn unpack(
     let (inputs, words_per_row) = dims2(&qw_name, qweight)?;
     let outputs = words_per_row * PER_WORD;
     let group = cfg.group.len(inputs);
-    if group == 0 || inputs % group != 0 {
+    if group == 0 || !inputs.is_multiple_of(group) {
         return Err(ModelError::InvalidQuantTensor {
             name: qw_name,
             reason: format!("{inputs} input channels are not a whole number of groups of {group}"),

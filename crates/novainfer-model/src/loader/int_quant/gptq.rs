@@ -35,7 +35,7 @@ pub fn unpack(
     let per_word = cfg.bits.per_word();
     let (packed_rows, outputs) = dims2(&qw_name, qweight)?;
     let inputs = packed_rows * per_word;
-    if outputs % per_word != 0 {
+    if !outputs.is_multiple_of(per_word) {
         return Err(ModelError::InvalidQuantTensor {
             name: qz_name,
             reason: format!("{outputs} output channels do not pack into words of {per_word}"),

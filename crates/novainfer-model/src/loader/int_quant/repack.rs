@@ -69,7 +69,7 @@ fn plan(m: &IntMatrix) -> Repacked {
     if !matches!(m.scales, Scales::F16(_)) {
         return Repacked::Dense(DenseReason::WideScales);
     }
-    if m.cols % QK != 0 {
+    if !m.cols.is_multiple_of(QK) {
         return Repacked::Dense(DenseReason::UnalignedInputs);
     }
     let one_group_per_block = m
