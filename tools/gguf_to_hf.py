@@ -39,7 +39,7 @@ TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 TOKEN_TYPE_UNUSED = 5
 
-SAFETENSORS_DTYPE_SIZE = {"F32": 4, "F16": 2, "BF16": 2}
+SAFETENSORS_DTYPE_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4}
 
 
 # --------------------------------------------------------------------------- safetensors

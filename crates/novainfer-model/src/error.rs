@@ -41,6 +41,17 @@ pub enum ModelError {
     },
     #[error("tensor `{name}` has unsupported dtype {dtype}")]
     UnsupportedDtype { name: String, dtype: String },
+    /// A `quantization_config` (config.json) this engine cannot load, naming the field.
+    #[error("unsupported quantization_config: `{field}` = {value} ({supported})")]
+    UnsupportedQuantization {
+        field: String,
+        value: String,
+        supported: &'static str,
+    },
+    /// A quantized layer's tensors (`qweight`, `qzeros`, `scales`, `g_idx`) that do not fit
+    /// together or the format.
+    #[error("quantized tensor `{name}`: {reason}")]
+    InvalidQuantTensor { name: String, reason: String },
     #[error("{path} is truncated or corrupt: {detail}")]
     Corrupt { path: PathBuf, detail: String },
     #[error("unsupported dtype override {0:?}: expected one of auto, f32, bf16, f16")]

@@ -8,6 +8,8 @@
 
 mod gguf;
 mod hf;
+mod int_quant;
+pub mod quant_config;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

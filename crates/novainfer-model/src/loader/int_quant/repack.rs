@@ -1,0 +1,143 @@
+//! An [`IntMatrix`] as a tensor our CPU kernels run, bit-exact in every case.
+//!
+//! A GGML block is 32 consecutive input channels of one output row with one f16 scale `d`
+//! and small signed integers `x`, `w = d · x`. When a block's 32 channels share one group
+//! (the group size is a multiple of 32 and, under GPTQ act-order, `g_idx` is constant on
+//! the block) and the scales are f16, `d = s` and `x = q − z` hold the weights exactly:
+//! * 4-bit: `q ∈ [0, 15]`, `z ∈ [0, 16]`, so `q − z ∈ [−16, 15]`, Q5_0's range (stored
+//!   `+16` in 5 bits): always exact, 5.5 bits per weight, run by our Q5_0 int8-activation
+//!   kernels;
+//! * 8-bit: `q − z ∈ [−256, 255]` in general; symmetric GPTQ (`z = 128`) stays in
+//!   `[−128, 127]`, Q8_0's i8, 8.5 bits per weight. A layer that leaves that range anywhere
+//!   cannot be Q8_0.
+//!
+//! Anything else (bf16/f32 scales, groups mixed within a block, `in` not a multiple of 32,
+//! asymmetric 8-bit) is dequantized to dense f32: exact too (`s · (q − z)` has at most
+//! 11 + 9 significant bits), at 32 bits per weight and the dense kernels' speed. For GPTQ
+//! act-order that is the price of exactness without permuting activations at run time.
+
+use std::borrow::Cow;
+
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+use candle_core::{Device, Tensor};
+
+use super::{IntMatrix, Scales};
+use crate::error::Result;
+use crate::loader::quant_config::Bits;
+use crate::loader::RawTensor;
+
+/// Input channels per GGML block.
+const QK: usize = 32;
+
+/// What a layer became, and for dense layers why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Repacked {
+    Q5_0,
+    Q8_0,
+    Dense(DenseReason),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DenseReason {
+    /// Scales in bf16 or f32: a block's f16 scale cannot hold them.
+    WideScales,
+    /// `in` is not a multiple of 32.
+    UnalignedInputs,
+    /// A block of 32 input channels spans several groups (act-order `g_idx`, or a group
+    /// size that is not a multiple of 32).
+    MixedGroups,
+    /// 8-bit weights with some `q − z` outside i8.
+    WideRange,
+}
+
+/// Re-encodes `m` exactly (see the module doc) and says how.
+pub fn repack(m: &IntMatrix) -> Result<(RawTensor, Repacked)> {
+    let plan = plan(m);
+    let tensor = match (plan, &m.scales) {
+        (Repacked::Q5_0, Scales::F16(s)) => quantized(m, GgmlDType::Q5_0, q5_0(m, s))?,
+        (Repacked::Q8_0, Scales::F16(s)) => quantized(m, GgmlDType::Q8_0, q8_0(m, s))?,
+        _ => RawTensor::Dense(Tensor::from_vec(
+            m.dequantize(),
+            (m.rows, m.cols),
+            &Device::Cpu,
+        )?),
+    };
+    Ok((tensor, plan))
+}
+
+fn plan(m: &IntMatrix) -> Repacked {
+    if !matches!(m.scales, Scales::F16(_)) {
+        return Repacked::Dense(DenseReason::WideScales);
+    }
+    if !m.cols.is_multiple_of(QK) {
+        return Repacked::Dense(DenseReason::UnalignedInputs);
+    }
+    let one_group_per_block = m
+        .group_of
+        .chunks_exact(QK)
+        .all(|b| b.iter().all(|&g| g == b[0]));
+    if !one_group_per_block {
+        return Repacked::Dense(DenseReason::MixedGroups);
+    }
+    match m.bits {
+        Bits::Four => Repacked::Q5_0,
+        Bits::Eight => {
+            let fits =
+                (0..m.rows).all(|o| (0..m.cols).all(|i| i8::try_from(m.centered(o, i)).is_ok()));
+            if fits {
+                Repacked::Q8_0
+            } else {
+                Repacked::Dense(DenseReason::WideRange)
+            }
+        }
+    }
+}
+
+fn quantized(m: &IntMatrix, dtype: GgmlDType, blocks: Vec<u8>) -> Result<RawTensor> {
+    let storage = QStorage::from_data(Cow::Owned(blocks), &Device::Cpu, dtype)?;
+    Ok(RawTensor::Quantized(QTensor::new(
+        storage,
+        (m.rows, m.cols),
+    )?))
+}
+
+/// The (scale, `q − z`) of each 32-channel block of each row, in GGML's row-major order.
+/// The caller checked that each block lies in one group.
+fn blocks<'a>(
+    m: &'a IntMatrix,
+    s: &'a [half::f16],
+) -> impl Iterator<Item = (half::f16, [i32; QK])> + 'a {
+    (0..m.rows).flat_map(move |o| {
+        (0..m.cols / QK).map(move |b| {
+            let g = m.group_of[b * QK] as usize;
+            let x = std::array::from_fn(|j| m.centered(o, b * QK + j));
+            (s[g * m.rows + o], x)
+        })
+    })
+}
+
+/// ggml's `block_q5_0`: `d: f16`, `qh: u32` (bit j = bit 4 of value j), `qs: [u8; 16]`
+/// (value j in the low nibble of byte j, value j + 16 in its high nibble); stored `x + 16`.
+fn q5_0(m: &IntMatrix, s: &[half::f16]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(m.rows * m.cols / QK * 22);
+    for (d, x) in blocks(m, s) {
+        // x ∈ [−16, 15] for 4-bit weights (IntMatrix bounds q < 16 and z ≤ 16).
+        let v: [u8; QK] = std::array::from_fn(|j| (x[j] + 16) as u8);
+        let qh = (0..QK).fold(0u32, |acc, j| acc | (u32::from(v[j] >> 4) << j));
+        out.extend_from_slice(&d.to_le_bytes());
+        out.extend_from_slice(&qh.to_le_bytes());
+        out.extend((0..QK / 2).map(|j| (v[j] & 0x0F) | ((v[j + QK / 2] & 0x0F) << 4)));
+    }
+    out
+}
+
+/// ggml's `block_q8_0`: `d: f16`, `qs: [i8; 32]`.
+fn q8_0(m: &IntMatrix, s: &[half::f16]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(m.rows * m.cols / QK * 34);
+    for (d, x) in blocks(m, s) {
+        out.extend_from_slice(&d.to_le_bytes());
+        // The plan checked every x fits an i8.
+        out.extend(x.iter().map(|&v| v as i8 as u8));
+    }
+    out
+}
