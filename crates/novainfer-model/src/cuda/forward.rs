@@ -14,11 +14,12 @@
 use half::bf16;
 use novainfer_cuda::cudarc::driver::{CudaSlice, CudaView};
 use novainfer_cuda::ops::embedding::{embedding, EmbeddingShape};
+use novainfer_cuda::ops::flash_prefill::{prefill_attention, PrefillKernel};
 use novainfer_cuda::ops::gather::gather_rows;
 use novainfer_cuda::ops::gemm::{gemm_bf16, gemm_bf16_f32out, GemmShape};
 use novainfer_cuda::ops::kv::KvCacheMut;
 use novainfer_cuda::ops::paged_attention::{
-    paged_attention_decode, paged_attention_prefill, AttentionConfig, DecodeScratch, PagedKv,
+    paged_attention_decode, AttentionConfig, DecodeScratch, PagedKv,
 };
 use novainfer_cuda::ops::qkv::{qkv_bias_rope_cache, QkvInput};
 use novainfer_cuda::ops::rms_norm::{add_rms_norm, rms_norm};
@@ -132,6 +133,9 @@ impl Step<'_> {
             block_size: kv.block_size,
             max_blocks_per_seq: meta.layout.max_blocks_per_seq,
         };
+        // The legacy prefill kernel unless NOVAINFER_CUDA_PREFILL=flash: the tensor-core one
+        // has not yet run on a GPU (novainfer_cuda::ops::flash_prefill).
+        let prefill_kernel = PrefillKernel::from_env()?;
         let views = meta.upload(gpu, step)?;
 
         embedding::<bf16>(
@@ -192,8 +196,9 @@ impl Step<'_> {
                     &mut out,
                 )?;
             } else {
-                paged_attention_prefill::<bf16>(
+                prefill_attention(
                     gpu,
+                    prefill_kernel,
                     &attn_cfg,
                     &q,
                     paged,
