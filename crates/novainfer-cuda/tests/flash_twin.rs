@@ -345,8 +345,8 @@ fn the_tile_walk_covers_the_causal_mask_exactly_once() {
                     }
                     for r in (0..BLOCK_M).filter(|&r| plan.limits[r] >= 0) {
                         let (t, h) = packed_row(plan.token0, plan.at.first_row + r, group, kv_head);
-                        for key in 0..BLOCK_N {
-                            if counts(&plan, kind, r, k0, key, slots[key].is_some()) {
+                        for (key, slot) in slots.iter().enumerate() {
+                            if counts(&plan, kind, r, k0, key, slot.is_some()) {
                                 *seen.entry((t, h, k0 + key)).or_default() += 1;
                             }
                         }

@@ -90,6 +90,7 @@ pub fn flash_applies(cfg: &AttentionConfig) -> bool {
 
 /// The prefill attention `kernel` names; [`PrefillKernel::Flash`] falls back to the legacy
 /// kernel for head dims it lacks.
+#[allow(clippy::too_many_arguments)]
 pub fn prefill_attention(
     gpu: &GpuContext,
     kernel: PrefillKernel,
@@ -163,7 +164,7 @@ pub fn flash_prefill(
     // cp.async moves 16 bytes at a time from q and the pool; rows are whole 16-byte pieces
     // (head_dim a multiple of 8), so only the starts need checking.
     let stream = gpu.stream();
-    let misaligned = |ptr: u64| ptr % 16 != 0;
+    let misaligned = |ptr: u64| !ptr.is_multiple_of(16);
     if misaligned(q.device_ptr(stream).0)
         || misaligned(kv.k_cache.device_ptr(stream).0)
         || misaligned(kv.v_cache.device_ptr(stream).0)
