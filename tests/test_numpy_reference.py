@@ -344,6 +344,20 @@ def test_gguf_to_hf_round_trips_the_tiny_model(tmp_path, model_dirs):
         }
 
 
+@pytest.mark.parametrize("rope_scaling", [
+    {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16.0, "beta_slow": 2.0},
+    {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32},
+    {"type": "linear", "factor": 2.0},
+])
+def test_gguf_to_hf_keeps_rope_scaling(tmp_path, rope_scaling):
+    pytest.importorskip("gguf")
+    import gguf_to_hf
+
+    hf = tiny_qwen2.write_tiny_model(tmp_path / "scaled", rope_scaling=rope_scaling)
+    back = gguf_to_hf.convert(tiny_qwen2.write_tiny_gguf(tmp_path / "scaled.gguf", hf_dir=hf), tmp_path / "back")
+    assert json.loads((back / "config.json").read_text())["rope_scaling"] == rope_scaling
+
+
 def test_gguf_to_hf_dequantizes_q8_0_close_to_the_original(tmp_path, model_dirs):
     pytest.importorskip("gguf")
     import gguf_to_hf

@@ -297,6 +297,31 @@ def _f32_to_float(value: float) -> float:
     return float(str(np.float32(value)))
 
 
+def _rope_scaling(reader) -> dict | None:
+    """GGUF's `qwen2.rope.scaling.*` keys as config.json's `rope_scaling` (what llama.cpp's converter wrote from
+    it: yarn with its factor, original context and betas; linear with its factor); None when there is none."""
+    kind = _field(reader, "qwen2.rope.scaling.type", None)
+    factor = _field(reader, "qwen2.rope.scaling.factor", None)
+    if factor is None:
+        factor = _field(reader, "qwen2.rope.scale_linear", None)
+    if kind == "none" or not factor:
+        return None
+    if kind in (None, "linear"):
+        return None if factor == 1.0 else {"type": "linear", "factor": _f32_to_float(factor)}
+    if kind != "yarn":
+        raise ValueError(f"qwen2.rope.scaling.type is {kind!r}; only none, linear and yarn are supported")
+    spec = {"type": "yarn", "factor": _f32_to_float(factor)}
+    original = _field(reader, "qwen2.rope.scaling.original_context_length", None)
+    if original is not None:
+        spec["original_max_position_embeddings"] = int(original)
+    for key, name in (("yarn_attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"),
+                      ("yarn_beta_slow", "beta_slow")):
+        value = _field(reader, f"qwen2.rope.scaling.{key}", None)
+        if value is not None:
+            spec[name] = _f32_to_float(value)
+    return spec
+
+
 def _hf_config(reader, vocab_size: int, tied: bool, gen_cfg: dict) -> dict:
     arch = _field(reader, "general.architecture")
     if arch != "qwen2":
@@ -319,7 +344,7 @@ def _hf_config(reader, vocab_size: int, tied: bool, gen_cfg: dict) -> dict:
         "eos_token_id": gen_cfg["eos_token_id"][0],
         "hidden_act": "silu",
         "use_sliding_window": False,
-    }
+    } | ({"rope_scaling": scaling} if (scaling := _rope_scaling(reader)) else {})
 
 
 def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
