@@ -119,6 +119,11 @@ class LLM:
     GPU's memory, and the cache gets what the weights leave of it (unless `kv_cache_bytes` is given;
     `kv_cache_fraction` is for host memory and is refused on a GPU). `gpu_memory_utilization` is ignored on
     the CPU.
+
+    `enforce_eager=True` never replays CUDA graphs (vLLM's option). Graphs are captured per decode batch
+    size at start-up and replayed for plain decode steps; until a GPU run has verified them they are off
+    unless the environment sets ``NOVAINFER_CUDA_GRAPHS=1``, which `enforce_eager` overrides. Ignored on
+    the CPU.
     """
 
     def __init__(
@@ -130,6 +135,7 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
         requantize_q5_0: bool = False,
+        enforce_eager: bool = False,
         block_size: int = 16,
         kv_cache_bytes: int | None = None,
         kv_cache_fraction: float | None = None,
@@ -204,6 +210,7 @@ class LLM:
             max_model_len=max_model_len,
             seed=seed,
             requantize_q5_0=requantize_q5_0,
+            enforce_eager=enforce_eager,
             block_size=block_size,
             kv_cache_bytes=kv_cache_bytes,
             kv_cache_fraction=kv_cache_fraction,

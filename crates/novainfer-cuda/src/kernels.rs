@@ -38,6 +38,7 @@ pub const SAMPLING: KernelSource = kernel!("sampling");
 pub const DEQUANT: KernelSource = kernel!("dequant");
 pub const QKV: KernelSource = kernel!("qkv");
 pub const GATHER: KernelSource = kernel!("gather");
+pub const FLASH_PREFILL: KernelSource = kernel!("flash_prefill");
 
 pub const KERNELS: &[KernelSource] = &[
     EMBEDDING,
@@ -50,6 +51,7 @@ pub const KERNELS: &[KernelSource] = &[
     DEQUANT,
     QKV,
     GATHER,
+    FLASH_PREFILL,
 ];
 
 /// What NVRTC is handed besides the source. Part of the disk-cache key, so changing a flag
@@ -118,6 +120,14 @@ pub const DTYPED_ENTRIES: &[(KernelSource, &str)] = &[
 /// `decode` is the same phase one head per warp (for groups too large for one block).
 pub const ATTENTION_PHASES: [&str; 4] = ["decode", "decode_grouped", "merge", "prefill"];
 
+/// Head dims the tensor-core prefill kernel (`kernels/flash_prefill.cu`, bf16 only: the
+/// executor's pool dtype) is instantiated for: Qwen2's 64 (0.5B) and 128 (1.5B, 7B).
+pub const FLASH_PREFILL_HEAD_DIMS: [usize; 2] = [64, 128];
+
+pub fn flash_prefill_entry(head_dim: usize) -> String {
+    format!("flash_prefill_bf16_hd{head_dim}")
+}
+
 pub fn dtyped_entry(base: &str, dtype: DtypeKind) -> String {
     format!("{base}_{}", dtype.suffix())
 }
@@ -129,6 +139,9 @@ pub fn attention_entry(phase: &str, dtype: DtypeKind, head_dim: usize) -> String
 /// Every entry point a launcher uses, with the file that defines it.
 pub fn entry_points() -> Vec<(KernelSource, String)> {
     let mut out = Vec::new();
+    for hd in FLASH_PREFILL_HEAD_DIMS {
+        out.push((FLASH_PREFILL, flash_prefill_entry(hd)));
+    }
     for dtype in DtypeKind::ALL {
         for (kernel, base) in DTYPED_ENTRIES {
             out.push((*kernel, dtyped_entry(base, dtype)));

@@ -14,6 +14,7 @@
 
 pub mod cache;
 pub mod error;
+pub mod flash_plan;
 pub mod gpu_test;
 pub mod kernels;
 pub mod reference;

@@ -47,6 +47,8 @@ pub(crate) struct KernelTable {
     /// Indexed by [`QuantType::index`].
     pub dequant: [PerDtype<CudaFunction>; 4],
     attention: PerDtype<[Option<AttentionFns>; 3]>,
+    /// `flash_prefill_bf16_hd<d>` for d in [`kernels::FLASH_PREFILL_HEAD_DIMS`], in order.
+    flash_prefill: [CudaFunction; 2],
 }
 
 impl KernelTable {
@@ -84,6 +86,16 @@ impl KernelTable {
                 f32: loader.attention(DtypeKind::F32)?,
                 bf16: loader.attention(DtypeKind::Bf16)?,
             },
+            flash_prefill: [
+                loader.get(
+                    &kernels::FLASH_PREFILL,
+                    &kernels::flash_prefill_entry(kernels::FLASH_PREFILL_HEAD_DIMS[0]),
+                )?,
+                loader.get(
+                    &kernels::FLASH_PREFILL,
+                    &kernels::flash_prefill_entry(kernels::FLASH_PREFILL_HEAD_DIMS[1]),
+                )?,
+            ],
         })
     }
 
@@ -91,6 +103,14 @@ impl KernelTable {
     pub fn attention<T: Dtype>(&self, head_dim: usize) -> Option<&AttentionFns> {
         let slot = ATTENTION_DIMS.iter().position(|&d| d == head_dim)?;
         self.attention.get::<T>()[slot].as_ref()
+    }
+
+    /// The tensor-core prefill kernel for `head_dim` (bf16 only), if instantiated.
+    pub fn flash_prefill(&self, head_dim: usize) -> Option<&CudaFunction> {
+        let slot = kernels::FLASH_PREFILL_HEAD_DIMS
+            .iter()
+            .position(|&d| d == head_dim)?;
+        Some(&self.flash_prefill[slot])
     }
 }
 

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use novainfer_core::{KvLayout, ParamError, SamplingParams, SchedulerConfig, SchedulingPolicy};
 use novainfer_model::device::{self, Resolved};
 use novainfer_model::{
-    load_weights, Capabilities, Checkpoint, DeviceChoice, DeviceWeights, DtypeChoice, Executor,
-    KvCacheDtype, LoadOptions, ModelError, OpenedCheckpoint, Qwen2Config, StepLimits,
+    load_weights, Capabilities, Checkpoint, CudaGraphs, DeviceChoice, DeviceWeights, DtypeChoice,
+    Executor, KvCacheDtype, LoadOptions, ModelError, OpenedCheckpoint, Qwen2Config, StepLimits,
 };
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
@@ -35,6 +35,10 @@ pub struct EngineConfig {
     /// Seeds requests that bring no seed of their own (request `i` gets `seed + i`).
     pub seed: u64,
     pub requantize_q5_0: bool,
+    /// Never replay CUDA graphs (vLLM's `enforce_eager`). Graphs are also off unless
+    /// `NOVAINFER_CUDA_GRAPHS=1` opts in, until a GPU run has verified them; the CPU has
+    /// none and ignores this.
+    pub enforce_eager: bool,
     /// Tokens per KV block (BLOCK layout; the SLOT layout always uses 1).
     pub block_size: usize,
     /// BLOCK (paged blocks, prefix caching) or SLOT (one cell per token, no
@@ -202,6 +206,7 @@ impl EngineConfig {
             max_model_len: None,
             seed: 0,
             requantize_q5_0: false,
+            enforce_eager: false,
             block_size: 16,
             kv_layout: KvLayout::Block,
             kv_cache_dtype: KvCacheDtype::Auto,
@@ -412,6 +417,7 @@ impl LoadedEngine {
             dtype: cfg.dtype,
             requantize_q5_0: cfg.requantize_q5_0,
             kv_cache_dtype: cfg.kv_cache_dtype,
+            cuda_graphs: cuda_graphs(cfg)?,
         };
         let opened = Checkpoint::open(&cfg.model)?;
         // max_position_embeddings scaled by the checkpoint's rope_scaling (vLLM's rule).
@@ -619,6 +625,12 @@ fn open_chat_template(tokenizer: &Tokenizer) -> Result<Option<Arc<ChatTemplate>>
         )?)),
         None => None,
     })
+}
+
+/// The executor's graph mode: `enforce_eager`, else the opt-in environment variable.
+fn cuda_graphs(cfg: &EngineConfig) -> Result<CudaGraphs> {
+    CudaGraphs::from_env(cfg.enforce_eager)
+        .map_err(|why| ParamError::new("enforce_eager", why).into())
 }
 
 /// The largest step a device must size its buffers for; `model_max_len` is the model's

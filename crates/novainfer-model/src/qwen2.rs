@@ -24,6 +24,7 @@ use crate::loader::{CheckedSource, Checkpoint, ModelFormat, RawTensor, TensorSou
 use crate::lora::apply::{add_updates, AdapterGroups, LoraScratch};
 use crate::lora::Target;
 use crate::paged_kv::PagedKvCache;
+use crate::prepare::graph::CudaGraphs;
 use crate::quant;
 use crate::rope_scaling::RopeScaling;
 
@@ -64,6 +65,9 @@ pub struct LoadOptions {
     /// How the KV cache stores keys and values ([`Qwen2Model::new_cache`]; the engine's
     /// pool). `Auto` is f16 on the CPU.
     pub kv_cache_dtype: KvCacheDtype,
+    /// Whether the CUDA executor captures decode steps into graphs at load and replays them
+    /// ([`crate::prepare::graph`]); eager by default. The CPU ignores it.
+    pub cuda_graphs: CudaGraphs,
 }
 
 impl Default for LoadOptions {
@@ -72,6 +76,7 @@ impl Default for LoadOptions {
             dtype: DtypeChoice::Auto,
             requantize_q5_0: false,
             kv_cache_dtype: KvCacheDtype::Auto,
+            cuda_graphs: CudaGraphs::Eager,
         }
     }
 }

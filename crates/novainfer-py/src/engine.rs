@@ -114,7 +114,7 @@ pub struct PyEngine {
 impl PyEngine {
     #[new]
     #[pyo3(signature = (model, *, device="auto", dtype="auto", max_model_len=None, seed=0,
-        requantize_q5_0=false, block_size=16, kv_cache_bytes=None, kv_cache_fraction=None,
+        requantize_q5_0=false, enforce_eager=false, block_size=16, kv_cache_bytes=None, kv_cache_fraction=None,
         gpu_memory_utilization=0.9, max_num_seqs=64,
         max_num_batched_tokens=None, enable_prefix_caching=true, kv_layout="block",
         kv_cache_dtype="auto", scheduling_policy="fcfs", priority_aging_steps=256,
@@ -130,6 +130,7 @@ impl PyEngine {
         max_model_len: Option<usize>,
         seed: u64,
         requantize_q5_0: bool,
+        enforce_eager: bool,
         block_size: usize,
         kv_cache_bytes: Option<usize>,
         kv_cache_fraction: Option<f64>,
@@ -188,6 +189,7 @@ impl PyEngine {
             max_model_len,
             seed,
             requantize_q5_0,
+            enforce_eager,
             block_size,
             kv_layout,
             kv_cache_dtype,

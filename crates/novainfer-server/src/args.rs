@@ -57,6 +57,10 @@ pub struct ServeArgs {
     /// our kernels). Off by default.
     #[arg(long)]
     pub requantize_q5_0: bool,
+    /// Never replay CUDA graphs for decode steps (vLLM's flag). Graphs are off anyway unless
+    /// NOVAINFER_CUDA_GRAPHS=1 opts in, until a GPU run has verified them. Ignored on the CPU.
+    #[arg(long)]
+    pub enforce_eager: bool,
     /// Tokens per KV-cache block (the unit of paging and prefix caching).
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
@@ -494,6 +498,7 @@ impl ServeArgs {
         cfg.max_model_len = self.max_model_len;
         cfg.seed = self.seed;
         cfg.requantize_q5_0 = self.requantize_q5_0;
+        cfg.enforce_eager = self.enforce_eager;
         cfg.block_size = self.block_size;
         cfg.kv_layout = kv_layout;
         cfg.kv_cache_dtype = kv_cache_dtype;

@@ -13,6 +13,7 @@
 
 pub mod dequant;
 pub mod embedding;
+pub mod flash_prefill;
 pub mod gather;
 pub mod gemm;
 pub mod kv;

@@ -191,6 +191,8 @@ pub(crate) struct StepViews<'a> {
     pub edit_offsets: CudaView<'a, i32>,
     pub tops: CudaView<'a, i32>,
     pub masks_at: CudaView<'a, i32>,
+    /// Row length of `block_tables`.
+    pub max_blocks_per_seq: usize,
 }
 
 impl StepBuffers {
@@ -215,12 +217,19 @@ impl StepBuffers {
         })
     }
 
-    /// Writes `step` to the staging buffer and enqueues its upload.
+    /// Writes `step` to the staging buffer and enqueues its upload; returns its views.
     ///
     /// The copy is asynchronous: the staging buffer must not be written again before it
     /// completes. Each step ends by synchronising the stream (the logits copy), and a
     /// failed step synchronises before returning, so the next `upload` finds it idle.
     pub fn upload(&mut self, gpu: &GpuContext, step: &PackedStep) -> Result<StepViews<'_>> {
+        self.write_and_copy(gpu, step)?;
+        self.views(step)
+    }
+
+    /// [`Self::upload`] without the views (a graph replay reads the buffer at the addresses
+    /// it captured), under the same rule.
+    pub fn write_and_copy(&mut self, gpu: &GpuContext, step: &PackedStep) -> Result<()> {
         let staging = self
             .staging
             .as_mut_slice()
@@ -233,6 +242,12 @@ impl StepBuffers {
         gpu.stream()
             .memcpy_htod(&staging[..used], &mut dst)
             .map_err(driver_error("cuMemcpyHtoDAsync"))?;
+        Ok(())
+    }
+
+    /// Typed views of `step`'s arrays in the device buffer (uploaded or being uploaded):
+    /// always at the layout's offsets, with `step`'s lengths.
+    pub fn views(&self, step: &PackedStep) -> Result<StepViews<'_>> {
         let l = &self.layout;
         let (n, s) = (step.num_tokens(), step.num_seqs());
         Ok(StepViews {
@@ -250,6 +265,7 @@ impl StepBuffers {
             edit_offsets: typed(&self.device, l.edit_offsets, step.edit_offsets.len())?,
             tops: typed(&self.device, l.tops, step.tops.len())?,
             masks_at: typed(&self.device, l.masks_at, step.masks_at.len())?,
+            max_blocks_per_seq: l.max_blocks_per_seq,
         })
     }
 }

@@ -10,6 +10,7 @@ use novainfer_cuda::GpuContext;
 use super::buffers::{Activations, EditBuffers, KvPool, MaskBuffers, Readback, StepBuffers};
 use super::cuda_error;
 use super::forward::{Step, Tail, TailOut};
+use super::graphs::{DecodeGraphs, Runner};
 use super::weights::GpuModel;
 use crate::capabilities::{self, Capabilities};
 use crate::config::{Qwen2Config, WeightDtype};
@@ -19,6 +20,7 @@ use crate::executor::{DeviceMemory, DeviceWeights, Executor, StepLimits};
 use crate::forward_batch::{ForwardBatch, ForwardOutput, SpanOutput};
 use crate::layers::ops::normalize_l2;
 use crate::loader::OpenedCheckpoint;
+use crate::prepare::graph::{replay_step, route, CudaGraphs, StepRoute};
 use crate::prepare::{HostModelReader, PackedStep, StepCapacity, StepLayout};
 use crate::qwen2::{DtypeChoice, LoadOptions};
 
@@ -35,6 +37,7 @@ pub struct CudaWeights {
     edits: EditBuffers,
     masks: MaskBuffers,
     limits: StepLimits,
+    graph_mode: CudaGraphs,
 }
 
 impl CudaWeights {
@@ -105,6 +108,7 @@ impl CudaWeights {
             edits,
             masks,
             limits,
+            graph_mode: opts.cuda_graphs,
         })
     }
 }
@@ -195,12 +199,26 @@ impl DeviceWeights for CudaWeights {
         // size rather than counted in `device_memory`.
         let meta = StepBuffers::new(&me.gpu, StepLayout::new(&capacity))?;
         me.gpu.synchronize().map_err(|e| cuda_error(me.device, e))?;
-        Ok(Box::new(CudaExecutor {
+        let mut executor = CudaExecutor {
             w: me,
             kv,
             meta,
             capacity,
-        }))
+            graphs: None,
+        };
+        if executor.w.graph_mode == CudaGraphs::Captured {
+            // Over the engine's pool: the graphs capture its addresses (padding rows write
+            // no K/V, so capturing and warming them up leaves the pool as it was).
+            let max_rows = capacity.max_seqs.min(capacity.max_tokens);
+            let max_seq_len = executor
+                .w
+                .scratch
+                .max_seq_len()
+                .min(capacity.max_blocks_per_seq * block_size);
+            let step = executor.w.step(&mut executor.meta, &mut executor.kv);
+            executor.graphs = Some(DecodeGraphs::capture(step, max_rows, max_seq_len)?);
+        }
+        Ok(Box::new(executor))
     }
 }
 
@@ -210,6 +228,8 @@ pub struct CudaExecutor {
     kv: KvPool,
     meta: StepBuffers,
     capacity: StepCapacity,
+    /// Decode graphs, when on ([`CudaGraphs::Captured`]); only for steps over `kv`.
+    graphs: Option<DecodeGraphs>,
 }
 
 impl CudaWeights {
@@ -284,11 +304,29 @@ impl CudaExecutor {
 }
 
 impl CudaExecutor {
-    fn run_in_pool(&mut self, batch: &ForwardBatch, tail: Tail) -> Result<TailOut> {
+    /// A step over the engine's pool: replayed from a decode graph where `route` sends it
+    /// (graphs on, `may_replay`, a plain sampled decode step within the largest bucket),
+    /// else eager.
+    fn run_in_pool(
+        &mut self,
+        batch: &ForwardBatch,
+        tail: Tail,
+        may_replay: bool,
+    ) -> Result<TailOut> {
         if batch.seqs.is_empty() {
             return Ok(TailOut::default());
         }
         let step = PackedStep::pack(batch, &self.capacity)?;
+        if let (Some(graphs), Tail::Logits, true) = (self.graphs.as_mut(), tail, may_replay) {
+            if let StepRoute::Graph { bucket } = route(batch, Some(&graphs.buckets)) {
+                let step_buffers = self.w.step(&mut self.meta, &mut self.kv);
+                let mut runner = Runner {
+                    step: step_buffers,
+                    graphs,
+                };
+                return replay_step(&mut runner, &step, bucket);
+            }
+        }
         self.w.step(&mut self.meta, &mut self.kv).run(&step, tail)
     }
 
@@ -310,7 +348,7 @@ impl CudaExecutor {
         let TailOut {
             rows: plain_logits,
             tokens: plain_tokens,
-        } = self.run_in_pool(&batch.select(&plain), Tail::Logits)?;
+        } = self.run_in_pool(&batch.select(&plain), Tail::Logits, true)?;
         let vocab = self.w.cfg.vocab_size;
         let mut plain_rows = plain_logits.chunks_exact(vocab);
         let mut plain_tokens = plain_tokens.into_iter();
@@ -337,7 +375,7 @@ impl CudaExecutor {
                     // The eager forward's sampled rows are its hidden tail's rows.
                     one.seqs[0].output = SpanOutput::LastLogits;
                     out.hidden
-                        .extend(self.run_in_pool(&one, Tail::Hidden)?.rows);
+                        .extend(self.run_in_pool(&one, Tail::Hidden, false)?.rows);
                 }
                 SpanOutput::AllLogits | SpanOutput::DrawEach(_) => {
                     // As one-token spans over the span's table, max_seqs at a time and in
@@ -353,7 +391,10 @@ impl CudaExecutor {
                                 one.output = SpanOutput::Draw(draw.clone());
                             }
                         }
-                        let TailOut { rows, tokens } = self.run_in_pool(&tokens, Tail::Logits)?;
+                        // Eager: a verify or scoring span is no plain decode step, though
+                        // cut into one-token spans it looks like one.
+                        let TailOut { rows, tokens } =
+                            self.run_in_pool(&tokens, Tail::Logits, false)?;
                         out.logits.extend(rows);
                         out.tokens.extend(tokens);
                         start = end;
@@ -429,7 +470,7 @@ impl Executor for CudaExecutor {
             });
         }
         if batch.only_samples() {
-            let TailOut { rows, tokens } = self.run_in_pool(batch, Tail::Logits)?;
+            let TailOut { rows, tokens } = self.run_in_pool(batch, Tail::Logits, true)?;
             return Ok(ForwardOutput {
                 logits: rows,
                 tokens,

@@ -14,11 +14,12 @@
 use half::bf16;
 use novainfer_cuda::cudarc::driver::{CudaSlice, CudaView};
 use novainfer_cuda::ops::embedding::{embedding, EmbeddingShape};
+use novainfer_cuda::ops::flash_prefill::{prefill_attention, PrefillKernel};
 use novainfer_cuda::ops::gather::gather_rows;
 use novainfer_cuda::ops::gemm::{gemm_bf16, gemm_bf16_f32out, GemmShape};
 use novainfer_cuda::ops::kv::KvCacheMut;
 use novainfer_cuda::ops::paged_attention::{
-    paged_attention_decode, paged_attention_prefill, AttentionConfig, DecodeScratch, PagedKv,
+    decode_kernel_for, paged_attention_decode_with, AttentionConfig, DecodeScratch, PagedKv,
 };
 use novainfer_cuda::ops::qkv::{qkv_bias_rope_cache, QkvInput};
 use novainfer_cuda::ops::rms_norm::{add_rms_norm, rms_norm};
@@ -30,7 +31,7 @@ use novainfer_cuda::ops::silu_mul::silu_mul_fused;
 use novainfer_cuda::GpuContext;
 
 use super::buffers::{
-    head, head_mut, Activations, EditBuffers, KvPool, MaskBuffers, Readback, StepBuffers,
+    head, head_mut, Activations, EditBuffers, KvPool, MaskBuffers, Readback, StepBuffers, StepViews,
 };
 use super::weights::{GpuMatrix, GpuModel};
 use super::{cuda_error, driver_error};
@@ -88,10 +89,7 @@ impl Step<'_> {
         if result.is_err() {
             let _ = gpu.synchronize();
         }
-        result.map_err(|e| match e {
-            Failure::Cuda(e) => cuda_error(device, e),
-            Failure::Model(e) => e,
-        })
+        result.map_err(|e| e.into_model(device))
     }
 
     fn run_inner(self, step: &PackedStep, tail: Tail) -> Result<TailOut, Failure> {
@@ -113,6 +111,82 @@ impl Step<'_> {
         if n == 0 {
             return Ok(TailOut::default());
         }
+        let views = meta.upload(gpu, step)?;
+        let attention = if step.decode_only {
+            Attention::Decode {
+                max_seq_len: step.max_seq_len,
+                choose_for: step.max_seq_len,
+            }
+        } else {
+            Attention::Prefill
+        };
+        let rows = step.sample_rows.len();
+        let mut body = Body {
+            gpu,
+            cfg,
+            model,
+            rope,
+            act,
+            kv,
+            scratch,
+        };
+        body.layers(&views, n, attention)?;
+        if rows == 0 {
+            // Nothing to sample (prefill chunks only): the step's work is its KV writes.
+            gpu.synchronize()?;
+            return Ok(TailOut::default());
+        }
+        body.final_rows(&views, n, rows)?;
+        if tail == Tail::Logits {
+            body.lm_head(rows)?;
+        }
+        sample_tail(gpu, cfg, act, readback, edits, masks, &views, step, tail)
+    }
+}
+
+/// How a step's attention runs.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Attention {
+    /// Any number of query tokens per sequence.
+    Prefill,
+    /// One query token per sequence, histories up to `max_seq_len`, the first phase chosen
+    /// for histories of `choose_for` (the step's own when eager; a graph fixes it at capture,
+    /// and the choice never changes a bit of the result).
+    Decode {
+        max_seq_len: usize,
+        choose_for: usize,
+    },
+}
+
+/// What the forward up to the logits borrows: the part of a step a decode graph captures.
+pub(crate) struct Body<'b> {
+    pub gpu: &'b GpuContext,
+    pub cfg: &'b Qwen2Config,
+    pub model: &'b GpuModel,
+    pub rope: &'b RopeTable,
+    pub act: &'b mut Activations,
+    pub kv: &'b mut KvPool,
+    pub scratch: &'b mut DecodeScratch,
+}
+
+impl Body<'_> {
+    /// Embedding and every layer over the step's `n` tokens.
+    pub fn layers(
+        &mut self,
+        views: &StepViews<'_>,
+        n: usize,
+        attention: Attention,
+    ) -> Result<(), Failure> {
+        let Body {
+            gpu,
+            cfg,
+            model,
+            rope,
+            act,
+            kv,
+            scratch,
+        } = self;
+        let gpu: &GpuContext = gpu;
         let (h, f, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (hd, nh, nkv) = (
             cfg.head_dim(),
@@ -130,9 +204,11 @@ impl Step<'_> {
             num_kv_heads: nkv,
             head_dim: hd,
             block_size: kv.block_size,
-            max_blocks_per_seq: meta.layout.max_blocks_per_seq,
+            max_blocks_per_seq: views.max_blocks_per_seq,
         };
-        let views = meta.upload(gpu, step)?;
+        // The legacy prefill kernel unless NOVAINFER_CUDA_PREFILL=flash: the tensor-core one
+        // has not yet run on a GPU (novainfer_cuda::ops::flash_prefill).
+        let prefill_kernel = PrefillKernel::from_env()?;
 
         embedding::<bf16>(
             gpu,
@@ -181,26 +257,35 @@ impl Step<'_> {
             };
             let q = head(&act.q, n * q_dim, "q")?;
             let mut out = head_mut(&mut act.attn, n * q_dim, "attn")?;
-            if step.decode_only {
-                paged_attention_decode::<bf16>(
-                    gpu,
-                    &attn_cfg,
-                    &q,
-                    paged,
-                    step.max_seq_len,
-                    scratch,
-                    &mut out,
-                )?;
-            } else {
-                paged_attention_prefill::<bf16>(
-                    gpu,
-                    &attn_cfg,
-                    &q,
-                    paged,
-                    &views.query_start_loc,
-                    &views.positions,
-                    &mut out,
-                )?;
+            match attention {
+                Attention::Decode {
+                    max_seq_len,
+                    choose_for,
+                } => {
+                    let kernel = decode_kernel_for(gpu, &attn_cfg, &paged, choose_for);
+                    paged_attention_decode_with::<bf16>(
+                        gpu,
+                        kernel,
+                        &attn_cfg,
+                        &q,
+                        paged,
+                        max_seq_len,
+                        scratch,
+                        &mut out,
+                    )?;
+                }
+                Attention::Prefill => {
+                    prefill_attention(
+                        gpu,
+                        prefill_kernel,
+                        &attn_cfg,
+                        &q,
+                        paged,
+                        &views.query_start_loc,
+                        &views.positions,
+                        &mut out,
+                    )?;
+                }
             }
             gemm(gpu, &act.attn, &layer.o_proj, n, &mut act.proj, "proj")?;
             add_rms_norm::<bf16>(
@@ -227,13 +312,19 @@ impl Step<'_> {
             )?;
             gemm(gpu, &act.mlp, &layer.down_proj, n, &mut act.proj, "proj")?;
         }
+        Ok(())
+    }
 
-        let rows = step.sample_rows.len();
-        if rows == 0 {
-            // Nothing to sample (prefill chunks only): the step's work is its KV writes.
-            gpu.synchronize()?;
-            return Ok(TailOut::default());
-        }
+    /// The sampled `rows` gathered from the `n` token rows, the last down_proj added and the
+    /// final norm applied: `last_normed`.
+    pub fn final_rows(
+        &mut self,
+        views: &StepViews<'_>,
+        n: usize,
+        rows: usize,
+    ) -> Result<(), Failure> {
+        let (gpu, act, h) = (self.gpu, &mut *self.act, self.cfg.hidden_size);
+        let eps = self.cfg.rms_norm_eps as f32;
         let mut last_residual = head_mut(&mut act.last_residual, rows * h, "last_residual")?;
         gather_rows::<bf16>(
             gpu,
@@ -253,28 +344,20 @@ impl Step<'_> {
             gpu,
             &head(&act.last_proj, rows * h, "last_proj")?,
             &mut last_residual,
-            &model.norm.as_view(),
+            &self.model.norm.as_view(),
             eps,
             &mut head_mut(&mut act.last_normed, rows * h, "last_normed")?,
         )?;
-        if tail == Tail::Hidden {
-            let hidden = &mut readback.hidden;
-            gpu.stream()
-                .memcpy_dtoh(&head(&act.last_normed, rows * h, "last_normed")?, hidden)
-                .map_err(driver_error("cuMemcpyDtoHAsync"))?;
-            // Waits for the copy, and so for the step: kernels' own errors surface here.
-            let values = hidden
-                .as_slice()
-                .map_err(driver_error("cuEventSynchronize"))?;
-            gpu.synchronize()?;
-            return Ok(TailOut {
-                rows: values[..rows * h].iter().map(|&x| f32::from(x)).collect(),
-                tokens: Vec::new(),
-            });
-        }
-        let lm_head = model.lm_head();
+        Ok(())
+    }
+
+    /// f32 logits of the first `rows` normed rows.
+    pub fn lm_head(&mut self, rows: usize) -> Result<(), Failure> {
+        let (h, vocab) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        let act = &mut *self.act;
+        let lm_head = self.model.lm_head();
         gemm_bf16_f32out(
-            gpu,
+            self.gpu,
             &head(&act.last_normed, rows * h, "last_normed")?,
             &lm_head.view(),
             GemmShape {
@@ -284,121 +367,161 @@ impl Step<'_> {
             },
             &mut head_mut(&mut act.logits, rows * vocab, "logits")?,
         )?;
-        if step.masks_at.iter().any(|&m| m >= 0) {
-            // A grammar's rows are masked in place first: everything after (logprobs, edits,
-            // the draw) reads the masked row, as the host sampler does.
-            let words = masks.upload(gpu, step)?;
-            mask_rows::<f32>(
-                gpu,
-                &mut head_mut(&mut act.logits, rows * vocab, "logits")?,
-                &views.masks_at,
-                &words,
-                step.mask_words,
-                vocab,
-            )?;
-        }
-        let draws = step.num_draws();
-        if draws > 0 {
-            if !step.edits.is_empty() {
-                let edits = edits.upload(gpu, step)?;
-                adjust_rows::<f32>(
-                    gpu,
-                    &head(&act.logits, rows * vocab, "logits")?,
-                    &RowEdits {
-                        offsets: again(&views.edit_offsets),
-                        edits,
-                        penalties: again(&views.row_penalties),
-                    },
-                    vocab,
-                    &mut head_mut(&mut act.adjusted, rows * vocab, "adjusted")?,
-                )?;
-            }
-            draw::<f32>(
+        Ok(())
+    }
+}
+
+/// After the forward: the step's own sampled rows (`step.sample_rows.len()`, the first rows
+/// of `last_normed` and `logits`) masked, adjusted and drawn, and what goes back to the host
+/// copied to pinned memory; waits for the stream and reads it. Runs eagerly after a replay
+/// as after an eager forward: its launches depend on the step's sampling parameters.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sample_tail(
+    gpu: &GpuContext,
+    cfg: &Qwen2Config,
+    act: &mut Activations,
+    readback: &mut Readback,
+    edits: &mut EditBuffers,
+    masks: &mut MaskBuffers,
+    views: &StepViews<'_>,
+    step: &PackedStep,
+    tail: Tail,
+) -> Result<TailOut, Failure> {
+    let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
+    let rows = step.sample_rows.len();
+    if rows == 0 {
+        gpu.synchronize()?;
+        return Ok(TailOut::default());
+    }
+    if tail == Tail::Hidden {
+        let hidden = &mut readback.hidden;
+        gpu.stream()
+            .memcpy_dtoh(&head(&act.last_normed, rows * h, "last_normed")?, hidden)
+            .map_err(driver_error("cuMemcpyDtoHAsync"))?;
+        // Waits for the copy, and so for the step: kernels' own errors surface here.
+        let values = hidden
+            .as_slice()
+            .map_err(driver_error("cuEventSynchronize"))?;
+        gpu.synchronize()?;
+        return Ok(TailOut {
+            rows: values[..rows * h].iter().map(|&x| f32::from(x)).collect(),
+            tokens: Vec::new(),
+        });
+    }
+    if step.masks_at.iter().any(|&m| m >= 0) {
+        // A grammar's rows are masked in place first: everything after (logprobs, edits,
+        // the draw) reads the masked row, as the host sampler does.
+        let words = masks.upload(gpu, step)?;
+        mask_rows::<f32>(
+            gpu,
+            &mut head_mut(&mut act.logits, rows * vocab, "logits")?,
+            &views.masks_at,
+            &words,
+            step.mask_words,
+            vocab,
+        )?;
+    }
+    let draws = step.num_draws();
+    if draws > 0 {
+        if !step.edits.is_empty() {
+            let edits = edits.upload(gpu, step)?;
+            adjust_rows::<f32>(
                 gpu,
                 &head(&act.logits, rows * vocab, "logits")?,
-                &head(&act.adjusted, rows * vocab, "adjusted")?,
-                &views.edit_offsets,
-                &views.draw_params,
-                &views.draw_modes,
-                vocab,
-                &mut head_mut(&mut act.row_scratch, rows * vocab, "row_scratch")?,
-                &mut head_mut(&mut act.drawn_ids, rows, "drawn_ids")?,
-                &mut head_mut(&mut act.drawn_logprobs, rows, "drawn_logprobs")?,
-                TopLogprobs {
-                    tops: &views.tops,
-                    ids: &mut head_mut(&mut act.top_ids, rows * MAX_TOP_LOGPROBS, "top_ids")?,
-                    logprobs: &mut head_mut(
-                        &mut act.top_logprobs,
-                        rows * MAX_TOP_LOGPROBS,
-                        "top_logprobs",
-                    )?,
-                    ranks: &mut head_mut(&mut act.ranks, rows, "ranks")?,
+                &RowEdits {
+                    offsets: again(&views.edit_offsets),
+                    edits,
+                    penalties: again(&views.row_penalties),
                 },
+                vocab,
+                &mut head_mut(&mut act.adjusted, rows * vocab, "adjusted")?,
             )?;
+        }
+        draw::<f32>(
+            gpu,
+            &head(&act.logits, rows * vocab, "logits")?,
+            &head(&act.adjusted, rows * vocab, "adjusted")?,
+            &views.edit_offsets,
+            &views.draw_params,
+            &views.draw_modes,
+            vocab,
+            &mut head_mut(&mut act.row_scratch, rows * vocab, "row_scratch")?,
+            &mut head_mut(&mut act.drawn_ids, rows, "drawn_ids")?,
+            &mut head_mut(&mut act.drawn_logprobs, rows, "drawn_logprobs")?,
+            TopLogprobs {
+                tops: &views.tops,
+                ids: &mut head_mut(&mut act.top_ids, rows * MAX_TOP_LOGPROBS, "top_ids")?,
+                logprobs: &mut head_mut(
+                    &mut act.top_logprobs,
+                    rows * MAX_TOP_LOGPROBS,
+                    "top_logprobs",
+                )?,
+                ranks: &mut head_mut(&mut act.ranks, rows, "ranks")?,
+            },
+        )?;
+        gpu.stream()
+            .memcpy_dtoh(&head(&act.drawn_ids, rows, "drawn_ids")?, &mut readback.ids)
+            .map_err(driver_error("cuMemcpyDtoHAsync"))?;
+        gpu.stream()
+            .memcpy_dtoh(
+                &head(&act.drawn_logprobs, rows, "drawn_logprobs")?,
+                &mut readback.logprobs,
+            )
+            .map_err(driver_error("cuMemcpyDtoHAsync"))?;
+        if step.tops.iter().any(|&t| t >= 0) {
+            let slots = rows * MAX_TOP_LOGPROBS;
             gpu.stream()
-                .memcpy_dtoh(&head(&act.drawn_ids, rows, "drawn_ids")?, &mut readback.ids)
+                .memcpy_dtoh(
+                    &head(&act.top_ids, slots, "top_ids")?,
+                    &mut readback.top_ids,
+                )
                 .map_err(driver_error("cuMemcpyDtoHAsync"))?;
             gpu.stream()
                 .memcpy_dtoh(
-                    &head(&act.drawn_logprobs, rows, "drawn_logprobs")?,
-                    &mut readback.logprobs,
+                    &head(&act.top_logprobs, slots, "top_logprobs")?,
+                    &mut readback.top_logprobs,
                 )
                 .map_err(driver_error("cuMemcpyDtoHAsync"))?;
-            if step.tops.iter().any(|&t| t >= 0) {
-                let slots = rows * MAX_TOP_LOGPROBS;
-                gpu.stream()
-                    .memcpy_dtoh(
-                        &head(&act.top_ids, slots, "top_ids")?,
-                        &mut readback.top_ids,
-                    )
-                    .map_err(driver_error("cuMemcpyDtoHAsync"))?;
-                gpu.stream()
-                    .memcpy_dtoh(
-                        &head(&act.top_logprobs, slots, "top_logprobs")?,
-                        &mut readback.top_logprobs,
-                    )
-                    .map_err(driver_error("cuMemcpyDtoHAsync"))?;
-                gpu.stream()
-                    .memcpy_dtoh(&head(&act.ranks, rows, "ranks")?, &mut readback.ranks)
-                    .map_err(driver_error("cuMemcpyDtoHAsync"))?;
-            }
-        }
-        let host = step.host_rows.len();
-        if host > 0 {
-            // Only the rows the engine samples itself cross the bus: all of them as they are,
-            // or gathered to the front of the scratch (the draw is done with it: same stream).
-            let source = if host == rows {
-                head(&act.logits, rows * vocab, "logits")?
-            } else {
-                gather_rows::<f32>(
-                    gpu,
-                    &head(&act.logits, rows * vocab, "logits")?,
-                    &views.host_rows,
-                    vocab,
-                    &mut head_mut(&mut act.row_scratch, host * vocab, "row_scratch")?,
-                )?;
-                head(&act.row_scratch, host * vocab, "row_scratch")?
-            };
             gpu.stream()
-                .memcpy_dtoh(&source, &mut readback.logits)
+                .memcpy_dtoh(&head(&act.ranks, rows, "ranks")?, &mut readback.ranks)
                 .map_err(driver_error("cuMemcpyDtoHAsync"))?;
         }
-        // Every copy above was recorded on the stream; waiting for the stream covers them and
-        // surfaces the kernels' own errors as this step's.
-        gpu.synchronize()?;
-        let mut out = TailOut::default();
-        if host > 0 {
-            let values = readback
-                .logits
-                .as_slice()
-                .map_err(driver_error("cuEventSynchronize"))?;
-            out.rows = values[..host * vocab].to_vec();
-        }
-        if draws > 0 {
-            out.tokens = drawn_tokens(step, readback)?;
-        }
-        Ok(out)
     }
+    let host = step.host_rows.len();
+    if host > 0 {
+        // Only the rows the engine samples itself cross the bus: all of them as they are,
+        // or gathered to the front of the scratch (the draw is done with it: same stream).
+        let source = if host == rows {
+            head(&act.logits, rows * vocab, "logits")?
+        } else {
+            gather_rows::<f32>(
+                gpu,
+                &head(&act.logits, rows * vocab, "logits")?,
+                &views.host_rows,
+                vocab,
+                &mut head_mut(&mut act.row_scratch, host * vocab, "row_scratch")?,
+            )?;
+            head(&act.row_scratch, host * vocab, "row_scratch")?
+        };
+        gpu.stream()
+            .memcpy_dtoh(&source, &mut readback.logits)
+            .map_err(driver_error("cuMemcpyDtoHAsync"))?;
+    }
+    // Every copy above was recorded on the stream; waiting for the stream covers them and
+    // surfaces the kernels' own errors as this step's.
+    gpu.synchronize()?;
+    let mut out = TailOut::default();
+    if host > 0 {
+        let values = readback
+            .logits
+            .as_slice()
+            .map_err(driver_error("cuEventSynchronize"))?;
+        out.rows = values[..host * vocab].to_vec();
+    }
+    if draws > 0 {
+        out.tokens = drawn_tokens(step, readback)?;
+    }
+    Ok(out)
 }
 
 /// The drawn rows' tokens from the pinned readback (the step's copies are complete), with
@@ -466,9 +589,18 @@ fn again<'a, T>(v: &CudaView<'a, T>) -> CudaView<'a, T> {
 }
 
 /// Launcher errors keep their type until the step maps them with its device.
-enum Failure {
+pub(crate) enum Failure {
     Cuda(novainfer_cuda::CudaError),
     Model(crate::error::ModelError),
+}
+
+impl Failure {
+    pub fn into_model(self, device: Device) -> crate::error::ModelError {
+        match self {
+            Failure::Cuda(e) => cuda_error(device, e),
+            Failure::Model(e) => e,
+        }
+    }
 }
 
 impl From<novainfer_cuda::CudaError> for Failure {

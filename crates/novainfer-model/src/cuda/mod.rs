@@ -14,6 +14,7 @@
 mod buffers;
 mod executor;
 mod forward;
+mod graphs;
 mod weights;
 
 use novainfer_cuda::CudaError;

@@ -6,10 +6,13 @@
 //!   block raw GGUF bytes or bf16, and their host assembly (the device's layout).
 //! * [`reader`]: the checkpoint read layer by layer with the CPU builder's name and shape
 //!   checks, into those matrices.
+//! * [`graph`]: CUDA graphs for decode on the host's side: buckets, routing, padding and
+//!   the order of a replayed step.
 //! * [`step`]: one [`ForwardBatch`](crate::ForwardBatch) turned into the flat arrays the
 //!   kernels read, validated against the pool, the RoPE table and the buffers.
 
 pub mod dequant;
+pub mod graph;
 pub mod matrix;
 pub mod reader;
 pub mod step;

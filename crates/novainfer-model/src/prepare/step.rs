@@ -31,7 +31,7 @@ pub struct StepCapacity {
 
 /// A step as the kernels read it. Sequences with no tokens in this step are left out: they
 /// attend to nothing and produce no row.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct PackedStep {
     pub token_ids: Vec<u32>,
     pub positions: Vec<i32>,

@@ -1,0 +1,188 @@
+//! CUDA graphs for decode against the eager forward, on the tiny bf16 model (skips without a
+//! GPU; fails under NOVAINFER_REQUIRE_GPU, as `scripts/gpu-test run` sets):
+//!
+//! * batch 1: a replayed step runs the eager step's launches over the same rows, so its
+//!   logits are the eager ones bit for bit;
+//! * 3 sequences (padded to bucket 4) and 64 (bucket 64): the same greedy tokens, and logits
+//!   within bf16 noise (the GEMMs run over the bucket's rows, and cuBLAS may sum a row
+//!   differently for another row count; see `ops::gemm`);
+//! * with graphs on, each of 64 requests decodes the same greedy tokens alone as in the batch.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Tensor};
+use common::weights;
+use novainfer_cuda::gpu_test::{when_unavailable_from_env, WhenUnavailable};
+use novainfer_model::{
+    load_weights, Checkpoint, CudaGraphs, Device, Executor, ForwardBatch, LoadOptions, ModelError,
+    Qwen2Config, StepLimits,
+};
+
+const LIMITS: StepLimits = StepLimits {
+    max_num_batched_tokens: 512,
+    max_num_seqs: 64,
+    max_seq_len: 64,
+};
+const BLOCK_SIZE: usize = 4;
+/// Blocks a sequence owns: positions 0..16.
+const PER_SEQ: usize = 4;
+const NUM_BLOCKS: usize = 64 * PER_SEQ;
+const DECODE_STEPS: usize = 6;
+
+fn write_checkpoint(dir: &Path, cfg: &Qwen2Config) {
+    let w: HashMap<String, Tensor> = weights(cfg)
+        .into_iter()
+        .map(|(k, t)| (k, t.to_dtype(DType::BF16).expect("bf16")))
+        .collect();
+    candle_core::safetensors::save(&w, dir.join("model.safetensors")).expect("safetensors");
+    let config = serde_json::json!({
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "torch_dtype": "bfloat16",
+        "eos_token_id": 1,
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).expect("config.json");
+}
+
+fn load(dir: &Path, graphs: CudaGraphs) -> Result<Box<dyn Executor>, ModelError> {
+    let opts = LoadOptions {
+        cuda_graphs: graphs,
+        ..LoadOptions::default()
+    };
+    load_weights(Device::Cuda(0), Checkpoint::open(dir)?, &opts, LIMITS)?
+        .into_executor(NUM_BLOCKS, BLOCK_SIZE)
+}
+
+/// The eager and the graph executor, or `None` (skipped) without a GPU.
+fn executors(dir: &Path) -> Option<(Box<dyn Executor>, Box<dyn Executor>)> {
+    let why = match novainfer_model::cuda::probe(0) {
+        Err(why) => why,
+        Ok(()) => {
+            let eager = load(dir, CudaGraphs::Eager).expect("eager executor");
+            let graphs = load(dir, CudaGraphs::Captured).expect("graph executor (capture)");
+            return Some((eager, graphs));
+        }
+    };
+    match when_unavailable_from_env() {
+        WhenUnavailable::Skip => {
+            println!("cuda_graphs: skipped: no CUDA device ({why})");
+            None
+        }
+        WhenUnavailable::Fail => panic!("NOVAINFER_REQUIRE_GPU is set but no CUDA device: {why}"),
+    }
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Sequence `seq`'s block table and the slots of `positions`.
+fn table(seq: usize) -> Vec<u32> {
+    (0..PER_SEQ).map(|b| (seq * PER_SEQ + b) as u32).collect()
+}
+
+fn slots(table: &[u32], positions: std::ops::Range<usize>) -> Vec<usize> {
+    positions
+        .map(|p| table[p / BLOCK_SIZE] as usize * BLOCK_SIZE + p % BLOCK_SIZE)
+        .collect()
+}
+
+fn prompt(seq: usize, vocab: usize) -> Vec<u32> {
+    (0..3 + seq % 4)
+        .map(|i| ((seq * 7 + i * 13 + 2) % vocab) as u32)
+        .collect()
+}
+
+/// Greedy decoding of sequences `seqs` together: the prefill, then [`DECODE_STEPS`] decode
+/// steps (the ones a graph replays). Returns each sequence's tokens and each decode step's
+/// logits.
+fn generate(ex: &mut dyn Executor, seqs: &[usize]) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
+    let vocab = ex.config().vocab_size;
+    let prompts: Vec<Vec<u32>> = seqs.iter().map(|&s| prompt(s, vocab)).collect();
+    let mut batch = ForwardBatch::default();
+    for (&s, p) in seqs.iter().zip(&prompts) {
+        batch.push(p, 0, slots(&table(s), 0..p.len()), table(s), true);
+    }
+    let logits = ex.forward(&batch).expect("prefill").logits;
+    let mut tokens: Vec<Vec<u32>> = logits.chunks(vocab).map(|r| vec![argmax(r)]).collect();
+    let mut steps = Vec::new();
+    for step in 0..DECODE_STEPS {
+        let mut batch = ForwardBatch::default();
+        for ((&s, p), t) in seqs.iter().zip(&prompts).zip(&tokens) {
+            let pos = p.len() + step;
+            batch.push(
+                &[t[step]],
+                pos,
+                slots(&table(s), pos..pos + 1),
+                table(s),
+                true,
+            );
+        }
+        let logits = ex.forward(&batch).expect("decode").logits;
+        for (t, row) in tokens.iter_mut().zip(logits.chunks(vocab)) {
+            t.push(argmax(row));
+        }
+        steps.push(logits);
+    }
+    (tokens, steps)
+}
+
+#[test]
+fn graphs_match_the_eager_forward_and_batching_changes_no_token() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = common::config_hd64(false);
+    write_checkpoint(dir.path(), &cfg);
+    let Some((mut eager, mut graphs)) = executors(dir.path()) else {
+        return;
+    };
+    for n in [1usize, 3, 64] {
+        let seqs: Vec<usize> = (0..n).collect();
+        let (want_tokens, want_logits) = generate(eager.as_mut(), &seqs);
+        let (got_tokens, got_logits) = generate(graphs.as_mut(), &seqs);
+        assert_eq!(got_tokens, want_tokens, "{n} sequences: greedy tokens");
+        for (step, (got, want)) in got_logits.iter().zip(&want_logits).enumerate() {
+            if n == 1 {
+                assert_eq!(got, want, "batch 1, step {step}: bit for bit");
+            } else {
+                let worst = got
+                    .iter()
+                    .zip(want)
+                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0);
+                assert!(
+                    worst <= 2e-2 * scale,
+                    "{n} sequences, step {step}: logits differ by {worst} (scale {scale})"
+                );
+            }
+        }
+    }
+    let all: Vec<usize> = (0..64).collect();
+    let (together, _) = generate(graphs.as_mut(), &all);
+    for s in all {
+        let (alone, _) = generate(graphs.as_mut(), &[s]);
+        assert_eq!(
+            alone[0], together[s],
+            "sequence {s}: alone vs in a batch of 64"
+        );
+    }
+}
