@@ -210,7 +210,7 @@ fn app_state(args: &ServeArgs, models: Models) -> AppState {
         timeout: args.timeout(),
         keep_alive: Duration::from_secs_f64(args.keep_alive),
         max_body_bytes: args.max_body_bytes,
-        durations: state::Durations::of(&args),
+        durations: state::Durations::of(args),
         allowed_hosts: (!args.allowed_hosts.is_empty()).then(|| {
             args.allowed_hosts
                 .iter()
