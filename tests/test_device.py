@@ -54,6 +54,14 @@ def test_explicit_cpu_runs_on_the_cpu_with_the_same_tokens(tiny_models, tiny_llm
     assert llm.generate(PROMPT, params)[0].outputs[0].token_ids == tiny_llm.generate(PROMPT, params)[0].outputs[0].token_ids
 
 
+def test_enforce_eager_is_accepted_and_changes_nothing_on_the_cpu(tiny_models, tiny_llm, monkeypatch):
+    # CUDA graphs are a GPU executor's matter; on the CPU the option (and the graphs switch) has no effect.
+    monkeypatch.setenv("NOVAINFER_CUDA_GRAPHS", "1")
+    llm = LLM(tiny_models["f32"], device="cpu", kv_cache_bytes=1 << 22, enforce_eager=True)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    assert llm.generate(PROMPT, params)[0].outputs[0].token_ids == tiny_llm.generate(PROMPT, params)[0].outputs[0].token_ids
+
+
 @pytest.mark.parametrize("device", ["tpu", "cuda:", "cuda:-1", "gpu:1", ""])
 def test_unknown_device_names_the_parameter(tiny_models, device):
     with pytest.raises(InvalidParameterError) as info:
