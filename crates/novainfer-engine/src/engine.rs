@@ -356,7 +356,7 @@ impl Frontend {
     /// cannot compile is an `InvalidParameter` on `structured_outputs` naming the problem.
     /// Compiling can take a while for a large schema the first time: callers run it on their
     /// own thread (the engine thread only clones the result).
-    pub fn compile_structured(
+    pub(crate) fn compile_structured(
         &self,
         params: &SamplingParams,
     ) -> Result<Option<Arc<CompiledGrammar>>> {

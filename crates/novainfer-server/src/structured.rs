@@ -1,7 +1,7 @@
 //! `response_format` (OpenAI) and `structured_outputs` (vLLM) → the engine's
 //! [`StructuredOutput`]. At most one constraint per request: two forms that both constrain are
-//! a 400 naming them. Whether a schema/regex/grammar compiles is checked when the request is
-//! submitted (`Frontend::compile_structured`), still before anything runs.
+//! a 400 naming them. Whether a schema/regex/grammar compiles is checked with the prompt on the
+//! tokenizing thread (`Frontend::check_request`), still before anything runs.
 
 use novainfer_core::StructuredOutput;
 use serde_json::{Map, Value};
