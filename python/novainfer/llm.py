@@ -246,7 +246,8 @@ class LLM:
 
     def stats(self) -> dict[str, int | float]:
         """Engine counters: running/waiting requests, preemptions, KV blocks used/free and their high-water
-        mark, the pool's size in bytes (`kv_pool_bytes`, `kv_bytes_per_block`), prefix-cache queries and hit
+        mark, the pool's size in bytes (`kv_pool_bytes`, `kv_bytes_per_block`; with a draft model both models' KV, which
+        share the blocks), prefix-cache queries and hit
         tokens, prompt tokens computed, tokens generated, steps, and seconds spent stepping. With speculative
         decoding: drafts verified (`num_drafts`), their tokens (`num_draft_tokens`), those confirmed
         (`num_accepted_tokens`), `spec_acceptance_rate` (confirmed / drafted) and `spec_mean_acceptance_length`

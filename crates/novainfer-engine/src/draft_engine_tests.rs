@@ -103,3 +103,14 @@ fn a_self_drafting_model_has_every_draft_accepted_through_preemptions() {
     assert_eq!(stats.num_accepted_tokens, stats.num_draft_tokens);
     assert_eq!(stats.kv.num_used_blocks, 0, "a block leaked");
 }
+
+#[test]
+fn the_kv_stats_count_the_drafts_half_of_each_block() {
+    let (plain, _) = engine(false);
+    let (drafting, _) = engine(true);
+    let (alone, both) = (plain.stats(), drafting.stats());
+    // The draft here is the target's twin, so a shared block holds twice the bytes.
+    assert!(alone.kv_bytes_per_block > 0);
+    assert_eq!(both.kv_bytes_per_block, 2 * alone.kv_bytes_per_block);
+    assert_eq!(both.kv_pool_bytes, 2 * alone.kv_pool_bytes);
+}

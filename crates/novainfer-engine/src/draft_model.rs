@@ -134,6 +134,16 @@ impl DraftModel {
         self.runner.config()
     }
 
+    /// Bytes of the draft's KV pool, and of one of its blocks: the draft's half of the shared
+    /// blocks ([`crate::engine_core::EngineStats`] counts both models').
+    pub fn kv_pool_bytes(&self) -> usize {
+        self.runner.kv_pool_bytes()
+    }
+
+    pub fn kv_bytes_per_block(&self) -> usize {
+        self.runner.kv_bytes_per_block()
+    }
+
     /// The tokens of `request` the draft model has yet to read beyond [`STEADY_FEED`] before
     /// it can draft for it: what drafting for it now would cost in catch-up.
     pub fn catch_up(&self, request: &Request) -> usize {

@@ -30,6 +30,7 @@ use crate::model_runner::DeviceDraws;
 use novainfer_structured::Constraint;
 
 use crate::checked::CheckedRequest;
+use crate::draft_model::DraftModel;
 use crate::engine::{Frontend, LoadedEngine};
 use crate::error::{EngineError, Result};
 use crate::model_runner::ModelRunner;
@@ -57,7 +58,8 @@ pub struct EngineStats {
     pub num_waiting_by_priority: Vec<(i32, usize)>,
     pub num_preemptions: u64,
     pub kv: KvCacheStats,
-    /// Bytes of the KV pool, and of one of its blocks (cells in the SLOT layout).
+    /// Bytes of the KV pool, and of one of its blocks (cells in the SLOT layout); with a draft
+    /// model both models' (a block holds the draft's KV too).
     pub kv_pool_bytes: usize,
     pub kv_bytes_per_block: usize,
     /// Weight bytes a decode step reads (`None` where the device does not say).
@@ -113,9 +115,11 @@ impl EngineCore {
         let runner = ModelRunner::new(loaded.executor);
         let backend = runner.capabilities();
         let target = runner.config().clone();
+        let draft = loaded.draft.as_ref();
         let stats = EngineStats {
-            kv_pool_bytes: runner.kv_pool_bytes(),
-            kv_bytes_per_block: runner.kv_bytes_per_block(),
+            kv_pool_bytes: runner.kv_pool_bytes() + draft.map_or(0, DraftModel::kv_pool_bytes),
+            kv_bytes_per_block: runner.kv_bytes_per_block()
+                + draft.map_or(0, DraftModel::kv_bytes_per_block),
             weight_bytes_per_token: runner.weight_bytes_per_token(),
             ..EngineStats::default()
         };
