@@ -39,7 +39,7 @@ use crate::config::Qwen2Config;
 use crate::device::Device;
 use crate::error::Result;
 use crate::forward_batch::DrawnToken;
-use crate::prepare::PackedStep;
+use crate::prepare::{MixedSteps, PackedStep, StepAttention};
 
 /// What a step returns for its sampled rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,13 +112,21 @@ impl Step<'_> {
             return Ok(TailOut::default());
         }
         let views = meta.upload(gpu, step)?;
-        let attention = if step.decode_only {
-            Attention::Decode {
-                max_seq_len: step.max_seq_len,
-                choose_for: step.max_seq_len,
-            }
-        } else {
-            Attention::Prefill
+        let attention = match step.attention(MixedSteps::from_env()?) {
+            StepAttention::Decode { max_seq_len } => Attention::Decode {
+                max_seq_len,
+                choose_for: max_seq_len,
+            },
+            StepAttention::Prefill => Attention::Prefill,
+            StepAttention::Mixed {
+                prefill_seqs,
+                prefill_tokens,
+                decode_max_seq_len,
+            } => Attention::Mixed {
+                prefill_seqs,
+                prefill_tokens,
+                max_seq_len: decode_max_seq_len,
+            },
         };
         let rows = step.sample_rows.len();
         let mut body = Body {
@@ -155,6 +163,14 @@ pub(crate) enum Attention {
     Decode {
         max_seq_len: usize,
         choose_for: usize,
+    },
+    /// The first `prefill_seqs` sequences (rows `0..prefill_tokens`) through the prefill
+    /// kernel, the rest (one row each, histories up to `max_seq_len`) through the decode
+    /// kernel ([`crate::prepare::PackedStep::prefill_seqs`] orders them so).
+    Mixed {
+        prefill_seqs: usize,
+        prefill_tokens: usize,
+        max_seq_len: usize,
     },
 }
 
@@ -284,6 +300,46 @@ impl Body<'_> {
                         &views.query_start_loc,
                         &views.positions,
                         &mut out,
+                    )?;
+                }
+                Attention::Mixed {
+                    prefill_seqs: sp,
+                    prefill_tokens: p,
+                    max_seq_len,
+                } => {
+                    // Contiguous runs of the same arrays: the chunks' sequences and rows
+                    // first, the decodes' after (query_start_loc[..=sp] starts at 0).
+                    let width = views.max_blocks_per_seq;
+                    let part = |seqs: std::ops::Range<usize>| PagedKv {
+                        k_cache: paged.k_cache.slice(..),
+                        v_cache: paged.v_cache.slice(..),
+                        block_tables: paged
+                            .block_tables
+                            .slice(seqs.start * width..seqs.end * width),
+                        seq_lens: paged.seq_lens.slice(seqs),
+                    };
+                    let s = paged.seq_lens.len();
+                    let (chunks, decodes) = (part(0..sp), part(sp..s));
+                    prefill_attention(
+                        gpu,
+                        prefill_kernel,
+                        &attn_cfg,
+                        &q.slice(..p * q_dim),
+                        chunks,
+                        &views.query_start_loc.slice(..=sp),
+                        &views.positions.slice(..p),
+                        &mut out.slice_mut(..p * q_dim),
+                    )?;
+                    let kernel = decode_kernel_for(gpu, &attn_cfg, &decodes, max_seq_len);
+                    paged_attention_decode_with::<bf16>(
+                        gpu,
+                        kernel,
+                        &attn_cfg,
+                        &q.slice(p * q_dim..),
+                        decodes,
+                        max_seq_len,
+                        scratch,
+                        &mut out.slice_mut(p * q_dim..),
                     )?;
                 }
             }

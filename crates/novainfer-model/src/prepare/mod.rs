@@ -20,4 +20,4 @@ pub mod step;
 pub use dequant::{dequantize_bf16, GpuQuant};
 pub use matrix::{HostMatrix, MatrixPart, PartData};
 pub use reader::{HostLayer, HostModelReader};
-pub use step::{write_edits, PackedStep, StepCapacity, StepLayout};
+pub use step::{write_edits, MixedSteps, PackedStep, StepAttention, StepCapacity, StepLayout};

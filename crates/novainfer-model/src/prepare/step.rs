@@ -67,6 +67,12 @@ pub struct PackedStep {
     pub mask_words: usize,
     /// Every sequence has exactly one query token: the decode kernel applies.
     pub decode_only: bool,
+    /// Sequences are ordered by kind: the first `prefill_seqs` have more than one query token
+    /// (prompt chunks, tokens `0..query_start_loc[prefill_seqs]`), the rest one each (decodes),
+    /// so a mixed step can run the prefill kernel over the first run and the decode kernel over
+    /// the second ([`Self::attention`]). Rows are permuted with their sequences; `sample_rows`
+    /// point at the moved rows and keep `batch.seqs` order.
+    pub prefill_seqs: usize,
     /// The longest `seq_lens` entry.
     pub max_seq_len: usize,
 }
@@ -131,7 +137,14 @@ impl PackedStep {
             })
             .collect::<Result<Vec<i64>>>()?;
 
-        let spans: Vec<_> = batch.seqs.iter().filter(|s| s.query_len > 0).collect();
+        // Prompt chunks first, then single-token spans, each kind in batch order.
+        let (mut spans, decodes): (Vec<_>, Vec<_>) = batch
+            .seqs
+            .iter()
+            .filter(|s| s.query_len > 0)
+            .partition(|s| s.query_len > 1);
+        let prefill_seqs = spans.len();
+        spans.extend(decodes);
         if spans.len() > cap.max_seqs {
             return Err(bad(
                 "forward_batch",
@@ -147,6 +160,8 @@ impl PackedStep {
         let mut seq_lens = Vec::with_capacity(spans.len());
         let mut query_start_loc = Vec::with_capacity(spans.len() + 1);
         query_start_loc.push(0);
+        // New row → the batch's row.
+        let mut row_order = Vec::with_capacity(n);
         for (s, span) in spans.iter().enumerate() {
             let range = span.query_start..span.query_start + span.query_len;
             // The last position bounds what attention reads; the CPU checked it against
@@ -180,10 +195,17 @@ impl PackedStep {
                 }
                 block_tables[s * width + b] = id as i32;
             }
-            // `reach` ≤ rope_positions and `range.end` ≤ max_tokens, both checked to fit i32.
+            // `reach` ≤ rope_positions and the rows ≤ max_tokens, both checked to fit i32.
             seq_lens.push(reach as i32);
-            query_start_loc.push(range.end as i32);
+            row_order.extend(range);
+            query_start_loc.push(row_order.len() as i32);
         }
+        // Where each of the batch's rows went.
+        let mut moved_to = vec![0usize; n];
+        for (new, &old) in row_order.iter().enumerate() {
+            moved_to[old] = new;
+        }
+
         let Draws {
             modes: draw_modes,
             params: draw_params,
@@ -209,15 +231,20 @@ impl PackedStep {
             masks_at,
             masks,
             mask_words: cap.vocab_size.div_ceil(32),
-            token_ids: batch.token_ids.clone(),
-            positions,
-            slot_mapping,
+            token_ids: permuted(&batch.token_ids, &row_order),
+            positions: permuted(&positions, &row_order),
+            slot_mapping: permuted(&slot_mapping, &row_order),
             block_tables,
-            decode_only: !spans.is_empty() && spans.iter().all(|s| s.query_len == 1),
+            decode_only: !spans.is_empty() && prefill_seqs == 0,
+            prefill_seqs,
             max_seq_len: seq_lens.iter().copied().max().unwrap_or(0) as usize,
             seq_lens,
             query_start_loc,
-            sample_rows: batch.logits_indices().iter().map(|&r| r as i32).collect(),
+            sample_rows: batch
+                .logits_indices()
+                .iter()
+                .map(|&r| moved_to[r] as i32)
+                .collect(),
         })
     }
 }
@@ -335,7 +362,90 @@ impl Draws {
     }
 }
 
+/// `values` in `order` (an index per output).
+fn permuted<T: Copy>(values: &[T], order: &[usize]) -> Vec<T> {
+    order.iter().map(|&r| values[r]).collect()
+}
+
+/// Environment variable choosing how a step with both prompt chunks and decodes attends
+/// ([`MixedSteps`]).
+pub const MIXED_STEPS_ENV: &str = "NOVAINFER_CUDA_MIXED";
+
+/// How a step mixing prompt chunks and single-token decodes runs its attention.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum MixedSteps {
+    /// The prefill kernel over the chunks, the decode kernel over the decodes (as vLLM's
+    /// backends split a mixed batch): a decode in the prefill kernel fills one query row of
+    /// a tile meant for many, and reads its whole history without the decode kernel's split.
+    #[default]
+    Split,
+    /// Every sequence through the prefill kernel (the behaviour before the split; kept to
+    /// rule the split out when a GPU result looks wrong).
+    Prefill,
+}
+
+impl MixedSteps {
+    pub fn parse(value: &str) -> Result<Self> {
+        match value {
+            "" | "split" => Ok(Self::Split),
+            "prefill" => Ok(Self::Prefill),
+            other => Err(bad(
+                MIXED_STEPS_ENV,
+                format!("`{other}` is not `split` or `prefill`"),
+            )),
+        }
+    }
+
+    /// The choice [`MIXED_STEPS_ENV`] names (read once per process).
+    pub fn from_env() -> Result<Self> {
+        static CHOICE: std::sync::OnceLock<std::result::Result<MixedSteps, String>> =
+            std::sync::OnceLock::new();
+        CHOICE
+            .get_or_init(|| {
+                let value = std::env::var(MIXED_STEPS_ENV).unwrap_or_default();
+                Self::parse(&value).map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(|why| bad(MIXED_STEPS_ENV, why))
+    }
+}
+
+/// Which attention kernels a step runs, over which of its sequences.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepAttention {
+    /// One query token per sequence; histories up to `max_seq_len`.
+    Decode { max_seq_len: usize },
+    /// Every sequence through the prefill kernel.
+    Prefill,
+    /// The first `prefill_seqs` sequences (rows `0..prefill_tokens`) through the prefill
+    /// kernel; the others, a row each from `prefill_tokens` on, through the decode kernel
+    /// over histories up to `decode_max_seq_len`.
+    Mixed {
+        prefill_seqs: usize,
+        prefill_tokens: usize,
+        decode_max_seq_len: usize,
+    },
+}
+
 impl PackedStep {
+    /// How this step attends, `mixed` deciding for steps with both kinds of sequences.
+    pub fn attention(&self, mixed: MixedSteps) -> StepAttention {
+        let split = self.prefill_seqs;
+        if self.decode_only {
+            return StepAttention::Decode {
+                max_seq_len: self.max_seq_len,
+            };
+        }
+        if mixed == MixedSteps::Prefill || split == 0 || split >= self.num_seqs() {
+            return StepAttention::Prefill;
+        }
+        StepAttention::Mixed {
+            prefill_seqs: split,
+            prefill_tokens: self.query_start_loc[split] as usize,
+            decode_max_seq_len: self.seq_lens[split..].iter().copied().max().unwrap_or(0) as usize,
+        }
+    }
+
     /// Sampled rows the device draws itself.
     pub fn num_draws(&self) -> usize {
         self.draw_modes.len() - self.host_rows.len()
@@ -583,6 +693,106 @@ mod tests {
         assert_eq!(p.sample_rows, [0, 1]);
     }
 
+    /// Random mixes of decodes, prompt chunks, unsampled chunks and empty spans: the packed
+    /// step lists the chunks first and the decodes after, each sequence keeps its own rows
+    /// (tokens, positions, slots), block table and history, and every sampled row still
+    /// names the token the batch's `logits_indices` named, in the batch's order.
+    #[test]
+    fn mixed_steps_put_prompt_chunks_before_decodes_and_keep_every_row() {
+        use rand::{RngExt, SeedableRng};
+        let cap = StepCapacity {
+            max_tokens: 64,
+            max_seqs: 8,
+            num_blocks: 64,
+            max_blocks_per_seq: 8,
+            ..CAP
+        };
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let mut kinds = std::collections::HashSet::new();
+        for _ in 0..300 {
+            let mut b = ForwardBatch::default();
+            let mut next_block = 0u32;
+            let mut expected = Vec::new(); // per non-empty span: (tokens, positions, slots)
+            for _ in 0..rng.random_range(1..=8) {
+                let len = [0, 1, 1, 1, 2, 5][rng.random_range(0..6)];
+                let start: usize = rng.random_range(0..12);
+                let blocks = (start + len).div_ceil(4).max(1);
+                let table: Vec<u32> = (next_block..next_block + blocks as u32).collect();
+                next_block += blocks as u32;
+                let tokens: Vec<u32> = (0..len).map(|_| rng.random_range(0..50)).collect();
+                let slot = slots(&table, start..start + len);
+                if len > 0 {
+                    let pos: Vec<i32> = (start..start + len).map(|p| p as i32).collect();
+                    let sl: Vec<i64> = slot.iter().map(|&x| x as i64).collect();
+                    expected.push((tokens.clone(), pos, sl, table.clone()));
+                }
+                b.push(&tokens, start, slot, table, rng.random_bool(0.7));
+            }
+            let p = PackedStep::pack(&b, &cap).expect("valid");
+            // Sequences: chunks (len > 1) in batch order, then decodes in batch order.
+            let mut want: Vec<_> = expected.iter().filter(|e| e.0.len() > 1).collect();
+            want.extend(expected.iter().filter(|e| e.0.len() == 1));
+            assert_eq!(p.num_seqs(), want.len());
+            assert_eq!(
+                p.prefill_seqs,
+                expected.iter().filter(|e| e.0.len() > 1).count()
+            );
+            for (s, (tokens, pos, sl, table)) in want.iter().enumerate() {
+                let rows = p.query_start_loc[s] as usize..p.query_start_loc[s + 1] as usize;
+                assert_eq!(p.token_ids[rows.clone()], tokens[..]);
+                assert_eq!(p.positions[rows.clone()], pos[..]);
+                assert_eq!(p.slot_mapping[rows], sl[..]);
+                assert_eq!(p.seq_lens[s], pos.last().expect("non-empty") + 1);
+                let used = (p.seq_lens[s] as usize).div_ceil(4);
+                let row = &p.block_tables[s * 8..s * 8 + used];
+                assert!(row.iter().zip(table.iter()).all(|(&a, &b)| a == b as i32));
+            }
+            let sampled: Vec<_> = b.logits_indices();
+            assert_eq!(p.sample_rows.len(), sampled.len());
+            for (&packed, &orig) in p.sample_rows.iter().zip(&sampled) {
+                let packed = packed as usize;
+                assert_eq!(p.token_ids[packed], b.token_ids[orig]);
+                assert_eq!(p.positions[packed] as usize, b.positions[orig]);
+                assert_eq!(p.slot_mapping[packed] as usize, b.slot_mapping[orig]);
+            }
+            let attention = p.attention(MixedSteps::Split);
+            match attention {
+                StepAttention::Decode { max_seq_len } => {
+                    assert!(p.prefill_seqs == 0 && p.num_seqs() > 0);
+                    assert_eq!(max_seq_len, p.max_seq_len);
+                }
+                StepAttention::Prefill => {
+                    assert!(p.prefill_seqs == p.num_seqs() || p.num_seqs() == 0);
+                }
+                StepAttention::Mixed {
+                    prefill_seqs,
+                    prefill_tokens,
+                    decode_max_seq_len,
+                } => {
+                    assert!(prefill_seqs > 0 && prefill_seqs < p.num_seqs());
+                    assert_eq!(prefill_tokens + p.num_seqs() - prefill_seqs, p.num_tokens());
+                    let longest = p.seq_lens[prefill_seqs..].iter().max().copied();
+                    assert_eq!(Some(decode_max_seq_len as i32), longest);
+                    assert_eq!(p.attention(MixedSteps::Prefill), StepAttention::Prefill);
+                }
+            }
+            kinds.insert(std::mem::discriminant(&attention));
+        }
+        assert_eq!(kinds.len(), 3, "every kind of step came up");
+    }
+
+    #[test]
+    fn the_mixed_step_switch_parses() {
+        assert_eq!(MixedSteps::default(), MixedSteps::Split);
+        assert_eq!(MixedSteps::parse("").ok(), Some(MixedSteps::Split));
+        assert_eq!(MixedSteps::parse("prefill").ok(), Some(MixedSteps::Prefill));
+        let err = MixedSteps::parse("both").expect_err("unknown").to_string();
+        assert!(
+            err.contains(MIXED_STEPS_ENV) && err.contains("both"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn the_layout_places_every_array_and_uploads_only_used_table_rows() {
         let cap = StepCapacity {
@@ -657,7 +867,10 @@ mod tests {
         b.push_span(&[6], 0, vec![16], vec![4], SpanOutput::LastLogits);
         let cap = StepCapacity { max_seqs: 8, ..CAP };
         let p = PackedStep::pack(&b, &cap).expect("valid");
-        assert_eq!(p.sample_rows, [0, 1, 2, 4, 5]);
+        // The two-token span's rows move first (prompt chunks before decodes); the sampled
+        // rows keep the batch's order.
+        assert_eq!(p.sample_rows, [2, 0, 1, 4, 5]);
+        assert_eq!(p.token_ids, [2, 3, 1, 4, 5, 6]);
         assert_eq!(
             p.draw_modes,
             [
