@@ -39,7 +39,7 @@ TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 TOKEN_TYPE_UNUSED = 5
 
-SAFETENSORS_DTYPE_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4}
+SAFETENSORS_DTYPE_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "F8_E4M3": 1}
 
 
 # --------------------------------------------------------------------------- safetensors
@@ -78,7 +78,8 @@ def write_safetensors(path: Path, entries: Mapping[str, TensorEntry]) -> int:
         f.write(struct.pack("<Q", len(header_bytes)))
         f.write(header_bytes)
         for name, entry in entries.items():
-            array = np.ascontiguousarray(entry.load())
+            # np.require keeps a scalar's shape () (ascontiguousarray would make it (1,)).
+            array = np.require(entry.load(), requirements="C")
             if tuple(array.shape) != entry.shape or array.nbytes != entry.nbytes:
                 raise ValueError(
                     f"{name}: produced shape {array.shape} ({array.dtype}), "

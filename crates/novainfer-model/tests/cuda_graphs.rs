@@ -7,6 +7,7 @@
 //!   within bf16 noise (the GEMMs run over the bucket's rows, and cuBLAS may sum a row
 //!   differently for another row count; see `ops::gemm`);
 //! * with graphs on, each of 64 requests decodes the same greedy tokens alone as in the batch.
+#![cfg(feature = "cuda")]
 
 mod common;
 

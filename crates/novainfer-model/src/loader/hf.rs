@@ -1,5 +1,6 @@
-//! Hugging Face safetensors checkpoints, single file or sharded; float weights, or AWQ/GPTQ
-//! integer layers (`qweight`, `qzeros`, `scales`, `g_idx`) presented as one `weight` each.
+//! Hugging Face safetensors checkpoints, single file or sharded; float weights, AWQ/GPTQ
+//! integer layers (`qweight`, `qzeros`, `scales`, `g_idx`) presented as one `weight` each, or
+//! FP8 weights whose scales are folded in at load.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -8,8 +9,9 @@ use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{Device, Tensor};
 use serde::Deserialize;
 
+use super::fp8::{self, Fp8};
 use super::int_quant::{self, Repacked};
-use super::quant_config::{self, IntQuant};
+use super::quant_config::{self, IntQuant, Quantization};
 use super::{RawTensor, TensorSource};
 use crate::config::read_json;
 use crate::error::{ModelError, Result};
@@ -23,6 +25,8 @@ pub struct HfCheckpoint {
     shapes: HashMap<String, Vec<usize>>,
     files: Vec<PathBuf>,
     packed: Option<PackedLayers>,
+    /// `quant_method: fp8`: how its FP8 weights' scales are laid out.
+    fp8: Option<Fp8>,
 }
 
 /// The AWQ/GPTQ layers of a checkpoint and how they are packed.
@@ -58,12 +62,36 @@ impl HfCheckpoint {
             .filter(|(name, _)| !DERIVED_SUFFIXES.iter().any(|s| name.ends_with(s)))
             .map(|(name, view)| (name, view.shape().to_vec()))
             .collect();
-        let packed = packed_layers(dir, &mut shapes)?;
+        let quantization = quant_config::read(dir)?;
+        let fp8 = match quantization {
+            Some(Quantization::Fp8(cfg)) => {
+                // Each scale belongs to its weight, which is presented already scaled.
+                shapes.retain(|name, _| {
+                    !fp8::SCALE_SUFFIXES
+                        .iter()
+                        .any(|s| name.strip_suffix(s).is_some_and(|p| p.ends_with('.')))
+                });
+                if cfg.static_activations {
+                    tracing::info!(
+                        "FP8 checkpoint with static activation scales: activations stay \
+                         unquantized here, its input_scale tensors are not used"
+                    );
+                }
+                Some(cfg)
+            }
+            _ => None,
+        };
+        let int = match quantization {
+            Some(Quantization::Int(q)) => Some(q),
+            _ => None,
+        };
+        let packed = packed_layers(int, &mut shapes)?;
         Ok(Self {
             tensors,
             shapes,
             files,
             packed,
+            fp8,
         })
     }
 
@@ -76,7 +104,7 @@ impl HfCheckpoint {
 /// the weights would otherwise be misread) and replaces each packed layer's parts in `shapes`
 /// by its logical `{prefix}.weight`.
 fn packed_layers(
-    dir: &Path,
+    scheme: Option<IntQuant>,
     shapes: &mut HashMap<String, Vec<usize>>,
 ) -> Result<Option<PackedLayers>> {
     let prefixes: BTreeSet<String> = shapes
@@ -84,13 +112,14 @@ fn packed_layers(
         .filter_map(|n| n.strip_suffix(".qweight"))
         .map(str::to_owned)
         .collect();
-    let scheme = match quant_config::read(dir)? {
+    let scheme = match scheme {
         Some(scheme) => scheme,
         None => match prefixes.first() {
             Some(p) => {
                 return Err(ModelError::InvalidQuantTensor {
                     name: format!("{p}.qweight"),
-                    reason: "packed integer weights, but config.json has no quantization_config"
+                    reason: "packed integer weights, but config.json has no awq or gptq \
+                             quantization_config"
                         .into(),
                 })
             }
@@ -168,6 +197,9 @@ impl TensorSource for HfCheckpoint {
             return self.load_packed(&prefix);
         }
         let tensor = self.raw(name)?;
+        if tensor.dtype() == candle_core::DType::F8E4M3 {
+            return self.load_fp8(name);
+        }
         if !matches!(
             tensor.dtype(),
             candle_core::DType::F32 | candle_core::DType::BF16 | candle_core::DType::F16
@@ -190,6 +222,38 @@ impl HfCheckpoint {
                 path: self.files[0].clone(),
                 detail: format!("tensor `{name}`: {e}"),
             })
+    }
+
+    /// FP8 `name` times its scale, as dense f32.
+    fn load_fp8(&self, name: &str) -> Result<RawTensor> {
+        let Some(cfg) = self.fp8 else {
+            return Err(ModelError::InvalidQuantTensor {
+                name: name.to_owned(),
+                reason: "FP8 weights, but config.json has no quant_method fp8 \
+                         quantization_config"
+                    .into(),
+            });
+        };
+        let prefix = name.strip_suffix(".weight").unwrap_or(name);
+        // Block-wise checkpoints name their scales `weight_scale_inv` (multiplied all the
+        // same), per-tensor ones `weight_scale`; either is accepted for either.
+        let scale = match cfg.block {
+            Some(_) => ["weight_scale_inv", "weight_scale"],
+            None => ["weight_scale", "weight_scale_inv"],
+        }
+        .iter()
+        .find_map(|part| self.part(prefix, part).ok());
+        let Some(scale) = scale else {
+            return Err(ModelError::MissingTensor {
+                name: format!("{prefix}.weight_scale"),
+            });
+        };
+        let view = self.tensors.get(name).map_err(|e| ModelError::Corrupt {
+            path: self.files[0].clone(),
+            detail: format!("tensor `{name}`: {e}"),
+        })?;
+        let dense = fp8::dequantize(name, &cfg, view.shape(), view.data(), &scale)?;
+        Ok(RawTensor::Dense(dense))
     }
 
     /// A part of a packed layer, which must exist.

@@ -6,6 +6,7 @@
 //! contract: each tensor the model asks for exists with the expected shape, and
 //! after building, no tensor is left over.
 
+mod fp8;
 mod gguf;
 mod hf;
 mod int_quant;

@@ -1,4 +1,5 @@
-//! config.json's `quantization_config` for integer weight-only checkpoints (AWQ, GPTQ).
+//! config.json's `quantization_config` for weight-only checkpoints: integer (AWQ, GPTQ) or
+//! FP8 ([`super::fp8`]).
 //!
 //! Only what changes how the tensors are read is kept, as types with no invalid values;
 //! everything else (calibration settings, kernel preferences such as `use_exllama`) is
@@ -11,23 +12,47 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
+use super::fp8::Fp8;
 use crate::config::read_json;
 use crate::error::{ModelError, Result};
 
 /// The scheme of the HF directory `dir`: config.json's `quantization_config`, else
 /// AutoGPTQ's separate `quantize_config.json` (GPTQ when it names no method); `None` for
 /// an unquantized checkpoint.
-pub fn read(dir: &Path) -> Result<Option<IntQuant>> {
+pub fn read(dir: &Path) -> Result<Option<Quantization>> {
     let config: Value = read_json(&dir.join("config.json"))?;
     if let Some(q) = config.get("quantization_config").filter(|v| !v.is_null()) {
-        return IntQuant::from_json(q, None).map(Some);
+        return Quantization::from_json(q).map(Some);
     }
     let autogptq = dir.join("quantize_config.json");
     if autogptq.is_file() {
         let q: Value = read_json(&autogptq)?;
-        return IntQuant::from_json(&q, Some("gptq")).map(Some);
+        return IntQuant::from_json(&q, Some("gptq")).map(|q| Some(Quantization::Int(q)));
     }
     Ok(None)
+}
+
+/// A checkpoint's weight quantization.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quantization {
+    /// Packed integer layers (`qweight`, `qzeros`, `scales`, `g_idx`).
+    Int(IntQuant),
+    /// FP8 `weight`s with their scales.
+    Fp8(Fp8),
+}
+
+impl Quantization {
+    /// Reads config.json's `quantization_config`.
+    pub fn from_json(config: &Value) -> Result<Self> {
+        let method = config.get("quant_method").and_then(Value::as_str);
+        match (
+            method.map(str::to_ascii_lowercase).as_deref(),
+            config.as_object(),
+        ) {
+            (Some("fp8"), Some(map)) => Ok(Quantization::Fp8(Fp8::from_json(map)?)),
+            _ => IntQuant::from_json(config, None).map(Quantization::Int),
+        }
+    }
 }
 
 /// The weight-only integer formats we load.
@@ -116,7 +141,7 @@ impl ZeroConvention {
     }
 }
 
-const METHODS: &str = "NovaInfer loads quant_method awq (version gemm) and gptq";
+const METHODS: &str = "NovaInfer loads quant_method awq (version gemm), gptq and fp8";
 
 fn unsupported(field: &str, value: &Value, supported: &'static str) -> ModelError {
     ModelError::UnsupportedQuantization {

@@ -1,0 +1,220 @@
+"""FP8 (e4m3) checkpoints of the tiny model, written here with NumPy, against the float64 reference run on
+the weights the files define.
+
+`quant_method: fp8` as vLLM serializes it (an f32 `weight_scale` per tensor, or per output channel) and as
+transformers' FineGrainedFP8 and the DeepSeek/Qwen3 FP8 releases do (`weight_block_size: [bo, bi]`, one
+`weight_scale_inv` per block, multiplied despite its name). Weights are stored as e4m3fn codes (sign, 4
+exponent bits biased by 7, 3 mantissa bits; no infinities, S.1111.111 is NaN; largest value 448). The
+reference decodes the codes with its own table and multiplies by the scale in float32, as the engine does at
+load, so the engine's dense f32 layers must match it as an f32 checkpoint does (1e-4).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import PROMPT, logits_of
+from gguf_to_hf import TensorEntry, write_safetensors
+from novainfer import LLM, ModelLoadError, SamplingParams
+from numpy_qwen2 import Qwen2Reference, greedy_generate, load_safetensors
+from test_awq_gptq import LINEARS, read_raw_safetensors
+from tiny_qwen2 import special_token_ids, write_tiny_model
+
+HEAD_DIM = 64  # hidden 256, intermediate 512
+
+
+def e4m3_table() -> np.ndarray:
+    """The value of every e4m3fn code, float64 (NaN for the two NaN codes)."""
+    codes = np.arange(256)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exp, man = (codes >> 3) & 0xF, (codes & 7).astype(np.float64)
+    value = np.where(exp == 0, man / 8 * 2.0**-6, (1 + man / 8) * 2.0 ** (exp - 7))
+    value[(exp == 15) & ((codes & 7) == 7)] = np.nan
+    return sign * value
+
+
+TABLE = e4m3_table()
+FINITE = np.flatnonzero(~np.isnan(TABLE))
+
+
+def encode(x: np.ndarray) -> np.ndarray:
+    """The nearest e4m3 code of each value (|x| <= 448 expected)."""
+    values = TABLE[FINITE]
+    order = np.argsort(values)
+    sorted_values, sorted_codes = values[order], FINITE[order]
+    i = np.clip(np.searchsorted(sorted_values, x), 1, len(sorted_values) - 1)
+    left, right = sorted_values[i - 1], sorted_values[i]
+    pick = np.where(np.abs(x - left) <= np.abs(right - x), i - 1, i)
+    return sorted_codes[pick].astype(np.uint8)
+
+
+def fp8_tensors(w: np.ndarray, qcfg: dict, granularity: str) -> dict[str, np.ndarray]:
+    out, inp = w.shape
+    w = w.astype(np.float64)
+    if "weight_block_size" in qcfg:
+        bo, bi = qcfg["weight_block_size"]
+        rows, cols = -(-out // bo), -(-inp // bi)
+        scale = np.zeros((rows, cols), dtype=np.float32)
+        for r in range(rows):
+            for c in range(cols):
+                scale[r, c] = max(np.abs(w[r * bo : (r + 1) * bo, c * bi : (c + 1) * bi]).max() / 448, 1e-8)
+        full = np.repeat(np.repeat(scale.astype(np.float64), bo, axis=0), bi, axis=1)[:out, :inp]
+        return {"weight": encode(w / full), "weight_scale_inv": scale}
+    if granularity == "channel":
+        scale = np.maximum(np.abs(w).max(axis=1, keepdims=True) / 448, 1e-8).astype(np.float32)  # [out, 1]
+        return {"weight": encode(w / scale), "weight_scale": scale}
+    scale = np.float32(max(np.abs(w).max() / 448, 1e-8))
+    return {"weight": encode(w / scale), "weight_scale": np.array(scale, dtype=np.float32)}  # shape []
+
+
+VARIANTS = {
+    # name: (quantization_config, scale granularity without blocks)
+    "per-tensor": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "tensor"),
+    "per-channel": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "channel"),
+    "blocks-128": ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                    "weight_block_size": [128, 128]}, None),
+    # Blocks that do not divide the layers: the last row and column of blocks are partial.
+    "blocks-96x80": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [96, 80]}, None),
+    # Static activation scales and FP8 KV-cache scales are accepted and not used (activations and the KV
+    # cache stay in their own dtypes here).
+    "static": ({"quant_method": "fp8", "activation_scheme": "static"}, "tensor"),
+}
+
+
+def write_fp8(out: Path, qcfg: dict, granularity: str | None, seed: int = 0) -> Path:
+    """The tiny model with every decoder linear layer in FP8; embeddings, norms, biases, lm_head stay f32."""
+    write_tiny_model(out, head_dim=HEAD_DIM, seed=seed)
+    dense = load_safetensors(out / "model.safetensors")
+    entries = {}
+    for name, array in dense.items():
+        prefix = name.removesuffix(".weight")
+        if not any(prefix.endswith(layer) for layer in LINEARS) or not name.endswith(".weight"):
+            entries[name] = TensorEntry("F32", array.shape, lambda a=array: a)
+            continue
+        for part, value in fp8_tensors(array, qcfg, granularity).items():
+            kind = "F8_E4M3" if value.dtype == np.uint8 else "F32"
+            entries[f"{prefix}.{part}"] = TensorEntry(kind, value.shape, lambda v=value: v)
+        if qcfg["activation_scheme"] == "static":
+            entries[f"{prefix}.input_scale"] = TensorEntry("F32", (), lambda: np.array(0.01, dtype=np.float32))
+            if prefix.endswith("self_attn.q_proj"):  # and an FP8 KV cache's scales, as vLLM writes them
+                attn = prefix.removesuffix(".q_proj")
+                for kv in ("k_scale", "v_scale"):
+                    entries[f"{attn}.{kv}"] = TensorEntry("F32", (), lambda: np.array(0.5, dtype=np.float32))
+    write_safetensors(out / "model.safetensors", entries)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = qcfg
+    config["torch_dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def read_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of the file; FP8 ones as their uint8 codes."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        dtype = {"F32": "<f4", "F8_E4M3": "u1"}[info["dtype"]]
+        out[name] = np.frombuffer(data[8 + n + begin : 8 + n + end], dtype=dtype).reshape(info["shape"])
+    return out
+
+
+def reference_for(path: Path) -> Qwen2Reference:
+    config = json.loads((path / "config.json").read_text())
+    qcfg = config["quantization_config"]
+    tensors = read_tensors(path / "model.safetensors")
+    weights = {}
+    for name, array in tensors.items():
+        if array.dtype == np.uint8:
+            prefix = name.removesuffix(".weight")
+            q = TABLE[array].astype(np.float32)
+            out, inp = q.shape
+            if "weight_block_size" in qcfg:
+                bo, bi = qcfg["weight_block_size"]
+                s = tensors[f"{prefix}.weight_scale_inv"]
+                s = np.repeat(np.repeat(s, bo, axis=0), bi, axis=1)[:out, :inp]
+            else:
+                s = tensors[f"{prefix}.weight_scale"]
+                s = s.reshape(-1, 1) if s.size == out else s.reshape(1, 1)
+            weights[name] = q * s.astype(np.float32)  # one float32 rounding, as the engine's
+        elif not name.endswith(("weight_scale", "weight_scale_inv", "input_scale", "k_scale", "v_scale")):
+            weights[name] = array.astype(np.float32)
+    return Qwen2Reference(config, weights)
+
+
+@pytest.fixture(scope="module")
+def fp8_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fp8")
+    return {name: write_fp8(root / name, qcfg, g) for name, (qcfg, g) in VARIANTS.items()}
+
+
+def test_the_writer_and_reader_hold_the_model_in_fp8(fp8_models, tmp_path):
+    # A broken encoder or scale layout would be far off; e4m3 keeps about 3 significant bits.
+    original = load_safetensors(write_tiny_model(tmp_path / "f32", head_dim=HEAD_DIM) / "model.safetensors")
+    for name in VARIANTS:
+        ref = reference_for(fp8_models[name])
+        for layer in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight"):
+            w = original[layer].astype(np.float64)
+            rel = np.linalg.norm(ref.w[layer] - w) / np.linalg.norm(w)
+            assert 0.005 < rel < 0.08, (name, layer, rel)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_logits_match_the_reference_on_the_dequantized_weights(fp8_models, variant):
+    ref = reference_for(fp8_models[variant]).forward(PROMPT)
+    assert ref.std() > 0.5, "degenerate logits would make the comparison meaningless"
+    got = logits_of(LLM(fp8_models[variant], kv_cache_dtype="f32"), PROMPT)
+    assert float(np.abs(got.astype(np.float64) - ref).max()) <= 1e-4
+
+
+def test_greedy_generation_matches_the_reference(fp8_models):
+    eos = set(special_token_ids().values())
+    path = fp8_models["blocks-96x80"]
+    expected = greedy_generate(reference_for(path), PROMPT, 16, stop_ids=eos)
+    out = LLM(path, kv_cache_dtype="f32").generate(PROMPT, SamplingParams(temperature=0, max_tokens=16))
+    assert out[0].outputs[0].token_ids == expected
+
+
+def _edit(src: Path, dst: Path, *, config=None, drop: str | None = None, reshape: str | None = None) -> Path:
+    shutil.copytree(src, dst)
+    if config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if drop or reshape:
+        tensors = read_tensors(dst / "model.safetensors")
+        if drop:
+            del tensors[drop]
+        if reshape:
+            tensors[reshape] = tensors[reshape][:-1].copy()
+        entries = {n: TensorEntry("F8_E4M3" if a.dtype == np.uint8 else "F32", a.shape, lambda a=a: a)
+                   for n, a in tensors.items()}
+        write_safetensors(dst / "model.safetensors", entries)
+    return dst
+
+
+def test_bad_fp8_checkpoints_are_load_errors_naming_what(fp8_models, tmp_path):
+    layer = "model.layers.1.mlp.up_proj"
+    no_config = _edit(fp8_models["per-tensor"], tmp_path / "no-config",
+                      config=lambda c: c.pop("quantization_config"))
+    with pytest.raises(ModelLoadError, match=r"up_proj\.weight|FP8|F8E4M3"):
+        LLM(no_config)
+    e5m2 = _edit(fp8_models["per-tensor"], tmp_path / "e5m2",
+                 config=lambda c: c["quantization_config"].update(fmt="e5m2"))
+    with pytest.raises(ModelLoadError, match="e5m2"):
+        LLM(e5m2)
+    no_scale = _edit(fp8_models["per-channel"], tmp_path / "no-scale", drop=f"{layer}.weight_scale")
+    with pytest.raises(ModelLoadError, match=rf"{layer}\.weight_scale"):
+        LLM(no_scale)
+    torn = _edit(fp8_models["blocks-128"], tmp_path / "torn", reshape=f"{layer}.weight_scale_inv")
+    with pytest.raises(ModelLoadError, match=rf"{layer}.*block scales"):
+        LLM(torn)
