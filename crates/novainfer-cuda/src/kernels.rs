@@ -39,6 +39,7 @@ pub const DEQUANT: KernelSource = kernel!("dequant");
 pub const QKV: KernelSource = kernel!("qkv");
 pub const GATHER: KernelSource = kernel!("gather");
 pub const FLASH_PREFILL: KernelSource = kernel!("flash_prefill");
+pub const LORA: KernelSource = kernel!("lora");
 
 pub const KERNELS: &[KernelSource] = &[
     EMBEDDING,
@@ -52,6 +53,7 @@ pub const KERNELS: &[KernelSource] = &[
     QKV,
     GATHER,
     FLASH_PREFILL,
+    LORA,
 ];
 
 /// What NVRTC is handed besides the source. Part of the disk-cache key, so changing a flag
@@ -113,6 +115,8 @@ pub const DTYPED_ENTRIES: &[(KernelSource, &str)] = &[
     (DEQUANT, "dequant_q8_0"),
     (QKV, "qkv_bias_rope_cache"),
     (GATHER, "gather_rows"),
+    (LORA, "lora_shrink"),
+    (LORA, "lora_expand"),
 ];
 
 /// The attention kernels' phases: `paged_attention_<phase>_<dtype>_hd<head_dim>`.

@@ -17,6 +17,7 @@ pub mod error;
 pub mod flash_plan;
 pub mod gpu_test;
 pub mod kernels;
+pub mod lora_plan;
 pub mod reference;
 pub mod rope_scaling;
 pub mod sample_params;

@@ -44,6 +44,8 @@ pub(crate) struct KernelTable {
     pub mask_rows: PerDtype<CudaFunction>,
     pub qkv: PerDtype<CudaFunction>,
     pub gather: PerDtype<CudaFunction>,
+    pub lora_shrink: PerDtype<CudaFunction>,
+    pub lora_expand: PerDtype<CudaFunction>,
     /// Indexed by [`QuantType::index`].
     pub dequant: [PerDtype<CudaFunction>; 4],
     attention: PerDtype<[Option<AttentionFns>; 3]>,
@@ -76,6 +78,8 @@ impl KernelTable {
             mask_rows: per(&kernels::SAMPLING, "mask_rows")?,
             qkv: per(&kernels::QKV, "qkv_bias_rope_cache")?,
             gather: per(&kernels::GATHER, "gather_rows")?,
+            lora_shrink: per(&kernels::LORA, "lora_shrink")?,
+            lora_expand: per(&kernels::LORA, "lora_expand")?,
             dequant: [
                 dequant(QuantType::ALL[0])?,
                 dequant(QuantType::ALL[1])?,

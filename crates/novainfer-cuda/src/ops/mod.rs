@@ -17,6 +17,7 @@ pub mod flash_prefill;
 pub mod gather;
 pub mod gemm;
 pub mod kv;
+pub mod lora;
 pub mod paged_attention;
 pub mod qkv;
 pub mod reshape_and_cache;
