@@ -109,7 +109,7 @@ class LLM:
     (a PEFT directory or a GGUF adapter file, loaded the first time it is named; at most `max_lora_rank`);
     requests on different adapters and on the base model share batches, and at most `max_loras` distinct
     adapters run at once (requests on others wait). KV computed under an adapter is only reused by requests on
-    the same adapter. CPU only for now.
+    the same adapter. On a GPU adapters are copied to the device on first use.
 
     `device` is ``"auto"`` (the first usable NVIDIA GPU when its executor can run the model, else the CPU —
     the SLOT layout and head sizes without GPU kernels run on the CPU; the choice and its reason are logged

@@ -520,18 +520,38 @@ fn lora_registry(cfg: &EngineConfig, executor: &dyn Executor) -> Result<LoraRegi
     let Some(lora) = &cfg.lora else {
         return Ok(registry);
     };
-    if !executor.capabilities().adapters {
-        return Err(ModelError::Unsupported {
-            what: "serving LoRA adapters".into(),
-            device: executor.device().to_string(),
-        }
-        .into());
-    }
+    check_lora_room(lora, executor.capabilities().adapters, executor.device())?;
     for (name, path) in &lora.modules {
         let info = registry.load(name, path)?;
         tracing::info!(name, path = %path.display(), rank = info.rank, "LoRA adapter loaded");
     }
     Ok(registry)
+}
+
+/// Whether a backend that holds `most` adapters per step (0: none) can serve `lora`.
+fn check_lora_room(
+    lora: &crate::lora::LoraConfig,
+    most: usize,
+    device: novainfer_model::Device,
+) -> Result<()> {
+    if most == 0 {
+        return Err(ModelError::Unsupported {
+            what: "serving LoRA adapters".into(),
+            device: device.to_string(),
+        }
+        .into());
+    }
+    if lora.max_loras > most {
+        return Err(ParamError::new(
+            "max_loras",
+            format!(
+                "{device} holds at most {most} adapters at once, got {}",
+                lora.max_loras
+            ),
+        )
+        .into());
+    }
+    Ok(())
 }
 
 /// The checks that need no model: they fail before anything is loaded.
@@ -593,14 +613,14 @@ fn resolve_device(cfg: &EngineConfig) -> Result<Resolved> {
                 format!("kv_cache_dtype=\"{dtype}\" runs on the CPU only"),
             ));
         }
-        if cfg.lora.is_some() && !caps.adapters {
+        if cfg.lora.is_some() && caps.adapters == 0 {
             return Some((
                 "enable_lora",
                 format!(
-                    "LoRA adapters run on the CPU only for now; turn LoRA off on {device}, or use \
+                    "this backend runs no LoRA adapters; turn LoRA off on {device}, or use \
                      device=\"cpu\""
                 ),
-                "LoRA adapters run on the CPU only for now".to_owned(),
+                format!("{device} runs no LoRA adapters"),
             ));
         }
         None
@@ -991,6 +1011,26 @@ mod tests {
             let err = gpu_kv_bytes(mem, bad).expect_err("out of range");
             assert_eq!(err.param(), Some("gpu_memory_utilization"), "{bad}");
         }
+    }
+
+    #[test]
+    fn max_loras_must_fit_the_backends_adapter_slots() {
+        use crate::lora::LoraConfig;
+        use novainfer_model::capabilities::{CPU, CUDA, CUDA_ADAPTER_SLOTS};
+        let gpu = novainfer_model::Device::Cuda(0);
+        let fits = LoraConfig {
+            max_loras: CUDA_ADAPTER_SLOTS,
+            ..LoraConfig::default()
+        };
+        assert!(check_lora_room(&fits, CUDA.adapters, gpu).is_ok());
+        let over = LoraConfig {
+            max_loras: CUDA_ADAPTER_SLOTS + 1,
+            ..LoraConfig::default()
+        };
+        let err = check_lora_room(&over, CUDA.adapters, gpu).expect_err("too many");
+        assert_eq!(err.param(), Some("max_loras"));
+        assert!(check_lora_room(&over, CPU.adapters, novainfer_model::Device::Cpu).is_ok());
+        assert!(check_lora_room(&fits, 0, gpu).is_err());
     }
 
     /// A stand-in device whose memory the test chooses.

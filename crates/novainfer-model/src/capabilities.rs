@@ -16,8 +16,9 @@ pub struct Capabilities {
     pub kv_dtypes: &'static [KvStorage],
     /// Whether it runs the SLOT layout (a pool of one-token cells with no prefix cache).
     pub slot_layout: bool,
-    /// Whether its forward runs spans with a LoRA adapter.
-    pub adapters: bool,
+    /// How many distinct LoRA adapters one step may use (0: spans with an adapter do not
+    /// run here).
+    pub adapters: usize,
     /// Weights and KV pool live in host memory: the KV budget is a byte count of host memory
     /// (`kv_cache_bytes`, not a fraction of device memory) and the step defaults follow the
     /// host's cores.
@@ -43,6 +44,9 @@ pub struct DeviceSampling {
     pub draws: bool,
 }
 
+/// LoRA adapters the CUDA executor holds on the device at once (`cuda/lora.rs`).
+pub const CUDA_ADAPTER_SLOTS: usize = 32;
+
 /// The CPU executor: every option, sampling left to the engine (its sampler runs on the same
 /// memory, so a device sampler would gain nothing).
 pub const CPU: Capabilities = Capabilities {
@@ -53,7 +57,8 @@ pub const CPU: Capabilities = Capabilities {
         KvStorage::Q8_0,
     ],
     slot_layout: true,
-    adapters: true,
+    // Adapters stay in host memory, read in place.
+    adapters: usize::MAX,
     host_memory: true,
     sampling: DeviceSampling { draws: false },
     // 16 rows of the 0.5B model cost ~5× one row on 2 cores (docs/benchmarks.md).
@@ -62,11 +67,12 @@ pub const CPU: Capabilities = Capabilities {
     assumed_row_share: 0.3,
 };
 
-/// The CUDA executor: a bf16 block pool, draws on the device.
+/// The CUDA executor: a bf16 block pool, draws on the device, LoRA adapters copied to the
+/// device on first use (`cuda/lora.rs`).
 pub const CUDA: Capabilities = Capabilities {
     kv_dtypes: &[KvStorage::Bf16],
     slot_layout: false,
-    adapters: false,
+    adapters: CUDA_ADAPTER_SLOTS,
     host_memory: false,
     sampling: DeviceSampling { draws: true },
     // Estimates (not yet measured): a GPU stays bandwidth-bound over many more rows.

@@ -33,6 +33,7 @@ use candle_core::{DType, Tensor};
 use common::weights;
 use novainfer_cuda::gpu_test::{when_unavailable_from_env, WhenUnavailable};
 use novainfer_model::draw::{RowEdit, RowPenalties};
+use novainfer_model::lora::Target;
 use novainfer_model::{
     load_weights, Adjust, Checkpoint, Device, Draw, DrawRule, Executor, ForwardBatch, KvCacheDtype,
     KvStorage, LoadOptions, ModelError, Qwen2Config, SpanOutput, StepLimits,
@@ -535,5 +536,150 @@ fn cuda_logits_match_the_cpu_over_a_mixed_schedule() {
             cpu.forward(&draw_step),
             Err(ModelError::Unsupported { .. })
         ));
+    }
+}
+
+/// A PEFT adapter directory for the test model: rank `r`, `lora_alpha` 2r, random A and B
+/// (uniform in ±0.3, seeded) for `targets` in every layer.
+fn write_adapter(dir: &Path, cfg: &Qwen2Config, r: usize, targets: &[(Target, &str)], seed: u64) {
+    std::fs::create_dir_all(dir).expect("adapter dir");
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut values = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.6
+            })
+            .collect()
+    };
+    let mut tensors = HashMap::new();
+    for layer in 0..cfg.num_hidden_layers {
+        for &(target, path) in targets {
+            let (out, inp) = target.shape(cfg);
+            let prefix = format!("base_model.model.model.layers.{layer}.{path}");
+            let a = Tensor::from_vec(values(r * inp), (r, inp), &candle_core::Device::Cpu);
+            let b = Tensor::from_vec(values(out * r), (out, r), &candle_core::Device::Cpu);
+            tensors.insert(format!("{prefix}.lora_A.weight"), a.expect("A"));
+            tensors.insert(format!("{prefix}.lora_B.weight"), b.expect("B"));
+        }
+    }
+    candle_core::safetensors::save(&tensors, dir.join("adapter_model.safetensors"))
+        .expect("adapter safetensors");
+    let modules: Vec<&str> = targets
+        .iter()
+        .map(|(_, p)| p.rsplit('.').next().expect("module"))
+        .collect();
+    let config = serde_json::json!({"peft_type": "LORA", "r": r, "lora_alpha": 2 * r,
+        "target_modules": modules, "bias": "none"});
+    std::fs::write(dir.join("adapter_config.json"), config.to_string()).expect("config");
+}
+
+/// LoRA on the GPU: steps mixing two adapters (rank 8 on every projection; rank 16 on q, v and
+/// down only), the base model, prefills and decodes, against the CPU executor on the same
+/// adapters. On the CPU alone (no GPU) it checks that the adapters change the logits, so the
+/// comparison on a GPU would notice an update that was never applied.
+#[test]
+fn cuda_lora_updates_match_the_cpu_in_mixed_batches() {
+    use novainfer_model::lora::{AdapterId, AdapterLimits, AdapterRef, LoraAdapter};
+    use std::sync::Arc;
+    const ALL: [(Target, &str); 7] = [
+        (Target::Q, "self_attn.q_proj"),
+        (Target::K, "self_attn.k_proj"),
+        (Target::V, "self_attn.v_proj"),
+        (Target::O, "self_attn.o_proj"),
+        (Target::Gate, "mlp.gate_proj"),
+        (Target::Up, "mlp.up_proj"),
+        (Target::Down, "mlp.down_proj"),
+    ];
+    let cfg = config(false);
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_checkpoint(dir.path(), &cfg);
+    write_adapter(&dir.path().join("a"), &cfg, 8, &ALL, 1);
+    write_adapter(
+        &dir.path().join("b"),
+        &cfg,
+        16,
+        &[ALL[0], ALL[2], ALL[6]],
+        2,
+    );
+    let limits = AdapterLimits { max_rank: 16 };
+    let load = |name: &str, id: u64| {
+        let path = dir.path().join(name);
+        let adapter = LoraAdapter::load(&path, AdapterId(id), name, &cfg, limits).expect("adapter");
+        AdapterRef(Arc::new(adapter))
+    };
+    let (a, b) = (load("a", 1), load("b", 2));
+    let v = cfg.vocab_size;
+    // (tokens, first position, block table, adapter) per sequence.
+    type Tagged<'a> = (&'a [u32], usize, &'a [u32], Option<&'a AdapterRef>);
+    let tagged = |spans: &[Tagged<'_>]| {
+        let plain: Vec<(&[u32], usize, &[u32], bool)> = spans
+            .iter()
+            .map(|&(t, s, tb, _)| (t, s, tb, true))
+            .collect();
+        let mut batch = step(&plain);
+        for (seq, span) in batch.seqs.iter_mut().zip(spans) {
+            seq.adapter = span.3.cloned();
+        }
+        batch
+    };
+    let (p0, p1, p2, p3): (Vec<u32>, Vec<u32>, Vec<u32>, Vec<u32>) = (
+        vec![3, 17, 42, 8, 9, 5],
+        vec![10, 11, 12, 13],
+        vec![7, 7, 2, 60, 61],
+        vec![20, 21, 22],
+    );
+    let steps = [
+        // Three prefills: adapter a, the base model, adapter b.
+        tagged(&[
+            (&p0[..5], 0, &[0, 1], Some(&a)),
+            (&p1[..3], 0, &[2], None),
+            (&p2[..4], 0, &[3, 4], Some(&b)),
+        ]),
+        // Their decodes with a new prompt on adapter a: a mixed step.
+        tagged(&[
+            (&p0[5..6], 5, &[0, 1], Some(&a)),
+            (&p1[3..4], 3, &[2], None),
+            (&p2[4..5], 4, &[3, 4], Some(&b)),
+            (&p3[..], 0, &[5], Some(&a)),
+        ]),
+    ];
+    let f32_kv = KvCacheDtype::Fixed(KvStorage::F32);
+    let mut cpu = executor_with(dir.path(), Device::Cpu, f32_kv).expect("cpu executor");
+    let mut base = executor_with(dir.path(), Device::Cpu, f32_kv).expect("cpu executor");
+    let expected: Vec<Vec<f32>> = steps
+        .iter()
+        .map(|s| cpu.forward(s).expect("cpu step").logits)
+        .collect();
+    // The adapters move their rows' logits well past the GPU comparison's tolerance.
+    let untagged: Vec<ForwardBatch> = steps
+        .iter()
+        .map(|s| {
+            let mut s = s.clone();
+            s.seqs.iter_mut().for_each(|q| q.adapter = None);
+            s
+        })
+        .collect();
+    for (i, (s, want)) in untagged.iter().zip(&expected).enumerate() {
+        let plain = base.forward(s).expect("cpu base step").logits;
+        for (r, (w, p)) in want.chunks(v).zip(plain.chunks(v)).enumerate() {
+            let scale = w.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let moved = w.iter().zip(p).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            let has_adapter = steps[i].seqs[r].adapter.is_some();
+            assert_eq!(
+                moved > 0.2 * scale,
+                has_adapter,
+                "step {i} row {r}: the adapter moved the logits by {moved} (scale {scale})"
+            );
+        }
+    }
+    let Some(mut gpu) = gpu_executor(dir.path()) else {
+        return;
+    };
+    for (i, (s, want)) in steps.iter().zip(&expected).enumerate() {
+        let got = gpu.forward(s).expect("gpu step with adapters").logits;
+        compare(&format!("lora step {i}"), want, &got, v);
     }
 }

@@ -122,7 +122,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub max_long_partial_prefills: Option<usize>,
     /// Serve LoRA adapters, chosen per request by naming one as `model` (vLLM's option;
-    /// implied by --lora-modules and --allow-runtime-lora). CPU only for now.
+    /// implied by --lora-modules and --allow-runtime-lora).
     #[arg(long)]
     pub enable_lora: bool,
     /// LoRA adapters to load at start-up: `name=path` (a PEFT directory or a GGUF adapter

@@ -191,6 +191,8 @@ pub(crate) struct StepViews<'a> {
     pub edit_offsets: CudaView<'a, i32>,
     pub tops: CudaView<'a, i32>,
     pub masks_at: CudaView<'a, i32>,
+    /// Per token row, its adapter's slot or −1; empty in a step without adapters.
+    pub lora_rows: CudaView<'a, i32>,
     /// Row length of `block_tables`.
     pub max_blocks_per_seq: usize,
 }
@@ -265,6 +267,7 @@ impl StepBuffers {
             edit_offsets: typed(&self.device, l.edit_offsets, step.edit_offsets.len())?,
             tops: typed(&self.device, l.tops, step.tops.len())?,
             masks_at: typed(&self.device, l.masks_at, step.masks_at.len())?,
+            lora_rows: typed(&self.device, l.lora_rows, step.lora_rows.len())?,
             max_blocks_per_seq: l.max_blocks_per_seq,
         })
     }

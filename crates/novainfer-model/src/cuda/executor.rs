@@ -11,6 +11,7 @@ use super::buffers::{Activations, EditBuffers, KvPool, MaskBuffers, Readback, St
 use super::cuda_error;
 use super::forward::{Step, Tail, TailOut};
 use super::graphs::{DecodeGraphs, Runner};
+use super::lora::DeviceAdapters;
 use super::weights::GpuModel;
 use crate::capabilities::{self, Capabilities};
 use crate::config::{Qwen2Config, WeightDtype};
@@ -199,12 +200,14 @@ impl DeviceWeights for CudaWeights {
         // size rather than counted in `device_memory`.
         let meta = StepBuffers::new(&me.gpu, StepLayout::new(&capacity))?;
         me.gpu.synchronize().map_err(|e| cuda_error(me.device, e))?;
+        let cfg_layers = me.cfg.num_hidden_layers;
         let mut executor = CudaExecutor {
             w: me,
             kv,
             meta,
             capacity,
             graphs: None,
+            lora: DeviceAdapters::new(cfg_layers, capacity.max_tokens),
         };
         if executor.w.graph_mode == CudaGraphs::Captured {
             // Over the engine's pool: the graphs capture its addresses (padding rows write
@@ -230,6 +233,8 @@ pub struct CudaExecutor {
     capacity: StepCapacity,
     /// Decode graphs, when on ([`CudaGraphs::Captured`]); only for steps over `kv`.
     graphs: Option<DecodeGraphs>,
+    /// The LoRA adapters steps have used, on the device.
+    lora: DeviceAdapters,
 }
 
 impl CudaWeights {
@@ -249,6 +254,7 @@ impl CudaWeights {
             readback: &mut self.readback,
             edits: &mut self.edits,
             masks: &mut self.masks,
+            lora: None,
         }
     }
 }
@@ -316,7 +322,11 @@ impl CudaExecutor {
         if batch.seqs.is_empty() {
             return Ok(TailOut::default());
         }
-        let step = PackedStep::pack(batch, &self.capacity)?;
+        let mut step = PackedStep::pack(batch, &self.capacity)?;
+        // Adapters run eagerly: a graph captures the base model's launches only.
+        let with_lora = !step.adapters.is_empty();
+        self.lora.bind(&self.w.gpu, &mut step)?;
+        let may_replay = may_replay && !with_lora;
         if let (Some(graphs), Tail::Logits, true) = (self.graphs.as_mut(), tail, may_replay) {
             if let StepRoute::Graph { bucket } = route(batch, Some(&graphs.buckets)) {
                 let step_buffers = self.w.step(&mut self.meta, &mut self.kv);
@@ -327,7 +337,11 @@ impl CudaExecutor {
                 return replay_step(&mut runner, &step, bucket);
             }
         }
-        self.w.step(&mut self.meta, &mut self.kv).run(&step, tail)
+        let mut forward = self.w.step(&mut self.meta, &mut self.kv);
+        if with_lora {
+            forward.lora = self.lora.step();
+        }
+        forward.run(&step, tail)
     }
 
     /// A step with embeddings or scored prompts in it. The eager forward returns one kind of
@@ -463,12 +477,6 @@ impl Executor for CudaExecutor {
     }
 
     fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput> {
-        if batch.seqs.iter().any(|s| s.adapter.is_some()) {
-            return Err(ModelError::Unsupported {
-                what: "serving LoRA adapters".into(),
-                device: self.device().to_string(),
-            });
-        }
         if batch.only_samples() {
             let TailOut { rows, tokens } = self.run_in_pool(batch, Tail::Logits, true)?;
             return Ok(ForwardOutput {

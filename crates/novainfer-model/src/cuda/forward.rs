@@ -33,12 +33,14 @@ use novainfer_cuda::GpuContext;
 use super::buffers::{
     head, head_mut, Activations, EditBuffers, KvPool, MaskBuffers, Readback, StepBuffers, StepViews,
 };
+use super::lora::{LoraStep, Part};
 use super::weights::{GpuMatrix, GpuModel};
 use super::{cuda_error, driver_error};
 use crate::config::Qwen2Config;
 use crate::device::Device;
 use crate::error::Result;
 use crate::forward_batch::DrawnToken;
+use crate::lora::Target;
 use crate::prepare::{MixedSteps, PackedStep, StepAttention};
 
 /// What a step returns for its sampled rows.
@@ -75,6 +77,8 @@ pub(crate) struct Step<'a> {
     pub readback: &'a mut Readback,
     pub edits: &'a mut EditBuffers,
     pub masks: &'a mut MaskBuffers,
+    /// The adapters' tables, in a step whose rows use adapters.
+    pub lora: Option<LoraStep<'a>>,
 }
 
 impl Step<'_> {
@@ -105,6 +109,7 @@ impl Step<'_> {
             readback,
             edits,
             masks,
+            lora,
             ..
         } = self;
         let n = step.num_tokens();
@@ -137,6 +142,7 @@ impl Step<'_> {
             act,
             kv,
             scratch,
+            lora,
         };
         body.layers(&views, n, attention)?;
         if rows == 0 {
@@ -183,6 +189,9 @@ pub(crate) struct Body<'b> {
     pub act: &'b mut Activations,
     pub kv: &'b mut KvPool,
     pub scratch: &'b mut DecodeScratch,
+    /// Each row's LoRA update after each projection (`None`: no row has an adapter; a
+    /// captured graph never has one).
+    pub lora: Option<LoraStep<'b>>,
 }
 
 impl Body<'_> {
@@ -201,6 +210,7 @@ impl Body<'_> {
             act,
             kv,
             scratch,
+            lora,
         } = self;
         let gpu: &GpuContext = gpu;
         let (h, f, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
@@ -248,6 +258,25 @@ impl Body<'_> {
                 add_rms_norm::<bf16>(gpu, &x, &mut residual, &weight, eps, &mut normed)?;
             }
             gemm(gpu, &act.normed, &layer.qkv, n, &mut act.qkv, "qkv")?;
+            if let Some(l) = lora.as_mut() {
+                let kv_dim = nkv * hd;
+                let parts = [
+                    Part::new(Target::Q, 0, q_dim),
+                    Part::new(Target::K, q_dim, kv_dim),
+                    Part::new(Target::V, q_dim + kv_dim, kv_dim),
+                ];
+                let rows = &views.lora_rows;
+                l.apply(
+                    gpu,
+                    index,
+                    rows,
+                    &act.normed,
+                    h,
+                    &mut act.qkv,
+                    qkv_dim,
+                    &parts,
+                )?;
+            }
             let pool = &mut kv.layers[index];
             qkv_bias_rope_cache::<bf16>(
                 gpu,
@@ -344,6 +373,11 @@ impl Body<'_> {
                 }
             }
             gemm(gpu, &act.attn, &layer.o_proj, n, &mut act.proj, "proj")?;
+            if let Some(l) = lora.as_mut() {
+                let parts = [Part::new(Target::O, 0, h)];
+                let rows = &views.lora_rows;
+                l.apply(gpu, index, rows, &act.attn, q_dim, &mut act.proj, h, &parts)?;
+            }
             add_rms_norm::<bf16>(
                 gpu,
                 &head(&act.proj, n * h, "proj")?,
@@ -360,6 +394,20 @@ impl Body<'_> {
                 &mut act.gate_up,
                 "gate_up",
             )?;
+            if let Some(l) = lora.as_mut() {
+                let parts = [Part::new(Target::Gate, 0, f), Part::new(Target::Up, f, f)];
+                let rows = &views.lora_rows;
+                l.apply(
+                    gpu,
+                    index,
+                    rows,
+                    &act.normed,
+                    h,
+                    &mut act.gate_up,
+                    2 * f,
+                    &parts,
+                )?;
+            }
             silu_mul_fused::<bf16>(
                 gpu,
                 &head(&act.gate_up, n * 2 * f, "gate_up")?,
@@ -367,6 +415,11 @@ impl Body<'_> {
                 &mut head_mut(&mut act.mlp, n * f, "mlp")?,
             )?;
             gemm(gpu, &act.mlp, &layer.down_proj, n, &mut act.proj, "proj")?;
+            if let Some(l) = lora.as_mut() {
+                let parts = [Part::new(Target::Down, 0, h)];
+                let rows = &views.lora_rows;
+                l.apply(gpu, index, rows, &act.mlp, f, &mut act.proj, h, &parts)?;
+            }
         }
         Ok(())
     }

@@ -125,6 +125,7 @@ impl GraphOps for Runner<'_> {
             act: &mut *s.act,
             kv: &mut *s.kv,
             scratch: &mut *s.scratch,
+            lora: None,
         };
         let attention = Attention::Decode {
             max_seq_len: self.graphs.max_seq_len,

@@ -5,6 +5,7 @@
 //! * [`buffers`]: activations preallocated for a step's limits, the step's metadata buffer
 //!   and its pinned staging copy, the KV pool.
 //! * [`forward`]: one eager step over the launchers.
+//! * [`lora`]: adapters copied to the device on first use, applied after each GEMM.
 //! * [`executor`]: the engine's [`DeviceWeights`] and [`Executor`](crate::Executor) on top.
 //!
 //! What the host prepares (the layout of fused weights, the CPU twin of the dequant
@@ -15,6 +16,7 @@ mod buffers;
 mod executor;
 mod forward;
 mod graphs;
+mod lora;
 mod weights;
 
 use novainfer_cuda::CudaError;

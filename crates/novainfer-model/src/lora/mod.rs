@@ -146,6 +146,17 @@ impl Weights {
         self.len() == 0
     }
 
+    /// Every value as f32 (bf16 widens exactly).
+    fn to_f32(&self) -> Vec<f32> {
+        match self {
+            Weights::F32(w) => w.clone(),
+            Weights::Bf16(w) => w
+                .iter()
+                .map(|&b| f32::from_bits(u32::from(b) << 16))
+                .collect(),
+        }
+    }
+
     fn bytes(&self) -> usize {
         match self {
             Weights::F32(w) => std::mem::size_of_val(w.as_slice()),
@@ -179,6 +190,20 @@ pub struct LoraPair {
 impl LoraPair {
     pub fn rank(&self) -> usize {
         self.rank
+    }
+
+    pub fn scale(&self) -> f32 {
+        self.scale
+    }
+
+    /// `A` (`[rank, in]`) widened to f32, exactly: what a device holds of it.
+    pub fn a_f32(&self) -> Vec<f32> {
+        self.a.to_f32()
+    }
+
+    /// `Bᵀ` (`[rank, out]`) widened to f32.
+    pub fn bt_f32(&self) -> Vec<f32> {
+        self.bt.to_f32()
     }
 
     /// Output features of the projection.
@@ -439,6 +464,23 @@ impl Eq for AdapterRef {}
 impl fmt::Debug for AdapterRef {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "AdapterRef({} {:?})", self.0.id, self.0.name)
+    }
+}
+
+/// Adapters built in memory, for tests elsewhere in the crate.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::*;
+
+    /// Adapter `id` with no updates (`layers` empty layers): enough to tag spans.
+    pub fn empty_adapter(id: u64, layers: usize) -> AdapterRef {
+        AdapterRef(Arc::new(LoraAdapter {
+            id: AdapterId(id),
+            name: format!("a{id}"),
+            source: PathBuf::from("mem"),
+            rank: 1,
+            layers: vec![LayerLora::default(); layers],
+        }))
     }
 }
 

@@ -12,6 +12,7 @@ use novainfer_cuda::sample_params::{DrawMode, RowEdit, RowPenalties, SampleParam
 use crate::draw::{MAX_DEVICE_EDITS, MAX_TOP_LOGPROBS};
 use crate::error::{ModelError, Result};
 use crate::forward_batch::{Draw, ForwardBatch, SpanOutput};
+use crate::lora::AdapterRef;
 
 /// What the executor's buffers and pool were sized for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,6 +76,12 @@ pub struct PackedStep {
     pub prefill_seqs: usize,
     /// The longest `seq_lens` entry.
     pub max_seq_len: usize,
+    /// The LoRA adapters of the step's sequences, each once, in order of first appearance;
+    /// empty when every row runs the base model alone.
+    pub adapters: Vec<AdapterRef>,
+    /// Per token row (empty without adapters): its adapter's index in `adapters`, or −1. The
+    /// executor turns indices into its resident slots before the upload.
+    pub lora_rows: Vec<i32>,
 }
 
 fn bad(field: &str, reason: String) -> ModelError {
@@ -200,6 +207,7 @@ impl PackedStep {
             row_order.extend(range);
             query_start_loc.push(row_order.len() as i32);
         }
+        let (adapters, lora_rows) = lora_rows(&spans, n);
         // Where each of the batch's rows went.
         let mut moved_to = vec![0usize; n];
         for (new, &old) in row_order.iter().enumerate() {
@@ -240,6 +248,8 @@ impl PackedStep {
             max_seq_len: seq_lens.iter().copied().max().unwrap_or(0) as usize,
             seq_lens,
             query_start_loc,
+            adapters,
+            lora_rows,
             sample_rows: batch
                 .logits_indices()
                 .iter()
@@ -362,6 +372,30 @@ impl Draws {
     }
 }
 
+/// The distinct adapters of `spans` (in packed order) and each packed row's index among them
+/// (−1: none); both empty when no span has an adapter.
+fn lora_rows(spans: &[&crate::forward_batch::SeqSpan], n: usize) -> (Vec<AdapterRef>, Vec<i32>) {
+    if spans.iter().all(|s| s.adapter.is_none()) {
+        return (Vec::new(), Vec::new());
+    }
+    let mut adapters: Vec<AdapterRef> = Vec::new();
+    let mut rows = Vec::with_capacity(n);
+    for span in spans {
+        let index = match &span.adapter {
+            None => -1,
+            Some(a) => match adapters.iter().position(|b| b == a) {
+                Some(i) => i as i32,
+                None => {
+                    adapters.push(a.clone());
+                    (adapters.len() - 1) as i32
+                }
+            },
+        };
+        rows.extend(std::iter::repeat_n(index, span.query_len));
+    }
+    (adapters, rows)
+}
+
 /// `values` in `order` (an index per output).
 fn permuted<T: Copy>(values: &[T], order: &[usize]) -> Vec<T> {
     order.iter().map(|&r| values[r]).collect()
@@ -470,6 +504,7 @@ pub struct StepLayout {
     pub edit_offsets: usize,
     pub tops: usize,
     pub masks_at: usize,
+    pub lora_rows: usize,
     pub block_tables: usize,
     pub total: usize,
     pub max_blocks_per_seq: usize,
@@ -500,6 +535,7 @@ impl StepLayout {
         let edit_offsets = section(4 * (s + 1));
         let tops = section(4 * s);
         let masks_at = section(4 * s);
+        let lora_rows = section(4 * t);
         let block_tables = section(4 * s * cap.max_blocks_per_seq);
         Self {
             slot_mapping,
@@ -515,6 +551,7 @@ impl StepLayout {
             edit_offsets,
             tops,
             masks_at,
+            lora_rows,
             block_tables,
             total: at.max(ALIGN),
             max_blocks_per_seq: cap.max_blocks_per_seq,
@@ -573,6 +610,11 @@ impl StepLayout {
             staging,
             self.host_rows,
             step.host_rows.iter().map(|v| v.to_ne_bytes()),
+        );
+        put(
+            staging,
+            self.lora_rows,
+            step.lora_rows.iter().map(|v| v.to_ne_bytes()),
         );
         put(
             staging,
@@ -781,6 +823,42 @@ mod tests {
         assert_eq!(kinds.len(), 3, "every kind of step came up");
     }
 
+    /// Rows carry their sequence's adapter (an index into the step's distinct adapters, in
+    /// packed order) through the reordering; a step without adapters carries nothing.
+    #[test]
+    fn lora_rows_follow_their_sequences() {
+        use crate::lora::test_support::empty_adapter;
+        let (a, b) = (empty_adapter(7, 1), empty_adapter(9, 1));
+        let cap = StepCapacity {
+            max_tokens: 16,
+            max_seqs: 8,
+            ..CAP
+        };
+        let mut batch = ForwardBatch::default();
+        let spans: [(&[u32], Option<&AdapterRef>); 4] = [
+            (&[1], Some(&a)),
+            (&[2, 3, 4], Some(&b)),
+            (&[5], None),
+            (&[6, 7], Some(&a)),
+        ];
+        for (i, (tokens, adapter)) in spans.iter().enumerate() {
+            let table = vec![i as u32];
+            let slots = slots(&table, 0..tokens.len());
+            batch.push(tokens, 0, slots, table, true);
+            batch.seqs[i].adapter = adapter.cloned();
+        }
+        let p = PackedStep::pack(&batch, &cap).expect("valid");
+        // Packed: the chunks [2, 3, 4] (b) and [6, 7] (a) first, then the decodes [1] (a), [5].
+        assert_eq!(p.token_ids, [2, 3, 4, 6, 7, 1, 5]);
+        assert_eq!(p.adapters, [b.clone(), a.clone()]);
+        assert_eq!(p.lora_rows, [0, 0, 0, 1, 1, 1, -1]);
+        for s in &mut batch.seqs {
+            s.adapter = None;
+        }
+        let plain = PackedStep::pack(&batch, &cap).expect("valid");
+        assert!(plain.adapters.is_empty() && plain.lora_rows.is_empty());
+    }
+
     #[test]
     fn the_mixed_step_switch_parses() {
         assert_eq!(MixedSteps::default(), MixedSteps::Split);
@@ -827,6 +905,7 @@ mod tests {
             layout.edit_offsets,
             layout.tops,
             layout.masks_at,
+            layout.lora_rows,
             layout.block_tables,
         ] {
             assert_eq!(at % ALIGN, 0);
