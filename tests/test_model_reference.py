@@ -68,6 +68,22 @@ def test_dtype_override_runs_in_that_precision(tiny_models, dtype):
     assert _max_diff(exact, ref) <= 1e-4
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_a_16_bit_checkpoint_keeps_its_dtype_with_the_f32_bits_at_half_the_bytes(tiny_models, dtype):
+    # dtype="auto" holds a bf16/f16 checkpoint as stored; the CPU kernel widens each weight exactly to the
+    # f32 it equals and sums in the f32 path's order, so the logits are dtype="f32"'s bit for bit (prefill,
+    # several rows, and decode, one row), while a decode step reads half the weight bytes.
+    held = LLM(tiny_models[dtype], kv_cache_dtype="f32")
+    widened = LLM(tiny_models[dtype], kv_cache_dtype="f32", dtype="f32")
+    assert np.array_equal(logits_of(held, PROMPT), logits_of(widened, PROMPT))
+    assert np.array_equal(logits_of(held, PROMPT, step_by_step=True), logits_of(widened, PROMPT, step_by_step=True))
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
+    a, b = held.generate(PROMPT, params)[0].outputs[0], widened.generate(PROMPT, params)[0].outputs[0]
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    half_bytes, full_bytes = held.stats()["weight_bytes_per_token"], widened.stats()["weight_bytes_per_token"]
+    assert 0.45 < half_bytes / full_bytes < 0.55, (half_bytes, full_bytes)
+
+
 # Measured on the tiny model's prompt (max |Δlogit| against the f32 cache, logits of std ~1): f16 6.2e-4,
 # bf16 5.2e-3, q8_0 1.6e-2, argmax equal everywhere. The bounds leave about 5x.
 @pytest.mark.parametrize(("kv_cache_dtype", "bound"), [("f16", 3e-3), ("bf16", 0.025), ("q8_0", 0.08)])

@@ -68,7 +68,8 @@ class LLM:
 
     `model` is a local HF directory, a local ``.gguf`` file, or a demo-model name such as
     ``"qwen2.5-coder-0.5b"`` (fetched and cached on first use). `dtype` chooses how safetensors weights are
-    held (``"auto"`` keeps f32 on CPU; GGUF tensors keep their own types). `max_model_len` caps prompt +
+    held (``"auto"`` keeps each tensor's stored f32/bf16/f16, which on the CPU gives the f32 path's bits at half
+    the bytes for a 16-bit checkpoint; GGUF tensors keep their own types). `max_model_len` caps prompt +
     output tokens (default: the model's context length, or what the KV cache holds if that is less). `seed` is
     the base seed: a request without its own seed samples with `seed` + its request number, so repeated
     requests differ while a fresh `LLM` replays the same sequence of requests exactly.

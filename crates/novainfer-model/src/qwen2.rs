@@ -31,7 +31,8 @@ use crate::rope_scaling::RopeScaling;
 /// How dense (safetensors) weights are stored in memory. GGUF tensors keep their own types.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum DtypeChoice {
-    /// f32 on CPU: exact for f32/bf16/f16 checkpoints and the fastest CPU matmul.
+    /// Each tensor as stored (f32, bf16 or f16): exact, and on the CPU our dense kernel widens
+    /// 16-bit weights in registers with the f32 path's bits at half the bytes.
     #[default]
     Auto,
     Fixed(WeightDtype),
@@ -47,9 +48,10 @@ impl DtypeChoice {
         }
     }
 
-    fn storage(self) -> DType {
+    /// The dtype a dense tensor stored as `stored` is held in.
+    fn storage(self, stored: DType) -> DType {
         match self {
-            Self::Auto => DType::F32,
+            Self::Auto => stored,
             Self::Fixed(d) => d.candle(),
         }
     }
@@ -565,7 +567,8 @@ impl<S: TensorSource> Builder<S> {
     }
 
     fn dense(&self, t: Tensor) -> Result<Tensor> {
-        Ok(t.to_dtype(self.opts.dtype.storage())?)
+        let dtype = self.opts.dtype.storage(t.dtype());
+        Ok(t.to_dtype(dtype)?)
     }
 
     fn linear(&mut self, prefix: &str, out: usize, inp: usize, bias: bool) -> Result<Linear> {

@@ -41,7 +41,7 @@ pub struct ServeArgs {
     /// cache); the KV cache gets what the weights leave. Ignored on the CPU.
     #[arg(long, default_value_t = novainfer_engine::DEFAULT_GPU_MEMORY_UTILIZATION)]
     pub gpu_memory_utilization: f64,
-    /// Weight dtype for safetensors models: auto, f32, bf16, f16.
+    /// Weight dtype for safetensors models: auto (each tensor as stored), f32, bf16, f16.
     #[arg(long, default_value = "auto")]
     pub dtype: String,
     /// Longest prompt + output in tokens (default: the model's context length, on the CPU at

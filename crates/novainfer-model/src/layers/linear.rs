@@ -75,9 +75,9 @@ impl Linear {
         Ok(y)
     }
 
-    /// [`Self::forward`] into `y` (its capacity reused). Our packed kernels and the dense f32
-    /// path allocate nothing once `y` has grown; candle's paths (other quant types, bf16/f16
-    /// dense weights) allocate their tensors.
+    /// [`Self::forward`] into `y` (its capacity reused). Our packed kernels and the dense
+    /// f32/bf16/f16 path allocate nothing once `y` has grown; candle's path (other quant types)
+    /// allocates its tensors.
     pub fn forward_into(&self, x: &[f32], rows: usize, y: &mut Vec<f32>) -> Result<()> {
         debug_assert_eq!(
             x.len(),
@@ -88,13 +88,31 @@ impl Linear {
         match &self.weight {
             Weight::Packed(w) => w.matmul_into(x, rows, y),
             Weight::Quantized(w) => *y = to_vec(w.forward(&xt()?)?)?,
-            Weight::Dense(w) if w.dtype() == DType::F32 && w.is_contiguous() => {
+            Weight::Dense(w)
+                if matches!(w.dtype(), DType::F32 | DType::BF16 | DType::F16)
+                    && w.is_contiguous() =>
+            {
                 let (storage, layout) = w.storage_and_layout();
                 let candle_core::Storage::Cpu(cpu) = &*storage else {
                     unreachable!("weights are loaded on the CPU: this is a bug")
                 };
-                let data = &cpu.as_slice::<f32>()?[layout.start_offset()..];
-                super::dense::matmul_f32_into(x, rows, data, self.out_features, self.in_features, y)
+                let (start, n, k) = (layout.start_offset(), self.out_features, self.in_features);
+                // Our kernel for every float dtype: 16-bit weights widen exactly in it, so
+                // they give the f32 path's bits at half the bytes.
+                match w.dtype() {
+                    DType::BF16 => {
+                        let data = &cpu.as_slice::<half::bf16>()?[start..];
+                        super::dense::matmul_into(x, rows, data, n, k, y)
+                    }
+                    DType::F16 => {
+                        let data = &cpu.as_slice::<half::f16>()?[start..];
+                        super::dense::matmul_into(x, rows, data, n, k, y)
+                    }
+                    _ => {
+                        let data = &cpu.as_slice::<f32>()?[start..];
+                        super::dense::matmul_into(x, rows, data, n, k, y)
+                    }
+                }
             }
             Weight::Dense(w) => {
                 *y = to_vec(

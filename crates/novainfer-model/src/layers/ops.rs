@@ -155,7 +155,9 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     dot_with(a, b)
 }
 
-/// A stored weight a [`dot_with`] reads: f32, or bf16 bits (widened exactly by a shift).
+/// A stored weight a [`dot_with`] reads: f32, bf16 (bits or `half::bf16`, widened exactly by a
+/// shift) or f16 (widened exactly by F16C). Each widens to the f32 it equals, so a dot over
+/// 16-bit weights has the bits of the same dot over the weights stored as f32.
 pub trait DotElem: Copy {
     fn to_f32(self) -> f32;
     /// Eight consecutive values from `p` as f32 lanes.
@@ -195,6 +197,38 @@ impl DotElem for u16 {
             let bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast::<__m128i>()));
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(bits))
         }
+    }
+}
+
+impl DotElem for half::bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self.to_bits().to_f32()
+    }
+
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        // SAFETY: `half::bf16` is `repr(transparent)` over its u16 bits; the caller
+        // guarantees eight readable values.
+        unsafe { u16::load8(p.cast::<u16>()) }
+    }
+}
+
+impl DotElem for half::f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        // Exact: every f16 is an f32.
+        half::f16::to_f32(self)
+    }
+
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees eight readable values (16 bytes); F16C comes with
+        // the crate's x86-64-v3 baseline (every AVX2 CPU has it), and the conversion is exact.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast::<__m128i>())) }
     }
 }
 
