@@ -5,11 +5,18 @@
 
 /// An output buffer's base pointer, shared with the pool's threads. Each work
 /// item must write only the range it owns.
-#[derive(Clone, Copy)]
-pub(crate) struct SharedOut(*mut f32);
+pub(crate) struct SharedOut<T = f32>(*mut T);
 
-impl SharedOut {
-    pub(crate) fn new(out: &mut [f32]) -> Self {
+// Copy for any `T` (a derive would ask `T: Copy` of what is only a pointer's target).
+impl<T> Clone for SharedOut<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SharedOut<T> {}
+
+impl<T> SharedOut<T> {
+    pub(crate) fn new(out: &mut [T]) -> Self {
         Self(out.as_mut_ptr())
     }
 
@@ -18,12 +25,12 @@ impl SharedOut {
     /// # Safety
     /// The range must lie inside the buffer, and no other thread may access it
     /// while the returned slice lives.
-    pub(crate) unsafe fn range<'a>(self, start: usize, len: usize) -> &'a mut [f32] {
+    pub(crate) unsafe fn range<'a>(self, start: usize, len: usize) -> &'a mut [T] {
         // SAFETY: guaranteed by the caller (see above).
         unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
     }
 }
 
 // SAFETY: threads only write through it to disjoint ranges (see `range`).
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
+unsafe impl<T: Send> Send for SharedOut<T> {}
+unsafe impl<T: Send> Sync for SharedOut<T> {}

@@ -14,6 +14,7 @@ use candle_core::Tensor;
 
 use super::{dims2, expect_shape, field, scales, words, IntMatrix};
 use crate::error::{ModelError, Result};
+use crate::layers::parallel::SharedOut;
 use crate::loader::quant_config::{Awq, Bits};
 
 /// Output column (within a word's 8) held by nibble `k`.
@@ -48,14 +49,22 @@ pub fn unpack(
 
     let qw = words(&qw_name, qweight)?;
     let mut q = vec![0u8; outputs * inputs];
-    for i in 0..inputs {
-        for c in 0..words_per_row {
-            let word = qw[i * words_per_row + c];
-            for (k, &col) in ORDER.iter().enumerate() {
-                q[(PER_WORD * c + col) * inputs + i] = field(word, k, Bits::Four) as u8;
+    // Word column c fills output rows 8c..8c + 8, one value of each per input: items own whole
+    // rows, and each writes its rows front to back (the input-major words are read with a
+    // stride, which the next column's pass finds still in cache).
+    let out = SharedOut::new(&mut q);
+    candle_core::utils::barrier_pool().execute_chunked(words_per_row, |cols| {
+        for c in cols {
+            // SAFETY: rows 8c..8c + 8 of `q` belong to word column c alone.
+            let rows = unsafe { out.range(PER_WORD * c * inputs, PER_WORD * inputs) };
+            for i in 0..inputs {
+                let word = qw[i * words_per_row + c];
+                for (k, &col) in ORDER.iter().enumerate() {
+                    rows[col * inputs + i] = field(word, k, Bits::Four) as u8;
+                }
             }
         }
-    }
+    });
     let qz = words(&qz_name, qzeros)?;
     let mut zeros = vec![0u16; groups * outputs];
     for g in 0..groups {

@@ -15,6 +15,7 @@ use candle_core::{DType, Tensor};
 
 use super::{dims2, expect_shape, field, scales, words, IntMatrix};
 use crate::error::{ModelError, Result};
+use crate::layers::parallel::SharedOut;
 use crate::loader::quant_config::Gptq;
 
 /// Unpacks layer `prefix`'s `qweight`, `qzeros`, `scales` and optional `g_idx`.
@@ -48,14 +49,21 @@ pub fn unpack(
 
     let qw = words(&qw_name, qweight)?;
     let mut q = vec![0u8; outputs * inputs];
-    for r in 0..packed_rows {
-        for o in 0..outputs {
-            let word = qw[r * outputs + o];
-            for k in 0..per_word {
-                q[o * inputs + per_word * r + k] = field(word, k, cfg.bits) as u8;
+    // Items own output rows and write each front to back (the words of a row are read with a
+    // stride of one packed row).
+    let out = SharedOut::new(&mut q);
+    candle_core::utils::barrier_pool().execute_chunked(outputs, |rows| {
+        for o in rows {
+            // SAFETY: row o of `q` belongs to this item alone.
+            let row = unsafe { out.range(o * inputs, inputs) };
+            for r in 0..packed_rows {
+                let word = qw[r * outputs + o];
+                for k in 0..per_word {
+                    row[per_word * r + k] = field(word, k, cfg.bits) as u8;
+                }
             }
         }
-    }
+    });
     let qz = words(&qz_name, qzeros)?;
     let offset = cfg.zeros.offset();
     let zeros = (0..groups * outputs)

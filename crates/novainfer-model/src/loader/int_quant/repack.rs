@@ -23,6 +23,7 @@ use candle_core::{Device, Tensor};
 
 use super::{IntMatrix, Scales};
 use crate::error::Result;
+use crate::layers::parallel::SharedOut;
 use crate::loader::quant_config::Bits;
 use crate::loader::RawTensor;
 
@@ -101,43 +102,56 @@ fn quantized(m: &IntMatrix, dtype: GgmlDType, blocks: Vec<u8>) -> Result<RawTens
     )?))
 }
 
-/// The (scale, `q − z`) of each 32-channel block of each row, in GGML's row-major order.
-/// The caller checked that each block lies in one group.
-fn blocks<'a>(
-    m: &'a IntMatrix,
-    s: &'a [half::f16],
-) -> impl Iterator<Item = (half::f16, [i32; QK])> + 'a {
-    (0..m.rows).flat_map(move |o| {
-        (0..m.cols / QK).map(move |b| {
-            let g = m.group_of[b * QK] as usize;
-            let x = std::array::from_fn(|j| m.centered(o, b * QK + j));
-            (s[g * m.rows + o], x)
-        })
-    })
+/// Writes each row's blocks (`block_bytes` each, in GGML's row-major order) with `encode(d,
+/// x)` from the row's (scale, `q − z`) of each 32-channel block, rows in parallel. The caller
+/// checked that each block lies in one group.
+fn blocks(
+    m: &IntMatrix,
+    s: &[half::f16],
+    block_bytes: usize,
+    encode: impl Fn(half::f16, &[i32; QK], &mut [u8]) + Sync,
+) -> Vec<u8> {
+    let per_row = m.cols / QK;
+    let mut out = vec![0u8; m.rows * per_row * block_bytes];
+    let shared = SharedOut::new(&mut out);
+    candle_core::utils::barrier_pool().execute_chunked(m.rows, |rows| {
+        for o in rows {
+            // SAFETY: row o's blocks belong to this item alone.
+            let dst = unsafe { shared.range(o * per_row * block_bytes, per_row * block_bytes) };
+            let q = &m.q[o * m.cols..(o + 1) * m.cols];
+            for (b, block) in dst.chunks_exact_mut(block_bytes).enumerate() {
+                let g = m.group_of[b * QK] as usize * m.rows + o;
+                let z = i32::from(m.zeros[g]);
+                let x: [i32; QK] = std::array::from_fn(|j| i32::from(q[b * QK + j]) - z);
+                encode(s[g], &x, block);
+            }
+        }
+    });
+    out
 }
 
 /// ggml's `block_q5_0`: `d: f16`, `qh: u32` (bit j = bit 4 of value j), `qs: [u8; 16]`
 /// (value j in the low nibble of byte j, value j + 16 in its high nibble); stored `x + 16`.
 fn q5_0(m: &IntMatrix, s: &[half::f16]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(m.rows * m.cols / QK * 22);
-    for (d, x) in blocks(m, s) {
+    blocks(m, s, 22, |d, x, out| {
         // x ∈ [−16, 15] for 4-bit weights (IntMatrix bounds q < 16 and z ≤ 16).
         let v: [u8; QK] = std::array::from_fn(|j| (x[j] + 16) as u8);
         let qh = (0..QK).fold(0u32, |acc, j| acc | (u32::from(v[j] >> 4) << j));
-        out.extend_from_slice(&d.to_le_bytes());
-        out.extend_from_slice(&qh.to_le_bytes());
-        out.extend((0..QK / 2).map(|j| (v[j] & 0x0F) | ((v[j + QK / 2] & 0x0F) << 4)));
-    }
-    out
+        out[0..2].copy_from_slice(&d.to_le_bytes());
+        out[2..6].copy_from_slice(&qh.to_le_bytes());
+        for j in 0..QK / 2 {
+            out[6 + j] = (v[j] & 0x0F) | ((v[j + QK / 2] & 0x0F) << 4);
+        }
+    })
 }
 
 /// ggml's `block_q8_0`: `d: f16`, `qs: [i8; 32]`.
 fn q8_0(m: &IntMatrix, s: &[half::f16]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(m.rows * m.cols / QK * 34);
-    for (d, x) in blocks(m, s) {
-        out.extend_from_slice(&d.to_le_bytes());
+    blocks(m, s, 34, |d, x, out| {
+        out[0..2].copy_from_slice(&d.to_le_bytes());
         // The plan checked every x fits an i8.
-        out.extend(x.iter().map(|&v| v as i8 as u8));
-    }
-    out
+        for (o, &v) in out[2..].iter_mut().zip(x) {
+            *o = v as i8 as u8;
+        }
+    })
 }
