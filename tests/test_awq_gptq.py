@@ -179,32 +179,43 @@ VARIANTS = {
 }
 
 
-def write_quantized(out: Path, qcfg: dict, seed: int = 0) -> Path:
-    """The tiny model (head_dim 64) with every decoder linear layer in `qcfg`'s format; embeddings, norms,
-    biases and lm_head stay f32 (AWQ and GPTQ leave them unquantized too)."""
+SAFETENSORS_KIND = {np.dtype("float32"): "F32", np.dtype("float16"): "F16", np.dtype("int32"): "I32",
+                    np.dtype("uint8"): "F8_E4M3"}
+
+
+def write_with_quantized_linears(out: Path, qcfg: dict, torch_dtype: str, parts_of, seed: int = 0) -> Path:
+    """The tiny model (head_dim 64) with each decoder linear layer's weight replaced by the tensors
+    `parts_of(prefix, weight)` returns (suffix → array; uint8 arrays are FP8 codes); embeddings, norms,
+    biases and lm_head stay f32, as quantizers leave them. config.json gets `qcfg` and `torch_dtype`."""
     write_tiny_model(out, head_dim=HEAD_DIM, seed=seed)
     dense = load_safetensors(out / "model.safetensors")
-    rng = np.random.default_rng(seed + 1)
     entries = {}
     for name, array in dense.items():
         prefix = name.removesuffix(".weight")
         if not any(prefix.endswith(layer) for layer in LINEARS) or not name.endswith(".weight"):
             entries[name] = TensorEntry("F32", array.shape, lambda a=array: a)
             continue
-        if qcfg["quant_method"] == "awq":
-            parts = awq_tensors(array, qcfg["group_size"])
-        else:
-            parts = gptq_tensors(array, qcfg["group_size"], qcfg["bits"], qcfg.get("sym", True),
-                                 qcfg.get("desc_act", False), qcfg.get("checkpoint_format") == "gptq_v2", rng)
-        for part, value in parts.items():
-            kind = "F16" if value.dtype == np.float16 else "I32"
-            entries[f"{prefix}.{part}"] = TensorEntry(kind, value.shape, lambda v=value: v)
+        for part, value in parts_of(prefix, array).items():
+            entries[f"{prefix}.{part}"] = TensorEntry(SAFETENSORS_KIND[value.dtype], value.shape, lambda v=value: v)
     write_safetensors(out / "model.safetensors", entries)
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = qcfg
-    config["torch_dtype"] = "float16"
+    config["torch_dtype"] = torch_dtype
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def write_quantized(out: Path, qcfg: dict, seed: int = 0) -> Path:
+    """The tiny model with every decoder linear layer in `qcfg`'s format (AWQ or GPTQ)."""
+    rng = np.random.default_rng(seed + 1)
+
+    def parts_of(_prefix: str, array: np.ndarray) -> dict[str, np.ndarray]:
+        if qcfg["quant_method"] == "awq":
+            return awq_tensors(array, qcfg["group_size"])
+        return gptq_tensors(array, qcfg["group_size"], qcfg["bits"], qcfg.get("sym", True),
+                            qcfg.get("desc_act", False), qcfg.get("checkpoint_format") == "gptq_v2", rng)
+
+    return write_with_quantized_linears(out, qcfg, "float16", parts_of, seed)
 
 
 def q8_0_activations(x: np.ndarray) -> np.ndarray:
@@ -351,8 +362,7 @@ def test_a_malformed_packed_layer_is_a_load_error_naming_the_tensor(quantized, t
     name = "model.layers.1.mlp.up_proj.qzeros"
     tensors[name] = tensors[name][:, :-1].copy()
     entries = {
-        n: TensorEntry({np.dtype("<f4"): "F32", np.dtype("<f2"): "F16", np.dtype("<i4"): "I32"}[a.dtype], a.shape,
-                       lambda a=a: a)
+        n: TensorEntry(SAFETENSORS_KIND[a.dtype], a.shape, lambda a=a: a)
         for n, a in tensors.items()
     }
     write_safetensors(path / "model.safetensors", entries)

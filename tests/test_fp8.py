@@ -22,7 +22,7 @@ from conftest import PROMPT, logits_of
 from gguf_to_hf import TensorEntry, write_safetensors
 from novainfer import LLM, ModelLoadError, SamplingParams
 from numpy_qwen2 import Qwen2Reference, greedy_generate, load_safetensors
-from test_awq_gptq import LINEARS, read_raw_safetensors
+from test_awq_gptq import SAFETENSORS_KIND, write_with_quantized_linears
 from tiny_qwen2 import special_token_ids, write_tiny_model
 
 HEAD_DIM = 64  # hidden 256, intermediate 512
@@ -88,29 +88,23 @@ VARIANTS = {
 
 def write_fp8(out: Path, qcfg: dict, granularity: str | None, seed: int = 0) -> Path:
     """The tiny model with every decoder linear layer in FP8; embeddings, norms, biases, lm_head stay f32."""
-    write_tiny_model(out, head_dim=HEAD_DIM, seed=seed)
-    dense = load_safetensors(out / "model.safetensors")
-    entries = {}
-    for name, array in dense.items():
-        prefix = name.removesuffix(".weight")
-        if not any(prefix.endswith(layer) for layer in LINEARS) or not name.endswith(".weight"):
-            entries[name] = TensorEntry("F32", array.shape, lambda a=array: a)
-            continue
-        for part, value in fp8_tensors(array, qcfg, granularity).items():
-            kind = "F8_E4M3" if value.dtype == np.uint8 else "F32"
-            entries[f"{prefix}.{part}"] = TensorEntry(kind, value.shape, lambda v=value: v)
+
+    def parts_of(prefix: str, array: np.ndarray) -> dict[str, np.ndarray]:
+        parts = fp8_tensors(array, qcfg, granularity)
         if qcfg["activation_scheme"] == "static":
-            entries[f"{prefix}.input_scale"] = TensorEntry("F32", (), lambda: np.array(0.01, dtype=np.float32))
-            if prefix.endswith("self_attn.q_proj"):  # and an FP8 KV cache's scales, as vLLM writes them
-                attn = prefix.removesuffix(".q_proj")
-                for kv in ("k_scale", "v_scale"):
-                    entries[f"{attn}.{kv}"] = TensorEntry("F32", (), lambda: np.array(0.5, dtype=np.float32))
-    write_safetensors(out / "model.safetensors", entries)
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = qcfg
-    config["torch_dtype"] = "bfloat16"
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
+            parts["input_scale"] = np.array(0.01, dtype=np.float32)
+        return parts
+
+    path = write_with_quantized_linears(out, qcfg, "bfloat16", parts_of, seed)
+    if qcfg["activation_scheme"] == "static":
+        # An FP8 KV cache's scales, as vLLM writes them beside the attention's projections.
+        tensors = read_tensors(path / "model.safetensors")
+        for layer in range(json.loads((path / "config.json").read_text())["num_hidden_layers"]):
+            for kv in ("k_scale", "v_scale"):
+                tensors[f"model.layers.{layer}.self_attn.{kv}"] = np.array(0.5, dtype=np.float32)
+        entries = {n: TensorEntry(SAFETENSORS_KIND[a.dtype], a.shape, lambda a=a: a) for n, a in tensors.items()}
+        write_safetensors(path / "model.safetensors", entries)
+    return path
 
 
 def read_tensors(path: Path) -> dict[str, np.ndarray]:
@@ -196,8 +190,7 @@ def _edit(src: Path, dst: Path, *, config=None, drop: str | None = None, reshape
             del tensors[drop]
         if reshape:
             tensors[reshape] = tensors[reshape][:-1].copy()
-        entries = {n: TensorEntry("F8_E4M3" if a.dtype == np.uint8 else "F32", a.shape, lambda a=a: a)
-                   for n, a in tensors.items()}
+        entries = {n: TensorEntry(SAFETENSORS_KIND[a.dtype], a.shape, lambda a=a: a) for n, a in tensors.items()}
         write_safetensors(dst / "model.safetensors", entries)
     return dst
 
