@@ -117,8 +117,8 @@ def gptq_tensors(w, group: int, bits: int, sym: bool, desc_act: bool, v2: bool, 
 
 
 def read_raw_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file with its stored dtype (I32 included)."""
-    dtypes = {"F32": "<f4", "F16": "<f2", "I32": "<i4"}
+    """Every tensor of a safetensors file with its stored dtype (I32 included; FP8 as its uint8 codes)."""
+    dtypes = {"F32": "<f4", "F16": "<f2", "I32": "<i4", "F8_E4M3": "u1"}
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])

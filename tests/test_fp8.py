@@ -22,7 +22,7 @@ from conftest import PROMPT, logits_of
 from gguf_to_hf import TensorEntry, write_safetensors
 from novainfer import LLM, ModelLoadError, SamplingParams
 from numpy_qwen2 import Qwen2Reference, greedy_generate, load_safetensors
-from test_awq_gptq import SAFETENSORS_KIND, write_with_quantized_linears
+from test_awq_gptq import SAFETENSORS_KIND, read_raw_safetensors, write_with_quantized_linears
 from tiny_qwen2 import special_token_ids, write_tiny_model
 
 HEAD_DIM = 64  # hidden 256, intermediate 512
@@ -98,7 +98,7 @@ def write_fp8(out: Path, qcfg: dict, granularity: str | None, seed: int = 0) -> 
     path = write_with_quantized_linears(out, qcfg, "bfloat16", parts_of, seed)
     if qcfg["activation_scheme"] == "static":
         # An FP8 KV cache's scales, as vLLM writes them beside the attention's projections.
-        tensors = read_tensors(path / "model.safetensors")
+        tensors = read_raw_safetensors(path / "model.safetensors")
         for layer in range(json.loads((path / "config.json").read_text())["num_hidden_layers"]):
             for kv in ("k_scale", "v_scale"):
                 tensors[f"model.layers.{layer}.self_attn.{kv}"] = np.array(0.5, dtype=np.float32)
@@ -107,25 +107,10 @@ def write_fp8(out: Path, qcfg: dict, granularity: str | None, seed: int = 0) -> 
     return path
 
 
-def read_tensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of the file; FP8 ones as their uint8 codes."""
-    data = path.read_bytes()
-    n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + n])
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        dtype = {"F32": "<f4", "F8_E4M3": "u1"}[info["dtype"]]
-        out[name] = np.frombuffer(data[8 + n + begin : 8 + n + end], dtype=dtype).reshape(info["shape"])
-    return out
-
-
 def reference_for(path: Path) -> Qwen2Reference:
     config = json.loads((path / "config.json").read_text())
     qcfg = config["quantization_config"]
-    tensors = read_tensors(path / "model.safetensors")
+    tensors = read_raw_safetensors(path / "model.safetensors")
     weights = {}
     for name, array in tensors.items():
         if array.dtype == np.uint8:
@@ -185,7 +170,7 @@ def _edit(src: Path, dst: Path, *, config=None, drop: str | None = None, reshape
         config(cfg)
         (dst / "config.json").write_text(json.dumps(cfg))
     if drop or reshape:
-        tensors = read_tensors(dst / "model.safetensors")
+        tensors = read_raw_safetensors(dst / "model.safetensors")
         if drop:
             del tensors[drop]
         if reshape:
