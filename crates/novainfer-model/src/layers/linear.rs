@@ -76,8 +76,9 @@ impl Linear {
     }
 
     /// [`Self::forward`] into `y` (its capacity reused). Our packed kernels and the dense
-    /// f32/bf16/f16 path allocate nothing once `y` has grown; candle's path (other quant types)
-    /// allocates its tensors.
+    /// f32/bf16/f16 path allocate nothing for a decode row once `y` has grown (several rows of
+    /// 16-bit weights widen into a scratch row per pool thread and call); candle's path (other
+    /// quant types) allocates its tensors.
     pub fn forward_into(&self, x: &[f32], rows: usize, y: &mut Vec<f32>) -> Result<()> {
         debug_assert_eq!(
             x.len(),
