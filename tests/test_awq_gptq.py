@@ -12,8 +12,8 @@ GPTQ change which integers are stored, not how), and packing follows the formats
   int32 [in] (the group of each input channel; permuted under desc_act). checkpoint_format "gptq" stores
   zero points minus 1 (readers add it back), "gptq_v2" stores them as they are.
 
-The reference dequantizes the files (w = s * (q - z)) with its own reader. Layers the engine repacks into
-Q5_0/Q8_0 blocks keep those weights exactly but multiply them with int8-quantized activations, as every
+The reference dequantizes the files (w = s * (q - z)) with its own reader. Layers the engine keeps as int4
+groups of 128 (group size 128 or per channel) or repacks into Q5_0/Q8_0 blocks keep those weights exactly but multiply them with int8-quantized activations, as every
 quantized format does on the CPU, so their logits are close, not equal; layers it dequantizes (GPTQ
 act-order, asymmetric 8-bit) run dense f32 and must match to 1e-4.
 """
@@ -30,7 +30,7 @@ import pytest
 
 from conftest import PROMPT, logits_of
 from gguf_to_hf import TensorEntry, write_safetensors
-from novainfer import LLM, ModelLoadError, SamplingParams
+from novainfer import LLM, InvalidParameterError, ModelLoadError, SamplingParams
 from numpy_qwen2 import Qwen2Reference, greedy_generate, load_safetensors
 from tiny_qwen2 import special_token_ids, write_tiny_model
 
@@ -294,7 +294,7 @@ def test_logits_match_the_reference_on_the_dequantized_weights(quantized, varian
         # Dequantized at load (exactly): the dense f32 path, as exact as an f32 checkpoint.
         assert _max_diff(got, ref) <= 1e-4
     else:
-        # Repacked into Q5_0/Q8_0 blocks: exact weights times int8 activations, whose rounding shows here
+        # Int4 groups or Q5_0/Q8_0 blocks: exact weights times int8 activations, whose rounding shows here
         # (measured 0.05-0.065 on logits of std ~1); the next test takes it out.
         assert _max_diff(got, ref) <= 0.15
 
@@ -368,3 +368,16 @@ def test_a_malformed_packed_layer_is_a_load_error_naming_the_tensor(quantized, t
     write_safetensors(path / "model.safetensors", entries)
     with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.up_proj\.qzeros"):
         LLM(path)
+
+
+def test_a_q8_0_lm_head_reads_fewer_bytes_and_keeps_the_logits_close(quantized):
+    # AWQ leaves the head dense (f32 in these files, f16 in Qwen's): q8_0 quantizes it at load.
+    path = quantized["awq-g128"]
+    exact = LLM(path, kv_cache_dtype="f32")
+    q8 = LLM(path, kv_cache_dtype="f32", lm_head_dtype="q8_0")
+    head_bytes = 4 * json.loads((path / "config.json").read_text())["vocab_size"] * 256
+    assert q8.stats()["weight_bytes_per_token"] < exact.stats()["weight_bytes_per_token"] - head_bytes // 2
+    a, b = logits_of(exact, PROMPT), logits_of(q8, PROMPT)
+    assert 0 < _max_diff(a, b) <= 0.05 * float(a.std()), _max_diff(a, b)
+    with pytest.raises(InvalidParameterError, match="lm_head_dtype"):
+        LLM(path, lm_head_dtype="q4_k")

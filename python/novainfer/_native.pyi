@@ -100,6 +100,7 @@ class Engine:
         max_model_len: int | None = None,
         seed: int = 0,
         requantize_q5_0: bool = False,
+        lm_head_dtype: str = "auto",
         enforce_eager: bool = False,
         block_size: int = 16,
         kv_cache_bytes: int | None = None,

@@ -8,7 +8,8 @@ use novainfer_core::{KvLayout, ParamError, SamplingParams, SchedulerConfig, Sche
 use novainfer_model::device::{self, Resolved};
 use novainfer_model::{
     load_weights, Capabilities, Checkpoint, CudaGraphs, DeviceChoice, DeviceWeights, DtypeChoice,
-    Executor, KvCacheDtype, LoadOptions, ModelError, OpenedCheckpoint, Qwen2Config, StepLimits,
+    Executor, KvCacheDtype, LmHeadDtype, LoadOptions, ModelError, OpenedCheckpoint, Qwen2Config,
+    StepLimits,
 };
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
@@ -35,6 +36,9 @@ pub struct EngineConfig {
     /// Seeds requests that bring no seed of their own (request `i` gets `seed + i`).
     pub seed: u64,
     pub requantize_q5_0: bool,
+    /// How the lm_head is stored: the checkpoint's (`auto`), or Q8_0 (lossy, opt-in; the CPU
+    /// only). See [`LmHeadDtype`].
+    pub lm_head_dtype: LmHeadDtype,
     /// Never replay CUDA graphs (vLLM's `enforce_eager`). Graphs are also off unless
     /// `NOVAINFER_CUDA_GRAPHS=1` opts in, until a GPU run has verified them; the CPU has
     /// none and ignores this.
@@ -206,6 +210,7 @@ impl EngineConfig {
             max_model_len: None,
             seed: 0,
             requantize_q5_0: false,
+            lm_head_dtype: LmHeadDtype::Auto,
             enforce_eager: false,
             block_size: 16,
             kv_layout: KvLayout::Block,
@@ -416,6 +421,7 @@ impl LoadedEngine {
         let opts = LoadOptions {
             dtype: cfg.dtype,
             requantize_q5_0: cfg.requantize_q5_0,
+            lm_head_dtype: cfg.lm_head_dtype,
             kv_cache_dtype: cfg.kv_cache_dtype,
             cuda_graphs: cuda_graphs(cfg)?,
         };
@@ -611,6 +617,17 @@ fn resolve_device(cfg: &EngineConfig) -> Result<Resolved> {
                     quoted.join(" or ")
                 ),
                 format!("kv_cache_dtype=\"{dtype}\" runs on the CPU only"),
+            ));
+        }
+        if !caps.lm_head_dtypes.contains(&cfg.lm_head_dtype) {
+            let dtype = cfg.lm_head_dtype.as_str();
+            return Some((
+                "lm_head_dtype",
+                format!(
+                    "lm_head_dtype=\"{dtype}\" runs on the CPU only ({device} holds the lm_head \
+                     in bf16); use \"auto\" there, or device=\"cpu\""
+                ),
+                format!("lm_head_dtype=\"{dtype}\" runs on the CPU only"),
             ));
         }
         if cfg.lora.is_some() && caps.adapters == 0 {

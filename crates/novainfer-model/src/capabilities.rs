@@ -8,12 +8,15 @@
 
 use crate::device::Device;
 use crate::kv_dtype::{KvCacheDtype, KvStorage};
+use crate::lm_head_dtype::LmHeadDtype;
 
 /// What one backend supports.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Capabilities {
     /// The KV storage formats its pool holds; the first is what `kv_cache_dtype="auto"` gives.
     pub kv_dtypes: &'static [KvStorage],
+    /// The `lm_head_dtype` choices it honours.
+    pub lm_head_dtypes: &'static [LmHeadDtype],
     /// Whether it runs the SLOT layout (a pool of one-token cells with no prefix cache).
     pub slot_layout: bool,
     /// How many distinct LoRA adapters one step may use (0: spans with an adapter do not
@@ -56,6 +59,7 @@ pub const CPU: Capabilities = Capabilities {
         KvStorage::Bf16,
         KvStorage::Q8_0,
     ],
+    lm_head_dtypes: &[LmHeadDtype::Auto, LmHeadDtype::Q8_0],
     slot_layout: true,
     // Adapters stay in host memory, read in place.
     adapters: usize::MAX,
@@ -71,6 +75,8 @@ pub const CPU: Capabilities = Capabilities {
 /// device on first use (`cuda/lora.rs`).
 pub const CUDA: Capabilities = Capabilities {
     kv_dtypes: &[KvStorage::Bf16],
+    // The device holds every dense matrix in bf16 (`prepare`); no Q8_0 GEMM there yet.
+    lm_head_dtypes: &[LmHeadDtype::Auto],
     slot_layout: false,
     adapters: CUDA_ADAPTER_SLOTS,
     host_memory: false,

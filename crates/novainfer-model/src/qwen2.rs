@@ -20,6 +20,7 @@ use crate::layers::ops::{
 };
 use crate::layers::paged_attention::{paged_attention_into, AttnIsa, Plan as AttnPlan};
 use crate::layers::{AttentionShape, Embedding, Linear};
+use crate::lm_head_dtype::LmHeadDtype;
 use crate::loader::{CheckedSource, Checkpoint, ModelFormat, RawTensor, TensorSource};
 use crate::lora::apply::{add_updates, AdapterGroups, LoraScratch};
 use crate::lora::Target;
@@ -64,6 +65,8 @@ pub struct LoadOptions {
     /// formats have native kernels (`layers::qmatmul`), where this only costs memory
     /// (34/22 of the bytes; speed within noise); it can still help candle's fallback.
     pub requantize_q5_0: bool,
+    /// How the lm_head is stored ([`LmHeadDtype`]): the checkpoint's, or Q8_0 (lossy, opt-in).
+    pub lm_head_dtype: LmHeadDtype,
     /// How the KV cache stores keys and values ([`Qwen2Model::new_cache`]; the engine's
     /// pool). `Auto` is f16 on the CPU.
     pub kv_cache_dtype: KvCacheDtype,
@@ -77,6 +80,7 @@ impl Default for LoadOptions {
         Self {
             dtype: DtypeChoice::Auto,
             requantize_q5_0: false,
+            lm_head_dtype: LmHeadDtype::Auto,
             kv_cache_dtype: KvCacheDtype::Auto,
             cuda_graphs: CudaGraphs::Eager,
         }
@@ -216,6 +220,10 @@ impl Qwen2Model {
             embed_tokens.as_linear()?
         } else {
             b.linear("lm_head", cfg.vocab_size, h, false)?
+        };
+        let lm_head = match opts.lm_head_dtype {
+            LmHeadDtype::Auto => lm_head,
+            LmHeadDtype::Q8_0 => lm_head.dense_to_q8_0()?,
         };
         b.src.finish()?;
         let rope = Rope::scaled(cfg.head_dim(), cfg.rope_theta, &rope_scaling);
@@ -580,6 +588,7 @@ impl<S: TensorSource> Builder<S> {
         match self.src.take(&format!("{prefix}.weight"), &[out, inp])? {
             RawTensor::Dense(t) => Linear::dense(self.dense(t)?, bias),
             RawTensor::Quantized(q) => Linear::quantized(Arc::new(self.requantize(q)?), bias),
+            RawTensor::Int4(w) => Linear::int4(&w, bias),
         }
     }
 
@@ -587,6 +596,16 @@ impl<S: TensorSource> Builder<S> {
         Ok(match self.src.take(name, &[vocab, hidden])? {
             RawTensor::Dense(t) => Embedding::Dense(self.dense(t)?),
             RawTensor::Quantized(q) => Embedding::Quantized(Arc::new(self.requantize(q)?)),
+            // No checkpoint we read quantizes embeddings this way (AWQ and GPTQ leave them
+            // dense); a row lookup of dequantized values is exact.
+            RawTensor::Int4(w) => {
+                let t = Tensor::from_vec(
+                    w.dequantize(),
+                    (w.rows(), w.cols()),
+                    &candle_core::Device::Cpu,
+                )?;
+                Embedding::Dense(self.dense(t)?)
+            }
         })
     }
 

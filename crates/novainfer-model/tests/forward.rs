@@ -359,3 +359,72 @@ fn weight_bytes_per_token_counts_every_weight_a_step_reads() {
         assert_eq!(model.weight_bytes_per_token(), expected, "tied: {tie}");
     }
 }
+
+/// `lm_head_dtype = q8_0` quantizes a dense head (tied or not): fewer bytes a token, logits
+/// close to the exact head's; a head the checkpoint already quantized is left as it is.
+#[test]
+fn a_q8_0_lm_head_reads_fewer_bytes_and_moves_logits_by_little() {
+    use common::{MemorySource, Stored};
+    use novainfer_model::{LmHeadDtype, LoadOptions, Qwen2Model};
+    let q8 = LoadOptions {
+        lm_head_dtype: LmHeadDtype::Q8_0,
+        ..LoadOptions::default()
+    };
+    let tokens = [3u32, 17, 42, 8, 8, 0, 31];
+    for tie in [false, true] {
+        let cfg = config(tie);
+        let exact = build(cfg.clone(), weights(&cfg)).expect("builds");
+        let quant = Qwen2Model::build(cfg.clone(), MemorySource::dense(weights(&cfg)), &q8)
+            .expect("builds");
+        let head_f32 = cfg.vocab_size * cfg.hidden_size * 4;
+        assert!(
+            quant.weight_bytes_per_token() < exact.weight_bytes_per_token() - head_f32 / 2,
+            "tied: {tie}: {} vs {}",
+            quant.weight_bytes_per_token(),
+            exact.weight_bytes_per_token()
+        );
+        let logits = |m: &Qwen2Model| {
+            let mut cache = m.new_cache(64);
+            m.forward(&tokens, &mut cache, LogitsFor::AllTokens)
+                .expect("prefill")
+        };
+        let (a, b) = (logits(&exact), logits(&quant));
+        let diff = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        let spread = a.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+            - a.iter().copied().fold(f32::INFINITY, f32::min);
+        assert!(diff > 0.0, "tied: {tie}: the head was not quantized");
+        assert!(
+            diff < 0.02 * spread,
+            "tied: {tie}: max diff {diff}, spread {spread}"
+        );
+    }
+    // A checkpoint's own quantized head (GGUF) is not quantized again.
+    let cfg = config(false);
+    let stored = || {
+        let mut w: std::collections::HashMap<String, Stored> = weights(&cfg)
+            .into_iter()
+            .map(|(k, t)| (k, Stored::Dense(t)))
+            .collect();
+        let head = Stored::quantize(
+            &tensor(&[50, 32], 9, 0.5),
+            candle_core::quantized::GgmlDType::Q5_0,
+        );
+        w.insert("lm_head.weight".into(), head);
+        MemorySource(w)
+    };
+    let auto = Qwen2Model::build(cfg.clone(), stored(), &LoadOptions::default()).expect("builds");
+    let kept = Qwen2Model::build(cfg.clone(), stored(), &q8).expect("builds");
+    assert_eq!(kept.weight_bytes_per_token(), auto.weight_bytes_per_token());
+    let mut c1 = auto.new_cache(64);
+    let mut c2 = kept.new_cache(64);
+    assert_eq!(
+        auto.forward(&tokens, &mut c1, LogitsFor::AllTokens)
+            .expect("a"),
+        kept.forward(&tokens, &mut c2, LogitsFor::AllTokens)
+            .expect("b")
+    );
+}

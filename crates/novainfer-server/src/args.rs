@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::Parser;
 use novainfer_core::{KvLayout, ParamError};
 use novainfer_engine::{EngineConfig, KvBudget};
-use novainfer_model::{DeviceChoice, DtypeChoice, KvCacheDtype};
+use novainfer_model::{DeviceChoice, DtypeChoice, KvCacheDtype, LmHeadDtype};
 
 pub use crate::reasoning::ReasoningParser;
 
@@ -57,6 +57,11 @@ pub struct ServeArgs {
     /// our kernels). Off by default.
     #[arg(long)]
     pub requantize_q5_0: bool,
+    /// How the lm_head is stored: auto (as the checkpoint has it, exactly) or q8_0 (a dense
+    /// head quantized to 8-bit blocks at load: lossy, and much less to read per token, e.g.
+    /// for AWQ/GPTQ checkpoints, which keep it in f16; CPU only).
+    #[arg(long, default_value = "auto")]
+    pub lm_head_dtype: String,
     /// Never replay CUDA graphs for decode steps (vLLM's flag). Graphs are off anyway unless
     /// NOVAINFER_CUDA_GRAPHS=1 opts in, until a GPU run has verified them. Ignored on the CPU.
     #[arg(long)]
@@ -476,6 +481,12 @@ impl ServeArgs {
                 ),
             )
         })?;
+        let lm_head_dtype = LmHeadDtype::parse(&self.lm_head_dtype).map_err(|_| {
+            ParamError::new(
+                "lm_head_dtype",
+                format!("must be auto or q8_0; got {:?}", self.lm_head_dtype),
+            )
+        })?;
         let kv_cache = match (self.kv_cache_bytes, self.kv_cache_fraction) {
             (_, Some(f)) => KvBudget::FractionOfAvailable(f),
             (Some(b), None) => KvBudget::Bytes(b),
@@ -498,6 +509,7 @@ impl ServeArgs {
         cfg.max_model_len = self.max_model_len;
         cfg.seed = self.seed;
         cfg.requantize_q5_0 = self.requantize_q5_0;
+        cfg.lm_head_dtype = lm_head_dtype;
         cfg.enforce_eager = self.enforce_eager;
         cfg.block_size = self.block_size;
         cfg.kv_layout = kv_layout;
@@ -619,6 +631,20 @@ mod tests {
             .engine_config("/m".into())
             .expect_err("unknown dtype");
         assert!(err.to_string().contains("kv_cache_dtype"), "{err}");
+    }
+
+    #[test]
+    fn lm_head_dtype_reaches_the_engine_config() {
+        let dtype = |args: &[&str]| {
+            parse(args)
+                .engine_config("/m".into())
+                .map(|c| c.lm_head_dtype)
+        };
+        assert_eq!(dtype(&[]).expect("valid"), LmHeadDtype::Auto);
+        let q8 = dtype(&["--lm-head-dtype", "q8_0"]).expect("valid");
+        assert_eq!(q8, LmHeadDtype::Q8_0);
+        let err = dtype(&["--lm-head-dtype", "f8"]).expect_err("unknown dtype");
+        assert!(err.to_string().contains("lm_head_dtype"), "{err}");
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 
 use crate::error::Result;
@@ -47,6 +47,36 @@ impl Linear {
             out_features,
             in_features,
         })
+    }
+
+    /// An AWQ/GPTQ int4 layer: packed for our kernels, or without them (off x86-64, no
+    /// AVX2) dequantized to dense f32, exactly.
+    pub fn int4(weight: &crate::int4::GroupedInt4, bias: Option<Vec<f32>>) -> Result<Self> {
+        match PackedMatrix::from_int4(weight) {
+            Some(packed) => Ok(Self {
+                out_features: weight.rows(),
+                in_features: weight.cols(),
+                weight: Weight::Packed(packed),
+                bias,
+            }),
+            None => {
+                let shape = (weight.rows(), weight.cols());
+                Self::dense(
+                    Tensor::from_vec(weight.dequantize(), shape, &Device::Cpu)?,
+                    bias,
+                )
+            }
+        }
+    }
+
+    /// This layer with a dense weight quantized to Q8_0 (lossy: each weight within half a
+    /// step of its 32-weight block's `amax/127`); a quantized weight is returned as it is.
+    pub fn dense_to_q8_0(self) -> Result<Self> {
+        let Weight::Dense(w) = &self.weight else {
+            return Ok(self);
+        };
+        let q = QTensor::quantize(&w.to_dtype(DType::F32)?, GgmlDType::Q8_0)?;
+        Self::quantized(Arc::new(q), self.bias)
     }
 
     pub fn out_features(&self) -> usize {

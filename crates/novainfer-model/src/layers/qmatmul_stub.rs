@@ -15,6 +15,10 @@ impl PackedMatrix {
         Ok(None)
     }
 
+    pub fn from_int4(_w: &crate::int4::GroupedInt4) -> Option<Self> {
+        None
+    }
+
     pub fn matmul(&self, _x: &[f32], _m: usize) -> Vec<f32> {
         match *self {}
     }

@@ -27,6 +27,8 @@ use crate::error::{ModelError, Result};
 pub enum RawTensor {
     Dense(Tensor),
     Quantized(QTensor),
+    /// AWQ and GPTQ int4 layers.
+    Int4(crate::int4::GroupedInt4),
 }
 
 impl RawTensor {
@@ -35,6 +37,7 @@ impl RawTensor {
         Ok(match self {
             RawTensor::Dense(t) => t.to_dtype(candle_core::DType::F32)?.flatten_all()?,
             RawTensor::Quantized(q) => q.dequantize(&candle_core::Device::Cpu)?.flatten_all()?,
+            RawTensor::Int4(w) => return Ok(w.dequantize()),
         }
         .to_vec1::<f32>()?)
     }

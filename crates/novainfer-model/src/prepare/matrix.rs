@@ -52,6 +52,10 @@ impl PartData {
                 None => PartData::Bf16(to_bf16(&q.dequantize(&candle_core::Device::Cpu)?)?),
             },
             RawTensor::Dense(t) => PartData::Bf16(to_bf16(&t)?),
+            // Expanded on the host for now: every weight `s·(q − z)` rounded once to bf16.
+            RawTensor::Int4(w) => {
+                PartData::Bf16(w.dequantize().into_iter().map(bf16::from_f32).collect())
+            }
         })
     }
 

@@ -25,6 +25,7 @@
 //! product of row r alone, bit for bit.
 
 mod activation;
+mod int4;
 mod q4_k;
 mod q5_0;
 mod q6_k;
@@ -99,7 +100,8 @@ trait Kernel {
     /// at a time in order; lane l of result r is output (row0 + r, col_off + l).
     ///
     /// # Safety
-    /// `group` must point at `acts.nb` packed blocks; `blocks` must lie in `0..acts.nb`;
+    /// `group` must point at `acts.k / BLOCK_K` packed blocks; `blocks` must lie in
+    /// `0..acts.k / BLOCK_K` (`acts.nb` counts activation blocks, which may be smaller);
     /// `col_off + S::LANES ≤ GROUP`; the rows must exist in `acts`; the CPU must support `S`.
     unsafe fn tile<S: Simd, const R: usize>(
         group: *const u8,
@@ -150,7 +152,7 @@ trait Kernel {
             let mut facc = [[_mm256_setzero_ps()]; 2];
             let halves = if both { 2 } else { 1 };
             let lines = Self::GROUP_BLOCK_BYTES.div_ceil(64);
-            for b in 0..acts.nb {
+            for b in 0..acts.k / Self::BLOCK_K {
                 let blk = group.add(b * Self::GROUP_BLOCK_BYTES);
                 prefetch_ahead(blk, 0, lines);
                 for (h, f) in facc.iter_mut().enumerate().take(halves) {
@@ -168,6 +170,8 @@ enum Format {
     Q8_0,
     Q4K,
     Q6K,
+    /// [`crate::int4::GroupedInt4`] (AWQ, GPTQ).
+    Int4,
 }
 
 /// Work items of 2 to this many rows run [`Isas::few`]'s code: AVX2's few-row streaming path
@@ -243,6 +247,18 @@ impl PackedMatrix {
         Ok(Some(Self::from_raw(format, &t.data()?, n, k, isas)))
     }
 
+    /// Packs `w` when the CPU has AVX2+FMA; `None` means "dequantize it".
+    pub fn from_int4(w: &crate::int4::GroupedInt4) -> Option<Self> {
+        let isas = select::isas_for(Format::Int4)?;
+        Some(Self::from_raw(
+            Format::Int4,
+            w.blocks(),
+            w.rows(),
+            w.cols(),
+            isas,
+        ))
+    }
+
     /// Packs `raw`, `n` rows of `k` values in ggml's `format` blocks.
     fn from_raw(format: Format, raw: &[u8], n: usize, k: usize, isas: Isas) -> Self {
         let (group_bytes, data) = match format {
@@ -250,6 +266,7 @@ impl PackedMatrix {
             Format::Q8_0 => pack::<q8_0::Q8_0>(raw, n, k),
             Format::Q4K => pack::<q4_k::Q4K>(raw, n, k),
             Format::Q6K => pack::<q6_k::Q6K>(raw, n, k),
+            Format::Int4 => pack::<int4::Int4>(raw, n, k),
         };
         Self {
             format,
@@ -318,6 +335,7 @@ impl PackedMatrix {
             Format::Q8_0 => q8_0::Q8_0::ACT,
             Format::Q4K => q4_k::Q4K::ACT,
             Format::Q6K => q6_k::Q6K::ACT,
+            Format::Int4 => int4::Int4::ACT,
         }
     }
 
@@ -359,7 +377,7 @@ impl PackedMatrix {
             2..=FEW_ROWS => self.isas.few,
             _ => self.isas.many,
         };
-        // SAFETY: `group` starts a packed group of `acts.nb` blocks (see `pack`), `rows` lie
+        // SAFETY: `group` starts a packed group of `k / BLOCK_K` blocks (see `pack`), `rows` lie
         // inside `acts`, `isa` was detected on this CPU, and each (row, column) of the output
         // is written by exactly one work item.
         unsafe {
@@ -381,6 +399,7 @@ impl PackedMatrix {
                 Format::Q8_0 => self.item::<q8_0::Q8_0>(acts, m, dst, item),
                 Format::Q4K => self.item::<q4_k::Q4K>(acts, m, dst, item),
                 Format::Q6K => self.item::<q6_k::Q6K>(acts, m, dst, item),
+                Format::Int4 => self.item::<int4::Int4>(acts, m, dst, item),
             }
         }
     }
@@ -582,7 +601,7 @@ impl GroupJob<'_> {
                 1
             };
             let per_step = lines.div_ceil(steps);
-            for b in 0..self.acts.nb {
+            for b in 0..self.acts.k / F::BLOCK_K {
                 let blk = group.add(b * F::GROUP_BLOCK_BYTES);
                 let mut step = 0;
                 let mut prefetch = || {
@@ -626,7 +645,7 @@ impl GroupJob<'_> {
         g: usize,
         rows: Range<usize>,
     ) {
-        let nb = self.acts.nb;
+        let nb = self.acts.k / F::BLOCK_K;
         if rows.len() == 1 && S::LANES < GROUP {
             // SAFETY: forwarded contract of `run`.
             unsafe { self.single_row::<F, S>(group, g, rows.start) };
@@ -696,7 +715,7 @@ impl GroupJob<'_> {
         // SAFETY: forwarded contract of `run`; `col_off + LANES ≤ GROUP`.
         unsafe {
             let mut facc = [[S::zerof(); 1]; HALVES];
-            for b in 0..self.acts.nb {
+            for b in 0..self.acts.k / F::BLOCK_K {
                 for (h, f) in facc.iter_mut().enumerate().take(halves) {
                     *f = S::kernel_tile::<F, 1>(group, h * S::LANES, self.acts, row, b..b + 1, *f);
                 }

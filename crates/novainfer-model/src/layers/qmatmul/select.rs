@@ -135,15 +135,20 @@ enum Regime {
     Prefill,
 }
 
-/// 16 rows of `K` values quantized to `format` by candle: ggml's raw blocks.
+/// 16 rows of `K` values quantized to `format` by candle (ggml's raw blocks), or for
+/// [`Format::Int4`] by [`crate::int4::GroupedInt4::quantize`].
 fn sample_rows(format: Format) -> Option<Vec<u8>> {
+    let values: Vec<f32> = (0..GROUP * K).map(|i| wave(i, 0.37)).collect();
     let dtype = match format {
         Format::Q5_0 => GgmlDType::Q5_0,
         Format::Q8_0 => GgmlDType::Q8_0,
         Format::Q4K => GgmlDType::Q4K,
         Format::Q6K => GgmlDType::Q6K,
+        Format::Int4 => {
+            let w = crate::int4::GroupedInt4::quantize(GROUP, K, &values).ok()?;
+            return Some(w.blocks().to_vec());
+        }
     };
-    let values: Vec<f32> = (0..GROUP * K).map(|i| wave(i, 0.37)).collect();
     let t = Tensor::from_vec(values, (GROUP, K), &Device::Cpu).ok()?;
     QTensor::quantize(&t, dtype)
         .ok()?
@@ -301,7 +306,13 @@ mod tests {
     #[test]
     #[ignore = "timing printout, run by hand"]
     fn qmatmul_choices() {
-        for format in [Format::Q4K, Format::Q6K, Format::Q5_0, Format::Q8_0] {
+        for format in [
+            Format::Q4K,
+            Format::Q6K,
+            Format::Q5_0,
+            Format::Q8_0,
+            Format::Int4,
+        ] {
             let Some(rows) = sample_rows(format) else {
                 continue;
             };

@@ -120,39 +120,44 @@ fn q6_k_matches_candle() {
 /// the AVX2, AVX-VNNI and AVX-512 paths agree bit for bit.
 #[test]
 fn rows_are_batch_invariant_and_isa_independent() {
+    let int4 = crate::int4::GroupedInt4::quantize(29, 1024, &random(29 * 1024, 5)).expect("q");
+    let int4 = PackedMatrix::from_int4(&int4).expect("AVX2 is here");
+    let mut all: Vec<(String, PackedMatrix, usize)> = vec![("int4".into(), int4, 1024)];
     for (dtype, k) in [
         (GgmlDType::Q5_0, 896),
         (GgmlDType::Q8_0, 896),
         (GgmlDType::Q4K, 4864),
         (GgmlDType::Q6K, 1536),
     ] {
-        let mut c = case(dtype, 29, k);
+        all.push((format!("{dtype:?}"), case(dtype, 29, k).packed, k));
+    }
+    for (name, mut packed, k) in all {
         let m = 23;
         let x = random(m * k, 99);
-        let batch = c.packed.matmul(&x, m);
+        let batch = packed.matmul(&x, m);
         for r in 0..m {
-            let alone = c.packed.matmul(&x[r * k..(r + 1) * k], 1);
+            let alone = packed.matmul(&x[r * k..(r + 1) * k], 1);
             let row = &batch[r * 29..(r + 1) * 29];
             assert!(
                 alone
                     .iter()
                     .zip(row)
                     .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{dtype:?}: row {r} differs between m={m} and m=1"
+                "{name}: row {r} differs between m={m} and m=1"
             );
         }
         for isa in [IsaChoice::Avx2, IsaChoice::Vnni256, IsaChoice::Avx512] {
             if !supports(isa) {
                 continue;
             }
-            c.packed.isas = Isas::all(isa);
-            let other = c.packed.matmul(&x, m);
+            packed.isas = Isas::all(isa);
+            let other = packed.matmul(&x, m);
             assert!(
                 other
                     .iter()
                     .zip(&batch)
                     .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{dtype:?}: {isa:?} differs from the detected ISA"
+                "{name}: {isa:?} differs from the detected ISA"
             );
         }
     }
@@ -180,7 +185,11 @@ fn products_of_one_input_together_equal_each_alone_bit_for_bit() {
         case(GgmlDType::Q8_0, 17, k),
         case(GgmlDType::Q6K, 33, k),
     ];
-    let mats: Vec<&PackedMatrix> = cases.iter().map(|c| &c.packed).collect();
+    let int4 = crate::int4::GroupedInt4::quantize(19, k, &random(19 * k, 8)).expect("q");
+    let int4 = PackedMatrix::from_int4(&int4).expect("AVX2 is here");
+    let mut mats: Vec<&PackedMatrix> = cases.iter().map(|c| &c.packed).collect();
+    // MAX_MANY at once: Q5_0 and int4 share the Q8_0 activations.
+    mats[2] = &int4;
     for m in [1, 5, 70] {
         let x = random(m * k, 77 + m as u64);
         let together = super::matmul_many(&mats, &x, m);
@@ -475,6 +484,123 @@ fn q5_0_and_q8_0_kernels_equal_the_scalar_reference_bit_for_bit() {
                 packed.isas = Isas::all(isa);
                 let got = packed.matmul(&x, m);
                 assert_bits_equal(&got, &want, &format!("{dtype:?} n={n} {isa:?} m={m}"));
+            }
+        }
+    }
+}
+
+/// Grouped int4 rows whose every nibble and zero point is random (zero points over GPTQ's
+/// whole 0..=16), scales small, positive and negative.
+fn raw_int4_rows(n: usize, k: usize, seed: u64) -> Vec<u8> {
+    use crate::int4::{encode_nibbles, GROUP_K};
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut raw = Vec::new();
+    for _ in 0..n * k / GROUP_K {
+        let s: f32 = rng.random_range(-0.01f32..0.01);
+        raw.extend_from_slice(&s.to_le_bytes());
+        raw.push(rng.random_range(0..=16u8));
+        let q: Vec<u8> = (0..GROUP_K).map(|_| rng.random_range(0..16u8)).collect();
+        raw.extend(encode_nibbles(&q));
+    }
+    raw
+}
+
+/// The scalar definition of the grouped int4 product: per (row, column, 32-value sub-block)
+/// the exact `Σ q·a − z·Σa`, then `acc = fma(isum, s·d_a, acc)` sub-block by sub-block.
+fn reference_int4(w: &crate::int4::GroupedInt4, x: &[f32], m: usize) -> Vec<f32> {
+    use super::activation::{ActKind, QuantizedActs};
+    let (n, k) = (w.rows(), w.cols());
+    let acts = QuantizedActs::new(ActKind::Q8_0, x, m, k);
+    let mut out = vec![0f32; m * n];
+    for r in 0..m {
+        for j in 0..n {
+            let mut acc = 0f32;
+            for sb in 0..k / 32 {
+                let (s, z, _) = w.parts(j, 32 * sb);
+                let a = &acts.qs[r * k + 32 * sb..r * k + 32 * (sb + 1)];
+                let dot: i32 = (0..32)
+                    .map(|i| i32::from(w.parts(j, 32 * sb + i).2) * i32::from(a[i]))
+                    .sum();
+                let asum: i32 = a.iter().map(|&v| i32::from(v)).sum();
+                let isum = dot - i32::from(z) * asum;
+                acc = (isum as f32).mul_add(s * acts.d[r * (k / 32) + sb], acc);
+            }
+            out[r * n + j] = acc;
+        }
+    }
+    out
+}
+
+/// Grouped int4 on every ISA path equals its scalar definition bit for bit: single rows (the
+/// decode kernels), 2 to 8 rows (AVX2's few-row streaming walk), 9 and 13 (the prefill
+/// tiles and their tails), activations at ±127 against weights all 15 with zero points 0 and
+/// 16 (the largest integer sums, and the AVX2 tile's largest i16 sums), a last group of 5 or
+/// 12 columns, and k of 1, 7 and 14 groups (slabs of 1024 values and their tail).
+#[test]
+fn int4_kernels_equal_the_scalar_reference_bit_for_bit() {
+    use crate::int4::{GroupedInt4, BLOCK_BYTES, GROUP_K};
+    for (n, k) in [(37, 896), (28, 1792), (21, 128)] {
+        let mut raw = raw_int4_rows(n, k, 11 + n as u64);
+        for (j, z) in [(0, 0u8), (9, 16u8)] {
+            let block = &mut raw[j * (k / GROUP_K) * BLOCK_BYTES..][..BLOCK_BYTES];
+            block[4] = z;
+            block[5..].fill(0xFF);
+        }
+        let w = GroupedInt4::from_blocks("t", n, k, raw).expect("valid");
+        let mut packed = PackedMatrix::from_int4(&w).expect("AVX2 is here");
+        for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 13] {
+            let x = extreme_acts(m, k, 51 + m as u64);
+            let want = reference_int4(&w, &x, m);
+            for isa in [IsaChoice::Avx2, IsaChoice::Vnni256, IsaChoice::Avx512] {
+                if !supports(isa) {
+                    continue;
+                }
+                packed.isas = Isas::all(isa);
+                let got = packed.matmul(&x, m);
+                assert_bits_equal(&got, &want, &format!("int4 n={n} k={k} {isa:?} m={m}"));
+                for r in 1..m.min(4) {
+                    let got = packed.matmul(&x[r * k..(r + 1) * k], 1);
+                    let what = format!("int4 n={n} {isa:?} row {r} of m={m} alone");
+                    assert_bits_equal(&got, &want[r * n..(r + 1) * n], &what);
+                }
+            }
+        }
+    }
+}
+
+/// Against the f32 product with the dequantized weights: only the activations' int8
+/// rounding separates them (the bound of [`check`]).
+#[test]
+fn int4_matches_the_dequantized_product() {
+    let (n, k) = (45, 1536);
+    let w = crate::int4::GroupedInt4::quantize(n, k, &random(n * k, 17)).expect("quantize");
+    let dequant = w.dequantize();
+    let packed = PackedMatrix::from_int4(&w).expect("AVX2 is here");
+    for m in [1, 6, 40] {
+        let x = random(m * k, 300 + m as u64);
+        let ours = packed.matmul(&x, m);
+        for r in 0..m {
+            let xr = &x[r * k..(r + 1) * k];
+            let steps: Vec<f32> = xr
+                .chunks(32)
+                .flat_map(|b| {
+                    std::iter::repeat_n(b.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0, 32)
+                })
+                .collect();
+            for j in 0..n {
+                let wr = &dequant[j * k..(j + 1) * k];
+                let exact: f64 = wr
+                    .iter()
+                    .zip(xr)
+                    .map(|(&w, &v)| f64::from(w) * f64::from(v))
+                    .sum();
+                let magnitude: f32 = wr.iter().zip(xr).map(|(w, v)| (w * v).abs()).sum();
+                let act_err: f32 = wr.iter().zip(&steps).map(|(w, d)| w.abs() * 0.57 * d).sum();
+                let o = ours[r * n + j];
+                assert!(
+                    (f64::from(o) - exact).abs() <= f64::from(act_err + 2e-5 * magnitude),
+                    "m={m} ({r},{j}): ours {o} f64 {exact} bound {act_err}"
+                );
             }
         }
     }

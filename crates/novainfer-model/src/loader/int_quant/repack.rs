@@ -1,5 +1,10 @@
 //! An [`IntMatrix`] as a tensor our CPU kernels run, bit-exact in every case.
 //!
+//! 4-bit layers whose groups are whole runs of 128 input channels (group size 128 or a
+//! multiple, or one group per row: every AWQ checkpoint Qwen publishes, and GPTQ without
+//! act-order) keep their integers and zero points as they are: [`GroupedInt4`], 4.3 bits per
+//! weight, any scale dtype. The rest become GGML blocks where one holds them exactly:
+//!
 //! A GGML block is 32 consecutive input channels of one output row with one f16 scale `d`
 //! and small signed integers `x`, `w = d · x`. When a block's 32 channels share one group
 //! (the group size is a multiple of 32 and, under GPTQ act-order, `g_idx` is constant on
@@ -23,6 +28,7 @@ use candle_core::{Device, Tensor};
 
 use super::{IntMatrix, Scales};
 use crate::error::Result;
+use crate::int4::{encode_nibbles, GroupedInt4, BLOCK_BYTES as INT4_BLOCK_BYTES, GROUP_K};
 use crate::layers::parallel::SharedOut;
 use crate::loader::quant_config::Bits;
 use crate::loader::RawTensor;
@@ -33,6 +39,7 @@ const QK: usize = 32;
 /// What a layer became, and for dense layers why.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Repacked {
+    Int4,
     Q5_0,
     Q8_0,
     Dense(DenseReason),
@@ -55,6 +62,7 @@ pub enum DenseReason {
 pub fn repack(m: &IntMatrix) -> Result<(RawTensor, Repacked)> {
     let plan = plan(m);
     let tensor = match (plan, &m.scales) {
+        (Repacked::Int4, _) => RawTensor::Int4(int4(m)?),
         (Repacked::Q5_0, Scales::F16(s)) => quantized(m, GgmlDType::Q5_0, q5_0(m, s))?,
         (Repacked::Q8_0, Scales::F16(s)) => quantized(m, GgmlDType::Q8_0, q8_0(m, s))?,
         _ => RawTensor::Dense(Tensor::from_vec(
@@ -67,17 +75,22 @@ pub fn repack(m: &IntMatrix) -> Result<(RawTensor, Repacked)> {
 }
 
 fn plan(m: &IntMatrix) -> Repacked {
+    let one_group_per = |channels: usize| {
+        m.cols.is_multiple_of(channels)
+            && m.group_of
+                .chunks_exact(channels)
+                .all(|b| b.iter().all(|&g| g == b[0]))
+    };
+    if m.bits == Bits::Four && one_group_per(GROUP_K) {
+        return Repacked::Int4;
+    }
     if !matches!(m.scales, Scales::F16(_)) {
         return Repacked::Dense(DenseReason::WideScales);
     }
     if !m.cols.is_multiple_of(QK) {
         return Repacked::Dense(DenseReason::UnalignedInputs);
     }
-    let one_group_per_block = m
-        .group_of
-        .chunks_exact(QK)
-        .all(|b| b.iter().all(|&g| g == b[0]));
-    if !one_group_per_block {
+    if !one_group_per(QK) {
         return Repacked::Dense(DenseReason::MixedGroups);
     }
     match m.bits {
@@ -92,6 +105,30 @@ fn plan(m: &IntMatrix) -> Repacked {
             }
         }
     }
+}
+
+/// `m` as [`GroupedInt4`] blocks, rows in parallel; the plan checked that each 128-channel
+/// run lies in one group.
+fn int4(m: &IntMatrix) -> Result<GroupedInt4> {
+    let per_row = m.cols / GROUP_K;
+    let mut out = vec![0u8; m.rows * per_row * INT4_BLOCK_BYTES];
+    let shared = SharedOut::new(&mut out);
+    candle_core::utils::barrier_pool().execute_chunked(m.rows, |rows| {
+        for o in rows {
+            let len = per_row * INT4_BLOCK_BYTES;
+            // SAFETY: row o's blocks belong to this item alone.
+            let dst = unsafe { shared.range(o * len, len) };
+            let q = &m.q[o * m.cols..(o + 1) * m.cols];
+            for (g, block) in dst.chunks_exact_mut(INT4_BLOCK_BYTES).enumerate() {
+                let i = g * GROUP_K;
+                block[0..4].copy_from_slice(&m.scale(o, i).to_le_bytes());
+                // IntMatrix bounds the zero point by 2^4, GroupedInt4's maximum.
+                block[4] = m.zeros[m.group_of[i] as usize * m.rows + o] as u8;
+                block[5..].copy_from_slice(&encode_nibbles(&q[i..i + GROUP_K]));
+            }
+        }
+    });
+    GroupedInt4::from_blocks("int4 repack", m.rows, m.cols, out)
 }
 
 fn quantized(m: &IntMatrix, dtype: GgmlDType, blocks: Vec<u8>) -> Result<RawTensor> {

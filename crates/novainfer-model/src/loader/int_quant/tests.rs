@@ -234,33 +234,43 @@ fn gptq(bits: Bits, group: GroupSize, zeros: ZeroConvention) -> Gptq {
 }
 
 #[test]
-fn awq_gemm_layers_repack_into_q5_0_exactly() {
-    for (seed, g) in [(1, 32), (2, 64), (3, 128)] {
-        let layer = Layer::random(seed, (48, 256), 4, g, Zeros::From(0));
-        check_awq(&layer, Awq { group: group(g) }, Repacked::Q5_0);
+fn awq_gemm_layers_repack_exactly() {
+    // Groups of 128 (or multiples, or one per row) keep their integers; smaller ones become
+    // Q5_0 blocks.
+    for (seed, g, how) in [
+        (1, 32, Repacked::Q5_0),
+        (2, 64, Repacked::Q5_0),
+        (3, 128, Repacked::Int4),
+        (5, 256, Repacked::Int4),
+    ] {
+        let layer = Layer::random(seed, (48, 512), 4, g, Zeros::From(0));
+        check_awq(&layer, Awq { group: group(g) }, how);
     }
-    let per_channel = Layer::random(4, (16, 128), 4, 128, Zeros::From(0));
+    let per_channel = Layer::random(4, (16, 384), 4, 384, Zeros::From(0));
     check_awq(
         &per_channel,
         Awq {
             group: GroupSize::PerChannel,
         },
-        Repacked::Q5_0,
+        Repacked::Int4,
     );
 }
 
 #[test]
-fn gptq_4_bit_layers_repack_into_q5_0_exactly() {
+fn gptq_4_bit_layers_repack_exactly() {
     use ZeroConvention::{Exact, MinusOne};
-    // Original format: z = stored + 1 reaches 16, so q − z reaches −16, Q5_0's lowest value.
+    // Original format: z = stored + 1 reaches 16, so q − z reaches −16, Q5_0's lowest value
+    // (and GroupedInt4's largest zero point).
     let cases = [
-        (32, Zeros::Symmetric, MinusOne),
-        (64, Zeros::From(1), MinusOne),
-        (128, Zeros::From(0), Exact),
+        (32, Zeros::Symmetric, MinusOne, Repacked::Q5_0),
+        (64, Zeros::From(1), MinusOne, Repacked::Q5_0),
+        (128, Zeros::From(0), Exact, Repacked::Int4),
+        (128, Zeros::From(1), MinusOne, Repacked::Int4),
+        (128, Zeros::Symmetric, MinusOne, Repacked::Int4),
     ];
-    for (seed, (g, zeros, conv)) in cases.into_iter().enumerate() {
+    for (seed, (g, zeros, conv, how)) in cases.into_iter().enumerate() {
         let layer = Layer::random(seed as u64, (32, 256), 4, g, zeros);
-        check_gptq(&layer, gptq(Bits::Four, group(g), conv), Repacked::Q5_0);
+        check_gptq(&layer, gptq(Bits::Four, group(g), conv), how);
     }
     let per_channel = Layer::random(7, (32, 96), 4, 96, Zeros::From(1));
     check_gptq(
@@ -410,4 +420,23 @@ fn malformed_layers_are_errors_naming_the_tensor() {
     // 8-bit reading of 4-bit tensors: the zero and scale shapes no longer agree.
     let eight = gptq(Bits::Eight, group(64), ZeroConvention::Exact);
     assert!(unpack_gptq("l", eight, &qweight, &qzeros, &layer.scales(), None).is_err());
+}
+
+#[test]
+fn int4_layers_keep_wide_scales_exactly() {
+    // bf16 and f32 scales have no f16 block scale, but GroupedInt4 holds them in f32.
+    let layer = Layer::random(61, (16, 256), 4, 128, Zeros::From(0));
+    let (qweight, qzeros) = layer.awq_tensors();
+    let wide: Vec<bf16> = layer
+        .s
+        .iter()
+        .map(|s| bf16::from_f32(s.to_f32() * 3.7))
+        .collect();
+    let scales =
+        Tensor::from_vec(wide.clone(), (layer.groups(), layer.out), &Device::Cpu).expect("scales");
+    let m = unpack_awq("l", Awq { group: group(128) }, &qweight, &qzeros, &scales).expect("m");
+    let (raw, how) = repack(&m).expect("repack");
+    assert_eq!(how, Repacked::Int4);
+    assert!(matches!(raw, RawTensor::Int4(_)));
+    assert_bits_equal(&values(&raw), &m.dequantize(), "bf16 scales");
 }
