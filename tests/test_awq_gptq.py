@@ -173,6 +173,10 @@ VARIANTS = {
                            "checkpoint_format": "gptq_v2"}, "blocks"),
     "gptq4-sym-per-channel": ({"quant_method": "gptq", "bits": 4, "group_size": -1, "sym": True}, "blocks"),
     "gptq8-sym-g128": ({"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": True, "desc_act": False}, "blocks"),
+    # Act-order with groups of 128: int4 with the columns sorted by group and the input permuted to match
+    # (this test's layers each draw their own order, so Q, K and V run as separate products).
+    "gptq4-desc-act-g128": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False, "desc_act": True},
+                            "blocks"),
     "gptq4-desc-act-g64": ({"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": True, "desc_act": True}, "dense"),
     "gptq8-asym-g64-v2": ({"quant_method": "gptq", "bits": 8, "group_size": 64, "sym": False,
                            "checkpoint_format": "gptq_v2"}, "dense"),
@@ -232,26 +236,36 @@ def q8_0_activations(x: np.ndarray) -> np.ndarray:
 
 class Int8ActivationReference(Qwen2Reference):
     """The reference with every packed layer's input rounded as the CPU kernels round it: what is left
-    between it and the engine is f32 summation, if the repacked weights are exact."""
+    between it and the engine is f32 summation, if the repacked weights are exact. A GPTQ layer's input is
+    rounded in its channels' group order (the stable sort of g_idx: the identity unless act-order
+    scattered the groups), as the engine permutes it before quantizing."""
 
-    def __init__(self, config: dict, weights: dict[str, np.ndarray], packed: set[str]):
+    def __init__(self, config: dict, weights: dict[str, np.ndarray], packed: dict[str, np.ndarray | None]):
         super().__init__(config, weights)
         self.packed = packed
 
     def _linear(self, x: np.ndarray, name: str) -> np.ndarray:
-        return super()._linear(q8_0_activations(x) if name in self.packed else x, name)
+        if name not in self.packed:
+            return super()._linear(x, name)
+        order = self.packed[name]
+        if order is None:
+            return super()._linear(q8_0_activations(x), name)
+        rounded = np.empty_like(x, dtype=np.float64)
+        rounded[:, order] = q8_0_activations(x[:, order])
+        return super()._linear(rounded, name)
 
 
 def reference_for(path: Path, *, int8_activations: bool = False) -> Qwen2Reference:
     """The reference model on the weights the quantized files hold, dequantized here."""
     config = json.loads((path / "config.json").read_text())
     tensors = read_raw_safetensors(path / "model.safetensors")
-    weights, packed = {}, set()
+    weights, packed = {}, {}
     for name, array in tensors.items():
         if name.endswith(".qweight"):
             prefix = name.removesuffix(".qweight")
             weights[f"{prefix}.weight"] = dequantize(tensors, prefix, config["quantization_config"])
-            packed.add(prefix)
+            g_idx = tensors.get(f"{prefix}.g_idx")
+            packed[prefix] = None if g_idx is None else np.argsort(g_idx, kind="stable")
         elif not name.endswith((".qzeros", ".scales", ".g_idx")):
             weights[name] = array.astype(np.float32)
     if int8_activations:

@@ -8,12 +8,19 @@
 //! The CPU repacks it for its int8-activation kernels (`layers::qmatmul`), whose integer
 //! sums take the zero point exactly (`Σ q·a − z·Σa`); the GPU expands it to bf16.
 //!
+//! GPTQ's act-order (`desc_act`) assigns input channels to groups out of order (`g_idx`); such a
+//! layer is stored with its columns sorted by group and an [input order](GroupedInt4::input_order)
+//! saying which input channel each stored column is: the product permutes its input the same
+//! way (`W x = W' x'` with `x'[j] = x[order[j]]`), the weights stay 4-bit.
+//!
 //! Block layout, one per (row, group), [`BLOCK_BYTES`] bytes:
 //! ```text
 //! [ s: f32 LE ][ z: u8 ][ 4 sub-blocks × 16 bytes ]
 //!   sub-block t covers channels 32t..32t+31 of the group; its byte j holds channel
 //!   32t + j in the low nibble and 32t + 16 + j in the high one (ggml's Q4_0 order)
 //! ```
+
+use std::sync::Arc;
 
 use crate::error::{ModelError, Result};
 
@@ -32,8 +39,10 @@ pub const MAX_ZERO: u8 = 16;
 pub struct GroupedInt4 {
     rows: usize,
     cols: usize,
-    /// `[rows, cols / GROUP_K]` blocks of [`BLOCK_BYTES`].
+    /// `[rows, cols / GROUP_K]` blocks of [`BLOCK_BYTES`], columns in stored order.
     blocks: Vec<u8>,
+    /// Stored column `j` is input channel `order[j]`; `None`: the identity.
+    order: Option<Arc<[u32]>>,
 }
 
 impl GroupedInt4 {
@@ -64,7 +73,36 @@ impl GroupedInt4 {
                 scale_of(block)
             )));
         }
-        Ok(Self { rows, cols, blocks })
+        Ok(Self {
+            rows,
+            cols,
+            blocks,
+            order: None,
+        })
+    }
+
+    /// This matrix with stored column `j` being input channel `order[j]` (a permutation of
+    /// `0..cols`, checked; the identity is dropped).
+    pub fn with_input_order(mut self, name: &str, order: Vec<u32>) -> Result<Self> {
+        let mut seen = vec![false; self.cols];
+        let is_permutation = order.len() == self.cols
+            && order.iter().all(|&i| {
+                (i as usize) < self.cols && !std::mem::replace(&mut seen[i as usize], true)
+            });
+        if !is_permutation {
+            return Err(ModelError::InvalidQuantTensor {
+                name: name.to_owned(),
+                reason: format!("the input order is not a permutation of 0..{}", self.cols),
+            });
+        }
+        let identity = order.iter().enumerate().all(|(j, &i)| i as usize == j);
+        self.order = (!identity).then(|| order.into());
+        Ok(self)
+    }
+
+    /// Which input channel each stored column is, when not the identity.
+    pub fn input_order(&self) -> Option<&Arc<[u32]>> {
+        self.order.as_ref()
     }
 
     /// Quantizes `values` (`[rows, cols]`) with each group's minimum and maximum
@@ -109,10 +147,10 @@ impl GroupedInt4 {
         &self.blocks
     }
 
-    /// `(s, z, q)` of weight `(o, i)`.
-    pub fn parts(&self, o: usize, i: usize) -> (f32, u8, u8) {
-        let block = self.block(o, i / GROUP_K);
-        (scale_of(block), block[4], nibble(block, i % GROUP_K))
+    /// `(s, z, q)` of row `o`, stored column `j`.
+    pub fn stored_parts(&self, o: usize, j: usize) -> (f32, u8, u8) {
+        let block = self.block(o, j / GROUP_K);
+        (scale_of(block), block[4], nibble(block, j % GROUP_K))
     }
 
     fn block(&self, o: usize, g: usize) -> &[u8] {
@@ -120,15 +158,28 @@ impl GroupedInt4 {
         &self.blocks[at..at + BLOCK_BYTES]
     }
 
-    /// The weights as f32, `[rows, cols]`: `s · (q − z)` rounded once, exact for scales of
-    /// up to 19 significant bits (f16 and bf16 ones; the integer has at most 5).
+    /// The weights as f32, `[rows, cols]` in input-channel order: `s · (q − z)` rounded once,
+    /// exact for scales of up to 19 significant bits (f16 and bf16 ones; the integer has at
+    /// most 5).
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = Vec::with_capacity(self.rows * self.cols);
         for block in self.blocks.chunks_exact(BLOCK_BYTES) {
             let (s, z) = (scale_of(block), i32::from(block[4]));
             out.extend((0..GROUP_K).map(|j| s * (i32::from(nibble(block, j)) - z) as f32));
         }
-        out
+        let Some(order) = &self.order else {
+            return out;
+        };
+        let mut logical = vec![0f32; out.len()];
+        for (dst, src) in logical
+            .chunks_exact_mut(self.cols)
+            .zip(out.chunks_exact(self.cols))
+        {
+            for (&i, &v) in order.iter().zip(src) {
+                dst[i as usize] = v;
+            }
+        }
+        logical
     }
 }
 
@@ -168,10 +219,39 @@ mod tests {
         block.extend(encode_nibbles(&q));
         let m = GroupedInt4::from_blocks("t", 1, GROUP_K, block).expect("valid");
         for (i, &v) in q.iter().enumerate() {
-            assert_eq!(m.parts(0, i), (0.25, 3, v));
+            assert_eq!(m.stored_parts(0, i), (0.25, 3, v));
         }
         let want: Vec<f32> = q.iter().map(|&v| 0.25 * (f32::from(v) - 3.0)).collect();
         assert_eq!(m.dequantize(), want);
+    }
+
+    #[test]
+    fn an_input_order_puts_each_stored_column_back_in_its_channel() {
+        let values: Vec<f32> = (0..2 * 256).map(|i| (i % 29) as f32 - 14.0).collect();
+        let m = GroupedInt4::quantize(2, 256, &values).expect("quantize");
+        let stored = m.dequantize();
+        let order: Vec<u32> = (0..256u32).map(|j| (j * 7) % 256).collect();
+        let p = m
+            .clone()
+            .with_input_order("w", order.clone())
+            .expect("a permutation");
+        let logical = p.dequantize();
+        for o in 0..2 {
+            for (j, &i) in order.iter().enumerate() {
+                assert_eq!(logical[o * 256 + i as usize], stored[o * 256 + j]);
+            }
+        }
+        let identity = m
+            .clone()
+            .with_input_order("w", (0..256).collect())
+            .expect("valid");
+        assert!(identity.input_order().is_none());
+        let mut twice = order;
+        twice[1] = twice[0];
+        let e = m
+            .with_input_order("w", twice)
+            .expect_err("not a permutation");
+        assert!(e.to_string().contains("permutation"), "{e}");
     }
 
     #[test]
@@ -199,7 +279,7 @@ mod tests {
             .collect();
         let m = GroupedInt4::quantize(3, 256, &values).expect("quantize");
         for (i, (&v, w)) in values.iter().zip(m.dequantize()).enumerate() {
-            let (s, _, _) = m.parts(i / 256, i % 256);
+            let (s, _, _) = m.stored_parts(i / 256, i % 256);
             // Half a step, and the f16 rounding of the scale (≤ 15·2⁻¹¹ of a step at the ends).
             assert!((v - w).abs() <= 0.51 * s + 1e-6, "{i}: {v} became {w}");
         }

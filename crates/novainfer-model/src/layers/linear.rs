@@ -11,8 +11,9 @@ use crate::layers::qmatmul::{PackedMatrix, MAX_MANY};
 enum Weight {
     /// `[out, in]` in the storage dtype; activations are cast to it for the matmul.
     Dense(Tensor),
-    /// Quant types with our own kernels (see `qmatmul`).
-    Packed(PackedMatrix),
+    /// Quant types with our own kernels (see `qmatmul`); with an input order (GPTQ act-order),
+    /// input channel `order[j]` meets the matrix's column `j`.
+    Packed(PackedMatrix, Option<Arc<[u32]>>),
     /// Every other quant type, through candle.
     Quantized(QMatMul),
 }
@@ -38,7 +39,7 @@ impl Linear {
     pub fn quantized(weight: Arc<QTensor>, bias: Option<Vec<f32>>) -> Result<Self> {
         let (out_features, in_features) = weight.shape().dims2()?;
         let weight = match PackedMatrix::from_qtensor(&weight)? {
-            Some(packed) => Weight::Packed(packed),
+            Some(packed) => Weight::Packed(packed, None),
             None => Weight::Quantized(QMatMul::from_arc(weight)?),
         };
         Ok(Self {
@@ -56,7 +57,7 @@ impl Linear {
             Some(packed) => Ok(Self {
                 out_features: weight.rows(),
                 in_features: weight.cols(),
-                weight: Weight::Packed(packed),
+                weight: Weight::Packed(packed, weight.input_order().cloned()),
                 bias,
             }),
             None => {
@@ -87,7 +88,9 @@ impl Linear {
     /// bounds a single-row (decode) product, which uses each weight once.
     pub fn weight_bytes(&self) -> usize {
         let weight = match &self.weight {
-            Weight::Packed(w) => w.storage_bytes(),
+            Weight::Packed(w, order) => {
+                w.storage_bytes() + order.as_ref().map_or(0, |o| o.len() * 4)
+            }
             Weight::Quantized(QMatMul::QTensor(q)) => q.storage_size_in_bytes(),
             Weight::Dense(t)
             | Weight::Quantized(QMatMul::Tensor(t))
@@ -117,7 +120,10 @@ impl Linear {
         );
         let xt = || Tensor::from_slice(x, (rows, self.in_features), &Device::Cpu);
         match &self.weight {
-            Weight::Packed(w) => w.matmul_into(x, rows, y),
+            Weight::Packed(w, None) => w.matmul_into(x, rows, y),
+            Weight::Packed(w, Some(order)) => {
+                with_input_order(x, rows, order, |x| w.matmul_into(x, rows, y))
+            }
             Weight::Quantized(w) => *y = to_vec(w.forward(&xt()?)?)?,
             Weight::Dense(w)
                 if matches!(w.dtype(), DType::F32 | DType::BF16 | DType::F16)
@@ -175,12 +181,21 @@ impl Linear {
         outs: &mut [&mut Vec<f32>],
     ) -> Result<()> {
         let mut packed: [Option<&PackedMatrix>; MAX_MANY] = [None; MAX_MANY];
-        let all_packed = layers.len() <= MAX_MANY
+        let mut orders = layers.iter().map(|l| match &l.weight {
+            Weight::Packed(_, order) => order.as_deref(),
+            _ => None,
+        });
+        let order = orders.next().flatten();
+        // One input order for all (GPTQ act-order sorts Q, K and V, or gate and up, by the same
+        // input statistics, so they share it), or the products run one by one.
+        let one_order = orders.all(|o| o == order);
+        let all_packed = one_order
+            && layers.len() <= MAX_MANY
             && layers
                 .iter()
                 .zip(&mut packed)
                 .all(|(l, p)| match &l.weight {
-                    Weight::Packed(w) => {
+                    Weight::Packed(w, _) => {
                         *p = Some(w);
                         true
                     }
@@ -199,7 +214,13 @@ impl Linear {
                 *m = p;
             }
         }
-        super::qmatmul::matmul_many_into(&mats[..layers.len()], x, rows, outs);
+        let mats = &mats[..layers.len()];
+        match order {
+            None => super::qmatmul::matmul_many_into(mats, x, rows, outs),
+            Some(order) => with_input_order(x, rows, order, |x| {
+                super::qmatmul::matmul_many_into(mats, x, rows, outs)
+            }),
+        }
         for (l, y) in layers.iter().zip(outs.iter_mut()) {
             l.add_bias(y);
         }
@@ -213,6 +234,30 @@ impl Linear {
             }
         }
     }
+}
+
+thread_local! {
+    /// Inputs permuted for a product with an input order, reused so that a decode step
+    /// allocates nothing once it has grown.
+    static PERMUTED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` on `x` (`rows` rows) with row element `j` taken from `order[j]`.
+fn with_input_order(x: &[f32], rows: usize, order: &[u32], f: impl FnOnce(&[f32])) {
+    PERMUTED.with(|cell| {
+        // A nested call (none today) would find the buffer taken: it gets its own.
+        let mut own = Vec::new();
+        let mut borrowed = cell.try_borrow_mut();
+        let buf = match borrowed.as_deref_mut() {
+            Ok(buf) => buf,
+            Err(_) => &mut own,
+        };
+        buf.clear();
+        for row in x.chunks_exact(order.len()).take(rows) {
+            buf.extend(order.iter().map(|&i| row[i as usize]));
+        }
+        f(buf)
+    })
 }
 
 fn to_vec(t: Tensor) -> Result<Vec<f32>> {
@@ -295,5 +340,74 @@ impl Embedding {
             Embedding::Dense(table) => Linear::dense(table.clone(), None),
             Embedding::Quantized(table) => Linear::quantized(table.clone(), None),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::int4::GroupedInt4;
+
+    fn values(len: usize, seed: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| (((i * 2654435761 + seed * 40503) % 10007) as f32 / 10007.0 - 0.5) * 2.0)
+            .collect()
+    }
+
+    /// Act-order int4 layers permute their input: alone, each equals the product with its
+    /// logical (dequantized) weights up to the activation rounding; together, layers sharing
+    /// an order share one permuted, quantized input and give each one's bits, and a layer with
+    /// another order in the set sends them one by one with the same results.
+    #[test]
+    fn int4_layers_with_an_input_order_multiply_in_channel_order() {
+        let k = 384;
+        let order: Vec<u32> = (0..k as u32).map(|j| (j * 173) % k as u32).collect();
+        let other: Vec<u32> = (0..k as u32).rev().collect();
+        let layer = |n: usize, seed: usize, order: &[u32]| {
+            let w = GroupedInt4::quantize(n, k, &values(n * k, seed)).expect("quantize");
+            let w = w
+                .with_input_order("t", order.to_vec())
+                .expect("a permutation");
+            let dense = w.dequantize();
+            (Linear::int4(&w, None).expect("linear"), dense)
+        };
+        let (a, wa) = layer(40, 1, &order);
+        let (b, _) = layer(24, 2, &order);
+        let (c, _) = layer(17, 3, &other);
+        let rows = 3;
+        let x = values(rows * k, 9);
+        let ya = a.forward(&x, rows).expect("a");
+        for r in 0..rows {
+            let xr = &x[r * k..(r + 1) * k];
+            for o in 0..40 {
+                let exact: f32 = wa[o * k..(o + 1) * k]
+                    .iter()
+                    .zip(xr)
+                    .map(|(w, v)| w * v)
+                    .sum();
+                let scale: f32 = wa[o * k..(o + 1) * k]
+                    .iter()
+                    .zip(xr)
+                    .map(|(w, v)| (w * v).abs())
+                    .sum();
+                let got = ya[r * 40 + o];
+                assert!(
+                    (got - exact).abs() <= 0.01 * scale,
+                    "({r},{o}): {got} vs {exact}"
+                );
+            }
+        }
+        let alone: Vec<Vec<f32>> = [&a, &b, &c]
+            .iter()
+            .map(|l| l.forward(&x, rows).expect("alone"))
+            .collect();
+        assert_eq!(
+            Linear::forward_many(&[&a, &b], &x, rows).expect("shared"),
+            alone[..2]
+        );
+        assert_eq!(
+            Linear::forward_many(&[&a, &b, &c], &x, rows).expect("mixed"),
+            alone
+        );
     }
 }

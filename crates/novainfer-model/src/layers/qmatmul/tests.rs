@@ -516,10 +516,10 @@ fn reference_int4(w: &crate::int4::GroupedInt4, x: &[f32], m: usize) -> Vec<f32>
         for j in 0..n {
             let mut acc = 0f32;
             for sb in 0..k / 32 {
-                let (s, z, _) = w.parts(j, 32 * sb);
+                let (s, z, _) = w.stored_parts(j, 32 * sb);
                 let a = &acts.qs[r * k + 32 * sb..r * k + 32 * (sb + 1)];
                 let dot: i32 = (0..32)
-                    .map(|i| i32::from(w.parts(j, 32 * sb + i).2) * i32::from(a[i]))
+                    .map(|i| i32::from(w.stored_parts(j, 32 * sb + i).2) * i32::from(a[i]))
                     .sum();
                 let asum: i32 = a.iter().map(|&v| i32::from(v)).sum();
                 let isum = dot - i32::from(z) * asum;

@@ -40,6 +40,8 @@ const QK: usize = 32;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Repacked {
     Int4,
+    /// GPTQ act-order: int4 with the columns sorted by group and an input order.
+    Int4ActOrder,
     Q5_0,
     Q8_0,
     Dense(DenseReason),
@@ -62,7 +64,11 @@ pub enum DenseReason {
 pub fn repack(m: &IntMatrix) -> Result<(RawTensor, Repacked)> {
     let plan = plan(m);
     let tensor = match (plan, &m.scales) {
-        (Repacked::Int4, _) => RawTensor::Int4(int4(m)?),
+        (Repacked::Int4, _) => RawTensor::Int4(int4(m, None)?),
+        (Repacked::Int4ActOrder, _) => match act_order(m) {
+            Some(order) => RawTensor::Int4(int4(m, Some(order))?),
+            None => unreachable!("the plan found the act order: this is a bug"),
+        },
         (Repacked::Q5_0, Scales::F16(s)) => quantized(m, GgmlDType::Q5_0, q5_0(m, s))?,
         (Repacked::Q8_0, Scales::F16(s)) => quantized(m, GgmlDType::Q8_0, q8_0(m, s))?,
         _ => RawTensor::Dense(Tensor::from_vec(
@@ -83,6 +89,9 @@ fn plan(m: &IntMatrix) -> Repacked {
     };
     if m.bits == Bits::Four && one_group_per(GROUP_K) {
         return Repacked::Int4;
+    }
+    if m.bits == Bits::Four && act_order(m).is_some() {
+        return Repacked::Int4ActOrder;
     }
     if !matches!(m.scales, Scales::F16(_)) {
         return Repacked::Dense(DenseReason::WideScales);
@@ -107,9 +116,27 @@ fn plan(m: &IntMatrix) -> Repacked {
     }
 }
 
-/// `m` as [`GroupedInt4`] blocks, rows in parallel; the plan checked that each 128-channel
-/// run lies in one group.
-fn int4(m: &IntMatrix) -> Result<GroupedInt4> {
+/// The input channels sorted by group (stable), when every 128-channel run of that order lies in
+/// one group: GPTQ act-order with groups of 128 (or a multiple), whose `g_idx` scatters each
+/// group's channels over the input.
+fn act_order(m: &IntMatrix) -> Option<Vec<u32>> {
+    if !m.cols.is_multiple_of(GROUP_K) {
+        return None;
+    }
+    let mut order: Vec<u32> = (0..m.cols as u32).collect();
+    order.sort_by_key(|&i| m.group_of[i as usize]);
+    let group = |j: usize| m.group_of[order[j] as usize];
+    let runs_whole = (0..m.cols)
+        .step_by(GROUP_K)
+        .all(|start| (start..start + GROUP_K).all(|j| group(j) == group(start)));
+    runs_whole.then_some(order)
+}
+
+/// `m` as [`GroupedInt4`] blocks, rows in parallel, stored column `j` being input channel
+/// `order[j]` (the identity when `None`); the plan checked that each 128-column run lies in
+/// one group.
+fn int4(m: &IntMatrix, order: Option<Vec<u32>>) -> Result<GroupedInt4> {
+    let channel = |j: usize| order.as_ref().map_or(j, |o| o[j] as usize);
     let per_row = m.cols / GROUP_K;
     let mut out = vec![0u8; m.rows * per_row * INT4_BLOCK_BYTES];
     let shared = SharedOut::new(&mut out);
@@ -119,16 +146,24 @@ fn int4(m: &IntMatrix) -> Result<GroupedInt4> {
             // SAFETY: row o's blocks belong to this item alone.
             let dst = unsafe { shared.range(o * len, len) };
             let q = &m.q[o * m.cols..(o + 1) * m.cols];
+            let mut run = [0u8; GROUP_K];
             for (g, block) in dst.chunks_exact_mut(INT4_BLOCK_BYTES).enumerate() {
-                let i = g * GROUP_K;
+                let i = channel(g * GROUP_K);
                 block[0..4].copy_from_slice(&m.scale(o, i).to_le_bytes());
                 // IntMatrix bounds the zero point by 2^4, GroupedInt4's maximum.
                 block[4] = m.zeros[m.group_of[i] as usize * m.rows + o] as u8;
-                block[5..].copy_from_slice(&encode_nibbles(&q[i..i + GROUP_K]));
+                for (t, v) in run.iter_mut().enumerate() {
+                    *v = q[channel(g * GROUP_K + t)];
+                }
+                block[5..].copy_from_slice(&encode_nibbles(&run));
             }
         }
     });
-    GroupedInt4::from_blocks("int4 repack", m.rows, m.cols, out)
+    let w = GroupedInt4::from_blocks("int4 repack", m.rows, m.cols, out)?;
+    match order {
+        Some(order) => w.with_input_order("int4 repack", order),
+        None => Ok(w),
+    }
 }
 
 fn quantized(m: &IntMatrix, dtype: GgmlDType, blocks: Vec<u8>) -> Result<RawTensor> {

@@ -313,6 +313,15 @@ fn act_order_groups_mixing_within_a_block_dequantize_exactly() {
         ..gptq(Bits::Four, group(g), ZeroConvention::MinusOne)
     };
     check_gptq(&layer, cfg, Repacked::Dense(DenseReason::MixedGroups));
+    // Groups of 128 (or more): the columns sorted by group, the input permuted to match.
+    for g in [128, 256] {
+        let layer = Layer::random(23, (32, 512), 4, g, Zeros::From(1)).act_order(6, g);
+        let cfg = Gptq {
+            desc_act: true,
+            ..gptq(Bits::Four, group(g), ZeroConvention::MinusOne)
+        };
+        check_gptq(&layer, cfg, Repacked::Int4ActOrder);
+    }
     // Act-order with static groups: g_idx is contiguous again, and so is the repacking.
     let layer = Layer::random(22, (32, 256), 4, g, Zeros::From(1));
     check_gptq(&layer, cfg, Repacked::Q5_0);
