@@ -40,6 +40,7 @@ pub const QKV: KernelSource = kernel!("qkv");
 pub const GATHER: KernelSource = kernel!("gather");
 pub const FLASH_PREFILL: KernelSource = kernel!("flash_prefill");
 pub const LORA: KernelSource = kernel!("lora");
+pub const GEMV_QUANT: KernelSource = kernel!("gemv_quant");
 
 pub const KERNELS: &[KernelSource] = &[
     EMBEDDING,
@@ -54,6 +55,7 @@ pub const KERNELS: &[KernelSource] = &[
     GATHER,
     FLASH_PREFILL,
     LORA,
+    GEMV_QUANT,
 ];
 
 /// What NVRTC is handed besides the source. Part of the disk-cache key, so changing a flag
@@ -117,6 +119,11 @@ pub const DTYPED_ENTRIES: &[(KernelSource, &str)] = &[
     (GATHER, "gather_rows"),
     (LORA, "lora_shrink"),
     (LORA, "lora_expand"),
+    // The suffix is the output dtype; the activations are bf16 in both.
+    (GEMV_QUANT, "gemv_q4_k"),
+    (GEMV_QUANT, "gemv_q5_0"),
+    (GEMV_QUANT, "gemv_q6_k"),
+    (GEMV_QUANT, "gemv_q8_0"),
 ];
 
 /// The attention kernels' phases: `paged_attention_<phase>_<dtype>_hd<head_dim>`.

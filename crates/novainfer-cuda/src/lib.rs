@@ -15,9 +15,11 @@
 pub mod cache;
 pub mod error;
 pub mod flash_plan;
+pub mod gemv_plan;
 pub mod gpu_test;
 pub mod kernels;
 pub mod lora_plan;
+pub mod quant_type;
 pub mod reference;
 pub mod rope_scaling;
 pub mod sample_params;

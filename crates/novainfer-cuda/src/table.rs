@@ -48,6 +48,8 @@ pub(crate) struct KernelTable {
     pub lora_expand: PerDtype<CudaFunction>,
     /// Indexed by [`QuantType::index`].
     pub dequant: [PerDtype<CudaFunction>; 4],
+    /// Indexed by [`QuantType::index`]; by output dtype (the input is bf16).
+    pub gemv: [PerDtype<CudaFunction>; 4],
     attention: PerDtype<[Option<AttentionFns>; 3]>,
     /// `flash_prefill_bf16_hd<d>` for d in [`kernels::FLASH_PREFILL_HEAD_DIMS`], in order.
     flash_prefill: [CudaFunction; 2],
@@ -64,6 +66,7 @@ impl KernelTable {
             })
         };
         let dequant = |q: QuantType| per(&kernels::DEQUANT, q.kernel_base());
+        let gemv = |q: QuantType| per(&kernels::GEMV_QUANT, q.gemv_base());
         Ok(Self {
             embedding: per(&kernels::EMBEDDING, "embedding_gather")?,
             rms_norm: per(&kernels::RMS_NORM, "rms_norm")?,
@@ -85,6 +88,12 @@ impl KernelTable {
                 dequant(QuantType::ALL[1])?,
                 dequant(QuantType::ALL[2])?,
                 dequant(QuantType::ALL[3])?,
+            ],
+            gemv: [
+                gemv(QuantType::ALL[0])?,
+                gemv(QuantType::ALL[1])?,
+                gemv(QuantType::ALL[2])?,
+                gemv(QuantType::ALL[3])?,
             ],
             attention: PerDtype {
                 f32: loader.attention(DtypeKind::F32)?,

@@ -112,4 +112,17 @@ fn split_and_thread_constants_agree_with_the_kernels() {
         &kernels::SAMPLING,
         format!("#define SAMPLE_THREADS {SAMPLE_THREADS}\n"),
     );
+    use novainfer_cuda::gemv_plan::{CHUNK, MAX_ROWS, WARPS};
+    has(
+        &kernels::GEMV_QUANT,
+        format!("#define GEMV_WARPS {WARPS}\n"),
+    );
+    has(
+        &kernels::GEMV_QUANT,
+        format!("#define GEMV_MAX_ROWS {MAX_ROWS}\n"),
+    );
+    has(
+        &kernels::GEMV_QUANT,
+        format!("#define GEMV_CHUNK {CHUNK}\n"),
+    );
 }

@@ -16,6 +16,7 @@ pub mod embedding;
 pub mod flash_prefill;
 pub mod gather;
 pub mod gemm;
+pub mod gemv_quant;
 pub mod kv;
 pub mod lora;
 pub mod paged_attention;

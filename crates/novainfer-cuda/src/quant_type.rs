@@ -1,0 +1,77 @@
+//! The GGUF quant types the device runs (those of the demo models), shared by the launchers
+//! (`ops::dequant`, `ops::gemv_quant`) and the CPU twins, which build without CUDA.
+
+/// The GGUF quant types of the demo models.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantType {
+    Q4K,
+    Q5_0,
+    Q6K,
+    Q8_0,
+}
+
+impl QuantType {
+    /// In the order of the context's dequant table ([`Self::index`]).
+    pub const ALL: [QuantType; 4] = [
+        QuantType::Q4K,
+        QuantType::Q5_0,
+        QuantType::Q6K,
+        QuantType::Q8_0,
+    ];
+
+    pub fn index(self) -> usize {
+        match self {
+            QuantType::Q4K => 0,
+            QuantType::Q5_0 => 1,
+            QuantType::Q6K => 2,
+            QuantType::Q8_0 => 3,
+        }
+    }
+
+    pub fn block_bytes(self) -> usize {
+        match self {
+            QuantType::Q4K => 144,
+            QuantType::Q5_0 => 22,
+            QuantType::Q6K => 210,
+            QuantType::Q8_0 => 34,
+        }
+    }
+
+    pub fn block_values(self) -> usize {
+        match self {
+            QuantType::Q4K | QuantType::Q6K => 256,
+            QuantType::Q5_0 | QuantType::Q8_0 => 32,
+        }
+    }
+
+    pub fn kernel_base(self) -> &'static str {
+        match self {
+            QuantType::Q4K => "dequant_q4_k",
+            QuantType::Q5_0 => "dequant_q5_0",
+            QuantType::Q6K => "dequant_q6_k",
+            QuantType::Q8_0 => "dequant_q8_0",
+        }
+    }
+
+    /// The packed-GEMV entry point's name without its dtype suffix (`kernels/gemv_quant.cu`).
+    pub fn gemv_base(self) -> &'static str {
+        match self {
+            QuantType::Q4K => "gemv_q4_k",
+            QuantType::Q5_0 => "gemv_q5_0",
+            QuantType::Q6K => "gemv_q6_k",
+            QuantType::Q8_0 => "gemv_q8_0",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_lists_each_type_at_its_table_index() {
+        for (i, q) in QuantType::ALL.iter().enumerate() {
+            assert_eq!(q.index(), i, "{q:?}");
+        }
+    }
+}
