@@ -249,6 +249,53 @@ def test_demo_greedy_chat_agrees_with_the_cpu_engine(gpu, demo_gguf):
     assert all(d["cpu_margin_nats"] < NEAR_TIE_NATS for d in disagreements), disagreements
 
 
+def _greedy(llm: LLM, n: int = 12):
+    params = SamplingParams(temperature=0, max_tokens=n, logprobs=1, ignore_eos=True)
+    return llm.generate(PROMPT, params)[0].outputs[0]
+
+
+def test_native_gguf_weights_follow_the_bf16_expansion(gpu, gpu_models):
+    # gpu_weight_dtype="native" keeps the Q8_0 blocks on the device: the prompt (more than 8 rows) expands them
+    # into a scratch for cuBLAS, each decode step (1 row) runs the packed GEMV (kernels/gemv_quant.cu), whose f32
+    # sums are closer to exact than the bf16 matrix's. Both must follow the bf16 path and the CPU.
+    path = gpu_models["gguf_q8_0"]
+    bf16 = LLM(path, device=gpu, kv_cache_bytes=16 << 20)
+    native = LLM(path, device=gpu, kv_cache_bytes=16 << 20, gpu_weight_dtype="native")
+    cpu = LLM(path, device="cpu", kv_cache_bytes=16 << 20)
+    ref = logits_of(cpu, PROMPT)
+    err = _rel_err(logits_of(native, PROMPT), ref)
+    a, b, c = _greedy(bf16), _greedy(native), _greedy(cpu)
+    agree = sum(x == y for x, y in zip(b.token_ids, c.token_ids))
+    lp_err = max(abs(lb[t] - lc[t]) for t, lb, lc in zip(b.token_ids, b.logprobs, c.logprobs) if t in lc)
+    bytes_bf16 = bf16.stats()["weight_bytes_per_token"]
+    bytes_native = native.stats()["weight_bytes_per_token"]
+    _report(test="native_tiny_q8_0", prefill_rel_err=err, decode_agree=agree, decode_logprob_err=lp_err,
+            bytes_bf16=bytes_bf16, bytes_native=bytes_native, bf16_agree=sum(x == y for x, y in zip(a.token_ids, c.token_ids)))
+    assert err < REL_TOL, err
+    assert b.token_ids == c.token_ids or agree >= len(c.token_ids) - 2
+    assert lp_err < 0.1, lp_err
+    # Q8_0 is 34 bytes per 32 weights against bf16's 64; the vectors are the same.
+    assert bytes_native < 0.6 * bytes_bf16, (bytes_native, bytes_bf16)
+
+
+def test_native_demo_weights_follow_the_cpu_engine(gpu, demo_gguf):
+    # The demo file's Q4_K/Q5_0/Q6_K/Q8_0 blocks, kept packed: logits (prefill: expanded) and greedy chat
+    # (decode: the packed GEMV) against the CPU engine, as the bf16 path is held to.
+    prompt = list(range(1000, 1040))
+    cpu_llm = LLM(demo_gguf, device="cpu", kv_cache_bytes=64 << 20)
+    native = LLM(demo_gguf, device=gpu, kv_cache_bytes=256 << 20, gpu_weight_dtype="native")
+    err = _rel_err(logits_of(native, prompt), logits_of(cpu_llm, prompt))
+    params = SamplingParams(temperature=0, max_tokens=32, logprobs=2)
+    messages = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS[:8]]
+    cpu = [o.outputs[0] for o in cpu_llm.chat(messages, params)]
+    got = [o.outputs[0] for o in native.chat(messages, params)]
+    same = sum(c.token_ids == g.token_ids for c, g in zip(cpu, got))
+    _report(test="native_demo", max_rel_err=err, greedy_same=same, prompts=len(messages),
+            weight_bytes_per_token=native.stats()["weight_bytes_per_token"])
+    assert err < 2 * REL_TOL, err
+    assert same >= len(messages) - 2, same
+
+
 def test_lora_on_the_gpu_follows_the_cpu_and_moves_the_output(gpu, gpu_models, tmp_path):
     # Two adapters and the base model in one engine on the GPU (kernels/lora.cu): each request's greedy
     # tokens and logprobs follow the CPU engine's on the same adapter (bf16 against f32: a token may differ

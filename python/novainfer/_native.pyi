@@ -101,6 +101,7 @@ class Engine:
         seed: int = 0,
         requantize_q5_0: bool = False,
         lm_head_dtype: str = "auto",
+        gpu_weight_dtype: str = "bf16",
         enforce_eager: bool = False,
         block_size: int = 16,
         kv_cache_bytes: int | None = None,

@@ -47,6 +47,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lm-head-dtype", choices=["auto", "q8_0"], default="auto",
                    help="how the lm_head is stored: auto (as the checkpoint has it) or q8_0 (a dense head quantized "
                         "to 8-bit blocks at load: lossy, less to read per token; CPU only) (default: %(default)s)")
+    p.add_argument("--gpu-weight-dtype", choices=["bf16", "native"], default="bf16",
+                   help="how a GPU holds a GGUF's quantized matrices: bf16 (expanded at load) or native (the file's "
+                        "blocks, multiplied in place by decode steps; unverified on a GPU) (default: %(default)s)")
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' (bench speculative: '
@@ -120,6 +123,7 @@ def _llm(args: argparse.Namespace, **extra: object):  # noqa: ANN202 - returns n
     extra.setdefault("kv_layout", args.kv_layout)
     extra.setdefault("kv_cache_dtype", args.kv_cache_dtype)
     extra.setdefault("lm_head_dtype", args.lm_head_dtype)
+    extra.setdefault("gpu_weight_dtype", args.gpu_weight_dtype)
     extra.setdefault("speculative_config", args.speculative_config)
     return LLM(args.model, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
                dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, **extra)

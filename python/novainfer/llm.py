@@ -125,6 +125,11 @@ class LLM:
     `kv_cache_fraction` is for host memory and is refused on a GPU). `gpu_memory_utilization` is ignored on
     the CPU.
 
+    `gpu_weight_dtype` is how a GPU holds a GGUF's quantized matrices: ``"bf16"`` (expanded at load, the
+    default) or ``"native"`` (Q4_K/Q5_0/Q6_K/Q8_0 kept as the file's blocks, which decode steps of up to 8 rows
+    multiply in place, reading a third of the bytes; larger steps expand them first; a request's tokens can then
+    differ between a small and a large batch; not yet verified on a GPU). Ignored on the CPU.
+
     `enforce_eager=True` never replays CUDA graphs (vLLM's option). Graphs are captured per decode batch
     size at start-up and replayed for plain decode steps; until a GPU run has verified them they are off
     unless the environment sets ``NOVAINFER_CUDA_GRAPHS=1``, which `enforce_eager` overrides. Ignored on
@@ -141,6 +146,7 @@ class LLM:
         seed: int = 0,
         requantize_q5_0: bool = False,
         lm_head_dtype: str = "auto",
+        gpu_weight_dtype: str = "bf16",
         enforce_eager: bool = False,
         block_size: int = 16,
         kv_cache_bytes: int | None = None,
@@ -188,6 +194,10 @@ class LLM:
             )
         if lm_head_dtype not in ("auto", "q8_0"):
             raise InvalidParameterError(f'lm_head_dtype must be "auto" or "q8_0", got {lm_head_dtype!r}', "lm_head_dtype")
+        if gpu_weight_dtype not in ("bf16", "native"):
+            raise InvalidParameterError(
+                f'gpu_weight_dtype must be "bf16" or "native", got {gpu_weight_dtype!r}', "gpu_weight_dtype"
+            )
         if speculative_config is not None and not isinstance(speculative_config, Mapping):
             raise InvalidParameterError(
                 f"speculative_config must be a dict, got {type(speculative_config).__name__}", "speculative_config"
@@ -219,6 +229,7 @@ class LLM:
             seed=seed,
             requantize_q5_0=requantize_q5_0,
             lm_head_dtype=lm_head_dtype,
+            gpu_weight_dtype=gpu_weight_dtype,
             enforce_eager=enforce_eager,
             block_size=block_size,
             kv_cache_bytes=kv_cache_bytes,

@@ -8,8 +8,8 @@ use novainfer_core::{KvLayout, ParamError, SamplingParams, SchedulerConfig, Sche
 use novainfer_model::device::{self, Resolved};
 use novainfer_model::{
     load_weights, Capabilities, Checkpoint, CudaGraphs, DeviceChoice, DeviceWeights, DtypeChoice,
-    Executor, KvCacheDtype, LmHeadDtype, LoadOptions, ModelError, OpenedCheckpoint, Qwen2Config,
-    StepLimits,
+    Executor, GpuWeightDtype, KvCacheDtype, LmHeadDtype, LoadOptions, ModelError, OpenedCheckpoint,
+    Qwen2Config, StepLimits,
 };
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
@@ -39,6 +39,9 @@ pub struct EngineConfig {
     /// How the lm_head is stored: the checkpoint's (`auto`), or Q8_0 (lossy, opt-in; the CPU
     /// only). See [`LmHeadDtype`].
     pub lm_head_dtype: LmHeadDtype,
+    /// How a GPU holds a GGUF's quantized matrices: expanded to bf16 (default) or as the file's
+    /// blocks (`native`; see [`GpuWeightDtype`]). Ignored on the CPU.
+    pub gpu_weight_dtype: GpuWeightDtype,
     /// Never replay CUDA graphs (vLLM's `enforce_eager`). Graphs are also off unless
     /// `NOVAINFER_CUDA_GRAPHS=1` opts in, until a GPU run has verified them; the CPU has
     /// none and ignores this.
@@ -211,6 +214,7 @@ impl EngineConfig {
             seed: 0,
             requantize_q5_0: false,
             lm_head_dtype: LmHeadDtype::Auto,
+            gpu_weight_dtype: GpuWeightDtype::Bf16,
             enforce_eager: false,
             block_size: 16,
             kv_layout: KvLayout::Block,
@@ -422,6 +426,7 @@ impl LoadedEngine {
             dtype: cfg.dtype,
             requantize_q5_0: cfg.requantize_q5_0,
             lm_head_dtype: cfg.lm_head_dtype,
+            gpu_weight_dtype: cfg.gpu_weight_dtype,
             kv_cache_dtype: cfg.kv_cache_dtype,
             cuda_graphs: cuda_graphs(cfg)?,
         };

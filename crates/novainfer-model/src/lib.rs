@@ -15,6 +15,7 @@ pub mod draw;
 pub mod error;
 pub mod executor;
 pub mod forward_batch;
+pub mod gpu_weight_dtype;
 pub mod int4;
 pub mod kernel_select;
 pub mod kv_cache;
@@ -42,6 +43,7 @@ pub use executor::{load_weights, DeviceMemory, DeviceWeights, Executor, StepLimi
 pub use forward_batch::{
     Adjust, Draw, DrawRule, DrawnToken, ForwardBatch, ForwardOutput, SeqSpan, SpanOutput,
 };
+pub use gpu_weight_dtype::GpuWeightDtype;
 pub use kv_cache::SequenceKvCache;
 pub use kv_dtype::{KvCacheDtype, KvStorage};
 pub use lm_head_dtype::LmHeadDtype;

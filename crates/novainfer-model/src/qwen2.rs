@@ -13,6 +13,7 @@ use candle_core::{DType, Tensor};
 use crate::config::{Qwen2Config, WeightDtype};
 use crate::error::{ModelError, Result};
 use crate::forward_batch::{ForwardBatch, ForwardOutput, SpanOutput};
+use crate::gpu_weight_dtype::GpuWeightDtype;
 use crate::kv_cache::SequenceKvCache;
 use crate::kv_dtype::{KvCacheDtype, KvStorage};
 use crate::layers::ops::{
@@ -67,6 +68,8 @@ pub struct LoadOptions {
     pub requantize_q5_0: bool,
     /// How the lm_head is stored ([`LmHeadDtype`]): the checkpoint's, or Q8_0 (lossy, opt-in).
     pub lm_head_dtype: LmHeadDtype,
+    /// How the CUDA executor holds quantized matrices ([`GpuWeightDtype`]); the CPU ignores it.
+    pub gpu_weight_dtype: GpuWeightDtype,
     /// How the KV cache stores keys and values ([`Qwen2Model::new_cache`]; the engine's
     /// pool). `Auto` is f16 on the CPU.
     pub kv_cache_dtype: KvCacheDtype,
@@ -81,6 +84,7 @@ impl Default for LoadOptions {
             dtype: DtypeChoice::Auto,
             requantize_q5_0: false,
             lm_head_dtype: LmHeadDtype::Auto,
+            gpu_weight_dtype: GpuWeightDtype::Bf16,
             kv_cache_dtype: KvCacheDtype::Auto,
             cuda_graphs: CudaGraphs::Eager,
         }

@@ -20,7 +20,9 @@ use novainfer_engine::{
     TokenLogprob, DEFAULT_GPU_MEMORY_UTILIZATION,
 };
 use novainfer_model::device::DEVICE_SPELLINGS;
-use novainfer_model::{AdapterRef, DeviceChoice, DtypeChoice, KvCacheDtype, LmHeadDtype};
+use novainfer_model::{
+    AdapterRef, DeviceChoice, DtypeChoice, GpuWeightDtype, KvCacheDtype, LmHeadDtype,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -114,7 +116,7 @@ pub struct PyEngine {
 impl PyEngine {
     #[new]
     #[pyo3(signature = (model, *, device="auto", dtype="auto", max_model_len=None, seed=0,
-        requantize_q5_0=false, lm_head_dtype="auto", enforce_eager=false, block_size=16, kv_cache_bytes=None, kv_cache_fraction=None,
+        requantize_q5_0=false, lm_head_dtype="auto", gpu_weight_dtype="bf16", enforce_eager=false, block_size=16, kv_cache_bytes=None, kv_cache_fraction=None,
         gpu_memory_utilization=0.9, max_num_seqs=64,
         max_num_batched_tokens=None, enable_prefix_caching=true, kv_layout="block",
         kv_cache_dtype="auto", scheduling_policy="fcfs", priority_aging_steps=256,
@@ -131,6 +133,7 @@ impl PyEngine {
         seed: u64,
         requantize_q5_0: bool,
         lm_head_dtype: &str,
+        gpu_weight_dtype: &str,
         enforce_eager: bool,
         block_size: usize,
         kv_cache_bytes: Option<usize>,
@@ -176,6 +179,12 @@ impl PyEngine {
                 format!("lm_head_dtype must be auto or q8_0; got {lm_head_dtype:?}"),
             )
         })?;
+        let gpu_weight_dtype = GpuWeightDtype::parse(gpu_weight_dtype).map_err(|_| {
+            invalid(
+                "gpu_weight_dtype",
+                format!("gpu_weight_dtype must be bf16 or native; got {gpu_weight_dtype:?}"),
+            )
+        })?;
         let dtype = DtypeChoice::parse(dtype).map_err(|_| {
             invalid(
                 "dtype",
@@ -197,6 +206,7 @@ impl PyEngine {
             seed,
             requantize_q5_0,
             lm_head_dtype,
+            gpu_weight_dtype,
             enforce_eager,
             block_size,
             kv_layout,

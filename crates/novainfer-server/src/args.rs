@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::Parser;
 use novainfer_core::{KvLayout, ParamError};
 use novainfer_engine::{EngineConfig, KvBudget};
-use novainfer_model::{DeviceChoice, DtypeChoice, KvCacheDtype, LmHeadDtype};
+use novainfer_model::{DeviceChoice, DtypeChoice, GpuWeightDtype, KvCacheDtype, LmHeadDtype};
 
 pub use crate::reasoning::ReasoningParser;
 
@@ -62,6 +62,11 @@ pub struct ServeArgs {
     /// for AWQ/GPTQ checkpoints, which keep it in f16; CPU only).
     #[arg(long, default_value = "auto")]
     pub lm_head_dtype: String,
+    /// How a GPU holds a GGUF's quantized matrices: bf16 (expanded at load) or native (the
+    /// file's blocks, multiplied in place by decode steps: less memory, fewer bytes a token;
+    /// unverified on a GPU so far). Ignored on the CPU.
+    #[arg(long, default_value = "bf16")]
+    pub gpu_weight_dtype: String,
     /// Never replay CUDA graphs for decode steps (vLLM's flag). Graphs are off anyway unless
     /// NOVAINFER_CUDA_GRAPHS=1 opts in, until a GPU run has verified them. Ignored on the CPU.
     #[arg(long)]
@@ -487,6 +492,12 @@ impl ServeArgs {
                 format!("must be auto or q8_0; got {:?}", self.lm_head_dtype),
             )
         })?;
+        let gpu_weight_dtype = GpuWeightDtype::parse(&self.gpu_weight_dtype).map_err(|_| {
+            ParamError::new(
+                "gpu_weight_dtype",
+                format!("must be bf16 or native; got {:?}", self.gpu_weight_dtype),
+            )
+        })?;
         let kv_cache = match (self.kv_cache_bytes, self.kv_cache_fraction) {
             (_, Some(f)) => KvBudget::FractionOfAvailable(f),
             (Some(b), None) => KvBudget::Bytes(b),
@@ -510,6 +521,7 @@ impl ServeArgs {
         cfg.seed = self.seed;
         cfg.requantize_q5_0 = self.requantize_q5_0;
         cfg.lm_head_dtype = lm_head_dtype;
+        cfg.gpu_weight_dtype = gpu_weight_dtype;
         cfg.enforce_eager = self.enforce_eager;
         cfg.block_size = self.block_size;
         cfg.kv_layout = kv_layout;
@@ -645,6 +657,16 @@ mod tests {
         assert_eq!(q8, LmHeadDtype::Q8_0);
         let err = dtype(&["--lm-head-dtype", "f8"]).expect_err("unknown dtype");
         assert!(err.to_string().contains("lm_head_dtype"), "{err}");
+        let gpu = |args: &[&str]| {
+            parse(args)
+                .engine_config("/m".into())
+                .map(|c| c.gpu_weight_dtype)
+        };
+        assert_eq!(gpu(&[]).expect("valid"), GpuWeightDtype::Bf16);
+        let native = gpu(&["--gpu-weight-dtype", "native"]).expect("valid");
+        assert_eq!(native, GpuWeightDtype::Native);
+        let err = gpu(&["--gpu-weight-dtype", "q4"]).expect_err("unknown dtype");
+        assert!(err.to_string().contains("gpu_weight_dtype"), "{err}");
     }
 
     #[test]

@@ -51,14 +51,19 @@ pub(crate) struct Activations {
     pub top_ids: CudaSlice<u32>,
     pub top_logprobs: CudaSlice<f32>,
     pub ranks: CudaSlice<u32>,
+    /// A packed matrix expanded to bf16 for a step too large for the packed GEMV
+    /// (`gpu_weight_dtype="native"`; one value when every matrix is bf16).
+    pub expanded: CudaSlice<bf16>,
 }
 
 impl Activations {
+    /// `expanded_len`: the largest packed matrix's values ([`super::weights::GpuModel::expanded_len`]).
     pub fn new(
         gpu: &GpuContext,
         cfg: &Qwen2Config,
         max_tokens: usize,
         max_rows: usize,
+        expanded_len: usize,
     ) -> Result<Self> {
         let (h, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let q = cfg.num_attention_heads * cfg.head_dim();
@@ -99,6 +104,7 @@ impl Activations {
             top_ids: u32s(max_rows * MAX_TOP_LOGPROBS)?,
             top_logprobs: f32s(max_rows * MAX_TOP_LOGPROBS)?,
             ranks: u32s(max_rows)?,
+            expanded: bf(expanded_len)?,
         })
     }
 }

@@ -19,6 +19,7 @@ use crate::device::Device;
 use crate::error::{ModelError, Result};
 use crate::executor::{DeviceMemory, DeviceWeights, Executor, StepLimits};
 use crate::forward_batch::{ForwardBatch, ForwardOutput, SpanOutput};
+use crate::gpu_weight_dtype::GpuWeightDtype;
 use crate::layers::ops::normalize_l2;
 use crate::loader::OpenedCheckpoint;
 use crate::prepare::graph::{replay_step, route, CudaGraphs, StepRoute};
@@ -64,6 +65,7 @@ impl CudaWeights {
             &gpu,
             device,
             HostModelReader::new(cfg.clone(), opened.checkpoint),
+            opts.gpu_weight_dtype == GpuWeightDtype::Native,
         )?;
         let rope = RopeTable::with_scaling(
             &gpu,
@@ -78,6 +80,7 @@ impl CudaWeights {
             &cfg,
             limits.max_num_batched_tokens,
             limits.max_num_seqs,
+            model.expanded_len(),
         )?;
         // The scratch depends on heads and history length only; block geometry is the
         // pool's and comes with each launch.
@@ -427,6 +430,10 @@ impl Executor for CudaExecutor {
 
     fn capabilities(&self) -> Capabilities {
         capabilities::CUDA
+    }
+
+    fn weight_bytes_per_token(&self) -> Option<usize> {
+        Some(self.w.model.weight_bytes_per_token())
     }
 
     fn config(&self) -> &Qwen2Config {

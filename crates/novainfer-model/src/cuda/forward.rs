@@ -12,11 +12,13 @@
 //! down_proj is added only to the rows that are sampled, as the CPU norms only those.
 
 use half::bf16;
-use novainfer_cuda::cudarc::driver::{CudaSlice, CudaView};
+use novainfer_cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use novainfer_cuda::ops::dequant::dequantize;
 use novainfer_cuda::ops::embedding::{embedding, EmbeddingShape};
 use novainfer_cuda::ops::flash_prefill::{prefill_attention, PrefillKernel};
 use novainfer_cuda::ops::gather::gather_rows;
 use novainfer_cuda::ops::gemm::{gemm_bf16, gemm_bf16_f32out, GemmShape};
+use novainfer_cuda::ops::gemv_quant::{gemv_quant, OutColumns, MAX_ROWS as GEMV_MAX_ROWS};
 use novainfer_cuda::ops::kv::KvCacheMut;
 use novainfer_cuda::ops::paged_attention::{
     decode_kernel_for, paged_attention_decode_with, AttentionConfig, DecodeScratch, PagedKv,
@@ -34,7 +36,7 @@ use super::buffers::{
     head, head_mut, Activations, EditBuffers, KvPool, MaskBuffers, Readback, StepBuffers, StepViews,
 };
 use super::lora::{LoraStep, Part};
-use super::weights::{GpuMatrix, GpuModel};
+use super::weights::{GpuMatrix, GpuModel, MatrixData, PackedPart};
 use super::{cuda_error, driver_error};
 use crate::config::Qwen2Config;
 use crate::device::Device;
@@ -239,7 +241,9 @@ impl Body<'_> {
         embedding::<bf16>(
             gpu,
             &views.token_ids,
-            &model.embed_tokens.view(),
+            &model.embed_tokens.bf16_view().ok_or_else(|| {
+                crate::error::ModelError::Cuda("the embedding table is not bf16: a bug".into())
+            })?,
             EmbeddingShape {
                 vocab_size: vocab,
                 hidden: h,
@@ -257,7 +261,16 @@ impl Body<'_> {
                 let x = head(&act.proj, n * h, "proj")?;
                 add_rms_norm::<bf16>(gpu, &x, &mut residual, &weight, eps, &mut normed)?;
             }
-            gemm(gpu, &act.normed, &layer.qkv, n, &mut act.qkv, "qkv")?;
+            let x = &act.normed;
+            gemm(
+                gpu,
+                x,
+                &layer.qkv,
+                n,
+                &mut act.qkv,
+                &mut act.expanded,
+                "qkv",
+            )?;
             if let Some(l) = lora.as_mut() {
                 let kv_dim = nkv * hd;
                 let parts = [
@@ -372,7 +385,16 @@ impl Body<'_> {
                     )?;
                 }
             }
-            gemm(gpu, &act.attn, &layer.o_proj, n, &mut act.proj, "proj")?;
+            let x = &act.attn;
+            gemm(
+                gpu,
+                x,
+                &layer.o_proj,
+                n,
+                &mut act.proj,
+                &mut act.expanded,
+                "proj",
+            )?;
             if let Some(l) = lora.as_mut() {
                 let parts = [Part::new(Target::O, 0, h)];
                 let rows = &views.lora_rows;
@@ -392,6 +414,7 @@ impl Body<'_> {
                 &layer.gate_up,
                 n,
                 &mut act.gate_up,
+                &mut act.expanded,
                 "gate_up",
             )?;
             if let Some(l) = lora.as_mut() {
@@ -414,7 +437,16 @@ impl Body<'_> {
                 f,
                 &mut head_mut(&mut act.mlp, n * f, "mlp")?,
             )?;
-            gemm(gpu, &act.mlp, &layer.down_proj, n, &mut act.proj, "proj")?;
+            let x = &act.mlp;
+            gemm(
+                gpu,
+                x,
+                &layer.down_proj,
+                n,
+                &mut act.proj,
+                &mut act.expanded,
+                "proj",
+            )?;
             if let Some(l) = lora.as_mut() {
                 let parts = [Part::new(Target::Down, 0, h)];
                 let rows = &views.lora_rows;
@@ -465,17 +497,23 @@ impl Body<'_> {
         let (h, vocab) = (self.cfg.hidden_size, self.cfg.vocab_size);
         let act = &mut *self.act;
         let lm_head = self.model.lm_head();
-        gemm_bf16_f32out(
-            self.gpu,
-            &head(&act.last_normed, rows * h, "last_normed")?,
-            &lm_head.view(),
-            GemmShape {
-                m: rows,
-                n: lm_head.rows,
-                k: lm_head.cols,
-            },
-            &mut head_mut(&mut act.logits, rows * vocab, "logits")?,
-        )?;
+        let x = head(&act.last_normed, rows * h, "last_normed")?;
+        let mut y = head_mut(&mut act.logits, rows * vocab, "logits")?;
+        let shape = GemmShape {
+            m: rows,
+            n: lm_head.rows,
+            k: lm_head.cols,
+        };
+        match &lm_head.data {
+            MatrixData::Bf16(w) => gemm_bf16_f32out(self.gpu, &x, &w.as_view(), shape, &mut y)?,
+            MatrixData::Packed(parts) if rows <= GEMV_MAX_ROWS => {
+                gemv_parts(self.gpu, parts, lm_head, &x, rows, &mut y)?
+            }
+            MatrixData::Packed(parts) => {
+                let w = expand(self.gpu, parts, lm_head, &mut act.expanded)?;
+                gemm_bf16_f32out(self.gpu, &x, &w, shape, &mut y)?
+            }
+        }
         Ok(())
     }
 }
@@ -669,27 +707,89 @@ fn drawn_tokens(step: &PackedStep, readback: &Readback) -> Result<Vec<DrawnToken
     Ok(tokens)
 }
 
-/// `y[..n] = x[..n] · Wᵀ` over the first `n` rows of the activation buffers.
+/// `y[..n] = x[..n] · Wᵀ` over the first `n` rows of the activation buffers. A packed matrix
+/// is multiplied in place by steps of up to [`GEMV_MAX_ROWS`] rows, and expanded into
+/// `expanded` for cuBLAS by larger ones.
 fn gemm(
     gpu: &GpuContext,
     x: &CudaSlice<bf16>,
     w: &GpuMatrix,
     n: usize,
     y: &mut CudaSlice<bf16>,
+    expanded: &mut CudaSlice<bf16>,
     what: &str,
 ) -> Result<(), Failure> {
-    gemm_bf16(
-        gpu,
-        &head(x, n * w.cols, "gemm input")?,
-        &w.view(),
-        GemmShape {
-            m: n,
-            n: w.rows,
-            k: w.cols,
-        },
-        &mut head_mut(y, n * w.rows, what)?,
-    )?;
+    let x = head(x, n * w.cols, "gemm input")?;
+    let mut y = head_mut(y, n * w.rows, what)?;
+    let shape = GemmShape {
+        m: n,
+        n: w.rows,
+        k: w.cols,
+    };
+    match &w.data {
+        MatrixData::Bf16(data) => gemm_bf16(gpu, &x, &data.as_view(), shape, &mut y)?,
+        MatrixData::Packed(parts) if n <= GEMV_MAX_ROWS => {
+            gemv_parts(gpu, parts, w, &x, n, &mut y)?
+        }
+        MatrixData::Packed(parts) => {
+            let data = expand(gpu, parts, w, expanded)?;
+            gemm_bf16(gpu, &x, &data, shape, &mut y)?
+        }
+    }
     Ok(())
+}
+
+/// Each part's rows of `x · Wᵀ` by the packed GEMV, into its columns of `y` (`[n, w.rows]`).
+fn gemv_parts<T: novainfer_cuda::ops::Dtype>(
+    gpu: &GpuContext,
+    parts: &[PackedPart],
+    w: &GpuMatrix,
+    x: &CudaView<'_, bf16>,
+    n: usize,
+    y: &mut CudaViewMut<'_, T>,
+) -> Result<(), Failure> {
+    for p in parts {
+        let out = OutColumns {
+            ld: w.rows,
+            col0: p.row0,
+        };
+        gemv_quant(
+            gpu,
+            p.qtype,
+            &p.blocks.as_view(),
+            p.rows,
+            w.cols,
+            x,
+            n,
+            y,
+            out,
+        )?;
+    }
+    Ok(())
+}
+
+/// `w` expanded to bf16 in the first `rows · cols` values of `scratch` (each part by the load
+/// time dequantizer, so the values are the bf16 path's).
+fn expand<'a>(
+    gpu: &GpuContext,
+    parts: &[PackedPart],
+    w: &GpuMatrix,
+    scratch: &'a mut CudaSlice<bf16>,
+) -> Result<CudaView<'a, bf16>, Failure> {
+    for p in parts {
+        let (at, len) = (p.row0 * w.cols, p.rows * w.cols);
+        let cap = scratch.len();
+        let mut rows = scratch.try_slice_mut(at..at + len).ok_or_else(|| {
+            crate::error::ModelError::Cuda(format!(
+                "expanded: {cap} values cannot hold rows {}..{} of {} values",
+                p.row0,
+                p.row0 + p.rows,
+                w.cols
+            ))
+        })?;
+        dequantize::<bf16>(gpu, p.qtype, &p.blocks.as_view(), &mut rows)?;
+    }
+    Ok(head(scratch, w.rows * w.cols, "expanded")?)
 }
 
 /// Another handle on the same device memory (launch structs take views by value).

@@ -3,7 +3,11 @@
 //!
 //! Quantized parts travel raw (a quarter to a half of the bf16 bytes) and are expanded by
 //! the dequant kernel straight into their rows of the fused matrix; the raw copy is freed
-//! in stream order once the kernel has read it.
+//! in stream order once the kernel has read it. With `gpu_weight_dtype="native"` a matrix
+//! whose parts are all GPU quant types keeps them raw instead ([`MatrixData::Packed`]): decode
+//! steps multiply the blocks in place, larger steps expand them into a scratch first
+//! (`forward::gemm`). The embedding table stays bf16 for its row lookups; a tied head gets a
+//! packed copy of it.
 
 use half::bf16;
 use novainfer_cuda::cudarc::driver::{CudaSlice, CudaView};
@@ -16,16 +20,52 @@ use crate::error::{ModelError, Result};
 use crate::loader::TensorSource;
 use crate::prepare::{GpuQuant, HostLayer, HostMatrix, HostModelReader, PartData};
 
-/// A bf16 `[rows, cols]` matrix on the device.
+/// A `[rows, cols]` matrix on the device.
 pub(crate) struct GpuMatrix {
-    pub data: CudaSlice<bf16>,
+    pub data: MatrixData,
     pub rows: usize,
     pub cols: usize,
 }
 
+pub(crate) enum MatrixData {
+    /// Row-major bf16.
+    Bf16(CudaSlice<bf16>),
+    /// Each part's rows as the checkpoint's blocks, parts in row order.
+    Packed(Vec<PackedPart>),
+}
+
+/// Rows `row0 .. row0 + rows` of a packed matrix: `rows` rows of `cols / block_values` blocks.
+pub(crate) struct PackedPart {
+    pub qtype: QuantType,
+    pub row0: usize,
+    pub rows: usize,
+    pub blocks: CudaSlice<u8>,
+}
+
 impl GpuMatrix {
-    pub fn view(&self) -> CudaView<'_, bf16> {
-        self.data.as_view()
+    /// The bf16 values, for a matrix held that way (the embedding table always is).
+    pub fn bf16_view(&self) -> Option<CudaView<'_, bf16>> {
+        match &self.data {
+            MatrixData::Bf16(d) => Some(d.as_view()),
+            MatrixData::Packed(_) => None,
+        }
+    }
+
+    /// Bytes on the device: bf16 values, or the packed parts' blocks.
+    pub fn bytes(&self) -> usize {
+        match &self.data {
+            MatrixData::Bf16(d) => d.len() * 2,
+            MatrixData::Packed(parts) => parts.iter().map(|p| p.blocks.len()).sum(),
+        }
+    }
+
+    /// Values a packed matrix expands to (0 for a bf16 one): what its larger steps need of the
+    /// expansion scratch.
+    pub fn expanded_len(&self) -> usize {
+        match self.data {
+            MatrixData::Bf16(_) => 0,
+            MatrixData::Packed(_) => self.rows * self.cols,
+        }
     }
 }
 
@@ -54,11 +94,17 @@ impl GpuModel {
         gpu: &GpuContext,
         device: Device,
         mut reader: HostModelReader<S>,
+        native: bool,
     ) -> Result<Self> {
-        let up = Uploader { gpu, device };
+        let up = Uploader {
+            gpu,
+            device,
+            native,
+        };
         let n = reader.config().num_hidden_layers;
         tracing::info!(%device, gpu = gpu.device_name(), layers = n, "loading weights");
-        let embed_tokens = up.matrix(&reader.embedding()?)?;
+        let embedding = reader.embedding()?;
+        let embed_tokens = up.bf16_matrix(&embedding)?;
         // A line per quarter of the model: enough to see a slow load move.
         let every = n.div_ceil(4).max(1);
         let mut layers = Vec::with_capacity(n);
@@ -71,8 +117,11 @@ impl GpuModel {
         let norm = up.vector(&reader.final_norm()?)?;
         let lm_head = match reader.lm_head()? {
             Some(head) => Some(up.matrix(&head)?),
+            // Tied: a packed copy of the table for the head when its blocks can run packed.
+            None if native && Uploader::packable(&embedding) => Some(up.matrix(&embedding)?),
             None => None,
         };
+        drop(embedding);
         reader.finish()?;
         Ok(Self {
             embed_tokens,
@@ -85,11 +134,46 @@ impl GpuModel {
     pub fn lm_head(&self) -> &GpuMatrix {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
     }
+
+    /// Bytes a decode step reads: every layer's matrices (bf16, or a packed matrix's blocks),
+    /// vectors and the head; of the embedding table only a row per token, not counted.
+    pub fn weight_bytes_per_token(&self) -> usize {
+        let vector = |v: &CudaSlice<f32>| v.len() * 4;
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.qkv, &l.o_proj, &l.gate_up, &l.down_proj]
+                    .into_iter()
+                    .map(GpuMatrix::bytes)
+                    .sum::<usize>()
+                    + vector(&l.input_layernorm)
+                    + vector(&l.qkv_bias)
+                    + vector(&l.post_attention_layernorm)
+            })
+            .sum();
+        layers + vector(&self.norm) + self.lm_head().bytes()
+    }
+
+    /// The largest expansion a step may need: the biggest packed matrix (0 when none is).
+    pub fn expanded_len(&self) -> usize {
+        let layers = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.qkv, &l.o_proj, &l.gate_up, &l.down_proj]);
+        layers
+            .chain(self.lm_head.as_ref())
+            .map(GpuMatrix::expanded_len)
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 struct Uploader<'a> {
     gpu: &'a GpuContext,
     device: Device,
+    /// Keep packable matrices packed (`gpu_weight_dtype="native"`).
+    native: bool,
 }
 
 impl Uploader<'_> {
@@ -112,7 +196,44 @@ impl Uploader<'_> {
         })
     }
 
+    /// Whether every part of `m` is a GPU quant type whose rows are whole blocks.
+    fn packable(m: &HostMatrix) -> bool {
+        m.parts.iter().all(|p| match &p.data {
+            PartData::Quantized { kind, .. } => m.cols.is_multiple_of(kind.block_values()),
+            PartData::Bf16(_) => false,
+        })
+    }
+
     fn matrix(&self, m: &HostMatrix) -> Result<GpuMatrix> {
+        if !(self.native && Self::packable(m)) {
+            return self.bf16_matrix(m);
+        }
+        let stream = self.gpu.stream();
+        let mut parts = Vec::with_capacity(m.parts.len());
+        let mut row0 = 0;
+        for part in &m.parts {
+            let PartData::Quantized { kind, bytes } = &part.data else {
+                unreachable!("packable: every part is quantized")
+            };
+            let blocks = stream
+                .clone_htod(bytes.as_slice())
+                .map_err(driver_error("cuMemcpyHtoD"))?;
+            parts.push(PackedPart {
+                qtype: quant_type(*kind),
+                row0,
+                rows: part.rows,
+                blocks,
+            });
+            row0 += part.rows;
+        }
+        Ok(GpuMatrix {
+            data: MatrixData::Packed(parts),
+            rows: m.rows(),
+            cols: m.cols,
+        })
+    }
+
+    fn bf16_matrix(&self, m: &HostMatrix) -> Result<GpuMatrix> {
         let stream = self.gpu.stream();
         let mut data = stream
             .alloc_zeros::<bf16>(m.len())
@@ -142,7 +263,7 @@ impl Uploader<'_> {
             }
         }
         Ok(GpuMatrix {
-            data,
+            data: MatrixData::Bf16(data),
             rows: m.rows(),
             cols: m.cols,
         })
@@ -216,9 +337,13 @@ mod tests {
         let up = Uploader {
             gpu: &gpu,
             device: Device::Cuda(0),
+            native: false,
         };
         let m = up.matrix(&host).expect("upload");
-        let got = gpu.stream().clone_dtoh(&m.data).expect("download");
+        let MatrixData::Bf16(data) = &m.data else {
+            panic!("a matrix with a bf16 part is held in bf16")
+        };
+        let got = gpu.stream().clone_dtoh(data).expect("download");
         gpu.synchronize().expect("sync");
         let want = host.to_bf16().expect("host twin");
         assert_eq!((m.rows, m.cols), (14, cols));
