@@ -1,4 +1,5 @@
-// dequant.cu — GGUF (ggml) quantized weights to bf16 (or f32), once, at load time.
+// dequant.cu — GGUF (ggml) quantized weights and AWQ/GPTQ int4 blocks to bf16 (or f32): at load time, and
+// per step for a packed matrix's larger steps (gpu_weight_dtype="native").
 // Launcher: crates/novainfer-cuda/src/ops/dequant.rs.
 //
 // Block layouts (little endian, blocks packed back to back with no padding, so a block may
@@ -83,6 +84,18 @@ __device__ __forceinline__ float q6_k_value(const u8* block, int e) {
     return __fmul_rn(__fmul_rn(d, sc), (float)q);
 }
 
+// AWQ/GPTQ grouped int4 (crates/novainfer-model/src/int4.rs): 69 B / 128 values,
+//   s f32 | z u8 | 4 sub-blocks × 16 B; sub-block t, byte j: value 32t + j low nibble, 32t + 16 + j high
+//   y = s · (q − z), one rounding (GroupedInt4::dequantize)
+__device__ __forceinline__ float int4_value(const u8* block, int e) {
+    const float s = __uint_as_float((u32)block[0] | ((u32)block[1] << 8) | ((u32)block[2] << 16) |
+                                    ((u32)block[3] << 24));
+    const int t = e / 32, c = e % 32;
+    const u8 byte = block[5 + 16 * t + c % 16];
+    const int q = c < 16 ? (byte & 0x0F) : (byte >> 4);
+    return __fmul_rn(s, (float)(q - (int)block[4]));
+}
+
 #define DEQUANT_KERNEL(NAME, BLOCK_BYTES, BLOCK_VALUES, VALUE_FN, T, SUFFIX)                 \
     extern "C" __global__ void dequant_##NAME##_##SUFFIX(                                    \
         const u8* __restrict__ blocks, /* [num_blocks · BLOCK_BYTES] */                      \
@@ -100,7 +113,8 @@ __device__ __forceinline__ float q6_k_value(const u8* block, int e) {
     DEQUANT_KERNEL(q8_0, 34, 32, q8_0_value, T, SUFFIX)           \
     DEQUANT_KERNEL(q5_0, 22, 32, q5_0_value, T, SUFFIX)           \
     DEQUANT_KERNEL(q4_k, 144, 256, q4_k_value, T, SUFFIX)         \
-    DEQUANT_KERNEL(q6_k, 210, 256, q6_k_value, T, SUFFIX)
+    DEQUANT_KERNEL(q6_k, 210, 256, q6_k_value, T, SUFFIX)         \
+    DEQUANT_KERNEL(int4, 69, 128, int4_value, T, SUFFIX)
 
 DEQUANT_KERNELS(float, f32)
 DEQUANT_KERNELS(bf16, bf16)

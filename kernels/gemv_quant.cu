@@ -1,4 +1,4 @@
-// gemv_quant.cu — decode products straight from packed GGUF blocks: y[r, col0 + o] = Σ_k x[r, k] · W[o, k]
+// gemv_quant.cu — decode products straight from packed GGUF (and AWQ/GPTQ int4) blocks: y[r, col0 + o] = Σ_k x[r, k] · W[o, k]
 // for up to GEMV_MAX_ROWS activation rows, reading each weight block once (no bf16 copy of the matrix).
 // Launcher: crates/novainfer-cuda/src/ops/gemv_quant.rs; CPU twin (geometry and the exact order of every
 // operation): crates/novainfer-cuda/src/gemv_plan.rs. Block layouts: dequant.cu.
@@ -104,6 +104,22 @@ __device__ __forceinline__ Chunk chunk_q6_k(const u8* block, int c) {
     return ch;
 }
 
+// Chunk c (0 .. 16) of an int4 block: values 8c .. 8c + 7 of sub-block 8c / 32, q − z (dequant.cu).
+__device__ __forceinline__ Chunk chunk_int4(const u8* block, int c) {
+    Chunk ch;
+    ch.a = __uint_as_float((u32)block[0] | ((u32)block[1] << 8) | ((u32)block[2] << 16) |
+                           ((u32)block[3] << 24));
+    ch.b = 0.0f;
+    const int e0 = 8 * c, t = e0 / 32, c0 = e0 % 32, z = block[4];
+    const u8* qs = block + 5 + 16 * t;
+    for (int e = 0; e < GEMV_CHUNK; ++e) {
+        const int j = c0 + e;
+        const int q = j < 16 ? (qs[j] & 0x0F) : (qs[j - 16] >> 4);
+        ch.q[e] = (float)(q - z);
+    }
+    return ch;
+}
+
 template <typename T, int BLOCK_BYTES, int BLOCK_VALUES, Chunk (*CHUNK_FN)(const u8*, int), bool MINS>
 __device__ void gemv_quant(
     const u8* __restrict__ w,    // [rows, k / BLOCK_VALUES blocks]
@@ -153,7 +169,8 @@ __device__ void gemv_quant(
     GEMV_KERNEL(q8_0, 34, 32, chunk_q8_0, false, T, SUFFIX)            \
     GEMV_KERNEL(q5_0, 22, 32, chunk_q5_0, false, T, SUFFIX)            \
     GEMV_KERNEL(q4_k, 144, 256, chunk_q4_k, true, T, SUFFIX)           \
-    GEMV_KERNEL(q6_k, 210, 256, chunk_q6_k, false, T, SUFFIX)
+    GEMV_KERNEL(q6_k, 210, 256, chunk_q6_k, false, T, SUFFIX)          \
+    GEMV_KERNEL(int4, 69, 128, chunk_int4, false, T, SUFFIX)
 
 // The suffix names the output dtype; activations are always bf16 (the executor's).
 GEMV_KERNELS(float, f32)

@@ -278,6 +278,29 @@ def test_native_gguf_weights_follow_the_bf16_expansion(gpu, gpu_models):
     assert bytes_native < 0.6 * bytes_bf16, (bytes_native, bytes_bf16)
 
 
+def test_native_awq_int4_weights_follow_the_cpu(gpu, tmp_path):
+    # An AWQ checkpoint (groups of 128) keeps its int4 blocks on the device with gpu_weight_dtype="native"
+    # (dequant.cu's and gemv_quant.cu's int4 paths); by default they are expanded there, not on the host.
+    from test_awq_gptq import VARIANTS, write_quantized
+
+    path = write_quantized(tmp_path / "awq", VARIANTS["awq-g128"][0])
+    cpu = LLM(path, device="cpu", kv_cache_dtype="f32", kv_cache_bytes=16 << 20)
+    ref = logits_of(cpu, PROMPT)
+    c = _greedy(cpu)
+    figures = {}
+    for mode in ("bf16", "native"):
+        llm = LLM(path, device=gpu, kv_cache_bytes=16 << 20, gpu_weight_dtype=mode)
+        g = _greedy(llm)
+        figures[mode] = {"prefill_rel_err": _rel_err(logits_of(llm, PROMPT), ref),
+                         "decode_agree": sum(x == y for x, y in zip(g.token_ids, c.token_ids)),
+                         "bytes": llm.stats()["weight_bytes_per_token"]}
+    _report(test="native_awq_int4", **figures)
+    for mode, f in figures.items():
+        assert f["prefill_rel_err"] < 2 * REL_TOL, (mode, f)
+        assert f["decode_agree"] >= len(c.token_ids) - 2, (mode, f)
+    assert figures["native"]["bytes"] < 0.75 * figures["bf16"]["bytes"], figures
+
+
 def test_native_demo_weights_follow_the_cpu_engine(gpu, demo_gguf):
     # The demo file's Q4_K/Q5_0/Q6_K/Q8_0 blocks, kept packed: logits (prefill: expanded) and greedy chat
     # (decode: the packed GEMV) against the CPU engine, as the bf16 path is held to.

@@ -48,7 +48,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="how the lm_head is stored: auto (as the checkpoint has it) or q8_0 (a dense head quantized "
                         "to 8-bit blocks at load: lossy, less to read per token; CPU only) (default: %(default)s)")
     p.add_argument("--gpu-weight-dtype", choices=["bf16", "native"], default="bf16",
-                   help="how a GPU holds a GGUF's quantized matrices: bf16 (expanded at load) or native (the file's "
+                   help="how a GPU holds quantized matrices (GGUF, AWQ/GPTQ int4): bf16 (expanded at load) or native (the file's "
                         "blocks, multiplied in place by decode steps; unverified on a GPU) (default: %(default)s)")
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '

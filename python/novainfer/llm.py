@@ -125,8 +125,8 @@ class LLM:
     `kv_cache_fraction` is for host memory and is refused on a GPU). `gpu_memory_utilization` is ignored on
     the CPU.
 
-    `gpu_weight_dtype` is how a GPU holds a GGUF's quantized matrices: ``"bf16"`` (expanded at load, the
-    default) or ``"native"`` (Q4_K/Q5_0/Q6_K/Q8_0 kept as the file's blocks, which decode steps of up to 8 rows
+    `gpu_weight_dtype` is how a GPU holds quantized matrices: ``"bf16"`` (expanded at load, the default) or
+    ``"native"`` (GGUF Q4_K/Q5_0/Q6_K/Q8_0 and AWQ/GPTQ int4 kept as the file's blocks, which decode steps of up to 8 rows
     multiply in place, reading a third of the bytes; larger steps expand them first; a request's tokens can then
     differ between a small and a large batch; not yet verified on a GPU). Ignored on the CPU.
 

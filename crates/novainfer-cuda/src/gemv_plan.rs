@@ -4,7 +4,8 @@
 //! scale(s), `s = Σ q·x` (and Q4_K's `t = Σ x`) by fused multiply-adds in value order, then
 //! `acc = fma(a, s, acc)` (and `acc = fma(−b, t, acc)`), and the lanes meet in common.cuh's xor
 //! butterfly. The GPU parity test compares the kernel with [`emulate`] bit for bit; the tests here
-//! check, without a GPU, that the chunks' weights are candle's dequantized values exactly, that
+//! check, without a GPU, that the chunks' weights are the dequantized values exactly (candle's, and
+//! `GroupedInt4::dequantize`'s), that
 //! every value is used once, and that the result is the product within f32 rounding.
 
 use half::bf16;
@@ -103,6 +104,25 @@ pub fn chunk(qtype: QuantType, block: &[u8], c: usize) -> Chunk {
                 q,
                 a: f16_at(block, 0) * f32::from(sc),
                 b: f16_at(block, 2) * f32::from(m),
+            }
+        }
+        QuantType::Int4 => {
+            let (e0, z) = (CHUNK * c, i32::from(block[4]));
+            let (t, c0) = (e0 / 32, e0 % 32);
+            let qs = &block[5 + 16 * t..5 + 16 * t + 16];
+            for (e, v) in q.iter_mut().enumerate() {
+                let j = c0 + e;
+                let nibble = if j < 16 {
+                    qs[j] & 0x0F
+                } else {
+                    qs[j - 16] >> 4
+                };
+                *v = (i32::from(nibble) - z) as f32;
+            }
+            Chunk {
+                q,
+                a: f32::from_le_bytes([block[0], block[1], block[2], block[3]]),
+                b: 0.0,
             }
         }
         QuantType::Q6K => {
@@ -212,6 +232,7 @@ mod tests {
             QuantType::Q5_0 => GgmlDType::Q5_0,
             QuantType::Q6K => GgmlDType::Q6K,
             QuantType::Q8_0 => GgmlDType::Q8_0,
+            QuantType::Int4 => unreachable!("int4 blocks are quantized by GroupedInt4"),
         }
     }
 
@@ -221,8 +242,14 @@ mod tests {
             .collect()
     }
 
-    /// `rows` rows of `k` values quantized by candle, with their dequantized values.
+    /// `rows` rows of `k` values quantized by candle (int4: by `GroupedInt4`), with their
+    /// dequantized values.
     fn matrix(q: QuantType, rows: usize, k: usize, seed: usize) -> (Vec<u8>, Vec<f32>) {
+        if q == QuantType::Int4 {
+            let w = novainfer_model::int4::GroupedInt4::quantize(rows, k, &wave(rows * k, seed))
+                .expect("quantize");
+            return (w.blocks().to_vec(), w.dequantize());
+        }
         let t = Tensor::from_vec(wave(rows * k, seed), (rows, k), &Device::Cpu).expect("t");
         let qt = QTensor::quantize(&t, ggml(q)).expect("quantize");
         let values = qt

@@ -115,6 +115,7 @@ pub const DTYPED_ENTRIES: &[(KernelSource, &str)] = &[
     (DEQUANT, "dequant_q5_0"),
     (DEQUANT, "dequant_q6_k"),
     (DEQUANT, "dequant_q8_0"),
+    (DEQUANT, "dequant_int4"),
     (QKV, "qkv_bias_rope_cache"),
     (GATHER, "gather_rows"),
     (LORA, "lora_shrink"),
@@ -124,6 +125,7 @@ pub const DTYPED_ENTRIES: &[(KernelSource, &str)] = &[
     (GEMV_QUANT, "gemv_q5_0"),
     (GEMV_QUANT, "gemv_q6_k"),
     (GEMV_QUANT, "gemv_q8_0"),
+    (GEMV_QUANT, "gemv_int4"),
 ];
 
 /// The attention kernels' phases: `paged_attention_<phase>_<dtype>_hd<head_dim>`.

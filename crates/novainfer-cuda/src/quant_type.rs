@@ -1,22 +1,25 @@
-//! The GGUF quant types the device runs (those of the demo models), shared by the launchers
-//! (`ops::dequant`, `ops::gemv_quant`) and the CPU twins, which build without CUDA.
+//! The quantized block formats the device runs, shared by the launchers (`ops::dequant`,
+//! `ops::gemv_quant`) and the CPU twins, which build without CUDA: the GGUF types of the demo
+//! models, and AWQ/GPTQ grouped int4 (`novainfer_model::int4`'s blocks: an f32 scale, a u8
+//! zero point and 128 nibbles).
 
-/// The GGUF quant types of the demo models.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QuantType {
     Q4K,
     Q5_0,
     Q6K,
     Q8_0,
+    Int4,
 }
 
 impl QuantType {
     /// In the order of the context's dequant table ([`Self::index`]).
-    pub const ALL: [QuantType; 4] = [
+    pub const ALL: [QuantType; 5] = [
         QuantType::Q4K,
         QuantType::Q5_0,
         QuantType::Q6K,
         QuantType::Q8_0,
+        QuantType::Int4,
     ];
 
     pub fn index(self) -> usize {
@@ -25,6 +28,7 @@ impl QuantType {
             QuantType::Q5_0 => 1,
             QuantType::Q6K => 2,
             QuantType::Q8_0 => 3,
+            QuantType::Int4 => 4,
         }
     }
 
@@ -34,6 +38,7 @@ impl QuantType {
             QuantType::Q5_0 => 22,
             QuantType::Q6K => 210,
             QuantType::Q8_0 => 34,
+            QuantType::Int4 => 4 + 1 + 64,
         }
     }
 
@@ -41,6 +46,7 @@ impl QuantType {
         match self {
             QuantType::Q4K | QuantType::Q6K => 256,
             QuantType::Q5_0 | QuantType::Q8_0 => 32,
+            QuantType::Int4 => 128,
         }
     }
 
@@ -50,6 +56,7 @@ impl QuantType {
             QuantType::Q5_0 => "dequant_q5_0",
             QuantType::Q6K => "dequant_q6_k",
             QuantType::Q8_0 => "dequant_q8_0",
+            QuantType::Int4 => "dequant_int4",
         }
     }
 
@@ -60,6 +67,7 @@ impl QuantType {
             QuantType::Q5_0 => "gemv_q5_0",
             QuantType::Q6K => "gemv_q6_k",
             QuantType::Q8_0 => "gemv_q8_0",
+            QuantType::Int4 => "gemv_int4",
         }
     }
 }

@@ -47,9 +47,9 @@ pub(crate) struct KernelTable {
     pub lora_shrink: PerDtype<CudaFunction>,
     pub lora_expand: PerDtype<CudaFunction>,
     /// Indexed by [`QuantType::index`].
-    pub dequant: [PerDtype<CudaFunction>; 4],
+    pub dequant: [PerDtype<CudaFunction>; 5],
     /// Indexed by [`QuantType::index`]; by output dtype (the input is bf16).
-    pub gemv: [PerDtype<CudaFunction>; 4],
+    pub gemv: [PerDtype<CudaFunction>; 5],
     attention: PerDtype<[Option<AttentionFns>; 3]>,
     /// `flash_prefill_bf16_hd<d>` for d in [`kernels::FLASH_PREFILL_HEAD_DIMS`], in order.
     flash_prefill: [CudaFunction; 2],
@@ -88,12 +88,14 @@ impl KernelTable {
                 dequant(QuantType::ALL[1])?,
                 dequant(QuantType::ALL[2])?,
                 dequant(QuantType::ALL[3])?,
+                dequant(QuantType::ALL[4])?,
             ],
             gemv: [
                 gemv(QuantType::ALL[0])?,
                 gemv(QuantType::ALL[1])?,
                 gemv(QuantType::ALL[2])?,
                 gemv(QuantType::ALL[3])?,
+                gemv(QuantType::ALL[4])?,
             ],
             attention: PerDtype {
                 f32: loader.attention(DtypeKind::F32)?,

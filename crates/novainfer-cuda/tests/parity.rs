@@ -519,17 +519,25 @@ fn dequant_body<T: TestDtype>(gpu: &GpuContext) {
             .and_then(|d| d.flatten_all())
             .and_then(|d| d.to_vec1())
             .expect("cpu dequantize");
-        let mut out = zeros::<T>(gpu, expected.len());
-        dequantize(gpu, qtype, &up(gpu, &raw).as_view(), &mut out.as_view_mut()).expect("launch");
-        let got = down(gpu, &out);
-        // candle's arithmetic, operation for operation: exact in f32, one rounding in bf16.
-        for (i, (g, c)) in got.iter().zip(&expected).enumerate() {
-            assert_eq!(
-                g.to_f32().to_bits(),
-                T::from_f32(*c).to_f32().to_bits(),
-                "{qtype:?} element {i}"
-            );
-        }
+        check_dequant::<T>(gpu, qtype, &raw, &expected);
+    }
+    let w =
+        novainfer_model::int4::GroupedInt4::quantize(8, 512, &rng.vec(8 * 512, 3.0)).expect("int4");
+    check_dequant::<T>(gpu, QuantType::Int4, w.blocks(), &w.dequantize());
+}
+
+/// The device's expansion of `raw` equals `expected` (the CPU's f32 values): the same
+/// arithmetic, operation for operation, exact in f32, one rounding in bf16.
+fn check_dequant<T: TestDtype>(gpu: &GpuContext, qtype: QuantType, raw: &[u8], expected: &[f32]) {
+    let mut out = zeros::<T>(gpu, expected.len());
+    dequantize(gpu, qtype, &up(gpu, raw).as_view(), &mut out.as_view_mut()).expect("launch");
+    let got = down(gpu, &out);
+    for (i, (g, c)) in got.iter().zip(expected).enumerate() {
+        assert_eq!(
+            g.to_f32().to_bits(),
+            T::from_f32(*c).to_f32().to_bits(),
+            "{qtype:?} element {i}"
+        );
     }
 }
 
@@ -551,18 +559,25 @@ fn gemv_body<T: TestDtype>(gpu: &GpuContext, seed: u64) {
     use novainfer_cuda::ops::gemv_quant::{gemv_quant, OutColumns};
     let mut rng = Rng(seed);
     for (ggml, qtype) in [
-        (GgmlDType::Q4K, QuantType::Q4K),
-        (GgmlDType::Q5_0, QuantType::Q5_0),
-        (GgmlDType::Q6K, QuantType::Q6K),
-        (GgmlDType::Q8_0, QuantType::Q8_0),
+        (Some(GgmlDType::Q4K), QuantType::Q4K),
+        (Some(GgmlDType::Q5_0), QuantType::Q5_0),
+        (Some(GgmlDType::Q6K), QuantType::Q6K),
+        (Some(GgmlDType::Q8_0), QuantType::Q8_0),
+        (None, QuantType::Int4),
     ] {
         for (rows, k) in [(37, 1536), (64, 2304)] {
-            let t = Tensor::from_vec(rng.vec(rows * k, 1.0), (rows, k), &Device::Cpu).expect("t");
-            let raw = QTensor::quantize(&t, ggml)
-                .expect("quantize")
-                .data()
-                .expect("raw")
-                .to_vec();
+            let values = rng.vec(rows * k, 1.0);
+            let raw = match ggml {
+                Some(ggml) => {
+                    let t = Tensor::from_vec(values, (rows, k), &Device::Cpu).expect("t");
+                    let q = QTensor::quantize(&t, ggml).expect("quantize");
+                    q.data().expect("raw").to_vec()
+                }
+                None => novainfer_model::int4::GroupedInt4::quantize(rows, k, &values)
+                    .expect("int4")
+                    .blocks()
+                    .to_vec(),
+            };
             let w = up(gpu, &raw);
             for n in [1, 3, 8] {
                 let x: Vec<bf16> = rng

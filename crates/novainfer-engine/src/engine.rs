@@ -39,7 +39,7 @@ pub struct EngineConfig {
     /// How the lm_head is stored: the checkpoint's (`auto`), or Q8_0 (lossy, opt-in; the CPU
     /// only). See [`LmHeadDtype`].
     pub lm_head_dtype: LmHeadDtype,
-    /// How a GPU holds a GGUF's quantized matrices: expanded to bf16 (default) or as the file's
+    /// How a GPU holds quantized matrices (GGUF, AWQ/GPTQ int4): expanded to bf16 (default) or as the file's
     /// blocks (`native`; see [`GpuWeightDtype`]). Ignored on the CPU.
     pub gpu_weight_dtype: GpuWeightDtype,
     /// Never replay CUDA graphs (vLLM's `enforce_eager`). Graphs are also off unless

@@ -62,7 +62,7 @@ pub struct ServeArgs {
     /// for AWQ/GPTQ checkpoints, which keep it in f16; CPU only).
     #[arg(long, default_value = "auto")]
     pub lm_head_dtype: String,
-    /// How a GPU holds a GGUF's quantized matrices: bf16 (expanded at load) or native (the
+    /// How a GPU holds quantized matrices (GGUF, AWQ/GPTQ int4): bf16 (expanded at load) or native (the
     /// file's blocks, multiplied in place by decode steps: less memory, fewer bytes a token;
     /// unverified on a GPU so far). Ignored on the CPU.
     #[arg(long, default_value = "bf16")]

@@ -276,6 +276,7 @@ fn quant_type(kind: GpuQuant) -> QuantType {
         GpuQuant::Q5_0 => QuantType::Q5_0,
         GpuQuant::Q6K => QuantType::Q6K,
         GpuQuant::Q8_0 => QuantType::Q8_0,
+        GpuQuant::Int4 => QuantType::Int4,
     }
 }
 
@@ -327,11 +328,22 @@ mod tests {
             cols,
             parts: Vec::new(),
         };
-        for (i, kind) in GpuQuant::ALL.into_iter().enumerate() {
-            let q = QTensor::quantize(&values(3, i as u32), kind.ggml()).expect("quantize");
+        for (i, kind) in GpuQuant::GGUF.into_iter().enumerate() {
+            let ggml = kind.ggml().expect("gguf");
+            let q = QTensor::quantize(&values(3, i as u32), ggml).expect("quantize");
             host.push(&format!("{kind:?}"), 3, RawTensor::Quantized(q))
                 .expect("part");
         }
+        let int4 = crate::int4::GroupedInt4::quantize(
+            3,
+            cols,
+            &values(3, 77)
+                .flatten_all()
+                .and_then(|t| t.to_vec1())
+                .expect("values"),
+        )
+        .expect("int4");
+        host.push("int4", 3, RawTensor::Int4(int4)).expect("part");
         host.push("dense", 2, RawTensor::Dense(values(2, 99)))
             .expect("part");
         let up = Uploader {
@@ -346,7 +358,7 @@ mod tests {
         let got = gpu.stream().clone_dtoh(data).expect("download");
         gpu.synchronize().expect("sync");
         let want = host.to_bf16().expect("host twin");
-        assert_eq!((m.rows, m.cols), (14, cols));
+        assert_eq!((m.rows, m.cols), (17, cols));
         let first_diff = got
             .iter()
             .zip(&want)

@@ -13,18 +13,29 @@ use half::{bf16, f16};
 
 use crate::error::{ModelError, Result};
 
-/// The GGUF types the GPU expands itself (those of the demo models); every other type is
-/// dequantized on the host by candle.
+/// The block formats the GPU expands (and, with `gpu_weight_dtype="native"`, multiplies)
+/// itself: the GGUF types of the demo models and AWQ/GPTQ grouped int4; every other GGUF type
+/// is dequantized on the host by candle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GpuQuant {
     Q4K,
     Q5_0,
     Q6K,
     Q8_0,
+    /// [`crate::int4::GroupedInt4`]'s blocks.
+    Int4,
 }
 
 impl GpuQuant {
-    pub const ALL: [GpuQuant; 4] = [GpuQuant::Q4K, GpuQuant::Q5_0, GpuQuant::Q6K, GpuQuant::Q8_0];
+    pub const ALL: [GpuQuant; 5] = [
+        GpuQuant::Q4K,
+        GpuQuant::Q5_0,
+        GpuQuant::Q6K,
+        GpuQuant::Q8_0,
+        GpuQuant::Int4,
+    ];
+    /// The GGUF ones (candle quantizes and dequantizes them in the tests).
+    pub const GGUF: [GpuQuant; 4] = [GpuQuant::Q4K, GpuQuant::Q5_0, GpuQuant::Q6K, GpuQuant::Q8_0];
 
     pub fn of(dtype: GgmlDType) -> Option<Self> {
         match dtype {
@@ -36,12 +47,14 @@ impl GpuQuant {
         }
     }
 
-    pub fn ggml(self) -> GgmlDType {
+    /// The GGUF type (`None` for int4).
+    pub fn ggml(self) -> Option<GgmlDType> {
         match self {
-            Self::Q4K => GgmlDType::Q4K,
-            Self::Q5_0 => GgmlDType::Q5_0,
-            Self::Q6K => GgmlDType::Q6K,
-            Self::Q8_0 => GgmlDType::Q8_0,
+            Self::Q4K => Some(GgmlDType::Q4K),
+            Self::Q5_0 => Some(GgmlDType::Q5_0),
+            Self::Q6K => Some(GgmlDType::Q6K),
+            Self::Q8_0 => Some(GgmlDType::Q8_0),
+            Self::Int4 => None,
         }
     }
 
@@ -51,6 +64,7 @@ impl GpuQuant {
             Self::Q5_0 => 22,
             Self::Q6K => 210,
             Self::Q8_0 => 34,
+            Self::Int4 => crate::int4::BLOCK_BYTES,
         }
     }
 
@@ -58,12 +72,21 @@ impl GpuQuant {
         match self {
             Self::Q4K | Self::Q6K => 256,
             Self::Q5_0 | Self::Q8_0 => 32,
+            Self::Int4 => crate::int4::GROUP_K,
         }
     }
 
-    /// One value of a block, in f32, exactly as candle computes it.
+    /// One value of a block, in f32, exactly as candle (int4: `GroupedInt4::dequantize`)
+    /// computes it.
     fn value(self, block: &[u8], e: usize) -> f32 {
         match self {
+            Self::Int4 => {
+                let s = f32::from_le_bytes([block[0], block[1], block[2], block[3]]);
+                let (t, c) = (e / 32, e % 32);
+                let byte = block[5 + 16 * t + c % 16];
+                let q = if c < 16 { byte & 0x0F } else { byte >> 4 };
+                s * (i32::from(q) - i32::from(block[4])) as f32
+            }
             Self::Q8_0 => f32::from(block[2 + e] as i8) * f16_at(block, 0),
             Self::Q5_0 => {
                 let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
@@ -187,10 +210,31 @@ mod tests {
             .map(|i| rng.random_range(-1.0f32..1.0) * if i % 97 == 0 { 8.0 } else { 0.5 })
             .collect();
         let t = Tensor::from_vec(values, (rows, cols), &Device::Cpu).expect("tensor");
-        for kind in GpuQuant::ALL {
-            let q = QTensor::quantize(&t, kind.ggml()).expect("quantize");
+        for kind in GpuQuant::GGUF {
+            let q = QTensor::quantize(&t, kind.ggml().expect("gguf")).expect("quantize");
             assert_same(kind, &q, "quantized from f32");
         }
+    }
+
+    #[test]
+    fn the_int4_twin_equals_grouped_int4_rounded_to_bf16() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(13);
+        let (rows, cols) = (5, 384);
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let w = crate::int4::GroupedInt4::quantize(rows, cols, &values).expect("quantize");
+        let want: Vec<u16> = w
+            .dequantize()
+            .into_iter()
+            .map(|v| bf16::from_f32(v).to_bits())
+            .collect();
+        let got: Vec<u16> = dequantize_bf16(GpuQuant::Int4, w.blocks())
+            .expect("whole blocks")
+            .into_iter()
+            .map(bf16::to_bits)
+            .collect();
+        assert_eq!(got, want);
     }
 
     /// Arbitrary block bytes reach every bit pattern of every field (negative Q6_K scales,
@@ -199,7 +243,7 @@ mod tests {
     #[test]
     fn the_twin_equals_candle_rounded_to_bf16_on_arbitrary_blocks() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
-        for kind in GpuQuant::ALL {
+        for kind in GpuQuant::GGUF {
             let num_blocks = 64;
             let mut bytes: Vec<u8> = (0..num_blocks * kind.block_bytes())
                 .map(|_| rng.random())
@@ -208,6 +252,7 @@ mod tests {
                 GpuQuant::Q8_0 | GpuQuant::Q5_0 => &[0],
                 GpuQuant::Q4K => &[0, 2],
                 GpuQuant::Q6K => &[208],
+                GpuQuant::Int4 => unreachable!("GGUF types only"),
             };
             for block in bytes.chunks_exact_mut(kind.block_bytes()) {
                 for &at in scale_offsets {
@@ -216,7 +261,8 @@ mod tests {
                 }
             }
             let storage =
-                QStorage::from_data(Cow::Owned(bytes), &Device::Cpu, kind.ggml()).expect("storage");
+                QStorage::from_data(Cow::Owned(bytes), &Device::Cpu, kind.ggml().expect("gguf"))
+                    .expect("storage");
             let q = QTensor::new(storage, (num_blocks, kind.block_values())).expect("qtensor");
             assert_same(kind, &q, "arbitrary bytes");
         }

@@ -52,7 +52,12 @@ impl PartData {
                 None => PartData::Bf16(to_bf16(&q.dequantize(&candle_core::Device::Cpu)?)?),
             },
             RawTensor::Dense(t) => PartData::Bf16(to_bf16(&t)?),
-            // Expanded on the host for now: every weight `s·(q − z)` rounded once to bf16.
+            // The device expands (or, native, multiplies) the blocks; an act-order layer's
+            // permuted columns are put back in place on the host (`s·(q − z)` rounded once).
+            RawTensor::Int4(w) if w.input_order().is_none() => PartData::Quantized {
+                kind: GpuQuant::Int4,
+                bytes: w.blocks().to_vec(),
+            },
             RawTensor::Int4(w) => {
                 PartData::Bf16(w.dequantize().into_iter().map(bf16::from_f32).collect())
             }
