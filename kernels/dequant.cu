@@ -109,12 +109,36 @@ __device__ __forceinline__ float int4_value(const u8* block, int e) {
         }                                                                                    \
     }
 
+// Token rows of a packed embedding table (gpu_weight_dtype="native"): out[t] = row token_ids[t]
+// expanded, the same values as the whole-table expansion above. One block per token, threads over
+// the row; an id outside the vocabulary gives a zero row (the runner validates ids first).
+#define EMBED_KERNEL(NAME, BLOCK_BYTES, BLOCK_VALUES, VALUE_FN, T, SUFFIX)                   \
+    extern "C" __global__ void embed_##NAME##_##SUFFIX(                                       \
+        const u32* __restrict__ token_ids, const u8* __restrict__ blocks, T* __restrict__ out, \
+        int hidden, int vocab_size) {                                                         \
+        const i64 token = blockIdx.x;                                                         \
+        const u32 id = token_ids[token];                                                      \
+        const bool valid = id < (u32)vocab_size;                                              \
+        const u8* row = blocks + (i64)id * (hidden / BLOCK_VALUES) * BLOCK_BYTES;             \
+        for (int i = threadIdx.x; i < hidden; i += blockDim.x) {                              \
+            const float v =                                                                   \
+                valid ? VALUE_FN(row + (i / BLOCK_VALUES) * BLOCK_BYTES, i % BLOCK_VALUES)   \
+                      : 0.0f;                                                                 \
+            store_f32(out, token * hidden + i, v);                                            \
+        }                                                                                     \
+    }
+
 #define DEQUANT_KERNELS(T, SUFFIX)                                \
     DEQUANT_KERNEL(q8_0, 34, 32, q8_0_value, T, SUFFIX)           \
     DEQUANT_KERNEL(q5_0, 22, 32, q5_0_value, T, SUFFIX)           \
     DEQUANT_KERNEL(q4_k, 144, 256, q4_k_value, T, SUFFIX)         \
     DEQUANT_KERNEL(q6_k, 210, 256, q6_k_value, T, SUFFIX)         \
-    DEQUANT_KERNEL(int4, 69, 128, int4_value, T, SUFFIX)
+    DEQUANT_KERNEL(int4, 69, 128, int4_value, T, SUFFIX)           \
+    EMBED_KERNEL(q8_0, 34, 32, q8_0_value, T, SUFFIX)              \
+    EMBED_KERNEL(q5_0, 22, 32, q5_0_value, T, SUFFIX)              \
+    EMBED_KERNEL(q4_k, 144, 256, q4_k_value, T, SUFFIX)            \
+    EMBED_KERNEL(q6_k, 210, 256, q6_k_value, T, SUFFIX)            \
+    EMBED_KERNEL(int4, 69, 128, int4_value, T, SUFFIX)
 
 DEQUANT_KERNELS(float, f32)
 DEQUANT_KERNELS(bf16, bf16)

@@ -60,6 +60,17 @@ impl QuantType {
         }
     }
 
+    /// The packed embedding gather's entry point without its dtype suffix (`kernels/dequant.cu`).
+    pub fn embed_base(self) -> &'static str {
+        match self {
+            QuantType::Q4K => "embed_q4_k",
+            QuantType::Q5_0 => "embed_q5_0",
+            QuantType::Q6K => "embed_q6_k",
+            QuantType::Q8_0 => "embed_q8_0",
+            QuantType::Int4 => "embed_int4",
+        }
+    }
+
     /// The packed-GEMV entry point's name without its dtype suffix (`kernels/gemv_quant.cu`).
     pub fn gemv_base(self) -> &'static str {
         match self {

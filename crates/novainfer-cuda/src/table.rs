@@ -48,6 +48,8 @@ pub(crate) struct KernelTable {
     pub lora_expand: PerDtype<CudaFunction>,
     /// Indexed by [`QuantType::index`].
     pub dequant: [PerDtype<CudaFunction>; 5],
+    /// Indexed by [`QuantType::index`]: token rows of a packed table.
+    pub embed: [PerDtype<CudaFunction>; 5],
     /// Indexed by [`QuantType::index`]; by output dtype (the input is bf16).
     pub gemv: [PerDtype<CudaFunction>; 5],
     attention: PerDtype<[Option<AttentionFns>; 3]>,
@@ -67,6 +69,7 @@ impl KernelTable {
         };
         let dequant = |q: QuantType| per(&kernels::DEQUANT, q.kernel_base());
         let gemv = |q: QuantType| per(&kernels::GEMV_QUANT, q.gemv_base());
+        let embed = |q: QuantType| per(&kernels::DEQUANT, q.embed_base());
         Ok(Self {
             embedding: per(&kernels::EMBEDDING, "embedding_gather")?,
             rms_norm: per(&kernels::RMS_NORM, "rms_norm")?,
@@ -89,6 +92,13 @@ impl KernelTable {
                 dequant(QuantType::ALL[2])?,
                 dequant(QuantType::ALL[3])?,
                 dequant(QuantType::ALL[4])?,
+            ],
+            embed: [
+                embed(QuantType::ALL[0])?,
+                embed(QuantType::ALL[1])?,
+                embed(QuantType::ALL[2])?,
+                embed(QuantType::ALL[3])?,
+                embed(QuantType::ALL[4])?,
             ],
             gemv: [
                 gemv(QuantType::ALL[0])?,

@@ -626,6 +626,83 @@ fn gemv_body<T: TestDtype>(gpu: &GpuContext, seed: u64) {
     }
 }
 
+/// Token rows of a packed table equal those rows of the whole-table expansion bit for bit, in
+/// f32 and bf16; an id past the vocabulary gives a zero row.
+fn embed_quant_body<T: TestDtype>(gpu: &GpuContext) {
+    use novainfer_cuda::ops::embedding::embedding_quant;
+    let (vocab, hidden) = (40, 512);
+    let mut rng = Rng(23);
+    let values = rng.vec(vocab * hidden, 2.0);
+    let t = Tensor::from_vec(values.clone(), (vocab, hidden), &Device::Cpu).expect("t");
+    let mut tables: Vec<(QuantType, Vec<u8>)> = [
+        (GgmlDType::Q4K, QuantType::Q4K),
+        (GgmlDType::Q5_0, QuantType::Q5_0),
+        (GgmlDType::Q6K, QuantType::Q6K),
+        (GgmlDType::Q8_0, QuantType::Q8_0),
+    ]
+    .into_iter()
+    .map(|(g, q)| {
+        (
+            q,
+            QTensor::quantize(&t, g)
+                .expect("q")
+                .data()
+                .expect("raw")
+                .to_vec(),
+        )
+    })
+    .collect();
+    let int4 = novainfer_model::int4::GroupedInt4::quantize(vocab, hidden, &values).expect("int4");
+    tables.push((QuantType::Int4, int4.blocks().to_vec()));
+    let ids: Vec<u32> = vec![3, 0, 39, 3, 17, 40, 1_000_000];
+    for (qtype, raw) in tables {
+        let blocks = up(gpu, &raw);
+        let mut whole = zeros::<f32>(gpu, vocab * hidden);
+        dequantize(gpu, qtype, &blocks.as_view(), &mut whole.as_view_mut()).expect("expand");
+        let whole = down(gpu, &whole);
+        let mut out = zeros::<T>(gpu, ids.len() * hidden);
+        let shape = EmbeddingShape {
+            vocab_size: vocab,
+            hidden,
+        };
+        let id_dev = up(gpu, &ids);
+        embedding_quant(
+            gpu,
+            qtype,
+            &id_dev.as_view(),
+            &blocks.as_view(),
+            shape,
+            &mut out.as_view_mut(),
+        )
+        .expect("launch");
+        let got = down(gpu, &out);
+        for (t, &id) in ids.iter().enumerate() {
+            for i in 0..hidden {
+                let want = if (id as usize) < vocab {
+                    whole[id as usize * hidden + i]
+                } else {
+                    0.0
+                };
+                let g = got[t * hidden + i].to_f32();
+                assert_eq!(
+                    g.to_bits(),
+                    T::from_f32(want).to_f32().to_bits(),
+                    "{qtype:?} token {t} value {i}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn embed_quant_matches_the_expanded_table() {
+    let Some(gpu) = common::gpu_or_skip("embed_quant") else {
+        return;
+    };
+    embed_quant_body::<f32>(&gpu);
+    embed_quant_body::<bf16>(&gpu);
+}
+
 #[test]
 fn gemv_quant_matches_the_twin_bit_for_bit() {
     let Some(gpu) = common::gpu_or_skip("gemv_quant") else {

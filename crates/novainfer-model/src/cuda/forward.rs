@@ -14,7 +14,7 @@
 use half::bf16;
 use novainfer_cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use novainfer_cuda::ops::dequant::dequantize;
-use novainfer_cuda::ops::embedding::{embedding, EmbeddingShape};
+use novainfer_cuda::ops::embedding::{embedding, embedding_quant, EmbeddingShape};
 use novainfer_cuda::ops::flash_prefill::{prefill_attention, PrefillKernel};
 use novainfer_cuda::ops::gather::gather_rows;
 use novainfer_cuda::ops::gemm::{gemm_bf16, gemm_bf16_f32out, GemmShape};
@@ -238,18 +238,30 @@ impl Body<'_> {
         // has not yet run on a GPU (novainfer_cuda::ops::flash_prefill).
         let prefill_kernel = PrefillKernel::from_env()?;
 
-        embedding::<bf16>(
-            gpu,
-            &views.token_ids,
-            &model.embed_tokens.bf16_view().ok_or_else(|| {
-                crate::error::ModelError::Cuda("the embedding table is not bf16: a bug".into())
-            })?,
-            EmbeddingShape {
-                vocab_size: vocab,
-                hidden: h,
-            },
-            &mut head_mut(&mut act.residual, n * h, "residual")?,
-        )?;
+        let shape = EmbeddingShape {
+            vocab_size: vocab,
+            hidden: h,
+        };
+        let mut residual = head_mut(&mut act.residual, n * h, "residual")?;
+        match &model.embed_tokens.data {
+            MatrixData::Bf16(table) => embedding::<bf16>(
+                gpu,
+                &views.token_ids,
+                &table.as_view(),
+                shape,
+                &mut residual,
+            )?,
+            MatrixData::Packed(parts) => {
+                // The table is one checkpoint tensor: one part.
+                let [p] = parts.as_slice() else {
+                    let why = format!("a packed embedding table of {} parts", parts.len());
+                    return Err(crate::error::ModelError::Cuda(why).into());
+                };
+                let (ids, blocks) = (&views.token_ids, p.blocks.as_view());
+                embedding_quant::<bf16>(gpu, p.qtype, ids, &blocks, shape, &mut residual)?;
+            }
+        }
+        drop(residual);
         for (index, layer) in model.layers.iter().enumerate() {
             // Layer 0 norms the embedding; later layers first add the previous down_proj.
             let mut residual = head_mut(&mut act.residual, n * h, "residual")?;

@@ -6,11 +6,10 @@
 //! in stream order once the kernel has read it. With `gpu_weight_dtype="native"` a matrix
 //! whose parts are all GPU quant types keeps them raw instead ([`MatrixData::Packed`]): decode
 //! steps multiply the blocks in place, larger steps expand them into a scratch first
-//! (`forward::gemm`). The embedding table stays bf16 for its row lookups; a tied head gets a
-//! packed copy of it.
+//! (`forward::gemm`); a packed embedding table expands just the step's token rows.
 
 use half::bf16;
-use novainfer_cuda::cudarc::driver::{CudaSlice, CudaView};
+use novainfer_cuda::cudarc::driver::CudaSlice;
 use novainfer_cuda::ops::dequant::{dequantize, QuantType};
 use novainfer_cuda::GpuContext;
 
@@ -43,14 +42,6 @@ pub(crate) struct PackedPart {
 }
 
 impl GpuMatrix {
-    /// The bf16 values, for a matrix held that way (the embedding table always is).
-    pub fn bf16_view(&self) -> Option<CudaView<'_, bf16>> {
-        match &self.data {
-            MatrixData::Bf16(d) => Some(d.as_view()),
-            MatrixData::Packed(_) => None,
-        }
-    }
-
     /// Bytes on the device: bf16 values, or the packed parts' blocks.
     pub fn bytes(&self) -> usize {
         match &self.data {
@@ -103,8 +94,7 @@ impl GpuModel {
         };
         let n = reader.config().num_hidden_layers;
         tracing::info!(%device, gpu = gpu.device_name(), layers = n, "loading weights");
-        let embedding = reader.embedding()?;
-        let embed_tokens = up.bf16_matrix(&embedding)?;
+        let embed_tokens = up.matrix(&reader.embedding()?)?;
         // A line per quarter of the model: enough to see a slow load move.
         let every = n.div_ceil(4).max(1);
         let mut layers = Vec::with_capacity(n);
@@ -117,11 +107,8 @@ impl GpuModel {
         let norm = up.vector(&reader.final_norm()?)?;
         let lm_head = match reader.lm_head()? {
             Some(head) => Some(up.matrix(&head)?),
-            // Tied: a packed copy of the table for the head when its blocks can run packed.
-            None if native && Uploader::packable(&embedding) => Some(up.matrix(&embedding)?),
             None => None,
         };
-        drop(embedding);
         reader.finish()?;
         Ok(Self {
             embed_tokens,
