@@ -3,12 +3,11 @@
 //! * `bf16` (the default): every matrix expanded to bf16 at load, cuBLAS for every product.
 //!   Three times a Q4_K_M file's bytes in device memory, and a decode step reads them all.
 //! * `native`: Q4_K, Q5_0, Q6_K and Q8_0 matrices, and AWQ/GPTQ int4 ones (not act-order),
-//!   stay as the file's blocks; steps of up to
-//!   8 rows (decode) multiply them in place (`kernels/gemv_quant.cu`, reading each block once),
-//!   larger ones expand each matrix into a bf16 scratch first and run cuBLAS. A packed embedding
-//!   table expands only each step's token rows, and a tied head is that table, so the weights
-//!   take about the file's size. A row's result
-//!   depends on which of the two paths its step took (as in vLLM; the bf16 path is batch
+//!   stay as the file's blocks; steps of up to 8 rows (decode) multiply them in place
+//!   (`kernels/gemv_quant.cu`, reading each block once), larger ones expand each matrix into a
+//!   bf16 scratch first and run cuBLAS. A packed embedding table expands only each step's token
+//!   rows, and a tied head is that table, so the weights take about the file's size. A row's
+//!   result depends on which of the two paths its step took (as in vLLM; the bf16 path is batch
 //!   invariant), so greedy tokens can differ between a request alone and in a large batch.
 //!
 //! The CPU always runs quantized blocks natively and ignores this.
