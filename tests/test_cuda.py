@@ -82,11 +82,13 @@ def gpu_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The tiny model at head_dim 64, in the on-disk forms the GPU loads."""
     root = tmp_path_factory.mktemp("tiny-gpu-models")
     f32 = write_tiny_model(root / "f32", head_dim=64)
+    tied = write_tiny_model(root / "tied", tie_word_embeddings=True, head_dim=64)
     return {
         "f32": f32,
         "bf16": write_tiny_model(root / "bf16", dtype="bf16", head_dim=64),
-        "tied": write_tiny_model(root / "tied", tie_word_embeddings=True, head_dim=64),
+        "tied": tied,
         "gguf_q8_0": write_tiny_gguf(root / "tiny-q8_0.gguf", hf_dir=f32, qtype="q8_0"),
+        "gguf_q8_0_tied": write_tiny_gguf(root / "tiny-tied-q8_0.gguf", hf_dir=tied, qtype="q8_0"),
     }
 
 
@@ -254,11 +256,13 @@ def _greedy(llm: LLM, n: int = 12):
     return llm.generate(PROMPT, params)[0].outputs[0]
 
 
-def test_native_gguf_weights_follow_the_bf16_expansion(gpu, gpu_models):
-    # gpu_weight_dtype="native" keeps the Q8_0 blocks on the device: the prompt (more than 8 rows) expands them
-    # into a scratch for cuBLAS, each decode step (1 row) runs the packed GEMV (kernels/gemv_quant.cu), whose f32
-    # sums are closer to exact than the bf16 matrix's. Both must follow the bf16 path and the CPU.
-    path = gpu_models["gguf_q8_0"]
+@pytest.mark.parametrize("variant", ["gguf_q8_0", "gguf_q8_0_tied"])
+def test_native_gguf_weights_follow_the_bf16_expansion(gpu, gpu_models, variant):
+    # gpu_weight_dtype="native" keeps the Q8_0 blocks on the device: the prompt (more than 8 rows, every row's
+    # logits) expands them into a scratch for cuBLAS, each decode step (1 row) runs the packed GEMV
+    # (kernels/gemv_quant.cu), whose f32 sums are closer to exact than the bf16 matrix's; the embedding rows
+    # come from the packed table, which is also the tied head. Both must follow the CPU.
+    path = gpu_models[variant]
     bf16 = LLM(path, device=gpu, kv_cache_bytes=16 << 20)
     native = LLM(path, device=gpu, kv_cache_bytes=16 << 20, gpu_weight_dtype="native")
     cpu = LLM(path, device="cpu", kv_cache_bytes=16 << 20)
@@ -269,7 +273,7 @@ def test_native_gguf_weights_follow_the_bf16_expansion(gpu, gpu_models):
     lp_err = max(abs(lb[t] - lc[t]) for t, lb, lc in zip(b.token_ids, b.logprobs, c.logprobs) if t in lc)
     bytes_bf16 = bf16.stats()["weight_bytes_per_token"]
     bytes_native = native.stats()["weight_bytes_per_token"]
-    _report(test="native_tiny_q8_0", prefill_rel_err=err, decode_agree=agree, decode_logprob_err=lp_err,
+    _report(test=f"native_tiny_{variant}", prefill_rel_err=err, decode_agree=agree, decode_logprob_err=lp_err,
             bytes_bf16=bytes_bf16, bytes_native=bytes_native, bf16_agree=sum(x == y for x, y in zip(a.token_ids, c.token_ids)))
     assert err < REL_TOL, err
     assert b.token_ids == c.token_ids or agree >= len(c.token_ids) - 2

@@ -148,8 +148,9 @@ impl GpuModel {
             .layers
             .iter()
             .flat_map(|l| [&l.qkv, &l.o_proj, &l.gate_up, &l.down_proj]);
+        // The head, tied or not (a tied one is the table itself).
         layers
-            .chain(self.lm_head.as_ref())
+            .chain([self.lm_head()])
             .map(GpuMatrix::expanded_len)
             .max()
             .unwrap_or(0)
