@@ -6,7 +6,8 @@
 //!   stay as the file's blocks; steps of up to 8 rows (decode) multiply them in place
 //!   (`kernels/gemv_quant.cu`, reading each block once), larger ones expand each matrix into a
 //!   bf16 scratch first and run cuBLAS. A packed embedding table expands only each step's token
-//!   rows, and a tied head is that table, so the weights take about the file's size. A row's
+//!   rows, and a tied head is that table, so the weights take about the file's size (plus the
+//!   scratch, as large as the largest matrix: the vocabulary head). A row's
 //!   result depends on which of the two paths its step took (as in vLLM; the bf16 path is batch
 //!   invariant), so greedy tokens can differ between a request alone and in a large batch.
 //!
