@@ -10,7 +10,7 @@
 
 use half::bf16;
 
-use crate::quant_type::QuantType;
+use crate::quant_type::{scale_min_k4, QuantType};
 
 /// Warps (weight rows) per block: `GEMV_WARPS`.
 pub const WARPS: usize = 4;
@@ -143,18 +143,6 @@ pub fn chunk(qtype: QuantType, block: &[u8], c: usize) -> Chunk {
                 b: 0.0,
             }
         }
-    }
-}
-
-/// ggml's `get_scale_min_k4`: the 6-bit scale and min of Q4_K sub-block `j`.
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
-    if j < 4 {
-        (q[j] & 63, q[j + 4] & 63)
-    } else {
-        (
-            (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4),
-            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-        )
     }
 }
 

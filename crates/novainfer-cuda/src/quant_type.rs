@@ -83,6 +83,19 @@ impl QuantType {
     }
 }
 
+/// ggml's `get_scale_min_k4`: the 6-bit scale and min of Q4_K sub-block `j` (0..8) from the
+/// block's 12 scale bytes.
+pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -164,8 +164,7 @@ impl GroupedInt4 {
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = Vec::with_capacity(self.rows * self.cols);
         for block in self.blocks.chunks_exact(BLOCK_BYTES) {
-            let (s, z) = (scale_of(block), i32::from(block[4]));
-            out.extend((0..GROUP_K).map(|j| s * (i32::from(nibble(block, j)) - z) as f32));
+            out.extend((0..GROUP_K).map(|j| block_value(block, j)));
         }
         let Some(order) = &self.order else {
             return out;
@@ -181,6 +180,12 @@ impl GroupedInt4 {
         }
         logical
     }
+}
+
+/// Weight `j` (0..128) of a block: `s · (q − z)`, rounded once (what every reader of the blocks,
+/// the GPU's expansion included, computes).
+pub fn block_value(block: &[u8], j: usize) -> f32 {
+    scale_of(block) * (i32::from(nibble(block, j)) - i32::from(block[4])) as f32
 }
 
 fn scale_of(block: &[u8]) -> f32 {

@@ -261,7 +261,6 @@ impl Body<'_> {
                 embedding_quant::<bf16>(gpu, p.qtype, ids, &blocks, shape, &mut residual)?;
             }
         }
-        drop(residual);
         for (index, layer) in model.layers.iter().enumerate() {
             // Layer 0 norms the embedding; later layers first add the previous down_proj.
             let mut residual = head_mut(&mut act.residual, n * h, "residual")?;

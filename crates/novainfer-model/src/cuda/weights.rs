@@ -17,7 +17,7 @@ use super::{cuda_error, driver_error};
 use crate::device::Device;
 use crate::error::{ModelError, Result};
 use crate::loader::TensorSource;
-use crate::prepare::{GpuQuant, HostLayer, HostMatrix, HostModelReader, PartData};
+use crate::prepare::{HostLayer, HostMatrix, HostModelReader, PartData};
 
 /// A `[rows, cols]` matrix on the device.
 pub(crate) struct GpuMatrix {
@@ -207,7 +207,7 @@ impl Uploader<'_> {
                 .clone_htod(bytes.as_slice())
                 .map_err(driver_error("cuMemcpyHtoD"))?;
             parts.push(PackedPart {
-                qtype: quant_type(*kind),
+                qtype: *kind,
                 row0,
                 rows: part.rows,
                 blocks,
@@ -239,14 +239,15 @@ impl Uploader<'_> {
                     let raw = stream
                         .clone_htod(bytes.as_slice())
                         .map_err(driver_error("cuMemcpyHtoD"))?;
-                    dequantize::<bf16>(self.gpu, quant_type(*kind), &raw.as_view(), &mut rows)
-                        .map_err(|e| {
+                    dequantize::<bf16>(self.gpu, *kind, &raw.as_view(), &mut rows).map_err(
+                        |e| {
                             ModelError::Cuda(format!(
                                 "expanding `{}`: {}",
                                 part.name,
                                 cuda_error(self.device, e)
                             ))
-                        })?;
+                        },
+                    )?;
                 }
             }
         }
@@ -255,16 +256,6 @@ impl Uploader<'_> {
             rows: m.rows(),
             cols: m.cols,
         })
-    }
-}
-
-fn quant_type(kind: GpuQuant) -> QuantType {
-    match kind {
-        GpuQuant::Q4K => QuantType::Q4K,
-        GpuQuant::Q5_0 => QuantType::Q5_0,
-        GpuQuant::Q6K => QuantType::Q6K,
-        GpuQuant::Q8_0 => QuantType::Q8_0,
-        GpuQuant::Int4 => QuantType::Int4,
     }
 }
 
@@ -277,15 +268,6 @@ mod tests {
 
     use super::*;
     use crate::loader::RawTensor;
-
-    #[test]
-    fn the_host_and_device_quant_types_agree_on_block_geometry() {
-        for kind in GpuQuant::ALL {
-            let q = quant_type(kind);
-            assert_eq!(q.block_bytes(), kind.block_bytes(), "{kind:?}");
-            assert_eq!(q.block_values(), kind.block_values(), "{kind:?}");
-        }
-    }
 
     /// A fused matrix with one part per GPU quant type and a bf16 part, expanded on the
     /// device, equals its host assembly (the CPU twin) bit for bit.
@@ -316,8 +298,8 @@ mod tests {
             cols,
             parts: Vec::new(),
         };
-        for (i, kind) in GpuQuant::GGUF.into_iter().enumerate() {
-            let ggml = kind.ggml().expect("gguf");
+        for (i, kind) in crate::prepare::GGUF_KINDS.into_iter().enumerate() {
+            let ggml = crate::prepare::ggml_of(kind).expect("gguf");
             let q = QTensor::quantize(&values(3, i as u32), ggml).expect("quantize");
             host.push(&format!("{kind:?}"), 3, RawTensor::Quantized(q))
                 .expect("part");

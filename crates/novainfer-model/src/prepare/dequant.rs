@@ -11,138 +11,88 @@
 use candle_core::quantized::GgmlDType;
 use half::{bf16, f16};
 
+use novainfer_cuda::quant_type::scale_min_k4;
+
 use crate::error::{ModelError, Result};
 
 /// The block formats the GPU expands (and, with `gpu_weight_dtype="native"`, multiplies)
-/// itself: the GGUF types of the demo models and AWQ/GPTQ grouped int4; every other GGUF type
-/// is dequantized on the host by candle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GpuQuant {
-    Q4K,
-    Q5_0,
-    Q6K,
-    Q8_0,
-    /// [`crate::int4::GroupedInt4`]'s blocks.
-    Int4,
+/// itself: the GGUF types of the demo models and AWQ/GPTQ grouped int4. The device's own enum,
+/// shared with its launchers; every other GGUF type is dequantized on the host by candle.
+pub use novainfer_cuda::quant_type::QuantType as GpuQuant;
+
+/// The GGUF ones.
+pub const GGUF_KINDS: [GpuQuant; 4] =
+    [GpuQuant::Q4K, GpuQuant::Q5_0, GpuQuant::Q6K, GpuQuant::Q8_0];
+
+/// The device's format for a GGUF type, if it has one.
+pub fn gpu_quant_of(dtype: GgmlDType) -> Option<GpuQuant> {
+    match dtype {
+        GgmlDType::Q4K => Some(GpuQuant::Q4K),
+        GgmlDType::Q5_0 => Some(GpuQuant::Q5_0),
+        GgmlDType::Q6K => Some(GpuQuant::Q6K),
+        GgmlDType::Q8_0 => Some(GpuQuant::Q8_0),
+        _ => None,
+    }
 }
 
-impl GpuQuant {
-    pub const ALL: [GpuQuant; 5] = [
-        GpuQuant::Q4K,
-        GpuQuant::Q5_0,
-        GpuQuant::Q6K,
-        GpuQuant::Q8_0,
-        GpuQuant::Int4,
-    ];
-    /// The GGUF ones (candle quantizes and dequantizes them in the tests).
-    pub const GGUF: [GpuQuant; 4] = [GpuQuant::Q4K, GpuQuant::Q5_0, GpuQuant::Q6K, GpuQuant::Q8_0];
-
-    pub fn of(dtype: GgmlDType) -> Option<Self> {
-        match dtype {
-            GgmlDType::Q4K => Some(Self::Q4K),
-            GgmlDType::Q5_0 => Some(Self::Q5_0),
-            GgmlDType::Q6K => Some(Self::Q6K),
-            GgmlDType::Q8_0 => Some(Self::Q8_0),
-            _ => None,
-        }
+/// The GGUF type of a device format (`None` for int4).
+pub fn ggml_of(kind: GpuQuant) -> Option<GgmlDType> {
+    match kind {
+        GpuQuant::Q4K => Some(GgmlDType::Q4K),
+        GpuQuant::Q5_0 => Some(GgmlDType::Q5_0),
+        GpuQuant::Q6K => Some(GgmlDType::Q6K),
+        GpuQuant::Q8_0 => Some(GgmlDType::Q8_0),
+        GpuQuant::Int4 => None,
     }
+}
 
-    /// The GGUF type (`None` for int4).
-    pub fn ggml(self) -> Option<GgmlDType> {
-        match self {
-            Self::Q4K => Some(GgmlDType::Q4K),
-            Self::Q5_0 => Some(GgmlDType::Q5_0),
-            Self::Q6K => Some(GgmlDType::Q6K),
-            Self::Q8_0 => Some(GgmlDType::Q8_0),
-            Self::Int4 => None,
+/// One value of a block, in f32, exactly as candle (int4: `GroupedInt4::dequantize`) computes it.
+fn value(kind: GpuQuant, block: &[u8], e: usize) -> f32 {
+    match kind {
+        GpuQuant::Int4 => crate::int4::block_value(block, e),
+        GpuQuant::Q8_0 => f32::from(block[2 + e] as i8) * f16_at(block, 0),
+        GpuQuant::Q5_0 => {
+            let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
+            let qs = &block[6..22];
+            let low = if e < 16 {
+                qs[e] & 0x0F
+            } else {
+                qs[e - 16] >> 4
+            };
+            let high = (((qh >> e) & 1) << 4) as u8;
+            (i32::from(low | high) - 16) as f32 * f16_at(block, 0)
         }
-    }
-
-    pub fn block_bytes(self) -> usize {
-        match self {
-            Self::Q4K => 144,
-            Self::Q5_0 => 22,
-            Self::Q6K => 210,
-            Self::Q8_0 => 34,
-            Self::Int4 => crate::int4::BLOCK_BYTES,
+        GpuQuant::Q4K => {
+            let (d, dmin) = (f16_at(block, 0), f16_at(block, 2));
+            let (scales, qs) = (&block[4..16], &block[16..144]);
+            let (chunk, idx) = (e / 64, e % 64);
+            let sub = 2 * chunk + usize::from(idx >= 32);
+            let byte = qs[32 * chunk + idx % 32];
+            let q = if idx < 32 { byte & 0x0F } else { byte >> 4 };
+            let (sc, m) = scale_min_k4(sub, scales);
+            let (d1, m1) = (d * f32::from(sc), dmin * f32::from(m));
+            d1 * f32::from(q) - m1
         }
-    }
-
-    pub fn block_values(self) -> usize {
-        match self {
-            Self::Q4K | Self::Q6K => 256,
-            Self::Q5_0 | Self::Q8_0 => 32,
-            Self::Int4 => crate::int4::GROUP_K,
-        }
-    }
-
-    /// One value of a block, in f32, exactly as candle (int4: `GroupedInt4::dequantize`)
-    /// computes it.
-    fn value(self, block: &[u8], e: usize) -> f32 {
-        match self {
-            Self::Int4 => {
-                let s = f32::from_le_bytes([block[0], block[1], block[2], block[3]]);
-                let (t, c) = (e / 32, e % 32);
-                let byte = block[5 + 16 * t + c % 16];
-                let q = if c < 16 { byte & 0x0F } else { byte >> 4 };
-                s * (i32::from(q) - i32::from(block[4])) as f32
-            }
-            Self::Q8_0 => f32::from(block[2 + e] as i8) * f16_at(block, 0),
-            Self::Q5_0 => {
-                let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
-                let qs = &block[6..22];
-                let low = if e < 16 {
-                    qs[e] & 0x0F
-                } else {
-                    qs[e - 16] >> 4
-                };
-                let high = (((qh >> e) & 1) << 4) as u8;
-                (i32::from(low | high) - 16) as f32 * f16_at(block, 0)
-            }
-            Self::Q4K => {
-                let (d, dmin) = (f16_at(block, 0), f16_at(block, 2));
-                let (scales, qs) = (&block[4..16], &block[16..144]);
-                let (chunk, idx) = (e / 64, e % 64);
-                let sub = 2 * chunk + usize::from(idx >= 32);
-                let byte = qs[32 * chunk + idx % 32];
-                let q = if idx < 32 { byte & 0x0F } else { byte >> 4 };
-                let (sc, m) = scale_min_k4(sub, scales);
-                let (d1, m1) = (d * f32::from(sc), dmin * f32::from(m));
-                d1 * f32::from(q) - m1
-            }
-            Self::Q6K => {
-                let (ql, qh) = (&block[..128], &block[128..192]);
-                let scale = |i: usize| f32::from(block[192 + i] as i8);
-                let d = f16_at(block, 208);
-                let (h, g, l) = (e / 128, e % 128 / 32, e % 32);
-                let low_byte = ql[64 * h + l + if g & 1 == 1 { 32 } else { 0 }];
-                let low = if g < 2 {
-                    low_byte & 0x0F
-                } else {
-                    low_byte >> 4
-                };
-                let high = (qh[32 * h + l] >> (2 * g)) & 3;
-                let q = i32::from(low | (high << 4)) - 32;
-                d * scale(8 * h + l / 16 + 2 * g) * q as f32
-            }
+        GpuQuant::Q6K => {
+            let (ql, qh) = (&block[..128], &block[128..192]);
+            let scale = |i: usize| f32::from(block[192 + i] as i8);
+            let d = f16_at(block, 208);
+            let (h, g, l) = (e / 128, e % 128 / 32, e % 32);
+            let low_byte = ql[64 * h + l + if g & 1 == 1 { 32 } else { 0 }];
+            let low = if g < 2 {
+                low_byte & 0x0F
+            } else {
+                low_byte >> 4
+            };
+            let high = (qh[32 * h + l] >> (2 * g)) & 3;
+            let q = i32::from(low | (high << 4)) - 32;
+            d * scale(8 * h + l / 16 + 2 * g) * q as f32
         }
     }
 }
 
 fn f16_at(block: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([block[at], block[at + 1]]).to_f32()
-}
-
-/// ggml's `get_scale_min_k4`: the 6-bit scale and min of Q4_K sub-block `j` (0..8).
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
-    if j < 4 {
-        (q[j] & 63, q[j + 4] & 63)
-    } else {
-        (
-            (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4),
-            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-        )
-    }
 }
 
 /// `blocks` (whole GGUF blocks of `kind`, back to back) → bf16 values, as the GPU does it.
@@ -156,7 +106,7 @@ pub fn dequantize_bf16(kind: GpuQuant, blocks: &[u8]) -> Result<Vec<bf16>> {
     }
     let mut out = Vec::with_capacity(blocks.len() / bytes * values);
     for block in blocks.chunks_exact(bytes) {
-        out.extend((0..values).map(|e| bf16::from_f32(kind.value(block, e))));
+        out.extend((0..values).map(|e| bf16::from_f32(value(kind, block, e))));
     }
     Ok(out)
 }
@@ -210,10 +160,16 @@ mod tests {
             .map(|i| rng.random_range(-1.0f32..1.0) * if i % 97 == 0 { 8.0 } else { 0.5 })
             .collect();
         let t = Tensor::from_vec(values, (rows, cols), &Device::Cpu).expect("tensor");
-        for kind in GpuQuant::GGUF {
-            let q = QTensor::quantize(&t, kind.ggml().expect("gguf")).expect("quantize");
+        for kind in GGUF_KINDS {
+            let q = QTensor::quantize(&t, ggml_of(kind).expect("gguf")).expect("quantize");
             assert_same(kind, &q, "quantized from f32");
         }
+    }
+
+    #[test]
+    fn the_device_int4_block_is_grouped_int4s() {
+        assert_eq!(GpuQuant::Int4.block_bytes(), crate::int4::BLOCK_BYTES);
+        assert_eq!(GpuQuant::Int4.block_values(), crate::int4::GROUP_K);
     }
 
     #[test]
@@ -243,7 +199,7 @@ mod tests {
     #[test]
     fn the_twin_equals_candle_rounded_to_bf16_on_arbitrary_blocks() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
-        for kind in GpuQuant::GGUF {
+        for kind in GGUF_KINDS {
             let num_blocks = 64;
             let mut bytes: Vec<u8> = (0..num_blocks * kind.block_bytes())
                 .map(|_| rng.random())
@@ -260,9 +216,12 @@ mod tests {
                     block[at..at + 2].copy_from_slice(&d.to_le_bytes());
                 }
             }
-            let storage =
-                QStorage::from_data(Cow::Owned(bytes), &Device::Cpu, kind.ggml().expect("gguf"))
-                    .expect("storage");
+            let storage = QStorage::from_data(
+                Cow::Owned(bytes),
+                &Device::Cpu,
+                ggml_of(kind).expect("gguf"),
+            )
+            .expect("storage");
             let q = QTensor::new(storage, (num_blocks, kind.block_values())).expect("qtensor");
             assert_same(kind, &q, "arbitrary bytes");
         }

@@ -12,7 +12,7 @@
 use candle_core::DType;
 use half::bf16;
 
-use super::dequant::{dequantize_bf16, GpuQuant};
+use super::dequant::{dequantize_bf16, gpu_quant_of, GpuQuant};
 use crate::error::Result;
 use crate::loader::RawTensor;
 
@@ -44,7 +44,7 @@ impl PartData {
     /// them, else candle dequantizes them and they are rounded the same way.
     pub fn from_raw(raw: RawTensor) -> Result<Self> {
         Ok(match raw {
-            RawTensor::Quantized(q) => match GpuQuant::of(q.dtype()) {
+            RawTensor::Quantized(q) => match gpu_quant_of(q.dtype()) {
                 Some(kind) => PartData::Quantized {
                     kind,
                     bytes: q.data()?.into_owned(),

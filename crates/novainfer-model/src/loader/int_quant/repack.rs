@@ -62,13 +62,9 @@ pub enum DenseReason {
 
 /// Re-encodes `m` exactly (see the module doc) and says how.
 pub fn repack(m: &IntMatrix) -> Result<(RawTensor, Repacked)> {
-    let plan = plan(m);
+    let (plan, order) = plan(m);
     let tensor = match (plan, &m.scales) {
-        (Repacked::Int4, _) => RawTensor::Int4(int4(m, None)?),
-        (Repacked::Int4ActOrder, _) => match act_order(m) {
-            Some(order) => RawTensor::Int4(int4(m, Some(order))?),
-            None => unreachable!("the plan found the act order: this is a bug"),
-        },
+        (Repacked::Int4 | Repacked::Int4ActOrder, _) => RawTensor::Int4(int4(m, order)?),
         (Repacked::Q5_0, Scales::F16(s)) => quantized(m, GgmlDType::Q5_0, q5_0(m, s))?,
         (Repacked::Q8_0, Scales::F16(s)) => quantized(m, GgmlDType::Q8_0, q8_0(m, s))?,
         _ => RawTensor::Dense(Tensor::from_vec(
@@ -80,40 +76,36 @@ pub fn repack(m: &IntMatrix) -> Result<(RawTensor, Repacked)> {
     Ok((tensor, plan))
 }
 
-fn plan(m: &IntMatrix) -> Repacked {
+/// How `m` is held, and for act-order int4 the input order that sorts its columns by group.
+fn plan(m: &IntMatrix) -> (Repacked, Option<Vec<u32>>) {
     let one_group_per = |channels: usize| {
         m.cols.is_multiple_of(channels)
             && m.group_of
                 .chunks_exact(channels)
                 .all(|b| b.iter().all(|&g| g == b[0]))
     };
-    if m.bits == Bits::Four && one_group_per(GROUP_K) {
-        return Repacked::Int4;
-    }
-    if m.bits == Bits::Four && act_order(m).is_some() {
-        return Repacked::Int4ActOrder;
-    }
-    if !matches!(m.scales, Scales::F16(_)) {
-        return Repacked::Dense(DenseReason::WideScales);
-    }
-    if !m.cols.is_multiple_of(QK) {
-        return Repacked::Dense(DenseReason::UnalignedInputs);
-    }
-    if !one_group_per(QK) {
-        return Repacked::Dense(DenseReason::MixedGroups);
-    }
-    match m.bits {
-        Bits::Four => Repacked::Q5_0,
-        Bits::Eight => {
-            let fits =
-                (0..m.rows).all(|o| (0..m.cols).all(|i| i8::try_from(m.centered(o, i)).is_ok()));
-            if fits {
-                Repacked::Q8_0
-            } else {
-                Repacked::Dense(DenseReason::WideRange)
-            }
+    if m.bits == Bits::Four {
+        if one_group_per(GROUP_K) {
+            return (Repacked::Int4, None);
+        }
+        if let Some(order) = act_order(m) {
+            return (Repacked::Int4ActOrder, Some(order));
         }
     }
+    let how = if !matches!(m.scales, Scales::F16(_)) {
+        Repacked::Dense(DenseReason::WideScales)
+    } else if !m.cols.is_multiple_of(QK) {
+        Repacked::Dense(DenseReason::UnalignedInputs)
+    } else if !one_group_per(QK) {
+        Repacked::Dense(DenseReason::MixedGroups)
+    } else if m.bits == Bits::Four {
+        Repacked::Q5_0
+    } else if (0..m.rows).all(|o| (0..m.cols).all(|i| i8::try_from(m.centered(o, i)).is_ok())) {
+        Repacked::Q8_0
+    } else {
+        Repacked::Dense(DenseReason::WideRange)
+    };
+    (how, None)
 }
 
 /// The input channels sorted by group (stable), when every 128-channel run of that order lies in
