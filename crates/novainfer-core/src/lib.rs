@@ -38,7 +38,7 @@ pub use sampling_params::{
     MAX_LOGPROBS, MAX_N,
 };
 pub use scheduler::{
-    ChunkOutput, FinishedRequest, Fork, RequestUpdate, ScheduledRequest, Scheduler,
+    ChunkOutput, FinishedRequest, Fork, RequestUpdate, ScheduledAhead, ScheduledRequest, Scheduler,
     SchedulerConfig, SchedulerConfigBuilder, SchedulerOutput, SchedulingPolicy,
 };
 pub use slot_cells::{CellShift, SeqId, SlotCells, SlotError, SlotStats};

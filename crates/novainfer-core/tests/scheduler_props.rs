@@ -22,6 +22,9 @@
 //! Requests carry LoRA adapters (or none): the fake model's KV starts from the adapter's own
 //! seed, so KV served across adapters by the prefix cache changes the outputs; and the running
 //! requests never hold more distinct adapters than `max_loras`.
+//! Half the workloads schedule ahead (async scheduling): a step of plain decodes is continued
+//! before its update, its rows fed the tokens it sampled, and run before that update; a request
+//! that the step ended keeps a row that is computed and dropped. Outputs stay the oracle's.
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
@@ -92,6 +95,9 @@ struct Workload {
     max_draft: usize,
     draft_seed: u64,
     max_loras: Option<usize>,
+    /// Continue each step of plain decodes before its update when the scheduler can
+    /// ([`Scheduler::schedule_ahead`]), as the engine's async scheduling does.
+    ahead: bool,
     prefixes: Vec<Vec<u32>>,
     arrivals: Vec<Arrival>,
 }
@@ -135,6 +141,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                     prop_oneof![Just(0usize), 1usize..=5],
                     any::<u64>(),
                     proptest::option::of(1usize..=2),
+                    any::<bool>(),
                 ),
                 proptest::collection::vec(proptest::collection::vec(0u32..VOCAB as u32, 40), 3),
                 proptest::collection::vec(arrival(), 1..=16),
@@ -150,7 +157,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 mns,
                 pc,
                 (th, mp, mlp, ms),
-                (policy, aging_steps, max_draft, draft_seed, max_loras),
+                (policy, aging_steps, max_draft, draft_seed, max_loras, ahead),
                 prefixes,
                 arrivals,
             )| {
@@ -172,6 +179,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                     max_draft,
                     draft_seed,
                     max_loras,
+                    ahead,
                     prefixes,
                     arrivals,
                 }
@@ -477,6 +485,7 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
     };
     let max_steps = 20_000;
     let mut draft_rng = w.draft_seed;
+    let mut inflight: Option<(SchedulerOutput, Vec<(RequestId, Vec<u32>)>)> = None;
     for step in 0..max_steps {
         for (i, a) in w.arrivals.iter().enumerate() {
             if a.step == step {
@@ -490,145 +499,179 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
                 }
             }
         }
-        // Running requests by phase before this step: decoding (one token to compute) or still
-        // computing their prompt (partial; long ones counted apart).
-        let running: Vec<(RequestId, usize, usize)> = sched
-            .running_ids()
-            .iter()
-            .map(|&id| {
-                let r = sched.request(id).expect("a running request is known");
-                (id, r.num_uncomputed_tokens(), r.num_tokens())
-            })
-            .collect();
-        let partial = running.iter().filter(|r| r.1 > 1);
-        if let Some(max) = w.max_partial {
-            prop_assert!(partial.clone().count() <= max, "too many partial prefills");
-        }
-        if let (Some(max), Some(t)) = (w.max_long_partial, w.threshold) {
-            prop_assert!(
-                partial.filter(|r| r.2 > t).count() <= max,
-                "too many long partial prefills"
-            );
-        }
-        let waiting_before: Vec<(RequestId, Request)> = sched
-            .waiting_ids()
-            .map(|id| {
-                (
-                    id,
-                    sched
-                        .request(id)
-                        .expect("a waiting request is known")
-                        .clone(),
-                )
-            })
-            .collect();
-        let running_before: Vec<RequestId> = sched.running_ids().to_vec();
-        let out = sched.schedule();
-        prop_assert!(out.num_batched_tokens <= w.max_num_batched_tokens);
-        let (running_adapters, _) = sched.adapters_in_use();
-        if let Some(max) = w.max_loras {
-            prop_assert!(
-                running_adapters.len() <= max,
-                "more adapters running than max_loras"
-            );
-        }
-        // A waiting request whose adapter found no room this step.
-        let held_by_adapter = |r: &Request| {
-            r.adapter.is_some_and(|a| !running_adapters.contains(&a))
-                && w.max_loras.is_some_and(|m| running_adapters.len() >= m)
-        };
-        // The bound: the head of the running order never waits a step.
-        if w.max_num_batched_tokens >= w.max_num_seqs && w.max_scored >= w.max_num_seqs {
-            if let Some(head) = sched.running_ids().first() {
-                if running_before.contains(head) {
-                    prop_assert!(ran_in(&out, *head), "head {} did not run", head);
+        // A step scheduled ahead of the last update runs now; else a full schedule, checked.
+        let (out, sampled) = match inflight.take() {
+            Some(next) => next,
+            None => {
+                // Running requests by phase before this step: decoding (one token to compute) or still
+                // computing their prompt (partial; long ones counted apart).
+                let running: Vec<(RequestId, usize, usize)> = sched
+                    .running_ids()
+                    .iter()
+                    .map(|&id| {
+                        let r = sched.request(id).expect("a running request is known");
+                        (id, r.num_uncomputed_tokens(), r.num_tokens())
+                    })
+                    .collect();
+                let partial = running.iter().filter(|r| r.1 > 1);
+                if let Some(max) = w.max_partial {
+                    prop_assert!(partial.clone().count() <= max, "too many partial prefills");
                 }
-            }
-        }
-        if w.policy == SchedulingPolicy::Priority {
-            let admitted = waiting_before.iter().filter(|(id, _)| {
-                sched
-                    .request(*id)
-                    .is_some_and(|r| r.status() == RequestStatus::Running)
-            });
-            for (id, a) in admitted {
-                for (other, o) in &waiting_before {
-                    let still_waiting = sched.request(*other).is_some_and(|r| {
-                        matches!(
-                            r.status(),
-                            RequestStatus::Waiting | RequestStatus::Preempted
-                        )
-                    });
-                    if o.tenant == a.tenant && still_waiting && rank(o) < rank(a) {
-                        prop_assert!(
-                            is_held_long(o) || held_by_adapter(o),
-                            "{} admitted before better-ranked {}",
+                if let (Some(max), Some(t)) = (w.max_long_partial, w.threshold) {
+                    prop_assert!(
+                        partial.filter(|r| r.2 > t).count() <= max,
+                        "too many long partial prefills"
+                    );
+                }
+                let waiting_before: Vec<(RequestId, Request)> = sched
+                    .waiting_ids()
+                    .map(|id| {
+                        (
                             id,
-                            other
-                        );
+                            sched
+                                .request(id)
+                                .expect("a waiting request is known")
+                                .clone(),
+                        )
+                    })
+                    .collect();
+                let running_before: Vec<RequestId> = sched.running_ids().to_vec();
+                let out = sched.schedule();
+                prop_assert!(out.num_batched_tokens <= w.max_num_batched_tokens);
+                let (running_adapters, _) = sched.adapters_in_use();
+                if let Some(max) = w.max_loras {
+                    prop_assert!(
+                        running_adapters.len() <= max,
+                        "more adapters running than max_loras"
+                    );
+                }
+                // A waiting request whose adapter found no room this step.
+                let held_by_adapter = |r: &Request| {
+                    r.adapter.is_some_and(|a| !running_adapters.contains(&a))
+                        && w.max_loras.is_some_and(|m| running_adapters.len() >= m)
+                };
+                // The bound: the head of the running order never waits a step.
+                if w.max_num_batched_tokens >= w.max_num_seqs && w.max_scored >= w.max_num_seqs {
+                    if let Some(head) = sched.running_ids().first() {
+                        if running_before.contains(head) {
+                            prop_assert!(ran_in(&out, *head), "head {} did not run", head);
+                        }
                     }
                 }
-            }
-        }
-        // A prefill chunk never takes a decode's place: if anything but decodes ran, every
-        // decoding request that was not preempted ran too.
-        let decoding: Vec<RequestId> = running.iter().filter(|r| r.1 == 1).map(|r| r.0).collect();
-        let ran = |id: &RequestId| out.scheduled.iter().any(|s| s.request_id == *id);
-        if out
-            .scheduled
-            .iter()
-            .any(|s| !decoding.contains(&s.request_id))
-        {
-            for id in decoding.iter().filter(|id| !out.preempted.contains(id)) {
-                prop_assert!(ran(id), "decode of {} skipped for a prefill", id);
-            }
-        }
-        prop_assert_eq!(
-            out.num_batched_tokens,
-            out.scheduled
-                .iter()
-                .map(|s| s.token_ids.len())
-                .sum::<usize>()
-        );
-        prop_assert!(sched.num_running() <= w.max_num_seqs);
-        for s in &out.scheduled {
-            let h = &history[&s.request_id];
-            let known = s.token_ids.len() - s.draft_token_ids().len();
-            let end = s.start_position + known;
-            prop_assert!(!s.token_ids.is_empty() && end <= h.len());
-            prop_assert_eq!(&s.token_ids[..known], &h[s.start_position..end]);
-            if s.output == ChunkOutput::Verify {
-                let r = sched
-                    .request(s.request_id)
-                    .expect("a verified request is known");
-                prop_assert_eq!(known, 1, "drafts only extend a decode");
-                prop_assert!(r.output_token_ids.len() + s.token_ids.len() <= r.max_tokens);
-                prop_assert!(h.len() + s.token_ids.len() <= w.max_model_len);
-            }
-            let kind = w.arrivals[origin(s.request_id).0].kind;
-            let want = match kind {
-                RequestKind::Generate if end == h.len() && s.token_ids.len() > known => {
-                    ChunkOutput::Verify
+                if w.policy == SchedulingPolicy::Priority {
+                    let admitted = waiting_before.iter().filter(|(id, _)| {
+                        sched
+                            .request(*id)
+                            .is_some_and(|r| r.status() == RequestStatus::Running)
+                    });
+                    for (id, a) in admitted {
+                        for (other, o) in &waiting_before {
+                            let still_waiting = sched.request(*other).is_some_and(|r| {
+                                matches!(
+                                    r.status(),
+                                    RequestStatus::Waiting | RequestStatus::Preempted
+                                )
+                            });
+                            if o.tenant == a.tenant && still_waiting && rank(o) < rank(a) {
+                                prop_assert!(
+                                    is_held_long(o) || held_by_adapter(o),
+                                    "{} admitted before better-ranked {}",
+                                    id,
+                                    other
+                                );
+                            }
+                        }
+                    }
                 }
-                RequestKind::Generate if end == h.len() => ChunkOutput::Sample,
-                RequestKind::Embed if end == h.len() => ChunkOutput::Hidden,
-                RequestKind::ScorePrompt => ChunkOutput::PromptLogits,
-                _ => ChunkOutput::Nothing,
-            };
-            prop_assert_eq!(s.output, want);
-        }
-        let scored: usize = out
-            .scheduled
-            .iter()
-            .filter(|s| s.output == ChunkOutput::PromptLogits)
-            .map(|s| s.token_ids.len())
-            .sum();
-        prop_assert!(scored <= w.max_scored);
+                // A prefill chunk never takes a decode's place: if anything but decodes ran, every
+                // decoding request that was not preempted ran too.
+                let decoding: Vec<RequestId> =
+                    running.iter().filter(|r| r.1 == 1).map(|r| r.0).collect();
+                let ran = |id: &RequestId| out.scheduled.iter().any(|s| s.request_id == *id);
+                if out
+                    .scheduled
+                    .iter()
+                    .any(|s| !decoding.contains(&s.request_id))
+                {
+                    for id in decoding.iter().filter(|id| !out.preempted.contains(id)) {
+                        prop_assert!(ran(id), "decode of {} skipped for a prefill", id);
+                    }
+                }
+                prop_assert_eq!(
+                    out.num_batched_tokens,
+                    out.scheduled
+                        .iter()
+                        .map(|s| s.token_ids.len())
+                        .sum::<usize>()
+                );
+                prop_assert!(sched.num_running() <= w.max_num_seqs);
+                for s in &out.scheduled {
+                    let h = &history[&s.request_id];
+                    let known = s.token_ids.len() - s.draft_token_ids().len();
+                    let end = s.start_position + known;
+                    prop_assert!(!s.token_ids.is_empty() && end <= h.len());
+                    prop_assert_eq!(&s.token_ids[..known], &h[s.start_position..end]);
+                    if s.output == ChunkOutput::Verify {
+                        let r = sched
+                            .request(s.request_id)
+                            .expect("a verified request is known");
+                        prop_assert_eq!(known, 1, "drafts only extend a decode");
+                        prop_assert!(r.output_token_ids.len() + s.token_ids.len() <= r.max_tokens);
+                        prop_assert!(h.len() + s.token_ids.len() <= w.max_model_len);
+                    }
+                    let kind = w.arrivals[origin(s.request_id).0].kind;
+                    let want = match kind {
+                        RequestKind::Generate if end == h.len() && s.token_ids.len() > known => {
+                            ChunkOutput::Verify
+                        }
+                        RequestKind::Generate if end == h.len() => ChunkOutput::Sample,
+                        RequestKind::Embed if end == h.len() => ChunkOutput::Hidden,
+                        RequestKind::ScorePrompt => ChunkOutput::PromptLogits,
+                        _ => ChunkOutput::Nothing,
+                    };
+                    prop_assert_eq!(s.output, want);
+                }
+                let scored: usize = out
+                    .scheduled
+                    .iter()
+                    .filter(|s| s.output == ChunkOutput::PromptLogits)
+                    .map(|s| s.token_ids.len())
+                    .sum();
+                prop_assert!(scored <= w.max_scored);
+                check_blocks(&sched);
+                let sampled = model.execute(&out, &sched);
+                (out, sampled)
+            }
+        };
         for f in &out.finished {
             prop_assert!(finished.insert(f.request_id, f.reason).is_none());
         }
-        check_blocks(&sched);
-        let sampled = model.execute(&out, &sched);
+        if w.ahead {
+            if let Some(ahead) = sched.schedule_ahead(&out) {
+                // Each request's input is the token `out` sampled for it, at the position after
+                // its history (which `update(out)` has not extended yet).
+                let tokens: HashMap<RequestId, u32> = sampled
+                    .iter()
+                    .map(|(id, t)| (*id, *t.last().expect("a sample")))
+                    .collect();
+                let next = ahead
+                    .into_output(|id| tokens.get(&id).copied())
+                    .expect("every request ahead sampled in the step it continues");
+                for s in &next.scheduled {
+                    prop_assert_eq!(s.token_ids.len(), 1);
+                    prop_assert_eq!(s.start_position, history[&s.request_id].len());
+                    prop_assert_eq!(s.output, ChunkOutput::Sample);
+                    prop_assert!(
+                        ran_in(&out, s.request_id),
+                        "{} ahead of nothing",
+                        s.request_id
+                    );
+                }
+                check_blocks(&sched);
+                let next_sampled = model.execute(&next, &sched);
+                inflight = Some((next, next_sampled));
+            }
+        }
         let mut forks = Vec::new();
         for (id, tokens) in &sampled {
             let (i, k) = origin(*id);
@@ -651,7 +694,8 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
                 .extend(&u.new_token_ids);
         }
         check_blocks(&sched);
-        if w.max_draft > 0 {
+        // No drafts while a step runs ahead (a draft follows the newest token, unknown then).
+        if w.max_draft > 0 && inflight.is_none() {
             for id in sched.running_ids().to_vec() {
                 draft_rng = mix(draft_rng ^ id.0);
                 let len = (draft_rng % (w.max_draft as u64 + 1)) as usize;
@@ -669,7 +713,7 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
                 sched.set_draft(id, draft);
             }
         }
-        if step > last_arrival && !sched.has_work() {
+        if step > last_arrival && !sched.has_work() && inflight.is_none() {
             prop_assert_eq!(sched.kv_stats().num_used_blocks, 0, "a block leaked");
             prop_assert_eq!(finished.len(), history.len(), "a request vanished");
             for (&id, h) in &history {

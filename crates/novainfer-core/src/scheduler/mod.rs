@@ -38,8 +38,11 @@
 //! Everything above is layout-blind.
 //!
 //! Protocol: call [`Scheduler::schedule`], run the model, then [`Scheduler::update`]
-//! with that output before the next `schedule`: counters advance in `update`.
+//! with that output before the next `schedule`: counters advance in `update`. A step of
+//! plain decodes may be continued before its update ([`Scheduler::schedule_ahead`], see
+//! `scheduler/ahead.rs`), so the host schedules while the device runs.
 
+mod ahead;
 mod config;
 mod fork;
 mod output;
@@ -47,6 +50,7 @@ pub mod policy;
 
 use std::collections::{HashMap, VecDeque};
 
+pub use ahead::ScheduledAhead;
 pub use config::{SchedulerConfig, SchedulerConfigBuilder};
 pub use fork::Fork;
 pub use output::{ChunkOutput, FinishedRequest, RequestUpdate, ScheduledRequest, SchedulerOutput};
