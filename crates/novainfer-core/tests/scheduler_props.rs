@@ -384,6 +384,9 @@ impl FakeModel {
     }
 }
 
+/// What a step sampled, per request.
+type Sampled = Vec<(RequestId, Vec<u32>)>;
+
 fn ran_in(out: &SchedulerOutput, id: RequestId) -> bool {
     out.scheduled.iter().any(|s| s.request_id == id)
 }
@@ -485,7 +488,7 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
     };
     let max_steps = 20_000;
     let mut draft_rng = w.draft_seed;
-    let mut inflight: Option<(SchedulerOutput, Vec<(RequestId, Vec<u32>)>)> = None;
+    let mut inflight: Option<(SchedulerOutput, Sampled)> = None;
     for step in 0..max_steps {
         for (i, a) in w.arrivals.iter().enumerate() {
             if a.step == step {
