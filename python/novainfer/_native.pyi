@@ -103,6 +103,7 @@ class Engine:
         lm_head_dtype: str = "auto",
         gpu_weight_dtype: str = "bf16",
         enforce_eager: bool = False,
+        async_scheduling: bool = False,
         block_size: int = 16,
         kv_cache_bytes: int | None = None,
         kv_cache_fraction: float | None = None,

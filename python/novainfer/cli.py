@@ -50,6 +50,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-weight-dtype", choices=["bf16", "native"], default="bf16",
                    help="how a GPU holds quantized matrices (GGUF, AWQ/GPTQ int4): bf16 (expanded at load) or native (the file's "
                         "blocks, multiplied in place by decode steps; unverified on a GPU) (default: %(default)s)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule each step of plain decodes while the one before it runs (tokens drawn on the "
+                        "device feed it; a GPU only; not with --speculative-config)")
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' (bench speculative: '
@@ -125,6 +128,7 @@ def _llm(args: argparse.Namespace, **extra: object):  # noqa: ANN202 - returns n
     extra.setdefault("lm_head_dtype", args.lm_head_dtype)
     extra.setdefault("gpu_weight_dtype", args.gpu_weight_dtype)
     extra.setdefault("speculative_config", args.speculative_config)
+    extra.setdefault("async_scheduling", args.async_scheduling)
     return LLM(args.model, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
                dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, **extra)
 

@@ -134,6 +134,12 @@ class LLM:
     size at start-up and replayed for plain decode steps; until a GPU run has verified them they are off
     unless the environment sets ``NOVAINFER_CUDA_GRAPHS=1``, which `enforce_eager` overrides. Ignored on
     the CPU.
+
+    `async_scheduling=True` schedules each step of plain decodes while the step before it runs, its inputs
+    the tokens that step draws on the device (vLLM's option), so the host's work overlaps the GPU's. Outputs
+    are the same; a request that stops may compute one extra token, which is dropped. Steps with prompt chunks,
+    waiting requests, penalties, grammars or ``n > 1`` forks run in order; the CPU (which samples on the host)
+    never runs ahead. Refused with `speculative_config`.
     """
 
     def __init__(
@@ -148,6 +154,7 @@ class LLM:
         lm_head_dtype: str = "auto",
         gpu_weight_dtype: str = "bf16",
         enforce_eager: bool = False,
+        async_scheduling: bool = False,
         block_size: int = 16,
         kv_cache_bytes: int | None = None,
         kv_cache_fraction: float | None = None,
@@ -231,6 +238,7 @@ class LLM:
             lm_head_dtype=lm_head_dtype,
             gpu_weight_dtype=gpu_weight_dtype,
             enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling,
             block_size=block_size,
             kv_cache_bytes=kv_cache_bytes,
             kv_cache_fraction=kv_cache_fraction,
@@ -268,7 +276,8 @@ class LLM:
         """Engine counters: running/waiting requests, preemptions, KV blocks used/free and their high-water
         mark, the pool's size in bytes (`kv_pool_bytes`, `kv_bytes_per_block`; with a draft model both models' KV, which
         share the blocks), prefix-cache queries and hit
-        tokens, prompt tokens computed, tokens generated, steps, and seconds spent stepping. With speculative
+        tokens, prompt tokens computed, tokens generated, steps (`num_steps_ahead` of them scheduled ahead by
+        `async_scheduling`), and seconds spent stepping. With speculative
         decoding: drafts verified (`num_drafts`), their tokens (`num_draft_tokens`), those confirmed
         (`num_accepted_tokens`), `spec_acceptance_rate` (confirmed / drafted) and `spec_mean_acceptance_length`
         (tokens per verified step: 1 + confirmed / drafts, as vLLM reports it). On the CPU,

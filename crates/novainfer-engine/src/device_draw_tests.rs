@@ -26,7 +26,7 @@ use novainfer_model::sampler::SampledToken;
 const BLOCK: usize = 4;
 
 /// What the toy was asked for, per sampled span: its draw, or `None` for a logits row.
-type Asked = Arc<Mutex<Vec<Option<Draw>>>>;
+pub(crate) type Asked = Arc<Mutex<Vec<Option<Draw>>>>;
 
 struct Toy {
     config: Qwen2Config,
@@ -141,6 +141,20 @@ fn engine_with(
     Asked,
     Arc<AtomicUsize>,
 ) {
+    engine_scheduling(caps, speculative, false)
+}
+
+/// [`engine_with`], scheduling ahead if `async_scheduling`.
+pub(crate) fn engine_scheduling(
+    caps: Capabilities,
+    speculative: Option<crate::speculative::SpeculativeConfig>,
+    async_scheduling: bool,
+) -> (
+    EngineCore,
+    mpsc::Receiver<Vec<OutputEvent>>,
+    Asked,
+    Arc<AtomicUsize>,
+) {
     let tokenizer = tiny_byte_level_tokenizer();
     let vocab = tokenizer.vocab_size();
     let config = Qwen2Config {
@@ -174,13 +188,15 @@ fn engine_with(
         .num_blocks(256)
         .build()
         .expect("scheduler config");
-    let loaded = LoadedEngine::for_tests(Box::new(toy), tokenizer, scheduler, speculative, None);
+    let mut loaded =
+        LoadedEngine::for_tests(Box::new(toy), tokenizer, scheduler, speculative, None);
+    loaded.async_scheduling = async_scheduling;
     let (tx, rx) = mpsc::channel();
     (EngineCore::new(loaded, tx), rx, asked, verifies)
 }
 
 /// Each completion's tokens with their logprobs.
-type Tokens = HashMap<RequestId, Vec<SampledToken>>;
+pub(crate) type Tokens = HashMap<RequestId, Vec<SampledToken>>;
 
 /// Runs `requests` (id, prompt, params) to completion: the tokens, and what the backend was
 /// asked for.
@@ -240,14 +256,14 @@ fn run_with(
     (tokens, asked, verifies)
 }
 
-fn params(temperature: f32, max_tokens: i64) -> novainfer_core::SamplingParamsBuilder {
+pub(crate) fn params(temperature: f32, max_tokens: i64) -> novainfer_core::SamplingParamsBuilder {
     SamplingParams::builder()
         .temperature(temperature)
         .max_tokens(Some(max_tokens))
         .ignore_eos(true)
 }
 
-fn drawing() -> Capabilities {
+pub(crate) fn drawing() -> Capabilities {
     Capabilities {
         sampling: novainfer_model::DeviceSampling { draws: true },
         ..capabilities::CPU

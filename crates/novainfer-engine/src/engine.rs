@@ -46,6 +46,13 @@ pub struct EngineConfig {
     /// `NOVAINFER_CUDA_GRAPHS=1` opts in, until a GPU run has verified them; the CPU has
     /// none and ignores this.
     pub enforce_eager: bool,
+    /// Schedule each step of plain decodes while the one before it runs (vLLM's
+    /// `async_scheduling`): the next step's inputs are the tokens the running one draws, so
+    /// the host's scheduling overlaps the device's work. Only where the backend samples on the
+    /// device (a GPU); a request that stops may compute one extra token, which is dropped. Steps
+    /// with prompt chunks, waiting requests, penalties, grammars or `n > 1` forks run in order,
+    /// and it does not combine with speculative decoding.
+    pub async_scheduling: bool,
     /// Tokens per KV block (BLOCK layout; the SLOT layout always uses 1).
     pub block_size: usize,
     /// BLOCK (paged blocks, prefix caching) or SLOT (one cell per token, no
@@ -216,6 +223,7 @@ impl EngineConfig {
             lm_head_dtype: LmHeadDtype::Auto,
             gpu_weight_dtype: GpuWeightDtype::Bf16,
             enforce_eager: false,
+            async_scheduling: false,
             block_size: 16,
             kv_layout: KvLayout::Block,
             kv_cache_dtype: KvCacheDtype::Auto,
@@ -253,6 +261,8 @@ pub struct LoadedEngine {
     pub speculative: Option<crate::speculative::SpeculativeConfig>,
     /// The draft model, when `speculative` asks for one.
     pub draft: Option<DraftModel>,
+    /// See [`EngineConfig::async_scheduling`].
+    pub async_scheduling: bool,
 }
 
 /// The text side of the engine: tokenizer, chat template and prompt checks.
@@ -491,6 +501,7 @@ impl LoadedEngine {
             seed: cfg.seed,
             speculative: cfg.speculative.clone(),
             draft,
+            async_scheduling: cfg.async_scheduling,
         })
     }
 }
@@ -521,6 +532,7 @@ impl LoadedEngine {
             seed: 1234,
             speculative,
             draft,
+            async_scheduling: false,
         }
     }
 }
@@ -572,6 +584,14 @@ fn check_arguments(cfg: &EngineConfig) -> Result<()> {
     }
     if let Some(lora) = &cfg.lora {
         lora.check()?;
+    }
+    if cfg.async_scheduling && cfg.speculative.is_some() {
+        return Err(ParamError::new(
+            "async_scheduling",
+            "does not combine with speculative decoding yet (a draft follows the newest token, \
+             which a step scheduled ahead does not know)",
+        )
+        .into());
     }
     if cfg.tensor_parallel.world_size() > 1 {
         return Err(ParamError::new(

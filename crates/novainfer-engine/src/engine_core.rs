@@ -12,6 +12,13 @@
 //!
 //! Embeddings and scored prompts are prefill-only requests ([`crate::prefill`]) in the same
 //! batches: their chunks return hidden states or every token's logits instead of a sample.
+//!
+//! Async scheduling (`async_scheduling`): a step is launched, then the step after it is
+//! scheduled and launched before the first one's results are applied, its inputs the tokens
+//! the first one drew ([`Scheduler::schedule_ahead`]); only then is the first step's output
+//! read and applied. Each `step()` still applies exactly one step's output, so streams see the
+//! same events in the same order. A request the first step ended keeps its row in the step
+//! ahead: that token is computed and dropped.
 
 use std::collections::HashMap;
 use std::sync::{mpsc, Arc};
@@ -24,7 +31,7 @@ use novainfer_core::{
 use novainfer_model::lora::AdapterId;
 use novainfer_model::sampler::{SampledToken, Sampler};
 use novainfer_model::AdapterRef;
-use novainfer_model::{Draw, DrawnToken};
+use novainfer_model::{Draw, DrawnToken, ForwardOutput};
 
 use crate::model_runner::DeviceDraws;
 use novainfer_structured::Constraint;
@@ -49,6 +56,15 @@ use crate::verify::{
 /// next), and the completions it starts.
 type Sampled = (Vec<(RequestId, Vec<SampledToken>)>, Vec<Fork>);
 
+/// A step handed to the device: what was scheduled, the rows it draws itself, what it returned,
+/// and when it was launched.
+struct Launched {
+    out: SchedulerOutput,
+    draws: DeviceDraws,
+    output: Result<ForwardOutput>,
+    at: Instant,
+}
+
 /// Counters a user can read (`llm.stats()`).
 #[derive(Debug, Clone, Default)]
 pub struct EngineStats {
@@ -72,6 +88,8 @@ pub struct EngineStats {
     pub num_draft_tokens: u64,
     pub num_accepted_tokens: u64,
     pub num_steps: u64,
+    /// Steps launched ahead of the previous step's update (async scheduling).
+    pub num_steps_ahead: u64,
     /// Time spent inside `step()`.
     pub busy_seconds: f64,
     /// Names of the LoRA adapters of the running and of the waiting requests.
@@ -107,6 +125,10 @@ pub struct EngineCore {
     /// The LoRA adapters of the requests in the scheduler: held here so that a request runs
     /// to its end on the adapter it started with, even once the adapter's name is unloaded.
     adapters: HashMap<AdapterId, AdapterRef>,
+    /// Schedule steps of plain decodes ahead ([`crate::EngineConfig::async_scheduling`]).
+    async_scheduling: bool,
+    /// A step launched ahead of the last one's update: the next `step()` applies it.
+    ahead: Option<Launched>,
 }
 
 impl EngineCore {
@@ -142,6 +164,8 @@ impl EngineCore {
                 .map(|config| proposer(config, loaded.draft, &backend, &target)),
             kv_events: None,
             adapters: HashMap::new(),
+            async_scheduling: loaded.async_scheduling,
+            ahead: None,
         }
     }
 
@@ -166,7 +190,10 @@ impl EngineCore {
     }
 
     pub fn has_work(&self) -> bool {
-        self.scheduler.has_work() || !self.active.is_empty() || !self.prefills.is_empty()
+        self.scheduler.has_work()
+            || !self.active.is_empty()
+            || !self.prefills.is_empty()
+            || self.ahead.is_some()
     }
 
     fn emit(&mut self, event: OutputEvent) {
@@ -347,22 +374,26 @@ impl EngineCore {
 
     /// One engine step. A model error fails every request of the step (their
     /// streams get the error) and leaves the engine usable for the next ones.
+    ///
+    /// With async scheduling, the step after this one may be launched before this one's output
+    /// is applied ([`Self::launch_ahead`]); the next call applies that one.
     pub fn step(&mut self) {
         let started = Instant::now();
-        let out = self.scheduler.schedule();
-        if let Some(proposer) = self.proposer.as_mut() {
-            for &id in &out.preempted {
-                proposer.preempted(id);
+        let launched = match self.ahead.take() {
+            Some(launched) => Some(launched),
+            None => self.schedule_and_launch(),
+        };
+        if let Some(launched) = launched {
+            if self.async_scheduling {
+                self.ahead = self.launch_ahead(&launched);
             }
-        }
-        for s in &out.scheduled {
-            if let Some(active) = self.active.get_mut(&s.request_id) {
-                active.scheduled_at.get_or_insert(started);
-            }
-        }
-        self.report_finished(&out);
-        if !out.scheduled.is_empty() {
-            match self.execute(&out) {
+            let Launched {
+                out,
+                draws,
+                output,
+                at,
+            } = launched;
+            match output.map(|output| self.collect(&out, &draws, output, at)) {
                 Ok((sampled, forks)) => self.update(&out, sampled, forks),
                 Err(e) => self.fail(&out, e),
             }
@@ -453,19 +484,98 @@ impl EngineCore {
         }
     }
 
-    /// Runs the model over the scheduled chunks and samples each request that
-    /// needs it; a request whose prompt just completed also samples the first
-    /// token of each of its held-back completions (from a copy of the same row).
-    /// Prefill-only requests take their rows, and answer once their prompt is done.
-    fn execute(&mut self, out: &SchedulerOutput) -> Result<Sampled> {
-        let started = Instant::now();
+    /// Schedules a step and launches it; `None` when nothing is scheduled.
+    fn schedule_and_launch(&mut self) -> Option<Launched> {
+        let out = self.scheduler.schedule();
+        if let Some(proposer) = self.proposer.as_mut() {
+            for &id in &out.preempted {
+                proposer.preempted(id);
+            }
+        }
+        self.report_finished(&out);
+        if out.scheduled.is_empty() {
+            return None;
+        }
+        let draws = self.device_draws(&out);
+        Some(self.launch(out, draws))
+    }
+
+    /// Runs the model over the scheduled chunks, the `draws` rows drawn by the device.
+    fn launch(&mut self, out: SchedulerOutput, draws: DeviceDraws) -> Launched {
+        let at = Instant::now();
         for s in &out.scheduled {
+            if let Some(active) = self.active.get_mut(&s.request_id) {
+                active.scheduled_at.get_or_insert(at);
+            }
             if s.start_position < self.prompt_len(s.request_id) {
                 self.stats.num_prompt_tokens_computed += s.token_ids.len() as u64;
             }
         }
-        let draws = self.device_draws(out);
-        let output = self.runner.execute(out, &self.adapters, &draws)?;
+        let output = self.runner.execute(&out, &self.adapters, &draws);
+        Launched {
+            out,
+            draws,
+            output,
+            at,
+        }
+    }
+
+    /// Schedules and launches the step after `launched` before `launched` is applied, when
+    /// it continues it ([`Scheduler::schedule_ahead`]): every row of `launched` drawn by the
+    /// device, and each request's next draw known before its token is (no penalties, no
+    /// grammar; a request with held-back completions is sampled on the host, so never here).
+    /// Its inputs are the tokens `launched` drew. `None`: the next step is scheduled after
+    /// `launched` is applied, as without async scheduling.
+    fn launch_ahead(&mut self, launched: &Launched) -> Option<Launched> {
+        if self.proposer.is_some() {
+            return None;
+        }
+        let output = launched.output.as_ref().ok()?;
+        // Every row is drawn, so the i-th drawn token is the i-th scheduled request's.
+        if output.tokens.len() != launched.out.scheduled.len() {
+            return None;
+        }
+        let mut next = HashMap::with_capacity(output.tokens.len());
+        for (s, token) in launched.out.scheduled.iter().zip(&output.tokens) {
+            if s.output != ChunkOutput::Sample
+                || !launched.draws.samples.contains_key(&s.request_id)
+            {
+                return None;
+            }
+            let active = self.active.get(&s.request_id)?;
+            if active.constraint.is_some() {
+                return None;
+            }
+            let draw = active.sampler.device_draw_after_next()?;
+            next.insert(s.request_id, (token.token_id, draw));
+        }
+        let ahead = self.scheduler.schedule_ahead(&launched.out)?;
+        self.stats.num_steps_ahead += 1;
+        let out = ahead
+            .into_output(|id| next.get(&id).map(|(token, _)| *token))
+            .expect("every request ahead was drawn in the step it continues: this is a bug");
+        self.report_finished(&out);
+        let mut draws = DeviceDraws::default();
+        for s in &out.scheduled {
+            if let Some((_, draw)) = next.remove(&s.request_id) {
+                draws.samples.insert(s.request_id, draw);
+            }
+        }
+        Some(self.launch(out, draws))
+    }
+
+    /// Reads a launched step's `output`: samples each request that needs it; a request whose
+    /// prompt just completed also samples the first token of each of its held-back completions
+    /// (from a copy of the same row). Prefill-only requests take their rows, and answer once
+    /// their prompt is done. A drawn row whose request ended since the step was launched (it
+    /// ran ahead of the update that ended it) is dropped.
+    fn collect(
+        &mut self,
+        out: &SchedulerOutput,
+        draws: &DeviceDraws,
+        output: ForwardOutput,
+        started: Instant,
+    ) -> Sampled {
         let vocab = self.runner.config().vocab_size;
         let hidden_size = self.runner.config().hidden_size;
         let mut drawn = output.tokens.into_iter();
@@ -481,10 +591,9 @@ impl EngineCore {
                     let token = drawn
                         .next()
                         .expect("one drawn token per drawn request: this is a bug");
-                    let active = self
-                        .active
-                        .get_mut(&s.request_id)
-                        .expect("scheduled request is active: this is a bug");
+                    let Some(active) = self.active.get_mut(&s.request_id) else {
+                        continue; // ended after this step was launched ahead
+                    };
                     let token = active.sampler.accept_drawn(token);
                     if let Some(constraint) = active.constraint.as_mut() {
                         advance_grammar(
@@ -556,7 +665,7 @@ impl EngineCore {
             }
         }
         self.observe_decode_step(out, started.elapsed().as_secs_f64());
-        Ok((sampled, forks))
+        (sampled, forks)
     }
 
     /// The sampled requests of `out` the backend draws itself, when its capabilities say it

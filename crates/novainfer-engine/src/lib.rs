@@ -33,6 +33,8 @@ pub mod tokenizer_error;
 pub mod verify;
 
 #[cfg(test)]
+mod async_scheduling_tests;
+#[cfg(test)]
 mod device_draw_tests;
 #[cfg(test)]
 mod draft_engine_tests;

@@ -116,7 +116,7 @@ pub struct PyEngine {
 impl PyEngine {
     #[new]
     #[pyo3(signature = (model, *, device="auto", dtype="auto", max_model_len=None, seed=0,
-        requantize_q5_0=false, lm_head_dtype="auto", gpu_weight_dtype="bf16", enforce_eager=false, block_size=16, kv_cache_bytes=None, kv_cache_fraction=None,
+        requantize_q5_0=false, lm_head_dtype="auto", gpu_weight_dtype="bf16", enforce_eager=false, async_scheduling=false, block_size=16, kv_cache_bytes=None, kv_cache_fraction=None,
         gpu_memory_utilization=0.9, max_num_seqs=64,
         max_num_batched_tokens=None, enable_prefix_caching=true, kv_layout="block",
         kv_cache_dtype="auto", scheduling_policy="fcfs", priority_aging_steps=256,
@@ -135,6 +135,7 @@ impl PyEngine {
         lm_head_dtype: &str,
         gpu_weight_dtype: &str,
         enforce_eager: bool,
+        async_scheduling: bool,
         block_size: usize,
         kv_cache_bytes: Option<usize>,
         kv_cache_fraction: Option<f64>,
@@ -208,6 +209,7 @@ impl PyEngine {
             lm_head_dtype,
             gpu_weight_dtype,
             enforce_eager,
+            async_scheduling,
             block_size,
             kv_layout,
             kv_cache_dtype,
@@ -325,6 +327,7 @@ impl PyEngine {
             ("num_prompt_tokens_computed", s.num_prompt_tokens_computed),
             ("num_generated_tokens", s.num_generated_tokens),
             ("num_steps", s.num_steps),
+            ("num_steps_ahead", s.num_steps_ahead),
             ("num_drafts", s.num_drafts),
             ("num_draft_tokens", s.num_draft_tokens),
             ("num_accepted_tokens", s.num_accepted_tokens),

@@ -71,6 +71,12 @@ pub struct ServeArgs {
     /// NOVAINFER_CUDA_GRAPHS=1 opts in, until a GPU run has verified them. Ignored on the CPU.
     #[arg(long)]
     pub enforce_eager: bool,
+    /// Schedule each step of plain decodes while the one before it runs, feeding it the tokens
+    /// that one draws (vLLM's flag): the host's work overlaps the GPU's. A request that stops may
+    /// compute one extra token, which is dropped. Only where tokens are drawn on the device (a
+    /// GPU); not with speculative decoding.
+    #[arg(long)]
+    pub async_scheduling: bool,
     /// Tokens per KV-cache block (the unit of paging and prefix caching).
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
@@ -523,6 +529,7 @@ impl ServeArgs {
         cfg.lm_head_dtype = lm_head_dtype;
         cfg.gpu_weight_dtype = gpu_weight_dtype;
         cfg.enforce_eager = self.enforce_eager;
+        cfg.async_scheduling = self.async_scheduling;
         cfg.block_size = self.block_size;
         cfg.kv_layout = kv_layout;
         cfg.kv_cache_dtype = kv_cache_dtype;

@@ -198,6 +198,19 @@ impl Sampler {
         })
     }
 
+    /// The draw of the token after the next, before the next is known: what
+    /// [`Self::device_draw`] gives once the next is accepted. Only counts change with it (the
+    /// generator's offset, `min_tokens`), unless penalties are on, which depend on which token
+    /// it is: `None` then. A step scheduled ahead (async scheduling) draws with it.
+    pub fn device_draw_after_next(&self) -> Option<Draw> {
+        if self.penalties.is_active() {
+            return None;
+        }
+        let mut next = self.clone();
+        next.accept_drawn(DrawnToken::default());
+        next.device_draw()
+    }
+
     /// This sampler's changes to the next row as one edit per token, in id order; `None`
     /// past [`MAX_DEVICE_EDITS`].
     fn device_edits(&self) -> Option<Adjust> {

@@ -653,6 +653,45 @@ fn device_draws_cover_plain_rows_and_count_every_token() {
     );
 }
 
+/// A draw a step ahead is the draw after any next token: the offset and the `min_tokens` mask
+/// move on, the bias stays; with penalties (which depend on the token) there is none.
+#[test]
+fn the_draw_after_the_next_token_does_not_depend_on_it() {
+    let mut s = Sampler::new(
+        &params(
+            SamplingParams::builder()
+                .temperature(0.8)
+                .seed(Some(4))
+                .max_tokens(Some(8))
+                .min_tokens(2)
+                .logit_bias(vec![(3, 1.5)]),
+        ),
+        &[1, 2],
+        0,
+    )
+    .with_eos_token_ids(&[1], false);
+    for token_id in [0, 7] {
+        let ahead = s.device_draw_after_next().expect("no penalties");
+        s.accept_drawn(DrawnToken {
+            token_id,
+            ..DrawnToken::default()
+        });
+        assert_eq!(Some(ahead), s.device_draw(), "after token {token_id}");
+    }
+    assert_eq!(s.device_draw().map(|d| d.offset), Some(2));
+    let penalized = Sampler::new(
+        &params(
+            SamplingParams::builder()
+                .temperature(0.0)
+                .presence_penalty(0.5),
+        ),
+        &[1],
+        0,
+    );
+    assert!(penalized.device_draw().is_some());
+    assert_eq!(penalized.device_draw_after_next(), None);
+}
+
 /// The edits a sampler sends the device, applied by the device's twin, give the token the
 /// sampler picks itself: greedy rows under penalties, bias and the min_tokens mask, over
 /// many steps of a sequence whose history feeds the penalties.
