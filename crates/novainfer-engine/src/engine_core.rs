@@ -25,8 +25,8 @@ use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
 use novainfer_core::{
-    ChunkOutput, FinishReason, Fork, KvCacheStats, KvEventSink, Request, RequestId, Scheduler,
-    SchedulerOutput,
+    ChunkOutput, FinishReason, FinishedRequest, Fork, KvCacheStats, KvEventSink, Request,
+    RequestId, ScheduledAhead, Scheduler, SchedulerOutput,
 };
 use novainfer_model::lora::AdapterId;
 use novainfer_model::sampler::{SampledToken, Sampler};
@@ -40,7 +40,7 @@ use crate::checked::CheckedRequest;
 use crate::draft_model::DraftModel;
 use crate::engine::{Frontend, LoadedEngine};
 use crate::error::{EngineError, Result};
-use crate::model_runner::ModelRunner;
+use crate::model_runner::{ModelRunner, PendingForward};
 use crate::output_processor::{DeltaSink, OutputEvent};
 use crate::prefill::{PrefillJob, PrefillTask};
 use crate::proposer::{share_room, Proposer};
@@ -56,13 +56,20 @@ use crate::verify::{
 /// next), and the completions it starts.
 type Sampled = (Vec<(RequestId, Vec<SampledToken>)>, Vec<Fork>);
 
-/// A step handed to the device: what was scheduled, the rows it draws itself, what it returned,
-/// and when it was launched.
+/// A step handed to the device: what was scheduled, the rows it draws itself, its output to
+/// come (or why it could not start), and when it was launched.
 struct Launched {
     out: SchedulerOutput,
     draws: DeviceDraws,
-    output: Result<ForwardOutput>,
+    output: Result<PendingForward>,
     at: Instant,
+}
+
+/// The step after a running one, scheduled while it runs: it launches once the running step's
+/// tokens, its inputs, are known. `draws`: each request's draw for its row.
+struct Ahead {
+    scheduled: ScheduledAhead,
+    draws: DeviceDraws,
 }
 
 /// Counters a user can read (`llm.stats()`).
@@ -375,24 +382,31 @@ impl EngineCore {
     /// One engine step. A model error fails every request of the step (their
     /// streams get the error) and leaves the engine usable for the next ones.
     ///
-    /// With async scheduling, the step after this one may be launched before this one's output
-    /// is applied ([`Self::launch_ahead`]); the next call applies that one.
+    /// With async scheduling, the step after this one is scheduled while this one runs and
+    /// launched as soon as this one's tokens are in, before they are applied
+    /// ([`Self::schedule_ahead`]); the next call applies that one.
     pub fn step(&mut self) {
         let started = Instant::now();
         let launched = match self.ahead.take() {
             Some(launched) => Some(launched),
             None => self.schedule_and_launch(),
         };
-        if let Some(launched) = launched {
-            if self.async_scheduling {
-                self.ahead = self.launch_ahead(&launched);
+        if let Some(Launched {
+            out,
+            draws,
+            output,
+            at,
+        }) = launched
+        {
+            let ahead = if self.async_scheduling {
+                self.schedule_ahead(&out, &draws)
+            } else {
+                None
+            };
+            let output = output.and_then(PendingForward::wait);
+            if let (Some(ahead), Ok(output)) = (ahead, &output) {
+                self.ahead = self.launch_ahead(ahead, &out, output);
             }
-            let Launched {
-                out,
-                draws,
-                output,
-                at,
-            } = launched;
             match output.map(|output| self.collect(&out, &draws, output, at)) {
                 Ok((sampled, forks)) => self.update(&out, sampled, forks),
                 Err(e) => self.fail(&out, e),
@@ -456,8 +470,8 @@ impl EngineCore {
 
     /// Ends the streams of requests the scheduler finished on its own (ignored,
     /// aborted), and of completions that were still waiting for them.
-    fn report_finished(&mut self, out: &SchedulerOutput) {
-        for f in &out.finished {
+    fn report_finished(&mut self, finished: &[FinishedRequest]) {
+        for f in finished {
             if let Some(job) = self.prefills.remove(&f.request_id) {
                 job.fail(match &f.detail {
                     Some(detail) => EngineError::Ignored {
@@ -492,7 +506,7 @@ impl EngineCore {
                 proposer.preempted(id);
             }
         }
-        self.report_finished(&out);
+        self.report_finished(&out.finished);
         if out.scheduled.is_empty() {
             return None;
         }
@@ -511,7 +525,7 @@ impl EngineCore {
                 self.stats.num_prompt_tokens_computed += s.token_ids.len() as u64;
             }
         }
-        let output = self.runner.execute(&out, &self.adapters, &draws);
+        let output = self.runner.launch(&out, &self.adapters, &draws);
         Launched {
             out,
             draws,
@@ -520,48 +534,64 @@ impl EngineCore {
         }
     }
 
-    /// Schedules and launches the step after `launched` before `launched` is applied, when
-    /// it continues it ([`Scheduler::schedule_ahead`]): every row of `launched` drawn by the
-    /// device, and each request's next draw known before its token is (no penalties, no
-    /// grammar; a request with held-back completions is sampled on the host, so never here).
-    /// Its inputs are the tokens `launched` drew. `None`: the next step is scheduled after
-    /// `launched` is applied, as without async scheduling.
-    fn launch_ahead(&mut self, launched: &Launched) -> Option<Launched> {
+    /// Schedules the step after `out` while `out` runs, when it continues it
+    /// ([`Scheduler::schedule_ahead`]): every row of `out` drawn by the device, and each
+    /// request's next draw known before its token is (no penalties, no grammar; a request with
+    /// held-back completions is sampled on the host, so never here). `None`: the next step is
+    /// scheduled after `out` is applied, as without async scheduling.
+    fn schedule_ahead(&mut self, out: &SchedulerOutput, draws: &DeviceDraws) -> Option<Ahead> {
         if self.proposer.is_some() {
             return None;
         }
-        let output = launched.output.as_ref().ok()?;
-        // Every row is drawn, so the i-th drawn token is the i-th scheduled request's.
-        if output.tokens.len() != launched.out.scheduled.len() {
-            return None;
-        }
-        let mut next = HashMap::with_capacity(output.tokens.len());
-        for (s, token) in launched.out.scheduled.iter().zip(&output.tokens) {
-            if s.output != ChunkOutput::Sample
-                || !launched.draws.samples.contains_key(&s.request_id)
-            {
+        let mut next = HashMap::with_capacity(out.scheduled.len());
+        for s in &out.scheduled {
+            if s.output != ChunkOutput::Sample || !draws.samples.contains_key(&s.request_id) {
                 return None;
             }
             let active = self.active.get(&s.request_id)?;
             if active.constraint.is_some() {
                 return None;
             }
-            let draw = active.sampler.device_draw_after_next()?;
-            next.insert(s.request_id, (token.token_id, draw));
+            next.insert(s.request_id, active.sampler.device_draw_after_next()?);
         }
-        let ahead = self.scheduler.schedule_ahead(&launched.out)?;
-        self.stats.num_steps_ahead += 1;
-        let out = ahead
-            .into_output(|id| next.get(&id).map(|(token, _)| *token))
-            .expect("every request ahead was drawn in the step it continues: this is a bug");
-        self.report_finished(&out);
+        let scheduled = self.scheduler.schedule_ahead(out)?;
+        self.report_finished(scheduled.finished());
         let mut draws = DeviceDraws::default();
-        for s in &out.scheduled {
-            if let Some((_, draw)) = next.remove(&s.request_id) {
-                draws.samples.insert(s.request_id, draw);
+        for id in scheduled.request_ids() {
+            if let Some(draw) = next.remove(&id) {
+                draws.samples.insert(id, draw);
             }
         }
-        Some(self.launch(out, draws))
+        Some(Ahead { scheduled, draws })
+    }
+
+    /// Launches `ahead` with its inputs, the tokens `out` drew (`output`). `None` only if
+    /// `output` lacks one (a backend's bug): the step is then dropped, and the next one
+    /// scheduled after `out` is applied.
+    fn launch_ahead(
+        &mut self,
+        ahead: Ahead,
+        out: &SchedulerOutput,
+        output: &ForwardOutput,
+    ) -> Option<Launched> {
+        // Every row of `out` is drawn, so the i-th drawn token is the i-th scheduled request's.
+        if output.tokens.len() != out.scheduled.len() {
+            tracing::error!(
+                rows = out.scheduled.len(),
+                tokens = output.tokens.len(),
+                "a step drew fewer tokens than it had rows"
+            );
+            return None;
+        }
+        let drawn: HashMap<RequestId, u32> = out
+            .scheduled
+            .iter()
+            .zip(&output.tokens)
+            .map(|(s, t)| (s.request_id, t.token_id))
+            .collect();
+        let next = ahead.scheduled.into_output(|id| drawn.get(&id).copied())?;
+        self.stats.num_steps_ahead += 1;
+        Some(self.launch(next, ahead.draws))
     }
 
     /// Reads a launched step's `output`: samples each request that needs it; a request whose

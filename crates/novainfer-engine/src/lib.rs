@@ -6,6 +6,7 @@ pub mod chat_template;
 pub mod checked;
 pub mod cpu_defaults;
 pub mod detokenizer;
+pub mod device_thread;
 pub mod draft_model;
 pub mod draft_policy;
 pub mod draft_proposer;

@@ -1,7 +1,9 @@
 //! `ModelRunner`: the engine's side of the device seam. It turns a `SchedulerOutput`
 //! (logical: token ids, positions, block tables) into one flattened `ForwardBatch`
-//! (physical: slot mapping) and hands it to the device's [`Executor`], CPU or GPU. A draft
-//! model runs its own passes over the same blocks through a runner of its own ([`Span`]).
+//! (physical: slot mapping) and hands it to the device's [`Executor`], CPU or GPU, which runs
+//! on a thread of its own ([`DeviceThread`]): [`ModelRunner::launch`] returns at once, so the
+//! engine can schedule the next step while this one runs. A draft model runs its own passes
+//! over the same blocks through a runner of its own ([`Span`]).
 
 use std::collections::HashMap;
 
@@ -11,7 +13,18 @@ use novainfer_model::{
     SpanOutput,
 };
 
+use crate::device_thread::{DeviceThread, Pending};
 use crate::error::{EngineError, Result};
+
+/// A forward pass handed to the device thread: its output once it has run.
+pub struct PendingForward(Pending<novainfer_model::Result<ForwardOutput>>);
+
+impl PendingForward {
+    /// Blocks until the pass has run.
+    pub fn wait(self) -> Result<ForwardOutput> {
+        Ok(self.0.wait()??)
+    }
+}
 
 /// The rows of a step the backend draws itself: sampled requests' next tokens, and verified
 /// requests' rows (one rule per token: the sampler's after the draft's first i tokens).
@@ -31,59 +44,90 @@ pub struct Span<'a> {
     pub adapter: Option<AdapterRef>,
 }
 
+/// What an executor says about itself, read once: it never changes while it runs.
+struct Facts {
+    config: Qwen2Config,
+    device: Device,
+    capabilities: Capabilities,
+    block_size: usize,
+    num_blocks: usize,
+    kv_bytes_per_block: usize,
+    weight_bytes_per_token: Option<usize>,
+}
+
 pub struct ModelRunner {
-    executor: Box<dyn Executor>,
+    executor: DeviceThread,
+    facts: Facts,
 }
 
 impl ModelRunner {
     pub fn new(executor: Box<dyn Executor>) -> Self {
-        Self { executor }
+        let facts = Facts {
+            config: executor.config().clone(),
+            device: executor.device(),
+            capabilities: executor.capabilities(),
+            block_size: executor.block_size(),
+            num_blocks: executor.num_blocks(),
+            kv_bytes_per_block: executor.kv_bytes_per_block(),
+            weight_bytes_per_token: executor.weight_bytes_per_token(),
+        };
+        Self {
+            executor: DeviceThread::spawn(executor),
+            facts,
+        }
     }
 
     pub fn config(&self) -> &Qwen2Config {
-        self.executor.config()
+        &self.facts.config
     }
 
     pub fn device(&self) -> Device {
-        self.executor.device()
+        self.facts.device
     }
 
     /// What the backend can do; the engine asks this rather than the device kind.
     pub fn capabilities(&self) -> Capabilities {
-        self.executor.capabilities()
+        self.facts.capabilities
     }
 
     /// Bytes of one pool entry (a block, or a cell in the SLOT layout).
     pub fn kv_bytes_per_block(&self) -> usize {
-        self.executor.kv_bytes_per_block()
+        self.facts.kv_bytes_per_block
     }
 
     /// Weight bytes a decode step reads, where the executor knows them.
     pub fn weight_bytes_per_token(&self) -> Option<usize> {
-        self.executor.weight_bytes_per_token()
+        self.facts.weight_bytes_per_token
     }
 
     /// Bytes of the whole KV pool.
     pub fn kv_pool_bytes(&self) -> usize {
-        self.executor.num_blocks() * self.executor.kv_bytes_per_block()
+        self.facts.num_blocks * self.facts.kv_bytes_per_block
     }
 
-    /// Runs the step's block copies, then every scheduled chunk in one forward pass; returns
-    /// what the chunks ask for (logits rows, drawn tokens and hidden rows, in `out.scheduled`
-    /// order). `adapters` holds every adapter a scheduled request names; `draws` the sampled
-    /// requests the device draws itself (only for a backend whose capabilities say it can).
-    pub fn execute(
+    /// Starts the step's block copies, then every scheduled chunk in one forward pass, on the
+    /// device thread; its output holds what the chunks ask for (logits rows, drawn tokens and
+    /// hidden rows, in `out.scheduled` order). `adapters` holds every adapter a scheduled
+    /// request names; `draws` the sampled requests the device draws itself (only for a backend
+    /// whose capabilities say it can).
+    pub fn launch(
         &mut self,
         out: &SchedulerOutput,
         adapters: &HashMap<AdapterId, AdapterRef>,
         draws: &DeviceDraws,
-    ) -> Result<ForwardOutput> {
-        for c in &out.block_copies {
-            self.executor
-                .copy_block(c.src.index(), c.dst.index(), c.num_tokens)?;
-        }
+    ) -> Result<PendingForward> {
         let batch = self.build_batch(out, adapters, draws)?;
-        Ok(self.executor.forward(&batch)?)
+        let copies: Vec<(usize, usize, usize)> = out
+            .block_copies
+            .iter()
+            .map(|c| (c.src.index(), c.dst.index(), c.num_tokens))
+            .collect();
+        Ok(PendingForward(self.executor.submit(move |executor| {
+            for (src, dst, num_tokens) in copies {
+                executor.copy_block(src, dst, num_tokens)?;
+            }
+            executor.forward(&batch)
+        })))
     }
 
     /// Runs `spans` in one forward pass: a proposer's own passes over the scheduler's blocks.
@@ -95,7 +139,9 @@ impl ModelRunner {
         for span in spans {
             self.push(&mut batch, span);
         }
-        Ok(self.executor.forward(&batch)?)
+        Ok(self
+            .executor
+            .call(move |executor| executor.forward(&batch))??)
     }
 
     /// Appends `span` to `batch`, its block table turned into the slots its KV goes to.
@@ -104,7 +150,7 @@ impl ModelRunner {
             span.block_table,
             span.start_position,
             span.token_ids.len(),
-            self.executor.block_size(),
+            self.facts.block_size,
         );
         let table = span.block_table.iter().map(|b| b.0).collect();
         batch.push_adapted(
@@ -119,7 +165,10 @@ impl ModelRunner {
 
     /// Logits at every prompt position, token by token apart from the pool (a reference).
     pub fn stepwise_prompt_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        Ok(self.executor.prompt_logits(tokens, true)?)
+        let tokens = tokens.to_vec();
+        Ok(self
+            .executor
+            .call(move |executor| executor.prompt_logits(&tokens, true))??)
     }
 
     fn build_batch(

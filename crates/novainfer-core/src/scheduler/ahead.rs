@@ -19,7 +19,7 @@
 //! ([`ScheduledAhead::into_output`]) and run N + 1; then `update(N)`, and later `update(N + 1)`,
 //! in that order.
 
-use super::{ChunkOutput, ScheduledRequest, Scheduler, SchedulerOutput};
+use super::{ChunkOutput, FinishedRequest, ScheduledRequest, Scheduler, SchedulerOutput};
 use crate::ids::RequestId;
 use crate::request::{RequestKind, RequestStatus};
 
@@ -35,6 +35,13 @@ impl ScheduledAhead {
     /// The requests of the step, in order (each computes one token).
     pub fn request_ids(&self) -> impl Iterator<Item = RequestId> + '_ {
         self.out.scheduled.iter().map(|s| s.request_id)
+    }
+
+    /// The requests that left the scheduler since the last step (as in
+    /// [`SchedulerOutput::finished`]; the output keeps them too): reported before the inputs are
+    /// known, and even if the step is then abandoned.
+    pub fn finished(&self) -> &[FinishedRequest] {
+        &self.out.finished
     }
 
     /// The step with each chunk's input, `token(request)`: the token the previous step sampled
