@@ -11,6 +11,8 @@ time budget (``--budget-s``): a point that would not fit is reported as not run,
   depth, 16 and 64 sequences of 512 prompt + 128 output tokens (`novainfer.bench.bench_batched`).
 - 0.5B: a kernel-time breakdown (`kernel_breakdown`) at batch 1 and batch 64 right after its batch-1 decode, and,
   last of all, nano-vllm's workload.
+- 0.5B with `async_scheduling=True` (a child of its own; rows marked "async"): batch-1 decode, its breakdown (the
+  GPU-busy fraction is the point) and 64 x (512 + 128), beside the same points in order.
 - 7B: batch-1 decode and 64 × (512 + 128).
 Decode rates are given as a share of the bandwidth limit: the GPU's measured device-to-device copy rate over the
 bytes one step reads (bf16 weights, one embedding row, and the bf16 KV of every sequence's context). A markdown
@@ -418,6 +420,7 @@ def kernel_breakdown(llm, batch: int, prompt_tokens: int = 128, decode_steps: in
     breakdown = aggregate_profile(list(prof.events()))
     breakdown.update(
         steps=int(after["num_steps"] - before["num_steps"]),
+        steps_ahead=int(after["num_steps_ahead"] - before["num_steps_ahead"]),
         wall_s=wall,
         tokens=batch * decode_steps,
         prompt_tokens_computed=int(after["num_prompt_tokens_computed"] - before["num_prompt_tokens_computed"]),
@@ -442,11 +445,20 @@ STEPS: dict[str, tuple[tuple[str, ...], float]] = {
     "profile_b64": (("profile b64 (128+32)",), 30),
     "workload": (("256 req U[100,1024]",), 60),
 }
+# A step named `<step>_async` is `<step>` on an engine with `async_scheduling=True`, its rows marked so; a child runs
+# either kind of step only, on an engine of that kind.
+ASYNC = "_async"
+STEPS.update({
+    step + ASYNC: (tuple(f"{point} async" for point in STEPS[step][0]), STEPS[step][1])
+    for step in ("decode_b1", "profile_b1", "batched_64")
+})
 # Child runs in order of priority: (shape, steps, most seconds it may take once its checkpoint is there).
 # nano-vllm's workload is the longest and least predictable point, so it runs last, in a run of its own.
 GROUPS: tuple[tuple[str, tuple[str, ...], float], ...] = (
     # The breakdowns right after the first rate: they say where a step's time goes, whatever else is cut.
     ("0.5b", ("decode_b1", "profile_b1", "profile_b64", "depth_4096", "batched_16", "batched_64"), 180),
+    # The same points with the step ahead scheduled while the GPU runs (issue 31's GPU-busy fraction).
+    ("0.5b", ("decode_b1" + ASYNC, "profile_b1" + ASYNC, "batched_64" + ASYNC), 120),
     ("1.5b", ("decode_b1", "depth_4096", "batched_16", "batched_64"), 150),
     ("7b", ("decode_b1", "batched_64"), 150),
     ("0.5b", ("workload",), 240),
@@ -529,6 +541,7 @@ def _run_step(step: str, llm, shape: str, config: dict, bandwidth: float) -> lis
     from novainfer.bench import bench_batched, bench_latency
 
     names = STEPS[step][0]
+    step = step.removesuffix(ASYNC)
     if step == "decode_b1":
         decode = max(bench_latency(llm, 128, 256)[1] for _ in range(3))
         return [_row(shape, names[0], decode, decode_limit(bandwidth, config, 1, 128 + 128), "best of 3")]
@@ -559,6 +572,8 @@ def _run_step(step: str, llm, shape: str, config: dict, bandwidth: float) -> lis
             notes.append(f"GPU busy {100 * b['busy_fraction']:.0f}%")
         if b["steps"]:
             notes.append(f"{b['wall_s'] * 1e3 / b['steps']:.2f} ms/step")
+            if b["steps_ahead"]:
+                notes.append(f"{b['steps_ahead']} of {b['steps']} steps scheduled ahead")
             notes.append(f"{b['device_events'] / b['steps']:.0f} device events/step")
         if not b["rows"]:
             notes.append("no device events recorded")
@@ -582,8 +597,13 @@ def child_main(
 ) -> int:
     """Load one synthetic checkpoint on `device` and run `steps` before `deadline` (time.time()), printing one
     RESULT line per row. Returns 1 if anything failed (a step stopped at the deadline is not a failure).
-    `device="cpu"` is for testing this on a machine without a GPU (a small KV pool instead of 16 GiB)."""
+    `device="cpu"` is for testing this on a machine without a GPU (a small KV pool instead of 16 GiB). Steps named
+    `..._async` run on an engine with `async_scheduling=True`; a child runs steps of one kind only."""
     import signal
+
+    async_scheduling = {step.endswith(ASYNC) for step in steps}
+    if len(async_scheduling) > 1:
+        raise ValueError(f"steps {steps} mix async and in-order scheduling: give each kind a child of its own")
 
     planned = planned_rows(shape, steps)
     config = json.loads((model_dir / "config.json").read_text())
@@ -603,7 +623,8 @@ def child_main(
         start = time.perf_counter()
         on_gpu = device.startswith("cuda")
         llm = LLM(model_dir, device=device, max_num_seqs=256, max_num_batched_tokens=8192,
-                  kv_cache_bytes=KV_CACHE_BYTES if on_gpu else 256 << 20, max_model_len=MAX_MODEL_LEN)
+                  kv_cache_bytes=KV_CACHE_BYTES if on_gpu else 256 << 20, max_model_len=MAX_MODEL_LEN,
+                  async_scheduling=async_scheduling == {True})
         assert llm.device.startswith(device), (llm.device, device)
         loaded = time.perf_counter() - start
         bench_latency(llm, 128, 16)  # warm-up: kernels loaded, pool touched

@@ -472,6 +472,7 @@ def test_kernel_breakdown_over_a_fake_profiler(tiny_checkpoint: Path, monkeypatc
     # then only decoded (one step for the first tokens, one per later token).
     assert b["prompt_tokens_computed"] < 3 * 40
     assert 5 <= b["steps"] <= 6
+    assert b["steps_ahead"] == 0
 
 
 def test_child_runs_a_step_and_stops_at_its_deadline(
@@ -495,6 +496,20 @@ def test_child_runs_a_step_and_stops_at_its_deadline(
     out = capsys.readouterr().out
     assert rc == 0 and "stopped at its time budget" in out
     assert out.count('"note": "stopped: time budget"') == 2
+
+
+def test_async_steps_run_on_an_async_engine_in_a_child_of_their_own(
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = gpu_bench.child_main("tiny", tiny_checkpoint, ("decode_b1_async",), time.time() + 30, 1e11, device="cpu")
+    rows = [json.loads(line[len(gpu_bench.RESULT_PREFIX):]) for line in capsys.readouterr().out.splitlines()
+            if line.startswith(gpu_bench.RESULT_PREFIX)]
+    assert rc == 0
+    assert [r["point"] for r in rows] == ["decode b1 (128+256) async"] and rows[0]["tok_s"] > 0
+    assert gpu_bench.planned_rows("0.5b", ("profile_b1_async",)) == [("0.5b", "profile b1 (128+32) async")]
+    with pytest.raises(ValueError, match="mix async"):
+        gpu_bench.child_main("tiny", tiny_checkpoint, ("decode_b1", "decode_b1_async"), time.time() + 30, 1e11,
+                             device="cpu")
 
 
 def test_synthetic_mode_end_to_end_on_the_cpu(
