@@ -159,6 +159,36 @@ def test_seeded_draws_on_the_gpu_are_the_same_alone_and_batched(tiny_gpu):
     assert all(301 not in t for t in together[5::8]), "a -100 bias keeps its token out"
 
 
+def test_async_scheduling_on_the_gpu_streams_what_steps_in_order_stream(gpu, gpu_models, tiny_gpu):
+    """Steps scheduled ahead (fed the tokens the step before drew) give every request the tokens and logprobs it gets
+    in order: greedy, seeded draws, min_tokens, a stop token met mid-stream (its extra row is dropped), with a
+    penalised request and late arrivals running beside them in order; no block is left held."""
+    ahead = LLM(gpu_models["f32"], device=gpu, kv_cache_bytes=64 << 20, async_scheduling=True)
+    walk = tiny_gpu.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].token_ids
+    variants = [
+        dict(temperature=0, max_tokens=24),
+        dict(temperature=0.8, top_k=20, seed=3, max_tokens=24, logprobs=2),
+        dict(temperature=1.0, top_p=0.9, seed=4, min_tokens=5, max_tokens=20),
+        dict(temperature=0, max_tokens=12, stop_token_ids=[walk[5]]),
+        dict(temperature=0.7, presence_penalty=0.5, seed=5, max_tokens=6),
+    ]
+    prompts = [PROMPT] + [PROMPT[: 3 + i] + [40 + i] for i in range(11)]
+    params = [SamplingParams(ignore_eos=True, **variants[i % len(variants)]) for i in range(len(prompts))]
+    params[0] = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[walk[5]])
+    want = tiny_gpu.generate(prompts, params)
+    got = ahead.generate(prompts, params)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+        if w.outputs[0].logprobs:
+            for token, a, b in zip(w.outputs[0].token_ids, g.outputs[0].logprobs, w.outputs[0].logprobs):
+                assert abs(a[token] - b[token]) < 1e-4
+    assert got[0].outputs[0].finish_reason == "stop" and len(got[0].outputs[0].token_ids) <= 6
+    stats = ahead.stats()
+    assert stats["num_steps_ahead"] > 0 and stats["kv_used_blocks"] == 0 and stats["num_running"] == 0
+    _report(test="async_scheduling_tiny", steps=stats["num_steps"], steps_ahead=stats["num_steps_ahead"])
+
+
 def test_64_concurrent_requests_leak_no_blocks_and_batch_invariance_is_measured(tiny_gpu):
     prompts = [PROMPT[: 2 + i % 10] + [40 + i] for i in range(64)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

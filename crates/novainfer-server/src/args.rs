@@ -615,6 +615,11 @@ mod tests {
         assert_eq!(cfg.device, DeviceChoice::Auto);
         assert_eq!(cfg.kv_cache, KvBudget::Auto);
         assert_eq!(cfg.gpu_memory_utilization, 0.9);
+        assert!(!cfg.async_scheduling);
+        let cfg = parse(&["--async-scheduling"])
+            .engine_config("/m".into())
+            .expect("valid");
+        assert!(cfg.async_scheduling);
     }
 
     #[test]
