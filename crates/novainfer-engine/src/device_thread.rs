@@ -215,7 +215,10 @@ mod tests {
                 .is_ok()
         });
         go.send(()).expect("the job is waiting");
-        assert!(job.wait().expect("ran"), "the caller went on while the job ran");
+        assert!(
+            job.wait().expect("ran"),
+            "the caller went on while the job ran"
+        );
     }
 
     #[test]
