@@ -135,11 +135,11 @@ class LLM:
     unless the environment sets ``NOVAINFER_CUDA_GRAPHS=1``, which `enforce_eager` overrides. Ignored on
     the CPU.
 
-    `async_scheduling=True` schedules each step of plain decodes while the step before it runs, its inputs
-    the tokens that step draws on the device (vLLM's option), so the host's work overlaps the GPU's. Outputs
-    are the same; a request that stops may compute one extra token, which is dropped. Steps with prompt chunks,
-    waiting requests, penalties, grammars or ``n > 1`` forks run in order; the CPU (which samples on the host)
-    never runs ahead. Refused with `speculative_config`.
+    `async_scheduling=True` schedules each step while the step before it runs, its decodes fed the tokens that
+    step draws on the device (vLLM's option), so the host's work overlaps the GPU's. Outputs are the same; a
+    request that stops may compute one extra token, which is dropped. A step whose sampled rows need the host
+    (penalties, grammars, ``n > 1``'s shared first row) is followed in order; the CPU (which samples on the
+    host) never runs ahead. Refused with `speculative_config`.
     """
 
     def __init__(

@@ -22,9 +22,10 @@
 //! Requests carry LoRA adapters (or none): the fake model's KV starts from the adapter's own
 //! seed, so KV served across adapters by the prefix cache changes the outputs; and the running
 //! requests never hold more distinct adapters than `max_loras`.
-//! Half the workloads schedule ahead (async scheduling): a step of plain decodes is continued
-//! before its update, its rows fed the tokens it sampled, and run before that update; a request
-//! that the step ended keeps a row that is computed and dropped. Outputs stay the oracle's.
+//! Half the workloads schedule ahead (async scheduling): each step is followed, where the
+//! scheduler can, by one scheduled before its update (decodes fed the tokens it sampled, prompt
+//! chunks, admissions) and run before that update; a request that the step ended keeps a row
+//! that is computed and dropped. Outputs stay the oracle's.
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
@@ -95,7 +96,7 @@ struct Workload {
     max_draft: usize,
     draft_seed: u64,
     max_loras: Option<usize>,
-    /// Continue each step of plain decodes before its update when the scheduler can
+    /// Schedule the step after each step before its update when the scheduler can
     /// ([`Scheduler::schedule_ahead`]), as the engine's async scheduling does.
     ahead: bool,
     prefixes: Vec<Vec<u32>>,
@@ -651,24 +652,40 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
         }
         if w.ahead {
             if let Some(ahead) = sched.schedule_ahead(&out) {
-                // Each request's input is the token `out` sampled for it, at the position after
-                // its history (which `update(out)` has not extended yet).
+                // A pending request's input is the token `out` sampled for it, at the position
+                // after its history (which `update(out)` has not extended yet); any other chunk
+                // is known tokens after what `out` computed.
                 let tokens: HashMap<RequestId, u32> = sampled
                     .iter()
                     .map(|(id, t)| (*id, *t.last().expect("a sample")))
                     .collect();
+                let pending: Vec<RequestId> = ahead
+                    .chunks()
+                    .iter()
+                    .map(|c| c.request_id)
+                    .filter(|&id| ahead.is_pending(id))
+                    .collect();
                 let next = ahead
                     .into_output(|id| tokens.get(&id).copied())
-                    .expect("every request ahead sampled in the step it continues");
+                    .expect("every pending request sampled in the step it continues");
+                prop_assert!(next.num_batched_tokens <= w.max_num_batched_tokens);
+                prop_assert!(next.scheduled.len() <= w.max_num_seqs);
+                prop_assert!(next.preempted.is_empty(), "a step ahead preempted");
                 for s in &next.scheduled {
-                    prop_assert_eq!(s.token_ids.len(), 1);
-                    prop_assert_eq!(s.start_position, history[&s.request_id].len());
-                    prop_assert_eq!(s.output, ChunkOutput::Sample);
-                    prop_assert!(
-                        ran_in(&out, s.request_id),
-                        "{} ahead of nothing",
-                        s.request_id
-                    );
+                    let h = &history[&s.request_id];
+                    if pending.contains(&s.request_id) {
+                        prop_assert_eq!(&s.token_ids, &vec![tokens[&s.request_id]]);
+                        prop_assert_eq!(s.start_position, h.len());
+                        prop_assert_eq!(s.output, ChunkOutput::Sample);
+                    } else {
+                        let end = s.start_position + s.token_ids.len();
+                        prop_assert!(!s.token_ids.is_empty() && end <= h.len());
+                        prop_assert_eq!(&s.token_ids[..], &h[s.start_position..end]);
+                        let before = out.scheduled.iter().find(|c| c.request_id == s.request_id);
+                        if let Some(c) = before {
+                            prop_assert_eq!(s.start_position, c.start_position + c.token_ids.len());
+                        }
+                    }
                 }
                 check_blocks(&sched);
                 let next_sampled = model.execute(&next, &sched);

@@ -46,12 +46,12 @@ pub struct EngineConfig {
     /// `NOVAINFER_CUDA_GRAPHS=1` opts in, until a GPU run has verified them; the CPU has
     /// none and ignores this.
     pub enforce_eager: bool,
-    /// Schedule each step of plain decodes while the one before it runs (vLLM's
-    /// `async_scheduling`): the next step's inputs are the tokens the running one draws, so
-    /// the host's scheduling overlaps the device's work. Only where the backend samples on the
-    /// device (a GPU); a request that stops may compute one extra token, which is dropped. Steps
-    /// with prompt chunks, waiting requests, penalties, grammars or `n > 1` forks run in order,
-    /// and it does not combine with speculative decoding.
+    /// Schedule each step while the one before it runs (vLLM's `async_scheduling`): the next
+    /// step's decodes take the tokens the running one draws, so the host's scheduling and
+    /// output handling overlap the device's work. Only where the backend samples on the device
+    /// (a GPU); a request that stops may compute one extra token, which is dropped. A step whose
+    /// sampled rows need the host (penalties, grammars, `n > 1`'s shared first row) is followed
+    /// in order, and the option does not combine with speculative decoding.
     pub async_scheduling: bool,
     /// Tokens per KV block (BLOCK layout; the SLOT layout always uses 1).
     pub block_size: usize,

@@ -26,7 +26,7 @@ use std::time::Instant;
 
 use novainfer_core::{
     ChunkOutput, FinishReason, FinishedRequest, Fork, KvCacheStats, KvEventSink, Request,
-    RequestId, ScheduledAhead, Scheduler, SchedulerOutput,
+    RequestId, ScheduledAhead, ScheduledRequest, Scheduler, SchedulerOutput,
 };
 use novainfer_model::lora::AdapterId;
 use novainfer_model::sampler::{SampledToken, Sampler};
@@ -66,7 +66,7 @@ struct Launched {
 }
 
 /// The step after a running one, scheduled while it runs: it launches once the running step's
-/// tokens, its inputs, are known. `draws`: each request's draw for its row.
+/// tokens, the inputs of its pending chunks, are known. `draws`: the rows the device draws.
 struct Ahead {
     scheduled: ScheduledAhead,
     draws: DeviceDraws,
@@ -132,7 +132,7 @@ pub struct EngineCore {
     /// The LoRA adapters of the requests in the scheduler: held here so that a request runs
     /// to its end on the adapter it started with, even once the adapter's name is unloaded.
     adapters: HashMap<AdapterId, AdapterRef>,
-    /// Schedule steps of plain decodes ahead ([`crate::EngineConfig::async_scheduling`]).
+    /// Schedule steps ahead ([`crate::EngineConfig::async_scheduling`]).
     async_scheduling: bool,
     /// A step launched ahead of the last one's update: the next `step()` applies it.
     ahead: Option<Launched>,
@@ -405,7 +405,7 @@ impl EngineCore {
             };
             let output = output.and_then(PendingForward::wait);
             if let (Some(ahead), Ok(output)) = (ahead, &output) {
-                self.ahead = self.launch_ahead(ahead, &out, output);
+                self.ahead = self.launch_ahead(ahead, &out, output, &draws);
             }
             match output.map(|output| self.collect(&out, &draws, output, at)) {
                 Ok((sampled, forks)) => self.update(&out, sampled, forks),
@@ -510,7 +510,7 @@ impl EngineCore {
         if out.scheduled.is_empty() {
             return None;
         }
-        let draws = self.device_draws(&out);
+        let draws = self.device_draws(&out.scheduled);
         Some(self.launch(out, draws))
     }
 
@@ -534,60 +534,80 @@ impl EngineCore {
         }
     }
 
-    /// Schedules the step after `out` while `out` runs, when it continues it
-    /// ([`Scheduler::schedule_ahead`]): every row of `out` drawn by the device, and each
-    /// request's next draw known before its token is (no penalties, no grammar; a request with
-    /// held-back completions is sampled on the host, so never here). `None`: the next step is
-    /// scheduled after `out` is applied, as without async scheduling.
+    /// Schedules the step after `out` while `out` runs ([`Scheduler::schedule_ahead`]): its
+    /// decodes take the tokens `out` draws, so every row `out` samples must be drawn by the device
+    /// and each such request's next draw known before its token is (no penalties, no grammar; a
+    /// request with held-back completions is sampled on the host, so never). Prompt chunks and
+    /// prefill-only rows of `out` are no obstacle. `None`: the next step is scheduled after `out`
+    /// is applied, as without async scheduling.
     fn schedule_ahead(&mut self, out: &SchedulerOutput, draws: &DeviceDraws) -> Option<Ahead> {
         if self.proposer.is_some() {
             return None;
         }
-        let mut next = HashMap::with_capacity(out.scheduled.len());
+        let mut after_next = HashMap::new();
         for s in &out.scheduled {
-            if s.output != ChunkOutput::Sample || !draws.samples.contains_key(&s.request_id) {
-                return None;
+            match s.output {
+                ChunkOutput::Nothing | ChunkOutput::Hidden | ChunkOutput::PromptLogits => {}
+                ChunkOutput::Verify => return None,
+                ChunkOutput::Sample => {
+                    if !draws.samples.contains_key(&s.request_id) {
+                        return None;
+                    }
+                    let active = self.active.get(&s.request_id)?;
+                    if active.constraint.is_some() {
+                        return None;
+                    }
+                    let draw = active.sampler.device_draw_after_next()?;
+                    after_next.insert(s.request_id, draw);
+                }
             }
-            let active = self.active.get(&s.request_id)?;
-            if active.constraint.is_some() {
-                return None;
-            }
-            next.insert(s.request_id, active.sampler.device_draw_after_next()?);
         }
         let scheduled = self.scheduler.schedule_ahead(out)?;
         self.report_finished(scheduled.finished());
-        let mut draws = DeviceDraws::default();
-        for id in scheduled.request_ids() {
-            if let Some(draw) = next.remove(&id) {
-                draws.samples.insert(id, draw);
+        // A chunk whose tokens are known draws as in any step; a pending one by the rule after
+        // the token it waits for.
+        let mut draws = self.device_draws(scheduled.chunks());
+        for s in scheduled.chunks() {
+            if scheduled.is_pending(s.request_id) {
+                if let Some(draw) = after_next.remove(&s.request_id) {
+                    draws.samples.insert(s.request_id, draw);
+                }
             }
         }
         Some(Ahead { scheduled, draws })
     }
 
-    /// Launches `ahead` with its inputs, the tokens `out` drew (`output`). `None` only if
-    /// `output` lacks one (a backend's bug): the step is then dropped, and the next one
-    /// scheduled after `out` is applied.
+    /// Launches `ahead` with the inputs of its pending chunks, the tokens `out` drew (`output`).
+    /// `None` only if `output` lacks one (a backend's bug): the step is then dropped, and the
+    /// next one scheduled after `out` is applied.
     fn launch_ahead(
         &mut self,
         ahead: Ahead,
         out: &SchedulerOutput,
         output: &ForwardOutput,
+        draws: &DeviceDraws,
     ) -> Option<Launched> {
-        // Every row of `out` is drawn, so the i-th drawn token is the i-th scheduled request's.
-        if output.tokens.len() != out.scheduled.len() {
+        // Drawn tokens come in the order of the drawn rows (every row `out` samples is drawn).
+        let drawn_rows: Vec<RequestId> = out
+            .scheduled
+            .iter()
+            .filter(|s| {
+                s.output == ChunkOutput::Sample && draws.samples.contains_key(&s.request_id)
+            })
+            .map(|s| s.request_id)
+            .collect();
+        if output.tokens.len() != drawn_rows.len() {
             tracing::error!(
-                rows = out.scheduled.len(),
+                rows = drawn_rows.len(),
                 tokens = output.tokens.len(),
-                "a step drew fewer tokens than it had rows"
+                "a step drew another number of tokens than it had drawn rows"
             );
             return None;
         }
-        let drawn: HashMap<RequestId, u32> = out
-            .scheduled
-            .iter()
+        let drawn: HashMap<RequestId, u32> = drawn_rows
+            .into_iter()
             .zip(&output.tokens)
-            .map(|(s, t)| (s.request_id, t.token_id))
+            .map(|(id, t)| (id, t.token_id))
             .collect();
         let next = ahead.scheduled.into_output(|id| drawn.get(&id).copied())?;
         self.stats.num_steps_ahead += 1;
@@ -640,7 +660,10 @@ impl EngineCore {
                         .get_mut(at * vocab..(at + 1) * vocab)
                         .expect("one logits row per sampled request: this is a bug");
                     at += 1;
-                    self.sample(s.request_id, row, &mut sampled, &mut forks);
+                    // Ended after this step was launched ahead (aborted): the row is dropped.
+                    if self.active.contains_key(&s.request_id) {
+                        self.sample(s.request_id, row, &mut sampled, &mut forks);
+                    }
                 }
                 ChunkOutput::Verify if draws.verifies.contains_key(&s.request_id) => {
                     // The rows were drawn on the device: keep them up to the first that is
@@ -702,13 +725,13 @@ impl EngineCore {
     /// can: those whose sampler needs nothing of the host ([`Sampler::device_draw`]), with no
     /// grammar to mask the row and no held-back completions to start from a copy of it. The
     /// others get their logits row back and are sampled here.
-    fn device_draws(&mut self, out: &SchedulerOutput) -> DeviceDraws {
+    fn device_draws(&mut self, scheduled: &[ScheduledRequest]) -> DeviceDraws {
         let mut draws = DeviceDraws::default();
         if !self.runner.capabilities().sampling.draws {
             return draws;
         }
         let vocab = self.runner.config().vocab_size;
-        for s in &out.scheduled {
+        for s in scheduled {
             if matches!(s.output, ChunkOutput::Verify) {
                 if let Some(each) = self.verify_draws(s.request_id, s.draft_token_ids()) {
                     draws.verifies.insert(s.request_id, each);

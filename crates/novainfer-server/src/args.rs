@@ -71,10 +71,10 @@ pub struct ServeArgs {
     /// NOVAINFER_CUDA_GRAPHS=1 opts in, until a GPU run has verified them. Ignored on the CPU.
     #[arg(long)]
     pub enforce_eager: bool,
-    /// Schedule each step of plain decodes while the one before it runs, feeding it the tokens
-    /// that one draws (vLLM's flag): the host's work overlaps the GPU's. A request that stops may
-    /// compute one extra token, which is dropped. Only where tokens are drawn on the device (a
-    /// GPU); not with speculative decoding.
+    /// Schedule each step while the one before it runs, its decodes fed the tokens that one
+    /// draws (vLLM's flag): the host's work overlaps the GPU's. A request that stops may compute
+    /// one extra token, which is dropped. Only where tokens are drawn on the device (a GPU); not
+    /// with speculative decoding.
     #[arg(long)]
     pub async_scheduling: bool,
     /// Tokens per KV-cache block (the unit of paging and prefix caching).

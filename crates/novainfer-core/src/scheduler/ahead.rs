@@ -1,40 +1,55 @@
 //! Scheduling one step ahead (vLLM v1's async scheduling): while step N runs on the device, the
-//! host schedules step N + 1 as its continuation, so the device need not wait for the host
-//! between steps.
+//! host schedules step N + 1, so the device need not wait for the host between steps.
 //!
-//! Only a step of plain decodes has a continuation that does not depend on what it samples:
-//! every running request ran in it, each ending its known tokens with a sample, nobody waits to
-//! be admitted, no drafts. Step N + 1 then gives each of them one token, the one N samples for
-//! it, at the position after N's; its blocks are taken from the free pool only (a step ahead
-//! never preempts: a short pool makes the engine schedule after N's update as usual). A request
-//! that N's token ends by length (`max_tokens`, `max_model_len`) is left out, since that is known
-//! now. One that N's token ends by a stop token still gets its row: the token is not known
-//! before N ends, so the row is computed and dropped, and [`Scheduler::update`] skips a request
-//! that finished in between, as it skips an abort. Its KV is never published to the prefix
-//! cache: the extra row writes the position after the request's last computed token, in a block
-//! that is not full of computed tokens.
+//! Step N + 1 is scheduled as usual on the state N leaves behind, as far as it is known now:
+//! every chunk of N counted as computed, and every request N samples given one more token, not
+//! known yet ("pending"), which is its next chunk. Prompt chunks, admissions and prefill-only
+//! requests are scheduled as in any step. What N ends for a reason known now is left out: a
+//! request whose sampled token reaches `max_tokens` or `max_model_len`, a prefill-only request
+//! whose prompt N completes. A request that N's token ends by a stop token still gets its row:
+//! the token is not known before N ends, so the row is computed and dropped, and
+//! [`Scheduler::update`] skips a request that finished in between, as it skips an abort. Its KV is
+//! never published to the prefix cache: the extra row writes the position after the request's
+//! last computed token, in a block that is not full of computed tokens.
+//!
+//! A step ahead takes free blocks only ([`Room::FreeOnly`]): it cannot take back blocks N is
+//! writing. If a running request finds none (it would preempt someone), or N verifies drafts, or
+//! forks wait to copy their blocks, there is no step ahead, and the engine schedules after N's
+//! update as usual. Admissions look the prefix cache up before N's blocks are published: they
+//! may miss what N computes, never hit something wrong.
 //!
 //! Protocol: `schedule` (or an earlier step ahead) gives step N; run it; `schedule_ahead(&N)`
-//! gives step N + 1 with its input tokens unknown; once N has sampled, fill them
+//! gives step N + 1 with its pending inputs unknown; once N has sampled, fill them
 //! ([`ScheduledAhead::into_output`]) and run N + 1; then `update(N)`, and later `update(N + 1)`,
 //! in that order.
 
-use super::{ChunkOutput, FinishedRequest, ScheduledRequest, Scheduler, SchedulerOutput};
-use crate::ids::RequestId;
-use crate::request::{RequestKind, RequestStatus};
+use std::collections::HashSet;
 
-/// A step scheduled before the step it continues was applied: each chunk is one token, the
-/// one the previous step samples for its request, not known yet. The only way to a
-/// [`SchedulerOutput`] is [`Self::into_output`], which fills them in.
+use super::{ChunkOutput, FinishedRequest, Room, ScheduledRequest, Scheduler, SchedulerOutput};
+use crate::ids::RequestId;
+use crate::request::RequestStatus;
+
+/// Stands in for a token N samples while step N + 1 is scheduled; never leaves `schedule_ahead`.
+const PENDING: u32 = u32::MAX;
+
+/// A step scheduled before the step it continues was applied. Its pending chunks are one token
+/// each, the one the previous step samples for their request, not known yet (their `token_ids`
+/// are empty). The only way to a [`SchedulerOutput`] is [`Self::into_output`], which fills them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScheduledAhead {
     out: SchedulerOutput,
+    pending: HashSet<RequestId>,
 }
 
 impl ScheduledAhead {
-    /// The requests of the step, in order (each computes one token).
-    pub fn request_ids(&self) -> impl Iterator<Item = RequestId> + '_ {
-        self.out.scheduled.iter().map(|s| s.request_id)
+    /// The step's chunks, in order; a pending one's `token_ids` are empty.
+    pub fn chunks(&self) -> &[ScheduledRequest] {
+        &self.out.scheduled
+    }
+
+    /// Whether `id`'s chunk is pending: its input is the token the previous step samples.
+    pub fn is_pending(&self, id: RequestId) -> bool {
+        self.pending.contains(&id)
     }
 
     /// The requests that left the scheduler since the last step (as in
@@ -44,83 +59,111 @@ impl ScheduledAhead {
         &self.out.finished
     }
 
-    /// The step with each chunk's input, `token(request)`: the token the previous step sampled
-    /// for it. `None` if a request has none (a caller's bug: every request of a step ahead
-    /// samples in the step it continues).
+    /// The step with each pending chunk's input, `token(request)`: the token the previous step
+    /// sampled for it. `None` if one has none (a caller's bug: every pending request samples
+    /// in the step before).
     pub fn into_output(
         mut self,
         mut token: impl FnMut(RequestId) -> Option<u32>,
     ) -> Option<SchedulerOutput> {
         for s in &mut self.out.scheduled {
-            s.token_ids = vec![token(s.request_id)?];
+            if self.pending.contains(&s.request_id) {
+                s.token_ids = vec![token(s.request_id)?];
+            }
         }
         Some(self.out)
     }
 }
 
 impl Scheduler {
-    /// Schedules the step after `inflight` (the last step scheduled, not yet updated) as its
-    /// continuation, when it is one of plain decodes and the pool has room without preempting
-    /// anyone (see the module's documentation); `None` otherwise (nothing changed then, except
-    /// blocks some requests now hold for their next token, which their next step takes).
+    /// Schedules the step after `inflight` (the last step scheduled, not yet updated) on the
+    /// state it leaves behind (see the module's documentation); `None` when that cannot be done
+    /// without preempting, or `inflight` verifies drafts. Nothing is changed then, except blocks
+    /// some running requests now hold ahead of their next chunk, which that chunk takes.
     pub fn schedule_ahead(&mut self, inflight: &SchedulerOutput) -> Option<ScheduledAhead> {
-        if !self.waiting.is_empty() || !self.pending_copies.is_empty() {
+        if !self.pending_copies.is_empty() {
             return None;
         }
-        // Every running request is continued, or the order of who runs would change.
-        if inflight.scheduled.len() != self.running.len() {
-            return None;
-        }
-        let max_model_len = self.config.max_model_len();
-        let mut continued = Vec::with_capacity(inflight.scheduled.len());
         for s in &inflight.scheduled {
-            let r = self.requests.get(&s.request_id)?;
-            let plain_decode = r.status() == RequestStatus::Running
-                && r.kind == RequestKind::Generate
-                && s.output == ChunkOutput::Sample
-                && r.draft_token_ids.is_empty()
-                && s.start_position == r.num_computed_tokens
-                && s.start_position + s.token_ids.len() == r.num_tokens();
-            if !plain_decode {
+            let r = self.requests.get(&s.request_id)?; // gone since (aborted): in order
+            if r.status() != RequestStatus::Running
+                || s.start_position != r.num_computed_tokens
+                || s.output == ChunkOutput::Verify
+            {
                 return None;
             }
-            // The token `inflight` samples makes these many output tokens and tokens.
-            let ends_by_length =
-                r.output_token_ids.len() + 1 >= r.max_tokens || r.num_tokens() + 1 >= max_model_len;
-            if !ends_by_length {
-                continued.push((s.request_id, s.token_ids.len()));
-            }
         }
-        if continued.is_empty() {
+        if self
+            .running
+            .iter()
+            .any(|id| !self.requests[id].draft_token_ids.is_empty())
+        {
             return None;
         }
-        for &(id, len) in &continued {
-            // `inflight`'s chunk and the one token after it.
-            if !self.try_allocate(id, len + 1) {
-                return None;
-            }
-        }
-        self.num_steps += 1;
+        let sampled: HashSet<RequestId> = inflight
+            .scheduled
+            .iter()
+            .filter(|s| s.output == ChunkOutput::Sample)
+            .map(|s| s.request_id)
+            .collect();
+        self.project(inflight, true);
+        // What `inflight` ends for a reason known now sits this step out.
+        let max_model_len = self.config.max_model_len();
+        let requests = &self.requests;
+        let (ending, running): (Vec<RequestId>, Vec<RequestId>) = self
+            .running
+            .iter()
+            .partition(|id| requests[*id].stop_reason(max_model_len).is_some());
+        self.running = running;
         let mut out = SchedulerOutput {
             finished: std::mem::take(&mut self.finished_since_last_step),
             ..SchedulerOutput::default()
         };
-        for (id, _) in continued {
-            let r = &self.requests[&id];
-            out.scheduled.push(ScheduledRequest {
-                request_id: id,
-                // Filled by `ScheduledAhead::into_output`.
-                token_ids: Vec::new(),
-                // The position of the token `inflight` samples.
-                start_position: r.num_tokens(),
-                block_table: self.kv.as_dyn().block_table(id).to_vec(),
-                output: ChunkOutput::Sample,
-                is_resumed_from_preemption: false,
-                adapter: r.adapter,
-            });
-            out.num_batched_tokens += 1;
+        let complete = self.schedule_into(Room::FreeOnly, &mut out);
+        // `update(inflight)` finishes them; where they stand in the running order until then
+        // matters to nobody.
+        self.running.extend(ending);
+        self.project(inflight, false);
+        if !complete || out.scheduled.is_empty() {
+            self.finished_since_last_step = out.finished;
+            return None;
         }
-        Some(ScheduledAhead { out })
+        let pending: HashSet<RequestId> = out
+            .scheduled
+            .iter()
+            .map(|s| s.request_id)
+            .filter(|id| sampled.contains(id))
+            .collect();
+        for s in &mut out.scheduled {
+            if pending.contains(&s.request_id) {
+                debug_assert_eq!(s.token_ids, [PENDING], "a pending chunk is its one token");
+                s.token_ids.clear();
+            }
+        }
+        Some(ScheduledAhead { out, pending })
+    }
+
+    /// Applies `inflight` as if it had run (`forward`: every chunk computed, a pending token
+    /// appended to each request it samples), or takes that back.
+    fn project(&mut self, inflight: &SchedulerOutput, forward: bool) {
+        for s in &inflight.scheduled {
+            let r = self
+                .requests
+                .get_mut(&s.request_id)
+                .expect("checked by schedule_ahead: this is a bug");
+            let samples = s.output == ChunkOutput::Sample;
+            if forward {
+                r.num_computed_tokens += s.token_ids.len();
+                if samples {
+                    r.output_token_ids.push(PENDING);
+                }
+            } else {
+                r.num_computed_tokens -= s.token_ids.len();
+                if samples {
+                    r.output_token_ids.pop();
+                }
+            }
+        }
     }
 }
 
@@ -131,17 +174,19 @@ mod tests {
     use crate::request::Request;
     use crate::scheduler::SchedulerConfig;
 
+    fn config(batched: usize, num_blocks: usize) -> SchedulerConfig {
+        SchedulerConfig::builder()
+            .max_num_batched_tokens(batched)
+            .max_num_seqs(4)
+            .max_model_len((num_blocks * 4).min(32))
+            .block_size(4)
+            .num_blocks(num_blocks)
+            .build()
+            .expect("valid config")
+    }
+
     fn scheduler(num_blocks: usize) -> Scheduler {
-        Scheduler::new(
-            SchedulerConfig::builder()
-                .max_num_batched_tokens(64)
-                .max_num_seqs(4)
-                .max_model_len((num_blocks * 4).min(32))
-                .block_size(4)
-                .num_blocks(num_blocks)
-                .build()
-                .expect("valid config"),
-        )
+        Scheduler::new(config(64, num_blocks))
     }
 
     fn sampled(out: &SchedulerOutput, token: u32) -> Vec<(RequestId, Vec<u32>)> {
@@ -149,6 +194,20 @@ mod tests {
             .iter()
             .filter(|s| s.sample())
             .map(|s| (s.request_id, vec![token]))
+            .collect()
+    }
+
+    fn shape(out: &SchedulerOutput) -> Vec<(u64, usize, Vec<u32>, bool)> {
+        out.scheduled
+            .iter()
+            .map(|s| {
+                (
+                    s.request_id.0,
+                    s.start_position,
+                    s.token_ids.clone(),
+                    s.sample(),
+                )
+            })
             .collect()
     }
 
@@ -162,16 +221,15 @@ mod tests {
         let ahead = s
             .schedule_ahead(&first)
             .expect("a step of samples continues");
-        assert_eq!(
-            ahead.request_ids().collect::<Vec<_>>(),
-            vec![RequestId(1), RequestId(2)]
-        );
+        assert!(ahead.is_pending(RequestId(1)) && ahead.is_pending(RequestId(2)));
+        assert!(ahead.chunks().iter().all(|c| c.token_ids.is_empty()));
         let next = ahead
             .into_output(|id| Some(10 + id.0 as u32))
             .expect("every token given");
-        assert_eq!(next.scheduled[0].token_ids, vec![11]);
-        assert_eq!(next.scheduled[0].start_position, 3);
-        assert_eq!(next.scheduled[1].start_position, 2);
+        assert_eq!(
+            shape(&next),
+            vec![(1, 3, vec![11], true), (2, 2, vec![12], true)]
+        );
         assert_eq!(next.num_batched_tokens, 2);
         // Request 2 samples its end token in `first`: its row ahead is computed and dropped.
         let tokens = vec![(RequestId(1), vec![11]), (RequestId(2), vec![0])];
@@ -183,54 +241,84 @@ mod tests {
         let r = s.request(RequestId(1)).expect("running");
         assert_eq!(r.output_token_ids, vec![11, 7]);
         assert_eq!(r.num_computed_tokens, 4);
+        assert_eq!(s.kv_stats().num_used_blocks, 1);
     }
 
     #[test]
-    fn a_request_its_token_ends_by_length_is_left_out() {
+    fn what_the_step_ends_by_length_sits_the_step_ahead_out() {
         let mut s = scheduler(16);
         s.add_request(Request::new(RequestId(1), vec![1, 2, 3], 1));
         s.add_request(Request::new(RequestId(2), vec![4], 8));
         let first = s.schedule();
         let ahead = s.schedule_ahead(&first).expect("request 2 continues");
-        assert_eq!(ahead.request_ids().collect::<Vec<_>>(), vec![RequestId(2)]);
-        // Nobody left to continue: no step ahead.
+        let ids: Vec<_> = ahead.chunks().iter().map(|c| c.request_id).collect();
+        assert_eq!(ids, vec![RequestId(2)]);
+        // Nobody left to run: no step ahead, and nothing taken from the next one.
         let mut s = scheduler(16);
         s.add_request(Request::new(RequestId(1), vec![1, 2, 3], 1));
         let first = s.schedule();
+        s.add_request(Request::new(RequestId(9), vec![], 1)); // ignored: reported next step
         assert!(s.schedule_ahead(&first).is_none());
+        s.update(&first, &sampled(&first, 5));
+        let reported: Vec<_> = s.schedule().finished.iter().map(|f| f.request_id).collect();
+        assert!(reported.contains(&RequestId(9)) && reported.contains(&RequestId(1)));
     }
 
     #[test]
-    fn waiting_requests_prompt_chunks_and_drafts_stop_a_step_ahead() {
-        // A waiting request is admitted by a full schedule.
-        let mut s = scheduler(16);
-        s.add_request(Request::new(RequestId(1), vec![1, 2], 8));
-        let first = s.schedule();
-        s.add_request(Request::new(RequestId(2), vec![3], 8));
-        assert!(s.schedule_ahead(&first).is_none());
-        // A prompt chunk samples nothing.
-        let s = &mut Scheduler::new(
-            SchedulerConfig::builder()
-                .max_num_batched_tokens(4)
-                .max_num_seqs(4)
-                .max_model_len(32)
-                .block_size(4)
-                .num_blocks(16)
-                .build()
-                .expect("valid config"),
-        );
+    fn prompt_chunks_and_arrivals_are_scheduled_ahead() {
+        // A four-token budget: a ten-token prompt runs in chunks.
+        let mut s = Scheduler::new(config(4, 16));
         s.add_request(Request::new(RequestId(1), (0..10).collect(), 8));
         let chunk = s.schedule();
-        assert!(s.schedule_ahead(&chunk).is_none());
-        // A draft makes a verify.
+        assert_eq!(shape(&chunk), vec![(1, 0, vec![0, 1, 2, 3], false)]);
+        let ahead = s.schedule_ahead(&chunk).expect("the next chunk is known");
+        assert!(!ahead.is_pending(RequestId(1)));
+        let second = ahead.into_output(|_| None).expect("nothing pending");
+        assert_eq!(shape(&second), vec![(1, 4, vec![4, 5, 6, 7], false)]);
+        // A request that arrives meanwhile is admitted ahead beside a pending decode.
+        s.update(&chunk, &[]);
+        let third = s.schedule_ahead(&second).expect("the last chunk");
+        let third = third.into_output(|_| None).expect("nothing pending");
+        assert_eq!(shape(&third), vec![(1, 8, vec![8, 9], true)]);
+        s.update(&second, &[]);
+        s.add_request(Request::new(RequestId(2), vec![20, 21], 8));
+        let fourth = s.schedule_ahead(&third).expect("a decode and an admission");
+        assert!(fourth.is_pending(RequestId(1)) && !fourth.is_pending(RequestId(2)));
+        let fourth = fourth.into_output(|_| Some(30)).expect("one pending");
+        assert_eq!(
+            shape(&fourth),
+            vec![(1, 10, vec![30], true), (2, 0, vec![20, 21], true)]
+        );
+        s.update(&third, &[(RequestId(1), vec![30])]);
+        s.update(&fourth, &sampled(&fourth, 31));
+        assert_eq!(
+            s.request(RequestId(1)).expect("running").output_token_ids,
+            vec![30, 31]
+        );
+        assert_eq!(
+            s.request(RequestId(2)).expect("running").output_token_ids,
+            vec![31]
+        );
+    }
+
+    #[test]
+    fn drafts_stop_a_step_ahead() {
         let mut s = scheduler(16);
         s.add_request(Request::new(RequestId(1), vec![1, 2], 8));
         let first = s.schedule();
         s.update(&first, &sampled(&first, 5));
         assert!(s.set_draft(RequestId(1), vec![6, 7]));
-        let verify = s.schedule();
-        assert_eq!(verify.scheduled[0].output, ChunkOutput::Verify);
-        assert!(s.schedule_ahead(&verify).is_none());
+        // A draft waits for the next step: nothing is scheduled ahead of it.
+        let second = s.schedule();
+        assert_eq!(second.scheduled[0].output, ChunkOutput::Verify);
+        assert!(
+            s.schedule_ahead(&second).is_none(),
+            "a verify's tokens are unknown"
+        );
+        s.update(&second, &[(RequestId(1), vec![6, 7, 8])]);
+        let third = s.schedule();
+        assert!(s.set_draft(RequestId(1), vec![9]));
+        assert!(s.schedule_ahead(&third).is_none(), "a draft is set");
     }
 
     #[test]
@@ -253,6 +341,10 @@ mod tests {
         s.update(&first, &sampled(&first, 5));
         let second = s.schedule();
         assert!(s.schedule_ahead(&second).is_none(), "the pool is short");
+        // The state is the one `second` left: its update and a full schedule go on.
+        s.update(&second, &sampled(&second, 6));
+        let third = s.schedule();
+        assert_eq!(third.preempted, vec![RequestId(2)]);
     }
 
     #[test]
@@ -262,7 +354,7 @@ mod tests {
         s.add_request(Request::new(RequestId(2), vec![3], 8));
         let first = s.schedule();
         s.abort_request(RequestId(2));
-        // The aborted request is in `first` but runs no more: not a continuation of it.
+        // The aborted request is in `first` but runs no more: schedule after the update.
         assert!(s.schedule_ahead(&first).is_none());
     }
 

@@ -38,8 +38,8 @@
 //! Everything above is layout-blind.
 //!
 //! Protocol: call [`Scheduler::schedule`], run the model, then [`Scheduler::update`]
-//! with that output before the next `schedule`: counters advance in `update`. A step of
-//! plain decodes may be continued before its update ([`Scheduler::schedule_ahead`], see
+//! with that output before the next `schedule`: counters advance in `update`. The step after
+//! may also be scheduled before that update ([`Scheduler::schedule_ahead`], see
 //! `scheduler/ahead.rs`), so the host schedules while the device runs.
 
 mod ahead;
@@ -281,6 +281,15 @@ impl Scheduler {
             block_copies: std::mem::take(&mut self.pending_copies),
             ..SchedulerOutput::default()
         };
+        let complete = self.schedule_into(Room::MayPreempt, &mut out);
+        debug_assert!(complete, "a step that may preempt always completes");
+        out
+    }
+
+    /// The body of a step: running requests first, then admissions. With [`Room::FreeOnly`]
+    /// nothing is preempted, and false (with `out` to be dropped) means a running request found
+    /// no room without preempting: the step must be scheduled again with preemption.
+    fn schedule_into(&mut self, room: Room, out: &mut SchedulerOutput) -> bool {
         let mut budget = StepBudget {
             tokens: self.config.max_num_batched_tokens(),
             scored_tokens: self.config.max_scored_tokens_per_step(),
@@ -289,10 +298,12 @@ impl Scheduler {
             self.order_by_priority();
         }
         self.num_steps += 1;
-        self.schedule_running(&mut budget, &mut out);
+        if !self.schedule_running(room, &mut budget, out) {
+            return false;
+        }
         // A preemption means the pool is tight: admitting now would only thrash.
         if out.preempted.is_empty() {
-            self.schedule_waiting(&mut budget, &mut out);
+            self.schedule_waiting(&mut budget, out);
         }
         // Drafts are for this step only.
         for id in &self.running {
@@ -300,7 +311,7 @@ impl Scheduler {
                 r.draft_token_ids.clear();
             }
         }
-        out
+        true
     }
 
     /// Applies one executed step: advances counters, appends `sampled` tokens to
@@ -405,10 +416,20 @@ impl Scheduler {
         self.waiting.make_contiguous().sort_by_key(key);
     }
 
-    fn schedule_running(&mut self, budget: &mut StepBudget, out: &mut SchedulerOutput) {
-        self.schedule_running_pass(true, budget, out);
-        self.schedule_running_pass(false, budget, out);
+    /// False: with [`Room::FreeOnly`], a running request found no room (see `schedule_into`).
+    fn schedule_running(
+        &mut self,
+        room: Room,
+        budget: &mut StepBudget,
+        out: &mut SchedulerOutput,
+    ) -> bool {
+        if !self.schedule_running_pass(true, room, budget, out)
+            || !self.schedule_running_pass(false, room, budget, out)
+        {
+            return false;
+        }
         self.schedule_drafts(budget, out);
+        true
     }
 
     /// Extends this step's decodes with their drafts, in running order, from the budget every
@@ -440,13 +461,14 @@ impl Scheduler {
     }
 
     /// One pass over the running requests, in admission order: the decoding ones, or the
-    /// ones still computing their prompt.
+    /// ones still computing their prompt. False: with [`Room::FreeOnly`], one found no room.
     fn schedule_running_pass(
         &mut self,
         decoding: bool,
+        room: Room,
         budget: &mut StepBudget,
         out: &mut SchedulerOutput,
-    ) {
+    ) -> bool {
         let mut i = 0;
         while i < self.running.len() && budget.tokens > 0 {
             let id = self.running[i];
@@ -460,11 +482,14 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            let fits = if decoding {
-                self.allocate_or_preempt(id, num_new, out)
-            } else {
-                self.allocate_or_preempt_later(id, num_new, budget, out)
+            let fits = match room {
+                Room::FreeOnly => self.try_allocate(id, num_new),
+                Room::MayPreempt if decoding => self.allocate_or_preempt(id, num_new, out),
+                Room::MayPreempt => self.allocate_or_preempt_later(id, num_new, budget, out),
             };
+            if !fits && room == Room::FreeOnly {
+                return false;
+            }
             if !fits {
                 if decoding {
                     break; // it was the newest running request: nothing after it
@@ -476,6 +501,7 @@ impl Scheduler {
             budget.take(self.requests[&id].kind, num_new);
             i += 1;
         }
+        true
     }
 
     /// A running request with one token to compute: a decode (or a prompt's last token).
@@ -822,6 +848,16 @@ impl Scheduler {
 }
 
 /// What is left of one step's budgets while it is being filled.
+/// Where a running request's blocks may come from this step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Room {
+    /// Free blocks, else other running requests' (preempted).
+    MayPreempt,
+    /// Free blocks only: a step scheduled ahead, while the step before it runs, cannot take
+    /// back blocks that step is writing.
+    FreeOnly,
+}
+
 struct StepBudget {
     tokens: usize,
     scored_tokens: usize,
