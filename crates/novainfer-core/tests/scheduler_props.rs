@@ -659,15 +659,14 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
                     .iter()
                     .map(|(id, t)| (*id, *t.last().expect("a sample")))
                     .collect();
-                let pending: Vec<RequestId> = ahead
-                    .chunks()
-                    .iter()
-                    .map(|c| c.request_id)
-                    .filter(|&id| ahead.is_pending(id))
-                    .collect();
-                let next = ahead
-                    .into_output(|id| tokens.get(&id).copied())
-                    .expect("every pending request sampled in the step it continues");
+                let (mut next, pending_chunks) = ahead.into_parts();
+                let mut pending = Vec::new();
+                for i in pending_chunks {
+                    let s = &mut next.scheduled[i];
+                    prop_assert!(s.token_ids.is_empty(), "a pending chunk came with a token");
+                    s.token_ids = vec![tokens[&s.request_id]];
+                    pending.push(s.request_id);
+                }
                 prop_assert!(next.num_batched_tokens <= w.max_num_batched_tokens);
                 prop_assert!(next.scheduled.len() <= w.max_num_seqs);
                 prop_assert!(next.preempted.is_empty(), "a step ahead preempted");

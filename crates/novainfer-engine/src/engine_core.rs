@@ -14,11 +14,11 @@
 //! batches: their chunks return hidden states or every token's logits instead of a sample.
 //!
 //! Async scheduling (`async_scheduling`): a step is launched, then the step after it is
-//! scheduled and launched before the first one's results are applied, its inputs the tokens
-//! the first one drew ([`Scheduler::schedule_ahead`]); only then is the first step's output
-//! read and applied. Each `step()` still applies exactly one step's output, so streams see the
-//! same events in the same order. A request the first step ended keeps its row in the step
-//! ahead: that token is computed and dropped.
+//! scheduled and launched behind it before the first one's output is read, its decodes chained
+//! to the tokens the first one draws ([`Scheduler::schedule_ahead`], [`Chained`]); only then is
+//! the first step's output read and applied. Each `step()` still applies exactly one step's
+//! output, so streams see the same events in the same order. A request the first step ended
+//! keeps its row in the step ahead: that token is computed and dropped.
 
 use std::collections::HashMap;
 use std::sync::{mpsc, Arc};
@@ -40,7 +40,7 @@ use crate::checked::CheckedRequest;
 use crate::draft_model::DraftModel;
 use crate::engine::{Frontend, LoadedEngine};
 use crate::error::{EngineError, Result};
-use crate::model_runner::{ModelRunner, PendingForward};
+use crate::model_runner::{Chained, LaunchId, ModelRunner, PendingForward};
 use crate::output_processor::{DeltaSink, OutputEvent};
 use crate::prefill::{PrefillJob, PrefillTask};
 use crate::proposer::{share_room, Proposer};
@@ -59,14 +59,15 @@ type Sampled = (Vec<(RequestId, Vec<SampledToken>)>, Vec<Fork>);
 /// A step handed to the device: what was scheduled, the rows it draws itself, its output to
 /// come (or why it could not start), and when it was launched.
 struct Launched {
+    id: LaunchId,
     out: SchedulerOutput,
     draws: DeviceDraws,
     output: Result<PendingForward>,
     at: Instant,
 }
 
-/// The step after a running one, scheduled while it runs: it launches once the running step's
-/// tokens, the inputs of its pending chunks, are known. `draws`: the rows the device draws.
+/// The step after a running one, scheduled while it runs; its pending chunks take the tokens
+/// the running step draws. `draws`: the rows the device draws.
 struct Ahead {
     scheduled: ScheduledAhead,
     draws: DeviceDraws,
@@ -382,9 +383,9 @@ impl EngineCore {
     /// One engine step. A model error fails every request of the step (their
     /// streams get the error) and leaves the engine usable for the next ones.
     ///
-    /// With async scheduling, the step after this one is scheduled while this one runs and
-    /// launched as soon as this one's tokens are in, before they are applied
-    /// ([`Self::schedule_ahead`]); the next call applies that one.
+    /// With async scheduling, the step after this one is scheduled and launched while this one
+    /// runs, its decodes chained to the tokens this one draws ([`Self::schedule_ahead`]); the
+    /// next call applies that one.
     pub fn step(&mut self) {
         let started = Instant::now();
         let launched = match self.ahead.take() {
@@ -392,21 +393,19 @@ impl EngineCore {
             None => self.schedule_and_launch(),
         };
         if let Some(Launched {
+            id,
             out,
             draws,
             output,
             at,
         }) = launched
         {
-            let ahead = if self.async_scheduling {
-                self.schedule_ahead(&out, &draws)
-            } else {
-                None
-            };
-            let output = output.and_then(PendingForward::wait);
-            if let (Some(ahead), Ok(output)) = (ahead, &output) {
-                self.ahead = self.launch_ahead(ahead, &out, output, &draws);
+            if self.async_scheduling && output.is_ok() {
+                if let Some(ahead) = self.schedule_ahead(&out, &draws) {
+                    self.ahead = Some(self.launch_ahead(ahead, &out, &draws, id));
+                }
             }
+            let output = output.and_then(PendingForward::wait);
             match output.map(|output| self.collect(&out, &draws, output, at)) {
                 Ok((sampled, forks)) => self.update(&out, sampled, forks),
                 Err(e) => self.fail(&out, e),
@@ -511,11 +510,17 @@ impl EngineCore {
             return None;
         }
         let draws = self.device_draws(&out.scheduled);
-        Some(self.launch(out, draws))
+        Some(self.launch(out, draws, None))
     }
 
-    /// Runs the model over the scheduled chunks, the `draws` rows drawn by the device.
-    fn launch(&mut self, out: SchedulerOutput, draws: DeviceDraws) -> Launched {
+    /// Runs the model over the scheduled chunks, the `draws` rows drawn by the device, the
+    /// `chained` ones fed the tokens the step launched before draws.
+    fn launch(
+        &mut self,
+        out: SchedulerOutput,
+        draws: DeviceDraws,
+        chained: Option<Chained>,
+    ) -> Launched {
         let at = Instant::now();
         for s in &out.scheduled {
             if let Some(active) = self.active.get_mut(&s.request_id) {
@@ -525,8 +530,9 @@ impl EngineCore {
                 self.stats.num_prompt_tokens_computed += s.token_ids.len() as u64;
             }
         }
-        let output = self.runner.launch(&out, &self.adapters, &draws);
+        let (id, output) = self.runner.launch(&out, &self.adapters, &draws, chained);
         Launched {
+            id,
             out,
             draws,
             output,
@@ -577,41 +583,38 @@ impl EngineCore {
         Some(Ahead { scheduled, draws })
     }
 
-    /// Launches `ahead` with the inputs of its pending chunks, the tokens `out` drew (`output`).
-    /// `None` only if `output` lacks one (a backend's bug): the step is then dropped, and the
-    /// next one scheduled after `out` is applied.
+    /// Launches `ahead` right behind `out` (launch `after`), its pending chunks fed the tokens
+    /// `out` draws on the device thread, so nothing here waits for `out`.
     fn launch_ahead(
         &mut self,
         ahead: Ahead,
         out: &SchedulerOutput,
-        output: &ForwardOutput,
         draws: &DeviceDraws,
-    ) -> Option<Launched> {
-        // Drawn tokens come in the order of the drawn rows (every row `out` samples is drawn).
-        let drawn_rows: Vec<RequestId> = out
+        after: LaunchId,
+    ) -> Launched {
+        // Drawn tokens come in the order of the drawn rows; every row `out` samples is drawn.
+        let drawn: HashMap<RequestId, usize> = out
             .scheduled
             .iter()
             .filter(|s| {
                 s.output == ChunkOutput::Sample && draws.samples.contains_key(&s.request_id)
             })
-            .map(|s| s.request_id)
+            .enumerate()
+            .map(|(k, s)| (s.request_id, k))
             .collect();
-        if output.tokens.len() != drawn_rows.len() {
-            tracing::error!(
-                rows = drawn_rows.len(),
-                tokens = output.tokens.len(),
-                "a step drew another number of tokens than it had drawn rows"
-            );
-            return None;
-        }
-        let drawn: HashMap<RequestId, u32> = drawn_rows
+        let (next, pending) = ahead.scheduled.into_parts();
+        let inputs = pending
             .into_iter()
-            .zip(&output.tokens)
-            .map(|(id, t)| (id, t.token_id))
+            .map(|i| {
+                let k = drawn.get(&next.scheduled[i].request_id).copied();
+                (
+                    i,
+                    k.expect("a pending request sampled in the step before: this is a bug"),
+                )
+            })
             .collect();
-        let next = ahead.scheduled.into_output(|id| drawn.get(&id).copied())?;
         self.stats.num_steps_ahead += 1;
-        Some(self.launch(next, ahead.draws))
+        self.launch(next, ahead.draws, Some(Chained { after, inputs }))
     }
 
     /// Reads a launched step's `output`: samples each request that needs it; a request whose

@@ -2,10 +2,13 @@
 //! (logical: token ids, positions, block tables) into one flattened `ForwardBatch`
 //! (physical: slot mapping) and hands it to the device's [`Executor`], CPU or GPU, which runs
 //! on a thread of its own ([`DeviceThread`]): [`ModelRunner::launch`] returns at once, so the
-//! engine can schedule the next step while this one runs. A draft model runs its own passes
-//! over the same blocks through a runner of its own ([`Span`]).
+//! engine can schedule the next step while this one runs. A step may take some inputs from the
+//! tokens the step launched before it draws ([`Chained`]): the device thread fills them in just
+//! before its forward, so the engine thread need not wait for them. A draft model runs its own
+//! passes over the same blocks through a runner of its own ([`Span`]).
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use novainfer_core::{slot_mapping, AdapterId, BlockId, ChunkOutput, RequestId, SchedulerOutput};
 use novainfer_model::{
@@ -17,14 +20,31 @@ use crate::device_thread::{DeviceThread, Pending};
 use crate::error::{EngineError, Result};
 
 /// A forward pass handed to the device thread: its output once it has run.
-pub struct PendingForward(Pending<novainfer_model::Result<ForwardOutput>>);
+pub struct PendingForward(Pending<Result<ForwardOutput>>);
 
 impl PendingForward {
     /// Blocks until the pass has run.
     pub fn wait(self) -> Result<ForwardOutput> {
-        Ok(self.0.wait()??)
+        self.0.wait()?
     }
 }
+
+/// Which launch a forward pass was, in launch order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchId(u64);
+
+/// Inputs a step takes from the tokens drawn by the step launched just before it (`after`):
+/// chunk `i` of the step (one token, empty in the scheduler's output) gets that step's `k`-th
+/// drawn token, for each `(i, k)` of `inputs`.
+#[derive(Debug, Clone)]
+pub struct Chained {
+    pub after: LaunchId,
+    pub inputs: Vec<(usize, usize)>,
+}
+
+/// The tokens the last forward launched drew, by launch: written and read only by jobs on the
+/// device thread, which run in launch order.
+type LastDrawn = Arc<Mutex<(Option<LaunchId>, Vec<u32>)>>;
 
 /// The rows of a step the backend draws itself: sampled requests' next tokens, and verified
 /// requests' rows (one rule per token: the sampler's after the draft's first i tokens).
@@ -58,6 +78,8 @@ struct Facts {
 pub struct ModelRunner {
     executor: DeviceThread,
     facts: Facts,
+    next_launch: u64,
+    last_drawn: LastDrawn,
 }
 
 impl ModelRunner {
@@ -74,6 +96,8 @@ impl ModelRunner {
         Self {
             executor: DeviceThread::spawn(executor),
             facts,
+            next_launch: 0,
+            last_drawn: LastDrawn::default(),
         }
     }
 
@@ -109,25 +133,54 @@ impl ModelRunner {
     /// device thread; its output holds what the chunks ask for (logits rows, drawn tokens and
     /// hidden rows, in `out.scheduled` order). `adapters` holds every adapter a scheduled
     /// request names; `draws` the sampled requests the device draws itself (only for a backend
-    /// whose capabilities say it can).
+    /// whose capabilities say it can); `chained` the chunks whose token the step launched just
+    /// before draws (an error if that was not the step launched before, or it drew no such token).
     pub fn launch(
         &mut self,
         out: &SchedulerOutput,
         adapters: &HashMap<AdapterId, AdapterRef>,
         draws: &DeviceDraws,
-    ) -> Result<PendingForward> {
-        let batch = self.build_batch(out, adapters, draws)?;
+        chained: Option<Chained>,
+    ) -> (LaunchId, Result<PendingForward>) {
+        let id = LaunchId(self.next_launch);
+        self.next_launch += 1;
+        let batch = match self.build_batch(out, adapters, draws) {
+            Ok(batch) => batch,
+            Err(e) => return (id, Err(e)),
+        };
+        // Chunk i's token is flat token `query_start` of span i (one span per chunk, in order).
+        let inputs: Option<(LaunchId, Vec<(usize, usize)>)> = chained.map(|c| {
+            let flat = c
+                .inputs
+                .iter()
+                .map(|&(i, k)| (batch.seqs[i].query_start, k))
+                .collect();
+            (c.after, flat)
+        });
         let copies: Vec<(usize, usize, usize)> = out
             .block_copies
             .iter()
             .map(|c| (c.src.index(), c.dst.index(), c.num_tokens))
             .collect();
-        Ok(PendingForward(self.executor.submit(move |executor| {
+        let last_drawn = Arc::clone(&self.last_drawn);
+        let pending = self.executor.submit(move |executor| {
+            let mut batch = batch;
+            let mut last = last_drawn.lock().expect("only the device thread locks it");
+            if let Some((after, inputs)) = inputs {
+                fill_chained(&mut batch, &last, after, &inputs)?;
+            }
             for (src, dst, num_tokens) in copies {
                 executor.copy_block(src, dst, num_tokens)?;
             }
-            executor.forward(&batch)
-        })))
+            let output = executor.forward(&batch);
+            let drawn = match &output {
+                Ok(o) => o.tokens.iter().map(|t| t.token_id).collect(),
+                Err(_) => Vec::new(),
+            };
+            *last = (Some(id), drawn);
+            Ok(output?)
+        });
+        (id, Ok(PendingForward(pending)))
     }
 
     /// Runs `spans` in one forward pass: a proposer's own passes over the scheduler's blocks.
@@ -208,8 +261,14 @@ impl ModelRunner {
                     )
                 }
             };
+            // A chained chunk's token is filled on the device thread (`fill_chained`).
+            let token_ids: &[u32] = if s.token_ids.is_empty() {
+                &[0]
+            } else {
+                &s.token_ids
+            };
             let span = Span {
-                token_ids: &s.token_ids,
+                token_ids,
                 start_position: s.start_position,
                 block_table: &s.block_table,
                 output,
@@ -218,5 +277,62 @@ impl ModelRunner {
             self.push(&mut batch, span);
         }
         Ok(batch)
+    }
+}
+
+/// Writes a chained step's inputs into `batch`: `(flat token, k)` gets the `k`-th token drawn
+/// by launch `after`, which must be the last forward launched (`last`).
+fn fill_chained(
+    batch: &mut ForwardBatch,
+    last: &(Option<LaunchId>, Vec<u32>),
+    after: LaunchId,
+    inputs: &[(usize, usize)],
+) -> Result<()> {
+    let broken = |why: String| EngineError::StepFailed {
+        message: format!("a step chained to the one before it: {why}"),
+    };
+    if last.0 != Some(after) {
+        return Err(broken(format!(
+            "the last launch was {:?}, not {after:?}",
+            last.0
+        )));
+    }
+    for &(flat, k) in inputs {
+        let token = *last.1.get(k).ok_or_else(|| {
+            broken(format!(
+                "{after:?} drew {} tokens, none at {k} (it failed?)",
+                last.1.len()
+            ))
+        })?;
+        batch.token_ids[flat] = token;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch_of(tokens: &[u32]) -> ForwardBatch {
+        let mut batch = ForwardBatch::default();
+        for (i, &t) in tokens.iter().enumerate() {
+            batch.push(&[t], i, vec![i], vec![0], true);
+        }
+        batch
+    }
+
+    #[test]
+    fn chained_inputs_take_the_last_launchs_tokens_or_fail_clearly() {
+        let last = (Some(LaunchId(4)), vec![70, 71, 72]);
+        let mut batch = batch_of(&[0, 9, 0]);
+        fill_chained(&mut batch, &last, LaunchId(4), &[(0, 2), (2, 0)]).expect("filled");
+        assert_eq!(batch.token_ids, vec![72, 9, 70]);
+        // Chained to a launch that is not the last one (another job ran in between).
+        let err = fill_chained(&mut batch, &last, LaunchId(3), &[(0, 0)]).expect_err("stale");
+        assert!(err.to_string().contains("not LaunchId(3)"), "{err}");
+        // The launch before failed (drew nothing).
+        let failed = (Some(LaunchId(4)), Vec::new());
+        let err = fill_chained(&mut batch, &failed, LaunchId(4), &[(1, 0)]).expect_err("no token");
+        assert!(err.to_string().contains("drew 0 tokens"), "{err}");
     }
 }

@@ -19,9 +19,9 @@
 //! may miss what N computes, never hit something wrong.
 //!
 //! Protocol: `schedule` (or an earlier step ahead) gives step N; run it; `schedule_ahead(&N)`
-//! gives step N + 1 with its pending inputs unknown; once N has sampled, fill them
-//! ([`ScheduledAhead::into_output`]) and run N + 1; then `update(N)`, and later `update(N + 1)`,
-//! in that order.
+//! gives step N + 1 with its pending inputs unknown; run it with them filled by the tokens N
+//! samples ([`ScheduledAhead::into_parts`]); then `update(N)`, and later `update(N + 1)`, in that
+//! order.
 
 use std::collections::HashSet;
 
@@ -33,8 +33,8 @@ use crate::request::RequestStatus;
 const PENDING: u32 = u32::MAX;
 
 /// A step scheduled before the step it continues was applied. Its pending chunks are one token
-/// each, the one the previous step samples for their request, not known yet (their `token_ids`
-/// are empty). The only way to a [`SchedulerOutput`] is [`Self::into_output`], which fills them.
+/// each, the one the previous step samples for their request, not known yet: their `token_ids`
+/// are empty, for whoever runs the step to fill ([`Self::into_parts`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScheduledAhead {
     out: SchedulerOutput,
@@ -59,19 +59,13 @@ impl ScheduledAhead {
         &self.out.finished
     }
 
-    /// The step with each pending chunk's input, `token(request)`: the token the previous step
-    /// sampled for it. `None` if one has none (a caller's bug: every pending request samples
-    /// in the step before).
-    pub fn into_output(
-        mut self,
-        mut token: impl FnMut(RequestId) -> Option<u32>,
-    ) -> Option<SchedulerOutput> {
-        for s in &mut self.out.scheduled {
-            if self.pending.contains(&s.request_id) {
-                s.token_ids = vec![token(s.request_id)?];
-            }
-        }
-        Some(self.out)
+    /// The step, and the indices of its pending chunks (in order), whose `token_ids` are empty:
+    /// each is to run with the token the previous step samples for its request.
+    pub fn into_parts(self) -> (SchedulerOutput, Vec<usize>) {
+        let pending = (0..self.out.scheduled.len())
+            .filter(|&i| self.pending.contains(&self.out.scheduled[i].request_id))
+            .collect();
+        (self.out, pending)
     }
 }
 
@@ -197,6 +191,20 @@ mod tests {
             .collect()
     }
 
+    /// The step with each pending chunk's input `token(request)`; `None` if one has none.
+    fn fill(
+        ahead: ScheduledAhead,
+        token: impl Fn(RequestId) -> Option<u32>,
+    ) -> Option<SchedulerOutput> {
+        let (mut out, pending) = ahead.into_parts();
+        for i in pending {
+            let s = &mut out.scheduled[i];
+            assert!(s.token_ids.is_empty(), "a pending chunk's token is unknown");
+            s.token_ids = vec![token(s.request_id)?];
+        }
+        Some(out)
+    }
+
     fn shape(out: &SchedulerOutput) -> Vec<(u64, usize, Vec<u32>, bool)> {
         out.scheduled
             .iter()
@@ -223,9 +231,7 @@ mod tests {
             .expect("a step of samples continues");
         assert!(ahead.is_pending(RequestId(1)) && ahead.is_pending(RequestId(2)));
         assert!(ahead.chunks().iter().all(|c| c.token_ids.is_empty()));
-        let next = ahead
-            .into_output(|id| Some(10 + id.0 as u32))
-            .expect("every token given");
+        let next = fill(ahead, |id| Some(10 + id.0 as u32)).expect("every token given");
         assert_eq!(
             shape(&next),
             vec![(1, 3, vec![11], true), (2, 2, vec![12], true)]
@@ -273,18 +279,18 @@ mod tests {
         assert_eq!(shape(&chunk), vec![(1, 0, vec![0, 1, 2, 3], false)]);
         let ahead = s.schedule_ahead(&chunk).expect("the next chunk is known");
         assert!(!ahead.is_pending(RequestId(1)));
-        let second = ahead.into_output(|_| None).expect("nothing pending");
+        let second = fill(ahead, |_| None).expect("nothing pending");
         assert_eq!(shape(&second), vec![(1, 4, vec![4, 5, 6, 7], false)]);
         // A request that arrives meanwhile is admitted ahead beside a pending decode.
         s.update(&chunk, &[]);
         let third = s.schedule_ahead(&second).expect("the last chunk");
-        let third = third.into_output(|_| None).expect("nothing pending");
+        let third = fill(third, |_| None).expect("nothing pending");
         assert_eq!(shape(&third), vec![(1, 8, vec![8, 9], true)]);
         s.update(&second, &[]);
         s.add_request(Request::new(RequestId(2), vec![20, 21], 8));
         let fourth = s.schedule_ahead(&third).expect("a decode and an admission");
         assert!(fourth.is_pending(RequestId(1)) && !fourth.is_pending(RequestId(2)));
-        let fourth = fourth.into_output(|_| Some(30)).expect("one pending");
+        let fourth = fill(fourth, |_| Some(30)).expect("one pending");
         assert_eq!(
             shape(&fourth),
             vec![(1, 10, vec![30], true), (2, 0, vec![20, 21], true)]
@@ -330,7 +336,7 @@ mod tests {
         s.update(&first, &sampled(&first, 5)); // 4 tokens: block 0 full
         let second = s.schedule(); // computes token 3 (position 3)
         let ahead = s.schedule_ahead(&second).expect("block 1 is free");
-        let next = ahead.into_output(|_| Some(6)).expect("token given");
+        let next = fill(ahead, |_| Some(6)).expect("token given");
         assert_eq!(next.scheduled[0].start_position, 4);
         assert_eq!(next.scheduled[0].block_table.len(), 2);
         // Request 2 takes the last free block: request 1 cannot go on without preempting.
@@ -364,6 +370,6 @@ mod tests {
         s.add_request(Request::new(RequestId(1), vec![1, 2], 8));
         let first = s.schedule();
         let ahead = s.schedule_ahead(&first).expect("continues");
-        assert!(ahead.into_output(|_| None).is_none());
+        assert!(fill(ahead, |_| None).is_none());
     }
 }
