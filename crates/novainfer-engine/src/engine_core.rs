@@ -384,7 +384,7 @@ impl EngineCore {
     /// streams get the error) and leaves the engine usable for the next ones.
     ///
     /// With async scheduling, the step after this one is scheduled and launched while this one
-    /// runs, its decodes chained to the tokens this one draws ([`Self::schedule_ahead`]); the
+    /// runs, its decodes chained to the tokens this one draws (`schedule_ahead` below); the
     /// next call applies that one.
     pub fn step(&mut self) {
         let started = Instant::now();
