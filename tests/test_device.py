@@ -62,14 +62,6 @@ def test_enforce_eager_is_accepted_and_changes_nothing_on_the_cpu(tiny_models, t
     assert llm.generate(PROMPT, params)[0].outputs[0].token_ids == tiny_llm.generate(PROMPT, params)[0].outputs[0].token_ids
 
 
-def test_async_scheduling_is_accepted_and_changes_nothing_on_the_cpu(tiny_models, tiny_llm):
-    # The CPU samples on the host (nothing is drawn on a device), so no step runs ahead.
-    llm = LLM(tiny_models["f32"], device="cpu", kv_cache_bytes=1 << 22, async_scheduling=True)
-    params = SamplingParams(temperature=0, max_tokens=8)
-    assert llm.generate(PROMPT, params)[0].outputs[0].token_ids == tiny_llm.generate(PROMPT, params)[0].outputs[0].token_ids
-    assert llm.stats()["num_steps_ahead"] == 0
-
-
 def test_async_scheduling_with_speculative_decoding_is_refused(tiny_models):
     with pytest.raises(InvalidParameterError) as info:
         LLM(tiny_models["f32"], async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})

@@ -52,7 +52,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "blocks, multiplied in place by decode steps; unverified on a GPU) (default: %(default)s)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="schedule each step while the one before it runs (its decodes fed the tokens drawn on the "
-                        "device feed it; a GPU only; not with --speculative-config)")
+                        "device; greedy output unchanged; not with --speculative-config)")
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' (bench speculative: '

@@ -138,8 +138,9 @@ class LLM:
     `async_scheduling=True` schedules each step while the step before it runs, its decodes fed the tokens that
     step draws on the device (vLLM's option), so the host's work overlaps the GPU's. Outputs are the same; a
     request that stops may compute one extra token, which is dropped. A step whose sampled rows need the host
-    (penalties, grammars, ``n > 1``'s shared first row) is followed in order; the CPU (which samples on the
-    host) never runs ahead. Refused with `speculative_config`.
+    (penalties, grammars, ``n > 1``'s shared first row) is followed in order. On the CPU, which samples nothing
+    itself, rows are then drawn on the executor's thread by the GPU kernel's host twin: greedy tokens are the same,
+    seeded random ones another (equally seeded) stream. Refused with `speculative_config`.
     """
 
     def __init__(

@@ -39,7 +39,7 @@ pub use sampling_params::{
 };
 pub use scheduler::{
     ChunkOutput, FinishedRequest, Fork, RequestUpdate, ScheduledAhead, ScheduledRequest, Scheduler,
-    SchedulerConfig, SchedulerConfigBuilder, SchedulerOutput, SchedulingPolicy,
+    SchedulerConfig, SchedulerConfigBuilder, SchedulerOutput, SchedulingPolicy, PENDING_TOKEN,
 };
 pub use slot_cells::{CellShift, SeqId, SlotCells, SlotError, SlotStats};
 pub use slot_kv_manager::SlotKvManager;

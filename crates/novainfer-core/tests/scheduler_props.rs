@@ -33,7 +33,7 @@ use std::num::NonZeroU32;
 use novainfer_core::{
     slot_mapping, AdapterId, BlockId, ChunkOutput, FinishReason, Fork, KvLayout, Request,
     RequestId, RequestKind, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput,
-    SchedulingPolicy, Tenant,
+    SchedulingPolicy, Tenant, PENDING_TOKEN,
 };
 use proptest::prelude::*;
 
@@ -663,7 +663,7 @@ fn run(w: &Workload) -> Result<(), TestCaseError> {
                 let mut pending = Vec::new();
                 for i in pending_chunks {
                     let s = &mut next.scheduled[i];
-                    prop_assert!(s.token_ids.is_empty(), "a pending chunk came with a token");
+                    prop_assert_eq!(&s.token_ids, &vec![PENDING_TOKEN]);
                     s.token_ids = vec![tokens[&s.request_id]];
                     pending.push(s.request_id);
                 }

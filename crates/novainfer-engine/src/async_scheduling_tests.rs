@@ -260,19 +260,33 @@ fn aborts_stop_strings_and_arrivals_while_a_step_runs_ahead() {
     assert_eq!(ahead.rows, ordered.rows + 2);
 }
 
-/// The CPU samples on the host, so nothing is drawn and nothing runs ahead.
+/// A backend that samples nothing itself (the CPU) gets its rows drawn on the device thread by
+/// the device kernel's host twin: it then runs ahead and streams what a drawing backend streams in
+/// order (the same counter-based generator), and greedy tokens equal its own host-sampled ones.
 #[test]
-fn a_backend_that_draws_nothing_never_runs_ahead() {
+fn a_backend_that_draws_nothing_gets_its_rows_drawn_and_runs_ahead() {
     let actions = vec![
         (0, Action::Add(0, vec![5, 6], build(params(0.0, 8)))),
         (
             0,
             Action::Add(10, vec![7], build(params(0.8, 8).seed(Some(1)))),
         ),
+        (
+            3,
+            Action::Add(20, vec![8, 9], build(params(0.0, 6).presence_penalty(0.5))),
+        ),
     ];
-    let ordered = run(capabilities::CPU, false, &actions);
+    let host = run(capabilities::CPU, false, &actions);
     let ahead = run(capabilities::CPU, true, &actions);
-    assert_same_streams(&ordered, &ahead);
-    assert_eq!(ahead.stats.num_steps_ahead, 0);
-    assert_eq!(ahead.rows, ordered.rows);
+    let drawn = run(drawing(), false, &actions);
+    assert_same_streams(&drawn, &ahead);
+    assert!(ahead.stats.num_steps_ahead > 0);
+    for id in [0, 20] {
+        let id = RequestId(id);
+        assert_eq!(
+            ids(&ahead.tokens[&id]),
+            ids(&host.tokens[&id]),
+            "{id}: greedy"
+        );
+    }
 }

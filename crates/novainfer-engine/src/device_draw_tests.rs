@@ -34,15 +34,18 @@ struct Toy {
     asked: Asked,
     /// Verify spans drawn on the device (`SpanOutput::DrawEach`).
     verifies: Arc<AtomicUsize>,
+    /// Rows depend on the position too (a token at the wrong position changes the output).
+    positional: bool,
 }
 
 impl Toy {
     /// Logits of the position after `token`: a broad spread with a few clear leaders, a
     /// function of the token alone (so a greedy walk falls into a cycle, which prompt-lookup
     /// drafts then predict and verifies accept).
-    fn row(&self, token: u32, _position: usize) -> Vec<f32> {
+    fn row(&self, token: u32, position: usize) -> Vec<f32> {
         let v = self.config.vocab_size;
-        let mut h = (u64::from(token) + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let salt = if self.positional { position as u64 } else { 0 };
+        let mut h = (u64::from(token) + 1 + (salt << 32)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         (0..v)
             .map(|_| {
                 h ^= h >> 29;
@@ -141,14 +144,29 @@ fn engine_with(
     Asked,
     Arc<AtomicUsize>,
 ) {
-    engine_scheduling(caps, speculative, false)
+    engine_toy(caps, speculative, false, false)
 }
 
-/// [`engine_with`], scheduling ahead if `async_scheduling`.
+/// An engine over the toy with rows that depend on positions too (a token computed at a wrong
+/// position shows), scheduling ahead if `async_scheduling`.
 pub(crate) fn engine_scheduling(
     caps: Capabilities,
     speculative: Option<crate::speculative::SpeculativeConfig>,
     async_scheduling: bool,
+) -> (
+    EngineCore,
+    mpsc::Receiver<Vec<OutputEvent>>,
+    Asked,
+    Arc<AtomicUsize>,
+) {
+    engine_toy(caps, speculative, async_scheduling, true)
+}
+
+fn engine_toy(
+    caps: Capabilities,
+    speculative: Option<crate::speculative::SpeculativeConfig>,
+    async_scheduling: bool,
+    positional: bool,
 ) -> (
     EngineCore,
     mpsc::Receiver<Vec<OutputEvent>>,
@@ -179,6 +197,7 @@ pub(crate) fn engine_scheduling(
         caps,
         asked: asked.clone(),
         verifies: verifies.clone(),
+        positional,
     };
     let scheduler = SchedulerConfig::builder()
         .max_num_batched_tokens(256)

@@ -48,10 +48,12 @@ pub struct EngineConfig {
     pub enforce_eager: bool,
     /// Schedule each step while the one before it runs (vLLM's `async_scheduling`): the next
     /// step's decodes take the tokens the running one draws, so the host's scheduling and
-    /// output handling overlap the device's work. Only where the backend samples on the device
-    /// (a GPU); a request that stops may compute one extra token, which is dropped. A step whose
-    /// sampled rows need the host (penalties, grammars, `n > 1`'s shared first row) is followed
-    /// in order, and the option does not combine with speculative decoding.
+    /// output handling overlap the device's work. A backend that samples nothing itself (the
+    /// CPU) has its rows drawn on its device thread ([`crate::host_draws`]): greedy tokens are the
+    /// same, seeded random ones a different stream. A request that stops may compute one extra
+    /// token, which is dropped. A step whose sampled rows need the host (penalties, grammars,
+    /// `n > 1`'s shared first row) is followed in order, and the option does not combine with
+    /// speculative decoding.
     pub async_scheduling: bool,
     /// Tokens per KV block (BLOCK layout; the SLOT layout always uses 1).
     pub block_size: usize,

@@ -40,6 +40,7 @@ use crate::checked::CheckedRequest;
 use crate::draft_model::DraftModel;
 use crate::engine::{Frontend, LoadedEngine};
 use crate::error::{EngineError, Result};
+use crate::host_draws::HostDraws;
 use crate::model_runner::{Chained, LaunchId, ModelRunner, PendingForward};
 use crate::output_processor::{DeltaSink, OutputEvent};
 use crate::prefill::{PrefillJob, PrefillTask};
@@ -142,7 +143,15 @@ pub struct EngineCore {
 impl EngineCore {
     /// `outputs` goes to the output thread ([`crate::output_processor::run`]).
     pub fn new(loaded: LoadedEngine, outputs: mpsc::Sender<Vec<OutputEvent>>) -> Self {
-        let runner = ModelRunner::new(loaded.executor);
+        // A step ahead takes the tokens of the step before it on the device thread: a backend
+        // that draws nothing itself gets its rows drawn there.
+        let executor = if loaded.async_scheduling && !loaded.executor.capabilities().sampling.draws
+        {
+            Box::new(HostDraws::new(loaded.executor))
+        } else {
+            loaded.executor
+        };
+        let runner = ModelRunner::new(executor);
         let backend = runner.capabilities();
         let target = runner.config().clone();
         let draft = loaded.draft.as_ref();

@@ -16,6 +16,7 @@ pub mod error;
 pub mod fim;
 pub mod gguf_tokenizer;
 pub mod handle;
+pub mod host_draws;
 pub mod lora;
 pub mod model_runner;
 pub mod ngram_proposer;

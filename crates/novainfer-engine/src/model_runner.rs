@@ -34,8 +34,8 @@ impl PendingForward {
 pub struct LaunchId(u64);
 
 /// Inputs a step takes from the tokens drawn by the step launched just before it (`after`):
-/// chunk `i` of the step (one token, empty in the scheduler's output) gets that step's `k`-th
-/// drawn token, for each `(i, k)` of `inputs`.
+/// chunk `i` of the step (one token, [`PENDING_TOKEN`](novainfer_core::PENDING_TOKEN) in the
+/// scheduler's output) gets that step's `k`-th drawn token, for each `(i, k)` of `inputs`.
 #[derive(Debug, Clone)]
 pub struct Chained {
     pub after: LaunchId,
@@ -261,14 +261,8 @@ impl ModelRunner {
                     )
                 }
             };
-            // A chained chunk's token is filled on the device thread (`fill_chained`).
-            let token_ids: &[u32] = if s.token_ids.is_empty() {
-                &[0]
-            } else {
-                &s.token_ids
-            };
             let span = Span {
-                token_ids,
+                token_ids: &s.token_ids,
                 start_position: s.start_position,
                 block_table: &s.block_table,
                 output,

@@ -73,8 +73,8 @@ pub struct ServeArgs {
     pub enforce_eager: bool,
     /// Schedule each step while the one before it runs, its decodes fed the tokens that one
     /// draws (vLLM's flag): the host's work overlaps the GPU's. A request that stops may compute
-    /// one extra token, which is dropped. Only where tokens are drawn on the device (a GPU); not
-    /// with speculative decoding.
+    /// one extra token, which is dropped. On the CPU rows are then drawn on the device thread
+    /// (greedy tokens the same, seeded random ones another stream). Not with speculative decoding.
     #[arg(long)]
     pub async_scheduling: bool,
     /// Tokens per KV-cache block (the unit of paging and prefix caching).

@@ -29,12 +29,14 @@ use super::{ChunkOutput, FinishedRequest, Room, ScheduledRequest, Scheduler, Sch
 use crate::ids::RequestId;
 use crate::request::RequestStatus;
 
-/// Stands in for a token N samples while step N + 1 is scheduled; never leaves `schedule_ahead`.
-const PENDING: u32 = u32::MAX;
+/// The token of a pending chunk until whoever runs the step fills it in: an id no vocabulary
+/// has, so a chunk run unfilled fails loudly (token out of range) instead of computing garbage.
+pub const PENDING_TOKEN: u32 = u32::MAX;
+const PENDING: u32 = PENDING_TOKEN;
 
 /// A step scheduled before the step it continues was applied. Its pending chunks are one token
 /// each, the one the previous step samples for their request, not known yet: their `token_ids`
-/// are empty, for whoever runs the step to fill ([`Self::into_parts`]).
+/// are `[PENDING_TOKEN]`, for whoever runs the step to fill ([`Self::into_parts`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScheduledAhead {
     out: SchedulerOutput,
@@ -42,7 +44,7 @@ pub struct ScheduledAhead {
 }
 
 impl ScheduledAhead {
-    /// The step's chunks, in order; a pending one's `token_ids` are empty.
+    /// The step's chunks, in order; a pending one's `token_ids` are `[PENDING_TOKEN]`.
     pub fn chunks(&self) -> &[ScheduledRequest] {
         &self.out.scheduled
     }
@@ -59,8 +61,9 @@ impl ScheduledAhead {
         &self.out.finished
     }
 
-    /// The step, and the indices of its pending chunks (in order), whose `token_ids` are empty:
-    /// each is to run with the token the previous step samples for its request.
+    /// The step, and the indices of its pending chunks (in order), whose `token_ids` are
+    /// `[PENDING_TOKEN]`: each is to run with the token the previous step samples for its
+    /// request. (`update` counts it as one token computed, as it is.)
     pub fn into_parts(self) -> (SchedulerOutput, Vec<usize>) {
         let pending = (0..self.out.scheduled.len())
             .filter(|&i| self.pending.contains(&self.out.scheduled[i].request_id))
@@ -128,12 +131,11 @@ impl Scheduler {
             .map(|s| s.request_id)
             .filter(|id| sampled.contains(id))
             .collect();
-        for s in &mut out.scheduled {
-            if pending.contains(&s.request_id) {
-                debug_assert_eq!(s.token_ids, [PENDING], "a pending chunk is its one token");
-                s.token_ids.clear();
-            }
-        }
+        debug_assert!(out
+            .scheduled
+            .iter()
+            .filter(|s| pending.contains(&s.request_id))
+            .all(|s| s.token_ids == [PENDING]));
         Some(ScheduledAhead { out, pending })
     }
 
@@ -199,7 +201,11 @@ mod tests {
         let (mut out, pending) = ahead.into_parts();
         for i in pending {
             let s = &mut out.scheduled[i];
-            assert!(s.token_ids.is_empty(), "a pending chunk's token is unknown");
+            assert_eq!(
+                s.token_ids,
+                [PENDING_TOKEN],
+                "a pending chunk's token is unknown"
+            );
             s.token_ids = vec![token(s.request_id)?];
         }
         Some(out)
@@ -230,7 +236,10 @@ mod tests {
             .schedule_ahead(&first)
             .expect("a step of samples continues");
         assert!(ahead.is_pending(RequestId(1)) && ahead.is_pending(RequestId(2)));
-        assert!(ahead.chunks().iter().all(|c| c.token_ids.is_empty()));
+        assert!(ahead
+            .chunks()
+            .iter()
+            .all(|c| c.token_ids == [PENDING_TOKEN]));
         let next = fill(ahead, |id| Some(10 + id.0 as u32)).expect("every token given");
         assert_eq!(
             shape(&next),

@@ -50,7 +50,7 @@ pub mod policy;
 
 use std::collections::{HashMap, VecDeque};
 
-pub use ahead::ScheduledAhead;
+pub use ahead::{ScheduledAhead, PENDING_TOKEN};
 pub use config::{SchedulerConfig, SchedulerConfigBuilder};
 pub use fork::Fork;
 pub use output::{ChunkOutput, FinishedRequest, RequestUpdate, ScheduledRequest, SchedulerOutput};
