@@ -175,21 +175,7 @@ fn engine_toy(
 ) {
     let tokenizer = tiny_byte_level_tokenizer();
     let vocab = tokenizer.vocab_size();
-    let config = Qwen2Config {
-        vocab_size: vocab,
-        hidden_size: 8,
-        intermediate_size: 8,
-        num_hidden_layers: 1,
-        num_attention_heads: 1,
-        num_key_value_heads: 1,
-        max_position_embeddings: 256,
-        rope_theta: 1e4,
-        rms_norm_eps: 1e-6,
-        tie_word_embeddings: false,
-        torch_dtype: None,
-        bos_token_id: None,
-        eos_token_ids: vec![],
-    };
+    let config = crate::test_support::toy_config(vocab, 256);
     let asked = Asked::default();
     let verifies = Arc::new(AtomicUsize::new(0));
     let toy = Toy {

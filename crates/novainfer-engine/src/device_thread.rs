@@ -161,21 +161,7 @@ mod tests {
 
     fn spawn() -> (DeviceThread, Arc<Mutex<Vec<String>>>) {
         let calls = Arc::new(Mutex::new(Vec::new()));
-        let config = Qwen2Config {
-            vocab_size: 8,
-            hidden_size: 8,
-            intermediate_size: 8,
-            num_hidden_layers: 1,
-            num_attention_heads: 1,
-            num_key_value_heads: 1,
-            max_position_embeddings: 16,
-            rope_theta: 1e4,
-            rms_norm_eps: 1e-6,
-            tie_word_embeddings: false,
-            torch_dtype: None,
-            bos_token_id: None,
-            eos_token_ids: vec![],
-        };
+        let config = crate::test_support::toy_config(8, 16);
         let log = Log {
             config,
             calls: calls.clone(),

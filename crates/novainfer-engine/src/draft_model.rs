@@ -359,21 +359,7 @@ pub(crate) mod test_support {
         /// Over `num_blocks` blocks of [`BLOCK`] tokens, with `vocab` tokens.
         pub fn new(num_blocks: usize, vocab: usize) -> Self {
             Self {
-                config: Qwen2Config {
-                    vocab_size: vocab,
-                    hidden_size: 8,
-                    intermediate_size: 8,
-                    num_hidden_layers: 1,
-                    num_attention_heads: 1,
-                    num_key_value_heads: 1,
-                    max_position_embeddings: 4096,
-                    rope_theta: 1e4,
-                    rms_norm_eps: 1e-6,
-                    tie_word_embeddings: false,
-                    torch_dtype: None,
-                    bos_token_id: None,
-                    eos_token_ids: vec![],
-                },
+                config: crate::test_support::toy_config(vocab, 4096),
                 pool: vec![None; num_blocks * BLOCK],
             }
         }

@@ -189,21 +189,7 @@ mod tests {
 
     #[test]
     fn drawn_rows_are_drawn_in_place_and_the_rest_pass_through() {
-        let config = Qwen2Config {
-            vocab_size: VOCAB,
-            hidden_size: 1,
-            intermediate_size: 1,
-            num_hidden_layers: 1,
-            num_attention_heads: 1,
-            num_key_value_heads: 1,
-            max_position_embeddings: 64,
-            rope_theta: 1e4,
-            rms_norm_eps: 1e-6,
-            tie_word_embeddings: false,
-            torch_dtype: None,
-            bos_token_id: None,
-            eos_token_ids: vec![],
-        };
+        let config = crate::test_support::toy_config(VOCAB, 64);
         let mut host = HostDraws::new(Box::new(Rows {
             config,
             asked: Vec::new(),

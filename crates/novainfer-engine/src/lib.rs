@@ -40,6 +40,8 @@ mod async_scheduling_tests;
 mod device_draw_tests;
 #[cfg(test)]
 mod draft_engine_tests;
+#[cfg(test)]
+mod test_support;
 
 pub use chat_template::{ChatMessage, ToolCallMessage};
 pub use checked::CheckedRequest;
