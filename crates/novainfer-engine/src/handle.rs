@@ -118,7 +118,12 @@ impl EngineHandle {
         let (events, event_rx) = mpsc::channel();
         let loaded = LoadedEngine::load(cfg)?;
         let device = loaded.device.clone();
-        tracing::info!(device = %device.device, reason = %device.reason, "model loaded");
+        tracing::info!(
+            device = %device.device,
+            reason = %device.reason,
+            async_scheduling = loaded.async_scheduling,
+            "model loaded"
+        );
         let mut core = EngineCore::new(loaded, events);
         if let Some(sink) = &cfg.kv_events {
             core.set_kv_event_sink(sink.clone());
