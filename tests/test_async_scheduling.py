@@ -43,17 +43,22 @@ def test_steps_ahead_stream_what_steps_in_order_stream(tiny_llm, ahead):
     assert stats["kv_used_blocks"] == 0 and stats["num_running"] == 0
 
 
-def test_n_completions_and_seeded_draws_run_ahead(ahead):
-    """n > 1 shares its first row (sampled on the host, in order); the completions then run ahead. Seeded rows are
-    drawn by the device's counter-based generator: the same seed gives the same tokens, alone or beside others."""
+def test_n_completions_and_seeded_draws_run_ahead(tiny_llm, ahead):
+    """n > 1 shares its first row (sampled on the host, in order); the completions then run ahead and give the greedy
+    tokens steps in order give. Seeded rows are drawn by the device's counter-based generator: the same seed gives
+    the same tokens, alone or beside others."""
     seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True)
+    before = ahead.stats()["num_steps_ahead"]
     alone = ahead.generate(PROMPT, seeded)[0].outputs[0].token_ids
     crowd = [PROMPT[: 2 + i] for i in range(5)]
     together = ahead.generate([PROMPT, *crowd], [seeded] + [SamplingParams(temperature=1.0, max_tokens=10)] * 5)
     assert together[0].outputs[0].token_ids == alone
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = tiny_llm.generate(PROMPT, greedy)[0].outputs[0].token_ids
     two = ahead.generate(PROMPT, SamplingParams(temperature=0, n=2, max_tokens=8, ignore_eos=True))[0].outputs
-    assert len(two) == 2 and two[0].token_ids == two[1].token_ids and len(two[0].token_ids) == 8
-    assert ahead.stats()["kv_used_blocks"] == 0
+    assert [o.token_ids for o in two] == [want, want]
+    stats = ahead.stats()
+    assert stats["num_steps_ahead"] > before and stats["kv_used_blocks"] == 0
 
 
 def test_a_cancelled_stream_frees_its_blocks_while_another_runs_ahead(tiny_models, tiny_llm):

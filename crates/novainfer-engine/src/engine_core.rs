@@ -26,7 +26,7 @@ use std::time::Instant;
 
 use novainfer_core::{
     ChunkOutput, FinishReason, FinishedRequest, Fork, KvCacheStats, KvEventSink, Request,
-    RequestId, ScheduledAhead, ScheduledRequest, Scheduler, SchedulerOutput,
+    RequestId, ScheduledRequest, Scheduler, SchedulerOutput,
 };
 use novainfer_model::lora::AdapterId;
 use novainfer_model::sampler::{SampledToken, Sampler};
@@ -67,10 +67,12 @@ struct Launched {
     at: Instant,
 }
 
-/// The step after a running one, scheduled while it runs; its pending chunks take the tokens
-/// the running step draws. `draws`: the rows the device draws.
+/// The step after a running one, scheduled while it runs: `inputs` are its pending chunks, each
+/// with the index of the token the running step draws for it ([`Chained::inputs`]); `draws` the
+/// rows the device draws.
 struct Ahead {
-    scheduled: ScheduledAhead,
+    out: SchedulerOutput,
+    inputs: Vec<(usize, usize)>,
     draws: DeviceDraws,
 }
 
@@ -410,8 +412,10 @@ impl EngineCore {
         }) = launched
         {
             if self.async_scheduling && output.is_ok() {
-                if let Some(ahead) = self.schedule_ahead(&out, &draws) {
-                    self.ahead = Some(self.launch_ahead(ahead, &out, &draws, id));
+                if let Some(Ahead { out, inputs, draws }) = self.schedule_ahead(&out, &draws) {
+                    self.stats.num_steps_ahead += 1;
+                    let chained = Chained { after: id, inputs };
+                    self.ahead = Some(self.launch(out, draws, Some(chained)));
                 }
             }
             let output = output.and_then(PendingForward::wait);
@@ -559,6 +563,8 @@ impl EngineCore {
         if self.proposer.is_some() {
             return None;
         }
+        // Per sampled request: the index of its token among those `out` draws (every row `out`
+        // samples is drawn, in order), and its draw after that token.
         let mut after_next = HashMap::new();
         for s in &out.scheduled {
             match s.output {
@@ -573,57 +579,29 @@ impl EngineCore {
                         return None;
                     }
                     let draw = active.sampler.device_draw_after_next()?;
-                    after_next.insert(s.request_id, draw);
+                    after_next.insert(s.request_id, (after_next.len(), draw));
                 }
             }
         }
-        let scheduled = self.scheduler.schedule_ahead(out)?;
-        self.report_finished(scheduled.finished());
+        let (next, pending) = self.scheduler.schedule_ahead(out)?.into_parts();
+        self.report_finished(&next.finished);
         // A chunk whose tokens are known draws as in any step; a pending one by the rule after
         // the token it waits for.
-        let mut draws = self.device_draws(scheduled.chunks());
-        for s in scheduled.chunks() {
-            if scheduled.is_pending(s.request_id) {
-                if let Some(draw) = after_next.remove(&s.request_id) {
-                    draws.samples.insert(s.request_id, draw);
-                }
-            }
+        let mut draws = self.device_draws(&next.scheduled);
+        let mut inputs = Vec::with_capacity(pending.len());
+        for i in pending {
+            let id = next.scheduled[i].request_id;
+            let (k, draw) = after_next
+                .remove(&id)
+                .expect("a pending request sampled in the step before: this is a bug");
+            draws.samples.insert(id, draw);
+            inputs.push((i, k));
         }
-        Some(Ahead { scheduled, draws })
-    }
-
-    /// Launches `ahead` right behind `out` (launch `after`), its pending chunks fed the tokens
-    /// `out` draws on the device thread, so nothing here waits for `out`.
-    fn launch_ahead(
-        &mut self,
-        ahead: Ahead,
-        out: &SchedulerOutput,
-        draws: &DeviceDraws,
-        after: LaunchId,
-    ) -> Launched {
-        // Drawn tokens come in the order of the drawn rows; every row `out` samples is drawn.
-        let drawn: HashMap<RequestId, usize> = out
-            .scheduled
-            .iter()
-            .filter(|s| {
-                s.output == ChunkOutput::Sample && draws.samples.contains_key(&s.request_id)
-            })
-            .enumerate()
-            .map(|(k, s)| (s.request_id, k))
-            .collect();
-        let (next, pending) = ahead.scheduled.into_parts();
-        let inputs = pending
-            .into_iter()
-            .map(|i| {
-                let k = drawn.get(&next.scheduled[i].request_id).copied();
-                (
-                    i,
-                    k.expect("a pending request sampled in the step before: this is a bug"),
-                )
-            })
-            .collect();
-        self.stats.num_steps_ahead += 1;
-        self.launch(next, ahead.draws, Some(Chained { after, inputs }))
+        Some(Ahead {
+            out: next,
+            inputs,
+            draws,
+        })
     }
 
     /// Reads a launched step's `output`: samples each request that needs it; a request whose

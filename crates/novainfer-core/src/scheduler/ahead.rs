@@ -25,7 +25,7 @@
 
 use std::collections::HashSet;
 
-use super::{ChunkOutput, FinishedRequest, Room, ScheduledRequest, Scheduler, SchedulerOutput};
+use super::{ChunkOutput, Room, Scheduler, SchedulerOutput};
 use crate::ids::RequestId;
 use crate::request::RequestStatus;
 
@@ -44,23 +44,6 @@ pub struct ScheduledAhead {
 }
 
 impl ScheduledAhead {
-    /// The step's chunks, in order; a pending one's `token_ids` are `[PENDING_TOKEN]`.
-    pub fn chunks(&self) -> &[ScheduledRequest] {
-        &self.out.scheduled
-    }
-
-    /// Whether `id`'s chunk is pending: its input is the token the previous step samples.
-    pub fn is_pending(&self, id: RequestId) -> bool {
-        self.pending.contains(&id)
-    }
-
-    /// The requests that left the scheduler since the last step (as in
-    /// [`SchedulerOutput::finished`]; the output keeps them too): reported before the inputs are
-    /// known, and even if the step is then abandoned.
-    pub fn finished(&self) -> &[FinishedRequest] {
-        &self.out.finished
-    }
-
     /// The step, and the indices of its pending chunks (in order), whose `token_ids` are
     /// `[PENDING_TOKEN]`: each is to run with the token the previous step samples for its
     /// request. (`update` counts it as one token computed, as it is.)
@@ -235,11 +218,7 @@ mod tests {
         let ahead = s
             .schedule_ahead(&first)
             .expect("a step of samples continues");
-        assert!(ahead.is_pending(RequestId(1)) && ahead.is_pending(RequestId(2)));
-        assert!(ahead
-            .chunks()
-            .iter()
-            .all(|c| c.token_ids == [PENDING_TOKEN]));
+        // Both are pending: each runs on the token `first` samples for it.
         let next = fill(ahead, |id| Some(10 + id.0 as u32)).expect("every token given");
         assert_eq!(
             shape(&next),
@@ -266,8 +245,8 @@ mod tests {
         s.add_request(Request::new(RequestId(2), vec![4], 8));
         let first = s.schedule();
         let ahead = s.schedule_ahead(&first).expect("request 2 continues");
-        let ids: Vec<_> = ahead.chunks().iter().map(|c| c.request_id).collect();
-        assert_eq!(ids, vec![RequestId(2)]);
+        let next = fill(ahead, |_| Some(7)).expect("request 2 pending");
+        assert_eq!(shape(&next), vec![(2, 1, vec![7], true)]);
         // Nobody left to run: no step ahead, and nothing taken from the next one.
         let mut s = scheduler(16);
         s.add_request(Request::new(RequestId(1), vec![1, 2, 3], 1));
@@ -287,7 +266,6 @@ mod tests {
         let chunk = s.schedule();
         assert_eq!(shape(&chunk), vec![(1, 0, vec![0, 1, 2, 3], false)]);
         let ahead = s.schedule_ahead(&chunk).expect("the next chunk is known");
-        assert!(!ahead.is_pending(RequestId(1)));
         let second = fill(ahead, |_| None).expect("nothing pending");
         assert_eq!(shape(&second), vec![(1, 4, vec![4, 5, 6, 7], false)]);
         // A request that arrives meanwhile is admitted ahead beside a pending decode.
@@ -298,7 +276,7 @@ mod tests {
         s.update(&second, &[]);
         s.add_request(Request::new(RequestId(2), vec![20, 21], 8));
         let fourth = s.schedule_ahead(&third).expect("a decode and an admission");
-        assert!(fourth.is_pending(RequestId(1)) && !fourth.is_pending(RequestId(2)));
+        // Only request 1's decode is pending; request 2's prompt is known.
         let fourth = fill(fourth, |_| Some(30)).expect("one pending");
         assert_eq!(
             shape(&fourth),

@@ -288,7 +288,7 @@ impl Scheduler {
 
     /// The body of a step: running requests first, then admissions. With [`Room::FreeOnly`]
     /// nothing is preempted, and false (with `out` to be dropped) means a running request found
-    /// no room without preempting: the step must be scheduled again with preemption.
+    /// no room without preempting: there is no step ahead.
     fn schedule_into(&mut self, room: Room, out: &mut SchedulerOutput) -> bool {
         let mut budget = StepBudget {
             tokens: self.config.max_num_batched_tokens(),
@@ -487,10 +487,10 @@ impl Scheduler {
                 Room::MayPreempt if decoding => self.allocate_or_preempt(id, num_new, out),
                 Room::MayPreempt => self.allocate_or_preempt_later(id, num_new, budget, out),
             };
-            if !fits && room == Room::FreeOnly {
-                return false;
-            }
             if !fits {
+                if room == Room::FreeOnly {
+                    return false; // no step ahead: it would have to preempt
+                }
                 if decoding {
                     break; // it was the newest running request: nothing after it
                 }
@@ -847,7 +847,6 @@ impl Scheduler {
     }
 }
 
-/// What is left of one step's budgets while it is being filled.
 /// Where a running request's blocks may come from this step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Room {
@@ -858,6 +857,7 @@ enum Room {
     FreeOnly,
 }
 
+/// What is left of one step's budgets while it is being filled.
 struct StepBudget {
     tokens: usize,
     scored_tokens: usize,

@@ -58,15 +58,17 @@ impl LogitAdjust {
 
     /// Puts back what the last [`apply`](Self::apply) changed (in reverse, so an id both
     /// biased and masked gets its value from before either) and counts the sampled token.
-    /// Whether the next row would be changed: a bias, or stop ids still held back by
-    /// `min_tokens`.
-    pub fn is_active(&self) -> bool {
-        !self.bias.is_empty() || (self.sampled < self.min_tokens && !self.stop_ids.is_empty())
+    /// Whether the row `ahead` tokens after the next would be changed: a bias, or stop ids
+    /// still held back by `min_tokens` then.
+    pub fn is_active_after(&self, ahead: usize) -> bool {
+        !self.bias.is_empty()
+            || (self.sampled + ahead < self.min_tokens && !self.stop_ids.is_empty())
     }
 
-    /// The biases, and the ids the next row holds back (`min_tokens` not reached yet).
-    pub fn pending(&self) -> (&[(u32, f32)], &[u32]) {
-        let masked = if self.sampled < self.min_tokens {
+    /// The biases, and the ids the row `ahead` tokens after the next holds back (`min_tokens`
+    /// not reached by then).
+    pub fn pending_after(&self, ahead: usize) -> (&[(u32, f32)], &[u32]) {
+        let masked = if self.sampled + ahead < self.min_tokens {
             &self.stop_ids[..]
         } else {
             &[]

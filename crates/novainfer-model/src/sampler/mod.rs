@@ -173,8 +173,25 @@ impl Sampler {
     /// random stream (the device's counter-based generator keyed by the request's seed, at the
     /// count of tokens sampled so far); greedy rows are the same token either way.
     pub fn device_draw(&self) -> Option<Draw> {
-        let adjust = if self.penalties.is_active() || self.adjust.is_active() {
-            Some(Arc::new(self.device_edits()?))
+        self.draw_after(0)
+    }
+
+    /// The draw of the token after the next, before the next is known: what
+    /// [`Self::device_draw`] gives once the next is accepted. Only counts change with it (the
+    /// generator's offset, `min_tokens`), unless penalties are on, which depend on which token
+    /// it is: `None` then. A step scheduled ahead (async scheduling) draws with it.
+    pub fn device_draw_after_next(&self) -> Option<Draw> {
+        if self.penalties.is_active() {
+            return None;
+        }
+        self.draw_after(1)
+    }
+
+    /// The draw of the token `ahead` tokens from now, as if those were accepted; penalties as
+    /// they stand now (the callers make sure they are either off or `ahead` is 0).
+    fn draw_after(&self, ahead: usize) -> Option<Draw> {
+        let adjust = if self.penalties.is_active() || self.adjust.is_active_after(ahead) {
+            Some(Arc::new(self.device_edits(ahead)?))
         } else {
             None
         };
@@ -190,7 +207,7 @@ impl Sampler {
         };
         Some(Draw {
             seed: self.seed,
-            offset: self.sampled,
+            offset: self.sampled + ahead as u64,
             rule,
             adjust,
             logprobs: self.num_top_logprobs,
@@ -198,22 +215,9 @@ impl Sampler {
         })
     }
 
-    /// The draw of the token after the next, before the next is known: what
-    /// [`Self::device_draw`] gives once the next is accepted. Only counts change with it (the
-    /// generator's offset, `min_tokens`), unless penalties are on, which depend on which token
-    /// it is: `None` then. A step scheduled ahead (async scheduling) draws with it.
-    pub fn device_draw_after_next(&self) -> Option<Draw> {
-        if self.penalties.is_active() {
-            return None;
-        }
-        let mut next = self.clone();
-        next.accept_drawn(DrawnToken::default());
-        next.device_draw()
-    }
-
-    /// This sampler's changes to the next row as one edit per token, in id order; `None`
-    /// past [`MAX_DEVICE_EDITS`].
-    fn device_edits(&self) -> Option<Adjust> {
+    /// This sampler's changes to the row `ahead` tokens from now as one edit per token, in id
+    /// order; `None` past [`MAX_DEVICE_EDITS`].
+    fn device_edits(&self, ahead: usize) -> Option<Adjust> {
         fn edit(edits: &mut BTreeMap<u32, RowEdit>, id: u32) -> &mut RowEdit {
             edits.entry(id).or_insert(RowEdit {
                 token_id: id,
@@ -231,7 +235,7 @@ impl Sampler {
                 e.output_count = count;
             }
         }
-        let (bias, masked) = self.adjust.pending();
+        let (bias, masked) = self.adjust.pending_after(ahead);
         for &(id, b) in bias {
             edit(&mut edits, id).bias = b;
         }
