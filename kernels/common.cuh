@@ -76,6 +76,19 @@ __device__ __forceinline__ void rope_rotate(float lo, float hi, float c, float s
     out_hi = __fadd_rn(__fmul_rn(hi, c), __fmul_rn(lo, s));
 }
 
+// SwiGLU of one (gate, up) pair in the CPU's formula, g / (1 + exp(-g)) · u, with no fused
+// multiply-add, so f32 results match the CPU up to expf; silu_mul.cu and the fused GEMV
+// (gemv_quant.cu) both call this, so they round alike.
+__device__ __forceinline__ float silu_times(float g, float u) {
+    const float silu = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
+    return __fmul_rn(silu, u);
+}
+
+// `v` as a store to T and a load back give it: rounded to bf16, or unchanged in f32. A fused
+// epilogue calls this where the unfused path stores an intermediate, so both round alike.
+__device__ __forceinline__ float round_as(const float*, float v) { return v; }
+__device__ __forceinline__ float round_as(const bf16*, float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) {
         v += __shfl_xor_sync(FULL_MASK, v, offset);

@@ -1,30 +1,43 @@
-// gemv_quant.cu — decode products straight from packed GGUF (and AWQ/GPTQ int4) blocks: y[r, col0 + o] = Σ_k x[r, k] · W[o, k]
-// for up to GEMV_MAX_ROWS activation rows, reading each weight block once (no bf16 copy of the matrix).
-// Launcher: crates/novainfer-cuda/src/ops/gemv_quant.rs; CPU twin (geometry and the exact order of every
-// operation): crates/novainfer-cuda/src/gemv_plan.rs. Block layouts: dequant.cu.
+// gemv_quant.cu — decode products (GEMV, up to GEMV_MAX_ROWS activation rows) straight from packed
+// GGUF (and AWQ/GPTQ int4) blocks or from bf16 rows: y[r, col0 + o] = Σ_k x[r, k] · W[o, k], reading each
+// weight once (no bf16 copy of a packed matrix), and the same walk with the layer's next step fused into
+// its epilogue (gate/up with SiLU·mul; QKV with bias, RoPE and the KV-cache write).
+// Launcher: crates/novainfer-cuda/src/ops/gemv_quant.rs; CPU twin (geometry, the exact order of every
+// operation, the fused kernels' row pairing): crates/novainfer-cuda/src/gemv_plan.rs. Block layouts:
+// dequant.cu.
 //
-// Work split: one warp per weight row, GEMV_WARPS rows per block; grid.x = ceil(rows / GEMV_WARPS).
+// Work split: one warp per weight row (the fused kernels: per pair of rows), GEMV_WARPS warps per block.
 // A row is cut into chunks of 8 consecutive values, all inside one (sub-)block with one scale; lane l
-// takes chunks l, l + 32, l + 64, ... in that order. Per chunk and activation row r:
+// takes chunks l, l + 32, l + 64, ... in that order (a bf16 row's lane loads GEMV_UNROLL of them before
+// it uses the first, to keep several 16-byte loads in flight where a packed chunk's decode already issues
+// several; the order of the sums is the same either way). Per chunk and
+// activation row r:
 //     s = Σ q_e · x_e  and (Q4_K only) t = Σ x_e, e in order, each an fmaf / fadd;
 //     acc_r = fmaf(a, s, acc_r), then (Q4_K) acc_r = fmaf(−b, t, acc_r)
 // with the chunk's integer weights q_e and its scale a (and Q4_K's min b) as dequant.cu computes them
-// (d·scale, dmin·min in f32). The lanes' partials then meet in common.cuh's xor butterfly. So the
-// weights are the dequantizer's exactly, factored out of the chunk sums (the f32 sums round
-// differently from the bf16 matrix's product, and are closer to the exact one), and a row's result is
-// the same whatever the other rows of the launch: the work of row r depends on nothing but x[r].
-// Every operation is an explicit _rn intrinsic, so no FMA contraction can differ from the twin.
+// (d·scale, dmin·min in f32); a bf16 row is chunks of its own values with a = 1. The lanes' partials
+// then meet in common.cuh's xor butterfly. So the weights are the dequantizer's exactly, factored out
+// of the chunk sums (the f32 sums round differently from the bf16 matrix's product, and are closer to
+// the exact one), and a row's result is the same whatever the other rows of the launch: the work of
+// row r depends on nothing but x[r]. Every operation is an explicit _rn intrinsic, so no FMA
+// contraction can differ from the twin.
+//
+// A fused epilogue rounds each product as the unfused path's store would (round_as), then runs the
+// next kernel's own arithmetic (silu_times, the bias add and rope_rotate), so a fused launch equals the
+// GEMV followed by silu_mul.cu or qkv.cu bit for bit.
 #include "common.cuh"
 
 #define GEMV_WARPS 4
 #define GEMV_MAX_ROWS 8
 #define GEMV_CHUNK 8
+#define GEMV_UNROLL 4  // bf16 rows; packed ones take 1 (unrolling them grows the binary 4x)
 
 __device__ __forceinline__ float gemv_f16(const u8* p) {
     return f16_bits_to_f32((u16)p[0] | ((u16)p[1] << 8));
 }
 
-// One chunk's 8 integer weights (as floats: exact, |q| < 2^7) and its factors: w_e = a · q_e − b.
+// One chunk's 8 weights and its factors, w_e = a · q_e − b: a packed block's integers (as floats: exact,
+// |q| < 2^7) with its scale(s), or a bf16 row's values with a = 1.
 struct Chunk {
     float q[GEMV_CHUNK];
     float a;
@@ -120,58 +133,212 @@ __device__ __forceinline__ Chunk chunk_int4(const u8* block, int c) {
     return ch;
 }
 
-template <typename T, int BLOCK_BYTES, int BLOCK_VALUES, Chunk (*CHUNK_FN)(const u8*, int), bool MINS>
-__device__ void gemv_quant(
+// A bf16 weight row as blocks of one chunk: 8 values (16 bytes, one vector load; the launcher checks
+// the alignment), q = the values themselves (exact in f32), a = 1.
+__device__ __forceinline__ Chunk chunk_bf16w(const u8* block, int) {
+    Chunk ch;
+    const uint4 v = *reinterpret_cast<const uint4*>(block);
+    const u32 words[4] = {v.x, v.y, v.z, v.w};
+    for (int e = 0; e < 4; ++e) {
+        ch.q[2 * e] = __uint_as_float(words[e] << 16);
+        ch.q[2 * e + 1] = __uint_as_float(words[e] & 0xFFFF0000u);
+    }
+    ch.a = 1.0f;
+    ch.b = 0.0f;
+    return ch;
+}
+
+// Chunk c's 8 activations of row x (16 bytes; the launcher checks x's alignment).
+__device__ __forceinline__ void load_x8(const bf16* xr, float (&xe)[GEMV_CHUNK]) {
+    const uint4 v = *reinterpret_cast<const uint4*>(xr);
+    const u32 words[4] = {v.x, v.y, v.z, v.w};
+    for (int e = 0; e < 4; ++e) {
+        xe[2 * e] = __uint_as_float(words[e] << 16);
+        xe[2 * e + 1] = __uint_as_float(words[e] & 0xFFFF0000u);
+    }
+}
+
+// Weight row `row`'s products with the n activation rows of x, warp-summed: on return every lane holds
+// acc[r] = Σ_k x[r, k] · W[k] for r < n.
+template <int BLOCK_BYTES, int BLOCK_VALUES, Chunk (*CHUNK_FN)(const u8*, int), bool MINS, int UNROLL>
+__device__ __forceinline__ void gemv_row(
+    const u8* __restrict__ row, const bf16* __restrict__ x, int k, int n, int lane,
+    float (&acc)[GEMV_MAX_ROWS]) {
+    const int chunks_per_block = BLOCK_VALUES / GEMV_CHUNK;
+    const int chunks = k / GEMV_CHUNK;
+    for (int r = 0; r < GEMV_MAX_ROWS; ++r) acc[r] = 0.0f;
+    for (int c0 = lane; c0 < chunks; c0 += UNROLL * WARP_SIZE) {
+        Chunk ch[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int c = c0 + u * WARP_SIZE;
+            if (c < chunks) {
+                ch[u] = CHUNK_FN(row + (i64)(c / chunks_per_block) * BLOCK_BYTES, c % chunks_per_block);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int c = c0 + u * WARP_SIZE;
+            if (c >= chunks) break;
+            for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+                if (r >= n) break;
+                float xe[GEMV_CHUNK];
+                load_x8(x + (i64)r * k + (i64)c * GEMV_CHUNK, xe);
+                float s = 0.0f, t = 0.0f;
+#pragma unroll
+                for (int e = 0; e < GEMV_CHUNK; ++e) {
+                    s = __fmaf_rn(ch[u].q[e], xe[e], s);
+                    if (MINS) t = __fadd_rn(t, xe[e]);
+                }
+                acc[r] = __fmaf_rn(ch[u].a, s, acc[r]);
+                if (MINS) acc[r] = __fmaf_rn(-ch[u].b, t, acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+        if (r >= n) break;
+        acc[r] = warp_sum(acc[r]);
+    }
+}
+
+// y[r, col0 + o] = W[o] · x[r]: one warp per weight row o.
+template <typename T, int BLOCK_BYTES, int BLOCK_VALUES, Chunk (*CHUNK_FN)(const u8*, int), bool MINS,
+          int UNROLL>
+__device__ void gemv_plain(
     const u8* __restrict__ w,    // [rows, k / BLOCK_VALUES blocks]
     const bf16* __restrict__ x,  // [n, k]
     T* __restrict__ y,           // [n, ld]; row o of w lands in column col0 + o
     int rows, int k, int n, int ld, int col0) {
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int o = blockIdx.x * GEMV_WARPS + warp;
-    if (o >= rows) {
-        return;
-    }
-    const int chunks_per_block = BLOCK_VALUES / GEMV_CHUNK;
-    const int chunks = k / GEMV_CHUNK;
-    const u8* row = w + (i64)o * (k / BLOCK_VALUES) * BLOCK_BYTES;
+    if (o >= rows) return;
+    const i64 row_bytes = (i64)(k / BLOCK_VALUES) * BLOCK_BYTES;
     float acc[GEMV_MAX_ROWS];
-    for (int r = 0; r < GEMV_MAX_ROWS; ++r) acc[r] = 0.0f;
-    for (int c = lane; c < chunks; c += WARP_SIZE) {
-        const Chunk ch = CHUNK_FN(row + (i64)(c / chunks_per_block) * BLOCK_BYTES, c % chunks_per_block);
-        for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
-            if (r >= n) break;
-            const bf16* xr = x + (i64)r * k + (i64)c * GEMV_CHUNK;
-            float s = 0.0f, t = 0.0f;
-            for (int e = 0; e < GEMV_CHUNK; ++e) {
-                const float xe = bf16_to_f32(xr[e]);
-                s = __fmaf_rn(ch.q[e], xe, s);
-                if (MINS) t = __fadd_rn(t, xe);
-            }
-            acc[r] = __fmaf_rn(ch.a, s, acc[r]);
-            if (MINS) acc[r] = __fmaf_rn(-ch.b, t, acc[r]);
-        }
-    }
+    gemv_row<BLOCK_BYTES, BLOCK_VALUES, CHUNK_FN, MINS, UNROLL>(w + o * row_bytes, x, k, n, lane, acc);
+    if (lane != 0) return;
     for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
         if (r >= n) break;
-        const float v = warp_sum(acc[r]);
-        if (lane == 0) store_f32(y, (i64)r * ld + col0 + o, v);
+        store_f32(y, (i64)r * ld + col0 + o, acc[r]);
     }
 }
 
-#define GEMV_KERNEL(NAME, BLOCK_BYTES, BLOCK_VALUES, CHUNK_FN, MINS, T, SUFFIX)                     \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE) gemv_##NAME##_##SUFFIX(    \
-        const u8* __restrict__ w, const bf16* __restrict__ x, T* __restrict__ y, int rows, int k,  \
-        int n, int ld, int col0) {                                                                 \
-        gemv_quant<T, BLOCK_BYTES, BLOCK_VALUES, CHUNK_FN, MINS>(w, x, y, rows, k, n, ld, col0);   \
+// out[r, o] = silu(W_gate[o] · x[r]) · (W_up[o] · x[r]): one warp per output column o < f, each product
+// rounded as the gate_up GEMV's store would be, then silu_mul.cu's arithmetic.
+template <typename T, int BLOCK_BYTES, int BLOCK_VALUES, Chunk (*CHUNK_FN)(const u8*, int), bool MINS,
+          int UNROLL>
+__device__ void gemv_silu(
+    const u8* __restrict__ w_gate,  // [f, k / BLOCK_VALUES blocks]
+    const u8* __restrict__ w_up,    // [f, k / BLOCK_VALUES blocks]
+    const bf16* __restrict__ x,     // [n, k]
+    T* __restrict__ out,            // [n, f]
+    int f, int k, int n) {
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int o = blockIdx.x * GEMV_WARPS + warp;
+    if (o >= f) return;
+    const i64 row_bytes = (i64)(k / BLOCK_VALUES) * BLOCK_BYTES;
+    float gate[GEMV_MAX_ROWS], up[GEMV_MAX_ROWS];
+    gemv_row<BLOCK_BYTES, BLOCK_VALUES, CHUNK_FN, MINS, UNROLL>(w_gate + o * row_bytes, x, k, n, lane, gate);
+    gemv_row<BLOCK_BYTES, BLOCK_VALUES, CHUNK_FN, MINS, UNROLL>(w_up + o * row_bytes, x, k, n, lane, up);
+    if (lane != 0) return;
+    for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+        if (r >= n) break;
+        store_f32(out, (i64)r * f + o, silu_times(round_as(out, gate[r]), round_as(out, up[r])));
+    }
+}
+
+// One part of the fused QKV projection (heads head0 .. head0 + heads of the q | k | v head list, their
+// weight rows `w`), with qkv.cu's epilogue: + bias, neox RoPE of q and k heads at positions[r], q heads
+// to q_out[r], k and v heads to the cache at slot_mapping[r] (a negative slot or one past the pool
+// writes nothing; a position outside the table leaves q and k unrotated). One warp per rotation pair:
+// pair p is local head p / half, rows j and j + half of it (j = p % half), so the warp holds both
+// values RoPE mixes; v heads are paired the same way and not rotated.
+template <typename T, int BLOCK_BYTES, int BLOCK_VALUES, Chunk (*CHUNK_FN)(const u8*, int), bool MINS,
+          int UNROLL>
+__device__ void gemv_qkv(
+    const u8* __restrict__ w,              // [heads · head_dim, k / BLOCK_VALUES blocks]
+    const bf16* __restrict__ x,            // [n, k]
+    const float* __restrict__ bias,        // [(num_heads + 2·num_kv_heads)·head_dim] or null
+    const i32* __restrict__ positions,     // [n]
+    const i64* __restrict__ slot_mapping,  // [n]
+    const float* __restrict__ cos_sin,     // [max_positions, head_dim]: cos (half) | sin (half)
+    T* __restrict__ q_out,                 // [n, num_heads·head_dim]
+    T* __restrict__ k_cache,               // [num_slots, num_kv_heads·head_dim]
+    T* __restrict__ v_cache,               // [num_slots, num_kv_heads·head_dim]
+    int head0, int heads, int num_heads, int num_kv_heads, int head_dim, int k, int n,
+    int max_positions, i64 num_slots) {
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int half = head_dim / 2;
+    const int p = blockIdx.x * GEMV_WARPS + warp;
+    if (p >= heads * half) return;
+    const int local = p / half, j = p % half;
+    const int lo_row = local * head_dim + j;
+    const i64 row_bytes = (i64)(k / BLOCK_VALUES) * BLOCK_BYTES;
+    float lo_acc[GEMV_MAX_ROWS], hi_acc[GEMV_MAX_ROWS];
+    gemv_row<BLOCK_BYTES, BLOCK_VALUES, CHUNK_FN, MINS, UNROLL>(w + lo_row * row_bytes, x, k, n, lane, lo_acc);
+    gemv_row<BLOCK_BYTES, BLOCK_VALUES, CHUNK_FN, MINS, UNROLL>(w + (lo_row + half) * row_bytes, x, k, n, lane,
+                                                        hi_acc);
+    if (lane != 0) return;
+    // The head's place in the q | k | v list decides what it is and where it goes.
+    const int g = head0 + local;
+    const bool is_q = g < num_heads, is_v = g >= num_heads + num_kv_heads;
+    const int col = (is_q ? g : g - num_heads - (is_v ? num_kv_heads : 0)) * head_dim + j;
+    const int b = g * head_dim + j;
+    for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
+        if (r >= n) break;
+        float lo = round_as(q_out, lo_acc[r]), hi = round_as(q_out, hi_acc[r]);
+        if (bias) {
+            lo = __fadd_rn(lo, bias[b]);
+            hi = __fadd_rn(hi, bias[b + half]);
+        }
+        const i32 pos = positions[r];
+        if (!is_v && pos >= 0 && pos < max_positions) {
+            const float* cos = cos_sin + (i64)pos * head_dim;
+            rope_rotate(lo, hi, cos[j], cos[half + j], lo, hi);
+        }
+        T* dst;
+        if (is_q) {
+            dst = q_out + (i64)r * num_heads * head_dim;
+        } else {
+            const i64 slot = slot_mapping[r];
+            if (slot < 0 || slot >= num_slots) continue;
+            dst = (is_v ? v_cache : k_cache) + slot * num_kv_heads * head_dim;
+        }
+        store_f32(dst, col, lo);
+        store_f32(dst, col + half, hi);
+    }
+}
+
+#define GEMV_FORMAT(NAME, BLOCK_BYTES, BLOCK_VALUES, CHUNK_FN, MINS, UNROLL, T, SUFFIX)                      \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE) gemv_##NAME##_##SUFFIX(     \
+        const u8* __restrict__ w, const bf16* __restrict__ x, T* __restrict__ y, int rows, int k,   \
+        int n, int ld, int col0) {                                                                  \
+        gemv_plain<T, BLOCK_BYTES, BLOCK_VALUES, CHUNK_FN, MINS, UNROLL>(w, x, y, rows, k, n, ld, col0);    \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE)                            \
+        gemv_silu_##NAME##_##SUFFIX(const u8* __restrict__ w_gate, const u8* __restrict__ w_up,     \
+                                    const bf16* __restrict__ x, T* __restrict__ out, int f, int k,  \
+                                    int n) {                                                        \
+        gemv_silu<T, BLOCK_BYTES, BLOCK_VALUES, CHUNK_FN, MINS, UNROLL>(w_gate, w_up, x, out, f, k, n);     \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE) gemv_qkv_##NAME##_##SUFFIX( \
+        const u8* __restrict__ w, const bf16* __restrict__ x, const float* __restrict__ bias,       \
+        const i32* __restrict__ positions, const i64* __restrict__ slot_mapping,                    \
+        const float* __restrict__ cos_sin, T* __restrict__ q_out, T* __restrict__ k_cache,          \
+        T* __restrict__ v_cache, int head0, int heads, int num_heads, int num_kv_heads,             \
+        int head_dim, int k, int n, int max_positions, i64 num_slots) {                             \
+        gemv_qkv<T, BLOCK_BYTES, BLOCK_VALUES, CHUNK_FN, MINS, UNROLL>(                                     \
+            w, x, bias, positions, slot_mapping, cos_sin, q_out, k_cache, v_cache, head0, heads,    \
+            num_heads, num_kv_heads, head_dim, k, n, max_positions, num_slots);                     \
     }
 
-#define GEMV_KERNELS(T, SUFFIX)                                        \
-    GEMV_KERNEL(q8_0, 34, 32, chunk_q8_0, false, T, SUFFIX)            \
-    GEMV_KERNEL(q5_0, 22, 32, chunk_q5_0, false, T, SUFFIX)            \
-    GEMV_KERNEL(q4_k, 144, 256, chunk_q4_k, true, T, SUFFIX)           \
-    GEMV_KERNEL(q6_k, 210, 256, chunk_q6_k, false, T, SUFFIX)          \
-    GEMV_KERNEL(int4, 69, 128, chunk_int4, false, T, SUFFIX)
+#define GEMV_FORMATS(T, SUFFIX)                                        \
+    GEMV_FORMAT(q8_0, 34, 32, chunk_q8_0, false, 1, T, SUFFIX)            \
+    GEMV_FORMAT(q5_0, 22, 32, chunk_q5_0, false, 1, T, SUFFIX)            \
+    GEMV_FORMAT(q4_k, 144, 256, chunk_q4_k, true, 1, T, SUFFIX)           \
+    GEMV_FORMAT(q6_k, 210, 256, chunk_q6_k, false, 1, T, SUFFIX)          \
+    GEMV_FORMAT(int4, 69, 128, chunk_int4, false, 1, T, SUFFIX)           \
+    GEMV_FORMAT(bf16w, 16, 8, chunk_bf16w, false, GEMV_UNROLL, T, SUFFIX)
 
 // The suffix names the output dtype; activations are always bf16 (the executor's).
-GEMV_KERNELS(float, f32)
-GEMV_KERNELS(bf16, bf16)
+GEMV_FORMATS(float, f32)
+GEMV_FORMATS(bf16, bf16)

@@ -4,7 +4,7 @@
 // gate and up are read through a row stride so both layouts work: two separate [rows, d]
 // tensors (stride d) or one fused gate_up projection [rows, 2d] (up = gate + d, stride 2d).
 // Element-wise; each output depends only on its own two inputs, in the CPU's formula
-// g / (1 + exp(-g)) · u with no fused multiply-add, so f32 results match the CPU up to expf.
+// (common.cuh's silu_times), so f32 results match the CPU up to expf.
 #include "common.cuh"
 
 template <typename T>
@@ -21,8 +21,7 @@ __device__ void silu_mul(
         const i64 col = i % d;
         const float g = load_f32(gate, row * in_stride + col);
         const float u = load_f32(up, row * in_stride + col);
-        const float silu = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
-        store_f32(out, i, __fmul_rn(silu, u));
+        store_f32(out, i, silu_times(g, u));
     }
 }
 

@@ -1,12 +1,17 @@
-//! The packed GEMV's (`kernels/gemv_quant.cu`) launch geometry and a CPU twin of its arithmetic,
+//! The GEMV's (`kernels/gemv_quant.cu`) launch geometry and a CPU twin of its arithmetic,
 //! operation for operation: each weight row is one warp's, cut into chunks of [`CHUNK`] values
 //! that lane `l` takes in the order `l, l + 32, …`; per chunk the dequantizer's integer weights and
-//! scale(s), `s = Σ q·x` (and Q4_K's `t = Σ x`) by fused multiply-adds in value order, then
-//! `acc = fma(a, s, acc)` (and `acc = fma(−b, t, acc)`), and the lanes meet in common.cuh's xor
-//! butterfly. The GPU parity test compares the kernel with [`emulate`] bit for bit; the tests here
-//! check, without a GPU, that the chunks' weights are the dequantized values exactly (candle's, and
-//! `GroupedInt4::dequantize`'s), that
-//! every value is used once, and that the result is the product within f32 rounding.
+//! scale(s) (a bf16 row: its values, scale 1), `s = Σ q·x` (and Q4_K's `t = Σ x`) by fused
+//! multiply-adds in value order, then `acc = fma(a, s, acc)` (and `acc = fma(−b, t, acc)`), and the
+//! lanes meet in common.cuh's xor butterfly. The fused kernels give a warp two rows (gate row `o`
+//! with up row `o`; [`qkv_pair`]: the two values RoPE mixes) and run the next kernel's arithmetic on
+//! the products rounded as the unfused store would round them ([`emulate_qkv`]).
+//!
+//! The GPU parity test compares the kernel with [`emulate`] bit for bit, and each fused kernel with
+//! the GEMV followed by the unfused kernel; the tests here check, without a GPU, that the chunks'
+//! weights are the dequantized values exactly (candle's, and `GroupedInt4::dequantize`'s), that
+//! every value is used once, that the result is the product within f32 rounding, and that the
+//! fused kernels' pairing reads and writes the places the unfused path does.
 
 use half::bf16;
 
@@ -18,7 +23,111 @@ pub const WARPS: usize = 4;
 pub const MAX_ROWS: usize = 8;
 /// Values per chunk: `GEMV_CHUNK`.
 pub const CHUNK: usize = 8;
+/// Chunks a bf16 row's lane loads before it uses the first: `GEMV_UNROLL` (no effect on the
+/// arithmetic; packed rows load one at a time).
+pub const UNROLL: usize = 4;
 const WARP: usize = 32;
+
+/// How a GEMV's weight rows are stored: packed blocks of a quantized type, or bf16 values (walked
+/// as blocks of one chunk, 16 bytes, with scale 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemvWeights {
+    Packed(QuantType),
+    Bf16,
+}
+
+impl From<QuantType> for GemvWeights {
+    fn from(q: QuantType) -> Self {
+        GemvWeights::Packed(q)
+    }
+}
+
+impl GemvWeights {
+    /// In the order of the context's GEMV tables ([`Self::index`]).
+    pub const ALL: [GemvWeights; 6] = [
+        GemvWeights::Packed(QuantType::Q4K),
+        GemvWeights::Packed(QuantType::Q5_0),
+        GemvWeights::Packed(QuantType::Q6K),
+        GemvWeights::Packed(QuantType::Q8_0),
+        GemvWeights::Packed(QuantType::Int4),
+        GemvWeights::Bf16,
+    ];
+
+    pub fn index(self) -> usize {
+        match self {
+            GemvWeights::Packed(q) => q.index(),
+            GemvWeights::Bf16 => QuantType::ALL.len(),
+        }
+    }
+
+    pub fn block_values(self) -> usize {
+        match self {
+            GemvWeights::Packed(q) => q.block_values(),
+            GemvWeights::Bf16 => CHUNK,
+        }
+    }
+
+    pub fn block_bytes(self) -> usize {
+        match self {
+            GemvWeights::Packed(q) => q.block_bytes(),
+            GemvWeights::Bf16 => 2 * CHUNK,
+        }
+    }
+
+    /// Bytes of one weight row of `k` values.
+    pub fn row_bytes(self, k: usize) -> usize {
+        k / self.block_values() * self.block_bytes()
+    }
+
+    /// The format's part of the kernels' names (`gemv_<name>_<dtype>`).
+    pub fn name(self) -> &'static str {
+        match self {
+            GemvWeights::Packed(QuantType::Q4K) => "q4_k",
+            GemvWeights::Packed(QuantType::Q5_0) => "q5_0",
+            GemvWeights::Packed(QuantType::Q6K) => "q6_k",
+            GemvWeights::Packed(QuantType::Q8_0) => "q8_0",
+            GemvWeights::Packed(QuantType::Int4) => "int4",
+            GemvWeights::Bf16 => "bf16w",
+        }
+    }
+}
+
+/// What a GEMV launch does with its products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemvEpilogue {
+    /// Store them (`gemv_<format>`).
+    Store,
+    /// `silu(gate) · up` of two rows (`gemv_silu_<format>`), silu_mul.cu's arithmetic.
+    SiluMul,
+    /// Bias, RoPE and the KV-cache write of a QKV part (`gemv_qkv_<format>`), qkv.cu's.
+    Qkv,
+}
+
+impl GemvEpilogue {
+    pub const ALL: [GemvEpilogue; 3] = [
+        GemvEpilogue::Store,
+        GemvEpilogue::SiluMul,
+        GemvEpilogue::Qkv,
+    ];
+
+    /// Its place in [`Self::ALL`] (the context's GEMV table).
+    pub fn index(self) -> usize {
+        match self {
+            GemvEpilogue::Store => 0,
+            GemvEpilogue::SiluMul => 1,
+            GemvEpilogue::Qkv => 2,
+        }
+    }
+
+    /// The entry point's name without its dtype suffix.
+    pub fn entry_base(self, weights: GemvWeights) -> String {
+        match self {
+            GemvEpilogue::Store => format!("gemv_{}", weights.name()),
+            GemvEpilogue::SiluMul => format!("gemv_silu_{}", weights.name()),
+            GemvEpilogue::Qkv => format!("gemv_qkv_{}", weights.name()),
+        }
+    }
+}
 
 /// Blocks of the launch for `rows` weight rows.
 pub fn grid(rows: usize) -> usize {
@@ -26,11 +135,11 @@ pub fn grid(rows: usize) -> usize {
 }
 
 /// Why a launch's shape is refused (the launcher returns these as errors).
-pub fn check_shape(qtype: QuantType, rows: usize, k: usize, n: usize) -> Result<(), String> {
-    if k == 0 || !k.is_multiple_of(qtype.block_values()) {
+pub fn check_shape(weights: GemvWeights, rows: usize, k: usize, n: usize) -> Result<(), String> {
+    if k == 0 || !k.is_multiple_of(weights.block_values()) {
         return Err(format!(
-            "k = {k} is not a positive multiple of {qtype:?}'s {} values a block",
-            qtype.block_values()
+            "k = {k} is not a positive multiple of {weights:?}'s {} values a block",
+            weights.block_values()
         ));
     }
     if n == 0 || n > MAX_ROWS {
@@ -57,8 +166,17 @@ fn f16_at(block: &[u8], at: usize) -> f32 {
 }
 
 /// Chunk `c` of `block`, as the kernel's `chunk_*` functions decode it.
-pub fn chunk(qtype: QuantType, block: &[u8], c: usize) -> Chunk {
+pub fn chunk(weights: GemvWeights, block: &[u8], c: usize) -> Chunk {
     let mut q = [0f32; CHUNK];
+    let qtype = match weights {
+        GemvWeights::Packed(qtype) => qtype,
+        GemvWeights::Bf16 => {
+            for (v, b) in q.iter_mut().zip(block.chunks_exact(2)) {
+                *v = bf16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+            return Chunk { q, a: 1.0, b: 0.0 };
+        }
+    };
     match qtype {
         QuantType::Q8_0 => {
             for (e, v) in q.iter_mut().enumerate() {
@@ -152,15 +270,15 @@ pub fn chunk(qtype: QuantType, block: &[u8], c: usize) -> Chunk {
 /// # Panics
 /// On a shape [`check_shape`] refuses or buffers of the wrong length (test inputs).
 pub fn emulate(
-    qtype: QuantType,
+    weights: GemvWeights,
     w: &[u8],
     rows: usize,
     k: usize,
     x: &[bf16],
     n: usize,
 ) -> Vec<f32> {
-    check_shape(qtype, rows, k, n).expect("a valid GEMV shape");
-    let (bv, bb) = (qtype.block_values(), qtype.block_bytes());
+    check_shape(weights, rows, k, n).expect("a valid GEMV shape");
+    let (bv, bb) = (weights.block_values(), weights.block_bytes());
     let row_bytes = k / bv * bb;
     assert_eq!(w.len(), rows * row_bytes, "weight bytes");
     assert_eq!(x.len(), n * k, "activations");
@@ -173,7 +291,7 @@ pub fn emulate(
         for (lane, acc) in lanes.iter_mut().enumerate() {
             for c in (lane..chunks).step_by(WARP) {
                 let block = &row[(c / chunks_per_block) * bb..][..bb];
-                let ch = chunk(qtype, block, c % chunks_per_block);
+                let ch = chunk(weights, block, c % chunks_per_block);
                 for (r, a) in acc.iter_mut().enumerate().take(n) {
                     let xr = &x[r * k + c * CHUNK..][..CHUNK];
                     let (mut s, mut t) = (0f32, 0f32);
@@ -183,7 +301,7 @@ pub fn emulate(
                         t += xe;
                     }
                     *a = ch.a.mul_add(s, *a);
-                    if qtype == QuantType::Q4K {
+                    if weights == GemvWeights::Packed(QuantType::Q4K) {
                         *a = (-ch.b).mul_add(t, *a);
                     }
                 }
@@ -195,6 +313,160 @@ pub fn emulate(
         }
     }
     out
+}
+
+/// Blocks of a fused gate/up launch for `f` output columns (one warp each).
+pub fn silu_grid(f: usize) -> usize {
+    grid(f)
+}
+
+/// The q | k | v head list of a fused QKV projection (its weight's rows, head by head).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QkvHeads {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl QkvHeads {
+    pub fn total(self) -> usize {
+        self.num_heads + 2 * self.num_kv_heads
+    }
+}
+
+/// What a head of the list is, and so where its values go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadRole {
+    /// Rotated, to the token's row of `q_out`.
+    Q,
+    /// Rotated, to the token's slot of the K cache.
+    K,
+    /// To the token's slot of the V cache.
+    V,
+}
+
+/// What warp `p` of a fused-QKV launch over the part starting at head `head0` reads and writes:
+/// the part's weight rows `lo_row` and `lo_row + head_dim / 2`, bias entries `bias` and
+/// `bias + head_dim / 2`, columns `col` and `col + head_dim / 2` of its role's row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QkvPair {
+    pub lo_row: usize,
+    pub role: HeadRole,
+    pub col: usize,
+    pub bias: usize,
+}
+
+/// `gemv_qkv`'s index arithmetic for warp `p`.
+pub fn qkv_pair(heads: QkvHeads, head0: usize, p: usize) -> QkvPair {
+    let (d, half) = (heads.head_dim, heads.head_dim / 2);
+    let (local, j) = (p / half, p % half);
+    let g = head0 + local;
+    let (role, head) = if g < heads.num_heads {
+        (HeadRole::Q, g)
+    } else if g < heads.num_heads + heads.num_kv_heads {
+        (HeadRole::K, g - heads.num_heads)
+    } else {
+        (HeadRole::V, g - heads.num_heads - heads.num_kv_heads)
+    };
+    QkvPair {
+        lo_row: local * d + j,
+        role,
+        col: head * d + j,
+        bias: g * d + j,
+    }
+}
+
+/// Warps of a fused-QKV launch over `heads` heads: one per rotation pair.
+pub fn qkv_pairs(heads: usize, head_dim: usize) -> usize {
+    heads * (head_dim / 2)
+}
+
+/// Blocks of a fused-QKV launch over `heads` heads.
+pub fn qkv_grid(heads: usize, head_dim: usize) -> usize {
+    grid(qkv_pairs(heads, head_dim))
+}
+
+/// A step's per-token inputs to the fused QKV epilogue, as the kernel reads them.
+#[derive(Debug, Clone, Copy)]
+pub struct QkvTokens<'a> {
+    /// `[(num_heads + 2·num_kv_heads)·head_dim]`, or none.
+    pub bias: Option<&'a [f32]>,
+    /// `[n]`; outside `0..max_positions` leaves q and k unrotated.
+    pub positions: &'a [i32],
+    /// `[n]`; negative or past the pool writes nothing to the cache.
+    pub slots: &'a [i64],
+    /// `[max_positions, head_dim]`: cos (half) | sin (half).
+    pub cos_sin: &'a [f32],
+}
+
+/// Where the fused QKV epilogue stores: `q` `[n, num_heads·head_dim]`, each cache
+/// `[num_slots, num_kv_heads·head_dim]`, values as the store type holds them (in f32).
+#[derive(Debug, Clone, PartialEq)]
+pub struct QkvOut {
+    pub q: Vec<f32>,
+    pub k_cache: Vec<f32>,
+    pub v_cache: Vec<f32>,
+}
+
+/// What `gemv_qkv` does for the part of `part_heads` heads from `head0` whose weight rows are `w`:
+/// the products ([`emulate`]) rounded by `round` (the store type's rounding), plus the bias, the
+/// neox rotation of q and k heads (each product and sum rounded on its own, as `rope_rotate`),
+/// stored rounded into `out`.
+///
+/// # Panics
+/// On inconsistent test inputs.
+#[allow(clippy::too_many_arguments)]
+pub fn emulate_qkv(
+    weights: GemvWeights,
+    w: &[u8],
+    heads: QkvHeads,
+    (head0, part_heads): (usize, usize),
+    k: usize,
+    x: &[bf16],
+    n: usize,
+    tokens: QkvTokens<'_>,
+    round: fn(f32) -> f32,
+    out: &mut QkvOut,
+) {
+    let (d, half) = (heads.head_dim, heads.head_dim / 2);
+    let products = emulate(weights, w, part_heads * d, k, x, n);
+    let max_positions = tokens.cos_sin.len() / d;
+    let kv_row = heads.num_kv_heads * d;
+    let num_slots = out.k_cache.len() / kv_row;
+    for p in 0..qkv_pairs(part_heads, d) {
+        let pair = qkv_pair(heads, head0, p);
+        for r in 0..n {
+            let at = |row: usize| round(products[r * part_heads * d + row]);
+            let (mut lo, mut hi) = (at(pair.lo_row), at(pair.lo_row + half));
+            if let Some(bias) = tokens.bias {
+                lo += bias[pair.bias];
+                hi += bias[pair.bias + half];
+            }
+            let pos = tokens.positions[r];
+            if pair.role != HeadRole::V && pos >= 0 && (pos as usize) < max_positions {
+                let row = &tokens.cos_sin[pos as usize * d..][..d];
+                let (c, s) = (row[pair.col % d], row[half + pair.col % d]);
+                (lo, hi) = (lo * c - hi * s, hi * c + lo * s);
+            }
+            let (dst, at) = match pair.role {
+                HeadRole::Q => (&mut out.q, r * heads.num_heads * d),
+                role => {
+                    let slot = tokens.slots[r];
+                    if slot < 0 || slot as usize >= num_slots {
+                        continue;
+                    }
+                    let cache = if role == HeadRole::K {
+                        &mut out.k_cache
+                    } else {
+                        &mut out.v_cache
+                    };
+                    (cache, slot as usize * kv_row)
+                }
+            };
+            dst[at + pair.col] = round(lo);
+            dst[at + pair.col + half] = round(hi);
+        }
+    }
 }
 
 /// common.cuh's `warp_sum`: an xor butterfly over offsets 16, 8, 4, 2, 1 (lane 0's value).
@@ -230,9 +502,20 @@ mod tests {
             .collect()
     }
 
-    /// `rows` rows of `k` values quantized by candle (int4: by `GroupedInt4`), with their
-    /// dequantized values.
-    fn matrix(q: QuantType, rows: usize, k: usize, seed: usize) -> (Vec<u8>, Vec<f32>) {
+    /// `rows` rows of `k` values quantized by candle (int4: by `GroupedInt4`; bf16: rounded),
+    /// with their dequantized values.
+    fn matrix(weights: GemvWeights, rows: usize, k: usize, seed: usize) -> (Vec<u8>, Vec<f32>) {
+        let q = match weights {
+            GemvWeights::Packed(q) => q,
+            GemvWeights::Bf16 => {
+                let values: Vec<bf16> = wave(rows * k, seed)
+                    .into_iter()
+                    .map(bf16::from_f32)
+                    .collect();
+                let raw = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                return (raw, values.iter().map(|v| v.to_f32()).collect());
+            }
+        };
         if q == QuantType::Int4 {
             let w = novainfer_model::int4::GroupedInt4::quantize(rows, k, &wave(rows * k, seed))
                 .expect("quantize");
@@ -249,8 +532,18 @@ mod tests {
     }
 
     #[test]
+    fn all_lists_each_format_and_epilogue_at_its_table_index() {
+        for (i, w) in GemvWeights::ALL.iter().enumerate() {
+            assert_eq!(w.index(), i, "{w:?}");
+        }
+        for (i, e) in GemvEpilogue::ALL.iter().enumerate() {
+            assert_eq!(e.index(), i, "{e:?}");
+        }
+    }
+
+    #[test]
     fn each_chunk_holds_the_dequantizers_values_exactly() {
-        for q in QuantType::ALL {
+        for q in GemvWeights::ALL {
             let k = 512;
             let (raw, values) = matrix(q, 3, k, 1);
             let (bv, bb) = (q.block_values(), q.block_bytes());
@@ -274,7 +567,7 @@ mod tests {
 
     #[test]
     fn the_emulated_kernel_is_the_product_within_f32_rounding_and_batch_invariant() {
-        for q in QuantType::ALL {
+        for q in GemvWeights::ALL {
             // k = 1536 (the 1.5B hidden size): chunks do not divide evenly among the lanes.
             let (rows, k, n) = (9, 1536, MAX_ROWS);
             let (raw, w) = matrix(q, rows, k, 2);
@@ -324,9 +617,185 @@ mod tests {
         for rows in [1, 4, 5, 17920, 151_936] {
             assert!(grid(rows) * WARPS >= rows && (grid(rows) - 1) * WARPS < rows);
         }
-        assert!(check_shape(QuantType::Q4K, 8, 1000, 1).is_err());
-        assert!(check_shape(QuantType::Q8_0, 8, 64, MAX_ROWS + 1).is_err());
-        assert!(check_shape(QuantType::Q8_0, 8, 64, 0).is_err());
-        assert!(check_shape(QuantType::Q6K, 8, 512, MAX_ROWS).is_ok());
+        assert!(check_shape(QuantType::Q4K.into(), 8, 1000, 1).is_err());
+        assert!(check_shape(QuantType::Q8_0.into(), 8, 64, MAX_ROWS + 1).is_err());
+        assert!(check_shape(QuantType::Q8_0.into(), 8, 64, 0).is_err());
+        assert!(check_shape(QuantType::Q6K.into(), 8, 512, MAX_ROWS).is_ok());
+        assert!(check_shape(GemvWeights::Bf16, 8, 12, 1).is_err());
+        assert!(check_shape(GemvWeights::Bf16, 8, 24, 1).is_ok());
+    }
+
+    // Qwen2-0.5B's geometry, shrunk: 14 q heads and 2 kv heads would be too slow to emulate
+    // whole, so 6 and 2 heads of 16 values keep GQA and several heads per role.
+    const HEADS: QkvHeads = QkvHeads {
+        num_heads: 6,
+        num_kv_heads: 2,
+        head_dim: 16,
+    };
+
+    #[test]
+    fn the_qkv_pairs_cover_every_row_once_and_land_where_the_layout_puts_them() {
+        let d = HEADS.head_dim;
+        let half = d / 2;
+        // One part of every head (a bf16 matrix), and the q | k | v parts of a packed one.
+        let whole = [(0, HEADS.total())];
+        let parts = [
+            (0, HEADS.num_heads),
+            (HEADS.num_heads, HEADS.num_kv_heads),
+            (HEADS.num_heads + HEADS.num_kv_heads, HEADS.num_kv_heads),
+        ];
+        for split in [&whole[..], &parts[..]] {
+            let mut seen = vec![0u8; HEADS.total() * d];
+            for &(head0, heads) in split {
+                assert!(qkv_grid(heads, d) * WARPS >= qkv_pairs(heads, d));
+                for p in 0..qkv_pairs(heads, d) {
+                    let pair = qkv_pair(HEADS, head0, p);
+                    for row in [pair.lo_row, pair.lo_row + half] {
+                        // Row `row` of the part is row head0·d + row of the fused matrix.
+                        let global = head0 * d + row;
+                        seen[global] += 1;
+                        let (q_len, kv_len) = (HEADS.num_heads * d, HEADS.num_kv_heads * d);
+                        let (role, col) = if global < q_len {
+                            (HeadRole::Q, global)
+                        } else if global < q_len + kv_len {
+                            (HeadRole::K, global - q_len)
+                        } else {
+                            (HeadRole::V, global - q_len - kv_len)
+                        };
+                        assert_eq!(pair.role, role, "head0 {head0} pair {p}");
+                        let at = if row == pair.lo_row { 0 } else { half };
+                        assert_eq!(pair.col + at, col, "head0 {head0} pair {p}");
+                        assert_eq!(pair.bias + at, global, "head0 {head0} pair {p}");
+                    }
+                    // The pair is the two values RoPE mixes: j and j + half of one head.
+                    assert!(pair.lo_row % d < half);
+                }
+            }
+            assert!(seen.iter().all(|&s| s == 1));
+        }
+    }
+
+    /// qkv.cu's loops, over the whole rounded product `[n, total·d]`.
+    fn unfused_qkv(
+        qkv: &[f32],
+        n: usize,
+        tokens: QkvTokens<'_>,
+        round: fn(f32) -> f32,
+        out: &mut QkvOut,
+    ) {
+        let d = HEADS.head_dim;
+        let half = d / 2;
+        let (q_len, kv_len) = (HEADS.num_heads * d, HEADS.num_kv_heads * d);
+        let row_len = q_len + 2 * kv_len;
+        let max_positions = tokens.cos_sin.len() / d;
+        let num_slots = out.k_cache.len() / kv_len;
+        for t in 0..n {
+            let row = &qkv[t * row_len..][..row_len];
+            let biased = |i: usize| row[i] + tokens.bias.map_or(0.0, |b| b[i]);
+            let pos = tokens.positions[t];
+            let rotate = pos >= 0 && (pos as usize) < max_positions;
+            let rot = |i: usize, lo: f32, hi: f32| {
+                if !rotate {
+                    return (lo, hi);
+                }
+                let cs = &tokens.cos_sin[pos as usize * d..][..d];
+                let (c, s) = (cs[i % d], cs[half + i % d]);
+                (lo * c - hi * s, hi * c + lo * s)
+            };
+            for h in 0..HEADS.num_heads {
+                for j in 0..half {
+                    let i = h * d + j;
+                    let (lo, hi) = rot(i, biased(i), biased(i + half));
+                    out.q[t * q_len + i] = round(lo);
+                    out.q[t * q_len + i + half] = round(hi);
+                }
+            }
+            let slot = tokens.slots[t];
+            if slot < 0 || slot as usize >= num_slots {
+                continue;
+            }
+            let at = slot as usize * kv_len;
+            for h in 0..HEADS.num_kv_heads {
+                for j in 0..half {
+                    let i = h * d + j;
+                    let (lo, hi) = rot(i, biased(q_len + i), biased(q_len + i + half));
+                    out.k_cache[at + i] = round(lo);
+                    out.k_cache[at + i + half] = round(hi);
+                }
+            }
+            for i in 0..kv_len {
+                out.v_cache[at + i] = round(biased(q_len + kv_len + i));
+            }
+        }
+    }
+
+    #[test]
+    fn the_emulated_fused_qkv_is_the_gemv_then_qkv_cu() {
+        let d = HEADS.head_dim;
+        let (k, n, max_positions, num_slots) = (256, 5, 40, 9);
+        let rows = HEADS.total() * d;
+        let bias = wave(rows, 4);
+        let cos_sin = wave(max_positions * d, 5);
+        // A padding token (slot −1), one past the pool, one outside the RoPE table.
+        let positions = [3, 0, 39, 40, 17];
+        let slots = [4, 0, -1, 8, 9];
+        let round_bf16: fn(f32) -> f32 = |v| bf16::from_f32(v).to_f32();
+        let round_f32: fn(f32) -> f32 = |v| v;
+        let x: Vec<bf16> = wave(n * k, 6).into_iter().map(bf16::from_f32).collect();
+        for weights in [
+            GemvWeights::Bf16,
+            QuantType::Q8_0.into(),
+            QuantType::Q4K.into(),
+        ] {
+            for round in [round_bf16, round_f32] {
+                for with_bias in [true, false] {
+                    let tokens = QkvTokens {
+                        bias: with_bias.then_some(&bias[..]),
+                        positions: &positions,
+                        slots: &slots,
+                        cos_sin: &cos_sin,
+                    };
+                    let (raw, _) = matrix(weights, rows, k, 7);
+                    let empty = QkvOut {
+                        q: vec![-7.0; n * HEADS.num_heads * d],
+                        k_cache: vec![-7.0; num_slots * HEADS.num_kv_heads * d],
+                        v_cache: vec![-7.0; num_slots * HEADS.num_kv_heads * d],
+                    };
+                    let mut want = empty.clone();
+                    let product: Vec<f32> = emulate(weights, &raw, rows, k, &x, n)
+                        .into_iter()
+                        .map(round)
+                        .collect();
+                    unfused_qkv(&product, n, tokens, round, &mut want);
+                    // The q | k | v parts, as a packed checkpoint's three tensors.
+                    let mut got = empty;
+                    let row_bytes = weights.row_bytes(k);
+                    for (head0, heads) in [(0, 6), (6, 2), (8, 2)] {
+                        let part = &raw[head0 * d * row_bytes..(head0 + heads) * d * row_bytes];
+                        emulate_qkv(
+                            weights,
+                            part,
+                            HEADS,
+                            (head0, heads),
+                            k,
+                            &x,
+                            n,
+                            tokens,
+                            round,
+                            &mut got,
+                        );
+                    }
+                    assert_eq!(got, want, "{weights:?} bias {with_bias}");
+                    // Only the slots of real tokens are written (not −1, not 9 past the pool).
+                    let kv_row = HEADS.num_kv_heads * d;
+                    for slot in 0..num_slots {
+                        let written = got.v_cache[slot * kv_row..][..kv_row]
+                            .iter()
+                            .all(|&v| v != -7.0);
+                        assert_eq!(written, [4, 0, 8].contains(&slot), "slot {slot}");
+                    }
+                }
+            }
+        }
     }
 }

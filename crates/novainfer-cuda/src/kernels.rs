@@ -8,6 +8,7 @@
 //! test finds each one in the compiled binary.
 
 use crate::error::{CudaError, Result};
+use crate::gemv_plan::{GemvEpilogue, GemvWeights};
 
 /// The shared header every kernel includes.
 pub const COMMON_HEADER: &str = include_str!("../../../kernels/common.cuh");
@@ -125,12 +126,6 @@ pub const DTYPED_ENTRIES: &[(KernelSource, &str)] = &[
     (GATHER, "gather_rows"),
     (LORA, "lora_shrink"),
     (LORA, "lora_expand"),
-    // The suffix is the output dtype; the activations are bf16 in both.
-    (GEMV_QUANT, "gemv_q4_k"),
-    (GEMV_QUANT, "gemv_q5_0"),
-    (GEMV_QUANT, "gemv_q6_k"),
-    (GEMV_QUANT, "gemv_q8_0"),
-    (GEMV_QUANT, "gemv_int4"),
 ];
 
 /// The attention kernels' phases: `paged_attention_<phase>_<dtype>_hd<head_dim>`.
@@ -163,6 +158,13 @@ pub fn entry_points() -> Vec<(KernelSource, String)> {
     for dtype in DtypeKind::ALL {
         for (kernel, base) in DTYPED_ENTRIES {
             out.push((*kernel, dtyped_entry(base, dtype)));
+        }
+        // The suffix is the output dtype; the activations are bf16 in every GEMV.
+        for epilogue in GemvEpilogue::ALL {
+            for weights in GemvWeights::ALL {
+                let base = epilogue.entry_base(weights);
+                out.push((GEMV_QUANT, dtyped_entry(&base, dtype)));
+            }
         }
         for &hd in dtype.attention_head_dims() {
             for phase in ATTENTION_PHASES {
@@ -255,6 +257,14 @@ mod tests {
         assert!(names.contains(&"paged_attention_merge_bf16_hd256".to_owned()));
         assert!(names.contains(&"paged_attention_decode_grouped_bf16_hd64".to_owned()));
         assert!(names.contains(&"qkv_bias_rope_cache_bf16".to_owned()));
+        for name in [
+            "gemv_q4_k_f32",
+            "gemv_bf16w_bf16",
+            "gemv_silu_int4_bf16",
+            "gemv_qkv_q6_k_f32",
+        ] {
+            assert!(names.contains(&name.to_owned()), "{name}");
+        }
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! The quantized block formats the device runs, shared by the launchers (`ops::dequant`,
-//! `ops::gemv_quant`) and the CPU twins, which build without CUDA: the GGUF types of the demo
+//! `ops::gemv_quant`, `gemv_plan::GemvWeights`) and the CPU twins, which build without CUDA: the GGUF types of the demo
 //! models, and AWQ/GPTQ grouped int4 (`novainfer_model::int4`'s blocks: an f32 scale, a u8
 //! zero point and 128 nibbles).
 
@@ -68,17 +68,6 @@ impl QuantType {
             QuantType::Q6K => "embed_q6_k",
             QuantType::Q8_0 => "embed_q8_0",
             QuantType::Int4 => "embed_int4",
-        }
-    }
-
-    /// The packed-GEMV entry point's name without its dtype suffix (`kernels/gemv_quant.cu`).
-    pub fn gemv_base(self) -> &'static str {
-        match self {
-            QuantType::Q4K => "gemv_q4_k",
-            QuantType::Q5_0 => "gemv_q5_0",
-            QuantType::Q6K => "gemv_q6_k",
-            QuantType::Q8_0 => "gemv_q8_0",
-            QuantType::Int4 => "gemv_int4",
         }
     }
 }

@@ -13,6 +13,7 @@ use cudarc::nvrtc::Ptx;
 use crate::cache::KernelCache;
 use crate::context::{cached_cubin, driver_named};
 use crate::error::Result;
+use crate::gemv_plan::{GemvEpilogue, GemvWeights};
 use crate::kernels::{self, attention_entry, dtyped_entry, DtypeKind, KernelSource, KERNELS};
 use crate::ops::dequant::QuantType;
 use crate::ops::{Dtype, PerDtype};
@@ -50,8 +51,9 @@ pub(crate) struct KernelTable {
     pub dequant: [PerDtype<CudaFunction>; 5],
     /// Indexed by [`QuantType::index`]: token rows of a packed table.
     pub embed: [PerDtype<CudaFunction>; 5],
-    /// Indexed by [`QuantType::index`]; by output dtype (the input is bf16).
-    pub gemv: [PerDtype<CudaFunction>; 5],
+    /// Indexed by [`GemvEpilogue`] then [`GemvWeights::index`]; by output dtype (the input is
+    /// bf16).
+    gemv: [[PerDtype<CudaFunction>; 6]; 3],
     attention: PerDtype<[Option<AttentionFns>; 3]>,
     /// `flash_prefill_bf16_hd<d>` for d in [`kernels::FLASH_PREFILL_HEAD_DIMS`], in order.
     flash_prefill: [CudaFunction; 2],
@@ -68,7 +70,18 @@ impl KernelTable {
             })
         };
         let dequant = |q: QuantType| per(&kernels::DEQUANT, q.kernel_base());
-        let gemv = |q: QuantType| per(&kernels::GEMV_QUANT, q.gemv_base());
+        let gemv = |e: GemvEpilogue| -> Result<[PerDtype<CudaFunction>; 6]> {
+            let per_format = |w: GemvWeights| per(&kernels::GEMV_QUANT, &e.entry_base(w));
+            let all = GemvWeights::ALL;
+            Ok([
+                per_format(all[0])?,
+                per_format(all[1])?,
+                per_format(all[2])?,
+                per_format(all[3])?,
+                per_format(all[4])?,
+                per_format(all[5])?,
+            ])
+        };
         let embed = |q: QuantType| per(&kernels::DEQUANT, q.embed_base());
         Ok(Self {
             embedding: per(&kernels::EMBEDDING, "embedding_gather")?,
@@ -101,11 +114,9 @@ impl KernelTable {
                 embed(QuantType::ALL[4])?,
             ],
             gemv: [
-                gemv(QuantType::ALL[0])?,
-                gemv(QuantType::ALL[1])?,
-                gemv(QuantType::ALL[2])?,
-                gemv(QuantType::ALL[3])?,
-                gemv(QuantType::ALL[4])?,
+                gemv(GemvEpilogue::ALL[0])?,
+                gemv(GemvEpilogue::ALL[1])?,
+                gemv(GemvEpilogue::ALL[2])?,
             ],
             attention: PerDtype {
                 f32: loader.attention(DtypeKind::F32)?,
@@ -128,6 +139,11 @@ impl KernelTable {
     pub fn attention<T: Dtype>(&self, head_dim: usize) -> Option<&AttentionFns> {
         let slot = ATTENTION_DIMS.iter().position(|&d| d == head_dim)?;
         self.attention.get::<T>()[slot].as_ref()
+    }
+
+    /// The GEMV with `epilogue` over `weights`.
+    pub fn gemv(&self, epilogue: GemvEpilogue, weights: GemvWeights) -> &PerDtype<CudaFunction> {
+        &self.gemv[epilogue.index()][weights.index()]
     }
 
     /// The tensor-core prefill kernel for `head_dim` (bf16 only), if instantiated.

@@ -11,8 +11,9 @@ mod common;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use common::host::{assert_close, cast, down, up, zeros, Rng, TestDtype};
+use common::host::{assert_close, cast, down, gemv_matrix, up, zeros, Rng, TestDtype};
 use half::bf16;
+use novainfer_cuda::gemv_plan::GemvWeights;
 use novainfer_cuda::ops::dequant::{dequantize, QuantType};
 use novainfer_cuda::ops::embedding::{embedding, EmbeddingShape};
 use novainfer_cuda::ops::paged_attention::{
@@ -550,34 +551,17 @@ fn dequant_matches_candle() {
     dequant_body::<bf16>(&gpu);
 }
 
-/// The packed GEMV against its twin, bit for bit: every format, 1, 3 and 8 activation rows, f32
-/// and bf16 outputs written into columns of a wider row (a part of a fused matrix), columns
-/// outside left alone, k = 1536 (chunks not a multiple of the lanes) and 2304; and a row's
-/// result the same alone and in a batch. Fresh random weights (candle-quantized) every run.
+/// The GEMV against its twin, bit for bit: every format (packed and bf16), 1, 3 and 8
+/// activation rows, f32 and bf16 outputs written into columns of a wider row (a part of a fused
+/// matrix's output), columns outside left alone, k = 1536 (chunks not a multiple of the lanes)
+/// and 2304; and a row's result the same alone and in a batch. Fresh random weights every run.
 fn gemv_body<T: TestDtype>(gpu: &GpuContext, seed: u64) {
     use novainfer_cuda::gemv_plan::emulate;
-    use novainfer_cuda::ops::gemv_quant::{gemv_quant, OutColumns};
+    use novainfer_cuda::ops::gemv_quant::{gemv, OutColumns};
     let mut rng = Rng(seed);
-    for (ggml, qtype) in [
-        (Some(GgmlDType::Q4K), QuantType::Q4K),
-        (Some(GgmlDType::Q5_0), QuantType::Q5_0),
-        (Some(GgmlDType::Q6K), QuantType::Q6K),
-        (Some(GgmlDType::Q8_0), QuantType::Q8_0),
-        (None, QuantType::Int4),
-    ] {
+    for weights in GemvWeights::ALL {
         for (rows, k) in [(37, 1536), (64, 2304)] {
-            let values = rng.vec(rows * k, 1.0);
-            let raw = match ggml {
-                Some(ggml) => {
-                    let t = Tensor::from_vec(values, (rows, k), &Device::Cpu).expect("t");
-                    let q = QTensor::quantize(&t, ggml).expect("quantize");
-                    q.data().expect("raw").to_vec()
-                }
-                None => novainfer_model::int4::GroupedInt4::quantize(rows, k, &values)
-                    .expect("int4")
-                    .blocks()
-                    .to_vec(),
-            };
+            let raw = gemv_matrix(weights, rows, k, &mut rng);
             let w = up(gpu, &raw);
             for n in [1, 3, 8] {
                 let x: Vec<bf16> = rng
@@ -585,7 +569,7 @@ fn gemv_body<T: TestDtype>(gpu: &GpuContext, seed: u64) {
                     .into_iter()
                     .map(bf16::from_f32)
                     .collect();
-                let want = emulate(qtype, &raw, rows, k, &x, n);
+                let want = emulate(weights, &raw, rows, k, &x, n);
                 let out = OutColumns {
                     ld: rows + 11,
                     col0: 5,
@@ -593,9 +577,9 @@ fn gemv_body<T: TestDtype>(gpu: &GpuContext, seed: u64) {
                 let sentinel = T::from_f32(-7.0);
                 let mut y = up(gpu, &vec![sentinel; n * out.ld]);
                 let xd = up(gpu, &x);
-                gemv_quant(
+                gemv(
                     gpu,
-                    qtype,
+                    weights,
                     &w.as_view(),
                     rows,
                     k,
@@ -617,7 +601,7 @@ fn gemv_body<T: TestDtype>(gpu: &GpuContext, seed: u64) {
                         assert_eq!(
                             g.to_bits(),
                             expected.to_bits(),
-                            "{qtype:?} k={k} n={n} ({r}, {c})"
+                            "{weights:?} k={k} n={n} ({r}, {c})"
                         );
                     }
                 }
@@ -704,14 +688,14 @@ fn embed_quant_matches_the_expanded_table() {
 }
 
 #[test]
-fn gemv_quant_matches_the_twin_bit_for_bit() {
-    let Some(gpu) = common::gpu_or_skip("gemv_quant") else {
+fn gemv_matches_the_twin_bit_for_bit() {
+    let Some(gpu) = common::gpu_or_skip("gemv") else {
         return;
     };
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(1, |d| d.as_nanos() as u64);
-    println!("gemv_quant: seed {seed}");
+    println!("gemv: seed {seed}");
     gemv_body::<f32>(&gpu, seed);
     gemv_body::<bf16>(&gpu, seed ^ 0x9E37);
 }

@@ -1,8 +1,12 @@
 //! Host-side helpers of the parity tests: a seeded RNG, upload/download, dtype casts and
 //! the tolerance check.
 
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
 use half::bf16;
 use novainfer_cuda::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+use novainfer_cuda::gemv_plan::GemvWeights;
+use novainfer_cuda::ops::dequant::QuantType;
 use novainfer_cuda::ops::Dtype;
 use novainfer_cuda::GpuContext;
 
@@ -83,4 +87,31 @@ pub fn assert_close<T: TestDtype>(op: &str, gpu: &[T], cpu: &[f32]) {
             T::KIND.suffix()
         );
     }
+}
+
+/// `rows` rows of `k` random values in `weights`' format (candle-quantized; int4 by
+/// `GroupedInt4`; bf16 rounded), as the raw bytes the GEMV reads.
+pub fn gemv_matrix(weights: GemvWeights, rows: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
+    let values = rng.vec(rows * k, 1.0);
+    let ggml = match weights {
+        GemvWeights::Bf16 => {
+            return values
+                .iter()
+                .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+                .collect()
+        }
+        GemvWeights::Packed(QuantType::Int4) => {
+            return novainfer_model::int4::GroupedInt4::quantize(rows, k, &values)
+                .expect("int4")
+                .blocks()
+                .to_vec()
+        }
+        GemvWeights::Packed(QuantType::Q4K) => GgmlDType::Q4K,
+        GemvWeights::Packed(QuantType::Q5_0) => GgmlDType::Q5_0,
+        GemvWeights::Packed(QuantType::Q6K) => GgmlDType::Q6K,
+        GemvWeights::Packed(QuantType::Q8_0) => GgmlDType::Q8_0,
+    };
+    let t = Tensor::from_vec(values, (rows, k), &Device::Cpu).expect("t");
+    let q = QTensor::quantize(&t, ggml).expect("quantize");
+    q.data().expect("raw").to_vec()
 }
