@@ -23,6 +23,7 @@ use crate::gpu_weight_dtype::GpuWeightDtype;
 use crate::layers::ops::normalize_l2;
 use crate::loader::OpenedCheckpoint;
 use crate::prepare::graph::{replay_step, route, CudaGraphs, StepRoute};
+use crate::prepare::linear::DecodeLinear;
 use crate::prepare::{HostModelReader, PackedStep, StepCapacity, StepLayout};
 use crate::qwen2::{DtypeChoice, LoadOptions};
 
@@ -40,6 +41,7 @@ pub struct CudaWeights {
     masks: MaskBuffers,
     limits: StepLimits,
     graph_mode: CudaGraphs,
+    decode_linear: DecodeLinear,
 }
 
 impl CudaWeights {
@@ -59,6 +61,8 @@ impl CudaWeights {
                 format!("max_num_batched_tokens, max_num_seqs and max_seq_len must be positive, got {limits:?}"),
             ));
         }
+        // Read before anything is loaded: a misspelt choice fails fast.
+        let decode_linear = DecodeLinear::from_env()?;
         let gpu = GpuContext::new(ordinal).map_err(|e| cuda_error(device, e))?;
         let err = |e| cuda_error(device, e);
         let model = GpuModel::load(
@@ -98,7 +102,7 @@ impl CudaWeights {
         // freed upload buffers are back with the driver before memory is measured.
         gpu.synchronize().map_err(err)?;
         if let Ok((free, total)) = gpu.mem_info() {
-            tracing::info!(%device, free_mib = free >> 20, total_mib = total >> 20, "weights and buffers on the GPU");
+            tracing::info!(%device, free_mib = free >> 20, total_mib = total >> 20, ?decode_linear, "weights and buffers on the GPU");
         }
         Ok(Self {
             gpu,
@@ -113,6 +117,7 @@ impl CudaWeights {
             masks,
             limits,
             graph_mode: opts.cuda_graphs,
+            decode_linear,
         })
     }
 }
@@ -258,6 +263,7 @@ impl CudaWeights {
             edits: &mut self.edits,
             masks: &mut self.masks,
             lora: None,
+            linear: self.decode_linear,
         }
     }
 }

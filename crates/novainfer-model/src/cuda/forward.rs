@@ -18,7 +18,10 @@ use novainfer_cuda::ops::embedding::{embedding, embedding_quant, EmbeddingShape}
 use novainfer_cuda::ops::flash_prefill::{prefill_attention, PrefillKernel};
 use novainfer_cuda::ops::gather::gather_rows;
 use novainfer_cuda::ops::gemm::{gemm_bf16, gemm_bf16_f32out, GemmShape};
-use novainfer_cuda::ops::gemv_quant::{gemv_quant, OutColumns, MAX_ROWS as GEMV_MAX_ROWS};
+use novainfer_cuda::ops::gemv_quant::{
+    gemv, gemv_qkv, gemv_silu_mul, GateUp, OutColumns, QkvHeads, QkvPart, QkvTokens,
+    MAX_ROWS as GEMV_MAX_ROWS,
+};
 use novainfer_cuda::ops::kv::KvCacheMut;
 use novainfer_cuda::ops::paged_attention::{
     decode_kernel_for, paged_attention_decode_with, AttentionConfig, DecodeScratch, PagedKv,
@@ -36,13 +39,14 @@ use super::buffers::{
     head, head_mut, Activations, EditBuffers, KvPool, MaskBuffers, Readback, StepBuffers, StepViews,
 };
 use super::lora::{LoraStep, Part};
-use super::weights::{GpuMatrix, GpuModel, MatrixData, PackedPart};
+use super::weights::{GpuLayer, GpuMatrix, GpuModel, MatrixData, PackedPart};
 use super::{cuda_error, driver_error};
 use crate::config::Qwen2Config;
 use crate::device::Device;
 use crate::error::Result;
 use crate::forward_batch::DrawnToken;
 use crate::lora::Target;
+use crate::prepare::linear::DecodeLinear;
 use crate::prepare::{MixedSteps, PackedStep, StepAttention};
 
 /// What a step returns for its sampled rows.
@@ -81,6 +85,8 @@ pub(crate) struct Step<'a> {
     pub masks: &'a mut MaskBuffers,
     /// The adapters' tables, in a step whose rows use adapters.
     pub lora: Option<LoraStep<'a>>,
+    /// How steps of a few rows run their linear layers.
+    pub linear: DecodeLinear,
 }
 
 impl Step<'_> {
@@ -112,6 +118,7 @@ impl Step<'_> {
             edits,
             masks,
             lora,
+            linear,
             ..
         } = self;
         let n = step.num_tokens();
@@ -145,6 +152,7 @@ impl Step<'_> {
             kv,
             scratch,
             lora,
+            linear,
         };
         body.layers(&views, n, attention)?;
         if rows == 0 {
@@ -194,6 +202,7 @@ pub(crate) struct Body<'b> {
     /// Each row's LoRA update after each projection (`None`: no row has an adapter; a
     /// captured graph never has one).
     pub lora: Option<LoraStep<'b>>,
+    pub linear: DecodeLinear,
 }
 
 impl Body<'_> {
@@ -213,6 +222,7 @@ impl Body<'_> {
             kv,
             scratch,
             lora,
+            linear,
         } = self;
         let gpu: &GpuContext = gpu;
         let (h, f, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
@@ -237,6 +247,14 @@ impl Body<'_> {
         // The legacy prefill kernel unless NOVAINFER_CUDA_PREFILL=flash: the tensor-core one
         // has not yet run on a GPU (novainfer_cuda::ops::flash_prefill).
         let prefill_kernel = PrefillKernel::from_env()?;
+        // Steps of a few rows (decode) may run every linear layer through the GEMV, with the
+        // next kernel fused into it (NOVAINFER_CUDA_DECODE_LINEAR=fused).
+        let fused = linear.fuses(n, lora.is_some());
+        let qkv_heads = QkvHeads {
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+        };
 
         let shape = EmbeddingShape {
             vocab_size: vocab,
@@ -272,16 +290,24 @@ impl Body<'_> {
                 let x = head(&act.proj, n * h, "proj")?;
                 add_rms_norm::<bf16>(gpu, &x, &mut residual, &weight, eps, &mut normed)?;
             }
-            let x = &act.normed;
-            gemm(
-                gpu,
-                x,
-                &layer.qkv,
-                n,
-                &mut act.qkv,
-                &mut act.expanded,
-                "qkv",
-            )?;
+            let pool = &mut kv.layers[index];
+            let fused_qkv = fused && {
+                let q = &mut act.q;
+                qkv_fused(gpu, rope, qkv_heads, layer, views, n, &act.normed, q, pool)?
+            };
+            if !fused_qkv {
+                let x = &act.normed;
+                gemm(
+                    gpu,
+                    x,
+                    &layer.qkv,
+                    n,
+                    &mut act.qkv,
+                    &mut act.expanded,
+                    "qkv",
+                    fused,
+                )?;
+            }
             if let Some(l) = lora.as_mut() {
                 let kv_dim = nkv * hd;
                 let parts = [
@@ -301,23 +327,24 @@ impl Body<'_> {
                     &parts,
                 )?;
             }
-            let pool = &mut kv.layers[index];
-            qkv_bias_rope_cache::<bf16>(
-                gpu,
-                rope,
-                heads,
-                QkvInput {
-                    qkv: head(&act.qkv, n * qkv_dim, "qkv")?,
-                    bias: Some(layer.qkv_bias.as_view()),
-                    positions: again(&views.positions),
-                    slot_mapping: again(&views.slot_mapping),
-                },
-                &mut head_mut(&mut act.q, n * q_dim, "q")?,
-                KvCacheMut {
-                    k: pool.k.as_view_mut(),
-                    v: pool.v.as_view_mut(),
-                },
-            )?;
+            if !fused_qkv {
+                qkv_bias_rope_cache::<bf16>(
+                    gpu,
+                    rope,
+                    heads,
+                    QkvInput {
+                        qkv: head(&act.qkv, n * qkv_dim, "qkv")?,
+                        bias: Some(layer.qkv_bias.as_view()),
+                        positions: again(&views.positions),
+                        slot_mapping: again(&views.slot_mapping),
+                    },
+                    &mut head_mut(&mut act.q, n * q_dim, "q")?,
+                    KvCacheMut {
+                        k: pool.k.as_view_mut(),
+                        v: pool.v.as_view_mut(),
+                    },
+                )?;
+            }
             let paged = PagedKv {
                 k_cache: pool.k.as_view(),
                 v_cache: pool.v.as_view(),
@@ -405,6 +432,7 @@ impl Body<'_> {
                 &mut act.proj,
                 &mut act.expanded,
                 "proj",
+                fused,
             )?;
             if let Some(l) = lora.as_mut() {
                 let parts = [Part::new(Target::O, 0, h)];
@@ -419,35 +447,39 @@ impl Body<'_> {
                 eps,
                 &mut head_mut(&mut act.normed, n * h, "normed")?,
             )?;
-            gemm(
-                gpu,
-                &act.normed,
-                &layer.gate_up,
-                n,
-                &mut act.gate_up,
-                &mut act.expanded,
-                "gate_up",
-            )?;
-            if let Some(l) = lora.as_mut() {
-                let parts = [Part::new(Target::Gate, 0, f), Part::new(Target::Up, f, f)];
-                let rows = &views.lora_rows;
-                l.apply(
+            let fused_mlp = fused && gate_up_fused(gpu, layer, n, &act.normed, &mut act.mlp)?;
+            if !fused_mlp {
+                gemm(
                     gpu,
-                    index,
-                    rows,
                     &act.normed,
-                    h,
+                    &layer.gate_up,
+                    n,
                     &mut act.gate_up,
-                    2 * f,
-                    &parts,
+                    &mut act.expanded,
+                    "gate_up",
+                    fused,
+                )?;
+                if let Some(l) = lora.as_mut() {
+                    let parts = [Part::new(Target::Gate, 0, f), Part::new(Target::Up, f, f)];
+                    let rows = &views.lora_rows;
+                    l.apply(
+                        gpu,
+                        index,
+                        rows,
+                        &act.normed,
+                        h,
+                        &mut act.gate_up,
+                        2 * f,
+                        &parts,
+                    )?;
+                }
+                silu_mul_fused::<bf16>(
+                    gpu,
+                    &head(&act.gate_up, n * 2 * f, "gate_up")?,
+                    f,
+                    &mut head_mut(&mut act.mlp, n * f, "mlp")?,
                 )?;
             }
-            silu_mul_fused::<bf16>(
-                gpu,
-                &head(&act.gate_up, n * 2 * f, "gate_up")?,
-                f,
-                &mut head_mut(&mut act.mlp, n * f, "mlp")?,
-            )?;
             let x = &act.mlp;
             gemm(
                 gpu,
@@ -457,6 +489,7 @@ impl Body<'_> {
                 &mut act.proj,
                 &mut act.expanded,
                 "proj",
+                fused,
             )?;
             if let Some(l) = lora.as_mut() {
                 let parts = [Part::new(Target::Down, 0, h)];
@@ -517,8 +550,8 @@ impl Body<'_> {
         };
         match &lm_head.data {
             MatrixData::Bf16(w) => gemm_bf16_f32out(self.gpu, &x, &w.as_view(), shape, &mut y)?,
-            MatrixData::Packed(parts) if rows <= GEMV_MAX_ROWS => {
-                gemv_parts(self.gpu, parts, lm_head, &x, rows, &mut y)?
+            MatrixData::Packed(_) if rows <= GEMV_MAX_ROWS => {
+                gemv_runs(self.gpu, lm_head, &x, rows, &mut y)?
             }
             MatrixData::Packed(parts) => {
                 let w = expand(self.gpu, parts, lm_head, &mut act.expanded)?;
@@ -720,7 +753,9 @@ fn drawn_tokens(step: &PackedStep, readback: &Readback) -> Result<Vec<DrawnToken
 
 /// `y[..n] = x[..n] · Wᵀ` over the first `n` rows of the activation buffers. A packed matrix
 /// is multiplied in place by steps of up to [`GEMV_MAX_ROWS`] rows, and expanded into
-/// `expanded` for cuBLAS by larger ones.
+/// `expanded` for cuBLAS by larger ones; a bf16 one goes to cuBLAS, or with `gemv_bf16` (the
+/// fused decode path) to the GEMV too for steps it takes.
+#[allow(clippy::too_many_arguments)]
 fn gemm(
     gpu: &GpuContext,
     x: &CudaSlice<bf16>,
@@ -729,6 +764,7 @@ fn gemm(
     y: &mut CudaSlice<bf16>,
     expanded: &mut CudaSlice<bf16>,
     what: &str,
+    gemv_bf16: bool,
 ) -> Result<(), Failure> {
     let x = head(x, n * w.cols, "gemm input")?;
     let mut y = head_mut(y, n * w.rows, what)?;
@@ -738,10 +774,11 @@ fn gemm(
         k: w.cols,
     };
     match &w.data {
-        MatrixData::Bf16(data) => gemm_bf16(gpu, &x, &data.as_view(), shape, &mut y)?,
-        MatrixData::Packed(parts) if n <= GEMV_MAX_ROWS => {
-            gemv_parts(gpu, parts, w, &x, n, &mut y)?
+        MatrixData::Bf16(data) if !gemv_bf16 || n > GEMV_MAX_ROWS => {
+            gemm_bf16(gpu, &x, &data.as_view(), shape, &mut y)?
         }
+        _ if n <= GEMV_MAX_ROWS => gemv_runs(gpu, w, &x, n, &mut y)?,
+        MatrixData::Bf16(data) => gemm_bf16(gpu, &x, &data.as_view(), shape, &mut y)?,
         MatrixData::Packed(parts) => {
             let data = expand(gpu, parts, w, expanded)?;
             gemm_bf16(gpu, &x, &data, shape, &mut y)?
@@ -750,33 +787,96 @@ fn gemm(
     Ok(())
 }
 
-/// Each part's rows of `x · Wᵀ` by the packed GEMV, into its columns of `y` (`[n, w.rows]`).
-fn gemv_parts<T: novainfer_cuda::ops::Dtype>(
+/// Each run's rows of `x · Wᵀ` by the GEMV, into its columns of `y` (`[n, w.rows]`).
+fn gemv_runs<T: novainfer_cuda::ops::Dtype>(
     gpu: &GpuContext,
-    parts: &[PackedPart],
     w: &GpuMatrix,
     x: &CudaView<'_, bf16>,
     n: usize,
     y: &mut CudaViewMut<'_, T>,
 ) -> Result<(), Failure> {
-    for p in parts {
+    for run in w.runs() {
         let out = OutColumns {
             ld: w.rows,
-            col0: p.row0,
+            col0: run.row0,
         };
-        gemv_quant(
-            gpu,
-            p.qtype,
-            &p.blocks.as_view(),
-            p.rows,
-            w.cols,
-            x,
-            n,
-            y,
-            out,
-        )?;
+        gemv(gpu, run.weights, &run.bytes, run.rows, w.cols, x, n, y, out)?;
     }
     Ok(())
+}
+
+/// The layer's QKV projection with bias, RoPE and the cache write in the GEMV's epilogue (a
+/// launch per run of rows: one for a bf16 matrix, q, k and v for a packed one). `false`, and
+/// nothing launched, when a run does not cover whole heads.
+#[allow(clippy::too_many_arguments)]
+fn qkv_fused(
+    gpu: &GpuContext,
+    rope: &RopeTable,
+    heads: QkvHeads,
+    layer: &GpuLayer,
+    views: &StepViews<'_>,
+    n: usize,
+    x: &CudaSlice<bf16>,
+    q: &mut CudaSlice<bf16>,
+    pool: &mut super::buffers::LayerKv,
+) -> Result<bool, Failure> {
+    let hd = heads.head_dim;
+    let w = &layer.qkv;
+    if w.runs().any(|r| r.row0 % hd != 0 || r.rows % hd != 0) {
+        return Ok(false);
+    }
+    let x = head(x, n * w.cols, "qkv input")?;
+    let tokens = QkvTokens {
+        bias: Some(layer.qkv_bias.as_view()),
+        positions: again(&views.positions),
+        slot_mapping: again(&views.slot_mapping),
+    };
+    let mut q = head_mut(q, n * heads.num_heads * hd, "q")?;
+    for run in w.runs() {
+        let part = QkvPart {
+            weights: run.weights,
+            w: run.bytes,
+            head0: run.row0 / hd,
+            heads: run.rows / hd,
+        };
+        let cache = KvCacheMut {
+            k: pool.k.as_view_mut(),
+            v: pool.v.as_view_mut(),
+        };
+        gemv_qkv::<bf16>(gpu, rope, heads, &part, w.cols, &x, &tokens, &mut q, cache)?;
+    }
+    Ok(true)
+}
+
+/// `mlp = silu(x · W_gateᵀ) · (x · W_upᵀ)` in one launch. `false`, and nothing launched, when
+/// gate and up are not each in one run of one format.
+fn gate_up_fused(
+    gpu: &GpuContext,
+    layer: &GpuLayer,
+    n: usize,
+    x: &CudaSlice<bf16>,
+    mlp: &mut CudaSlice<bf16>,
+) -> Result<bool, Failure> {
+    let w = &layer.gate_up;
+    let f = w.rows / 2;
+    let (Some((weights, gate)), Some((up_weights, up))) =
+        (w.rows_in_one_run(0..f), w.rows_in_one_run(f..2 * f))
+    else {
+        return Ok(false);
+    };
+    if weights != up_weights {
+        return Ok(false);
+    }
+    let x = head(x, n * w.cols, "gate_up input")?;
+    let w = GateUp {
+        weights,
+        gate,
+        up,
+        f,
+    };
+    let k = layer.gate_up.cols;
+    gemv_silu_mul::<bf16>(gpu, &w, k, &x, n, &mut head_mut(mlp, n * f, "mlp")?)?;
+    Ok(true)
 }
 
 /// `w` expanded to bf16 in the first `rows · cols` values of `scratch` (each part by the load

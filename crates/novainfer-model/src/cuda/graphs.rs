@@ -126,6 +126,7 @@ impl GraphOps for Runner<'_> {
             kv: &mut *s.kv,
             scratch: &mut *s.scratch,
             lora: None,
+            linear: s.linear,
         };
         let attention = Attention::Decode {
             max_seq_len: self.graphs.max_seq_len,

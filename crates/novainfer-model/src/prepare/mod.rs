@@ -13,6 +13,7 @@
 
 pub mod dequant;
 pub mod graph;
+pub mod linear;
 pub mod matrix;
 pub mod reader;
 pub mod step;
