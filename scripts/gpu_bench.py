@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -445,13 +446,23 @@ STEPS: dict[str, tuple[tuple[str, ...], float]] = {
     "profile_b64": (("profile b64 (128+32)",), 30),
     "workload": (("256 req U[100,1024]",), 60),
 }
-# A step named `<step>_async` is `<step>` on an engine with `async_scheduling=True`, its rows marked so; a child runs
-# either kind of step only, on an engine of that kind.
+# A step named `<step><suffix>` is `<step>` on an engine variant, its rows marked with the variant's label: `_async`
+# on an engine with `async_scheduling=True`, `_fused` with NOVAINFER_CUDA_DECODE_LINEAR=fused (decode steps' linear
+# layers through the GEMV with the next kernel in its epilogue). A child runs steps of one variant only, on an engine
+# of that variant.
 ASYNC = "_async"
-STEPS.update({
-    step + ASYNC: (tuple(f"{point} async" for point in STEPS[step][0]), STEPS[step][1])
-    for step in ("decode_b1", "profile_b1", "batched_64")
-})
+FUSED = "_fused"
+VARIANTS: dict[str, str] = {ASYNC: "async", FUSED: "fused"}
+for _suffix, _steps in ((ASYNC, ("decode_b1", "profile_b1", "batched_64")), (FUSED, ("decode_b1", "profile_b1"))):
+    STEPS.update({
+        step + _suffix: (tuple(f"{point} {VARIANTS[_suffix]}" for point in STEPS[step][0]), STEPS[step][1])
+        for step in _steps
+    })
+
+
+def variant_of(step: str) -> str:
+    """The variant suffix a step name ends with, or "" for the default engine."""
+    return next((suffix for suffix in VARIANTS if step.endswith(suffix)), "")
 # Child runs in order of priority: (shape, steps, most seconds it may take once its checkpoint is there).
 # nano-vllm's workload is the longest and least predictable point, so it runs last, in a run of its own.
 GROUPS: tuple[tuple[str, tuple[str, ...], float], ...] = (
@@ -459,7 +470,10 @@ GROUPS: tuple[tuple[str, tuple[str, ...], float], ...] = (
     ("0.5b", ("decode_b1", "profile_b1", "profile_b64", "depth_4096", "batched_16", "batched_64"), 180),
     # The same points with the step ahead scheduled while the GPU runs (issue 31's GPU-busy fraction).
     ("0.5b", ("decode_b1" + ASYNC, "profile_b1" + ASYNC, "batched_64" + ASYNC), 120),
+    # Decode with the fused GEMVs: the rate, and the device events (launches) per step against profile_b1's.
+    ("0.5b", ("decode_b1" + FUSED, "profile_b1" + FUSED), 90),
     ("1.5b", ("decode_b1", "depth_4096", "batched_16", "batched_64"), 150),
+    ("1.5b", ("decode_b1" + FUSED,), 60),
     ("7b", ("decode_b1", "batched_64"), 150),
     ("0.5b", ("workload",), 240),
 )
@@ -541,7 +555,7 @@ def _run_step(step: str, llm, shape: str, config: dict, bandwidth: float) -> lis
     from novainfer.bench import bench_batched, bench_latency
 
     names = STEPS[step][0]
-    step = step.removesuffix(ASYNC)
+    step = step.removesuffix(variant_of(step))
     if step == "decode_b1":
         decode = max(bench_latency(llm, 128, 256)[1] for _ in range(3))
         return [_row(shape, names[0], decode, decode_limit(bandwidth, config, 1, 128 + 128), "best of 3")]
@@ -598,12 +612,17 @@ def child_main(
     """Load one synthetic checkpoint on `device` and run `steps` before `deadline` (time.time()), printing one
     RESULT line per row. Returns 1 if anything failed (a step stopped at the deadline is not a failure).
     `device="cpu"` is for testing this on a machine without a GPU (a small KV pool instead of 16 GiB). Steps named
-    `..._async` run on an engine with `async_scheduling=True`; a child runs steps of one kind only."""
+    `..._async` run on an engine with `async_scheduling=True`, `..._fused` with the fused decode GEMVs (an environment
+    variable, so this process's engine only: a child runs steps of one variant)."""
     import signal
 
-    async_scheduling = {step.endswith(ASYNC) for step in steps}
-    if len(async_scheduling) > 1:
-        raise ValueError(f"steps {steps} mix async and in-order scheduling: give each kind a child of its own")
+    variants = {variant_of(step) for step in steps}
+    if len(variants) > 1:
+        names = sorted(VARIANTS.get(v, "default") for v in variants)
+        raise ValueError(f"steps {steps} mix {' and '.join(names)} engines: give each variant a child of its own")
+    variant = variants.pop() if variants else ""
+    if variant == FUSED:
+        os.environ["NOVAINFER_CUDA_DECODE_LINEAR"] = "fused"
 
     planned = planned_rows(shape, steps)
     config = json.loads((model_dir / "config.json").read_text())
@@ -624,7 +643,7 @@ def child_main(
         on_gpu = device.startswith("cuda")
         llm = LLM(model_dir, device=device, max_num_seqs=256, max_num_batched_tokens=8192,
                   kv_cache_bytes=KV_CACHE_BYTES if on_gpu else 256 << 20, max_model_len=MAX_MODEL_LEN,
-                  async_scheduling=async_scheduling == {True})
+                  async_scheduling=variant == ASYNC)
         assert llm.device.startswith(device), (llm.device, device)
         loaded = time.perf_counter() - start
         bench_latency(llm, 128, 16)  # warm-up: kernels loaded, pool touched

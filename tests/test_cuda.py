@@ -312,6 +312,44 @@ def test_native_gguf_weights_follow_the_bf16_expansion(gpu, gpu_models, variant)
     assert bytes_native < 0.6 * bytes_bf16, (bytes_native, bytes_bf16)
 
 
+def test_fused_decode_linears_follow_the_separate_ones(gpu, gpu_models, monkeypatch):
+    # NOVAINFER_CUDA_DECODE_LINEAR=fused: steps of up to 8 rows run every linear layer through the GEMV
+    # (kernels/gemv_quant.cu), the QKV bias, RoPE and cache write and the gate/up SiLU·mul in its epilogue. With
+    # packed weights the separate path runs the same GEMV and the epilogue rounds as its stores do: the same
+    # tokens and logprobs exactly. With bf16 weights the GEMV replaces cuBLAS (another order of summation):
+    # tokens follow within near-ties. Decode graphs capture the fused path too (buckets up to 8 rows).
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=1, ignore_eos=True)
+    prompts = [PROMPT, PROMPT[3:] + [7, 8, 9], [11, 12, 13, 14, 15]]
+
+    def run(path: Path, **kw):
+        llm = LLM(path, device=gpu, kv_cache_bytes=16 << 20, **kw)
+        return [o.outputs[0] for o in llm.generate(prompts, params)]
+
+    outs = {}
+    for linear in ("separate", "fused"):
+        monkeypatch.setenv("NOVAINFER_CUDA_DECODE_LINEAR", linear)
+        outs[linear] = {"native": run(gpu_models["gguf_q8_0"], gpu_weight_dtype="native"),
+                        "bf16": run(gpu_models["f32"])}
+    monkeypatch.setenv("NOVAINFER_CUDA_GRAPHS", "1")
+    graphed = run(gpu_models["f32"])
+    sep, fus = outs["separate"], outs["fused"]
+    bf16_agree = sum(a == b for s, f in zip(sep["bf16"], fus["bf16"]) for a, b in zip(s.token_ids, f.token_ids))
+    bf16_lp_err = max(abs(ls[t] - lf[t]) for s, f in zip(sep["bf16"], fus["bf16"])
+                      for t, ls, lf in zip(f.token_ids, s.logprobs, f.logprobs) if t in ls)
+    _report(test="fused_decode_linears", bf16_agree=bf16_agree, bf16_tokens=sum(len(s.token_ids) for s in sep["bf16"]),
+            bf16_logprob_err=bf16_lp_err,
+            native_same=all(s.token_ids == f.token_ids for s, f in zip(sep["native"], fus["native"])))
+    for s, f in zip(sep["native"], fus["native"]):
+        assert f.token_ids == s.token_ids
+        assert [lp[t] for t, lp in zip(f.token_ids, f.logprobs)] == [lp[t] for t, lp in zip(s.token_ids, s.logprobs)]
+    assert bf16_agree >= sum(len(s.token_ids) for s in sep["bf16"]) - 2, bf16_agree
+    assert bf16_lp_err < 0.1, bf16_lp_err
+    assert [g.token_ids for g in graphed] == [f.token_ids for f in fus["bf16"]]
+    with pytest.raises(Exception, match="NOVAINFER_CUDA_DECODE_LINEAR"):
+        monkeypatch.setenv("NOVAINFER_CUDA_DECODE_LINEAR", "fast")
+        LLM(gpu_models["f32"], device=gpu, kv_cache_bytes=16 << 20)
+
+
 def test_native_awq_int4_weights_follow_the_cpu(gpu, tmp_path):
     # An AWQ checkpoint (groups of 128) keeps its int4 blocks on the device with gpu_weight_dtype="native"
     # (dequant.cu's and gemv_quant.cu's int4 paths); by default they are expanded there, not on the host.

@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import os
 import struct
 import subprocess
 import sys
@@ -507,9 +508,27 @@ def test_async_steps_run_on_an_async_engine_in_a_child_of_their_own(
     assert rc == 0
     assert [r["point"] for r in rows] == ["decode b1 (128+256) async"] and rows[0]["tok_s"] > 0
     assert gpu_bench.planned_rows("0.5b", ("profile_b1_async",)) == [("0.5b", "profile b1 (128+32) async")]
-    with pytest.raises(ValueError, match="mix async"):
+    with pytest.raises(ValueError, match="mix async and default"):
         gpu_bench.child_main("tiny", tiny_checkpoint, ("decode_b1", "decode_b1_async"), time.time() + 30, 1e11,
                              device="cpu")
+    with pytest.raises(ValueError, match="mix async and fused"):
+        gpu_bench.child_main("tiny", tiny_checkpoint, ("decode_b1_fused", "decode_b1_async"), time.time() + 30,
+                             1e11, device="cpu")
+
+
+def test_fused_steps_set_the_decode_linear_choice_for_their_child(
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The CPU executor ignores the choice; what matters here is that the child sets it and names its rows.
+    # Set first so that the test's end restores what was there before.
+    monkeypatch.setenv("NOVAINFER_CUDA_DECODE_LINEAR", "separate")
+    rc = gpu_bench.child_main("tiny", tiny_checkpoint, ("decode_b1_fused",), time.time() + 30, 1e11, device="cpu")
+    rows = [json.loads(line[len(gpu_bench.RESULT_PREFIX):]) for line in capsys.readouterr().out.splitlines()
+            if line.startswith(gpu_bench.RESULT_PREFIX)]
+    assert rc == 0
+    assert [r["point"] for r in rows] == ["decode b1 (128+256) fused"] and rows[0]["tok_s"] > 0
+    assert os.environ.get("NOVAINFER_CUDA_DECODE_LINEAR") == "fused"
+    assert gpu_bench.variant_of("profile_b1_fused") == gpu_bench.FUSED and gpu_bench.variant_of("decode_b1") == ""
 
 
 def test_synthetic_mode_end_to_end_on_the_cpu(
