@@ -8,6 +8,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+mod gemv_fused;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};

@@ -3,12 +3,12 @@
 //! and the cache write (`gemv_qkv` = `gemv` + `qkv_bias_rope_cache`), every weight format, f32
 //! and bf16 stores, 1, 3 and 8 rows; `gemv_qkv` also against its CPU twin
 //! (`gemv_plan::emulate_qkv`). Fresh random inputs every run (the seed is printed).
+//!
+//! A module of the `parity` test binary rather than a binary of its own: the GPU machine gets
+//! the test binaries carried, and each binary repeats the crates it links.
 
-#![cfg(feature = "cuda")]
-
-mod common;
-
-use common::host::{down, gemv_matrix, up, Rng, TestDtype};
+use crate::common;
+use crate::common::host::{down, gemv_matrix, up, Rng, TestDtype};
 use half::bf16;
 use novainfer_cuda::cudarc::driver::CudaView;
 use novainfer_cuda::gemv_plan::{self, GemvWeights};
