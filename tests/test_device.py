@@ -62,6 +62,19 @@ def test_enforce_eager_is_accepted_and_changes_nothing_on_the_cpu(tiny_models, t
     assert llm.generate(PROMPT, params)[0].outputs[0].token_ids == tiny_llm.generate(PROMPT, params)[0].outputs[0].token_ids
 
 
+def test_a_misspelt_decode_linear_choice_is_refused_before_the_model_loads(tiny_models, tiny_llm, monkeypatch):
+    # NOVAINFER_CUDA_DECODE_LINEAR picks the CUDA executor's decode linears (separate by default, or fused); the
+    # CPU ignores a valid choice, and any engine refuses a value that is neither, naming the variable.
+    params = SamplingParams(temperature=0, max_tokens=8)
+    monkeypatch.setenv("NOVAINFER_CUDA_DECODE_LINEAR", "fused")
+    llm = LLM(tiny_models["f32"], device="cpu", kv_cache_bytes=1 << 22)
+    assert llm.generate(PROMPT, params)[0].outputs[0].token_ids == tiny_llm.generate(PROMPT, params)[0].outputs[0].token_ids
+    monkeypatch.setenv("NOVAINFER_CUDA_DECODE_LINEAR", "fast")
+    with pytest.raises(InvalidParameterError) as info:
+        LLM(tiny_models["f32"], device="cpu", kv_cache_bytes=1 << 22)
+    assert info.value.param == "NOVAINFER_CUDA_DECODE_LINEAR" and "fused" in str(info.value)
+
+
 def test_async_scheduling_with_speculative_decoding_is_refused(tiny_models):
     with pytest.raises(InvalidParameterError) as info:
         LLM(tiny_models["f32"], async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})

@@ -7,9 +7,9 @@ use std::sync::Arc;
 use novainfer_core::{KvLayout, ParamError, SamplingParams, SchedulerConfig, SchedulingPolicy};
 use novainfer_model::device::{self, Resolved};
 use novainfer_model::{
-    load_weights, Capabilities, Checkpoint, CudaGraphs, DeviceChoice, DeviceWeights, DtypeChoice,
-    Executor, GpuWeightDtype, KvCacheDtype, LmHeadDtype, LoadOptions, ModelError, OpenedCheckpoint,
-    Qwen2Config, StepLimits,
+    load_weights, Capabilities, Checkpoint, CudaGraphs, DecodeLinear, DeviceChoice, DeviceWeights,
+    DtypeChoice, Executor, GpuWeightDtype, KvCacheDtype, LmHeadDtype, LoadOptions, ModelError,
+    OpenedCheckpoint, Qwen2Config, StepLimits, DECODE_LINEAR_ENV,
 };
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
@@ -441,6 +441,7 @@ impl LoadedEngine {
             gpu_weight_dtype: cfg.gpu_weight_dtype,
             kv_cache_dtype: cfg.kv_cache_dtype,
             cuda_graphs: cuda_graphs(cfg)?,
+            decode_linear: decode_linear()?,
         };
         let opened = Checkpoint::open(&cfg.model)?;
         // max_position_embeddings scaled by the checkpoint's rope_scaling (vLLM's rule).
@@ -695,6 +696,11 @@ fn open_chat_template(tokenizer: &Tokenizer) -> Result<Option<Arc<ChatTemplate>>
 fn cuda_graphs(cfg: &EngineConfig) -> Result<CudaGraphs> {
     CudaGraphs::from_env(cfg.enforce_eager)
         .map_err(|why| ParamError::new("enforce_eager", why).into())
+}
+
+/// How the CUDA executor runs decode steps' linear layers: the opt-in environment variable.
+fn decode_linear() -> Result<DecodeLinear> {
+    DecodeLinear::from_env().map_err(|why| ParamError::new(DECODE_LINEAR_ENV, why).into())
 }
 
 /// The largest step a device must size its buffers for; `model_max_len` is the model's

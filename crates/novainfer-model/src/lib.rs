@@ -52,5 +52,6 @@ pub use lora::{AdapterLimits, AdapterRef, LoraAdapter};
 pub use paged_kv::PagedKvCache;
 pub use parallel::{HeadShard, TensorParallel};
 pub use prepare::graph::CudaGraphs;
+pub use prepare::linear::{DecodeLinear, DECODE_LINEAR_ENV};
 pub use qwen2::{DtypeChoice, LoadOptions, LoadedModel, LogitsFor, Qwen2Model};
 pub use rope_scaling::{RopeScaling, Yarn};

@@ -27,6 +27,7 @@ use crate::lora::apply::{add_updates, AdapterGroups, LoraScratch};
 use crate::lora::Target;
 use crate::paged_kv::PagedKvCache;
 use crate::prepare::graph::CudaGraphs;
+use crate::prepare::linear::DecodeLinear;
 use crate::quant;
 use crate::rope_scaling::RopeScaling;
 
@@ -76,6 +77,9 @@ pub struct LoadOptions {
     /// Whether the CUDA executor captures decode steps into graphs at load and replays them
     /// ([`crate::prepare::graph`]); eager by default. The CPU ignores it.
     pub cuda_graphs: CudaGraphs,
+    /// How the CUDA executor runs the linear layers of steps of a few rows
+    /// ([`DecodeLinear`]); separate kernels by default. The CPU ignores it.
+    pub decode_linear: DecodeLinear,
 }
 
 impl Default for LoadOptions {
@@ -87,6 +91,7 @@ impl Default for LoadOptions {
             gpu_weight_dtype: GpuWeightDtype::Bf16,
             kv_cache_dtype: KvCacheDtype::Auto,
             cuda_graphs: CudaGraphs::Eager,
+            decode_linear: DecodeLinear::Separate,
         }
     }
 }

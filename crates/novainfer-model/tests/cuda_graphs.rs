@@ -6,7 +6,9 @@
 //! * 3 sequences (padded to bucket 4) and 64 (bucket 64): the same greedy tokens, and logits
 //!   within bf16 noise (the GEMMs run over the bucket's rows, and cuBLAS may sum a row
 //!   differently for another row count; see `ops::gemm`);
-//! * with graphs on, each of 64 requests decodes the same greedy tokens alone as in the batch.
+//! * with graphs on, each of 64 requests decodes the same greedy tokens alone as in the batch;
+//! * the fused decode linears (`DecodeLinear::Fused`), eager and captured, against the separate
+//!   ones: the same greedy tokens with two launches a layer fewer.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -18,8 +20,8 @@ use candle_core::{DType, Tensor};
 use common::weights;
 use novainfer_cuda::gpu_test::{when_unavailable_from_env, WhenUnavailable};
 use novainfer_model::{
-    load_weights, Checkpoint, CudaGraphs, Device, Executor, ForwardBatch, LoadOptions, ModelError,
-    Qwen2Config, StepLimits,
+    load_weights, Checkpoint, CudaGraphs, DecodeLinear, Device, Executor, ForwardBatch,
+    LoadOptions, ModelError, Qwen2Config, StepLimits,
 };
 
 const LIMITS: StepLimits = StepLimits {
@@ -60,31 +62,45 @@ fn write_checkpoint(dir: &Path, cfg: &Qwen2Config) {
 }
 
 fn load(dir: &Path, graphs: CudaGraphs) -> Result<Box<dyn Executor>, ModelError> {
+    load_linear(dir, graphs, DecodeLinear::Separate)
+}
+
+fn load_linear(
+    dir: &Path,
+    graphs: CudaGraphs,
+    linear: DecodeLinear,
+) -> Result<Box<dyn Executor>, ModelError> {
     let opts = LoadOptions {
         cuda_graphs: graphs,
+        decode_linear: linear,
         ..LoadOptions::default()
     };
     load_weights(Device::Cuda(0), Checkpoint::open(dir)?, &opts, LIMITS)?
         .into_executor(NUM_BLOCKS, BLOCK_SIZE)
 }
 
-/// The eager and the graph executor, or `None` (skipped) without a GPU.
-fn executors(dir: &Path) -> Option<(Box<dyn Executor>, Box<dyn Executor>)> {
-    let why = match novainfer_model::cuda::probe(0) {
-        Err(why) => why,
-        Ok(()) => {
-            let eager = load(dir, CudaGraphs::Eager).expect("eager executor");
-            let graphs = load(dir, CudaGraphs::Captured).expect("graph executor (capture)");
-            return Some((eager, graphs));
-        }
+/// Whether a GPU is there; `false` (skipped) without one, a panic under NOVAINFER_REQUIRE_GPU.
+fn have_gpu(test: &str) -> bool {
+    let Err(why) = novainfer_model::cuda::probe(0) else {
+        return true;
     };
     match when_unavailable_from_env() {
         WhenUnavailable::Skip => {
-            println!("cuda_graphs: skipped: no CUDA device ({why})");
-            None
+            println!("{test}: skipped: no CUDA device ({why})");
+            false
         }
         WhenUnavailable::Fail => panic!("NOVAINFER_REQUIRE_GPU is set but no CUDA device: {why}"),
     }
+}
+
+/// The eager and the graph executor, or `None` (skipped) without a GPU.
+fn executors(dir: &Path) -> Option<(Box<dyn Executor>, Box<dyn Executor>)> {
+    if !have_gpu("cuda_graphs") {
+        return None;
+    }
+    let eager = load(dir, CudaGraphs::Eager).expect("eager executor");
+    let graphs = load(dir, CudaGraphs::Captured).expect("graph executor (capture)");
+    Some((eager, graphs))
 }
 
 fn argmax(row: &[f32]) -> u32 {
@@ -185,5 +201,80 @@ fn graphs_match_the_eager_forward_and_batching_changes_no_token() {
             alone[0], together[s],
             "sequence {s}: alone vs in a batch of 64"
         );
+    }
+}
+
+/// Kernels and cuBLAS calls of one decode step of `seqs` (after their prompts).
+fn launches_of_a_decode_step(ex: &mut dyn Executor, seqs: &[usize]) -> u64 {
+    let vocab = ex.config().vocab_size;
+    let mut prefill = ForwardBatch::default();
+    let mut decode = ForwardBatch::default();
+    for &s in seqs {
+        let p = prompt(s, vocab);
+        prefill.push(&p, 0, slots(&table(s), 0..p.len()), table(s), true);
+        let pos = p.len();
+        decode.push(&[2], pos, slots(&table(s), pos..pos + 1), table(s), true);
+    }
+    ex.forward(&prefill).expect("prefill");
+    let before = novainfer_cuda::ops::launches();
+    ex.forward(&decode).expect("decode");
+    novainfer_cuda::ops::launches() - before
+}
+
+#[test]
+fn fused_decode_linears_follow_the_separate_ones_with_fewer_launches() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = common::config_hd64(false);
+    write_checkpoint(dir.path(), &cfg);
+    if !have_gpu("fused decode linears") {
+        return;
+    }
+    let mut separate = load(dir.path(), CudaGraphs::Eager).expect("separate");
+    let mut fused = load_linear(dir.path(), CudaGraphs::Eager, DecodeLinear::Fused).expect("fused");
+    let mut captured =
+        load_linear(dir.path(), CudaGraphs::Captured, DecodeLinear::Fused).expect("fused graphs");
+    // 1, 3 and 8 rows run fused (8: the GEMV's most); 9 runs the separate path in both.
+    for n in [1usize, 3, 8, 9] {
+        let seqs: Vec<usize> = (0..n).collect();
+        let (want_tokens, want_logits) = generate(separate.as_mut(), &seqs);
+        let (got_tokens, got_logits) = generate(fused.as_mut(), &seqs);
+        let (replayed_tokens, replayed_logits) = generate(captured.as_mut(), &seqs);
+        // The GEMV sums in another order than cuBLAS: bf16 noise, not a token.
+        assert_eq!(got_tokens, want_tokens, "{n} sequences: greedy tokens");
+        for (step, (got, want)) in got_logits.iter().zip(&want_logits).enumerate() {
+            let worst = got
+                .iter()
+                .zip(want)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0);
+            assert!(
+                worst <= 2e-2 * scale,
+                "{n} sequences, step {step}: logits differ by {worst} (scale {scale})"
+            );
+        }
+        // A graph replays the fused launches over the bucket's rows, and no row of a GEMV
+        // depends on another: bit for bit up to 8 rows (9 rows are a 16-row bucket of cuBLAS
+        // GEMMs, which may sum a row differently for another row count).
+        assert_eq!(replayed_tokens, got_tokens, "{n} sequences: graphs");
+        if n <= 8 {
+            assert_eq!(
+                replayed_logits, got_logits,
+                "{n} sequences: graphs, bit for bit"
+            );
+        }
+    }
+    let layers = cfg.num_hidden_layers as u64;
+    for n in [1usize, 8] {
+        let seqs: Vec<usize> = (0..n).collect();
+        let before = launches_of_a_decode_step(separate.as_mut(), &seqs);
+        let after = launches_of_a_decode_step(fused.as_mut(), &seqs);
+        println!(
+            "decode step of {n} rows, {layers} layers: {before} launches separate, {after} fused \
+             ({} a layer fewer)",
+            (before - after) as f64 / layers as f64
+        );
+        // QKV's bias/RoPE/cache kernel and SiLU·mul go into the GEMVs (cuBLAS calls count one
+        // each here, whatever kernels they run).
+        assert_eq!(before - after, 2 * layers, "{n} rows");
     }
 }

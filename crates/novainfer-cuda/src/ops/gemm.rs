@@ -87,6 +87,7 @@ fn gemm<Y>(
     let (m, n, k) = (to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?);
     let (alpha, beta) = (1.0f32, 0.0f32);
     let stream = gpu.stream();
+    super::count_launch();
     // cuBLAS enqueues on the context current to this thread, which may not be the thread
     // that opened it (kernel launches bind it for themselves).
     gpu.context()

@@ -27,6 +27,8 @@ pub mod rope;
 pub mod sampling;
 pub mod silu_mul;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use cudarc::driver::{DeviceRepr, LaunchArgs, LaunchConfig, ValidAsZeroBits};
 use half::bf16;
 
@@ -113,7 +115,22 @@ pub(crate) fn elementwise(n: usize) -> LaunchConfig {
     }
 }
 
+/// Kernel launches and cuBLAS calls this process has enqueued ([`launches`]).
+static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+
+/// How many kernels and cuBLAS calls this process has enqueued so far (a cuBLAS call may run
+/// more than one kernel; a graph replay counts nothing). The difference around a step is its
+/// launch count: what fusing kernels brings down.
+pub fn launches() -> u64 {
+    LAUNCHES.load(Ordering::Relaxed)
+}
+
+pub(crate) fn count_launch() {
+    LAUNCHES.fetch_add(1, Ordering::Relaxed);
+}
+
 pub(crate) fn launch(mut args: LaunchArgs<'_>, cfg: LaunchConfig) -> Result<()> {
+    count_launch();
     // SAFETY: every launcher pushes exactly the arguments of its entry point, in order and
     // with the kernel's types, after checking that each buffer holds what the shapes imply.
     unsafe { args.launch(cfg) }

@@ -61,8 +61,7 @@ impl CudaWeights {
                 format!("max_num_batched_tokens, max_num_seqs and max_seq_len must be positive, got {limits:?}"),
             ));
         }
-        // Read before anything is loaded: a misspelt choice fails fast.
-        let decode_linear = DecodeLinear::from_env()?;
+        let decode_linear = opts.decode_linear;
         let gpu = GpuContext::new(ordinal).map_err(|e| cuda_error(device, e))?;
         let err = |e| cuda_error(device, e);
         let model = GpuModel::load(

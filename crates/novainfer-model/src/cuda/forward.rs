@@ -548,11 +548,14 @@ impl Body<'_> {
             n: lm_head.rows,
             k: lm_head.cols,
         };
+        // The fused decode path takes a bf16 head through the GEMV too (no adapter targets it).
+        let gemv_bf16 = self.linear.fuses(rows, false);
         match &lm_head.data {
-            MatrixData::Bf16(w) => gemm_bf16_f32out(self.gpu, &x, &w.as_view(), shape, &mut y)?,
-            MatrixData::Packed(_) if rows <= GEMV_MAX_ROWS => {
-                gemv_runs(self.gpu, lm_head, &x, rows, &mut y)?
+            MatrixData::Bf16(w) if !gemv_bf16 => {
+                gemm_bf16_f32out(self.gpu, &x, &w.as_view(), shape, &mut y)?
             }
+            _ if rows <= GEMV_MAX_ROWS => gemv_runs(self.gpu, lm_head, &x, rows, &mut y)?,
+            MatrixData::Bf16(w) => gemm_bf16_f32out(self.gpu, &x, &w.as_view(), shape, &mut y)?,
             MatrixData::Packed(parts) => {
                 let w = expand(self.gpu, parts, lm_head, &mut act.expanded)?;
                 gemm_bf16_f32out(self.gpu, &x, &w, shape, &mut y)?

@@ -6,8 +6,6 @@
 
 use novainfer_cuda::gemv_plan::MAX_ROWS;
 
-use crate::error::{ModelError, Result};
-
 /// The environment variable choosing [`DecodeLinear`].
 pub const DECODE_LINEAR_ENV: &str = "NOVAINFER_CUDA_DECODE_LINEAR";
 
@@ -25,20 +23,21 @@ pub enum DecodeLinear {
 }
 
 impl DecodeLinear {
-    pub fn parse(value: &str) -> Result<Self> {
+    /// The choice `value` (the variable's, if set) names; anything else is an error naming
+    /// the variable, rather than a silent default.
+    pub fn parse(value: &str) -> Result<Self, String> {
         match value.trim() {
             "" | "separate" => Ok(Self::Separate),
             "fused" => Ok(Self::Fused),
-            other => Err(ModelError::config(
-                DECODE_LINEAR_ENV,
-                format!("`{other}` is not `separate` or `fused`"),
+            other => Err(format!(
+                "{DECODE_LINEAR_ENV}={other:?}: expected `separate` or `fused`"
             )),
         }
     }
 
     /// The choice [`DECODE_LINEAR_ENV`] names in this process's environment (read when an
-    /// executor loads, like the graph mode, so each engine may choose).
-    pub fn from_env() -> Result<Self> {
+    /// engine loads, like the graph mode, so each engine may choose).
+    pub fn from_env() -> Result<Self, String> {
         Self::parse(&std::env::var(DECODE_LINEAR_ENV).unwrap_or_default())
     }
 
@@ -66,7 +65,10 @@ mod tests {
             Some(DecodeLinear::Fused)
         );
         let err = DecodeLinear::parse("yes").expect_err("not a choice");
-        assert!(err.to_string().contains(DECODE_LINEAR_ENV), "{err}");
+        assert!(
+            err.contains(DECODE_LINEAR_ENV) && err.contains("fused"),
+            "{err}"
+        );
     }
 
     #[test]
