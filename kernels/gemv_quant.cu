@@ -6,7 +6,9 @@
 // operation, the fused kernels' row pairing): crates/novainfer-cuda/src/gemv_plan.rs. Block layouts:
 // dequant.cu.
 //
-// Work split: one warp per weight row (the fused kernels: per pair of rows), GEMV_WARPS warps per block.
+// Work split: one warp per weight row (the fused kernels: per pair of rows), GEMV_WARPS warps per block. A matrix
+// comes as runs of rows in one format each (GemvParts): a launch covers a whole fused matrix whatever its tensors'
+// types, and a warp's run (so its format) is the same for all its lanes.
 // A row is cut into chunks of 8 consecutive values, all inside one (sub-)block with one scale; lane l
 // takes chunks l, l + 32, l + 64, ... in that order (a bf16 row's lane loads GEMV_UNROLL of them before
 // it uses the first, to keep several 16-byte loads in flight where a packed chunk's decode already issues
@@ -201,20 +203,85 @@ __device__ __forceinline__ void gemv_row(
     }
 }
 
+// A weight matrix as up to GEMV_MAX_PARTS runs of rows, each in one format (a bf16 matrix is one run; a packed
+// one a run per checkpoint tensor, whose types may differ, as Q4_K_M mixes Q4_K and Q6_K). Runs follow each other:
+// run p holds rows end[p - 1] .. end[p]. Mirrored by the launcher's `#[repr(C)]` PartsArg.
+#define GEMV_MAX_PARTS 4
+#define GEMV_Q4_K 0
+#define GEMV_Q5_0 1
+#define GEMV_Q6_K 2
+#define GEMV_Q8_0 3
+#define GEMV_INT4 4
+#define GEMV_BF16W 5
+
+struct GemvPart {
+    const u8* w;  // the run's rows
+    int format;   // GEMV_Q4_K .. GEMV_BF16W
+    int end;      // one past the run's last row, counted over the whole matrix
+};
+
+struct GemvParts {
+    GemvPart part[GEMV_MAX_PARTS];
+    int count;
+};
+
+__device__ __forceinline__ int gemv_row_bytes(int format, int k) {
+    switch (format) {
+        case GEMV_Q4_K: return k / 256 * 144;
+        case GEMV_Q5_0: return k / 32 * 22;
+        case GEMV_Q6_K: return k / 256 * 210;
+        case GEMV_Q8_0: return k / 32 * 34;
+        case GEMV_INT4: return k / 128 * 69;
+        default: return k * 2;
+    }
+}
+
+// Row `o` of the matrix (o < the last run's end), whichever run holds it. The format is the same for every lane of
+// the warp, so the switch does not diverge. A matrix is packed or bf16 (DENSE) throughout, and each family is a
+// kernel of its own: the bf16 path's unrolled loads need twice the registers of the packed ones, which would
+// otherwise halve every packed launch's occupancy.
+template <bool DENSE>
+__device__ __forceinline__ void gemv_any(const GemvParts& parts, int o, const bf16* __restrict__ x, int k, int n,
+                                         int lane, float (&acc)[GEMV_MAX_ROWS]) {
+    // Unrolled with constant indices, so the table stays in the parameter bank (indexing it with a
+    // variable would copy it to local memory). The ends increase, so the last run whose predecessor
+    // ends at or before o is the one holding it.
+    const u8* w = parts.part[0].w;
+    int format = parts.part[0].format, row0 = 0;
+#pragma unroll
+    for (int q = 1; q < GEMV_MAX_PARTS; ++q) {
+        if (q < parts.count && o >= parts.part[q - 1].end) {
+            w = parts.part[q].w;
+            format = parts.part[q].format;
+            row0 = parts.part[q - 1].end;
+        }
+    }
+    const u8* row = w + (i64)(o - row0) * gemv_row_bytes(format, k);
+    if (DENSE) {
+        gemv_row<16, 8, chunk_bf16w, false, GEMV_UNROLL>(row, x, k, n, lane, acc);
+        return;
+    }
+    switch (format) {
+        case GEMV_Q4_K: gemv_row<144, 256, chunk_q4_k, true, 1>(row, x, k, n, lane, acc); break;
+        case GEMV_Q5_0: gemv_row<22, 32, chunk_q5_0, false, 1>(row, x, k, n, lane, acc); break;
+        case GEMV_Q6_K: gemv_row<210, 256, chunk_q6_k, false, 1>(row, x, k, n, lane, acc); break;
+        case GEMV_Q8_0: gemv_row<34, 32, chunk_q8_0, false, 1>(row, x, k, n, lane, acc); break;
+        default: gemv_row<69, 128, chunk_int4, false, 1>(row, x, k, n, lane, acc); break;
+    }
+}
+
 // y[r, col0 + o] = W[o] · x[r]: one warp per weight row o.
-template <typename T, int BLOCK_BYTES, int BLOCK_VALUES, Chunk (*CHUNK_FN)(const u8*, int), bool MINS,
-          int UNROLL>
+template <typename T, bool DENSE>
 __device__ void gemv_plain(
-    const u8* __restrict__ w,    // [rows, k / BLOCK_VALUES blocks]
+    const GemvParts& w,          // rows 0 .. rows
     const bf16* __restrict__ x,  // [n, k]
     T* __restrict__ y,           // [n, ld]; row o of w lands in column col0 + o
     int rows, int k, int n, int ld, int col0) {
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int o = blockIdx.x * GEMV_WARPS + warp;
     if (o >= rows) return;
-    const i64 row_bytes = (i64)(k / BLOCK_VALUES) * BLOCK_BYTES;
     float acc[GEMV_MAX_ROWS];
-    gemv_row<BLOCK_BYTES, BLOCK_VALUES, CHUNK_FN, MINS, UNROLL>(w + o * row_bytes, x, k, n, lane, acc);
+    gemv_any<DENSE>(w, o, x, k, n, lane, acc);
     if (lane != 0) return;
     for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
         if (r >= n) break;
@@ -222,23 +289,21 @@ __device__ void gemv_plain(
     }
 }
 
-// out[r, o] = silu(W_gate[o] · x[r]) · (W_up[o] · x[r]): one warp per output column o < f, each product
-// rounded as the gate_up GEMV's store would be, then silu_mul.cu's arithmetic.
-template <typename T, int BLOCK_BYTES, int BLOCK_VALUES, Chunk (*CHUNK_FN)(const u8*, int), bool MINS,
-          int UNROLL>
+// out[r, o] = silu(W[o] · x[r]) · (W[f + o] · x[r]) over a gate_up matrix (gate rows 0 .. f, up rows f .. 2f): one
+// warp per output column o < f, each product rounded as the gate_up GEMV's store would be, then silu_mul.cu's
+// arithmetic.
+template <typename T, bool DENSE>
 __device__ void gemv_silu(
-    const u8* __restrict__ w_gate,  // [f, k / BLOCK_VALUES blocks]
-    const u8* __restrict__ w_up,    // [f, k / BLOCK_VALUES blocks]
-    const bf16* __restrict__ x,     // [n, k]
-    T* __restrict__ out,            // [n, f]
+    const GemvParts& w,          // rows 0 .. 2f
+    const bf16* __restrict__ x,  // [n, k]
+    T* __restrict__ out,         // [n, f]
     int f, int k, int n) {
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int o = blockIdx.x * GEMV_WARPS + warp;
     if (o >= f) return;
-    const i64 row_bytes = (i64)(k / BLOCK_VALUES) * BLOCK_BYTES;
     float gate[GEMV_MAX_ROWS], up[GEMV_MAX_ROWS];
-    gemv_row<BLOCK_BYTES, BLOCK_VALUES, CHUNK_FN, MINS, UNROLL>(w_gate + o * row_bytes, x, k, n, lane, gate);
-    gemv_row<BLOCK_BYTES, BLOCK_VALUES, CHUNK_FN, MINS, UNROLL>(w_up + o * row_bytes, x, k, n, lane, up);
+    gemv_any<DENSE>(w, o, x, k, n, lane, gate);
+    gemv_any<DENSE>(w, f + o, x, k, n, lane, up);
     if (lane != 0) return;
     for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
         if (r >= n) break;
@@ -246,16 +311,14 @@ __device__ void gemv_silu(
     }
 }
 
-// One part of the fused QKV projection (heads head0 .. head0 + heads of the q | k | v head list, their
-// weight rows `w`), with qkv.cu's epilogue: + bias, neox RoPE of q and k heads at positions[r], q heads
-// to q_out[r], k and v heads to the cache at slot_mapping[r] (a negative slot or one past the pool
-// writes nothing; a position outside the table leaves q and k unrotated). One warp per rotation pair:
-// pair p is local head p / half, rows j and j + half of it (j = p % half), so the warp holds both
-// values RoPE mixes; v heads are paired the same way and not rotated.
-template <typename T, int BLOCK_BYTES, int BLOCK_VALUES, Chunk (*CHUNK_FN)(const u8*, int), bool MINS,
-          int UNROLL>
+// The fused QKV projection (rows: the q | k | v head list, head_dim each) with qkv.cu's epilogue: + bias, neox RoPE
+// of q and k heads at positions[r], q heads to q_out[r], k and v heads to the cache at slot_mapping[r] (a negative
+// slot or one past the pool writes nothing; a position outside the table leaves q and k unrotated). One warp per
+// rotation pair: pair p is head p / half, rows j and j + half of it (j = p % half), so the warp holds both values
+// RoPE mixes; v heads are paired the same way and not rotated.
+template <typename T, bool DENSE>
 __device__ void gemv_qkv(
-    const u8* __restrict__ w,              // [heads · head_dim, k / BLOCK_VALUES blocks]
+    const GemvParts& w,                    // rows 0 .. (num_heads + 2·num_kv_heads)·head_dim
     const bf16* __restrict__ x,            // [n, k]
     const float* __restrict__ bias,        // [(num_heads + 2·num_kv_heads)·head_dim] or null
     const i32* __restrict__ positions,     // [n]
@@ -264,31 +327,26 @@ __device__ void gemv_qkv(
     T* __restrict__ q_out,                 // [n, num_heads·head_dim]
     T* __restrict__ k_cache,               // [num_slots, num_kv_heads·head_dim]
     T* __restrict__ v_cache,               // [num_slots, num_kv_heads·head_dim]
-    int head0, int heads, int num_heads, int num_kv_heads, int head_dim, int k, int n,
-    int max_positions, i64 num_slots) {
+    int num_heads, int num_kv_heads, int head_dim, int k, int n, int max_positions, i64 num_slots) {
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int half = head_dim / 2;
     const int p = blockIdx.x * GEMV_WARPS + warp;
-    if (p >= heads * half) return;
-    const int local = p / half, j = p % half;
-    const int lo_row = local * head_dim + j;
-    const i64 row_bytes = (i64)(k / BLOCK_VALUES) * BLOCK_BYTES;
+    if (p >= (num_heads + 2 * num_kv_heads) * half) return;
+    const int g = p / half, j = p % half;
+    const int lo_row = g * head_dim + j;
     float lo_acc[GEMV_MAX_ROWS], hi_acc[GEMV_MAX_ROWS];
-    gemv_row<BLOCK_BYTES, BLOCK_VALUES, CHUNK_FN, MINS, UNROLL>(w + lo_row * row_bytes, x, k, n, lane, lo_acc);
-    gemv_row<BLOCK_BYTES, BLOCK_VALUES, CHUNK_FN, MINS, UNROLL>(w + (lo_row + half) * row_bytes, x, k, n, lane,
-                                                        hi_acc);
+    gemv_any<DENSE>(w, lo_row, x, k, n, lane, lo_acc);
+    gemv_any<DENSE>(w, lo_row + half, x, k, n, lane, hi_acc);
     if (lane != 0) return;
     // The head's place in the q | k | v list decides what it is and where it goes.
-    const int g = head0 + local;
     const bool is_q = g < num_heads, is_v = g >= num_heads + num_kv_heads;
     const int col = (is_q ? g : g - num_heads - (is_v ? num_kv_heads : 0)) * head_dim + j;
-    const int b = g * head_dim + j;
     for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
         if (r >= n) break;
         float lo = round_as(q_out, lo_acc[r]), hi = round_as(q_out, hi_acc[r]);
         if (bias) {
-            lo = __fadd_rn(lo, bias[b]);
-            hi = __fadd_rn(hi, bias[b + half]);
+            lo = __fadd_rn(lo, bias[lo_row]);
+            hi = __fadd_rn(hi, bias[lo_row + half]);
         }
         const i32 pos = positions[r];
         if (!is_v && pos >= 0 && pos < max_positions) {
@@ -308,37 +366,29 @@ __device__ void gemv_qkv(
     }
 }
 
-#define GEMV_FORMAT(NAME, BLOCK_BYTES, BLOCK_VALUES, CHUNK_FN, MINS, UNROLL, T, SUFFIX)                      \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE) gemv_##NAME##_##SUFFIX(     \
-        const u8* __restrict__ w, const bf16* __restrict__ x, T* __restrict__ y, int rows, int k,   \
-        int n, int ld, int col0) {                                                                  \
-        gemv_plain<T, BLOCK_BYTES, BLOCK_VALUES, CHUNK_FN, MINS, UNROLL>(w, x, y, rows, k, n, ld, col0);    \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE)                            \
-        gemv_silu_##NAME##_##SUFFIX(const u8* __restrict__ w_gate, const u8* __restrict__ w_up,     \
-                                    const bf16* __restrict__ x, T* __restrict__ out, int f, int k,  \
-                                    int n) {                                                        \
-        gemv_silu<T, BLOCK_BYTES, BLOCK_VALUES, CHUNK_FN, MINS, UNROLL>(w_gate, w_up, x, out, f, k, n);     \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE) gemv_qkv_##NAME##_##SUFFIX( \
-        const u8* __restrict__ w, const bf16* __restrict__ x, const float* __restrict__ bias,       \
-        const i32* __restrict__ positions, const i64* __restrict__ slot_mapping,                    \
-        const float* __restrict__ cos_sin, T* __restrict__ q_out, T* __restrict__ k_cache,          \
-        T* __restrict__ v_cache, int head0, int heads, int num_heads, int num_kv_heads,             \
-        int head_dim, int k, int n, int max_positions, i64 num_slots) {                             \
-        gemv_qkv<T, BLOCK_BYTES, BLOCK_VALUES, CHUNK_FN, MINS, UNROLL>(                                     \
-            w, x, bias, positions, slot_mapping, cos_sin, q_out, k_cache, v_cache, head0, heads,    \
-            num_heads, num_kv_heads, head_dim, k, n, max_positions, num_slots);                     \
+#define GEMV_KERNELS(T, DENSE, SUFFIX)                                                                            \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE)                                          \
+        gemv_##SUFFIX(const GemvParts w, const bf16* __restrict__ x, T* __restrict__ y, int rows, int k, int n,   \
+                      int ld, int col0) {                                                                         \
+        gemv_plain<T, DENSE>(w, x, y, rows, k, n, ld, col0);                                                      \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE)                                          \
+        gemv_silu_##SUFFIX(const GemvParts w, const bf16* __restrict__ x, T* __restrict__ out, int f, int k,      \
+                           int n) {                                                                               \
+        gemv_silu<T, DENSE>(w, x, out, f, k, n);                                                                  \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE) gemv_qkv_##SUFFIX(                       \
+        const GemvParts w, const bf16* __restrict__ x, const float* __restrict__ bias,                            \
+        const i32* __restrict__ positions, const i64* __restrict__ slot_mapping,                                  \
+        const float* __restrict__ cos_sin, T* __restrict__ q_out, T* __restrict__ k_cache,                        \
+        T* __restrict__ v_cache, int num_heads, int num_kv_heads, int head_dim, int k, int n, int max_positions,  \
+        i64 num_slots) {                                                                                          \
+        gemv_qkv<T, DENSE>(w, x, bias, positions, slot_mapping, cos_sin, q_out, k_cache, v_cache, num_heads,      \
+                           num_kv_heads, head_dim, k, n, max_positions, num_slots);                               \
     }
 
-#define GEMV_FORMATS(T, SUFFIX)                                        \
-    GEMV_FORMAT(q8_0, 34, 32, chunk_q8_0, false, 1, T, SUFFIX)            \
-    GEMV_FORMAT(q5_0, 22, 32, chunk_q5_0, false, 1, T, SUFFIX)            \
-    GEMV_FORMAT(q4_k, 144, 256, chunk_q4_k, true, 1, T, SUFFIX)           \
-    GEMV_FORMAT(q6_k, 210, 256, chunk_q6_k, false, 1, T, SUFFIX)          \
-    GEMV_FORMAT(int4, 69, 128, chunk_int4, false, 1, T, SUFFIX)           \
-    GEMV_FORMAT(bf16w, 16, 8, chunk_bf16w, false, GEMV_UNROLL, T, SUFFIX)
-
-// The suffix names the output dtype; activations are always bf16 (the executor's).
-GEMV_FORMATS(float, f32)
-GEMV_FORMATS(bf16, bf16)
+// The suffix names the weights' family and the output dtype; activations are always bf16 (the executor's).
+GEMV_KERNELS(float, false, packed_f32)
+GEMV_KERNELS(bf16, false, packed_bf16)
+GEMV_KERNELS(float, true, bf16w_f32)
+GEMV_KERNELS(bf16, true, bf16w_bf16)

@@ -43,7 +43,7 @@ impl From<QuantType> for GemvWeights {
 }
 
 impl GemvWeights {
-    /// In the order of the context's GEMV tables ([`Self::index`]).
+    /// In the order of [`Self::index`].
     pub const ALL: [GemvWeights; 6] = [
         GemvWeights::Packed(QuantType::Q4K),
         GemvWeights::Packed(QuantType::Q5_0),
@@ -53,6 +53,7 @@ impl GemvWeights {
         GemvWeights::Bf16,
     ];
 
+    /// The kernel's code for the format (`GEMV_Q4_K` .. `GEMV_BF16W` in gemv_quant.cu).
     pub fn index(self) -> usize {
         match self {
             GemvWeights::Packed(q) => q.index(),
@@ -78,28 +79,62 @@ impl GemvWeights {
     pub fn row_bytes(self, k: usize) -> usize {
         k / self.block_values() * self.block_bytes()
     }
+}
 
-    /// The format's part of the kernels' names (`gemv_<name>_<dtype>`).
-    pub fn name(self) -> &'static str {
+/// The kernel family a launch's runs need: a matrix is packed throughout or bf16 (one run), and
+/// each family is a kernel of its own (the bf16 path's unrolled loads need twice the registers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemvFamily {
+    Packed,
+    Bf16,
+}
+
+impl GemvFamily {
+    pub const ALL: [GemvFamily; 2] = [GemvFamily::Packed, GemvFamily::Bf16];
+
+    pub fn index(self) -> usize {
         match self {
-            GemvWeights::Packed(QuantType::Q4K) => "q4_k",
-            GemvWeights::Packed(QuantType::Q5_0) => "q5_0",
-            GemvWeights::Packed(QuantType::Q6K) => "q6_k",
-            GemvWeights::Packed(QuantType::Q8_0) => "q8_0",
-            GemvWeights::Packed(QuantType::Int4) => "int4",
-            GemvWeights::Bf16 => "bf16w",
+            GemvFamily::Packed => 0,
+            GemvFamily::Bf16 => 1,
         }
+    }
+
+    /// The family of runs in `formats`, or why they have none (bf16 mixed with packed runs).
+    pub fn of(formats: impl IntoIterator<Item = GemvWeights>) -> Result<Self, String> {
+        let (mut packed, mut dense) = (0, 0);
+        for w in formats {
+            match w {
+                GemvWeights::Packed(_) => packed += 1,
+                GemvWeights::Bf16 => dense += 1,
+            }
+        }
+        match (packed, dense) {
+            (_, 0) => Ok(GemvFamily::Packed),
+            (0, _) => Ok(GemvFamily::Bf16),
+            _ => Err(format!(
+                "{packed} packed runs with {dense} bf16 ones: a launch takes one family"
+            )),
+        }
+    }
+
+    /// The entry point's name for `epilogue`, without its dtype suffix.
+    pub fn entry_base(self, epilogue: GemvEpilogue) -> String {
+        let family = match self {
+            GemvFamily::Packed => "packed",
+            GemvFamily::Bf16 => "bf16w",
+        };
+        format!("{}_{family}", epilogue.entry_base())
     }
 }
 
 /// What a GEMV launch does with its products.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemvEpilogue {
-    /// Store them (`gemv_<format>`).
+    /// Store them (`gemv_<family>_<dtype>`).
     Store,
-    /// `silu(gate) · up` of two rows (`gemv_silu_<format>`), silu_mul.cu's arithmetic.
+    /// `silu(gate) · up` of two rows (`gemv_silu_…`), silu_mul.cu's arithmetic.
     SiluMul,
-    /// Bias, RoPE and the KV-cache write of a QKV part (`gemv_qkv_<format>`), qkv.cu's.
+    /// Bias, RoPE and the KV-cache write of the QKV projection (`gemv_qkv_…`), qkv.cu's.
     Qkv,
 }
 
@@ -119,14 +154,64 @@ impl GemvEpilogue {
         }
     }
 
-    /// The entry point's name without its dtype suffix.
-    pub fn entry_base(self, weights: GemvWeights) -> String {
+    /// The entry points' name without family and dtype.
+    pub fn entry_base(self) -> &'static str {
         match self {
-            GemvEpilogue::Store => format!("gemv_{}", weights.name()),
-            GemvEpilogue::SiluMul => format!("gemv_silu_{}", weights.name()),
-            GemvEpilogue::Qkv => format!("gemv_qkv_{}", weights.name()),
+            GemvEpilogue::Store => "gemv",
+            GemvEpilogue::SiluMul => "gemv_silu",
+            GemvEpilogue::Qkv => "gemv_qkv",
         }
     }
+}
+
+/// Most runs of rows (of one format each) one launch takes: `GEMV_MAX_PARTS`.
+pub const MAX_PARTS: usize = 4;
+
+/// A matrix's rows `row0 .. row0 + rows` in one format, as the twin takes them.
+#[derive(Debug, Clone, Copy)]
+pub struct HostRun<'a> {
+    pub weights: GemvWeights,
+    pub bytes: &'a [u8],
+    pub rows: usize,
+}
+
+/// `gemv_any`'s lookup: the run holding row `o` of a matrix whose runs end (exclusive, counted
+/// over the matrix) at `ends`, and the run's first row. Rows past the last run land in it.
+pub fn part_of(ends: &[usize], o: usize) -> (usize, usize) {
+    let mut p = 0;
+    while p + 1 < ends.len() && o >= ends[p] {
+        p += 1;
+    }
+    (p, if p == 0 { 0 } else { ends[p - 1] })
+}
+
+/// [`emulate`] over a matrix given as runs: `[n, Σ rows]`, each row by its run's format.
+///
+/// # Panics
+/// On inconsistent test inputs.
+pub fn emulate_runs(runs: &[HostRun<'_>], k: usize, x: &[bf16], n: usize) -> Vec<f32> {
+    let ends: Vec<usize> = runs
+        .iter()
+        .scan(0, |end, r| {
+            *end += r.rows;
+            Some(*end)
+        })
+        .collect();
+    let total = ends.last().copied().unwrap_or(0);
+    let mut out = vec![0f32; n * total];
+    for o in 0..total {
+        let (p, row0) = part_of(&ends, o);
+        let run = runs[p];
+        let row_bytes = run.weights.row_bytes(k);
+        let row = &run.bytes[(o - row0) * row_bytes..][..row_bytes];
+        for (r, v) in emulate(run.weights, row, 1, k, x, n)
+            .into_iter()
+            .enumerate()
+        {
+            out[r * total + o] = v;
+        }
+    }
+    out
 }
 
 /// Blocks of the launch for `rows` weight rows.
@@ -345,22 +430,20 @@ pub enum HeadRole {
     V,
 }
 
-/// What warp `p` of a fused-QKV launch over the part starting at head `head0` reads and writes:
-/// the part's weight rows `lo_row` and `lo_row + head_dim / 2`, bias entries `bias` and
-/// `bias + head_dim / 2`, columns `col` and `col + head_dim / 2` of its role's row.
+/// What warp `p` of a fused-QKV launch reads and writes: weight rows `lo_row` and
+/// `lo_row + head_dim / 2` (which are also its bias entries), columns `col` and
+/// `col + head_dim / 2` of its role's row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QkvPair {
     pub lo_row: usize,
     pub role: HeadRole,
     pub col: usize,
-    pub bias: usize,
 }
 
 /// `gemv_qkv`'s index arithmetic for warp `p`.
-pub fn qkv_pair(heads: QkvHeads, head0: usize, p: usize) -> QkvPair {
+pub fn qkv_pair(heads: QkvHeads, p: usize) -> QkvPair {
     let (d, half) = (heads.head_dim, heads.head_dim / 2);
-    let (local, j) = (p / half, p % half);
-    let g = head0 + local;
+    let (g, j) = (p / half, p % half);
     let (role, head) = if g < heads.num_heads {
         (HeadRole::Q, g)
     } else if g < heads.num_heads + heads.num_kv_heads {
@@ -369,21 +452,20 @@ pub fn qkv_pair(heads: QkvHeads, head0: usize, p: usize) -> QkvPair {
         (HeadRole::V, g - heads.num_heads - heads.num_kv_heads)
     };
     QkvPair {
-        lo_row: local * d + j,
+        lo_row: g * d + j,
         role,
         col: head * d + j,
-        bias: g * d + j,
     }
 }
 
-/// Warps of a fused-QKV launch over `heads` heads: one per rotation pair.
-pub fn qkv_pairs(heads: usize, head_dim: usize) -> usize {
-    heads * (head_dim / 2)
+/// Warps of a fused-QKV launch: one per rotation pair of every head.
+pub fn qkv_pairs(heads: QkvHeads) -> usize {
+    heads.total() * (heads.head_dim / 2)
 }
 
-/// Blocks of a fused-QKV launch over `heads` heads.
-pub fn qkv_grid(heads: usize, head_dim: usize) -> usize {
-    grid(qkv_pairs(heads, head_dim))
+/// Blocks of a fused-QKV launch.
+pub fn qkv_grid(heads: QkvHeads) -> usize {
+    grid(qkv_pairs(heads))
 }
 
 /// A step's per-token inputs to the fused QKV epilogue, as the kernel reads them.
@@ -408,19 +490,16 @@ pub struct QkvOut {
     pub v_cache: Vec<f32>,
 }
 
-/// What `gemv_qkv` does for the part of `part_heads` heads from `head0` whose weight rows are `w`:
-/// the products ([`emulate`]) rounded by `round` (the store type's rounding), plus the bias, the
-/// neox rotation of q and k heads (each product and sum rounded on its own, as `rope_rotate`),
-/// stored rounded into `out`.
+/// What `gemv_qkv` does: the products ([`emulate_runs`]) rounded by `round` (the store type's
+/// rounding), plus the bias, the neox rotation of q and k heads (each product and sum rounded on
+/// its own, as `rope_rotate`), stored rounded into `out`.
 ///
 /// # Panics
 /// On inconsistent test inputs.
 #[allow(clippy::too_many_arguments)]
 pub fn emulate_qkv(
-    weights: GemvWeights,
-    w: &[u8],
+    runs: &[HostRun<'_>],
     heads: QkvHeads,
-    (head0, part_heads): (usize, usize),
     k: usize,
     x: &[bf16],
     n: usize,
@@ -429,23 +508,26 @@ pub fn emulate_qkv(
     out: &mut QkvOut,
 ) {
     let (d, half) = (heads.head_dim, heads.head_dim / 2);
-    let products = emulate(weights, w, part_heads * d, k, x, n);
+    let total = heads.total() * d;
+    let products = emulate_runs(runs, k, x, n);
+    assert_eq!(products.len(), n * total, "the runs cover every head");
     let max_positions = tokens.cos_sin.len() / d;
     let kv_row = heads.num_kv_heads * d;
     let num_slots = out.k_cache.len() / kv_row;
-    for p in 0..qkv_pairs(part_heads, d) {
-        let pair = qkv_pair(heads, head0, p);
+    for p in 0..qkv_pairs(heads) {
+        let pair = qkv_pair(heads, p);
+        let j = pair.col % d;
         for r in 0..n {
-            let at = |row: usize| round(products[r * part_heads * d + row]);
+            let at = |row: usize| round(products[r * total + row]);
             let (mut lo, mut hi) = (at(pair.lo_row), at(pair.lo_row + half));
             if let Some(bias) = tokens.bias {
-                lo += bias[pair.bias];
-                hi += bias[pair.bias + half];
+                lo += bias[pair.lo_row];
+                hi += bias[pair.lo_row + half];
             }
             let pos = tokens.positions[r];
             if pair.role != HeadRole::V && pos >= 0 && (pos as usize) < max_positions {
                 let row = &tokens.cos_sin[pos as usize * d..][..d];
-                let (c, s) = (row[pair.col % d], row[half + pair.col % d]);
+                let (c, s) = (row[j], row[half + j]);
                 (lo, hi) = (lo * c - hi * s, hi * c + lo * s);
             }
             let (dst, at) = match pair.role {
@@ -539,6 +621,19 @@ mod tests {
         for (i, e) in GemvEpilogue::ALL.iter().enumerate() {
             assert_eq!(e.index(), i, "{e:?}");
         }
+        for (i, f) in GemvFamily::ALL.iter().enumerate() {
+            assert_eq!(f.index(), i, "{f:?}");
+        }
+    }
+
+    #[test]
+    fn a_launch_is_packed_or_bf16_throughout() {
+        let (q4, q6) = (QuantType::Q4K.into(), QuantType::Q6K.into());
+        assert_eq!(GemvFamily::of([q4, q6, q4]), Ok(GemvFamily::Packed));
+        assert_eq!(GemvFamily::of([GemvWeights::Bf16]), Ok(GemvFamily::Bf16));
+        assert!(GemvFamily::of([q4, GemvWeights::Bf16]).is_err());
+        let name = GemvFamily::Packed.entry_base(GemvEpilogue::Qkv);
+        assert_eq!(name, "gemv_qkv_packed");
     }
 
     #[test]
@@ -637,41 +732,78 @@ mod tests {
     fn the_qkv_pairs_cover_every_row_once_and_land_where_the_layout_puts_them() {
         let d = HEADS.head_dim;
         let half = d / 2;
-        // One part of every head (a bf16 matrix), and the q | k | v parts of a packed one.
-        let whole = [(0, HEADS.total())];
-        let parts = [
-            (0, HEADS.num_heads),
-            (HEADS.num_heads, HEADS.num_kv_heads),
-            (HEADS.num_heads + HEADS.num_kv_heads, HEADS.num_kv_heads),
+        let mut seen = vec![0u8; HEADS.total() * d];
+        assert!(qkv_grid(HEADS) * WARPS >= qkv_pairs(HEADS));
+        for p in 0..qkv_pairs(HEADS) {
+            let pair = qkv_pair(HEADS, p);
+            // The pair is the two values RoPE mixes: j and j + half of one head.
+            assert!(pair.lo_row % d < half);
+            for (row, at) in [(pair.lo_row, 0), (pair.lo_row + half, half)] {
+                seen[row] += 1;
+                let (q_len, kv_len) = (HEADS.num_heads * d, HEADS.num_kv_heads * d);
+                let (role, col) = if row < q_len {
+                    (HeadRole::Q, row)
+                } else if row < q_len + kv_len {
+                    (HeadRole::K, row - q_len)
+                } else {
+                    (HeadRole::V, row - q_len - kv_len)
+                };
+                assert_eq!((pair.role, pair.col + at), (role, col), "pair {p}");
+            }
+        }
+        assert!(seen.iter().all(|&s| s == 1));
+    }
+
+    #[test]
+    fn a_row_is_found_in_the_run_that_holds_it() {
+        // q | k | v runs of 6, 2 and 2 heads of 16 rows.
+        let ends = [96, 128, 160];
+        for o in 0..160 {
+            let (p, row0) = part_of(&ends, o);
+            let start = if p == 0 { 0 } else { ends[p - 1] };
+            assert!(start <= o && o < ends[p], "row {o} in run {p}");
+            assert_eq!(row0, start);
+        }
+        assert_eq!(part_of(&[40], 39), (0, 0));
+    }
+
+    #[test]
+    fn runs_of_different_formats_are_each_multiplied_in_their_own() {
+        let (k, n) = (256, 3);
+        let x: Vec<bf16> = wave(n * k, 8).into_iter().map(bf16::from_f32).collect();
+        let formats = [
+            QuantType::Q4K.into(),
+            QuantType::Q8_0.into(),
+            GemvWeights::Bf16,
         ];
-        for split in [&whole[..], &parts[..]] {
-            let mut seen = vec![0u8; HEADS.total() * d];
-            for &(head0, heads) in split {
-                assert!(qkv_grid(heads, d) * WARPS >= qkv_pairs(heads, d));
-                for p in 0..qkv_pairs(heads, d) {
-                    let pair = qkv_pair(HEADS, head0, p);
-                    for row in [pair.lo_row, pair.lo_row + half] {
-                        // Row `row` of the part is row head0·d + row of the fused matrix.
-                        let global = head0 * d + row;
-                        seen[global] += 1;
-                        let (q_len, kv_len) = (HEADS.num_heads * d, HEADS.num_kv_heads * d);
-                        let (role, col) = if global < q_len {
-                            (HeadRole::Q, global)
-                        } else if global < q_len + kv_len {
-                            (HeadRole::K, global - q_len)
-                        } else {
-                            (HeadRole::V, global - q_len - kv_len)
-                        };
-                        assert_eq!(pair.role, role, "head0 {head0} pair {p}");
-                        let at = if row == pair.lo_row { 0 } else { half };
-                        assert_eq!(pair.col + at, col, "head0 {head0} pair {p}");
-                        assert_eq!(pair.bias + at, global, "head0 {head0} pair {p}");
-                    }
-                    // The pair is the two values RoPE mixes: j and j + half of one head.
-                    assert!(pair.lo_row % d < half);
+        let rows = [5, 2, 4];
+        let raws: Vec<Vec<u8>> = formats
+            .iter()
+            .zip(rows)
+            .enumerate()
+            .map(|(i, (&w, r))| matrix(w, r, k, 9 + i).0)
+            .collect();
+        let runs: Vec<HostRun<'_>> = formats
+            .iter()
+            .zip(rows)
+            .zip(&raws)
+            .map(|((&weights, rows), raw)| HostRun {
+                weights,
+                bytes: raw,
+                rows,
+            })
+            .collect();
+        let got = emulate_runs(&runs, k, &x, n);
+        let total: usize = rows.iter().sum();
+        let mut col0 = 0;
+        for run in &runs {
+            let alone = emulate(run.weights, run.bytes, run.rows, k, &x, n);
+            for r in 0..n {
+                for o in 0..run.rows {
+                    assert_eq!(got[r * total + col0 + o], alone[r * run.rows + o]);
                 }
             }
-            assert!(seen.iter().all(|&s| s == 1));
+            col0 += run.rows;
         }
     }
 
@@ -767,32 +899,31 @@ mod tests {
                         .map(round)
                         .collect();
                     unfused_qkv(&product, n, tokens, round, &mut want);
-                    // The q | k | v parts, as a packed checkpoint's three tensors.
-                    let mut got = empty;
+                    // One run of every head, and the q | k | v runs of a packed checkpoint's three
+                    // tensors: the same rows, the same result.
                     let row_bytes = weights.row_bytes(k);
-                    for (head0, heads) in [(0, 6), (6, 2), (8, 2)] {
-                        let part = &raw[head0 * d * row_bytes..(head0 + heads) * d * row_bytes];
-                        emulate_qkv(
-                            weights,
-                            part,
-                            HEADS,
-                            (head0, heads),
-                            k,
-                            &x,
-                            n,
-                            tokens,
-                            round,
-                            &mut got,
+                    let run = |heads: std::ops::Range<usize>| HostRun {
+                        weights,
+                        bytes: &raw[heads.start * d * row_bytes..heads.end * d * row_bytes],
+                        rows: heads.len() * d,
+                    };
+                    for runs in [vec![run(0..10)], vec![run(0..6), run(6..8), run(8..10)]] {
+                        let mut got = empty.clone();
+                        emulate_qkv(&runs, HEADS, k, &x, n, tokens, round, &mut got);
+                        assert_eq!(
+                            got,
+                            want,
+                            "{weights:?} bias {with_bias}, {} runs",
+                            runs.len()
                         );
-                    }
-                    assert_eq!(got, want, "{weights:?} bias {with_bias}");
-                    // Only the slots of real tokens are written (not −1, not 9 past the pool).
-                    let kv_row = HEADS.num_kv_heads * d;
-                    for slot in 0..num_slots {
-                        let written = got.v_cache[slot * kv_row..][..kv_row]
-                            .iter()
-                            .all(|&v| v != -7.0);
-                        assert_eq!(written, [4, 0, 8].contains(&slot), "slot {slot}");
+                        // Only the slots of real tokens are written (not −1, not 9 past the pool).
+                        let kv_row = HEADS.num_kv_heads * d;
+                        for slot in 0..num_slots {
+                            let written = got.v_cache[slot * kv_row..][..kv_row]
+                                .iter()
+                                .all(|&v| v != -7.0);
+                            assert_eq!(written, [4, 0, 8].contains(&slot), "slot {slot}");
+                        }
                     }
                 }
             }

@@ -8,7 +8,7 @@
 //! test finds each one in the compiled binary.
 
 use crate::error::{CudaError, Result};
-use crate::gemv_plan::{GemvEpilogue, GemvWeights};
+use crate::gemv_plan::{GemvEpilogue, GemvFamily};
 
 /// The shared header every kernel includes.
 pub const COMMON_HEADER: &str = include_str!("../../../kernels/common.cuh");
@@ -161,8 +161,8 @@ pub fn entry_points() -> Vec<(KernelSource, String)> {
         }
         // The suffix is the output dtype; the activations are bf16 in every GEMV.
         for epilogue in GemvEpilogue::ALL {
-            for weights in GemvWeights::ALL {
-                let base = epilogue.entry_base(weights);
+            for family in GemvFamily::ALL {
+                let base = family.entry_base(epilogue);
                 out.push((GEMV_QUANT, dtyped_entry(&base, dtype)));
             }
         }
@@ -258,10 +258,10 @@ mod tests {
         assert!(names.contains(&"paged_attention_decode_grouped_bf16_hd64".to_owned()));
         assert!(names.contains(&"qkv_bias_rope_cache_bf16".to_owned()));
         for name in [
-            "gemv_q4_k_f32",
+            "gemv_packed_f32",
             "gemv_bf16w_bf16",
-            "gemv_silu_int4_bf16",
-            "gemv_qkv_q6_k_f32",
+            "gemv_silu_packed_bf16",
+            "gemv_qkv_bf16w_f32",
         ] {
             assert!(names.contains(&name.to_owned()), "{name}");
         }

@@ -13,7 +13,7 @@ use cudarc::nvrtc::Ptx;
 use crate::cache::KernelCache;
 use crate::context::{cached_cubin, driver_named};
 use crate::error::Result;
-use crate::gemv_plan::{GemvEpilogue, GemvWeights};
+use crate::gemv_plan::{GemvEpilogue, GemvFamily};
 use crate::kernels::{self, attention_entry, dtyped_entry, DtypeKind, KernelSource, KERNELS};
 use crate::ops::dequant::QuantType;
 use crate::ops::{Dtype, PerDtype};
@@ -51,9 +51,9 @@ pub(crate) struct KernelTable {
     pub dequant: [PerDtype<CudaFunction>; 5],
     /// Indexed by [`QuantType::index`]: token rows of a packed table.
     pub embed: [PerDtype<CudaFunction>; 5],
-    /// Indexed by [`GemvEpilogue`] then [`GemvWeights::index`]; by output dtype (the input is
-    /// bf16).
-    gemv: [[PerDtype<CudaFunction>; 6]; 3],
+    /// Indexed by [`GemvEpilogue::index`] then [`GemvFamily::index`]; by output dtype (the input
+    /// is bf16).
+    gemv: [[PerDtype<CudaFunction>; 2]; 3],
     attention: PerDtype<[Option<AttentionFns>; 3]>,
     /// `flash_prefill_bf16_hd<d>` for d in [`kernels::FLASH_PREFILL_HEAD_DIMS`], in order.
     flash_prefill: [CudaFunction; 2],
@@ -70,16 +70,11 @@ impl KernelTable {
             })
         };
         let dequant = |q: QuantType| per(&kernels::DEQUANT, q.kernel_base());
-        let gemv = |e: GemvEpilogue| -> Result<[PerDtype<CudaFunction>; 6]> {
-            let per_format = |w: GemvWeights| per(&kernels::GEMV_QUANT, &e.entry_base(w));
-            let all = GemvWeights::ALL;
+        let gemv = |e: GemvEpilogue| -> Result<[PerDtype<CudaFunction>; 2]> {
+            let [packed, bf16] = GemvFamily::ALL;
             Ok([
-                per_format(all[0])?,
-                per_format(all[1])?,
-                per_format(all[2])?,
-                per_format(all[3])?,
-                per_format(all[4])?,
-                per_format(all[5])?,
+                per(&kernels::GEMV_QUANT, &packed.entry_base(e))?,
+                per(&kernels::GEMV_QUANT, &bf16.entry_base(e))?,
             ])
         };
         let embed = |q: QuantType| per(&kernels::DEQUANT, q.embed_base());
@@ -141,9 +136,9 @@ impl KernelTable {
         self.attention.get::<T>()[slot].as_ref()
     }
 
-    /// The GEMV with `epilogue` over `weights`.
-    pub fn gemv(&self, epilogue: GemvEpilogue, weights: GemvWeights) -> &PerDtype<CudaFunction> {
-        &self.gemv[epilogue.index()][weights.index()]
+    /// The GEMV with `epilogue` for `family`'s runs (a launch names its runs' formats).
+    pub fn gemv(&self, epilogue: GemvEpilogue, family: GemvFamily) -> &PerDtype<CudaFunction> {
+        &self.gemv[epilogue.index()][family.index()]
     }
 
     /// The tensor-core prefill kernel for `head_dim` (bf16 only), if instantiated.

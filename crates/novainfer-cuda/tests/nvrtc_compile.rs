@@ -125,4 +125,28 @@ fn split_and_thread_constants_agree_with_the_kernels() {
         &kernels::GEMV_QUANT,
         format!("#define GEMV_CHUNK {CHUNK}\n"),
     );
+    use novainfer_cuda::gemv_plan::{GemvWeights, MAX_PARTS, UNROLL};
+    use novainfer_cuda::quant_type::QuantType;
+    has(
+        &kernels::GEMV_QUANT,
+        format!("#define GEMV_MAX_PARTS {MAX_PARTS}\n"),
+    );
+    has(
+        &kernels::GEMV_QUANT,
+        format!("#define GEMV_UNROLL {UNROLL} "),
+    );
+    // A run's format travels as GemvWeights::index.
+    for (name, weights) in [
+        ("GEMV_Q4_K", GemvWeights::Packed(QuantType::Q4K)),
+        ("GEMV_Q5_0", GemvWeights::Packed(QuantType::Q5_0)),
+        ("GEMV_Q6_K", GemvWeights::Packed(QuantType::Q6K)),
+        ("GEMV_Q8_0", GemvWeights::Packed(QuantType::Q8_0)),
+        ("GEMV_INT4", GemvWeights::Packed(QuantType::Int4)),
+        ("GEMV_BF16W", GemvWeights::Bf16),
+    ] {
+        has(
+            &kernels::GEMV_QUANT,
+            format!("#define {name} {}\n", weights.index()),
+        );
+    }
 }

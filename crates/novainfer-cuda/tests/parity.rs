@@ -558,7 +558,7 @@ fn dequant_matches_candle() {
 /// and 2304; and a row's result the same alone and in a batch. Fresh random weights every run.
 fn gemv_body<T: TestDtype>(gpu: &GpuContext, seed: u64) {
     use novainfer_cuda::gemv_plan::emulate;
-    use novainfer_cuda::ops::gemv_quant::{gemv, OutColumns};
+    use novainfer_cuda::ops::gemv_quant::{gemv, OutColumns, WeightRun};
     let mut rng = Rng(seed);
     for weights in GemvWeights::ALL {
         for (rows, k) in [(37, 1536), (64, 2304)] {
@@ -578,18 +578,13 @@ fn gemv_body<T: TestDtype>(gpu: &GpuContext, seed: u64) {
                 let sentinel = T::from_f32(-7.0);
                 let mut y = up(gpu, &vec![sentinel; n * out.ld]);
                 let xd = up(gpu, &x);
-                gemv(
-                    gpu,
+                let run = [WeightRun {
                     weights,
-                    &w.as_view(),
+                    bytes: w.as_view(),
                     rows,
-                    k,
-                    &xd.as_view(),
-                    n,
-                    &mut y.as_view_mut(),
-                    out,
-                )
-                .expect("launch");
+                }];
+                let (xv, mut yv) = (xd.as_view(), y.as_view_mut());
+                gemv(gpu, &run, k, &xv, n, &mut yv, out).expect("launch");
                 let got = down(gpu, &y);
                 for r in 0..n {
                     for c in 0..out.ld {

@@ -1,11 +1,17 @@
 //! Launchers of `kernels/gemv_quant.cu`: decode products (`y[r, col0 + o] = x_r · W[o]` for up
 //! to [`MAX_ROWS`] rows) straight from packed GGUF blocks or bf16 rows ([`gemv`]), and the same
 //! products with the layer's next kernel fused into their epilogue: gate/up with SiLU·mul
-//! ([`gemv_silu_mul`], `silu_mul.cu`'s arithmetic) and a QKV part with bias, RoPE and the
+//! ([`gemv_silu_mul`], `silu_mul.cu`'s arithmetic) and the QKV projection with bias, RoPE and the
 //! KV-cache write ([`gemv_qkv`], `qkv.cu`'s). A fused launch equals the GEMV followed by the
-//! unfused kernel bit for bit. Geometry and arithmetic: the CPU twin, [`crate::gemv_plan`].
+//! unfused kernel bit for bit. A matrix comes as [`WeightRun`]s, up to [`MAX_PARTS`] runs of rows
+//! in one format each, so one launch covers a fused matrix whose tensors have different packed
+//! types; bf16 runs take a kernel family of their own ([`GemvFamily`]).
+//! Geometry and arithmetic: the CPU twin, [`crate::gemv_plan`].
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaSlice, CudaView, CudaViewMut, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    SyncOnDrop,
+};
 use half::bf16;
 
 use super::kv::KvCacheMut;
@@ -14,15 +20,45 @@ use super::{check_len, check_multiple, launch, to_i32, to_u32, Dtype};
 use crate::context::GpuContext;
 use crate::error::{CudaError, Result};
 use crate::gemv_plan::{check_shape, grid, qkv_grid, silu_grid, WARPS};
-pub use crate::gemv_plan::{GemvEpilogue, GemvWeights, QkvHeads, MAX_ROWS};
+pub use crate::gemv_plan::{GemvEpilogue, GemvFamily, GemvWeights, QkvHeads, MAX_PARTS, MAX_ROWS};
 
 /// Where the product lands: columns `col0 .. col0 + rows` of `y`'s `[n, ld]` rows (a part of a
-/// fused matrix's output).
+/// wider output).
 #[derive(Debug, Clone, Copy)]
 pub struct OutColumns {
     pub ld: usize,
     pub col0: usize,
 }
+
+/// `rows` consecutive rows of a matrix in one format: `k / block_values` raw blocks each, or `k`
+/// bf16 values ([`bf16_bytes`]).
+pub struct WeightRun<'a> {
+    pub weights: GemvWeights,
+    pub bytes: CudaView<'a, u8>,
+    pub rows: usize,
+}
+
+/// Mirror of the kernel's `GemvPart`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct PartArg {
+    w: u64,
+    format: i32,
+    end: i32,
+}
+
+/// Mirror of the kernel's `GemvParts`, passed by value.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct PartsArg {
+    part: [PartArg; MAX_PARTS],
+    count: i32,
+}
+const _: () = assert!(std::mem::size_of::<PartArg>() == 16);
+const _: () = assert!(std::mem::size_of::<PartsArg>() == 16 * MAX_PARTS + 8);
+// SAFETY: `#[repr(C)]` plain old data with the kernel structs' field order and types (a device
+// pointer is 64 bits).
+unsafe impl DeviceRepr for PartsArg {}
 
 /// A bf16 matrix's memory as the GEMV takes weight rows: bytes.
 pub fn bf16_bytes(m: &CudaSlice<bf16>) -> CudaView<'_, u8> {
@@ -46,36 +82,72 @@ fn check_aligned<T>(gpu: &GpuContext, param: &'static str, v: &CudaView<'_, T>) 
     }
 }
 
-/// The checks every GEMV launch shares: the shape, `w` holding `rows` rows of `k`, `x` holding
-/// `[n, k]`, both aligned for the kernel's vector loads.
-fn check_operands(
-    gpu: &GpuContext,
-    weights: GemvWeights,
-    w: &CudaView<'_, u8>,
-    rows: usize,
+/// The kernel's view of `runs` (checked: 1 to [`MAX_PARTS`] runs of one family, each `rows` rows
+/// of `k` in its format, bf16 ones aligned for the kernel's vector loads), the guards that keep
+/// their pointers' stream order until the launch is queued, and what they make.
+fn parts_arg<'a>(
+    gpu: &'a GpuContext,
+    runs: &'a [WeightRun<'_>],
     k: usize,
-    x: &CudaView<'_, bf16>,
     n: usize,
-) -> Result<()> {
-    check_shape(weights, rows, k, n).map_err(|why| CudaError::invalid("shape", why))?;
-    let row_bytes = weights.row_bytes(k);
-    if w.len() != rows * row_bytes {
+) -> Result<(PartsArg, Vec<SyncOnDrop<'a>>, Launched)> {
+    if runs.is_empty() || runs.len() > MAX_PARTS {
         return Err(CudaError::invalid(
-            "w",
-            format!("{} bytes for {rows} rows of {row_bytes}", w.len()),
+            "runs",
+            format!("{} runs: a launch takes 1 to {MAX_PARTS}", runs.len()),
         ));
     }
+    let family = GemvFamily::of(runs.iter().map(|r| r.weights))
+        .map_err(|why| CudaError::invalid("runs", why))?;
+    let mut arg = PartsArg {
+        count: runs.len() as i32,
+        ..PartsArg::default()
+    };
+    let mut guards = Vec::with_capacity(runs.len());
+    let mut end = 0;
+    for (slot, run) in arg.part.iter_mut().zip(runs) {
+        check_shape(run.weights, run.rows, k, n).map_err(|why| CudaError::invalid("shape", why))?;
+        let row_bytes = run.weights.row_bytes(k);
+        if run.bytes.len() != run.rows * row_bytes {
+            return Err(CudaError::invalid(
+                "w",
+                format!(
+                    "{} bytes for {} rows of {row_bytes}",
+                    run.bytes.len(),
+                    run.rows
+                ),
+            ));
+        }
+        if run.weights == GemvWeights::Bf16 {
+            check_aligned(gpu, "w", &run.bytes)?;
+        }
+        end += run.rows;
+        let (ptr, guard) = run.bytes.device_ptr(gpu.stream());
+        *slot = PartArg {
+            w: ptr,
+            format: run.weights.index() as i32,
+            end: to_i32("rows", end)?,
+        };
+        guards.push(guard);
+    }
+    Ok((arg, guards, Launched { family, rows: end }))
+}
+
+/// What a launch's runs make: the kernel family, and the rows they hold together.
+struct Launched {
+    family: GemvFamily,
+    rows: usize,
+}
+
+/// `x` holds `[n, k]` and is aligned for the kernel's vector loads.
+fn check_x(gpu: &GpuContext, x: &CudaView<'_, bf16>, n: usize, k: usize) -> Result<()> {
     if x.len() < n * k {
         return Err(CudaError::invalid(
             "x",
             format!("{} values for [{n}, {k}]", x.len()),
         ));
     }
-    check_aligned(gpu, "x", x)?;
-    if weights == GemvWeights::Bf16 {
-        check_aligned(gpu, "w", w)?;
-    }
-    Ok(())
+    check_aligned(gpu, "x", x)
 }
 
 fn warps_of(blocks: usize) -> Result<LaunchConfig> {
@@ -86,22 +158,20 @@ fn warps_of(blocks: usize) -> Result<LaunchConfig> {
     })
 }
 
-/// `y[r, col0 + o] = Σ_k x[r, k] · W[o, k]` for `r < n`, `o < rows`; `w` holds `rows` rows of
-/// `weights` (`k / block_values` raw blocks each, or `k` bf16 values); `x` is `[n, k]`, `y`
-/// `[n, ld]`.
+/// `y[r, col0 + o] = Σ_k x[r, k] · W[o, k]` for `r < n` and every row `o` of the matrix `w`
+/// (its runs in order); `x` is `[n, k]`, `y` `[n, ld]`.
 #[allow(clippy::too_many_arguments)]
 pub fn gemv<T: Dtype>(
     gpu: &GpuContext,
-    weights: GemvWeights,
-    w: &CudaView<'_, u8>,
-    rows: usize,
+    w: &[WeightRun<'_>],
     k: usize,
     x: &CudaView<'_, bf16>,
     n: usize,
     y: &mut CudaViewMut<'_, T>,
     out: OutColumns,
 ) -> Result<()> {
-    check_operands(gpu, weights, w, rows, k, x, n)?;
+    let (parts, _guards, Launched { family, rows }) = parts_arg(gpu, w, k, n)?;
+    check_x(gpu, x, n, k)?;
     if out.col0 + rows > out.ld || y.len() < (n - 1) * out.ld + out.col0 + rows {
         return Err(CudaError::invalid(
             "y",
@@ -121,9 +191,9 @@ pub fn gemv<T: Dtype>(
         to_i32("ld", out.ld)?,
         to_i32("col0", out.col0)?,
     );
-    let f = gpu.kernels().gemv(GemvEpilogue::Store, weights).get::<T>();
+    let f = gpu.kernels().gemv(GemvEpilogue::Store, family).get::<T>();
     let mut args = gpu.stream().launch_builder(f);
-    args.arg(w)
+    args.arg(&parts)
         .arg(x)
         .arg(y)
         .arg(&rows_i)
@@ -134,51 +204,37 @@ pub fn gemv<T: Dtype>(
     launch(args, warps_of(grid(rows))?)
 }
 
-/// The gate and up projections of an MLP, `f` rows of `k` each in `weights`' format.
-pub struct GateUp<'a> {
-    pub weights: GemvWeights,
-    pub gate: CudaView<'a, u8>,
-    pub up: CudaView<'a, u8>,
-    pub f: usize,
-}
-
-/// `out[r, o] = silu(x_r · W_gate[o]) · (x_r · W_up[o])` for `r < n`, `o < f`: the gate_up GEMV
-/// (output `T`) followed by `silu_mul`, in one launch. `x` is `[n, k]`, `out` `[n, f]`.
+/// `out[r, o] = silu(x_r · W[o]) · (x_r · W[f + o])` for `r < n`, `o < f`, over a gate_up matrix
+/// `w` of `2f` rows (gate, then up): the GEMV (output `T`) followed by `silu_mul_fused`, in one
+/// launch. `x` is `[n, k]`, `out` `[n, f]`.
 pub fn gemv_silu_mul<T: Dtype>(
     gpu: &GpuContext,
-    w: &GateUp<'_>,
+    w: &[WeightRun<'_>],
     k: usize,
     x: &CudaView<'_, bf16>,
     n: usize,
     out: &mut CudaViewMut<'_, T>,
 ) -> Result<()> {
-    check_operands(gpu, w.weights, &w.gate, w.f, k, x, n)?;
-    check_operands(gpu, w.weights, &w.up, w.f, k, x, n)?;
-    check_len("out", out.len(), n * w.f)?;
-    let (f_i, k_i, n_i) = (to_i32("f", w.f)?, to_i32("k", k)?, to_i32("n", n)?);
-    let func = gpu
-        .kernels()
-        .gemv(GemvEpilogue::SiluMul, w.weights)
-        .get::<T>();
+    let (parts, _guards, Launched { family, rows }) = parts_arg(gpu, w, k, n)?;
+    check_x(gpu, x, n, k)?;
+    if !rows.is_multiple_of(2) {
+        return Err(CudaError::invalid(
+            "w",
+            format!("{rows} rows: gate and up halves need an even count"),
+        ));
+    }
+    let f = rows / 2;
+    check_len("out", out.len(), n * f)?;
+    let (f_i, k_i, n_i) = (to_i32("f", f)?, to_i32("k", k)?, to_i32("n", n)?);
+    let func = gpu.kernels().gemv(GemvEpilogue::SiluMul, family).get::<T>();
     let mut args = gpu.stream().launch_builder(func);
-    args.arg(&w.gate)
-        .arg(&w.up)
+    args.arg(&parts)
         .arg(x)
         .arg(out)
         .arg(&f_i)
         .arg(&k_i)
         .arg(&n_i);
-    launch(args, warps_of(silu_grid(w.f))?)
-}
-
-/// One part of a fused QKV projection: heads `head0 .. head0 + heads` of the q | k | v head list,
-/// their `heads · head_dim` weight rows in `weights`' format (a bf16 checkpoint: one part of
-/// every head; a packed one: its q, k and v tensors).
-pub struct QkvPart<'a> {
-    pub weights: GemvWeights,
-    pub w: CudaView<'a, u8>,
-    pub head0: usize,
-    pub heads: usize,
+    launch(args, warps_of(silu_grid(f))?)
 }
 
 /// The step's per-token inputs: `n = positions.len()` tokens.
@@ -191,16 +247,17 @@ pub struct QkvTokens<'a> {
     pub slot_mapping: CudaView<'a, i64>,
 }
 
-/// The part's rows of `x · W_qkvᵀ`, then `qkv_bias_rope_cache`'s epilogue for them: q heads
-/// `rope(q + bias)` into `q_out` (`[n, num_heads · head_dim]`), k heads `rope(k + bias)` and v
-/// heads `v + bias` into the cache at the token's slot. Each product is rounded to `T` first,
-/// as the unfused GEMV's store rounds it. `x` is `[n, k]`.
+/// `x · W_qkvᵀ` (the matrix `w`: the q | k | v head list, `head_dim` rows a head), then
+/// `qkv_bias_rope_cache`'s epilogue: q heads `rope(q + bias)` into `q_out`
+/// (`[n, num_heads · head_dim]`), k heads `rope(k + bias)` and v heads `v + bias` into the cache
+/// at the token's slot. Each product is rounded to `T` first, as the unfused GEMV's store rounds
+/// it. `x` is `[n, k]`.
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_qkv<T: Dtype>(
     gpu: &GpuContext,
     table: &RopeTable,
     heads: QkvHeads,
-    part: &QkvPart<'_>,
+    w: &[WeightRun<'_>],
     k: usize,
     x: &CudaView<'_, bf16>,
     tokens: &QkvTokens<'_>,
@@ -217,19 +274,10 @@ pub fn gemv_qkv<T: Dtype>(
             ),
         ));
     }
-    if part.heads == 0 || part.head0 + part.heads > heads.total() {
-        return Err(CudaError::invalid(
-            "part",
-            format!(
-                "heads {}..{} of {}",
-                part.head0,
-                part.head0 + part.heads,
-                heads.total()
-            ),
-        ));
-    }
     let n = tokens.positions.len();
-    check_operands(gpu, part.weights, &part.w, part.heads * hd, k, x, n)?;
+    let (parts, _guards, Launched { family, rows }) = parts_arg(gpu, w, k, n)?;
+    check_len("w rows", rows, heads.total() * hd)?;
+    check_x(gpu, x, n, k)?;
     if let Some(bias) = &tokens.bias {
         check_len("bias", bias.len(), heads.total() * hd)?;
     }
@@ -243,8 +291,6 @@ pub fn gemv_qkv<T: Dtype>(
     let num_slots = check_multiple("cache.k", k_cache.len(), kv_row)?;
     check_len("cache.v", v_cache.len(), k_cache.len())?;
     let ints = [
-        to_i32("head0", part.head0)?,
-        to_i32("heads", part.heads)?,
         to_i32("num_heads", heads.num_heads)?,
         to_i32("num_kv_heads", heads.num_kv_heads)?,
         to_i32("head_dim", hd)?,
@@ -255,12 +301,9 @@ pub fn gemv_qkv<T: Dtype>(
     let slots = num_slots as i64;
     // The kernel reads no bias when handed a null pointer.
     let no_bias: u64 = 0;
-    let f = gpu
-        .kernels()
-        .gemv(GemvEpilogue::Qkv, part.weights)
-        .get::<T>();
+    let f = gpu.kernels().gemv(GemvEpilogue::Qkv, family).get::<T>();
     let mut args = gpu.stream().launch_builder(f);
-    args.arg(&part.w).arg(x);
+    args.arg(&parts).arg(x);
     match &tokens.bias {
         Some(bias) => args.arg(bias),
         None => args.arg(&no_bias),
@@ -275,5 +318,5 @@ pub fn gemv_qkv<T: Dtype>(
         args.arg(i);
     }
     args.arg(&slots);
-    launch(args, warps_of(qkv_grid(part.heads, hd))?)
+    launch(args, warps_of(qkv_grid(heads))?)
 }

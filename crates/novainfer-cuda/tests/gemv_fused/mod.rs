@@ -1,7 +1,8 @@
-//! The fused GEMVs against the GEMV followed by the kernel they absorb, bit for bit: gate/up
-//! with SiLU·mul (`gemv_silu_mul` = `gemv` + `silu_mul_fused`) and a QKV part with bias, RoPE
-//! and the cache write (`gemv_qkv` = `gemv` + `qkv_bias_rope_cache`), every weight format, f32
-//! and bf16 stores, 1, 3 and 8 rows; `gemv_qkv` also against its CPU twin
+//! The GEMV over runs of rows in different formats against its twin (`emulate_runs`), and the
+//! fused GEMVs against the GEMV followed by the kernel they absorb, bit for bit: gate/up with
+//! SiLU·mul (`gemv_silu_mul` = `gemv` + `silu_mul_fused`) and the QKV projection with bias, RoPE
+//! and the cache write (`gemv_qkv` = `gemv` + `qkv_bias_rope_cache`), every weight format and
+//! mixes of them, f32 and bf16 stores, 1, 3 and 8 rows; `gemv_qkv` also against its CPU twin
 //! (`gemv_plan::emulate_qkv`). Fresh random inputs every run (the seed is printed).
 //!
 //! A module of the `parity` test binary rather than a binary of its own: the GPU machine gets
@@ -10,11 +11,12 @@
 use crate::common;
 use crate::common::host::{down, gemv_matrix, up, Rng, TestDtype};
 use half::bf16;
+use novainfer_cuda::cudarc::driver::CudaSlice;
 use novainfer_cuda::cudarc::driver::CudaView;
 use novainfer_cuda::gemv_plan::{self, GemvWeights};
 use novainfer_cuda::ops::dequant::QuantType;
 use novainfer_cuda::ops::gemv_quant::{
-    gemv, gemv_qkv, gemv_silu_mul, GateUp, OutColumns, QkvHeads, QkvPart, QkvTokens,
+    gemv, gemv_qkv, gemv_silu_mul, OutColumns, QkvHeads, QkvTokens, WeightRun,
 };
 use novainfer_cuda::ops::kv::KvCacheMut;
 use novainfer_cuda::ops::qkv::{qkv_bias_rope_cache, QkvInput};
@@ -39,44 +41,141 @@ fn activations(rng: &mut Rng, n: usize, k: usize) -> Vec<bf16> {
         .collect()
 }
 
+/// A matrix's runs, `(format, rows)` in row order, with random contents on the host and device.
+struct Runs {
+    layout: Vec<(GemvWeights, usize)>,
+    host: Vec<Vec<u8>>,
+    device: Vec<CudaSlice<u8>>,
+}
+
+impl Runs {
+    fn new(gpu: &GpuContext, rng: &mut Rng, layout: &[(GemvWeights, usize)], k: usize) -> Self {
+        let host: Vec<Vec<u8>> = layout
+            .iter()
+            .map(|&(w, rows)| gemv_matrix(w, rows, k, rng))
+            .collect();
+        let device = host.iter().map(|h| up(gpu, h)).collect();
+        Self {
+            layout: layout.to_vec(),
+            host,
+            device,
+        }
+    }
+
+    fn rows(&self) -> usize {
+        self.layout.iter().map(|&(_, r)| r).sum()
+    }
+
+    fn on_device(&self) -> Vec<WeightRun<'_>> {
+        self.layout
+            .iter()
+            .zip(&self.device)
+            .map(|(&(weights, rows), d)| WeightRun {
+                weights,
+                bytes: d.as_view(),
+                rows,
+            })
+            .collect()
+    }
+
+    fn on_host(&self) -> Vec<gemv_plan::HostRun<'_>> {
+        self.layout
+            .iter()
+            .zip(&self.host)
+            .map(|(&(weights, rows), h)| gemv_plan::HostRun {
+                weights,
+                bytes: h,
+                rows,
+            })
+            .collect()
+    }
+}
+
+fn packed(q: QuantType) -> GemvWeights {
+    GemvWeights::Packed(q)
+}
+
+fn runs_body<T: TestDtype>(gpu: &GpuContext, rng: &mut Rng) {
+    let k = 1536;
+    // Every format in one launch, run boundaries not on a block of four warps.
+    let layout = [
+        (packed(QuantType::Q4K), 9),
+        (GemvWeights::Bf16, 6),
+        (packed(QuantType::Q6K), 3),
+        (packed(QuantType::Int4), 5),
+    ];
+    let runs = Runs::new(gpu, rng, &layout, k);
+    let rows = runs.rows();
+    for n in [1, 3, 8] {
+        let x_host = activations(rng, n, k);
+        let x = up(gpu, &x_host);
+        let out = OutColumns {
+            ld: rows + 7,
+            col0: 3,
+        };
+        let mut y = up(gpu, &vec![T::from_f32(-7.0); n * out.ld]);
+        let (xv, mut yv) = (x.as_view(), y.as_view_mut());
+        gemv(gpu, &runs.on_device(), k, &xv, n, &mut yv, out).expect("gemv");
+        let want = gemv_plan::emulate_runs(&runs.on_host(), k, &x_host, n);
+        let got = down(gpu, &y);
+        for r in 0..n {
+            for c in 0..out.ld {
+                let expected = if (out.col0..out.col0 + rows).contains(&c) {
+                    T::from_f32(want[r * rows + c - out.col0]).to_f32()
+                } else {
+                    -7.0
+                };
+                let g = got[r * out.ld + c].to_f32();
+                assert_eq!(g.to_bits(), expected.to_bits(), "n = {n} ({r}, {c})");
+            }
+        }
+    }
+}
+
+#[test]
+fn one_launch_multiplies_runs_of_every_format_as_the_twin() {
+    let Some(gpu) = common::gpu_or_skip("gemv runs") else {
+        return;
+    };
+    let seed = seed();
+    println!("gemv runs: seed {seed}");
+    let mut rng = Rng(seed);
+    runs_body::<f32>(&gpu, &mut rng);
+    runs_body::<bf16>(&gpu, &mut rng);
+}
+
 fn silu_body<T: TestDtype>(gpu: &GpuContext, rng: &mut Rng) {
     // f = 42: not a multiple of the block's four warps.
     let (f, k) = (42, 1536);
-    for weights in GemvWeights::ALL {
-        let raw = gemv_matrix(weights, 2 * f, k, rng);
-        let w = up(gpu, &raw);
-        let half = f * weights.row_bytes(k);
+    let mut layouts: Vec<Vec<(GemvWeights, usize)>> =
+        GemvWeights::ALL.iter().map(|&w| vec![(w, 2 * f)]).collect();
+    // Gate and up of different types; and runs that do not split at the halves.
+    layouts.push(vec![
+        (packed(QuantType::Q4K), f),
+        (packed(QuantType::Q6K), f),
+    ]);
+    layouts.push(vec![
+        (packed(QuantType::Q8_0), f - 2),
+        (GemvWeights::Bf16, 4),
+        (packed(QuantType::Q5_0), f - 2),
+    ]);
+    for layout in layouts {
+        let runs = Runs::new(gpu, rng, &layout, k);
+        let w = runs.on_device();
         for n in [1, 3, 8] {
             let x = up(gpu, &activations(rng, n, k));
+            let xv = x.as_view();
             let mut gate_up = up(gpu, &vec![T::default(); n * 2 * f]);
             let all = OutColumns { ld: 2 * f, col0: 0 };
-            let (xv, wv) = (x.as_view(), w.as_view());
-            gemv(
-                gpu,
-                weights,
-                &wv,
-                2 * f,
-                k,
-                &xv,
-                n,
-                &mut gate_up.as_view_mut(),
-                all,
-            )
-            .expect("gemv");
+            gemv(gpu, &w, k, &xv, n, &mut gate_up.as_view_mut(), all).expect("gemv");
             let mut want = up(gpu, &vec![T::default(); n * f]);
             silu_mul_fused(gpu, &gate_up.as_view(), f, &mut want.as_view_mut()).expect("silu");
             let mut got = up(gpu, &vec![T::from_f32(-7.0); n * f]);
-            let halves = GateUp {
-                weights,
-                gate: w.slice(..half),
-                up: w.slice(half..),
-                f,
-            };
-            gemv_silu_mul(gpu, &halves, k, &xv, n, &mut got.as_view_mut()).expect("fused");
+            gemv_silu_mul(gpu, &w, k, &xv, n, &mut got.as_view_mut()).expect("fused");
             assert_eq!(
                 bits(&down(gpu, &got)),
                 bits(&down(gpu, &want)),
-                "{weights:?} n = {n}"
+                "{layout:?} n = {n}"
             );
         }
     }
@@ -123,25 +222,17 @@ impl<T: TestDtype> Outputs<T> {
     }
 }
 
-/// The weight's runs: `(format, head0, heads)`, q | k | v order.
-type Runs = [(GemvWeights, usize, usize)];
-
-#[allow(clippy::too_many_arguments)]
 fn qkv_case<T: TestDtype>(
     gpu: &GpuContext,
     rng: &mut Rng,
     runs: &Runs,
     n: usize,
     with_bias: bool,
-    table: &RopeTable,
-    host_cos_sin: &[f32],
+    (table, host_cos_sin): (&RopeTable, &[f32]),
 ) {
     let hd = HEADS.head_dim;
     let total = HEADS.total() * hd;
-    let parts: Vec<Vec<u8>> = runs
-        .iter()
-        .map(|&(weights, _, heads)| gemv_matrix(weights, heads * hd, K, rng))
-        .collect();
+    let w = runs.on_device();
     let x_host = activations(rng, n, K);
     let bias_host = rng.vec(total, 0.5);
     // Distinct slots; with 3 rows or more, a padding row (slot −1) and a position outside the
@@ -158,30 +249,13 @@ fn qkv_case<T: TestDtype>(
     }
     let (x, bias) = (up(gpu, &x_host), up(gpu, &bias_host));
     let (pos, slot) = (up(gpu, &positions), up(gpu, &slots));
-    let w: Vec<_> = parts.iter().map(|p| up(gpu, p)).collect();
     let start = Outputs::<T>::sentinel(n);
 
-    // Separate: each run's GEMV into its columns of [n, total], then qkv.cu.
+    // Separate: the GEMV into [n, total], then qkv.cu.
     let mut qkv = up(gpu, &vec![T::default(); n * total]);
-    for (&(weights, head0, heads), w) in runs.iter().zip(&w) {
-        let out = OutColumns {
-            ld: total,
-            col0: head0 * hd,
-        };
-        let (xv, wv) = (x.as_view(), w.as_view());
-        gemv(
-            gpu,
-            weights,
-            &wv,
-            heads * hd,
-            K,
-            &xv,
-            n,
-            &mut qkv.as_view_mut(),
-            out,
-        )
-        .expect("gemv");
-    }
+    let all = OutColumns { ld: total, col0: 0 };
+    let xv = x.as_view();
+    gemv(gpu, &w, K, &xv, n, &mut qkv.as_view_mut(), all).expect("gemv");
     let (mut q, mut kc, mut vc) = (up(gpu, &start.q), up(gpu, &start.k), up(gpu, &start.v));
     let rope_heads = RopeHeads {
         num_heads: HEADS.num_heads,
@@ -204,38 +278,30 @@ fn qkv_case<T: TestDtype>(
         v: down(gpu, &vc),
     };
 
-    // Fused: a launch per run.
+    // Fused: one launch.
     let (mut q, mut kc, mut vc) = (up(gpu, &start.q), up(gpu, &start.k), up(gpu, &start.v));
     let tokens = QkvTokens {
         bias: with_bias.then(|| bias.as_view()),
         positions: pos.as_view(),
         slot_mapping: slot.as_view(),
     };
-    for (&(weights, head0, heads), w) in runs.iter().zip(&w) {
-        let part = QkvPart {
-            weights,
-            w: w.as_view(),
-            head0,
-            heads,
-        };
-        let cache = KvCacheMut {
-            k: kc.as_view_mut(),
-            v: vc.as_view_mut(),
-        };
-        let (xv, mut qv) = (x.as_view(), q.as_view_mut());
-        gemv_qkv(gpu, table, HEADS, &part, K, &xv, &tokens, &mut qv, cache).expect("fused");
-    }
+    let cache = KvCacheMut {
+        k: kc.as_view_mut(),
+        v: vc.as_view_mut(),
+    };
+    let mut qv = q.as_view_mut();
+    gemv_qkv(gpu, table, HEADS, &w, K, &xv, &tokens, &mut qv, cache).expect("fused");
     let got = Outputs {
         q: down(gpu, &q),
         k: down(gpu, &kc),
         v: down(gpu, &vc),
     };
-    let what = format!("{runs:?} n = {n} bias {with_bias}");
+    let what = format!("{:?} n = {n} bias {with_bias}", runs.layout);
     assert_eq!(bits(&got.q), bits(&want.q), "q: {what}");
     assert_eq!(bits(&got.k), bits(&want.k), "k cache: {what}");
     assert_eq!(bits(&got.v), bits(&want.v), "v cache: {what}");
 
-    // The CPU twin, run by run.
+    // The CPU twin.
     let widen = |v: &[T]| v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
     let mut twin = gemv_plan::QkvOut {
         q: widen(&start.q),
@@ -249,20 +315,17 @@ fn qkv_case<T: TestDtype>(
         cos_sin: host_cos_sin,
     };
     let round: fn(f32) -> f32 = |v| T::from_f32(v).to_f32();
-    for (&(weights, head0, heads), raw) in runs.iter().zip(&parts) {
-        gemv_plan::emulate_qkv(
-            weights,
-            raw,
-            HEADS,
-            (head0, heads),
-            K,
-            &x_host,
-            n,
-            host_tokens,
-            round,
-            &mut twin,
-        );
-    }
+    let host_runs = runs.on_host();
+    gemv_plan::emulate_qkv(
+        &host_runs,
+        HEADS,
+        K,
+        &x_host,
+        n,
+        host_tokens,
+        round,
+        &mut twin,
+    );
     let f32_bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
     assert_eq!(bits(&got.q), f32_bits(&twin.q), "twin q: {what}");
     assert_eq!(bits(&got.k), f32_bits(&twin.k_cache), "twin k: {what}");
@@ -273,27 +336,27 @@ fn qkv_body<T: TestDtype>(gpu: &GpuContext, rng: &mut Rng) {
     let (hd, theta) = (HEADS.head_dim, 1_000_000.0);
     let table = RopeTable::new(gpu, hd, theta, MAX_POSITIONS).expect("table");
     let host = host_table(hd, theta, MAX_POSITIONS).expect("host table");
-    let (nh, nkv) = (HEADS.num_heads, HEADS.num_kv_heads);
-    let packed = |q: QuantType| GemvWeights::Packed(q);
-    // A bf16 checkpoint (one run of every head); packed q | k | v tensors of mixed formats, as
-    // Q4_K_M mixes Q4_K and Q6_K; the other formats.
-    let layouts: [&Runs; 3] = [
-        &[(GemvWeights::Bf16, 0, nh + 2 * nkv)],
-        &[
-            (packed(QuantType::Q4K), 0, nh),
-            (packed(QuantType::Q4K), nh, nkv),
-            (packed(QuantType::Q6K), nh + nkv, nkv),
+    let (q_rows, kv_rows) = (HEADS.num_heads * hd, HEADS.num_kv_heads * hd);
+    // A bf16 checkpoint (one run); packed q | k | v tensors of mixed formats, as Q4_K_M mixes
+    // Q4_K and Q6_K; the other formats.
+    let layouts = [
+        vec![(GemvWeights::Bf16, q_rows + 2 * kv_rows)],
+        vec![
+            (packed(QuantType::Q4K), q_rows),
+            (packed(QuantType::Q4K), kv_rows),
+            (packed(QuantType::Q6K), kv_rows),
         ],
-        &[
-            (packed(QuantType::Q5_0), 0, nh),
-            (packed(QuantType::Int4), nh, nkv),
-            (packed(QuantType::Q8_0), nh + nkv, nkv),
+        vec![
+            (packed(QuantType::Q5_0), q_rows),
+            (packed(QuantType::Int4), kv_rows),
+            (packed(QuantType::Q8_0), kv_rows),
         ],
     ];
-    for runs in layouts {
+    for layout in &layouts {
+        let runs = Runs::new(gpu, rng, layout, K);
         for n in [1, 3, 8] {
             for with_bias in [true, false] {
-                qkv_case::<T>(gpu, rng, runs, n, with_bias, &table, &host);
+                qkv_case::<T>(gpu, rng, &runs, n, with_bias, (&table, &host));
             }
         }
     }
@@ -317,36 +380,60 @@ fn misaligned_or_misshapen_operands_are_refused() {
         return;
     };
     let (rows, k) = (8, 64);
-    let w = up(&gpu, &vec![0u8; (rows + 1) * k * 2]);
-    let x = up(&gpu, &vec![bf16::ZERO; k + 8]);
-    let call = |w: CudaView<'_, u8>, x: CudaView<'_, bf16>| {
-        let mut y = up(&gpu, &vec![0f32; rows]);
-        let out = OutColumns { ld: rows, col0: 0 };
-        gemv(
-            &gpu,
-            GemvWeights::Bf16,
-            &w,
-            rows,
-            k,
-            &x,
-            1,
-            &mut y.as_view_mut(),
-            out,
-        )
-    };
     let bytes = rows * k * 2;
-    // A bf16 matrix that starts 2 bytes in: its rows are not on 16-byte boundaries.
+    let w = up(&gpu, &vec![0u8; bytes + 2]);
+    let x = up(&gpu, &vec![bf16::ZERO; k + 8]);
+    let call = |w: CudaView<'_, u8>, runs: usize, x: CudaView<'_, bf16>| {
+        let mut y = up(&gpu, &vec![0f32; runs * rows]);
+        let run = || WeightRun {
+            weights: GemvWeights::Bf16,
+            bytes: w.slice(..),
+            rows,
+        };
+        let w: Vec<WeightRun<'_>> = (0..runs).map(|_| run()).collect();
+        let out = OutColumns {
+            ld: runs * rows,
+            col0: 0,
+        };
+        gemv(&gpu, &w, k, &x, 1, &mut y.as_view_mut(), out)
+    };
     let param = |e: CudaError| match e {
         CudaError::InvalidArgument { param, .. } => param,
         other => panic!("not an argument error: {other}"),
     };
-    let err = call(w.slice(2..2 + bytes), x.slice(..k)).expect_err("misaligned w");
+    // A bf16 matrix that starts 2 bytes in: its rows are not on 16-byte boundaries.
+    let err = call(w.slice(2..2 + bytes), 1, x.slice(..k)).expect_err("misaligned w");
     assert_eq!(param(err), "w");
-    let err = call(w.slice(..bytes), x.slice(1..k + 1)).expect_err("misaligned x");
+    let err = call(w.slice(..bytes), 1, x.slice(1..k + 1)).expect_err("misaligned x");
     assert_eq!(param(err), "x");
-    assert!(
-        call(w.slice(..bytes - 2), x.slice(..k)).is_err(),
-        "a short matrix"
+    let err = call(w.slice(..bytes - 2), 1, x.slice(..k)).expect_err("a short run");
+    assert_eq!(param(err), "w");
+    let err = call(w.slice(..bytes), 5, x.slice(..k)).expect_err("five runs");
+    assert_eq!(param(err), "runs");
+    call(w.slice(..bytes), 4, x.slice(..k)).expect("four aligned runs");
+    // A bf16 run beside a packed one: each family is a kernel of its own.
+    let q8 = up(
+        &gpu,
+        &vec![0u8; rows * GemvWeights::Packed(QuantType::Q8_0).row_bytes(k)],
     );
-    call(w.slice(..bytes), x.slice(..k)).expect("aligned");
+    let mixed = [
+        WeightRun {
+            weights: GemvWeights::Bf16,
+            bytes: w.slice(..bytes),
+            rows,
+        },
+        WeightRun {
+            weights: GemvWeights::Packed(QuantType::Q8_0),
+            bytes: q8.as_view(),
+            rows,
+        },
+    ];
+    let mut y = up(&gpu, &vec![0f32; 2 * rows]);
+    let out = OutColumns {
+        ld: 2 * rows,
+        col0: 0,
+    };
+    let (xv, mut yv) = (x.slice(..k), y.as_view_mut());
+    let err = gemv(&gpu, &mixed, k, &xv, 1, &mut yv, out).expect_err("mixed families");
+    assert_eq!(param(err), "runs");
 }

@@ -19,8 +19,7 @@ use novainfer_cuda::ops::flash_prefill::{prefill_attention, PrefillKernel};
 use novainfer_cuda::ops::gather::gather_rows;
 use novainfer_cuda::ops::gemm::{gemm_bf16, gemm_bf16_f32out, GemmShape};
 use novainfer_cuda::ops::gemv_quant::{
-    gemv, gemv_qkv, gemv_silu_mul, GateUp, OutColumns, QkvHeads, QkvPart, QkvTokens,
-    MAX_ROWS as GEMV_MAX_ROWS,
+    gemv, gemv_qkv, gemv_silu_mul, OutColumns, QkvHeads, QkvTokens, MAX_ROWS as GEMV_MAX_ROWS,
 };
 use novainfer_cuda::ops::kv::KvCacheMut;
 use novainfer_cuda::ops::paged_attention::{
@@ -291,11 +290,10 @@ impl Body<'_> {
                 add_rms_norm::<bf16>(gpu, &x, &mut residual, &weight, eps, &mut normed)?;
             }
             let pool = &mut kv.layers[index];
-            let fused_qkv = fused && {
+            if fused {
                 let q = &mut act.q;
-                qkv_fused(gpu, rope, qkv_heads, layer, views, n, &act.normed, q, pool)?
-            };
-            if !fused_qkv {
+                qkv_fused(gpu, rope, qkv_heads, layer, views, n, &act.normed, q, pool)?;
+            } else {
                 let x = &act.normed;
                 gemm(
                     gpu,
@@ -327,7 +325,7 @@ impl Body<'_> {
                     &parts,
                 )?;
             }
-            if !fused_qkv {
+            if !fused {
                 qkv_bias_rope_cache::<bf16>(
                     gpu,
                     rope,
@@ -447,8 +445,9 @@ impl Body<'_> {
                 eps,
                 &mut head_mut(&mut act.normed, n * h, "normed")?,
             )?;
-            let fused_mlp = fused && gate_up_fused(gpu, layer, n, &act.normed, &mut act.mlp)?;
-            if !fused_mlp {
+            if fused {
+                gate_up_fused(gpu, layer, n, &act.normed, &mut act.mlp)?;
+            } else {
                 gemm(
                     gpu,
                     &act.normed,
@@ -790,7 +789,7 @@ fn gemm(
     Ok(())
 }
 
-/// Each run's rows of `x · Wᵀ` by the GEMV, into its columns of `y` (`[n, w.rows]`).
+/// `x · Wᵀ` by the GEMV (one launch over the matrix's runs) into `y` (`[n, w.rows]`).
 fn gemv_runs<T: novainfer_cuda::ops::Dtype>(
     gpu: &GpuContext,
     w: &GpuMatrix,
@@ -798,19 +797,16 @@ fn gemv_runs<T: novainfer_cuda::ops::Dtype>(
     n: usize,
     y: &mut CudaViewMut<'_, T>,
 ) -> Result<(), Failure> {
-    for run in w.runs() {
-        let out = OutColumns {
-            ld: w.rows,
-            col0: run.row0,
-        };
-        gemv(gpu, run.weights, &run.bytes, run.rows, w.cols, x, n, y, out)?;
-    }
+    let out = OutColumns {
+        ld: w.rows,
+        col0: 0,
+    };
+    gemv(gpu, &w.runs()?, w.cols, x, n, y, out)?;
     Ok(())
 }
 
-/// The layer's QKV projection with bias, RoPE and the cache write in the GEMV's epilogue (a
-/// launch per run of rows: one for a bf16 matrix, q, k and v for a packed one). `false`, and
-/// nothing launched, when a run does not cover whole heads.
+/// The layer's QKV projection with bias, RoPE and the cache write in the GEMV's epilogue: one
+/// launch whatever the q, k and v tensors' formats.
 #[allow(clippy::too_many_arguments)]
 fn qkv_fused(
     gpu: &GpuContext,
@@ -822,64 +818,46 @@ fn qkv_fused(
     x: &CudaSlice<bf16>,
     q: &mut CudaSlice<bf16>,
     pool: &mut super::buffers::LayerKv,
-) -> Result<bool, Failure> {
-    let hd = heads.head_dim;
+) -> Result<(), Failure> {
     let w = &layer.qkv;
-    if w.runs().any(|r| r.row0 % hd != 0 || r.rows % hd != 0) {
-        return Ok(false);
-    }
     let x = head(x, n * w.cols, "qkv input")?;
     let tokens = QkvTokens {
         bias: Some(layer.qkv_bias.as_view()),
         positions: again(&views.positions),
         slot_mapping: again(&views.slot_mapping),
     };
-    let mut q = head_mut(q, n * heads.num_heads * hd, "q")?;
-    for run in w.runs() {
-        let part = QkvPart {
-            weights: run.weights,
-            w: run.bytes,
-            head0: run.row0 / hd,
-            heads: run.rows / hd,
-        };
-        let cache = KvCacheMut {
-            k: pool.k.as_view_mut(),
-            v: pool.v.as_view_mut(),
-        };
-        gemv_qkv::<bf16>(gpu, rope, heads, &part, w.cols, &x, &tokens, &mut q, cache)?;
-    }
-    Ok(true)
+    let mut q = head_mut(q, n * heads.num_heads * heads.head_dim, "q")?;
+    let cache = KvCacheMut {
+        k: pool.k.as_view_mut(),
+        v: pool.v.as_view_mut(),
+    };
+    gemv_qkv::<bf16>(
+        gpu,
+        rope,
+        heads,
+        &w.runs()?,
+        w.cols,
+        &x,
+        &tokens,
+        &mut q,
+        cache,
+    )?;
+    Ok(())
 }
 
-/// `mlp = silu(x · W_gateᵀ) · (x · W_upᵀ)` in one launch. `false`, and nothing launched, when
-/// gate and up are not each in one run of one format.
+/// `mlp = silu(x · W_gateᵀ) · (x · W_upᵀ)` in one launch.
 fn gate_up_fused(
     gpu: &GpuContext,
     layer: &GpuLayer,
     n: usize,
     x: &CudaSlice<bf16>,
     mlp: &mut CudaSlice<bf16>,
-) -> Result<bool, Failure> {
+) -> Result<(), Failure> {
     let w = &layer.gate_up;
-    let f = w.rows / 2;
-    let (Some((weights, gate)), Some((up_weights, up))) =
-        (w.rows_in_one_run(0..f), w.rows_in_one_run(f..2 * f))
-    else {
-        return Ok(false);
-    };
-    if weights != up_weights {
-        return Ok(false);
-    }
     let x = head(x, n * w.cols, "gate_up input")?;
-    let w = GateUp {
-        weights,
-        gate,
-        up,
-        f,
-    };
-    let k = layer.gate_up.cols;
-    gemv_silu_mul::<bf16>(gpu, &w, k, &x, n, &mut head_mut(mlp, n * f, "mlp")?)?;
-    Ok(true)
+    let mut out = head_mut(mlp, n * (w.rows / 2), "mlp")?;
+    gemv_silu_mul::<bf16>(gpu, &w.runs()?, w.cols, &x, n, &mut out)?;
+    Ok(())
 }
 
 /// `w` expanded to bf16 in the first `rows · cols` values of `scratch` (each part by the load

@@ -8,13 +8,12 @@
 //! steps multiply the blocks in place, larger steps expand them into a scratch first
 //! (`forward::gemm`); a packed embedding table expands just the step's token rows.
 
-use std::ops::Range;
-
 use half::bf16;
-use novainfer_cuda::cudarc::driver::{CudaSlice, CudaView};
+use novainfer_cuda::cudarc::driver::CudaSlice;
 use novainfer_cuda::ops::dequant::{dequantize, QuantType};
-use novainfer_cuda::ops::gemv_quant::{bf16_bytes, GemvWeights};
+use novainfer_cuda::ops::gemv_quant::{bf16_bytes, GemvWeights, WeightRun, MAX_PARTS};
 use novainfer_cuda::GpuContext;
+use smallvec::{smallvec, SmallVec};
 
 use super::{cuda_error, driver_error};
 use crate::device::Device;
@@ -54,35 +53,31 @@ impl GpuMatrix {
     }
 
     /// The matrix as runs of rows in one GEMV format, in row order: a bf16 matrix is one run,
-    /// a packed one a run per part.
-    pub fn runs(&self) -> impl Iterator<Item = RowRun<'_>> {
-        let (bf16, packed) = match &self.data {
-            MatrixData::Bf16(d) => (Some(d), &[][..]),
-            MatrixData::Packed(parts) => (None, parts.as_slice()),
+    /// a packed one a run per part. More parts than a launch takes (none of Qwen2's matrices
+    /// has) is an error.
+    pub fn runs(&self) -> Result<SmallVec<[WeightRun<'_>; MAX_PARTS]>> {
+        let runs: SmallVec<[WeightRun<'_>; MAX_PARTS]> = match &self.data {
+            MatrixData::Bf16(d) => smallvec![WeightRun {
+                weights: GemvWeights::Bf16,
+                bytes: bf16_bytes(d),
+                rows: self.rows,
+            }],
+            MatrixData::Packed(parts) => parts
+                .iter()
+                .map(|p| WeightRun {
+                    weights: p.qtype.into(),
+                    bytes: p.blocks.as_view(),
+                    rows: p.rows,
+                })
+                .collect(),
         };
-        let whole = bf16.map(|d| RowRun {
-            weights: GemvWeights::Bf16,
-            bytes: bf16_bytes(d),
-            row0: 0,
-            rows: self.rows,
-        });
-        whole.into_iter().chain(packed.iter().map(|p| RowRun {
-            weights: p.qtype.into(),
-            bytes: p.blocks.as_view(),
-            row0: p.row0,
-            rows: p.rows,
-        }))
-    }
-
-    /// Rows `range` as one format's bytes, if they lie in one run.
-    pub fn rows_in_one_run(&self, range: Range<usize>) -> Option<(GemvWeights, CudaView<'_, u8>)> {
-        let run = self
-            .runs()
-            .find(|r| r.row0 <= range.start && range.end <= r.row0 + r.rows)?;
-        let row_bytes = run.weights.row_bytes(self.cols);
-        let at = (range.start - run.row0) * row_bytes;
-        let bytes = run.bytes.try_slice(at..at + range.len() * row_bytes)?;
-        Some((run.weights, bytes))
+        if runs.len() > MAX_PARTS {
+            return Err(ModelError::Cuda(format!(
+                "a matrix of {} parts: the GEMV takes at most {MAX_PARTS}",
+                runs.len()
+            )));
+        }
+        Ok(runs)
     }
 
     /// Values a packed matrix expands to (0 for a bf16 one): what its larger steps need of the
@@ -93,14 +88,6 @@ impl GpuMatrix {
             MatrixData::Packed(_) => self.rows * self.cols,
         }
     }
-}
-
-/// Rows `row0 .. row0 + rows` of a matrix, stored in one GEMV format.
-pub(crate) struct RowRun<'a> {
-    pub weights: GemvWeights,
-    pub bytes: CudaView<'a, u8>,
-    pub row0: usize,
-    pub rows: usize,
 }
 
 pub(crate) struct GpuLayer {
