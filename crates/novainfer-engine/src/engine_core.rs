@@ -153,7 +153,8 @@ impl EngineCore {
         } else {
             loaded.executor
         };
-        let runner = ModelRunner::new(executor);
+        let mut runner = ModelRunner::new(executor);
+        runner.launch_steps_ahead(loaded.async_scheduling);
         let backend = runner.capabilities();
         let target = runner.config().clone();
         let draft = loaded.draft.as_ref();

@@ -12,11 +12,11 @@ use std::sync::{Arc, Mutex};
 
 use novainfer_core::{slot_mapping, AdapterId, BlockId, ChunkOutput, RequestId, SchedulerOutput};
 use novainfer_model::{
-    AdapterRef, Capabilities, Device, Draw, Executor, ForwardBatch, ForwardOutput, Qwen2Config,
-    SpanOutput,
+    AdapterRef, Capabilities, Device, Draw, Enqueued, Executor, ForwardBatch, ForwardOutput,
+    Qwen2Config, SpanOutput,
 };
 
-use crate::device_thread::{DeviceThread, Pending};
+use crate::device_thread::{DeviceThread, PassJob, Pending};
 use crate::error::{EngineError, Result};
 
 /// A forward pass handed to the device thread: its output once it has run.
@@ -42,9 +42,128 @@ pub struct Chained {
     pub inputs: Vec<(usize, usize)>,
 }
 
-/// The tokens the last forward launched drew, by launch: written and read only by jobs on the
-/// device thread, which run in launch order.
-type LastDrawn = Arc<Mutex<(Option<LaunchId>, Vec<u32>)>>;
+/// What the passes launched so far left behind: written and read only by jobs on the device
+/// thread, which enqueue and finish passes in launch order.
+#[derive(Debug, Default)]
+struct Launches {
+    /// The last pass enqueued on the device.
+    enqueued: Option<LaunchId>,
+    /// The last pass read back, and the tokens it drew (none if it failed).
+    finished: (Option<LaunchId>, Vec<u32>),
+    /// The last pass that failed.
+    failed: Option<LaunchId>,
+}
+
+type LastDrawn = Arc<Mutex<Launches>>;
+
+/// One launch as the device thread runs it: block copies and the forward pass enqueued, then
+/// read back ([`PassJob`]).
+struct LaunchJob {
+    id: LaunchId,
+    batch: ForwardBatch,
+    /// The launch whose draws feed this one, and which `(flat token, k)` they feed.
+    chained: Option<(LaunchId, Vec<(usize, usize)>)>,
+    /// Whether the executor takes the chained tokens from its own draws on the device.
+    on_device: bool,
+    copies: Vec<(usize, usize, usize)>,
+    launches: LastDrawn,
+    expects_follower: bool,
+}
+
+impl LaunchJob {
+    fn launches(&self) -> std::sync::MutexGuard<'_, Launches> {
+        // Poisoned only by a panic inside this lock, which holds no invariant across it.
+        self.launches
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl PassJob for LaunchJob {
+    type Output = Result<ForwardOutput>;
+
+    fn waits_for_previous(&self, executor: &dyn Executor) -> bool {
+        self.chained.is_some() && !executor.chains_on_device(&self.batch)
+    }
+
+    fn expects_follower(&self) -> bool {
+        self.expects_follower
+    }
+
+    fn enqueue(&mut self, executor: &mut dyn Executor) -> Result<Enqueued> {
+        let result = self.enqueue_inner(executor);
+        let mut launches = self.launches();
+        launches.enqueued = Some(self.id);
+        if result.is_err() {
+            launches.failed = Some(self.id);
+        }
+        result
+    }
+
+    fn finish(self, output: Result<ForwardOutput>) -> Result<ForwardOutput> {
+        let mut launches = self.launches();
+        let drawn = match &output {
+            Ok(o) => o.tokens.iter().map(|t| t.token_id).collect(),
+            Err(_) => Vec::new(),
+        };
+        launches.finished = (Some(self.id), drawn);
+        // A pass that took its inputs on the device from one that failed read what that one
+        // left in its buffers: it fails too.
+        let output = match (&self.chained, output) {
+            (Some((after, _)), Ok(_)) if self.on_device && launches.failed == Some(*after) => {
+                Err(EngineError::StepFailed {
+                    message: format!("{after:?}, whose tokens this step took, failed"),
+                })
+            }
+            (_, output) => output,
+        };
+        if output.is_err() {
+            launches.failed = Some(self.id);
+        }
+        output
+    }
+}
+
+impl LaunchJob {
+    fn enqueue_inner(&mut self, executor: &mut dyn Executor) -> Result<Enqueued> {
+        let mut device_inputs = Vec::new();
+        if let Some((after, inputs)) = &self.chained {
+            let launches = self.launches();
+            if executor.chains_on_device(&self.batch) {
+                // The executor takes them from the draws of the pass enqueued just before.
+                if launches.enqueued != Some(*after) || launches.failed == Some(*after) {
+                    return Err(EngineError::StepFailed {
+                        message: format!(
+                            "a step chained to {after:?}: the last pass enqueued was {:?}{}",
+                            launches.enqueued,
+                            if launches.failed == Some(*after) {
+                                ", and it failed"
+                            } else {
+                                ""
+                            }
+                        ),
+                    });
+                }
+                drop(launches);
+                // A valid id in place of the pending one until the device writes the token.
+                for &(flat, _) in inputs {
+                    self.batch.token_ids[flat] = 0;
+                }
+                device_inputs.clone_from(inputs);
+                self.on_device = true;
+            } else {
+                let (after, inputs) = (*after, inputs.clone());
+                let finished = launches.finished.clone();
+                drop(launches);
+                fill_chained(&mut self.batch, &finished, after, &inputs)?;
+            }
+        }
+        for &(src, dst, num_tokens) in &self.copies {
+            executor.copy_block(src, dst, num_tokens)?;
+        }
+        Ok(executor.enqueue(&self.batch, &device_inputs)?)
+    }
+}
 
 /// The rows of a step the backend draws itself: sampled requests' next tokens, and verified
 /// requests' rows (one rule per token: the sampler's after the draft's first i tokens).
@@ -79,7 +198,10 @@ pub struct ModelRunner {
     executor: DeviceThread,
     facts: Facts,
     next_launch: u64,
-    last_drawn: LastDrawn,
+    launches: LastDrawn,
+    /// The engine launches steps ahead (async scheduling): a pass may be left on the device
+    /// while the device thread takes the next one.
+    steps_ahead: bool,
 }
 
 impl ModelRunner {
@@ -97,8 +219,16 @@ impl ModelRunner {
             executor: DeviceThread::spawn(executor),
             facts,
             next_launch: 0,
-            last_drawn: LastDrawn::default(),
+            launches: LastDrawn::default(),
+            steps_ahead: false,
         }
+    }
+
+    /// Says whether the engine launches steps ahead of their predecessors' results (async
+    /// scheduling): then a launched pass stays on the device while the device thread looks for
+    /// the next one, so the device never waits on the host between them.
+    pub fn launch_steps_ahead(&mut self, on: bool) {
+        self.steps_ahead = on;
     }
 
     pub fn config(&self) -> &Qwen2Config {
@@ -162,25 +292,16 @@ impl ModelRunner {
             .iter()
             .map(|c| (c.src.index(), c.dst.index(), c.num_tokens))
             .collect();
-        let last_drawn = Arc::clone(&self.last_drawn);
-        let pending = self.executor.submit(move |executor| {
-            let mut batch = batch;
-            let mut last = last_drawn.lock().expect("only the device thread locks it");
-            if let Some((after, inputs)) = inputs {
-                fill_chained(&mut batch, &last, after, &inputs)?;
-            }
-            for (src, dst, num_tokens) in copies {
-                executor.copy_block(src, dst, num_tokens)?;
-            }
-            let output = executor.forward(&batch);
-            let drawn = match &output {
-                Ok(o) => o.tokens.iter().map(|t| t.token_id).collect(),
-                Err(_) => Vec::new(),
-            };
-            *last = (Some(id), drawn);
-            Ok(output?)
-        });
-        (id, Ok(PendingForward(pending)))
+        let job = LaunchJob {
+            id,
+            batch,
+            chained: inputs,
+            on_device: false,
+            copies,
+            launches: Arc::clone(&self.launches),
+            expects_follower: self.steps_ahead,
+        };
+        (id, Ok(PendingForward(self.executor.submit_pass(job))))
     }
 
     /// Runs `spans` in one forward pass: a proposer's own passes over the scheduler's blocks.
@@ -313,6 +434,149 @@ mod tests {
             batch.push(&[t], i, vec![i], vec![0], true);
         }
         batch
+    }
+
+    /// Each pass's tokens and the chained pairs handed with it.
+    type PassLog = Arc<Mutex<Vec<(Vec<u32>, Vec<(usize, usize)>)>>>;
+
+    /// An executor whose passes stay on the device until read back, that takes chained inputs
+    /// from its own draws there (as the CUDA executor does): it logs each pass's tokens and the
+    /// pairs it was handed, and pass `fail_at` fails when read back.
+    struct OnDevice {
+        config: Qwen2Config,
+        log: PassLog,
+        fail_at: u64,
+        next: u64,
+    }
+
+    impl Executor for OnDevice {
+        fn device(&self) -> Device {
+            Device::Cpu
+        }
+        fn config(&self) -> &Qwen2Config {
+            &self.config
+        }
+        fn block_size(&self) -> usize {
+            1
+        }
+        fn num_blocks(&self) -> usize {
+            1
+        }
+        fn kv_bytes_per_block(&self) -> usize {
+            1
+        }
+        fn capabilities(&self) -> Capabilities {
+            novainfer_model::capabilities::CPU
+        }
+        fn copy_block(&mut self, _: usize, _: usize, _: usize) -> novainfer_model::Result<()> {
+            Ok(())
+        }
+        fn forward(&mut self, _: &ForwardBatch) -> novainfer_model::Result<ForwardOutput> {
+            unreachable!("passes are enqueued")
+        }
+        fn embed(&mut self, _: &[u32]) -> novainfer_model::Result<Vec<f32>> {
+            Err(novainfer_model::ModelError::EmptyInput)
+        }
+        fn prompt_logits(&mut self, _: &[u32], _: bool) -> novainfer_model::Result<Vec<f32>> {
+            Err(novainfer_model::ModelError::EmptyInput)
+        }
+        fn chains_on_device(&self, _: &ForwardBatch) -> bool {
+            true
+        }
+        fn enqueue(
+            &mut self,
+            batch: &ForwardBatch,
+            chained: &[(usize, usize)],
+        ) -> novainfer_model::Result<Enqueued> {
+            let mut log = self.log.lock().expect("lock");
+            log.push((batch.token_ids.clone(), chained.to_vec()));
+            self.next += 1;
+            Ok(Enqueued::InFlight(novainfer_model::PassTicket(
+                self.next - 1,
+            )))
+        }
+        fn finish(
+            &mut self,
+            pass: novainfer_model::PassTicket,
+        ) -> novainfer_model::Result<ForwardOutput> {
+            if pass.0 == self.fail_at {
+                return Err(novainfer_model::ModelError::Cuda("a device fault".into()));
+            }
+            Ok(ForwardOutput::default())
+        }
+    }
+
+    fn on_device(fail_at: u64) -> (DeviceThread, LastDrawn, PassLog) {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let executor = OnDevice {
+            config: crate::test_support::toy_config(8, 16),
+            log: log.clone(),
+            fail_at,
+            next: 0,
+        };
+        (
+            DeviceThread::spawn(Box::new(executor)),
+            LastDrawn::default(),
+            log,
+        )
+    }
+
+    fn job(
+        id: u64,
+        tokens: &[u32],
+        chained: Option<(u64, Vec<(usize, usize)>)>,
+        launches: &LastDrawn,
+    ) -> LaunchJob {
+        LaunchJob {
+            id: LaunchId(id),
+            batch: batch_of(tokens),
+            chained: chained.map(|(after, inputs)| (LaunchId(after), inputs)),
+            on_device: false,
+            copies: Vec::new(),
+            launches: Arc::clone(launches),
+            expects_follower: true,
+        }
+    }
+
+    #[test]
+    fn a_step_chained_on_the_device_hands_its_pairs_over_with_a_valid_placeholder() {
+        let (device, launches, log) = on_device(u64::MAX);
+        let first = device.submit_pass(job(0, &[5, 6], None, &launches));
+        let pending = novainfer_core::PENDING_TOKEN;
+        let second = device.submit_pass(job(
+            1,
+            &[pending, 7, pending],
+            Some((0, vec![(0, 1), (2, 0)])),
+            &launches,
+        ));
+        first.wait().expect("ran").expect("first");
+        second.wait().expect("ran").expect("second");
+        let log = log.lock().expect("lock").clone();
+        assert_eq!(log[1], (vec![0, 7, 0], vec![(0, 1), (2, 0)]));
+        // Chained to a pass that was not the last one enqueued: refused before the device.
+        let stale = device.submit_pass(job(2, &[pending], Some((0, vec![(0, 0)])), &launches));
+        let err = stale.wait().expect("ran").expect_err("stale");
+        assert!(
+            err.to_string()
+                .contains("last pass enqueued was Some(LaunchId(1))"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_step_that_took_its_tokens_from_a_failed_pass_fails_too() {
+        let (device, launches, _) = on_device(0);
+        let first = device.submit_pass(job(0, &[5], None, &launches));
+        let pending = novainfer_core::PENDING_TOKEN;
+        let second = device.submit_pass(job(1, &[pending], Some((0, vec![(0, 0)])), &launches));
+        let err = first.wait().expect("ran").expect_err("the device fault");
+        assert!(err.to_string().contains("a device fault"), "{err}");
+        let err = second.wait().expect("ran").expect_err("chained to it");
+        assert!(
+            err.to_string()
+                .contains("LaunchId(0), whose tokens this step took, failed"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -18,9 +18,7 @@ use crate::capabilities::Capabilities;
 use crate::config::Qwen2Config;
 use crate::cpu::CpuWeights;
 use crate::device::Device;
-#[cfg(not(feature = "cuda"))]
-use crate::error::ModelError;
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 use crate::forward_batch::{ForwardBatch, ForwardOutput};
 use crate::loader::OpenedCheckpoint;
 use crate::qwen2::{LoadOptions, Qwen2Model};
@@ -63,6 +61,20 @@ pub trait DeviceWeights: Send {
     ) -> Result<Box<dyn Executor>>;
 }
 
+/// An executor's handle on a pass it enqueued and has not read back ([`Executor::enqueue`]).
+/// Only that executor can finish it; what the number means is the executor's.
+#[derive(Debug, PartialEq, Eq)]
+pub struct PassTicket(pub u64);
+
+/// What [`Executor::enqueue`] did with a pass.
+#[derive(Debug)]
+pub enum Enqueued {
+    /// It ran: its output.
+    Done(ForwardOutput),
+    /// It is on the device; [`Executor::finish`] reads it back.
+    InFlight(PassTicket),
+}
+
 /// A model and its KV pool on one device: what the engine's step loop runs.
 pub trait Executor: Send {
     fn device(&self) -> Device;
@@ -86,6 +98,39 @@ pub trait Executor: Send {
     /// rows, drawn tokens and final hidden rows, each in `batch.seqs` order; see
     /// [`SpanOutput`](crate::SpanOutput)).
     fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput>;
+    /// Whether [`Self::enqueue`] takes `batch`'s chained inputs from the device (the draws of
+    /// the pass enqueued before it, still in device memory); otherwise the caller fills them
+    /// in itself once that pass has been read back.
+    fn chains_on_device(&self, _batch: &ForwardBatch) -> bool {
+        false
+    }
+    /// Enqueues `batch`'s forward pass and returns before the device has run it where the
+    /// backend can ([`Enqueued::InFlight`]: the CUDA executor's plain sampled steps), so the
+    /// caller can enqueue the next pass before reading this one back; [`Self::finish`] waits
+    /// for it. `chained` (only where [`Self::chains_on_device`]) are `(flat token, k)` pairs:
+    /// that token of `batch` is the `k`-th token drawn by the pass enqueued just before. The
+    /// default runs the pass now.
+    fn enqueue(&mut self, batch: &ForwardBatch, chained: &[(usize, usize)]) -> Result<Enqueued> {
+        if !chained.is_empty() {
+            return Err(ModelError::Unsupported {
+                what: "inputs chained to the previous pass on the device".into(),
+                device: self.device().to_string(),
+            });
+        }
+        Ok(Enqueued::Done(self.forward(batch)?))
+    }
+    /// Whether an in-flight pass has run (so [`Self::finish`] would not wait).
+    fn is_done(&mut self, _pass: &PassTicket) -> Result<bool> {
+        Ok(true)
+    }
+    /// Waits for an in-flight pass and returns what [`Self::forward`] would have. Passes are
+    /// finished in the order they were enqueued.
+    fn finish(&mut self, pass: PassTicket) -> Result<ForwardOutput> {
+        Err(ModelError::config(
+            "finish",
+            format!("{pass:?}: this executor enqueues no pass it does not finish at once"),
+        ))
+    }
     /// Unit-length embedding of a whole prompt (its last token's final hidden state),
     /// computed apart from the pool in one call: a reference to check devices against each
     /// other (the engine embeds through `forward`, in chunks).

@@ -39,7 +39,9 @@ pub use config::{Qwen2Config, WeightDtype};
 pub use cpu::{CpuExecutor, CpuWeights};
 pub use device::{Device, DeviceChoice};
 pub use error::{ModelError, Result};
-pub use executor::{load_weights, DeviceMemory, DeviceWeights, Executor, StepLimits};
+pub use executor::{
+    load_weights, DeviceMemory, DeviceWeights, Enqueued, Executor, PassTicket, StepLimits,
+};
 pub use forward_batch::{
     Adjust, Draw, DrawRule, DrawnToken, ForwardBatch, ForwardOutput, SeqSpan, SpanOutput,
 };
