@@ -30,3 +30,18 @@ extern "C" __global__ void gather_rows_bf16(const bf16* x, const i32* rows, bf16
                                             int num_src_rows) {
     gather_rows(x, rows, out, d, num_src_rows);
 }
+
+// A step's input tokens that the step enqueued before it drew, taken on the device (async
+// scheduling: the host enqueues step N + 1 before it reads N's tokens back). pairs[2i] is a
+// token row of this step, pairs[2i + 1] a sampled row of the step before, whose drawn id is
+// still in `drawn`. Launcher: ops/gather.rs::chain_tokens. The host validates the pairs; one
+// outside either buffer is skipped rather than read or written out of bounds.
+extern "C" __global__ void chain_tokens(const u32* __restrict__ drawn, const i32* __restrict__ pairs,
+                                        u32* __restrict__ token_ids, int count, int drawn_rows,
+                                        int num_tokens) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
+        const i32 to = pairs[2 * i], from = pairs[2 * i + 1];
+        if (to < 0 || to >= num_tokens || from < 0 || from >= drawn_rows) continue;
+        token_ids[to] = drawn[from];
+    }
+}

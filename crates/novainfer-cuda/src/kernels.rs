@@ -128,6 +128,9 @@ pub const DTYPED_ENTRIES: &[(KernelSource, &str)] = &[
     (LORA, "lora_expand"),
 ];
 
+/// Entry points with no dtype suffix (they move token ids), as `(kernel, name)`.
+pub const PLAIN_ENTRIES: &[(KernelSource, &str)] = &[(GATHER, "chain_tokens")];
+
 /// The attention kernels' phases: `paged_attention_<phase>_<dtype>_hd<head_dim>`.
 /// `decode_grouped` is decode's first phase with the query heads of one KV head in one block;
 /// `decode` is the same phase one head per warp (for groups too large for one block).
@@ -151,7 +154,10 @@ pub fn attention_entry(phase: &str, dtype: DtypeKind, head_dim: usize) -> String
 
 /// Every entry point a launcher uses, with the file that defines it.
 pub fn entry_points() -> Vec<(KernelSource, String)> {
-    let mut out = Vec::new();
+    let mut out: Vec<(KernelSource, String)> = PLAIN_ENTRIES
+        .iter()
+        .map(|&(k, name)| (k, name.to_owned()))
+        .collect();
     for hd in FLASH_PREFILL_HEAD_DIMS {
         out.push((FLASH_PREFILL, flash_prefill_entry(hd)));
     }

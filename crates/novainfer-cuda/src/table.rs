@@ -45,6 +45,7 @@ pub(crate) struct KernelTable {
     pub mask_rows: PerDtype<CudaFunction>,
     pub qkv: PerDtype<CudaFunction>,
     pub gather: PerDtype<CudaFunction>,
+    pub chain_tokens: CudaFunction,
     pub lora_shrink: PerDtype<CudaFunction>,
     pub lora_expand: PerDtype<CudaFunction>,
     /// Indexed by [`QuantType::index`].
@@ -92,6 +93,7 @@ impl KernelTable {
             mask_rows: per(&kernels::SAMPLING, "mask_rows")?,
             qkv: per(&kernels::QKV, "qkv_bias_rope_cache")?,
             gather: per(&kernels::GATHER, "gather_rows")?,
+            chain_tokens: loader.get(&kernels::GATHER, "chain_tokens")?,
             lora_shrink: per(&kernels::LORA, "lora_shrink")?,
             lora_expand: per(&kernels::LORA, "lora_expand")?,
             dequant: [

@@ -9,7 +9,7 @@ mod common;
 
 use common::host::{assert_close, cast, down, up, zeros, Rng, TestDtype};
 use half::bf16;
-use novainfer_cuda::ops::gather::gather_rows;
+use novainfer_cuda::ops::gather::{chain_tokens, gather_rows};
 use novainfer_cuda::ops::gemm::{gemm_bf16, gemm_bf16_f32out, GemmShape};
 use novainfer_cuda::ops::kv::{copy_block, BlockCopy, KvCacheMut, KvGeometry};
 use novainfer_cuda::ops::qkv::{qkv_bias_rope_cache, QkvInput};
@@ -353,4 +353,32 @@ fn copy_block_matches_the_cpu_pool() {
         matches!(err, CudaError::InvalidArgument { param: "copy", .. }),
         "{err}"
     );
+}
+
+#[test]
+fn chain_tokens_writes_the_drawn_ids_and_skips_pairs_outside() {
+    let Some(gpu) = common::gpu_or_skip("chain_tokens") else {
+        return;
+    };
+    let drawn = up(&gpu, &[100u32, 101, 102]);
+    let mut ids = up(&gpu, &[7u32, 7, 7, 7, 7]);
+    // Row 4 takes drawn row 2, row 0 drawn row 0; a row past the step and a drawn row past
+    // the draws are skipped.
+    let pairs = up(&gpu, &[4i32, 2, 0, 0, 5, 1, 1, 3]);
+    chain_tokens(
+        &gpu,
+        &drawn.as_view(),
+        &pairs.as_view(),
+        &mut ids.as_view_mut(),
+    )
+    .expect("launch");
+    assert_eq!(down(&gpu, &ids), [100, 7, 7, 7, 102]);
+    let odd = up(&gpu, &[1i32]);
+    assert!(chain_tokens(
+        &gpu,
+        &drawn.as_view(),
+        &odd.as_view(),
+        &mut ids.as_view_mut()
+    )
+    .is_err());
 }

@@ -8,7 +8,10 @@
 //!   differently for another row count; see `ops::gemm`);
 //! * with graphs on, each of 64 requests decodes the same greedy tokens alone as in the batch;
 //! * the fused decode linears (`DecodeLinear::Fused`), eager and captured, against the separate
-//!   ones: the same greedy tokens with two launches a layer fewer.
+//!   ones: the same greedy tokens with two launches a layer fewer;
+//! * passes left in flight (`Executor::enqueue`), each decode step enqueued before the one
+//!   before it is read back and taking its tokens from that one's draws on the device, eager
+//!   and captured: the same greedy tokens as steps run one by one.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -20,8 +23,8 @@ use candle_core::{DType, Tensor};
 use common::weights;
 use novainfer_cuda::gpu_test::{when_unavailable_from_env, WhenUnavailable};
 use novainfer_model::{
-    load_weights, Checkpoint, CudaGraphs, DecodeLinear, Device, Executor, ForwardBatch,
-    LoadOptions, ModelError, Qwen2Config, StepLimits,
+    load_weights, Checkpoint, CudaGraphs, DecodeLinear, Device, Draw, DrawRule, Enqueued, Executor,
+    ForwardBatch, ForwardOutput, LoadOptions, ModelError, Qwen2Config, SpanOutput, StepLimits,
 };
 
 const LIMITS: StepLimits = StepLimits {
@@ -276,5 +279,93 @@ fn fused_decode_linears_follow_the_separate_ones_with_fewer_launches() {
         // QKV's bias/RoPE/cache kernel and SiLU·mul go into the GEMVs (cuBLAS calls count one
         // each here, whatever kernels they run).
         assert_eq!(before - after, 2 * layers, "{n} rows");
+    }
+}
+
+fn greedy() -> SpanOutput {
+    SpanOutput::Draw(Draw {
+        seed: 0,
+        offset: 0,
+        rule: DrawRule::Greedy,
+        adjust: None,
+        logprobs: None,
+        allowed: None,
+    })
+}
+
+fn read_back(ex: &mut dyn Executor, pass: Enqueued) -> ForwardOutput {
+    match pass {
+        Enqueued::Done(out) => out,
+        Enqueued::InFlight(ticket) => ex.finish(ticket).expect("finish"),
+    }
+}
+
+/// [`generate`]'s greedy decoding with every step drawn on the device and enqueued before the
+/// step before it is read back, its tokens chained to that step's draws on the device.
+fn generate_in_flight(ex: &mut dyn Executor, seqs: &[usize]) -> Vec<Vec<u32>> {
+    let vocab = ex.config().vocab_size;
+    let prompts: Vec<Vec<u32>> = seqs.iter().map(|&s| prompt(s, vocab)).collect();
+    let mut prefill = ForwardBatch::default();
+    for (&s, p) in seqs.iter().zip(&prompts) {
+        let slots = slots(&table(s), 0..p.len());
+        prefill.push_adapted(p, 0, slots, table(s), greedy(), None);
+    }
+    let mut pass = ex.enqueue(&prefill, &[]).expect("enqueue the prefill");
+    let mut tokens = vec![Vec::new(); seqs.len()];
+    for step in 0..DECODE_STEPS {
+        let mut batch = ForwardBatch::default();
+        for (&s, p) in seqs.iter().zip(&prompts) {
+            let pos = p.len() + step;
+            let slots = slots(&table(s), pos..pos + 1);
+            batch.push_adapted(&[0], pos, slots, table(s), greedy(), None);
+        }
+        // Sequence i's token is the i-th the step before drew.
+        let chained: Vec<(usize, usize)> = (0..seqs.len()).map(|i| (i, i)).collect();
+        let next = ex
+            .enqueue(&batch, &chained)
+            .expect("enqueue a chained step");
+        assert!(
+            matches!(next, Enqueued::InFlight(_)),
+            "a decode step stays in flight"
+        );
+        let out = read_back(ex, std::mem::replace(&mut pass, next));
+        for (t, d) in tokens.iter_mut().zip(&out.tokens) {
+            t.push(d.token_id);
+        }
+    }
+    let out = read_back(ex, pass);
+    for (t, d) in tokens.iter_mut().zip(&out.tokens) {
+        t.push(d.token_id);
+    }
+    tokens
+}
+
+#[test]
+fn passes_in_flight_chain_their_tokens_on_the_device_and_decode_the_same() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = common::config_hd64(false);
+    write_checkpoint(dir.path(), &cfg);
+    if !have_gpu("passes in flight") {
+        return;
+    }
+    for graphs in [CudaGraphs::Eager, CudaGraphs::Captured] {
+        let mut ex = load(dir.path(), graphs).expect("executor");
+        for n in [1usize, 3, 8] {
+            let seqs: Vec<usize> = (0..n).collect();
+            let (want, _) = generate(ex.as_mut(), &seqs);
+            let got = generate_in_flight(ex.as_mut(), &seqs);
+            assert_eq!(got, want, "{graphs:?}, {n} sequences");
+        }
+        // A chained step with no pass before it on the device is refused, not run on junk.
+        let mut batch = ForwardBatch::default();
+        batch.push_adapted(&[0], 0, vec![0], table(0), greedy(), None);
+        ex.forward(&batch).expect("a forward between passes");
+        let err = ex
+            .enqueue(&batch, &[(0, 0)])
+            .expect_err("no draws to chain to");
+        assert!(
+            err.to_string().contains("no pass enqueued just before"),
+            "{err}"
+        );
     }
 }

@@ -1,9 +1,11 @@
-//! Launcher of `kernels/gather.cu`: `out[i] = x[rows[i]]`, the rows a step samples from.
+//! Launchers of `kernels/gather.cu`: `out[i] = x[rows[i]]`, the rows a step samples from; and
+//! a step's input tokens taken from the step before it's draws on the device.
 
 use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
 
-use super::{check_len, check_multiple, launch, per_row, to_i32, Dtype};
+use super::{check_len, check_multiple, elementwise, launch, per_row, to_i32, Dtype};
 use crate::context::GpuContext;
+use crate::error::CudaError;
 use crate::error::Result;
 
 /// Copies row `rows[i]` of `x` (`[num_src_rows, d]`) to row i of `out` (`[rows.len(), d]`).
@@ -27,4 +29,37 @@ pub fn gather_rows<T: Dtype>(
     let mut args = gpu.stream().launch_builder(f);
     args.arg(x).arg(rows).arg(out).arg(&d_i).arg(&src_rows);
     launch(args, per_row(num_out, 256)?)
+}
+
+/// `token_ids[pairs[2i]] = drawn[pairs[2i + 1]]` for each pair: a step's tokens that the step
+/// before it drew (`drawn`: its drawn ids by sampled row, still on the device).
+pub fn chain_tokens(
+    gpu: &GpuContext,
+    drawn: &CudaView<'_, u32>,
+    pairs: &CudaView<'_, i32>,
+    token_ids: &mut CudaViewMut<'_, u32>,
+) -> Result<()> {
+    if !pairs.len().is_multiple_of(2) {
+        return Err(CudaError::invalid(
+            "pairs",
+            format!("{} values: pairs come in twos", pairs.len()),
+        ));
+    }
+    let count = pairs.len() / 2;
+    if count == 0 {
+        return Ok(());
+    }
+    let (count_i, drawn_i, tokens_i) = (
+        to_i32("pairs", count)?,
+        to_i32("drawn", drawn.len())?,
+        to_i32("token_ids", token_ids.len())?,
+    );
+    let mut args = gpu.stream().launch_builder(&gpu.kernels().chain_tokens);
+    args.arg(drawn)
+        .arg(pairs)
+        .arg(token_ids)
+        .arg(&count_i)
+        .arg(&drawn_i)
+        .arg(&tokens_i);
+    launch(args, elementwise(count))
 }

@@ -5,6 +5,7 @@
 
 use half::bf16;
 use novainfer_cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PinnedHostSlice};
+use novainfer_cuda::ops::gather::chain_tokens;
 use novainfer_cuda::sample_params::{DrawMode, RowEdit, RowPenalties, SampleParams};
 use novainfer_cuda::GpuContext;
 
@@ -168,6 +169,20 @@ pub(crate) fn head_mut<'a, T>(
         .ok_or_else(|| too_small(what, len, cap))
 }
 
+/// `len` bytes of zeroed pinned host memory.
+fn zeroed_pinned(gpu: &GpuContext, len: usize) -> Result<PinnedHostSlice<u8>> {
+    // SAFETY: the memory is uninitialised until `write_bytes` zeroes all of it below, before
+    // any reference to it is made.
+    let mut staging =
+        unsafe { gpu.context().alloc_pinned::<u8>(len) }.map_err(driver_error("cuMemHostAlloc"))?;
+    let ptr = staging
+        .as_mut_ptr()
+        .map_err(driver_error("cuEventSynchronize"))?;
+    // SAFETY: `ptr` addresses `len` bytes of host memory owned by `staging`.
+    unsafe { std::ptr::write_bytes(ptr, 0, len) };
+    Ok(staging)
+}
+
 fn too_small(what: &str, len: usize, cap: usize) -> ModelError {
     ModelError::Cuda(format!(
         "buffer `{what}` holds {cap} values, the step needs {len}"
@@ -177,7 +192,9 @@ fn too_small(what: &str, len: usize, cap: usize) -> ModelError {
 /// The step's metadata: packed on the host into pinned memory, uploaded with one copy.
 pub(crate) struct StepBuffers {
     pub layout: StepLayout,
-    staging: PinnedHostSlice<u8>,
+    /// Two, so a step can be packed while the one before it, still in flight, has not yet
+    /// copied its own (`slot` in the calls below: the executor alternates them).
+    staging: [PinnedHostSlice<u8>; 2],
     device: CudaSlice<u8>,
 }
 
@@ -205,15 +222,10 @@ pub(crate) struct StepViews<'a> {
 
 impl StepBuffers {
     pub fn new(gpu: &GpuContext, layout: StepLayout) -> Result<Self> {
-        // SAFETY: the memory is uninitialised until `write_bytes` zeroes all of it below,
-        // before any reference to it is made.
-        let mut staging = unsafe { gpu.context().alloc_pinned::<u8>(layout.total) }
-            .map_err(driver_error("cuMemHostAlloc"))?;
-        let ptr = staging
-            .as_mut_ptr()
-            .map_err(driver_error("cuEventSynchronize"))?;
-        // SAFETY: `ptr` addresses `layout.total` bytes of host memory owned by `staging`.
-        unsafe { std::ptr::write_bytes(ptr, 0, layout.total) };
+        let staging = [
+            zeroed_pinned(gpu, layout.total)?,
+            zeroed_pinned(gpu, layout.total)?,
+        ];
         let device = gpu
             .stream()
             .alloc_zeros::<u8>(layout.total)
@@ -225,21 +237,20 @@ impl StepBuffers {
         })
     }
 
-    /// Writes `step` to the staging buffer and enqueues its upload; returns its views.
+    /// Writes `step` to staging buffer `slot` and enqueues its upload ([`Self::views`] are
+    /// the step's arrays in the device buffer; a graph replay reads them at the addresses it
+    /// captured).
     ///
-    /// The copy is asynchronous: the staging buffer must not be written again before it
-    /// completes. Each step ends by synchronising the stream (the logits copy), and a
-    /// failed step synchronises before returning, so the next `upload` finds it idle.
-    pub fn upload(&mut self, gpu: &GpuContext, step: &PackedStep) -> Result<StepViews<'_>> {
-        self.write_and_copy(gpu, step)?;
-        self.views(step)
-    }
-
-    /// [`Self::upload`] without the views (a graph replay reads the buffer at the addresses
-    /// it captured), under the same rule.
-    pub fn write_and_copy(&mut self, gpu: &GpuContext, step: &PackedStep) -> Result<()> {
-        let staging = self
-            .staging
+    /// The copy is asynchronous: a staging buffer must not be written again before its copy
+    /// completes. A pass left in flight has used the other slot; every other step ends by
+    /// synchronising the stream (a failed one before returning).
+    pub fn write_and_copy(
+        &mut self,
+        gpu: &GpuContext,
+        step: &PackedStep,
+        slot: usize,
+    ) -> Result<()> {
+        let staging = self.staging[slot % 2]
             .as_mut_slice()
             .map_err(driver_error("cuEventSynchronize"))?;
         let used = self.layout.write(step, staging);
@@ -250,6 +261,45 @@ impl StepBuffers {
         gpu.stream()
             .memcpy_htod(&staging[..used], &mut dst)
             .map_err(driver_error("cuMemcpyHtoDAsync"))?;
+        Ok(())
+    }
+
+    /// After the upload: the step's chained tokens written into its uploaded token ids from
+    /// `drawn`, the drawn ids of the step enqueued before it (nothing without chained tokens).
+    pub fn chain(
+        &mut self,
+        gpu: &GpuContext,
+        step: &PackedStep,
+        drawn: &CudaSlice<u32>,
+    ) -> Result<()> {
+        if step.chain.is_empty() {
+            return Ok(());
+        }
+        let l = &self.layout;
+        let n = step.num_tokens();
+        let (mut head, tail) = self
+            .device
+            .try_split_at_mut(l.chain)
+            .ok_or_else(|| too_small("step metadata", l.chain, self.layout.total))?;
+        let mut ids = head
+            .try_slice_mut(l.token_ids..l.token_ids + 4 * n)
+            .ok_or_else(|| too_small("step metadata", l.token_ids + 4 * n, l.chain))?;
+        let pairs = tail
+            .try_slice(0..4 * step.chain.len())
+            .ok_or_else(|| too_small("chained tokens", step.chain.len(), tail.len() / 4))?;
+        // SAFETY: u32 and i32 sections the layout wrote (`typed`'s argument), at 256-byte
+        // aligned offsets; every bit pattern is a valid u32 or i32.
+        let (mut ids, pairs) = unsafe {
+            (
+                ids.transmute_mut::<u32>(n)
+                    .ok_or_else(|| too_small("token ids", n, 0))?,
+                pairs
+                    .transmute::<i32>(step.chain.len())
+                    .ok_or_else(|| too_small("chained tokens", step.chain.len(), 0))?,
+            )
+        };
+        chain_tokens(gpu, &drawn.as_view(), &pairs, &mut ids)
+            .map_err(|e| ModelError::Cuda(e.to_string()))?;
         Ok(())
     }
 

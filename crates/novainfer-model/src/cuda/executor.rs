@@ -1,6 +1,8 @@
 //! The engine's view of the GPU: [`CudaWeights`] (model and buffers loaded, pool not yet)
 //! and [`CudaExecutor`] (with its pool).
 
+use novainfer_cuda::cudarc::driver::sys::CUevent_flags;
+use novainfer_cuda::cudarc::driver::CudaEvent;
 use novainfer_cuda::kernels::DtypeKind;
 use novainfer_cuda::ops::kv::{copy_block, BlockCopy, KvCacheMut, KvGeometry};
 use novainfer_cuda::ops::paged_attention::{AttentionConfig, DecodeScratch};
@@ -9,7 +11,7 @@ use novainfer_cuda::GpuContext;
 
 use super::buffers::{Activations, EditBuffers, KvPool, MaskBuffers, Readback, StepBuffers};
 use super::cuda_error;
-use super::forward::{Step, Tail, TailOut};
+use super::forward::{read_tail, Step, Tail, TailOut, TailPassed, TailReads};
 use super::graphs::{DecodeGraphs, Runner};
 use super::lora::DeviceAdapters;
 use super::weights::GpuModel;
@@ -17,7 +19,7 @@ use crate::capabilities::{self, Capabilities};
 use crate::config::{Qwen2Config, WeightDtype};
 use crate::device::Device;
 use crate::error::{ModelError, Result};
-use crate::executor::{DeviceMemory, DeviceWeights, Executor, StepLimits};
+use crate::executor::{DeviceMemory, DeviceWeights, Enqueued, Executor, PassTicket, StepLimits};
 use crate::forward_batch::{ForwardBatch, ForwardOutput, SpanOutput};
 use crate::gpu_weight_dtype::GpuWeightDtype;
 use crate::layers::ops::normalize_l2;
@@ -36,12 +38,15 @@ pub struct CudaWeights {
     rope: RopeTable,
     act: Activations,
     scratch: DecodeScratch,
-    readback: Readback,
+    readback: [Readback; 2],
     edits: EditBuffers,
     masks: MaskBuffers,
     limits: StepLimits,
     graph_mode: CudaGraphs,
     decode_linear: DecodeLinear,
+    /// The staging and readback slot the next step uses; a pass left in flight keeps the
+    /// other one (`Step::slot`).
+    slot: usize,
 }
 
 impl CudaWeights {
@@ -94,7 +99,11 @@ impl CudaWeights {
             limits.max_seq_len,
         )
         .map_err(err)?;
-        let readback = Readback::new(&gpu, &cfg, limits.max_num_seqs)?;
+        // Two: a pass left on the device reads back into its own while the next one runs.
+        let readback = [
+            Readback::new(&gpu, &cfg, limits.max_num_seqs)?,
+            Readback::new(&gpu, &cfg, limits.max_num_seqs)?,
+        ];
         let edits = EditBuffers::new(&gpu, limits.max_num_seqs)?;
         let masks = MaskBuffers::new(&gpu, &cfg, limits.max_num_seqs)?;
         // Everything above is queued on the stream; finish it so errors surface here and
@@ -117,6 +126,7 @@ impl CudaWeights {
             limits,
             graph_mode: opts.cuda_graphs,
             decode_linear,
+            slot: 0,
         })
     }
 }
@@ -215,6 +225,9 @@ impl DeviceWeights for CudaWeights {
             capacity,
             graphs: None,
             lora: DeviceAdapters::new(cfg_layers, capacity.max_tokens),
+            in_flight: [None, None],
+            last_draws: None,
+            next_ticket: 0,
         };
         if executor.w.graph_mode == CudaGraphs::Captured {
             // Over the engine's pool: the graphs capture its addresses (padding rows write
@@ -242,6 +255,22 @@ pub struct CudaExecutor {
     graphs: Option<DecodeGraphs>,
     /// The LoRA adapters steps have used, on the device.
     lora: DeviceAdapters,
+    /// Passes enqueued and not yet read back, by slot (at most one per slot).
+    in_flight: [Option<InFlight>; 2],
+    /// The sampled row of each token the last enqueued pass drew (its draws still in
+    /// `act.drawn_ids`): where a chained input of the next pass comes from. `None` once
+    /// another forward may have drawn over them.
+    last_draws: Option<Vec<usize>>,
+    next_ticket: u64,
+}
+
+/// A pass on the device: what reading it back needs.
+struct InFlight {
+    ticket: u64,
+    step: PackedStep,
+    reads: TailReads,
+    /// Recorded after the pass's last copy back.
+    done: CudaEvent,
 }
 
 impl CudaWeights {
@@ -258,11 +287,12 @@ impl CudaWeights {
             meta,
             kv,
             scratch: &mut self.scratch,
-            readback: &mut self.readback,
+            readback: &mut self.readback[self.slot],
             edits: &mut self.edits,
             masks: &mut self.masks,
             lora: None,
             linear: self.decode_linear,
+            slot: self.slot,
         }
     }
 }
@@ -341,8 +371,14 @@ impl CudaExecutor {
                 let mut runner = Runner {
                     step: step_buffers,
                     graphs,
+                    wait: true,
                 };
-                return replay_step(&mut runner, &step, bucket);
+                return match replay_step(&mut runner, &step, bucket)? {
+                    TailPassed::Done(out) => Ok(out),
+                    TailPassed::Reads(_) => Err(ModelError::Cuda(
+                        "a replay left in flight by a waiting runner: this is a bug".into(),
+                    )),
+                };
             }
         }
         let mut forward = self.w.step(&mut self.meta, &mut self.kv);
@@ -428,6 +464,107 @@ impl CudaExecutor {
     }
 }
 
+impl CudaExecutor {
+    /// [`Executor::enqueue`] for a step of sampled rows only: uploaded through the free slot,
+    /// its chained tokens taken from the last pass's draws on the device, run (replayed or
+    /// eager) and its tail's copies queued, an event recorded behind them; not waited for.
+    fn enqueue_pass(
+        &mut self,
+        batch: &ForwardBatch,
+        chained: &[(usize, usize)],
+    ) -> Result<Enqueued> {
+        let slot = self.w.slot;
+        if self.in_flight[slot].is_some() {
+            return Err(ModelError::config(
+                "enqueue",
+                "both staging slots hold passes in flight: finish one first",
+            ));
+        }
+        let chain = match (chained.is_empty(), &self.last_draws) {
+            (true, _) => Vec::new(),
+            (false, None) => {
+                return Err(ModelError::config(
+                    "chained",
+                    "no pass enqueued just before this one has draws on the device",
+                ))
+            }
+            (false, Some(rows)) => chained
+                .iter()
+                .map(|&(flat, k)| {
+                    rows.get(k).map(|&row| (flat, row)).ok_or_else(|| {
+                        ModelError::config(
+                            "chained",
+                            format!("the pass before drew {} tokens, none at {k}", rows.len()),
+                        )
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?,
+        };
+        self.last_draws = None;
+        let mut step = PackedStep::pack_chained(batch, &self.capacity, &chain)?;
+        if !step.edits.is_empty() || step.masks_at.iter().any(|&m| m >= 0) {
+            // Edits and masks go through staging buffers of their own, one each: the pass in
+            // flight must have copied its own before this one writes them.
+            for f in self.in_flight.iter().flatten() {
+                f.done
+                    .synchronize()
+                    .map_err(|e| ModelError::Cuda(format!("cuEventSynchronize failed: {e:?}")))?;
+            }
+        }
+        let with_lora = !step.adapters.is_empty();
+        self.lora.bind(&self.w.gpu, &mut step)?;
+        let replay = match (self.graphs.as_ref(), with_lora) {
+            (Some(graphs), false) => match route(batch, Some(&graphs.buckets)) {
+                StepRoute::Graph { bucket } => Some(bucket),
+                _ => None,
+            },
+            _ => None,
+        };
+        let reads = match (replay, self.graphs.as_mut()) {
+            (Some(bucket), Some(graphs)) => {
+                let mut runner = Runner {
+                    step: self.w.step(&mut self.meta, &mut self.kv),
+                    graphs,
+                    wait: false,
+                };
+                match replay_step(&mut runner, &step, bucket)? {
+                    TailPassed::Reads(reads) => reads,
+                    TailPassed::Done(_) => {
+                        return Err(ModelError::Cuda(
+                            "a replay waited for by a runner told not to: this is a bug".into(),
+                        ))
+                    }
+                }
+            }
+            _ => {
+                let mut forward = self.w.step(&mut self.meta, &mut self.kv);
+                if with_lora {
+                    forward.lora = self.lora.step();
+                }
+                forward.enqueue(&step)?
+            }
+        };
+        let device = self.w.device;
+        let done = self
+            .w
+            .gpu
+            .stream()
+            .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(|e| ModelError::Cuda(format!("cuEventRecord failed on {device}: {e:?}")))?;
+        self.last_draws = Some(step.drawn_rows());
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        self.in_flight[slot] = Some(InFlight {
+            ticket,
+            step,
+            reads,
+            done,
+        });
+        self.w.slot = 1 - slot;
+        Ok(Enqueued::InFlight(PassTicket(ticket)))
+    }
+}
+
 impl Executor for CudaExecutor {
     fn device(&self) -> Device {
         self.w.device
@@ -489,6 +626,8 @@ impl Executor for CudaExecutor {
     }
 
     fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput> {
+        // Whatever this draws lands over the last enqueued pass's draws.
+        self.last_draws = None;
         if batch.only_samples() {
             let TailOut { rows, tokens } = self.run_in_pool(batch, Tail::Logits, true)?;
             return Ok(ForwardOutput {
@@ -498,6 +637,66 @@ impl Executor for CudaExecutor {
             });
         }
         self.forward_split(batch)
+    }
+
+    fn chains_on_device(&self, batch: &ForwardBatch) -> bool {
+        batch.only_samples()
+    }
+
+    fn enqueue(&mut self, batch: &ForwardBatch, chained: &[(usize, usize)]) -> Result<Enqueued> {
+        if !batch.only_samples() || batch.seqs.is_empty() {
+            if !chained.is_empty() {
+                return Err(ModelError::config(
+                    "chained",
+                    "inputs chained on the device need a step of sampled rows only",
+                ));
+            }
+            return Ok(Enqueued::Done(self.forward(batch)?));
+        }
+        self.enqueue_pass(batch, chained)
+    }
+
+    fn is_done(&mut self, pass: &PassTicket) -> Result<bool> {
+        let device = self.w.device;
+        match self.in_flight.iter().flatten().find(|f| f.ticket == pass.0) {
+            Some(f) => f
+                .done
+                .try_is_complete()
+                .map_err(|e| ModelError::Cuda(format!("cuEventQuery failed on {device}: {e:?}"))),
+            None => Ok(true),
+        }
+    }
+
+    fn finish(&mut self, pass: PassTicket) -> Result<ForwardOutput> {
+        let Some(slot) = (0..2).find(|&s| {
+            self.in_flight[s]
+                .as_ref()
+                .is_some_and(|f| f.ticket == pass.0)
+        }) else {
+            return Err(ModelError::config(
+                "finish",
+                format!("{pass:?} is not in flight"),
+            ));
+        };
+        let Some(f) = self.in_flight[slot].take() else {
+            return Err(ModelError::config(
+                "finish",
+                format!("{pass:?} is not in flight"),
+            ));
+        };
+        let device = self.w.device;
+        // Waits for the pass's copies back; the kernels' own errors surface here.
+        f.done
+            .synchronize()
+            .map_err(|e| ModelError::Cuda(format!("a pass on {device} failed: {e:?}")))?;
+        let TailOut { rows, tokens } =
+            read_tail(&self.w.cfg, &self.w.readback[slot], &f.step, f.reads)
+                .map_err(|e| e.into_model(device))?;
+        Ok(ForwardOutput {
+            logits: rows,
+            tokens,
+            hidden: Vec::new(),
+        })
     }
 
     fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {

@@ -86,9 +86,12 @@ pub(crate) struct Step<'a> {
     pub lora: Option<LoraStep<'a>>,
     /// How steps of a few rows run their linear layers.
     pub linear: DecodeLinear,
+    /// Which of the two staging buffers the step's metadata goes through (the readback is
+    /// this slot's too): the executor alternates them so a step in flight keeps its own.
+    pub slot: usize,
 }
 
-impl Step<'_> {
+impl<'a> Step<'a> {
     /// Runs `step` (already validated against the buffers and the pool) and returns, for
     /// its sampled rows, the f32 logits `[rows, vocab]` or the final normed hidden states
     /// `[rows, hidden]`.
@@ -103,7 +106,38 @@ impl Step<'_> {
         result.map_err(|e| e.into_model(device))
     }
 
+    /// Enqueues `step` with a logits tail and returns without waiting: what is left to read
+    /// back once the stream has passed its copies ([`read_tail`], into this step's readback).
+    pub fn enqueue(self, step: &PackedStep) -> Result<TailReads> {
+        let (gpu, device) = (self.gpu, self.device);
+        let result = self.launch(step, Tail::Logits);
+        if result.is_err() {
+            let _ = gpu.synchronize();
+        }
+        match result.map_err(|e| e.into_model(device))?.0 {
+            TailPassed::Reads(reads) => Ok(reads),
+            TailPassed::Done(_) => Err(crate::error::ModelError::Cuda(
+                "a logits step finished while enqueued: this is a bug".into(),
+            )),
+        }
+    }
+
     fn run_inner(self, step: &PackedStep, tail: Tail) -> Result<TailOut, Failure> {
+        let (gpu, cfg) = (self.gpu, self.cfg);
+        match self.launch(step, tail)? {
+            (TailPassed::Done(out), _) => Ok(out),
+            (TailPassed::Reads(reads), readback) => {
+                // Every copy of the tail was recorded on the stream; waiting for the stream
+                // covers them and surfaces the kernels' own errors as this step's.
+                gpu.synchronize()?;
+                read_tail(cfg, readback, step, reads)
+            }
+        }
+    }
+
+    /// Everything of `step` up to its tail's copies, enqueued: a logits tail's reads, or
+    /// (a hidden tail, an empty step) its finished output; and the readback the reads are in.
+    fn launch(self, step: &PackedStep, tail: Tail) -> Result<(TailPassed, &'a Readback), Failure> {
         let Step {
             gpu,
             cfg,
@@ -118,13 +152,16 @@ impl Step<'_> {
             masks,
             lora,
             linear,
+            slot,
             ..
         } = self;
         let n = step.num_tokens();
         if n == 0 {
-            return Ok(TailOut::default());
+            return Ok((TailPassed::Done(TailOut::default()), readback));
         }
-        let views = meta.upload(gpu, step)?;
+        meta.write_and_copy(gpu, step, slot)?;
+        meta.chain(gpu, step, &act.drawn_ids)?;
+        let views = meta.views(step)?;
         let attention = match step.attention(MixedSteps::from_env()?) {
             StepAttention::Decode { max_seq_len } => Attention::Decode {
                 max_seq_len,
@@ -156,15 +193,24 @@ impl Step<'_> {
         body.layers(&views, n, attention)?;
         if rows == 0 {
             // Nothing to sample (prefill chunks only): the step's work is its KV writes.
-            gpu.synchronize()?;
-            return Ok(TailOut::default());
+            return Ok((TailPassed::Reads(TailReads::default()), readback));
         }
         body.final_rows(&views, n, rows)?;
-        if tail == Tail::Logits {
-            body.lm_head(rows)?;
+        if tail == Tail::Hidden {
+            let out = sample_tail(gpu, cfg, act, readback, edits, masks, &views, step, tail)?;
+            return Ok((TailPassed::Done(out), readback));
         }
-        sample_tail(gpu, cfg, act, readback, edits, masks, &views, step, tail)
+        body.lm_head(rows)?;
+        let reads = enqueue_tail(gpu, cfg, act, readback, edits, masks, &views, step)?;
+        Ok((TailPassed::Reads(reads), readback))
     }
+}
+
+/// What a step's launch left: its finished output (a hidden tail, an empty step, or a
+/// caller that waited), or a logits tail's reads still on their way back.
+pub(crate) enum TailPassed {
+    Done(TailOut),
+    Reads(TailReads),
 }
 
 /// How a step's attention runs.
@@ -580,7 +626,7 @@ pub(crate) fn sample_tail(
     step: &PackedStep,
     tail: Tail,
 ) -> Result<TailOut, Failure> {
-    let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
+    let h = cfg.hidden_size;
     let rows = step.sample_rows.len();
     if rows == 0 {
         gpu.synchronize()?;
@@ -601,6 +647,36 @@ pub(crate) fn sample_tail(
             tokens: Vec::new(),
         });
     }
+    let reads = enqueue_tail(gpu, cfg, act, readback, edits, masks, views, step)?;
+    // Every copy of the tail was recorded on the stream; waiting for the stream covers them
+    // and surfaces the kernels' own errors as this step's.
+    gpu.synchronize()?;
+    read_tail(cfg, readback, step, reads)
+}
+
+/// What a logits tail left for the host to read once the stream has passed its copies.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct TailReads {
+    /// Logits rows copied back (the engine samples them).
+    host: usize,
+    /// Tokens drawn on the device.
+    draws: usize,
+}
+
+/// [`sample_tail`]'s launches and copies for a logits tail, without waiting for them.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn enqueue_tail(
+    gpu: &GpuContext,
+    cfg: &Qwen2Config,
+    act: &mut Activations,
+    readback: &mut Readback,
+    edits: &mut EditBuffers,
+    masks: &mut MaskBuffers,
+    views: &StepViews<'_>,
+    step: &PackedStep,
+) -> Result<TailReads, Failure> {
+    let vocab = cfg.vocab_size;
+    let rows = step.sample_rows.len();
     if step.masks_at.iter().any(|&m| m >= 0) {
         // A grammar's rows are masked in place first: everything after (logprobs, edits,
         // the draw) reads the masked row, as the host sampler does.
@@ -700,9 +776,18 @@ pub(crate) fn sample_tail(
             .memcpy_dtoh(&source, &mut readback.logits)
             .map_err(driver_error("cuMemcpyDtoHAsync"))?;
     }
-    // Every copy above was recorded on the stream; waiting for the stream covers them and
-    // surfaces the kernels' own errors as this step's.
-    gpu.synchronize()?;
+    Ok(TailReads { host, draws })
+}
+
+/// The host rows and drawn tokens a logits tail copied into `readback` (its copies complete).
+pub(crate) fn read_tail(
+    cfg: &Qwen2Config,
+    readback: &Readback,
+    step: &PackedStep,
+    reads: TailReads,
+) -> Result<TailOut, Failure> {
+    let TailReads { host, draws } = reads;
+    let vocab = cfg.vocab_size;
     let mut out = TailOut::default();
     if host > 0 {
         let values = readback

@@ -33,7 +33,7 @@ use novainfer_cuda::cudarc::driver::CudaGraph;
 use novainfer_cuda::ops::paged_attention::ATTN_SPLIT;
 
 use super::driver_error;
-use super::forward::{sample_tail, Attention, Body, Step, Tail, TailOut};
+use super::forward::{enqueue_tail, sample_tail, Attention, Body, Step, Tail, TailPassed};
 use crate::error::{ModelError, Result};
 use crate::prepare::graph::{capture_all, capture_step, GraphBuckets, GraphOps};
 use crate::prepare::PackedStep;
@@ -74,6 +74,7 @@ impl DecodeGraphs {
             &mut Runner {
                 step,
                 graphs: &mut graphs,
+                wait: true,
             },
             &buckets,
         )?;
@@ -98,18 +99,23 @@ impl DecodeGraphs {
 pub(crate) struct Runner<'a> {
     pub step: Step<'a>,
     pub graphs: &'a mut DecodeGraphs,
+    /// Whether `finish` waits for the tail and reads it ([`TailPassed::Done`]), or leaves
+    /// its copies on their way ([`TailPassed::Reads`]: the executor reads them later).
+    pub wait: bool,
 }
 
 impl GraphOps for Runner<'_> {
     type Error = ModelError;
-    type Output = TailOut;
+    type Output = TailPassed;
 
     fn table_width(&self) -> usize {
         self.step.meta.layout.max_blocks_per_seq
     }
 
     fn upload(&mut self, step: &PackedStep) -> Result<()> {
-        self.step.meta.write_and_copy(self.step.gpu, step)
+        let s = &mut self.step;
+        s.meta.write_and_copy(s.gpu, step, s.slot)?;
+        s.meta.chain(s.gpu, step, &s.act.drawn_ids)
     }
 
     fn capture(&mut self, bucket: usize) -> Result<()> {
@@ -162,21 +168,36 @@ impl GraphOps for Runner<'_> {
         graph.0.launch().map_err(driver_error("cuGraphLaunch"))
     }
 
-    fn finish(&mut self, step: &PackedStep) -> Result<TailOut> {
+    fn finish(&mut self, step: &PackedStep) -> Result<TailPassed> {
         let s = &mut self.step;
         let views = s.meta.views(step)?;
-        sample_tail(
-            s.gpu,
-            s.cfg,
-            &mut *s.act,
-            &mut *s.readback,
-            &mut *s.edits,
-            &mut *s.masks,
-            &views,
-            step,
-            Tail::Logits,
-        )
-        .map_err(|e| e.into_model(s.device))
+        let passed = if self.wait {
+            sample_tail(
+                s.gpu,
+                s.cfg,
+                &mut *s.act,
+                &mut *s.readback,
+                &mut *s.edits,
+                &mut *s.masks,
+                &views,
+                step,
+                Tail::Logits,
+            )
+            .map(TailPassed::Done)
+        } else {
+            enqueue_tail(
+                s.gpu,
+                s.cfg,
+                &mut *s.act,
+                &mut *s.readback,
+                &mut *s.edits,
+                &mut *s.masks,
+                &views,
+                step,
+            )
+            .map(TailPassed::Reads)
+        };
+        passed.map_err(|e| e.into_model(s.device))
     }
 
     fn synchronize(&mut self) -> Result<()> {

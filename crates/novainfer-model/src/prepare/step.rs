@@ -82,6 +82,9 @@ pub struct PackedStep {
     /// Per token row (empty without adapters): its adapter's index in `adapters`, or −1. The
     /// executor turns indices into its resident slots before the upload.
     pub lora_rows: Vec<i32>,
+    /// Tokens this step takes from the draws of the step enqueued before it, on the device:
+    /// `[token row, that step's sampled row]` pairs, flattened (empty: none).
+    pub chain: Vec<i32>,
 }
 
 fn bad(field: &str, reason: String) -> ModelError {
@@ -99,6 +102,17 @@ impl PackedStep {
 
     /// Checks `batch` against `cap` and flattens it.
     pub fn pack(batch: &ForwardBatch, cap: &StepCapacity) -> Result<Self> {
+        Self::pack_chained(batch, cap, &[])
+    }
+
+    /// [`Self::pack`], with `chained` `(batch token, sampled row)` pairs: that token of the
+    /// batch is what the step enqueued before this one drew for its sampled row (its draws are
+    /// still on the device); the batch holds any valid id there until the device writes it.
+    pub fn pack_chained(
+        batch: &ForwardBatch,
+        cap: &StepCapacity,
+        chained: &[(usize, usize)],
+    ) -> Result<Self> {
         let vocab_size = cap.vocab_size;
         if let Some(&id) = batch.token_ids.iter().find(|&&t| t as usize >= vocab_size) {
             return Err(ModelError::TokenOutOfRange { id, vocab_size });
@@ -228,7 +242,28 @@ impl PackedStep {
             .filter(|&r| draw_modes[r] == DrawMode::Skip)
             .map(|r| r as i32)
             .collect();
+        if chained.len() > cap.max_seqs {
+            return Err(bad(
+                "chained",
+                format!(
+                    "{} chained tokens, more than the {} sequences a step holds",
+                    chained.len(),
+                    cap.max_seqs
+                ),
+            ));
+        }
+        let mut chain = Vec::with_capacity(2 * chained.len());
+        for &(token, row) in chained {
+            let (Some(&to), Ok(from)) = (moved_to.get(token), i32::try_from(row)) else {
+                return Err(bad(
+                    "chained",
+                    format!("token {token} of a batch of {n}, or sampled row {row}"),
+                ));
+            };
+            chain.extend([to as i32, from]);
+        }
         Ok(Self {
+            chain,
             draw_modes,
             draw_params,
             host_rows,
@@ -484,6 +519,13 @@ impl PackedStep {
     pub fn num_draws(&self) -> usize {
         self.draw_modes.len() - self.host_rows.len()
     }
+
+    /// The sampled row of each token the device draws, in the order the step returns them.
+    pub fn drawn_rows(&self) -> Vec<usize> {
+        (0..self.draw_modes.len())
+            .filter(|&r| self.draw_modes[r] != DrawMode::Skip)
+            .collect()
+    }
 }
 
 /// Where each array of a [`PackedStep`] lives in the staging buffer (and in its device
@@ -505,6 +547,7 @@ pub struct StepLayout {
     pub tops: usize,
     pub masks_at: usize,
     pub lora_rows: usize,
+    pub chain: usize,
     pub block_tables: usize,
     pub total: usize,
     pub max_blocks_per_seq: usize,
@@ -536,6 +579,7 @@ impl StepLayout {
         let tops = section(4 * s);
         let masks_at = section(4 * s);
         let lora_rows = section(4 * t);
+        let chain = section(8 * s);
         let block_tables = section(4 * s * cap.max_blocks_per_seq);
         Self {
             slot_mapping,
@@ -552,6 +596,7 @@ impl StepLayout {
             tops,
             masks_at,
             lora_rows,
+            chain,
             block_tables,
             total: at.max(ALIGN),
             max_blocks_per_seq: cap.max_blocks_per_seq,
@@ -644,6 +689,11 @@ impl StepLayout {
         );
         put(
             staging,
+            self.chain,
+            step.chain.iter().map(|v| v.to_ne_bytes()),
+        );
+        put(
+            staging,
             self.block_tables,
             step.block_tables.iter().map(|v| v.to_ne_bytes()),
         );
@@ -733,6 +783,58 @@ mod tests {
         let p = PackedStep::pack(&decode, &CAP).expect("valid");
         assert!(p.decode_only);
         assert_eq!(p.sample_rows, [0, 1]);
+    }
+
+    #[test]
+    fn chained_tokens_follow_their_rows_and_reach_the_device_layout() {
+        // A decode first, then a chunk: packing puts the chunk first, so the decode's token
+        // (batch row 0) moves to row 4.
+        let mut b = ForwardBatch::default();
+        b.push(&[0], 5, slots(&[0, 6], 5..6), vec![0, 6], true);
+        b.push(
+            &[1, 2, 3, 4],
+            5,
+            slots(&[5, 1, 8], 5..9),
+            vec![5, 1, 8],
+            false,
+        );
+        let p = PackedStep::pack_chained(&b, &CAP, &[(0, 3)]).expect("valid");
+        assert_eq!(p.token_ids[4], 0);
+        assert_eq!(
+            p.chain,
+            [4, 3],
+            "token row 4 takes the step before's sampled row 3"
+        );
+        let layout = StepLayout::new(&CAP);
+        let mut staging = vec![0u8; layout.total];
+        layout.write(&p, &mut staging);
+        let at = |i: usize| {
+            i32::from_ne_bytes(staging[layout.chain + 4 * i..][..4].try_into().expect("4"))
+        };
+        assert_eq!([at(0), at(1)], [4, 3]);
+        assert!(
+            layout.chain + 8 * CAP.max_seqs <= layout.block_tables,
+            "sections do not overlap"
+        );
+        // A token past the batch, or more chained tokens than sequences, is refused.
+        assert!(PackedStep::pack_chained(&b, &CAP, &[(9, 0)]).is_err());
+        let many = vec![(0, 0); CAP.max_seqs + 1];
+        assert!(PackedStep::pack_chained(&b, &CAP, &many).is_err());
+        assert!(PackedStep::pack(&b, &CAP).expect("valid").chain.is_empty());
+    }
+
+    #[test]
+    fn drawn_rows_are_the_sampled_rows_the_device_draws() {
+        let p = PackedStep {
+            draw_modes: vec![
+                DrawMode::Skip,
+                DrawMode::Greedy,
+                DrawMode::Skip,
+                DrawMode::Random,
+            ],
+            ..PackedStep::default()
+        };
+        assert_eq!(p.drawn_rows(), [1, 3]);
     }
 
     /// Random mixes of decodes, prompt chunks, unsampled chunks and empty spans: the packed
