@@ -161,6 +161,11 @@ impl LaunchJob {
         for &(src, dst, num_tokens) in &self.copies {
             executor.copy_block(src, dst, num_tokens)?;
         }
+        if !self.expects_follower {
+            // Steps in order (no async scheduling): nothing would run behind this pass, so
+            // it runs through the plain forward, as it always has.
+            return Ok(Enqueued::Done(executor.forward(&self.batch)?));
+        }
         Ok(executor.enqueue(&self.batch, &device_inputs)?)
     }
 }
