@@ -133,10 +133,15 @@ class LLM:
     `enforce_eager=True` never replays CUDA graphs (vLLM's option). Graphs are captured per decode batch
     size at start-up and replayed for plain decode steps; until a GPU run has verified them they are off
     unless the environment sets ``NOVAINFER_CUDA_GRAPHS=1``, which `enforce_eager` overrides. Ignored on
-    the CPU.
+    the CPU. Likewise ``NOVAINFER_CUDA_DECODE_LINEAR=fused`` runs decode steps' linear layers through one
+    GEMV kernel each with the next kernel fused in (QKV with bias, RoPE and the cache write; gate/up with
+    SiLU·mul); read when the engine loads, any other value than ``separate`` or ``fused`` is an
+    `InvalidParameterError`.
 
     `async_scheduling=True` schedules each step while the step before it runs, its decodes fed the tokens that
-    step draws on the device (vLLM's option), so the host's work overlaps the GPU's. Outputs are the same; a
+    step draws on the device (vLLM's option), so the host's work overlaps the GPU's: on a GPU each step is
+    enqueued before the one before it is read back, its tokens taken from that step's draws on the device
+    (not yet verified on a GPU). Outputs are the same; a
     request that stops may compute one extra token, which is dropped. A step whose sampled rows need the host
     (penalties, grammars, ``n > 1``'s shared first row) is followed in order. On the CPU, which samples nothing
     itself, rows are then drawn on the executor's thread by the GPU kernel's host twin: greedy tokens are the same,
