@@ -117,7 +117,7 @@ impl<'a> Step<'a> {
         match result.map_err(|e| e.into_model(device))?.0 {
             TailPassed::Reads(reads) => Ok(reads),
             TailPassed::Done(_) => Err(crate::error::ModelError::Cuda(
-                "a logits step finished while enqueued: this is a bug".into(),
+                "a logits step read back while enqueued: this is a bug".into(),
             )),
         }
     }
@@ -135,8 +135,9 @@ impl<'a> Step<'a> {
         }
     }
 
-    /// Everything of `step` up to its tail's copies, enqueued: a logits tail's reads, or
-    /// (a hidden tail, an empty step) its finished output; and the readback the reads are in.
+    /// Everything of `step` up to its tail's copies, enqueued: a logits tail's reads (none for
+    /// an empty step or one that samples nothing), or a hidden tail's finished output; and the
+    /// readback the reads are in.
     fn launch(self, step: &PackedStep, tail: Tail) -> Result<(TailPassed, &'a Readback), Failure> {
         let Step {
             gpu,
@@ -157,7 +158,7 @@ impl<'a> Step<'a> {
         } = self;
         let n = step.num_tokens();
         if n == 0 {
-            return Ok((TailPassed::Done(TailOut::default()), readback));
+            return Ok((TailPassed::Reads(TailReads::default()), readback));
         }
         meta.write_and_copy(gpu, step, slot)?;
         meta.chain(gpu, step, &act.drawn_ids)?;
