@@ -448,12 +448,19 @@ STEPS: dict[str, tuple[tuple[str, ...], float]] = {
 }
 # A step named `<step><suffix>` is `<step>` on an engine variant, its rows marked with the variant's label: `_async`
 # on an engine with `async_scheduling=True`, `_fused` with NOVAINFER_CUDA_DECODE_LINEAR=fused (decode steps' linear
-# layers through the GEMV with the next kernel in its epilogue). A child runs steps of one variant only, on an engine
-# of that variant.
+# layers through the GEMV with the next kernel in its epilogue), `_lt` with NOVAINFER_CUDA_GEMM=lt (cuBLASLt, one
+# algorithm a shape without split-K). A child runs steps of one variant only, on an engine of that variant.
 ASYNC = "_async"
 FUSED = "_fused"
-VARIANTS: dict[str, str] = {ASYNC: "async", FUSED: "fused"}
-for _suffix, _steps in ((ASYNC, ("decode_b1", "profile_b1", "batched_64")), (FUSED, ("decode_b1", "profile_b1"))):
+LT = "_lt"
+VARIANTS: dict[str, str] = {ASYNC: "async", FUSED: "fused", LT: "cuBLASLt"}
+# What each variant sets in its child's environment before the engine loads.
+VARIANT_ENV: dict[str, dict[str, str]] = {FUSED: {"NOVAINFER_CUDA_DECODE_LINEAR": "fused"}, LT: {"NOVAINFER_CUDA_GEMM": "lt"}}
+for _suffix, _steps in (
+    (ASYNC, ("decode_b1", "profile_b1", "batched_64")),
+    (FUSED, ("decode_b1", "profile_b1")),
+    (LT, ("batched_16", "batched_64", "profile_b64")),
+):
     STEPS.update({
         step + _suffix: (tuple(f"{point} {VARIANTS[_suffix]}" for point in STEPS[step][0]), STEPS[step][1])
         for step in _steps
@@ -472,6 +479,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...], float], ...] = (
     ("0.5b", ("decode_b1" + ASYNC, "profile_b1" + ASYNC, "batched_64" + ASYNC), 120),
     # Decode with the fused GEMVs: the rate, and the device events (launches) per step against profile_b1's.
     ("0.5b", ("decode_b1" + FUSED, "profile_b1" + FUSED), 90),
+    # Batched steps' GEMMs through cuBLASLt (no split-K): against batched_16/64 and profile_b64 above.
+    ("0.5b", ("batched_16" + LT, "batched_64" + LT, "profile_b64" + LT), 90),
     ("1.5b", ("decode_b1", "depth_4096", "batched_16", "batched_64"), 150),
     ("1.5b", ("decode_b1" + FUSED,), 60),
     ("7b", ("decode_b1", "batched_64"), 150),
@@ -621,8 +630,7 @@ def child_main(
         names = sorted(VARIANTS.get(v, "default") for v in variants)
         raise ValueError(f"steps {steps} mix {' and '.join(names)} engines: give each variant a child of its own")
     variant = variants.pop() if variants else ""
-    if variant == FUSED:
-        os.environ["NOVAINFER_CUDA_DECODE_LINEAR"] = "fused"
+    os.environ.update(VARIANT_ENV.get(variant, {}))
 
     planned = planned_rows(shape, steps)
     config = json.loads((model_dir / "config.json").read_text())

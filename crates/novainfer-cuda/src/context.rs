@@ -17,15 +17,19 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaStream};
 
 use crate::blas::Blas;
+use crate::blas_lt::LtGemms;
 use crate::cache::{default_cache_dir, KernelCache};
 use crate::error::{CudaError, Result};
+use crate::gemm_choice::{GemmLibrary, GEMM_ENV};
 use crate::kernels::KernelSource;
 use crate::table::KernelTable;
 use crate::{libs, nvrtc};
 
 pub struct GpuContext {
-    // Field order is drop order: the handle and functions go before the stream and context.
+    // Field order is drop order: the handles and functions go before the stream and context.
     blas: Blas,
+    /// With `NOVAINFER_CUDA_GEMM=lt`: the GEMMs' cuBLASLt plans ([`crate::blas_lt`]).
+    lt: Option<LtGemms>,
     kernels: KernelTable,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
@@ -83,6 +87,17 @@ impl GpuContext {
     }
 
     pub fn with_cache(ordinal: usize, cache: KernelCache) -> Result<Self> {
+        // A misspelt choice fails before anything is loaded.
+        let gemm = GemmLibrary::from_env().map_err(|why| CudaError::invalid(GEMM_ENV, why))?;
+        Self::open(ordinal, cache, gemm)
+    }
+
+    /// [`Self::new`] with the GEMM library given rather than read from the environment.
+    pub fn with_gemm_library(ordinal: usize, gemm: GemmLibrary) -> Result<Self> {
+        Self::open(ordinal, KernelCache::new(default_cache_dir()), gemm)
+    }
+
+    fn open(ordinal: usize, cache: KernelCache, gemm: GemmLibrary) -> Result<Self> {
         let count = device_count()?;
         if count == 0 {
             return Err(CudaError::NotAvailable("no CUDA device found".to_owned()));
@@ -113,8 +128,13 @@ impl GpuContext {
         let arch = format!("sm_{major}{minor}");
         let kernels = KernelTable::load(&ctx, &cache, &arch)?;
         let blas = Blas::new(&stream)?;
+        let lt = match gemm {
+            GemmLibrary::Cublas => None,
+            GemmLibrary::CublasLt => Some(LtGemms::new(&stream)?),
+        };
         Ok(Self {
             blas,
+            lt,
             kernels,
             stream,
             ctx,
@@ -127,6 +147,17 @@ impl GpuContext {
 
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// The cuBLASLt plans, when `NOVAINFER_CUDA_GEMM=lt` chose them for this context.
+    pub(crate) fn lt(&self) -> Option<&LtGemms> {
+        self.lt.as_ref()
+    }
+
+    /// The algorithm cuBLASLt was given for `shape`, once a GEMM of that shape has run
+    /// (`None` without cuBLASLt or before).
+    pub fn lt_choice(&self, shape: crate::blas_lt::LtShape) -> Option<crate::blas_lt::LtChoice> {
+        self.lt.as_ref().and_then(|lt| lt.choice(shape))
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {

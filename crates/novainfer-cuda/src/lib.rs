@@ -15,6 +15,7 @@
 pub mod cache;
 pub mod error;
 pub mod flash_plan;
+pub mod gemm_choice;
 pub mod gemv_plan;
 pub mod gpu_test;
 pub mod kernels;
@@ -27,6 +28,8 @@ pub mod validate;
 
 #[cfg(feature = "cuda")]
 mod blas;
+#[cfg(feature = "cuda")]
+pub mod blas_lt;
 #[cfg(feature = "cuda")]
 mod context;
 #[cfg(feature = "cuda")]

@@ -8,6 +8,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+mod gemm_lt;
 mod gemv_fused;
 
 use candle_core::quantized::{GgmlDType, QTensor};

@@ -16,8 +16,9 @@
 //!
 //! Batch invariance: cuBLAS may pick a different algorithm (and so a different summation
 //! order) for a different m, so a row's bits can depend on how many rows share the launch.
-//! Making the GEMMs batch invariant (a fixed algorithm per shape via cuBLASLt, or a
-//! split-k-free kernel of our own) is future work; every other op here is invariant.
+//! With `NOVAINFER_CUDA_GEMM=lt` each shape runs one cuBLASLt algorithm, chosen once and
+//! without split-K where one exists ([`crate::blas_lt`]); a different m is still another
+//! shape. Every other op here is invariant.
 
 use std::ffi::c_void;
 
@@ -29,6 +30,7 @@ use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::{check_len, to_i32};
+use crate::blas_lt::LtShape;
 use crate::context::{driver, GpuContext};
 use crate::error::{CudaError, Result};
 
@@ -84,10 +86,27 @@ fn gemm<Y>(
     if m == 0 {
         return Ok(());
     }
-    let (m, n, k) = (to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?);
-    let (alpha, beta) = (1.0f32, 0.0f32);
     let stream = gpu.stream();
     super::count_launch();
+    if let Some(lt) = gpu.lt() {
+        gpu.context()
+            .bind_to_thread()
+            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        let (x_ptr, _x_sync) = x.device_ptr(stream);
+        let (w_ptr, _w_sync) = w.device_ptr(stream);
+        let (y_ptr, _y_sync) = y.device_ptr_mut(stream);
+        let shape = LtShape {
+            m,
+            n,
+            k,
+            f32_out: y_type == cudaDataType_t::CUDA_R_32F,
+        };
+        // SAFETY: the lengths of x, W and y were checked against (m, n, k) above, `y_type`
+        // is `Y`'s (only the two wrappers call this), and the views outlive the enqueue.
+        return unsafe { lt.gemm(stream, shape, w_ptr, x_ptr, y_ptr) };
+    }
+    let (m, n, k) = (to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?);
+    let (alpha, beta) = (1.0f32, 0.0f32);
     // cuBLAS enqueues on the context current to this thread, which may not be the thread
     // that opened it (kernel launches bind it for themselves).
     gpu.context()
