@@ -350,7 +350,7 @@ impl Body<'_> {
                     &mut act.qkv,
                     &mut act.expanded,
                     "qkv",
-                    fused,
+                    false,
                 )?;
             }
             if let Some(l) = lora.as_mut() {
@@ -503,7 +503,7 @@ impl Body<'_> {
                     &mut act.gate_up,
                     &mut act.expanded,
                     "gate_up",
-                    fused,
+                    false,
                 )?;
                 if let Some(l) = lora.as_mut() {
                     let parts = [Part::new(Target::Gate, 0, f), Part::new(Target::Up, f, f)];
