@@ -10,7 +10,7 @@ use novainfer_core::{FinishReason, RequestId, SamplingParams};
 use novainfer_model::capabilities::{self, Capabilities};
 use novainfer_model::sampler::SampledToken;
 
-use crate::device_draw_tests::{drawing, engine_scheduling, params, Tokens};
+use crate::device_draw_tests::{drawing, engine_in_flight, engine_scheduling, params, Tokens};
 use crate::output_processor::OutputEvent;
 use crate::{EngineStats, Scheduling};
 
@@ -34,7 +34,25 @@ struct Run {
 
 /// Runs `actions` (each before the step of its index) to the end.
 fn run(caps: Capabilities, async_scheduling: bool, actions: &[(usize, Action)]) -> Run {
-    let (mut core, rx, asked, _) = engine_scheduling(caps, None, async_scheduling);
+    let (core, rx, asked, _) = engine_scheduling(caps, None, async_scheduling);
+    run_on(core, rx, &asked, actions)
+}
+
+/// [`run`] with async scheduling over a backend that leaves passes in flight and takes chained
+/// tokens from its own draws (as the CUDA executor does); and how many passes were enqueued
+/// while an earlier one was still in flight.
+fn run_in_flight(caps: Capabilities, actions: &[(usize, Action)]) -> (Run, usize) {
+    let (core, rx, asked, overlapped) = engine_in_flight(caps);
+    let run = run_on(core, rx, &asked, actions);
+    (run, overlapped.load(std::sync::atomic::Ordering::Relaxed))
+}
+
+fn run_on(
+    mut core: crate::EngineCore,
+    rx: mpsc::Receiver<Vec<OutputEvent>>,
+    asked: &crate::device_draw_tests::Asked,
+    actions: &[(usize, Action)],
+) -> Run {
     let (sink, _deltas) = mpsc::channel();
     let mut tokens = Tokens::new();
     let mut finish = HashMap::new();
@@ -258,6 +276,59 @@ fn aborts_stop_strings_and_arrivals_while_a_step_runs_ahead() {
     );
     // The aborted and the stopped request each computed one row that was dropped.
     assert_eq!(ahead.rows, ordered.rows + 2);
+}
+
+/// A backend that leaves its passes in flight and takes chained tokens from its own draws (as
+/// the CUDA executor does) streams what steps in order stream, through the first test's mix of
+/// sampling options and the aborts, stop strings and arrivals above; and passes did overlap.
+#[test]
+fn passes_left_in_flight_stream_what_steps_in_order_stream() {
+    let long = |id| Action::Add(id, vec![id as u32 % 20 + 3, 9], build(params(0.0, 24)));
+    let mixes = [
+        vec![
+            (0, Action::Add(0, vec![5, 6, 7], build(params(0.0, 14)))),
+            (
+                0,
+                Action::Add(
+                    10,
+                    vec![8, 9],
+                    build(params(0.9, 14).seed(Some(3)).logprobs(Some(2))),
+                ),
+            ),
+            (
+                0,
+                Action::Add(20, vec![11], build(params(1.0, 9).top_p(0.8).top_k(30))),
+            ),
+            (
+                0,
+                Action::Add(
+                    30,
+                    vec![17],
+                    build(params(0.0, 12).logit_bias(vec![(3, 1.5), (9, -100.0)])),
+                ),
+            ),
+            (
+                2,
+                Action::Add(40, vec![21], build(params(0.0, 6).presence_penalty(0.5))),
+            ),
+        ],
+        vec![
+            (0, long(0)),
+            (0, long(10)),
+            (0, long(20)),
+            (4, Action::Abort(10)),
+            (6, Action::StopString(20)),
+            (8, long(30)),
+            (12, Action::Abort(20)),
+        ],
+    ];
+    for actions in mixes {
+        let ordered = run(drawing(), false, &actions);
+        let (in_flight, overlapped) = run_in_flight(drawing(), &actions);
+        assert_same_streams(&ordered, &in_flight);
+        assert!(in_flight.stats.num_steps_ahead > 0);
+        assert!(overlapped > 0, "no pass was enqueued behind one in flight");
+    }
 }
 
 /// A backend that samples nothing itself (the CPU) gets its rows drawn on the device thread by

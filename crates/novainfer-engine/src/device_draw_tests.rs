@@ -14,7 +14,8 @@ use novainfer_core::{RequestId, SamplingParams, SchedulerConfig};
 use novainfer_model::capabilities::{self, Capabilities};
 use novainfer_model::draw::RowEdit;
 use novainfer_model::{
-    Device, Draw, DrawRule, Executor, ForwardBatch, ForwardOutput, Qwen2Config, SpanOutput,
+    Device, Draw, DrawRule, Enqueued, Executor, ForwardBatch, ForwardOutput, PassTicket,
+    Qwen2Config, SpanOutput,
 };
 
 use crate::engine::LoadedEngine;
@@ -36,6 +37,20 @@ struct Toy {
     verifies: Arc<AtomicUsize>,
     /// Rows depend on the position too (a token at the wrong position changes the output).
     positional: bool,
+    /// Leaves its passes "in flight" as the CUDA executor does, taking chained tokens from
+    /// its own record of the last pass's draws (`None`: runs each pass at once).
+    in_flight: Option<InFlightToy>,
+}
+
+/// The toy's passes left in flight: each computed at enqueue, read back by `finish`.
+#[derive(Default)]
+pub(crate) struct InFlightToy {
+    /// The tokens the last enqueued pass drew, in order (what a chained pass takes).
+    last_draws: Vec<u32>,
+    passes: HashMap<u64, (ForwardOutput, std::time::Instant)>,
+    next: u64,
+    /// Passes enqueued while an earlier one was not yet read back.
+    pub overlapped: Arc<AtomicUsize>,
 }
 
 impl Toy {
@@ -125,6 +140,52 @@ impl Executor for Toy {
         }
         Ok(out)
     }
+    fn chains_on_device(&self, _: &ForwardBatch) -> bool {
+        self.in_flight.is_some()
+    }
+    fn enqueue(
+        &mut self,
+        batch: &ForwardBatch,
+        chained: &[(usize, usize)],
+    ) -> novainfer_model::Result<Enqueued> {
+        let Some(state) = self.in_flight.as_mut() else {
+            return Ok(Enqueued::Done(self.forward(batch)?));
+        };
+        let mut batch = batch.clone();
+        for &(flat, k) in chained {
+            assert_eq!(batch.token_ids[flat], 0, "the runner's placeholder");
+            batch.token_ids[flat] = state.last_draws[k];
+        }
+        if !state.passes.is_empty() {
+            state.overlapped.fetch_add(1, Ordering::Relaxed);
+        }
+        let ticket = state.next;
+        state.next += 1;
+        // Computed now, as a device would while the host goes on; read back later.
+        let in_flight = self.in_flight.take();
+        let out = self.forward(&batch);
+        self.in_flight = in_flight;
+        let state = self.in_flight.as_mut().expect("in flight");
+        let out = out?;
+        state.last_draws = out.tokens.iter().map(|t| t.token_id).collect();
+        state
+            .passes
+            .insert(ticket, (out, std::time::Instant::now()));
+        Ok(Enqueued::InFlight(PassTicket(ticket)))
+    }
+    fn is_done(&mut self, pass: &PassTicket) -> novainfer_model::Result<bool> {
+        // "Running" until a later pass is enqueued or a few milliseconds pass.
+        let state = self.in_flight.as_ref().expect("in flight");
+        Ok(state.next > pass.0 + 1
+            || state
+                .passes
+                .get(&pass.0)
+                .is_none_or(|(_, at)| at.elapsed() > std::time::Duration::from_millis(3)))
+    }
+    fn finish(&mut self, pass: PassTicket) -> novainfer_model::Result<ForwardOutput> {
+        let state = self.in_flight.as_mut().expect("in flight");
+        Ok(state.passes.remove(&pass.0).expect("a pass in flight").0)
+    }
     fn embed(&mut self, _: &[u32]) -> novainfer_model::Result<Vec<f32>> {
         unreachable!()
     }
@@ -144,7 +205,7 @@ fn engine_with(
     Asked,
     Arc<AtomicUsize>,
 ) {
-    engine_toy(caps, speculative, false, false)
+    engine_toy(caps, speculative, false, false, None)
 }
 
 /// An engine over the toy with rows that depend on positions too (a token computed at a wrong
@@ -159,7 +220,23 @@ pub(crate) fn engine_scheduling(
     Asked,
     Arc<AtomicUsize>,
 ) {
-    engine_toy(caps, speculative, async_scheduling, true)
+    engine_toy(caps, speculative, async_scheduling, true, None)
+}
+
+/// [`engine_scheduling`] with async scheduling over a toy that leaves its passes in flight and
+/// chains tokens itself, as the CUDA executor does; and its count of overlapped passes.
+pub(crate) fn engine_in_flight(
+    caps: Capabilities,
+) -> (
+    EngineCore,
+    mpsc::Receiver<Vec<OutputEvent>>,
+    Asked,
+    Arc<AtomicUsize>,
+) {
+    let state = InFlightToy::default();
+    let overlapped = state.overlapped.clone();
+    let (core, rx, asked, _) = engine_toy(caps, None, true, true, Some(state));
+    (core, rx, asked, overlapped)
 }
 
 fn engine_toy(
@@ -167,6 +244,7 @@ fn engine_toy(
     speculative: Option<crate::speculative::SpeculativeConfig>,
     async_scheduling: bool,
     positional: bool,
+    in_flight: Option<InFlightToy>,
 ) -> (
     EngineCore,
     mpsc::Receiver<Vec<OutputEvent>>,
@@ -184,6 +262,7 @@ fn engine_toy(
         asked: asked.clone(),
         verifies: verifies.clone(),
         positional,
+        in_flight,
     };
     let scheduler = SchedulerConfig::builder()
         .max_num_batched_tokens(256)
