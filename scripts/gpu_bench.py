@@ -445,6 +445,8 @@ STEPS: dict[str, tuple[tuple[str, ...], float]] = {
     "profile_b1": (("profile b1 (128+32)",), 30),
     "profile_b64": (("profile b64 (128+32)",), 30),
     "workload": (("256 req U[100,1024]",), 60),
+    # Only as `long_128k_yarn`: a 128k-token prompt on the checkpoint with Qwen's YaRN settings (issue 32 point 4).
+    "long_128k": (("prefill 128k", "decode b1 @128k"), 150),
 }
 # A step named `<step><suffix>` is `<step>` on an engine variant, its rows marked with the variant's label: `_async`
 # on an engine with `async_scheduling=True`, `_fused` with NOVAINFER_CUDA_DECODE_LINEAR=fused (decode steps' linear
@@ -453,18 +455,38 @@ STEPS: dict[str, tuple[tuple[str, ...], float]] = {
 ASYNC = "_async"
 FUSED = "_fused"
 LT = "_lt"
-VARIANTS: dict[str, str] = {ASYNC: "async", FUSED: "fused", LT: "cuBLASLt"}
+YARN = "_yarn"
+VARIANTS: dict[str, str] = {ASYNC: "async", FUSED: "fused", LT: "cuBLASLt", YARN: "YaRN"}
+# Qwen's documented YaRN settings for 128k (config.json's `rope_scaling`), and the context they give.
+YARN_SCALING = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+YARN_MAX_MODEL_LEN = 131072
 # What each variant sets in its child's environment before the engine loads.
 VARIANT_ENV: dict[str, dict[str, str]] = {FUSED: {"NOVAINFER_CUDA_DECODE_LINEAR": "fused"}, LT: {"NOVAINFER_CUDA_GEMM": "lt"}}
 for _suffix, _steps in (
     (ASYNC, ("decode_b1", "profile_b1", "batched_64")),
     (FUSED, ("decode_b1", "profile_b1")),
     (LT, ("batched_16", "batched_64", "profile_b64")),
+    (YARN, ("long_128k",)),
 ):
     STEPS.update({
         step + _suffix: (tuple(f"{point} {VARIANTS[_suffix]}" for point in STEPS[step][0]), STEPS[step][1])
         for step in _steps
     })
+
+
+def yarn_view(model_dir: Path) -> Path:
+    """A sibling of `model_dir` whose config.json adds Qwen's YaRN `rope_scaling` as Qwen documents it (the 128k
+    context follows from it), its other files links to the original's: the same weights, read as the 128k model."""
+    view = model_dir.parent / f"{model_dir.name}-yarn"
+    view.mkdir(exist_ok=True)
+    for entry in model_dir.iterdir():
+        link = view / entry.name
+        if entry.name != "config.json" and not link.exists():
+            link.symlink_to(entry.resolve())
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_scaling"] = dict(YARN_SCALING)
+    (view / "config.json").write_text(json.dumps(config, indent=1))
+    return view
 
 
 def variant_of(step: str) -> str:
@@ -484,6 +506,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...], float], ...] = (
     ("1.5b", ("decode_b1", "depth_4096", "batched_16", "batched_64"), 150),
     ("1.5b", ("decode_b1" + FUSED,), 60),
     ("7b", ("decode_b1", "batched_64"), 150),
+    # A 128k-token prompt through YaRN (chunked prefill, then decode at that depth).
+    ("0.5b", ("long_128k" + YARN,), 240),
     ("0.5b", ("workload",), 240),
 )
 # A child's fixed costs (start, imports, model load, warm-up) that must fit besides its first step.
@@ -604,6 +628,13 @@ def _run_step(step: str, llm, shape: str, config: dict, bandwidth: float) -> lis
             notes.append(f"{sum(r['count'] for r in b['pageable'])} PAGEABLE memcpy")
         rate = b["tokens"] / b["wall_s"] if b["wall_s"] > 0 else None
         return [_row(shape, names[0], rate, None, ", ".join(notes) + " (under the profiler)")]
+    if step == "long_128k":
+        prompt = YARN_MAX_MODEL_LEN - 256
+        prefill, decode = bench_latency(llm, prompt, 33)
+        return [
+            _row(shape, names[0], prefill, None, f"{prompt} tokens: {prompt / prefill:.1f} s to the first token"),
+            _row(shape, names[1], decode, decode_limit(bandwidth, config, 1, prompt + 16), "one run"),
+        ]
     if step == "workload":
         prompts, outputs = workload(llm._engine.vocab_size)
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
@@ -621,8 +652,9 @@ def child_main(
     """Load one synthetic checkpoint on `device` and run `steps` before `deadline` (time.time()), printing one
     RESULT line per row. Returns 1 if anything failed (a step stopped at the deadline is not a failure).
     `device="cpu"` is for testing this on a machine without a GPU (a small KV pool instead of 16 GiB). Steps named
-    `..._async` run on an engine with `async_scheduling=True`, `..._fused` with the fused decode GEMVs (an environment
-    variable, so this process's engine only: a child runs steps of one variant)."""
+    `..._async` run on an engine with `async_scheduling=True`, `..._fused` with the fused decode GEMVs, `..._lt` with
+    cuBLASLt GEMMs (environment variables, so this process's engine only: a child runs steps of one variant),
+    `..._yarn` on the checkpoint read with Qwen's YaRN settings and a 128k context (`yarn_view`)."""
     import signal
 
     variants = {variant_of(step) for step in steps}
@@ -633,6 +665,8 @@ def child_main(
     os.environ.update(VARIANT_ENV.get(variant, {}))
 
     planned = planned_rows(shape, steps)
+    if variant == YARN:
+        model_dir = yarn_view(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
 
     def on_alarm(signum, frame):  # noqa: ANN001, ARG001
@@ -650,7 +684,8 @@ def child_main(
         start = time.perf_counter()
         on_gpu = device.startswith("cuda")
         llm = LLM(model_dir, device=device, max_num_seqs=256, max_num_batched_tokens=8192,
-                  kv_cache_bytes=KV_CACHE_BYTES if on_gpu else 256 << 20, max_model_len=MAX_MODEL_LEN,
+                  kv_cache_bytes=KV_CACHE_BYTES if on_gpu else 256 << 20,
+                  max_model_len=YARN_MAX_MODEL_LEN if variant == YARN else MAX_MODEL_LEN,
                   async_scheduling=variant == ASYNC)
         assert llm.device.startswith(device), (llm.device, device)
         loaded = time.perf_counter() - start

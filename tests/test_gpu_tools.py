@@ -531,6 +531,21 @@ def test_fused_steps_set_the_decode_linear_choice_for_their_child(
     assert gpu_bench.variant_of("profile_b1_fused") == gpu_bench.FUSED and gpu_bench.variant_of("decode_b1") == ""
 
 
+def test_the_yarn_view_reads_the_same_weights_with_qwens_128k_settings(tiny_checkpoint: Path) -> None:
+    view = gpu_bench.yarn_view(tiny_checkpoint)
+    config = json.loads((view / "config.json").read_text())
+    assert config["rope_scaling"] == {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    original = json.loads((tiny_checkpoint / "config.json").read_text())
+    assert "rope_scaling" not in original, "the original checkpoint is left alone"
+    assert {k: v for k, v in config.items() if k != "rope_scaling"} == original
+    for entry in tiny_checkpoint.iterdir():
+        if entry.name != "config.json":
+            assert (view / entry.name).resolve() == entry.resolve()
+    assert gpu_bench.yarn_view(tiny_checkpoint) == view, "a second call reuses the view"
+    assert gpu_bench.planned_rows("0.5b", ("long_128k_yarn",)) == [
+        ("0.5b", "prefill 128k YaRN"), ("0.5b", "decode b1 @128k YaRN")]
+
+
 def test_synthetic_mode_end_to_end_on_the_cpu(
     tiny_checkpoint: Path, tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
