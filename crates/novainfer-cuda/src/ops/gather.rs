@@ -1,12 +1,11 @@
 //! Launchers of `kernels/gather.cu`: `out[i] = x[rows[i]]`, the rows a step samples from; and
-//! a step's input tokens taken from the step before it's draws on the device.
+//! a step's input tokens taken on the device from the draws of the step before it.
 
 use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
 
 use super::{check_len, check_multiple, elementwise, launch, per_row, to_i32, Dtype};
 use crate::context::GpuContext;
-use crate::error::CudaError;
-use crate::error::Result;
+use crate::error::{CudaError, Result};
 
 /// Copies row `rows[i]` of `x` (`[num_src_rows, d]`) to row i of `out` (`[rows.len(), d]`).
 /// The runner builds `rows` from the batch it scheduled; an index outside `x` gives a zero

@@ -1,8 +1,9 @@
 //! How the CUDA executor runs a decode step's linear layers.
 //!
 //! The fused path is opt-in until a GPU run has verified it (its kernels against the
-//! separate ones bit for bit, its tokens against the eager default): `NOVAINFER_CUDA_DECODE_LINEAR=fused`.
-//! The CPU executor has its own kernels and ignores the choice.
+//! separate ones bit for bit, its tokens against the separate path's):
+//! `NOVAINFER_CUDA_DECODE_LINEAR=fused`. The CPU executor has its own kernels and ignores
+//! the choice.
 
 use novainfer_cuda::gemv_plan::MAX_ROWS;
 
@@ -18,7 +19,7 @@ pub enum DecodeLinear {
     Separate,
     /// The GEMV for every matrix (bf16 too: cuBLAS at one row may add a split-K reduce
     /// launch), with the QKV bias, RoPE and cache write, and the SiLU·mul of gate and up, in
-    /// the GEMV's epilogue: two to four launches a layer fewer.
+    /// the GEMV's epilogue: two launches a layer fewer, more where cuBLAS split a GEMM.
     Fused,
 }
 
