@@ -62,7 +62,7 @@ def test_enforce_eager_is_accepted_and_changes_nothing_on_the_cpu(tiny_models, t
     assert llm.generate(PROMPT, params)[0].outputs[0].token_ids == tiny_llm.generate(PROMPT, params)[0].outputs[0].token_ids
 
 
-def test_a_misspelt_decode_linear_choice_is_refused_before_the_model_loads(tiny_models, tiny_llm, monkeypatch):
+def test_a_misspelt_gpu_kernel_choice_is_refused_before_the_model_loads(tiny_models, tiny_llm, monkeypatch):
     # NOVAINFER_CUDA_DECODE_LINEAR picks the CUDA executor's decode linears (separate by default, or fused); the
     # CPU ignores a valid choice, and any engine refuses a value that is neither, naming the variable.
     params = SamplingParams(temperature=0, max_tokens=8)
@@ -73,6 +73,14 @@ def test_a_misspelt_decode_linear_choice_is_refused_before_the_model_loads(tiny_
     with pytest.raises(InvalidParameterError) as info:
         LLM(tiny_models["f32"], device="cpu", kv_cache_bytes=1 << 22)
     assert info.value.param == "NOVAINFER_CUDA_DECODE_LINEAR" and "fused" in str(info.value)
+    # Likewise the GEMM library the GPU context picks (cuBLAS, or cuBLASLt with `lt`).
+    monkeypatch.setenv("NOVAINFER_CUDA_DECODE_LINEAR", "fused")
+    monkeypatch.setenv("NOVAINFER_CUDA_GEMM", "lt")
+    LLM(tiny_models["f32"], device="cpu", kv_cache_bytes=1 << 22)
+    monkeypatch.setenv("NOVAINFER_CUDA_GEMM", "fastest")
+    with pytest.raises(InvalidParameterError) as info:
+        LLM(tiny_models["f32"], device="cpu", kv_cache_bytes=1 << 22)
+    assert info.value.param == "NOVAINFER_CUDA_GEMM" and "lt" in str(info.value)
 
 
 def test_async_scheduling_with_speculative_decoding_is_refused(tiny_models):

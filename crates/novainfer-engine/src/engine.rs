@@ -8,8 +8,8 @@ use novainfer_core::{KvLayout, ParamError, SamplingParams, SchedulerConfig, Sche
 use novainfer_model::device::{self, Resolved};
 use novainfer_model::{
     load_weights, Capabilities, Checkpoint, CudaGraphs, DecodeLinear, DeviceChoice, DeviceWeights,
-    DtypeChoice, Executor, GpuWeightDtype, KvCacheDtype, LmHeadDtype, LoadOptions, ModelError,
-    OpenedCheckpoint, Qwen2Config, StepLimits, DECODE_LINEAR_ENV,
+    DtypeChoice, Executor, GemmLibrary, GpuWeightDtype, KvCacheDtype, LmHeadDtype, LoadOptions,
+    ModelError, OpenedCheckpoint, Qwen2Config, StepLimits, DECODE_LINEAR_ENV, GEMM_ENV,
 };
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
@@ -443,6 +443,8 @@ impl LoadedEngine {
             cuda_graphs: cuda_graphs(cfg)?,
             decode_linear: decode_linear()?,
         };
+        // The GPU context reads this itself; a misspelt value is refused here, before any load.
+        GemmLibrary::from_env().map_err(|why| ParamError::new(GEMM_ENV, why))?;
         let opened = Checkpoint::open(&cfg.model)?;
         // max_position_embeddings scaled by the checkpoint's rope_scaling (vLLM's rule).
         let model_max_len = opened.max_model_len();

@@ -51,6 +51,7 @@ pub use kv_dtype::{KvCacheDtype, KvStorage};
 pub use lm_head_dtype::LmHeadDtype;
 pub use loader::{Checkpoint, ModelFormat, OpenedCheckpoint};
 pub use lora::{AdapterLimits, AdapterRef, LoraAdapter};
+pub use novainfer_cuda::gemm_choice::{GemmLibrary, GEMM_ENV};
 pub use paged_kv::PagedKvCache;
 pub use parallel::{HeadShard, TensorParallel};
 pub use prepare::graph::CudaGraphs;
