@@ -8,7 +8,9 @@
 //!
 //! * every device pointer: the activations, the metadata buffer, the KV pool, the decode
 //!   scratch and the cuBLAS workspace (set once per handle, so cuBLAS allocates nothing
-//!   while capturing) are allocated once, before any capture;
+//!   while capturing) are allocated once, before any capture; each bucket's forward runs once
+//!   eagerly first (`warm`), so a library's first call of a shape (cuBLASLt's heuristic and
+//!   cached plan) happens outside the capture;
 //! * every launch dimension: `bucket` rows; decode attention's grid has one z-block per
 //!   possible split of the longest history the executor holds, and blocks past a row's own
 //!   history return at once, so one graph serves every context length. A row's splits start
@@ -33,7 +35,7 @@ use novainfer_cuda::cudarc::driver::CudaGraph;
 use novainfer_cuda::ops::paged_attention::ATTN_SPLIT;
 
 use super::driver_error;
-use super::forward::{enqueue_tail, sample_tail, Attention, Body, Step, Tail, TailPassed};
+use super::forward::{enqueue_tail, sample_tail, Attention, Body, Failure, Step, Tail, TailPassed};
 use crate::error::{ModelError, Result};
 use crate::prepare::graph::{capture_all, capture_step, GraphBuckets, GraphOps};
 use crate::prepare::PackedStep;
@@ -104,6 +106,34 @@ pub(crate) struct Runner<'a> {
     pub wait: bool,
 }
 
+impl Runner<'_> {
+    /// The forward a bucket's graph holds (embedding, layers, final norm, LM head over `bucket`
+    /// padded rows of the uploaded capture step), enqueued: run by `warm`, recorded by `capture`.
+    fn bucket_forward(&mut self, bucket: usize) -> std::result::Result<(), Failure> {
+        let s = &mut self.step;
+        let padding = capture_step(bucket, s.meta.layout.max_blocks_per_seq);
+        let views = s.meta.views(&padding)?;
+        let mut body = Body {
+            gpu: s.gpu,
+            cfg: s.cfg,
+            model: s.model,
+            rope: s.rope,
+            act: &mut *s.act,
+            kv: &mut *s.kv,
+            scratch: &mut *s.scratch,
+            lora: None,
+            linear: s.linear,
+        };
+        let attention = Attention::Decode {
+            max_seq_len: self.graphs.max_seq_len,
+            choose_for: ATTN_SPLIT,
+        };
+        body.layers(&views, bucket, attention)?;
+        body.final_rows(&views, bucket, bucket)?;
+        body.lm_head(bucket)
+    }
+}
+
 impl GraphOps for Runner<'_> {
     type Error = ModelError;
     type Output = TailPassed;
@@ -118,35 +148,20 @@ impl GraphOps for Runner<'_> {
         s.meta.chain(s.gpu, step, &s.act.drawn_ids)
     }
 
+    fn warm(&mut self, bucket: usize) -> Result<()> {
+        let device = self.step.device;
+        self.bucket_forward(bucket)
+            .map_err(|e| e.into_model(device))
+    }
+
     fn capture(&mut self, bucket: usize) -> Result<()> {
-        let s = &mut self.step;
-        let (gpu, device) = (s.gpu, s.device);
-        let padding = capture_step(bucket, s.meta.layout.max_blocks_per_seq);
-        let views = s.meta.views(&padding)?;
-        let mut body = Body {
-            gpu,
-            cfg: s.cfg,
-            model: s.model,
-            rope: s.rope,
-            act: &mut *s.act,
-            kv: &mut *s.kv,
-            scratch: &mut *s.scratch,
-            lora: None,
-            linear: s.linear,
-        };
-        let attention = Attention::Decode {
-            max_seq_len: self.graphs.max_seq_len,
-            choose_for: ATTN_SPLIT,
-        };
+        let (gpu, device) = (self.step.gpu, self.step.device);
         let stream = gpu.stream();
         // Thread-local: only this thread's unsafe calls (an allocation) would break it.
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(driver_error("cuStreamBeginCapture"))?;
-        let recorded = body
-            .layers(&views, bucket, attention)
-            .and_then(|()| body.final_rows(&views, bucket, bucket))
-            .and_then(|()| body.lm_head(bucket));
+        let recorded = self.bucket_forward(bucket);
         // Ended whatever happened, so the stream leaves capture mode before an error returns.
         let graph = stream
             .end_capture(CUgraphInstantiate_flags(0))

@@ -28,6 +28,10 @@ pub trait GraphOps {
     fn table_width(&self) -> usize;
     /// Writes `step` to the staging buffer and enqueues its copy to the device.
     fn upload(&mut self, step: &PackedStep) -> Result<(), Self::Error>;
+    /// Runs the forward of `bucket` padded rows eagerly, as `capture` will record it: whatever a
+    /// library does on a shape's first call (a GEMM heuristic, a plan cached) is done outside
+    /// the capture, and a launch that cannot run fails here with its own error.
+    fn warm(&mut self, bucket: usize) -> Result<(), Self::Error>;
     /// Records the forward of `bucket` padded rows into that bucket's graph (not run).
     fn capture(&mut self, bucket: usize) -> Result<(), Self::Error>;
     /// Enqueues `bucket`'s graph.
@@ -67,14 +71,15 @@ pub fn replay_step<O: GraphOps>(
 }
 
 /// Captures a graph per bucket, largest first (the largest is the likeliest to fail for want
-/// of memory, before the others have cost time), then replays each once on its inert capture
-/// step: a graph that cannot run fails here, not in a request, and the first replay's setup
-/// is paid at start-up.
+/// of memory, before the others have cost time), each after one eager run of the same forward
+/// (`warm`), then replays each once on its inert capture step: a graph that cannot run fails
+/// here, not in a request, and the first replay's setup is paid at start-up.
 pub fn capture_all<O: GraphOps>(ops: &mut O, buckets: &GraphBuckets) -> Result<(), O::Error> {
     let width = ops.table_width();
     let result = (|| {
         for &bucket in buckets.sizes().iter().rev() {
             ops.upload(&capture_step(bucket, width))?;
+            ops.warm(bucket)?;
             ops.synchronize()?;
             ops.capture(bucket)?;
         }
@@ -100,6 +105,7 @@ mod tests {
     #[derive(Debug, Clone, PartialEq)]
     enum Op {
         Upload { seqs: usize },
+        Warm(usize),
         Capture(usize),
         Replay(usize),
         Finish { seqs: usize },
@@ -143,6 +149,9 @@ mod tests {
             self.check(Op::Upload {
                 seqs: step.num_seqs(),
             })
+        }
+        fn warm(&mut self, bucket: usize) -> Result<(), String> {
+            self.check(Op::Warm(bucket))
         }
         fn capture(&mut self, bucket: usize) -> Result<(), String> {
             self.check(Op::Capture(bucket))?;
@@ -211,12 +220,15 @@ mod tests {
             log.ops,
             [
                 Upload { seqs: 4 },
+                Warm(4),
                 Synchronize,
                 Capture(4),
                 Upload { seqs: 2 },
+                Warm(2),
                 Synchronize,
                 Capture(2),
                 Upload { seqs: 1 },
+                Warm(1),
                 Synchronize,
                 Capture(1),
                 Upload { seqs: 1 },
