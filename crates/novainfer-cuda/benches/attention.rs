@@ -11,39 +11,11 @@
 use std::process::ExitCode;
 
 #[cfg(feature = "cuda")]
-fn main() -> ExitCode {
-    use novainfer_cuda::gpu_test::{when_unavailable_from_env, WhenUnavailable};
-    use novainfer_cuda::{CudaError, GpuContext};
+mod common;
 
-    let gpu = match GpuContext::new(0) {
-        Ok(gpu) => gpu,
-        Err(CudaError::NotAvailable(why)) => {
-            return match when_unavailable_from_env() {
-                WhenUnavailable::Skip => {
-                    println!("decode attention bench: skipped: no CUDA device ({why})");
-                    ExitCode::SUCCESS
-                }
-                WhenUnavailable::Fail => {
-                    eprintln!(
-                        "decode attention bench: {} is set but no CUDA device is usable: {why}",
-                        novainfer_cuda::gpu_test::REQUIRE_GPU_ENV
-                    );
-                    ExitCode::FAILURE
-                }
-            };
-        }
-        Err(e) => {
-            eprintln!("decode attention bench: opening the GPU failed: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match bench::run(&gpu) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("decode attention bench failed: {e}");
-            ExitCode::FAILURE
-        }
-    }
+#[cfg(feature = "cuda")]
+fn main() -> ExitCode {
+    common::run("decode attention", bench::run)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -55,14 +27,14 @@ fn main() -> ExitCode {
 #[cfg(feature = "cuda")]
 mod bench {
     use half::bf16;
-    use novainfer_cuda::cudarc::driver::{sys::CUevent_flags, CudaEvent, CudaSlice};
+    use novainfer_cuda::cudarc::driver::CudaSlice;
     use novainfer_cuda::ops::paged_attention::{
         decode_kernel_for, paged_attention_decode_with, AttentionConfig, DecodeKernel,
         DecodeScratch, PagedKv,
     };
     use novainfer_cuda::GpuContext;
 
-    type Error = Box<dyn std::error::Error>;
+    use crate::common::{copy_bandwidth, time_us, Error};
 
     const BATCHES: [usize; 3] = [1, 16, 64];
     const CONTEXTS: [usize; 3] = [1024, 4096, 16384];
@@ -75,35 +47,6 @@ mod bench {
         ("Qwen2.5-0.5B (14/2 heads, head_dim 64)", 14, 2, 64),
         ("Qwen2.5-1.5B (12/2 heads, head_dim 128)", 12, 2, 128),
     ];
-
-    fn event(gpu: &GpuContext) -> Result<CudaEvent, Error> {
-        Ok(gpu
-            .context()
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?)
-    }
-
-    /// Milliseconds per call of `f`, from events around `ITERS` calls after `WARMUP`.
-    fn time_ms(gpu: &GpuContext, mut f: impl FnMut() -> Result<(), Error>) -> Result<f64, Error> {
-        for _ in 0..WARMUP {
-            f()?;
-        }
-        let (start, end) = (event(gpu)?, event(gpu)?);
-        start.record(gpu.stream())?;
-        for _ in 0..ITERS {
-            f()?;
-        }
-        end.record(gpu.stream())?;
-        Ok(f64::from(start.elapsed_ms(&end)?) / ITERS as f64)
-    }
-
-    /// Bytes read plus written per second by a 1 GiB device-to-device copy.
-    fn copy_bandwidth(gpu: &GpuContext) -> Result<f64, Error> {
-        let n = 1usize << 30;
-        let src = gpu.stream().alloc_zeros::<u8>(n)?;
-        let mut dst = gpu.stream().alloc_zeros::<u8>(n)?;
-        let ms = time_ms(gpu, || Ok(gpu.stream().memcpy_dtod(&src, &mut dst)?))?;
-        Ok(2.0 * n as f64 / (ms / 1e3))
-    }
 
     /// xorshift values in [-1, 1) as bf16: cheap enough for a GiB of pool.
     fn random_bf16(n: usize, mut state: u64) -> Vec<bf16> {
@@ -179,7 +122,7 @@ mod bench {
                         kernels.insert(1, picked);
                     }
                     for kernel in kernels {
-                        let ms = time_ms(gpu, || {
+                        let us = time_us(gpu, (WARMUP, ITERS), || {
                             let kv = PagedKv {
                                 k_cache: k.as_view(),
                                 v_cache: v.as_view(),
@@ -198,7 +141,7 @@ mod bench {
                             )?;
                             Ok(())
                         })?;
-                        let rate = bytes / (ms / 1e3);
+                        let rate = bytes / (us / 1e6);
                         let name = match kernel {
                             DecodeKernel::Grouped { heads_per_block } => {
                                 format!("grouped/{heads_per_block}")
@@ -207,7 +150,7 @@ mod bench {
                         };
                         line += &format!(
                             "  {name} {:>8.1} us {:>6.0} GB/s ({:>4.1}% of copy)",
-                            ms * 1e3,
+                            us,
                             rate / 1e9,
                             100.0 * rate / copy
                         );

@@ -12,39 +12,11 @@
 use std::process::ExitCode;
 
 #[cfg(feature = "cuda")]
-fn main() -> ExitCode {
-    use novainfer_cuda::gpu_test::{when_unavailable_from_env, WhenUnavailable};
-    use novainfer_cuda::{CudaError, GpuContext};
+mod common;
 
-    let gpu = match GpuContext::new(0) {
-        Ok(gpu) => gpu,
-        Err(CudaError::NotAvailable(why)) => {
-            return match when_unavailable_from_env() {
-                WhenUnavailable::Skip => {
-                    println!("gemv bench: skipped: no CUDA device ({why})");
-                    ExitCode::SUCCESS
-                }
-                WhenUnavailable::Fail => {
-                    eprintln!(
-                        "gemv bench: {} is set but no CUDA device is usable: {why}",
-                        novainfer_cuda::gpu_test::REQUIRE_GPU_ENV
-                    );
-                    ExitCode::FAILURE
-                }
-            };
-        }
-        Err(e) => {
-            eprintln!("gemv bench: opening the GPU failed: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match bench::run(&gpu) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("gemv bench failed: {e}");
-            ExitCode::FAILURE
-        }
-    }
+#[cfg(feature = "cuda")]
+fn main() -> ExitCode {
+    common::run("gemv", bench::run)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -56,7 +28,7 @@ fn main() -> ExitCode {
 #[cfg(feature = "cuda")]
 mod bench {
     use half::bf16;
-    use novainfer_cuda::cudarc::driver::{sys::CUevent_flags, CudaEvent, CudaSlice};
+    use novainfer_cuda::cudarc::driver::CudaSlice;
     use novainfer_cuda::ops::gemm::{gemm_bf16, GemmShape};
     use novainfer_cuda::ops::gemv_quant::{
         gemv, gemv_qkv, gemv_silu_mul, GemvWeights, OutColumns, QkvHeads, QkvTokens, WeightRun,
@@ -68,7 +40,7 @@ mod bench {
     use novainfer_cuda::quant_type::QuantType;
     use novainfer_cuda::GpuContext;
 
-    type Error = Box<dyn std::error::Error>;
+    use crate::common::{copy_bandwidth, time_us, Error};
 
     const ROWS: [usize; 2] = [1, 8];
     const WARMUP: usize = 3;
@@ -114,35 +86,6 @@ mod bench {
             ],
         },
     ];
-
-    fn event(gpu: &GpuContext) -> Result<CudaEvent, Error> {
-        Ok(gpu
-            .context()
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?)
-    }
-
-    /// Microseconds per call of `f`, from events around `ITERS` calls after `WARMUP`.
-    fn time_us(gpu: &GpuContext, mut f: impl FnMut() -> Result<(), Error>) -> Result<f64, Error> {
-        for _ in 0..WARMUP {
-            f()?;
-        }
-        let (start, end) = (event(gpu)?, event(gpu)?);
-        start.record(gpu.stream())?;
-        for _ in 0..ITERS {
-            f()?;
-        }
-        end.record(gpu.stream())?;
-        Ok(f64::from(start.elapsed_ms(&end)?) * 1e3 / ITERS as f64)
-    }
-
-    /// Bytes read plus written per second by a 1 GiB device-to-device copy.
-    fn copy_bandwidth(gpu: &GpuContext) -> Result<f64, Error> {
-        let n = 1usize << 30;
-        let src = gpu.stream().alloc_zeros::<u8>(n)?;
-        let mut dst = gpu.stream().alloc_zeros::<u8>(n)?;
-        let us = time_us(gpu, || Ok(gpu.stream().memcpy_dtod(&src, &mut dst)?))?;
-        Ok(2.0 * n as f64 / (us / 1e6))
-    }
 
     /// `n` xorshift bytes; for a bf16 matrix, values in [-1, 1) (no NaN or inf to slow a path).
     fn random_bytes(n: usize, weights: GemvWeights, mut state: u64) -> Vec<u8> {
@@ -248,7 +191,7 @@ mod bench {
                         };
                         let xv = x.slice(..n * k);
                         let out = OutColumns { ld: rows, col0: 0 };
-                        let us = time_us(gpu, || {
+                        let us = time_us(gpu, (WARMUP, ITERS), || {
                             let mut yv = y.slice_mut(..n * rows);
                             Ok(gemv(gpu, &run, k, &xv, n, &mut yv, out)?)
                         })?;
@@ -258,14 +201,14 @@ mod bench {
                             let wb = unsafe { w.transmute::<bf16>(rows * k) }
                                 .ok_or("a bf16 view of the matrix")?;
                             let shape = GemmShape { m: n, n: rows, k };
-                            let us = time_us(gpu, || {
+                            let us = time_us(gpu, (WARMUP, ITERS), || {
                                 let mut yv = y.slice_mut(..n * rows);
                                 Ok(gemm_bf16(gpu, &xv, &wb, shape, &mut yv)?)
                             })?;
                             line.add("cuBLAS", us, bytes as f64);
                         }
                         if name == "gate_up" {
-                            let separate = time_us(gpu, || {
+                            let separate = time_us(gpu, (WARMUP, ITERS), || {
                                 gemv(gpu, &run, k, &xv, n, &mut y.slice_mut(..n * rows), out)?;
                                 let gu = y.slice(..n * rows);
                                 Ok(silu_mul_fused(
@@ -276,7 +219,7 @@ mod bench {
                                 )?)
                             })?;
                             line.add("gemv+silu", separate, bytes as f64);
-                            let fused = time_us(gpu, || {
+                            let fused = time_us(gpu, (WARMUP, ITERS), || {
                                 let mut mv = mlp.slice_mut(..n * f);
                                 Ok(gemv_silu_mul(gpu, &run, k, &xv, n, &mut mv)?)
                             })?;
@@ -291,7 +234,7 @@ mod bench {
                                 num_heads: heads.num_heads,
                                 num_kv_heads: heads.num_kv_heads,
                             };
-                            let separate = time_us(gpu, || {
+                            let separate = time_us(gpu, (WARMUP, ITERS), || {
                                 gemv(gpu, &run, k, &xv, n, &mut y.slice_mut(..n * rows), out)?;
                                 let input = QkvInput {
                                     qkv: y.slice(..n * rows),
@@ -309,7 +252,7 @@ mod bench {
                                 )?)
                             })?;
                             line.add("gemv+qkv", separate, bytes as f64);
-                            let fused = time_us(gpu, || {
+                            let fused = time_us(gpu, (WARMUP, ITERS), || {
                                 let tokens = QkvTokens {
                                     bias: Some(bias.as_view()),
                                     positions: pos.as_view(),

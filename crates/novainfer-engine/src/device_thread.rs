@@ -266,9 +266,7 @@ impl Drop for DeviceThread {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use novainfer_model::{
-        Capabilities, Device, ForwardBatch, ForwardOutput, ModelError, Qwen2Config,
-    };
+    use novainfer_model::{ForwardBatch, ForwardOutput, ModelError, Qwen2Config};
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Mutex};
 
@@ -288,24 +286,7 @@ mod tests {
     }
 
     impl Executor for Log {
-        fn device(&self) -> Device {
-            Device::Cpu
-        }
-        fn config(&self) -> &Qwen2Config {
-            &self.config
-        }
-        fn block_size(&self) -> usize {
-            1
-        }
-        fn num_blocks(&self) -> usize {
-            1
-        }
-        fn kv_bytes_per_block(&self) -> usize {
-            1
-        }
-        fn capabilities(&self) -> Capabilities {
-            novainfer_model::capabilities::CPU
-        }
+        crate::test_support::one_block_cpu_executor!();
         fn copy_block(&mut self, src: usize, dst: usize, _: usize) -> novainfer_model::Result<()> {
             assert_ne!(src, 666, "a broken executor");
             self.calls

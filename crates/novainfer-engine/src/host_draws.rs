@@ -121,7 +121,7 @@ impl Executor for HostDraws {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use novainfer_model::{Draw, DrawRule};
+    use novainfer_model::Draw;
 
     const VOCAB: usize = 8;
 
@@ -132,24 +132,7 @@ mod tests {
     }
 
     impl Executor for Rows {
-        fn device(&self) -> Device {
-            Device::Cpu
-        }
-        fn config(&self) -> &Qwen2Config {
-            &self.config
-        }
-        fn block_size(&self) -> usize {
-            1
-        }
-        fn num_blocks(&self) -> usize {
-            1
-        }
-        fn kv_bytes_per_block(&self) -> usize {
-            1
-        }
-        fn capabilities(&self) -> Capabilities {
-            novainfer_model::capabilities::CPU
-        }
+        crate::test_support::one_block_cpu_executor!();
         fn copy_block(&mut self, _: usize, _: usize, _: usize) -> novainfer_model::Result<()> {
             Ok(())
         }
@@ -195,14 +178,7 @@ mod tests {
             asked: Vec::new(),
         }));
         assert!(host.capabilities().sampling.draws);
-        let greedy = Draw {
-            seed: 0,
-            offset: 0,
-            rule: DrawRule::Greedy,
-            adjust: None,
-            logprobs: None,
-            allowed: None,
-        };
+        let greedy = Draw::greedy();
         let mut batch = ForwardBatch::default();
         let mut push = |tokens: &[u32], output: SpanOutput| {
             let start = batch.token_ids.len();

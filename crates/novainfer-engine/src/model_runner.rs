@@ -455,24 +455,7 @@ mod tests {
     }
 
     impl Executor for OnDevice {
-        fn device(&self) -> Device {
-            Device::Cpu
-        }
-        fn config(&self) -> &Qwen2Config {
-            &self.config
-        }
-        fn block_size(&self) -> usize {
-            1
-        }
-        fn num_blocks(&self) -> usize {
-            1
-        }
-        fn kv_bytes_per_block(&self) -> usize {
-            1
-        }
-        fn capabilities(&self) -> Capabilities {
-            novainfer_model::capabilities::CPU
-        }
+        crate::test_support::one_block_cpu_executor!();
         fn copy_block(&mut self, _: usize, _: usize, _: usize) -> novainfer_model::Result<()> {
             Ok(())
         }

@@ -21,3 +21,30 @@ pub(crate) fn toy_config(vocab_size: usize, max_positions: usize) -> Qwen2Config
         eos_token_ids: vec![],
     }
 }
+
+/// The parts of `Executor` a test backend over one block of one slot never varies: the CPU,
+/// `self.config`, one block of one token of one byte, the CPU's capabilities. Expanded inside an
+/// `impl Executor` block.
+macro_rules! one_block_cpu_executor {
+    () => {
+        fn device(&self) -> novainfer_model::Device {
+            novainfer_model::Device::Cpu
+        }
+        fn config(&self) -> &novainfer_model::Qwen2Config {
+            &self.config
+        }
+        fn block_size(&self) -> usize {
+            1
+        }
+        fn num_blocks(&self) -> usize {
+            1
+        }
+        fn kv_bytes_per_block(&self) -> usize {
+            1
+        }
+        fn capabilities(&self) -> novainfer_model::Capabilities {
+            novainfer_model::capabilities::CPU
+        }
+    };
+}
+pub(crate) use one_block_cpu_executor;

@@ -78,6 +78,18 @@ pub struct DrawnToken {
 }
 
 impl Draw {
+    /// The first id of the row's maximum, and nothing else asked (no edits, logprobs or mask).
+    pub fn greedy() -> Self {
+        Self {
+            seed: 0,
+            offset: 0,
+            rule: DrawRule::Greedy,
+            adjust: None,
+            logprobs: None,
+            allowed: None,
+        }
+    }
+
     /// The `draw` kernel's mode and parameters for this row; a value outside the kernel's
     /// ranges (an engine bug: the sampler validates requests) is an error naming it.
     pub fn kernel_args(&self) -> Result<(DrawMode, SampleParams)> {

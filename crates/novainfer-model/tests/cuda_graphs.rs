@@ -23,7 +23,7 @@ use candle_core::{DType, Tensor};
 use common::weights;
 use novainfer_cuda::gpu_test::{when_unavailable_from_env, WhenUnavailable};
 use novainfer_model::{
-    load_weights, Checkpoint, CudaGraphs, DecodeLinear, Device, Draw, DrawRule, Enqueued, Executor,
+    load_weights, Checkpoint, CudaGraphs, DecodeLinear, Device, Draw, Enqueued, Executor,
     ForwardBatch, ForwardOutput, LoadOptions, ModelError, Qwen2Config, SpanOutput, StepLimits,
 };
 
@@ -167,6 +167,19 @@ fn generate(ex: &mut dyn Executor, seqs: &[usize]) -> (Vec<Vec<u32>>, Vec<Vec<f3
     (tokens, steps)
 }
 
+/// Logits within bf16 noise of each other: 2% of the row set's largest magnitude (at least 1).
+fn assert_logits_close(got: &[f32], want: &[f32], what: &str) {
+    let worst = got
+        .iter()
+        .zip(want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0);
+    assert!(
+        worst <= 2e-2 * scale,
+        "{what}: logits differ by {worst} (scale {scale})"
+    );
+}
+
 #[test]
 fn graphs_match_the_eager_forward_and_batching_changes_no_token() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -184,15 +197,7 @@ fn graphs_match_the_eager_forward_and_batching_changes_no_token() {
             if n == 1 {
                 assert_eq!(got, want, "batch 1, step {step}: bit for bit");
             } else {
-                let worst = got
-                    .iter()
-                    .zip(want)
-                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-                let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0);
-                assert!(
-                    worst <= 2e-2 * scale,
-                    "{n} sequences, step {step}: logits differ by {worst} (scale {scale})"
-                );
+                assert_logits_close(got, want, &format!("{n} sequences, step {step}"));
             }
         }
     }
@@ -245,15 +250,7 @@ fn fused_decode_linears_follow_the_separate_ones_with_fewer_launches() {
         // The GEMV sums in another order than cuBLAS: bf16 noise, not a token.
         assert_eq!(got_tokens, want_tokens, "{n} sequences: greedy tokens");
         for (step, (got, want)) in got_logits.iter().zip(&want_logits).enumerate() {
-            let worst = got
-                .iter()
-                .zip(want)
-                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0);
-            assert!(
-                worst <= 2e-2 * scale,
-                "{n} sequences, step {step}: logits differ by {worst} (scale {scale})"
-            );
+            assert_logits_close(got, want, &format!("{n} sequences, step {step}"));
         }
         // A graph replays the fused launches over the bucket's rows, and no row of a GEMV
         // depends on another: bit for bit up to 8 rows (9 rows are a 16-row bucket of cuBLAS
@@ -283,14 +280,7 @@ fn fused_decode_linears_follow_the_separate_ones_with_fewer_launches() {
 }
 
 fn greedy() -> SpanOutput {
-    SpanOutput::Draw(Draw {
-        seed: 0,
-        offset: 0,
-        rule: DrawRule::Greedy,
-        adjust: None,
-        logprobs: None,
-        allowed: None,
-    })
+    SpanOutput::Draw(Draw::greedy())
 }
 
 fn read_back(ex: &mut dyn Executor, pass: Enqueued) -> ForwardOutput {

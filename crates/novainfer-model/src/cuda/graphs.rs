@@ -35,7 +35,7 @@ use novainfer_cuda::cudarc::driver::CudaGraph;
 use novainfer_cuda::ops::paged_attention::ATTN_SPLIT;
 
 use super::driver_error;
-use super::forward::{enqueue_tail, sample_tail, Attention, Body, Failure, Step, Tail, TailPassed};
+use super::forward::{enqueue_tail, read_tail, Attention, Body, Failure, Step, TailPassed};
 use crate::error::{ModelError, Result};
 use crate::prepare::graph::{capture_all, capture_step, GraphBuckets, GraphOps};
 use crate::prepare::PackedStep;
@@ -186,33 +186,29 @@ impl GraphOps for Runner<'_> {
     fn finish(&mut self, step: &PackedStep) -> Result<TailPassed> {
         let s = &mut self.step;
         let views = s.meta.views(step)?;
-        let passed = if self.wait {
-            sample_tail(
-                s.gpu,
-                s.cfg,
-                &mut *s.act,
-                &mut *s.readback,
-                &mut *s.edits,
-                &mut *s.masks,
-                &views,
-                step,
-                Tail::Logits,
-            )
+        let device = s.device;
+        let reads = enqueue_tail(
+            s.gpu,
+            s.cfg,
+            &mut *s.act,
+            &mut *s.readback,
+            &mut *s.edits,
+            &mut *s.masks,
+            &views,
+            step,
+        )
+        .map_err(|e| e.into_model(device))?;
+        if !self.wait {
+            return Ok(TailPassed::Reads(reads));
+        }
+        // Every copy of the tail was recorded on the stream; waiting for it covers them and
+        // surfaces the kernels' own errors as this step's.
+        s.gpu
+            .synchronize()
+            .map_err(|e| super::cuda_error(device, e))?;
+        read_tail(s.cfg, &*s.readback, step, reads)
             .map(TailPassed::Done)
-        } else {
-            enqueue_tail(
-                s.gpu,
-                s.cfg,
-                &mut *s.act,
-                &mut *s.readback,
-                &mut *s.edits,
-                &mut *s.masks,
-                &views,
-                step,
-            )
-            .map(TailPassed::Reads)
-        };
-        passed.map_err(|e| e.into_model(s.device))
+            .map_err(|e| e.into_model(device))
     }
 
     fn synchronize(&mut self) -> Result<()> {

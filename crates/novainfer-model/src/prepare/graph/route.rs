@@ -62,18 +62,7 @@ pub fn route(batch: &ForwardBatch, buckets: Option<&GraphBuckets>) -> StepRoute 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::forward_batch::{Draw, DrawRule};
-
-    fn greedy() -> Draw {
-        Draw {
-            seed: 0,
-            offset: 0,
-            rule: DrawRule::Greedy,
-            adjust: None,
-            logprobs: None,
-            allowed: None,
-        }
-    }
+    use crate::forward_batch::Draw;
 
     /// `n` sequences decoding one token each, at position 5 of a one-block table.
     fn decode(n: usize) -> ForwardBatch {
@@ -103,8 +92,14 @@ mod tests {
             StepRoute::Graph { bucket: 8 }
         );
         let mut drawn = ForwardBatch::default();
-        drawn.push_span(&[7], 5, vec![5], vec![0], SpanOutput::Draw(greedy()));
-        drawn.push_span(&[8], 9, vec![17], vec![1, 2], SpanOutput::Draw(greedy()));
+        drawn.push_span(&[7], 5, vec![5], vec![0], SpanOutput::Draw(Draw::greedy()));
+        drawn.push_span(
+            &[8],
+            9,
+            vec![17],
+            vec![1, 2],
+            SpanOutput::Draw(Draw::greedy()),
+        );
         assert_eq!(
             route(&drawn, Some(&buckets())),
             StepRoute::Graph { bucket: 2 }
@@ -136,7 +131,7 @@ mod tests {
             StepRoute::Eager(EagerReason::NotDecode)
         );
         let mut verify = ForwardBatch::default();
-        let each = vec![greedy(); 3];
+        let each = vec![Draw::greedy(); 3];
         verify.push_span(
             &[1, 2, 3],
             4,
