@@ -242,19 +242,24 @@ fn penalties_grammars_and_forks_run_in_order_beside_steps_ahead() {
     assert!(ahead.stats.num_steps_ahead > 0);
 }
 
-#[test]
-fn aborts_stop_strings_and_arrivals_while_a_step_runs_ahead() {
+/// Four long greedy requests: one aborted after 4 steps, one stopped by a stop string after 6 (and
+/// aborted again later, which changes nothing), one arriving after 8.
+fn interrupted_actions() -> Vec<(usize, Action)> {
     let long = |id| Action::Add(id, vec![id as u32 % 20 + 3, 9], build(params(0.0, 24)));
-    let actions = vec![
+    vec![
         (0, long(0)),
         (0, long(10)),
         (0, long(20)),
         (4, Action::Abort(10)),
         (6, Action::StopString(20)),
         (8, long(30)),
-        // Aborting an ended request changes nothing.
         (12, Action::Abort(20)),
-    ];
+    ]
+}
+
+#[test]
+fn aborts_stop_strings_and_arrivals_while_a_step_runs_ahead() {
+    let actions = interrupted_actions();
     let ordered = run(drawing(), false, &actions);
     let ahead = run(drawing(), true, &actions);
     assert_same_streams(&ordered, &ahead);
@@ -283,7 +288,6 @@ fn aborts_stop_strings_and_arrivals_while_a_step_runs_ahead() {
 /// sampling options and the aborts, stop strings and arrivals above; and passes did overlap.
 #[test]
 fn passes_left_in_flight_stream_what_steps_in_order_stream() {
-    let long = |id| Action::Add(id, vec![id as u32 % 20 + 3, 9], build(params(0.0, 24)));
     let mixes = [
         vec![
             (0, Action::Add(0, vec![5, 6, 7], build(params(0.0, 14)))),
@@ -312,15 +316,7 @@ fn passes_left_in_flight_stream_what_steps_in_order_stream() {
                 Action::Add(40, vec![21], build(params(0.0, 6).presence_penalty(0.5))),
             ),
         ],
-        vec![
-            (0, long(0)),
-            (0, long(10)),
-            (0, long(20)),
-            (4, Action::Abort(10)),
-            (6, Action::StopString(20)),
-            (8, long(30)),
-            (12, Action::Abort(20)),
-        ],
+        interrupted_actions(),
     ];
     for actions in mixes {
         let ordered = run(drawing(), false, &actions);
