@@ -45,6 +45,15 @@ __device__ __forceinline__ bf16 f32_to_bf16(float f) {
 }
 
 // IEEE binary16 bits to f32, exactly (GGUF block scales are f16).
+// An e4m3fn code's value (FP8 weights; twin: quant_type::e4m3_by_bits): its exponent and mantissa bits moved into
+// an f32, whose exponent bias is 120 more than the code's 7, then scaled by 2^120, exactly. A subnormal code becomes
+// an f32 subnormal, which survives because the kernels are compiled without flush-to-zero. The NaN codes
+// (S.1111.111) never reach a kernel: the loaders refuse them.
+__device__ __forceinline__ float e4m3_value(u8 code) {
+    const u32 bits = ((u32)(code & 0x80u) << 24) | ((u32)(code & 0x7Fu) << 20);
+    return __fmul_rn(__uint_as_float(bits), __uint_as_float(0x7B800000u));
+}
+
 __device__ __forceinline__ float f16_bits_to_f32(u16 h) {
     u32 sign = ((u32)h & 0x8000u) << 16;
     u32 exp = ((u32)h >> 10) & 0x1fu;

@@ -1,4 +1,4 @@
-// dequant.cu — GGUF (ggml) quantized weights and AWQ/GPTQ int4 blocks to bf16 (or f32): at load time, and
+// dequant.cu — GGUF (ggml) quantized weights, AWQ/GPTQ int4 and FP8 blocks to bf16 (or f32): at load time, and
 // per step for a packed matrix's larger steps (gpu_weight_dtype="native").
 // Launcher: crates/novainfer-cuda/src/ops/dequant.rs.
 //
@@ -96,6 +96,14 @@ __device__ __forceinline__ float int4_value(const u8* block, int e) {
     return __fmul_rn(s, (float)(q - (int)block[4]));
 }
 
+// FP8 e4m3 weights (crates/novainfer-model/src/fp8_blocks.rs): 132 B / 128 values,
+//   s f32 | 128 e4m3fn codes;  y = e4m3(code) · s, one rounding (Fp8Blocks::dequantize)
+__device__ __forceinline__ float fp8_value(const u8* block, int e) {
+    const float s = __uint_as_float((u32)block[0] | ((u32)block[1] << 8) | ((u32)block[2] << 16) |
+                                    ((u32)block[3] << 24));
+    return __fmul_rn(e4m3_value(block[4 + e]), s);
+}
+
 #define DEQUANT_KERNEL(NAME, BLOCK_BYTES, BLOCK_VALUES, VALUE_FN, T, SUFFIX)                 \
     extern "C" __global__ void dequant_##NAME##_##SUFFIX(                                    \
         const u8* __restrict__ blocks, /* [num_blocks · BLOCK_BYTES] */                      \
@@ -134,11 +142,13 @@ __device__ __forceinline__ float int4_value(const u8* block, int e) {
     DEQUANT_KERNEL(q4_k, 144, 256, q4_k_value, T, SUFFIX)         \
     DEQUANT_KERNEL(q6_k, 210, 256, q6_k_value, T, SUFFIX)         \
     DEQUANT_KERNEL(int4, 69, 128, int4_value, T, SUFFIX)           \
+    DEQUANT_KERNEL(fp8, 132, 128, fp8_value, T, SUFFIX)            \
     EMBED_KERNEL(q8_0, 34, 32, q8_0_value, T, SUFFIX)              \
     EMBED_KERNEL(q5_0, 22, 32, q5_0_value, T, SUFFIX)              \
     EMBED_KERNEL(q4_k, 144, 256, q4_k_value, T, SUFFIX)            \
     EMBED_KERNEL(q6_k, 210, 256, q6_k_value, T, SUFFIX)            \
-    EMBED_KERNEL(int4, 69, 128, int4_value, T, SUFFIX)
+    EMBED_KERNEL(int4, 69, 128, int4_value, T, SUFFIX)             \
+    EMBED_KERNEL(fp8, 132, 128, fp8_value, T, SUFFIX)
 
 DEQUANT_KERNELS(float, f32)
 DEQUANT_KERNELS(bf16, bf16)

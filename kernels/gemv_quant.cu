@@ -1,5 +1,5 @@
 // gemv_quant.cu — decode products (GEMV, up to GEMV_MAX_ROWS activation rows) straight from packed
-// GGUF (and AWQ/GPTQ int4) blocks or from bf16 rows: y[r, col0 + o] = Σ_k x[r, k] · W[o, k], reading each
+// GGUF (and AWQ/GPTQ int4, FP8) blocks or from bf16 rows: y[r, col0 + o] = Σ_k x[r, k] · W[o, k], reading each
 // weight once (no bf16 copy of a packed matrix), and the same walk with the layer's next step fused into
 // its epilogue (gate/up with SiLU·mul; QKV with bias, RoPE and the KV-cache write).
 // Launcher: crates/novainfer-cuda/src/ops/gemv_quant.rs; CPU twin (geometry, the exact order of every
@@ -135,6 +135,18 @@ __device__ __forceinline__ Chunk chunk_int4(const u8* block, int c) {
     return ch;
 }
 
+// Chunk c (0 .. 16) of an FP8 block: values 8c .. 8c + 7, the codes' values with the block's scale (dequant.cu). The
+// codes start 4 bytes into a 132-byte block, so a chunk is two 4-byte-aligned words (the launcher checks the base).
+__device__ __forceinline__ Chunk chunk_fp8(const u8* block, int c) {
+    Chunk ch;
+    ch.a = __uint_as_float(*reinterpret_cast<const u32*>(block));
+    ch.b = 0.0f;
+    const u32* codes = reinterpret_cast<const u32*>(block + 4 + 8 * c);
+    const u32 words[2] = {codes[0], codes[1]};
+    for (int e = 0; e < GEMV_CHUNK; ++e) ch.q[e] = e4m3_value((u8)(words[e / 4] >> (8 * (e % 4))));
+    return ch;
+}
+
 // A bf16 weight row as blocks of one chunk: 8 values (16 bytes, one vector load; the launcher checks
 // the alignment), q = the values themselves (exact in f32), a = 1.
 __device__ __forceinline__ Chunk chunk_bf16w(const u8* block, int) {
@@ -212,7 +224,8 @@ __device__ __forceinline__ void gemv_row(
 #define GEMV_Q6_K 2
 #define GEMV_Q8_0 3
 #define GEMV_INT4 4
-#define GEMV_BF16W 5
+#define GEMV_FP8 5
+#define GEMV_BF16W 6
 
 struct GemvPart {
     const u8* w;  // the run's rows
@@ -232,6 +245,7 @@ __device__ __forceinline__ int gemv_row_bytes(int format, int k) {
         case GEMV_Q6_K: return k / 256 * 210;
         case GEMV_Q8_0: return k / 32 * 34;
         case GEMV_INT4: return k / 128 * 69;
+        case GEMV_FP8: return k / 128 * 132;
         default: return k * 2;
     }
 }
@@ -266,6 +280,7 @@ __device__ __forceinline__ void gemv_any(const GemvParts& parts, int o, const bf
         case GEMV_Q5_0: gemv_row<22, 32, chunk_q5_0, false, 1>(row, x, k, n, lane, acc); break;
         case GEMV_Q6_K: gemv_row<210, 256, chunk_q6_k, false, 1>(row, x, k, n, lane, acc); break;
         case GEMV_Q8_0: gemv_row<34, 32, chunk_q8_0, false, 1>(row, x, k, n, lane, acc); break;
+        case GEMV_FP8: gemv_row<132, 128, chunk_fp8, false, 1>(row, x, k, n, lane, acc); break;
         default: gemv_row<69, 128, chunk_int4, false, 1>(row, x, k, n, lane, acc); break;
     }
 }

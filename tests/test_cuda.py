@@ -370,6 +370,39 @@ def test_native_awq_int4_weights_follow_the_cpu(gpu, tmp_path):
     assert figures["native"]["bytes"] < 0.75 * figures["bf16"]["bytes"], figures
 
 
+def test_fp8_weights_stay_fp8_on_the_device_and_follow_the_cpu(gpu, tmp_path):
+    # An FP8 checkpoint (per-channel scales) and quantization="fp8" of a bf16 one: by default (gpu_weight_dtype
+    # "auto") their decoder layers stay FP8 on the device (dequant.cu's and gemv_quant.cu's FP8 paths: the prompt
+    # expands them for cuBLAS, each decode step multiplies the codes in place), at about half the bytes a token of
+    # gpu_weight_dtype="bf16", which expands them at load. Both follow the CPU, which runs the same weights densely.
+    from test_fp8 import VARIANTS, write_fp8
+    from tiny_qwen2 import write_tiny_model
+
+    models = {"checkpoint": (write_fp8(tmp_path / "fp8", *VARIANTS["per-channel"]), {}),
+              "online": (write_tiny_model(tmp_path / "dense", dtype="bf16", head_dim=64), {"quantization": "fp8"})}
+    figures = {}
+    for name, (path, kw) in models.items():
+        cpu = LLM(path, device="cpu", kv_cache_dtype="f32", kv_cache_bytes=16 << 20, **kw)
+        ref = logits_of(cpu, PROMPT)
+        c = _greedy(cpu)
+        for mode in ("auto", "bf16"):
+            llm = LLM(path, device=gpu, kv_cache_bytes=16 << 20, gpu_weight_dtype=mode, **kw)
+            g = _greedy(llm)
+            figures[f"{name}_{mode}"] = {
+                "prefill_rel_err": _rel_err(logits_of(llm, PROMPT), ref),
+                "decode_agree": sum(x == y for x, y in zip(g.token_ids, c.token_ids)),
+                "decode_logprob_err": max(abs(lg[t] - lc[t]) for t, lg, lc in zip(g.token_ids, g.logprobs, c.logprobs)
+                                          if t in lc),
+                "bytes": llm.stats()["weight_bytes_per_token"]}
+    _report(test="fp8_weights", **figures)
+    for key, f in figures.items():
+        assert f["prefill_rel_err"] < REL_TOL, (key, f)
+        assert f["decode_agree"] >= len(c.token_ids) - 2, (key, f)
+        assert f["decode_logprob_err"] < 0.1, (key, f)
+    for name in models:
+        assert figures[f"{name}_auto"]["bytes"] < 0.65 * figures[f"{name}_bf16"]["bytes"], figures
+
+
 def test_native_demo_weights_follow_the_cpu_engine(gpu, demo_gguf):
     # The demo file's Q4_K/Q5_0/Q6_K/Q8_0 blocks, kept packed: logits (prefill: expanded) and greedy chat
     # (decode: the packed GEMV) against the CPU engine, as the bf16 path is held to.

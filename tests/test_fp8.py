@@ -196,3 +196,91 @@ def test_bad_fp8_checkpoints_are_load_errors_naming_what(fp8_models, tmp_path):
     torn = _edit(fp8_models["blocks-128"], tmp_path / "torn", reshape=f"{layer}.weight_scale_inv")
     with pytest.raises(ModelLoadError, match=rf"{layer}.*block scales"):
         LLM(torn)
+
+
+# quantization="fp8": a dense checkpoint's decoder layers quantized at load, as vLLM's dynamic FP8 does.
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def encode_even(x: np.ndarray) -> np.ndarray:
+    """The nearest e4m3 code of each float32 value, a tie going to the even code (the cast's rounding)."""
+    values = TABLE[FINITE]
+    order = np.argsort(values)
+    sorted_values, sorted_codes = values[order], FINITE[order]
+    i = np.clip(np.searchsorted(sorted_values, x), 1, len(sorted_values) - 1)
+    left, right = sorted_values[i - 1], sorted_values[i]
+    below, above = np.abs(x - left), np.abs(right - x)
+    even_left = (sorted_codes[i - 1] & 1) == 0
+    pick = np.where(below < above, i - 1, np.where(below > above, i, np.where(even_left, i - 1, i)))
+    return sorted_codes[pick].astype(np.uint8)
+
+
+def online_fp8_reference(path: Path) -> Qwen2Reference:
+    """The float64 reference on `path`'s weights with every decoder projection quantized in float32 as vLLM's
+    dynamic FP8 does: s = amax / 448 per output channel, q = e4m3(w / s) saturated at ±448, w' = q · s. A
+    projection whose rows are not whole groups of 128 inputs (the engine's FP8 blocks) stays as it is."""
+    config = json.loads((path / "config.json").read_text())
+    weights = load_safetensors(path / "model.safetensors")
+    for layer in range(config["num_hidden_layers"]):
+        for linear in LINEARS:
+            name = f"model.layers.{layer}.{linear}.weight"
+            w = weights[name].astype(np.float32)
+            if w.shape[1] % 128:
+                continue
+            amax = np.abs(w).max(axis=1, keepdims=True)
+            s = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
+            q = TABLE[encode_even(np.clip(w / s, -448, 448))].astype(np.float32)
+            weights[name] = q * s
+    return Qwen2Reference(config, weights)
+
+
+@pytest.fixture(scope="module")
+def dense_256(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("dense-256") / "m", dtype="bf16", head_dim=HEAD_DIM)
+
+
+def test_online_fp8_matches_the_reference_on_its_quantized_weights(dense_256):
+    ref_model = online_fp8_reference(dense_256)
+    plain = Qwen2Reference(json.loads((dense_256 / "config.json").read_text()),
+                           load_safetensors(dense_256 / "model.safetensors"))
+    # The quantization is real: e4m3 moves each weight by up to 1/16 of its binade.
+    w = "model.layers.1.mlp.up_proj.weight"
+    rel = np.linalg.norm(ref_model.w[w] - plain.w[w]) / np.linalg.norm(plain.w[w])
+    assert 0.005 < rel < 0.08, rel
+    ref = ref_model.forward(PROMPT)
+    got = logits_of(LLM(dense_256, quantization="fp8", kv_cache_dtype="f32"), PROMPT)
+    assert float(np.abs(got.astype(np.float64) - ref).max()) <= 1e-4
+    unquantized = logits_of(LLM(dense_256, kv_cache_dtype="f32"), PROMPT)
+    assert float(np.abs(unquantized - got).max()) > 1e-3, "quantization=fp8 changed nothing"
+    eos = set(special_token_ids().values())
+    expected = greedy_generate(ref_model, PROMPT, 16, stop_ids=eos)
+    out = LLM(dense_256, quantization="fp8", kv_cache_dtype="f32").generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=16))
+    assert out[0].outputs[0].token_ids == expected
+
+
+def test_online_fp8_keeps_an_fp8_checkpoint_and_layers_it_cannot_group(fp8_models, tmp_path):
+    # An FP8 checkpoint is kept as it is. In the 64-wide tiny model only down_proj (128 inputs) has rows of whole
+    # groups: it is quantized, the other projections stay dense.
+    path = fp8_models["per-channel"]
+    assert np.array_equal(logits_of(LLM(path, quantization="fp8"), PROMPT), logits_of(LLM(path), PROMPT))
+    narrow = write_tiny_model(tmp_path / "narrow")
+    ref = online_fp8_reference(narrow).forward(PROMPT)
+    got = logits_of(LLM(narrow, quantization="fp8", kv_cache_dtype="f32"), PROMPT)
+    assert float(np.abs(got.astype(np.float64) - ref).max()) <= 1e-4
+    assert float(np.abs(got - logits_of(LLM(narrow, kv_cache_dtype="f32"), PROMPT)).max()) > 1e-3
+
+
+def test_online_fp8_refuses_quantized_checkpoints_and_unknown_methods(tmp_path):
+    from tiny_qwen2 import write_tiny_gguf
+
+    from novainfer import InvalidParameterError
+
+    hf = write_tiny_model(tmp_path / "hf")
+    gguf = write_tiny_gguf(tmp_path / "q8.gguf", hf_dir=hf, qtype="q8_0")
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight.*already Q8_0"):
+        LLM(gguf, quantization="fp8")
+    with pytest.raises(InvalidParameterError, match="quantization"):
+        LLM(hf, quantization="int8")

@@ -47,9 +47,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lm-head-dtype", choices=["auto", "q8_0"], default="auto",
                    help="how the lm_head is stored: auto (as the checkpoint has it) or q8_0 (a dense head quantized "
                         "to 8-bit blocks at load: lossy, less to read per token; CPU only) (default: %(default)s)")
-    p.add_argument("--gpu-weight-dtype", choices=["bf16", "native"], default="bf16",
-                   help="how a GPU holds quantized matrices (GGUF, AWQ/GPTQ int4): bf16 (expanded at load) or native (the file's "
-                        "blocks, multiplied in place by decode steps; unverified on a GPU) (default: %(default)s)")
+    p.add_argument("--gpu-weight-dtype", choices=["auto", "bf16", "native"], default="auto",
+                   help="how a GPU holds quantized matrices (GGUF, AWQ/GPTQ int4, FP8): auto (FP8 as FP8, the rest as "
+                        "bf16), bf16 (expanded at load) or native (the file's blocks, multiplied in place by decode "
+                        "steps; unverified on a GPU) (default: %(default)s)")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="quantize a dense checkpoint's decoder layers at load: fp8 (e4m3, a scale per output "
+                        "channel; FP8 on a GPU, its dense values on the CPU)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="schedule each step while the one before it runs (its decodes fed the tokens drawn on the "
                         "device; greedy output unchanged; not with --speculative-config)")
@@ -127,6 +131,7 @@ def _llm(args: argparse.Namespace, **extra: object):  # noqa: ANN202 - returns n
     extra.setdefault("kv_cache_dtype", args.kv_cache_dtype)
     extra.setdefault("lm_head_dtype", args.lm_head_dtype)
     extra.setdefault("gpu_weight_dtype", args.gpu_weight_dtype)
+    extra.setdefault("quantization", args.quantization)
     extra.setdefault("speculative_config", args.speculative_config)
     extra.setdefault("async_scheduling", args.async_scheduling)
     return LLM(args.model, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,

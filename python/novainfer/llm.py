@@ -125,10 +125,17 @@ class LLM:
     `kv_cache_fraction` is for host memory and is refused on a GPU). `gpu_memory_utilization` is ignored on
     the CPU.
 
-    `gpu_weight_dtype` is how a GPU holds quantized matrices: ``"bf16"`` (expanded at load, the default) or
-    ``"native"`` (GGUF Q4_K/Q5_0/Q6_K/Q8_0 and AWQ/GPTQ int4 kept as the file's blocks, which decode steps of up to 8 rows
-    multiply in place, reading a third of the bytes; larger steps expand them first; a request's tokens can then
-    differ between a small and a large batch; not yet verified on a GPU). Ignored on the CPU.
+    `gpu_weight_dtype` is how a GPU holds quantized matrices: ``"auto"`` (the default: FP8 ones kept as FP8, the
+    rest as ``"bf16"``), ``"bf16"`` (expanded at load) or ``"native"`` (GGUF Q4_K/Q5_0/Q6_K/Q8_0, AWQ/GPTQ int4 and
+    FP8 kept as the file's blocks, which decode steps of up to 8 rows multiply in place, reading a third of the bytes;
+    larger steps expand them first; a request's tokens can then differ between a small and a large batch; not yet
+    verified on a GPU). Ignored on the CPU.
+
+    `quantization="fp8"` quantizes a dense checkpoint's decoder linear layers at load to FP8 (e4m3, a scale per
+    output channel, as vLLM's option): a GPU keeps them as FP8 (half the bytes of bf16); the CPU, which has no FP8
+    arithmetic, runs their dense values, so both compute with the same weights. Embeddings, norms and the lm_head
+    stay as they are. An already quantized checkpoint (GGUF blocks, AWQ, GPTQ) is a `ModelLoadError`; an FP8 one is
+    kept as it is.
 
     `enforce_eager=True` never replays CUDA graphs (vLLM's option). Graphs are captured per decode batch
     size at start-up and replayed for plain decode steps; until a GPU run has verified them they are off
@@ -158,7 +165,8 @@ class LLM:
         seed: int = 0,
         requantize_q5_0: bool = False,
         lm_head_dtype: str = "auto",
-        gpu_weight_dtype: str = "bf16",
+        gpu_weight_dtype: str = "auto",
+        quantization: str | None = None,
         enforce_eager: bool = False,
         async_scheduling: bool = False,
         block_size: int = 16,
@@ -207,10 +215,12 @@ class LLM:
             )
         if lm_head_dtype not in ("auto", "q8_0"):
             raise InvalidParameterError(f'lm_head_dtype must be "auto" or "q8_0", got {lm_head_dtype!r}', "lm_head_dtype")
-        if gpu_weight_dtype not in ("bf16", "native"):
+        if gpu_weight_dtype not in ("auto", "bf16", "native"):
             raise InvalidParameterError(
-                f'gpu_weight_dtype must be "bf16" or "native", got {gpu_weight_dtype!r}', "gpu_weight_dtype"
+                f'gpu_weight_dtype must be "auto", "bf16" or "native", got {gpu_weight_dtype!r}', "gpu_weight_dtype"
             )
+        if quantization not in (None, "fp8"):
+            raise InvalidParameterError(f'quantization must be "fp8" or None, got {quantization!r}', "quantization")
         if speculative_config is not None and not isinstance(speculative_config, Mapping):
             raise InvalidParameterError(
                 f"speculative_config must be a dict, got {type(speculative_config).__name__}", "speculative_config"
@@ -243,6 +253,7 @@ class LLM:
             requantize_q5_0=requantize_q5_0,
             lm_head_dtype=lm_head_dtype,
             gpu_weight_dtype=gpu_weight_dtype,
+            quantization=quantization,
             enforce_eager=enforce_eager,
             async_scheduling=async_scheduling,
             block_size=block_size,

@@ -44,12 +44,13 @@ impl From<QuantType> for GemvWeights {
 
 impl GemvWeights {
     /// In the order of [`Self::index`].
-    pub const ALL: [GemvWeights; 6] = [
+    pub const ALL: [GemvWeights; 7] = [
         GemvWeights::Packed(QuantType::Q4K),
         GemvWeights::Packed(QuantType::Q5_0),
         GemvWeights::Packed(QuantType::Q6K),
         GemvWeights::Packed(QuantType::Q8_0),
         GemvWeights::Packed(QuantType::Int4),
+        GemvWeights::Packed(QuantType::Fp8),
         GemvWeights::Bf16,
     ];
 
@@ -328,6 +329,17 @@ pub fn chunk(weights: GemvWeights, block: &[u8], c: usize) -> Chunk {
                 b: 0.0,
             }
         }
+        QuantType::Fp8 => {
+            let codes = &block[4 + CHUNK * c..4 + CHUNK * (c + 1)];
+            for (v, &code) in q.iter_mut().zip(codes) {
+                *v = crate::quant_type::e4m3_by_bits(code);
+            }
+            Chunk {
+                q,
+                a: f32::from_le_bytes([block[0], block[1], block[2], block[3]]),
+                b: 0.0,
+            }
+        }
         QuantType::Q6K => {
             let e0 = CHUNK * c;
             let (h, g, l0) = (e0 / 128, (e0 % 128) / 32, e0 % 32);
@@ -574,7 +586,7 @@ mod tests {
             QuantType::Q5_0 => GgmlDType::Q5_0,
             QuantType::Q6K => GgmlDType::Q6K,
             QuantType::Q8_0 => GgmlDType::Q8_0,
-            QuantType::Int4 => unreachable!("int4 blocks are quantized by GroupedInt4"),
+            QuantType::Int4 | QuantType::Fp8 => unreachable!("quantized by GroupedInt4, Fp8Blocks"),
         }
     }
 
@@ -584,7 +596,8 @@ mod tests {
             .collect()
     }
 
-    /// `rows` rows of `k` values quantized by candle (int4: by `GroupedInt4`; bf16: rounded),
+    /// `rows` rows of `k` values quantized by candle (int4: by `GroupedInt4`, FP8 by `Fp8Blocks`;
+    /// bf16: rounded),
     /// with their dequantized values.
     fn matrix(weights: GemvWeights, rows: usize, k: usize, seed: usize) -> (Vec<u8>, Vec<f32>) {
         let q = match weights {
@@ -601,6 +614,16 @@ mod tests {
         if q == QuantType::Int4 {
             let w = novainfer_model::int4::GroupedInt4::quantize(rows, k, &wave(rows * k, seed))
                 .expect("quantize");
+            return (w.blocks().to_vec(), w.dequantize());
+        }
+        if q == QuantType::Fp8 {
+            let w = novainfer_model::fp8_blocks::Fp8Blocks::quantize_rows(
+                "fp8",
+                rows,
+                k,
+                &wave(rows * k, seed),
+            )
+            .expect("quantize");
             return (w.blocks().to_vec(), w.dequantize());
         }
         let t = Tensor::from_vec(wave(rows * k, seed), (rows, k), &Device::Cpu).expect("t");

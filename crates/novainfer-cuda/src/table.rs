@@ -49,9 +49,9 @@ pub(crate) struct KernelTable {
     pub lora_shrink: PerDtype<CudaFunction>,
     pub lora_expand: PerDtype<CudaFunction>,
     /// Indexed by [`QuantType::index`].
-    pub dequant: [PerDtype<CudaFunction>; 5],
+    pub dequant: [PerDtype<CudaFunction>; QuantType::ALL.len()],
     /// Indexed by [`QuantType::index`]: token rows of a packed table.
-    pub embed: [PerDtype<CudaFunction>; 5],
+    pub embed: [PerDtype<CudaFunction>; QuantType::ALL.len()],
     /// Indexed by [`GemvEpilogue::index`] then [`GemvFamily::index`]; by output dtype (the input
     /// is bf16).
     gemv: [[PerDtype<CudaFunction>; 2]; 3],
@@ -102,6 +102,7 @@ impl KernelTable {
                 dequant(QuantType::ALL[2])?,
                 dequant(QuantType::ALL[3])?,
                 dequant(QuantType::ALL[4])?,
+                dequant(QuantType::ALL[5])?,
             ],
             embed: [
                 embed(QuantType::ALL[0])?,
@@ -109,6 +110,7 @@ impl KernelTable {
                 embed(QuantType::ALL[2])?,
                 embed(QuantType::ALL[3])?,
                 embed(QuantType::ALL[4])?,
+                embed(QuantType::ALL[5])?,
             ],
             gemv: [
                 gemv(GemvEpilogue::ALL[0])?,

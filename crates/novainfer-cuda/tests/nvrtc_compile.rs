@@ -142,6 +142,7 @@ fn split_and_thread_constants_agree_with_the_kernels() {
         ("GEMV_Q6_K", GemvWeights::Packed(QuantType::Q6K)),
         ("GEMV_Q8_0", GemvWeights::Packed(QuantType::Q8_0)),
         ("GEMV_INT4", GemvWeights::Packed(QuantType::Int4)),
+        ("GEMV_FP8", GemvWeights::Packed(QuantType::Fp8)),
         ("GEMV_BF16W", GemvWeights::Bf16),
     ] {
         has(

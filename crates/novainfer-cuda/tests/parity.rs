@@ -527,6 +527,17 @@ fn dequant_body<T: TestDtype>(gpu: &GpuContext) {
     let w =
         novainfer_model::int4::GroupedInt4::quantize(8, 512, &rng.vec(8 * 512, 3.0)).expect("int4");
     check_dequant::<T>(gpu, QuantType::Int4, w.blocks(), &w.dequantize());
+    // FP8: rows with a few large values put most codes among the subnormals, which the kernel
+    // must keep (no flush-to-zero).
+    let values: Vec<f32> = rng
+        .vec(8 * 512, 1.0)
+        .into_iter()
+        .enumerate()
+        .map(|(i, v)| if i % 97 == 0 { v * 1e4 } else { v })
+        .collect();
+    let w =
+        novainfer_model::fp8_blocks::Fp8Blocks::quantize_rows("fp8", 8, 512, &values).expect("fp8");
+    check_dequant::<T>(gpu, QuantType::Fp8, w.blocks(), &w.dequantize());
 }
 
 /// The device's expansion of `raw` equals `expected` (the CPU's f32 values): the same
@@ -635,6 +646,9 @@ fn embed_quant_body<T: TestDtype>(gpu: &GpuContext) {
     .collect();
     let int4 = novainfer_model::int4::GroupedInt4::quantize(vocab, hidden, &values).expect("int4");
     tables.push((QuantType::Int4, int4.blocks().to_vec()));
+    let fp8 = novainfer_model::fp8_blocks::Fp8Blocks::quantize_rows("fp8", vocab, hidden, &values)
+        .expect("fp8");
+    tables.push((QuantType::Fp8, fp8.blocks().to_vec()));
     let ids: Vec<u32> = vec![3, 0, 39, 3, 17, 40, 1_000_000];
     for (qtype, raw) in tables {
         let blocks = up(gpu, &raw);

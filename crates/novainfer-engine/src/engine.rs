@@ -9,7 +9,8 @@ use novainfer_model::device::{self, Resolved};
 use novainfer_model::{
     load_weights, Capabilities, Checkpoint, CudaGraphs, DecodeLinear, DeviceChoice, DeviceWeights,
     DtypeChoice, Executor, GemmLibrary, GpuWeightDtype, KvCacheDtype, LmHeadDtype, LoadOptions,
-    ModelError, OpenedCheckpoint, Qwen2Config, StepLimits, DECODE_LINEAR_ENV, GEMM_ENV,
+    ModelError, OpenedCheckpoint, Qwen2Config, StepLimits, WeightQuantization, DECODE_LINEAR_ENV,
+    GEMM_ENV,
 };
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
@@ -39,9 +40,13 @@ pub struct EngineConfig {
     /// How the lm_head is stored: the checkpoint's (`auto`), or Q8_0 (lossy, opt-in; the CPU
     /// only). See [`LmHeadDtype`].
     pub lm_head_dtype: LmHeadDtype,
-    /// How a GPU holds quantized matrices (GGUF, AWQ/GPTQ int4): expanded to bf16 (default) or as the file's
-    /// blocks (`native`; see [`GpuWeightDtype`]). Ignored on the CPU.
+    /// How a GPU holds quantized matrices (GGUF, AWQ/GPTQ int4, FP8): FP8 as FP8 and the rest
+    /// expanded to bf16 (`auto`, the default), all expanded (`bf16`), or all as the file's blocks
+    /// (`native`; see [`GpuWeightDtype`]). Ignored on the CPU.
     pub gpu_weight_dtype: GpuWeightDtype,
+    /// Weights quantized at load (vLLM's `quantization`): none, or `fp8` decoder layers of a
+    /// dense checkpoint ([`WeightQuantization`]).
+    pub quantization: WeightQuantization,
     /// Never replay CUDA graphs (vLLM's `enforce_eager`). Graphs are also off unless
     /// `NOVAINFER_CUDA_GRAPHS=1` opts in, until a GPU run has verified them; the CPU has
     /// none and ignores this.
@@ -223,7 +228,8 @@ impl EngineConfig {
             seed: 0,
             requantize_q5_0: false,
             lm_head_dtype: LmHeadDtype::Auto,
-            gpu_weight_dtype: GpuWeightDtype::Bf16,
+            gpu_weight_dtype: GpuWeightDtype::Auto,
+            quantization: WeightQuantization::None,
             enforce_eager: false,
             async_scheduling: false,
             block_size: 16,
@@ -439,6 +445,7 @@ impl LoadedEngine {
             requantize_q5_0: cfg.requantize_q5_0,
             lm_head_dtype: cfg.lm_head_dtype,
             gpu_weight_dtype: cfg.gpu_weight_dtype,
+            quantization: cfg.quantization,
             kv_cache_dtype: cfg.kv_cache_dtype,
             cuda_graphs: cuda_graphs(cfg)?,
             decode_linear: decode_linear()?,

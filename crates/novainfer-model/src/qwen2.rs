@@ -30,6 +30,7 @@ use crate::prepare::graph::CudaGraphs;
 use crate::prepare::linear::DecodeLinear;
 use crate::quant;
 use crate::rope_scaling::RopeScaling;
+use crate::weight_quantization::{QuantizedAtLoad, WeightQuantization};
 
 /// How dense (safetensors) weights are stored in memory. GGUF tensors keep their own types.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -71,6 +72,8 @@ pub struct LoadOptions {
     pub lm_head_dtype: LmHeadDtype,
     /// How the CUDA executor holds quantized matrices ([`GpuWeightDtype`]); the CPU ignores it.
     pub gpu_weight_dtype: GpuWeightDtype,
+    /// Weights quantized at load ([`WeightQuantization`]): none, or FP8 decoder layers.
+    pub quantization: WeightQuantization,
     /// How the KV cache stores keys and values ([`Qwen2Model::new_cache`]; the engine's
     /// pool). `Auto` is f16 on the CPU.
     pub kv_cache_dtype: KvCacheDtype,
@@ -88,7 +91,8 @@ impl Default for LoadOptions {
             dtype: DtypeChoice::Auto,
             requantize_q5_0: false,
             lm_head_dtype: LmHeadDtype::Auto,
-            gpu_weight_dtype: GpuWeightDtype::Bf16,
+            gpu_weight_dtype: GpuWeightDtype::Auto,
+            quantization: WeightQuantization::None,
             kv_cache_dtype: KvCacheDtype::Auto,
             cuda_graphs: CudaGraphs::Eager,
             decode_linear: DecodeLinear::Separate,
@@ -197,7 +201,7 @@ impl Qwen2Model {
         opts: &LoadOptions,
     ) -> Result<Self> {
         let mut b = Builder {
-            src: CheckedSource::new(source),
+            src: CheckedSource::new(QuantizedAtLoad::new(source, opts.quantization)),
             opts: *opts,
         };
         let (h, kv, ffn) = (
@@ -598,6 +602,11 @@ impl<S: TensorSource> Builder<S> {
             RawTensor::Dense(t) => Linear::dense(self.dense(t)?, bias),
             RawTensor::Quantized(q) => Linear::quantized(Arc::new(self.requantize(q)?), bias),
             RawTensor::Int4(w) => Linear::int4(&w, bias),
+            // The CPU has no FP8 arithmetic: the layer runs as its dense values.
+            RawTensor::Fp8(w) => {
+                let t = Tensor::from_vec(w.dequantize(), (out, inp), &candle_core::Device::Cpu)?;
+                Linear::dense(self.dense(t)?, bias)
+            }
         }
     }
 
@@ -608,6 +617,14 @@ impl<S: TensorSource> Builder<S> {
             // No checkpoint we read quantizes embeddings this way (AWQ and GPTQ leave them
             // dense); a row lookup of dequantized values is exact.
             RawTensor::Int4(w) => {
+                let t = Tensor::from_vec(
+                    w.dequantize(),
+                    (w.rows(), w.cols()),
+                    &candle_core::Device::Cpu,
+                )?;
+                Embedding::Dense(self.dense(t)?)
+            }
+            RawTensor::Fp8(w) => {
                 let t = Tensor::from_vec(
                     w.dequantize(),
                     (w.rows(), w.cols()),

@@ -22,6 +22,7 @@ use novainfer_engine::{
 use novainfer_model::device::DEVICE_SPELLINGS;
 use novainfer_model::{
     AdapterRef, DeviceChoice, DtypeChoice, GpuWeightDtype, KvCacheDtype, LmHeadDtype,
+    WeightQuantization,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -116,7 +117,7 @@ pub struct PyEngine {
 impl PyEngine {
     #[new]
     #[pyo3(signature = (model, *, device="auto", dtype="auto", max_model_len=None, seed=0,
-        requantize_q5_0=false, lm_head_dtype="auto", gpu_weight_dtype="bf16", enforce_eager=false, async_scheduling=false, block_size=16, kv_cache_bytes=None, kv_cache_fraction=None,
+        requantize_q5_0=false, lm_head_dtype="auto", gpu_weight_dtype="auto", quantization=None, enforce_eager=false, async_scheduling=false, block_size=16, kv_cache_bytes=None, kv_cache_fraction=None,
         gpu_memory_utilization=0.9, max_num_seqs=64,
         max_num_batched_tokens=None, enable_prefix_caching=true, kv_layout="block",
         kv_cache_dtype="auto", scheduling_policy="fcfs", priority_aging_steps=256,
@@ -134,6 +135,7 @@ impl PyEngine {
         requantize_q5_0: bool,
         lm_head_dtype: &str,
         gpu_weight_dtype: &str,
+        quantization: Option<&str>,
         enforce_eager: bool,
         async_scheduling: bool,
         block_size: usize,
@@ -183,9 +185,18 @@ impl PyEngine {
         let gpu_weight_dtype = GpuWeightDtype::parse(gpu_weight_dtype).map_err(|_| {
             invalid(
                 "gpu_weight_dtype",
-                format!("gpu_weight_dtype must be bf16 or native; got {gpu_weight_dtype:?}"),
+                format!("gpu_weight_dtype must be auto, bf16 or native; got {gpu_weight_dtype:?}"),
             )
         })?;
+        let quantization = match quantization {
+            None => WeightQuantization::None,
+            Some(q) => WeightQuantization::parse(q).map_err(|_| {
+                invalid(
+                    "quantization",
+                    format!("quantization must be \"fp8\" or None; got {q:?}"),
+                )
+            })?,
+        };
         let dtype = DtypeChoice::parse(dtype).map_err(|_| {
             invalid(
                 "dtype",
@@ -208,6 +219,7 @@ impl PyEngine {
             requantize_q5_0,
             lm_head_dtype,
             gpu_weight_dtype,
+            quantization,
             enforce_eager,
             async_scheduling,
             block_size,

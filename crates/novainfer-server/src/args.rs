@@ -6,7 +6,9 @@ use std::time::Duration;
 use clap::Parser;
 use novainfer_core::{KvLayout, ParamError};
 use novainfer_engine::{EngineConfig, KvBudget};
-use novainfer_model::{DeviceChoice, DtypeChoice, GpuWeightDtype, KvCacheDtype, LmHeadDtype};
+use novainfer_model::{
+    DeviceChoice, DtypeChoice, GpuWeightDtype, KvCacheDtype, LmHeadDtype, WeightQuantization,
+};
 
 pub use crate::reasoning::ReasoningParser;
 
@@ -62,11 +64,17 @@ pub struct ServeArgs {
     /// for AWQ/GPTQ checkpoints, which keep it in f16; CPU only).
     #[arg(long, default_value = "auto")]
     pub lm_head_dtype: String,
-    /// How a GPU holds quantized matrices (GGUF, AWQ/GPTQ int4): bf16 (expanded at load) or native (the
-    /// file's blocks, multiplied in place by decode steps: less memory, fewer bytes a token;
-    /// unverified on a GPU so far). Ignored on the CPU.
-    #[arg(long, default_value = "bf16")]
+    /// How a GPU holds quantized matrices (GGUF, AWQ/GPTQ int4, FP8): auto (FP8 kept as FP8, the
+    /// rest expanded to bf16), bf16 (all expanded at load) or native (all as the file's blocks,
+    /// multiplied in place by decode steps: less memory, fewer bytes a token; unverified on a GPU
+    /// so far). Ignored on the CPU.
+    #[arg(long, default_value = "auto")]
     pub gpu_weight_dtype: String,
+    /// Quantize a dense checkpoint's weights at load (vLLM's flag): fp8 (each decoder linear
+    /// layer to e4m3 with a scale per output channel; kept as FP8 on a GPU, run as its dense
+    /// values on the CPU). An already quantized checkpoint is refused.
+    #[arg(long)]
+    pub quantization: Option<String>,
     /// Never replay CUDA graphs for decode steps (vLLM's flag). Graphs are off anyway unless
     /// NOVAINFER_CUDA_GRAPHS=1 opts in, until a GPU run has verified them. Ignored on the CPU.
     #[arg(long)]
@@ -501,9 +509,17 @@ impl ServeArgs {
         let gpu_weight_dtype = GpuWeightDtype::parse(&self.gpu_weight_dtype).map_err(|_| {
             ParamError::new(
                 "gpu_weight_dtype",
-                format!("must be bf16 or native; got {:?}", self.gpu_weight_dtype),
+                format!(
+                    "must be auto, bf16 or native; got {:?}",
+                    self.gpu_weight_dtype
+                ),
             )
         })?;
+        let quantization = match self.quantization.as_deref() {
+            None => WeightQuantization::None,
+            Some(q) => WeightQuantization::parse(q)
+                .map_err(|_| ParamError::new("quantization", format!("must be fp8; got {q:?}")))?,
+        };
         let kv_cache = match (self.kv_cache_bytes, self.kv_cache_fraction) {
             (_, Some(f)) => KvBudget::FractionOfAvailable(f),
             (Some(b), None) => KvBudget::Bytes(b),
@@ -528,6 +544,7 @@ impl ServeArgs {
         cfg.requantize_q5_0 = self.requantize_q5_0;
         cfg.lm_head_dtype = lm_head_dtype;
         cfg.gpu_weight_dtype = gpu_weight_dtype;
+        cfg.quantization = quantization;
         cfg.enforce_eager = self.enforce_eager;
         cfg.async_scheduling = self.async_scheduling;
         cfg.block_size = self.block_size;
@@ -674,11 +691,25 @@ mod tests {
                 .engine_config("/m".into())
                 .map(|c| c.gpu_weight_dtype)
         };
-        assert_eq!(gpu(&[]).expect("valid"), GpuWeightDtype::Bf16);
+        assert_eq!(gpu(&[]).expect("valid"), GpuWeightDtype::Auto);
         let native = gpu(&["--gpu-weight-dtype", "native"]).expect("valid");
         assert_eq!(native, GpuWeightDtype::Native);
         let err = gpu(&["--gpu-weight-dtype", "q4"]).expect_err("unknown dtype");
         assert!(err.to_string().contains("gpu_weight_dtype"), "{err}");
+    }
+
+    #[test]
+    fn quantization_reaches_the_engine_config() {
+        let quant = |args: &[&str]| {
+            parse(args)
+                .engine_config("/m".into())
+                .map(|c| c.quantization)
+        };
+        assert_eq!(quant(&[]).expect("valid"), WeightQuantization::None);
+        let fp8 = quant(&["--quantization", "fp8"]).expect("valid");
+        assert_eq!(fp8, WeightQuantization::Fp8);
+        let err = quant(&["--quantization", "awq"]).expect_err("unknown");
+        assert!(err.to_string().contains("quantization"), "{err}");
     }
 
     #[test]

@@ -21,6 +21,7 @@ use crate::context::GpuContext;
 use crate::error::{CudaError, Result};
 use crate::gemv_plan::{check_shape, grid, qkv_grid, silu_grid, WARPS};
 pub use crate::gemv_plan::{GemvEpilogue, GemvFamily, GemvWeights, QkvHeads, MAX_PARTS, MAX_ROWS};
+use crate::quant_type::QuantType;
 
 /// Where the product lands: columns `col0 .. col0 + rows` of `y`'s `[n, ld]` rows (a part of a
 /// wider output).
@@ -69,21 +70,37 @@ pub fn bf16_bytes(m: &CudaSlice<bf16>) -> CudaView<'_, u8> {
 
 /// The kernels read 16 bytes at a time: activations always, bf16 weight rows too.
 const VECTOR_BYTES: u64 = 16;
+/// FP8 blocks are read a 4-byte word at a time (their 132 bytes keep every word aligned).
+const WORD_BYTES: u64 = 4;
 
-fn check_aligned<T>(gpu: &GpuContext, param: &'static str, v: &CudaView<'_, T>) -> Result<()> {
+/// The alignment `weights`' rows need of their first byte (1: read byte by byte).
+fn alignment(weights: GemvWeights) -> u64 {
+    match weights {
+        GemvWeights::Bf16 => VECTOR_BYTES,
+        GemvWeights::Packed(QuantType::Fp8) => WORD_BYTES,
+        GemvWeights::Packed(_) => 1,
+    }
+}
+
+fn check_aligned<T>(
+    gpu: &GpuContext,
+    param: &'static str,
+    v: &CudaView<'_, T>,
+    bytes: u64,
+) -> Result<()> {
     let (ptr, _sync) = v.device_ptr(gpu.stream());
-    if ptr.is_multiple_of(VECTOR_BYTES) {
+    if ptr.is_multiple_of(bytes) {
         Ok(())
     } else {
         Err(CudaError::invalid(
             param,
-            format!("starts at {ptr:#x}, not on a {VECTOR_BYTES}-byte boundary"),
+            format!("starts at {ptr:#x}, not on a {bytes}-byte boundary"),
         ))
     }
 }
 
 /// The kernel's view of `runs` (checked: 1 to [`MAX_PARTS`] runs of one family, each `rows` rows
-/// of `k` in its format, bf16 ones aligned for the kernel's vector loads), the guards that keep
+/// of `k` in its format, aligned for the kernel's loads), the guards that keep
 /// their pointers' stream order until the launch is queued, and what they make.
 fn parts_arg<'a>(
     gpu: &'a GpuContext,
@@ -118,9 +135,7 @@ fn parts_arg<'a>(
                 ),
             ));
         }
-        if run.weights == GemvWeights::Bf16 {
-            check_aligned(gpu, "w", &run.bytes)?;
-        }
+        check_aligned(gpu, "w", &run.bytes, alignment(run.weights))?;
         end += run.rows;
         let (ptr, guard) = run.bytes.device_ptr(gpu.stream());
         *slot = PartArg {
@@ -147,7 +162,7 @@ fn check_x(gpu: &GpuContext, x: &CudaView<'_, bf16>, n: usize, k: usize) -> Resu
             format!("{} values for [{n}, {k}]", x.len()),
         ));
     }
-    check_aligned(gpu, "x", x)
+    check_aligned(gpu, "x", x, VECTOR_BYTES)
 }
 
 fn warps_of(blocks: usize) -> Result<LaunchConfig> {

@@ -90,7 +90,7 @@ pub fn assert_close<T: TestDtype>(op: &str, gpu: &[T], cpu: &[f32]) {
 }
 
 /// `rows` rows of `k` random values in `weights`' format (candle-quantized; int4 by
-/// `GroupedInt4`; bf16 rounded), as the raw bytes the GEMV reads.
+/// `GroupedInt4`, FP8 by `Fp8Blocks`; bf16 rounded), as the raw bytes the GEMV reads.
 pub fn gemv_matrix(weights: GemvWeights, rows: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
     let values = rng.vec(rows * k, 1.0);
     let ggml = match weights {
@@ -103,6 +103,12 @@ pub fn gemv_matrix(weights: GemvWeights, rows: usize, k: usize, rng: &mut Rng) -
         GemvWeights::Packed(QuantType::Int4) => {
             return novainfer_model::int4::GroupedInt4::quantize(rows, k, &values)
                 .expect("int4")
+                .blocks()
+                .to_vec()
+        }
+        GemvWeights::Packed(QuantType::Fp8) => {
+            return novainfer_model::fp8_blocks::Fp8Blocks::quantize_rows("fp8", rows, k, &values)
+                .expect("fp8")
                 .blocks()
                 .to_vec()
         }

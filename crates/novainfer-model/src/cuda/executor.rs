@@ -21,13 +21,13 @@ use crate::device::Device;
 use crate::error::{ModelError, Result};
 use crate::executor::{DeviceMemory, DeviceWeights, Enqueued, Executor, PassTicket, StepLimits};
 use crate::forward_batch::{ForwardBatch, ForwardOutput, SpanOutput};
-use crate::gpu_weight_dtype::GpuWeightDtype;
 use crate::layers::ops::normalize_l2;
 use crate::loader::OpenedCheckpoint;
 use crate::prepare::graph::{replay_step, route, CudaGraphs, StepRoute};
 use crate::prepare::linear::DecodeLinear;
 use crate::prepare::{HostModelReader, PackedStep, StepCapacity, StepLayout};
 use crate::qwen2::{DtypeChoice, LoadOptions};
+use crate::weight_quantization::QuantizedAtLoad;
 
 /// The model on the GPU with every buffer a step needs, before the KV pool exists.
 pub struct CudaWeights {
@@ -72,8 +72,11 @@ impl CudaWeights {
         let model = GpuModel::load(
             &gpu,
             device,
-            HostModelReader::new(cfg.clone(), opened.checkpoint),
-            opts.gpu_weight_dtype == GpuWeightDtype::Native,
+            HostModelReader::new(
+                cfg.clone(),
+                QuantizedAtLoad::new(opened.checkpoint, opts.quantization),
+            ),
+            opts.gpu_weight_dtype,
         )?;
         let rope = RopeTable::with_scaling(
             &gpu,

@@ -3,8 +3,9 @@
 //!
 //! Quantized parts travel raw (a quarter to a half of the bf16 bytes) and are expanded by
 //! the dequant kernel straight into their rows of the fused matrix; the raw copy is freed
-//! in stream order once the kernel has read it. With `gpu_weight_dtype="native"` a matrix
-//! whose parts are all GPU quant types keeps them raw instead ([`MatrixData::Packed`]): decode
+//! in stream order once the kernel has read it. A matrix whose parts are all GPU quant types that
+//! `gpu_weight_dtype` keeps packed (`native`: all of them; `auto`: FP8) keeps them raw instead
+//! ([`MatrixData::Packed`]): decode
 //! steps multiply the blocks in place, larger steps expand them into a scratch first
 //! (`forward::gemm`); a packed embedding table expands just the step's token rows.
 
@@ -18,6 +19,7 @@ use smallvec::{smallvec, SmallVec};
 use super::{cuda_error, driver_error};
 use crate::device::Device;
 use crate::error::{ModelError, Result};
+use crate::gpu_weight_dtype::GpuWeightDtype;
 use crate::loader::TensorSource;
 use crate::prepare::{HostLayer, HostMatrix, HostModelReader, PartData};
 
@@ -115,12 +117,12 @@ impl GpuModel {
         gpu: &GpuContext,
         device: Device,
         mut reader: HostModelReader<S>,
-        native: bool,
+        policy: GpuWeightDtype,
     ) -> Result<Self> {
         let up = Uploader {
             gpu,
             device,
-            native,
+            policy,
         };
         let n = reader.config().num_hidden_layers;
         tracing::info!(%device, gpu = gpu.device_name(), layers = n, "loading weights");
@@ -190,8 +192,8 @@ impl GpuModel {
 struct Uploader<'a> {
     gpu: &'a GpuContext,
     device: Device,
-    /// Keep packable matrices packed (`gpu_weight_dtype="native"`).
-    native: bool,
+    /// Which quantized matrices stay packed.
+    policy: GpuWeightDtype,
 }
 
 impl Uploader<'_> {
@@ -214,16 +216,19 @@ impl Uploader<'_> {
         })
     }
 
-    /// Whether every part of `m` is a GPU quant type whose rows are whole blocks.
-    fn packable(m: &HostMatrix) -> bool {
+    /// Whether every part of `m` is a GPU quant type the policy keeps packed, whose rows are
+    /// whole blocks.
+    fn packable(&self, m: &HostMatrix) -> bool {
         m.parts.iter().all(|p| match &p.data {
-            PartData::Quantized { kind, .. } => m.cols.is_multiple_of(kind.block_values()),
+            PartData::Quantized { kind, .. } => {
+                self.policy.keeps_packed(*kind) && m.cols.is_multiple_of(kind.block_values())
+            }
             PartData::Bf16(_) => false,
         })
     }
 
     fn matrix(&self, m: &HostMatrix) -> Result<GpuMatrix> {
-        if !(self.native && Self::packable(m)) {
+        if !self.packable(m) {
             return self.bf16_matrix(m);
         }
         let stream = self.gpu.stream();
@@ -344,12 +349,23 @@ mod tests {
         )
         .expect("int4");
         host.push("int4", 3, RawTensor::Int4(int4)).expect("part");
+        let fp8 = crate::fp8_blocks::Fp8Blocks::quantize_rows(
+            "fp8",
+            3,
+            cols,
+            &values(3, 55)
+                .flatten_all()
+                .and_then(|t| t.to_vec1())
+                .expect("values"),
+        )
+        .expect("fp8");
+        host.push("fp8", 3, RawTensor::Fp8(fp8)).expect("part");
         host.push("dense", 2, RawTensor::Dense(values(2, 99)))
             .expect("part");
         let up = Uploader {
             gpu: &gpu,
             device: Device::Cuda(0),
-            native: false,
+            policy: GpuWeightDtype::Native,
         };
         let m = up.matrix(&host).expect("upload");
         let MatrixData::Bf16(data) = &m.data else {
@@ -358,7 +374,7 @@ mod tests {
         let got = gpu.stream().clone_dtoh(data).expect("download");
         gpu.synchronize().expect("sync");
         let want = host.to_bf16().expect("host twin");
-        assert_eq!((m.rows, m.cols), (17, cols));
+        assert_eq!((m.rows, m.cols), (20, cols));
         let first_diff = got
             .iter()
             .zip(&want)

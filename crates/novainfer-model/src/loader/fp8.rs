@@ -3,9 +3,10 @@
 //! and the DeepSeek/Qwen3 FP8 releases do (`weight_block_size: [bo, bi]`, one scale per
 //! `bo × bi` block in `weight_scale_inv`, which is multiplied despite its name).
 //!
-//! On the CPU a layer is dequantized at load, `w = f32(q) · s` rounded once to f32 (the
-//! product vLLM's dequantization computes), and runs as a dense f32 layer: the weights the
-//! checkpoint defines, at 4 bytes each. Activations stay unquantized, so with
+//! A layer whose rows are whole groups of 128 with one scale each is kept as FP8
+//! ([`crate::fp8_blocks`]): the GPU multiplies the codes in place. The CPU runs every layer as
+//! its dense f32 values, `w = f32(q) · s` rounded once (the product vLLM's dequantization
+//! computes): the weights the checkpoint defines, at 4 bytes each. Activations stay unquantized, so with
 //! `activation_scheme: static` the `input_scale` tensors are not used (vLLM rounds
 //! activations to FP8 with them; we keep the more exact product).
 
@@ -14,7 +15,9 @@ use std::num::NonZeroUsize;
 use candle_core::{DType, Device, Tensor};
 use serde_json::{Map, Value};
 
+use super::RawTensor;
 use crate::error::{ModelError, Result};
+use crate::fp8_blocks::{Fp8Blocks, GROUP_K};
 
 /// What `quant_method: fp8` says about the tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,82 +92,122 @@ impl Fp8 {
     }
 }
 
-/// `e4m3fn` (the OCP format every FP8 checkpoint uses: no infinities, `S.1111.111` is NaN)
-/// as f32, exactly.
-pub fn e4m3_to_f32(byte: u8) -> f32 {
-    let sign = if byte & 0x80 != 0 { -1.0 } else { 1.0 };
-    let (exp, man) = (i32::from((byte >> 3) & 0xF), f32::from(byte & 7));
-    match (exp, byte & 7) {
-        (15, 7) => f32::NAN,
-        (0, _) => sign * man / 8.0 * (-6f32).exp2(),
-        _ => sign * (1.0 + man / 8.0) * ((exp - 7) as f32).exp2(),
-    }
-}
+pub use novainfer_cuda::quant_type::e4m3_to_f32;
 
-/// The dense f32 weight `[out, in]` of the FP8 `codes` (the stored bytes, `shape`) and their
-/// `scale`: a scalar (`[]` or `[1]`), one per output channel (`[out]` or `[out, 1]`), or
-/// with `cfg.block` one per block (`[⌈out / bo⌉, ⌈in / bi⌉]`).
-pub fn dequantize(
+/// The FP8 `codes` (the stored bytes, `shape` `[out, in]`) with their `scale`: a scalar (`[]`
+/// or `[1]`), one per output channel (`[out]` or `[out, 1]`), or with `cfg.block` one per block
+/// (`[⌈out / bo⌉, ⌈in / bi⌉]`). Kept as FP8 ([`Fp8Blocks`]) when a row is whole groups of 128
+/// and every group has one scale (per tensor, per channel, or blocks whose `bi` is a multiple of
+/// 128); otherwise the dense f32 weight, `f32(q) · s` each, one rounding. Either way the values
+/// are the same.
+pub fn load(
     name: &str,
     cfg: &Fp8,
     shape: &[usize],
     codes: &[u8],
     scale: &Tensor,
-) -> Result<Tensor> {
-    let bad = |reason: String| ModelError::InvalidQuantTensor {
-        name: name.to_owned(),
-        reason,
-    };
-    let &[out, inputs] = shape else {
-        return Err(bad(format!("expected a 2-D FP8 weight, found {shape:?}")));
-    };
-    if codes.len() != out * inputs {
-        return Err(bad(format!(
-            "{} bytes for a [{out}, {inputs}] FP8 weight",
-            codes.len()
-        )));
+) -> Result<RawTensor> {
+    let grid = ScaleGrid::new(name, cfg, shape, codes, scale)?;
+    let one_scale_per_group = cfg
+        .block
+        .is_none_or(|(_, bi)| bi.get().is_multiple_of(GROUP_K));
+    if Fp8Blocks::fits(grid.inputs) && one_scale_per_group {
+        let w = Fp8Blocks::from_codes(name, grid.out, grid.inputs, codes, |o, g| {
+            grid.scale(o, g * GROUP_K)
+        })?;
+        return Ok(RawTensor::Fp8(w));
     }
-    let scales = scale
-        .to_dtype(DType::F32)?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
-    if let Some(s) = scales.iter().find(|s| !s.is_finite()) {
-        return Err(bad(format!("a scale of {s}")));
-    }
-    let table: Vec<f32> = (0..=255u8).map(e4m3_to_f32).collect();
-    // Scale index of element (r, c).
-    let scale_of: Box<dyn Fn(usize, usize) -> usize> = match (cfg.block, scales.len()) {
-        (Some((bo, bi)), n) => {
-            let (rows, cols) = (out.div_ceil(bo.get()), inputs.div_ceil(bi.get()));
-            if n != rows * cols {
-                return Err(bad(format!(
-                    "{n} block scales for a [{out}, {inputs}] weight in blocks of [{bo}, {bi}] \
-                     (expected [{rows}, {cols}])"
-                )));
-            }
-            Box::new(move |r, c| (r / bo.get()) * cols + c / bi.get())
-        }
-        (None, 1) => Box::new(|_, _| 0),
-        (None, n) if n == out => Box::new(|r, _| r),
-        (None, n) => {
+    Ok(RawTensor::Dense(grid.dense(name, codes)?))
+}
+
+/// A weight's scales, checked against its shape, and which one each element takes.
+struct ScaleGrid {
+    out: usize,
+    inputs: usize,
+    scales: Vec<f32>,
+    /// `Some((bo, bi, columns of blocks))` for block scales; else per tensor (one scale) or per
+    /// output channel.
+    blocks: Option<(usize, usize, usize)>,
+}
+
+impl ScaleGrid {
+    fn new(name: &str, cfg: &Fp8, shape: &[usize], codes: &[u8], scale: &Tensor) -> Result<Self> {
+        let bad = |reason: String| ModelError::InvalidQuantTensor {
+            name: name.to_owned(),
+            reason,
+        };
+        let &[out, inputs] = shape else {
+            return Err(bad(format!("expected a 2-D FP8 weight, found {shape:?}")));
+        };
+        if codes.len() != out * inputs {
             return Err(bad(format!(
-                "{n} scales for a weight of {out} output channels (expected 1 or {out})"
-            )))
-        }
-    };
-    let mut values = Vec::with_capacity(codes.len());
-    for (i, &code) in codes.iter().enumerate() {
-        let q = table[code as usize];
-        if q.is_nan() {
-            return Err(bad(format!(
-                "a NaN code (0x{code:02x}) at [{}, {}]",
-                i / inputs,
-                i % inputs
+                "{} bytes for a [{out}, {inputs}] FP8 weight",
+                codes.len()
             )));
         }
-        values.push(q * scales[scale_of(i / inputs, i % inputs)]);
+        let scales = scale
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        if let Some(s) = scales.iter().find(|s| !s.is_finite()) {
+            return Err(bad(format!("a scale of {s}")));
+        }
+        let n = scales.len();
+        let blocks = match cfg.block {
+            Some((bo, bi)) => {
+                let (rows, cols) = (out.div_ceil(bo.get()), inputs.div_ceil(bi.get()));
+                if n != rows * cols {
+                    return Err(bad(format!(
+                        "{n} block scales for a [{out}, {inputs}] weight in blocks of [{bo}, {bi}] \
+                         (expected [{rows}, {cols}])"
+                    )));
+                }
+                Some((bo.get(), bi.get(), cols))
+            }
+            None if n == 1 || n == out => None,
+            None => {
+                return Err(bad(format!(
+                    "{n} scales for a weight of {out} output channels (expected 1 or {out})"
+                )))
+            }
+        };
+        Ok(Self {
+            out,
+            inputs,
+            scales,
+            blocks,
+        })
     }
-    Ok(Tensor::from_vec(values, (out, inputs), &Device::Cpu)?)
+
+    /// The scale of element `(r, c)`.
+    fn scale(&self, r: usize, c: usize) -> f32 {
+        match self.blocks {
+            Some((bo, bi, cols)) => self.scales[(r / bo) * cols + c / bi],
+            None if self.scales.len() == 1 => self.scales[0],
+            None => self.scales[r],
+        }
+    }
+
+    fn dense(&self, name: &str, codes: &[u8]) -> Result<Tensor> {
+        let table: Vec<f32> = (0..=255u8).map(e4m3_to_f32).collect();
+        let mut values = Vec::with_capacity(codes.len());
+        for (i, &code) in codes.iter().enumerate() {
+            let (r, c) = (i / self.inputs, i % self.inputs);
+            let q = table[code as usize];
+            if q.is_nan() {
+                return Err(ModelError::InvalidQuantTensor {
+                    name: name.to_owned(),
+                    reason: format!("a NaN code (0x{code:02x}) at [{r}, {c}]"),
+                });
+            }
+            values.push(q * self.scale(r, c));
+        }
+        Ok(Tensor::from_vec(
+            values,
+            (self.out, self.inputs),
+            &Device::Cpu,
+        )?)
+    }
 }
 
 #[cfg(test)]
@@ -174,6 +217,17 @@ mod tests {
 
     fn cfg(v: Value) -> Result<Fp8> {
         Fp8::from_json(v.as_object().expect("object"))
+    }
+
+    /// What [`load`] makes of a weight, as values, and whether it stayed FP8.
+    fn values(
+        cfg: &Fp8,
+        shape: &[usize],
+        codes: &[u8],
+        scale: &Tensor,
+    ) -> Result<(Vec<f32>, bool)> {
+        let raw = load("w", cfg, shape, codes, scale)?;
+        Ok((raw.to_f32_vec()?, matches!(raw, RawTensor::Fp8(_))))
     }
 
     #[test]
@@ -235,42 +289,84 @@ mod tests {
             static_activations: false,
         };
         let scalar = Tensor::new(0.25f32, &Device::Cpu).expect("scalar");
-        let got = dequantize("w", &per_tensor, &shape, &w, &scalar).expect("per tensor");
-        assert_eq!(
-            got.flatten_all()
-                .and_then(|t| t.to_vec1::<f32>())
-                .expect("values"),
-            [0.25, 0.5, -0.125, 112.0, 0.25, 0.25]
-        );
+        let got = values(&per_tensor, &shape, &w, &scalar).expect("per tensor");
+        assert_eq!(got, (vec![0.25, 0.5, -0.125, 112.0, 0.25, 0.25], false));
         let channels = Tensor::new(&[[2f32], [3.0]], &Device::Cpu).expect("[out, 1]");
-        let got = dequantize("w", &per_tensor, &shape, &w, &channels).expect("per channel");
-        assert_eq!(
-            got.flatten_all()
-                .and_then(|t| t.to_vec1::<f32>())
-                .expect("values"),
-            [2.0, 4.0, -1.0, 1344.0, 3.0, 3.0]
-        );
+        let got = values(&per_tensor, &shape, &w, &channels).expect("per channel");
+        assert_eq!(got, (vec![2.0, 4.0, -1.0, 1344.0, 3.0, 3.0], false));
         // Blocks of [1, 2] over [2, 3]: scales [2, 2] (the last column's block is partial).
         let blocks = Fp8 {
             block: NonZeroUsize::new(1).zip(NonZeroUsize::new(2)),
             static_activations: false,
         };
         let s = Tensor::new(&[[1f32, 10.0], [100.0, 1000.0]], &Device::Cpu).expect("scales");
-        let got = dequantize("w", &blocks, &shape, &w, &s).expect("per block");
-        assert_eq!(
-            got.flatten_all()
-                .and_then(|t| t.to_vec1::<f32>())
-                .expect("values"),
-            [1.0, 2.0, -5.0, 44800.0, 100.0, 1000.0]
-        );
-        let e = dequantize("w", &blocks, &shape, &w, &scalar)
+        let got = values(&blocks, &shape, &w, &s).expect("per block");
+        assert_eq!(got, (vec![1.0, 2.0, -5.0, 44800.0, 100.0, 1000.0], false));
+        let e = load("w", &blocks, &shape, &w, &scalar)
             .expect_err("wrong count")
             .to_string();
         assert!(e.contains("block scales") && e.contains("[2, 2]"), "{e}");
         let nan = [0x7F, one, one, one, one, one];
-        let e = dequantize("w", &per_tensor, &shape, &nan, &scalar)
+        let e = load("w", &per_tensor, &shape, &nan, &scalar)
             .expect_err("NaN")
             .to_string();
         assert!(e.contains("NaN"), "{e}");
+    }
+
+    #[test]
+    fn rows_of_whole_groups_stay_fp8_with_the_same_values() {
+        // [3, 256] with a scale per channel, per tensor, per [2, 128] block and per [1, 64] block:
+        // the last has two scales in a group of 128, so it stays dense.
+        let (out, inputs) = (3usize, 256usize);
+        let codes: Vec<u8> = (0..out * inputs)
+            .map(|i| (i * 37 % 0x7E) as u8 | (i as u8 & 0x80))
+            .collect();
+        let table: Vec<f32> = codes.iter().map(|&c| e4m3_to_f32(c)).collect();
+        let block = |bo, bi| Fp8 {
+            block: NonZeroUsize::new(bo).zip(NonZeroUsize::new(bi)),
+            static_activations: false,
+        };
+        let per = block(0, 0);
+        type ScaleOf = Box<dyn Fn(usize, usize) -> f32>;
+        let cases: [(Fp8, Tensor, bool, ScaleOf); 4] = [
+            (
+                per,
+                Tensor::new(&[[0.5f32], [2.0], [4.0]], &Device::Cpu).expect("s"),
+                true,
+                Box::new(|r, _| [0.5, 2.0, 4.0][r]),
+            ),
+            (
+                per,
+                Tensor::new(3f32, &Device::Cpu).expect("s"),
+                true,
+                Box::new(|_, _| 3.0),
+            ),
+            (
+                block(2, 128),
+                Tensor::new(&[[1f32, 2.0], [3.0, 5.0]], &Device::Cpu).expect("s"),
+                true,
+                Box::new(|r, c| [[1.0, 2.0], [3.0, 5.0]][r / 2][c / 128]),
+            ),
+            (
+                block(1, 64),
+                Tensor::new(&[[1f32, 2.0, 3.0, 4.0]; 3], &Device::Cpu).expect("s"),
+                false,
+                Box::new(|_, c| [1.0, 2.0, 3.0, 4.0][c / 64]),
+            ),
+        ];
+        for (i, (cfg, scale, packed, want)) in cases.into_iter().enumerate() {
+            let (got, fp8) = values(&cfg, &[out, inputs], &codes, &scale).expect("load");
+            assert_eq!(fp8, packed, "case {i}");
+            for (j, (g, q)) in got.iter().zip(&table).enumerate() {
+                let w = q * want(j / inputs, j % inputs);
+                assert_eq!(
+                    g.to_bits(),
+                    w.to_bits(),
+                    "case {i} [{}, {}]",
+                    j / inputs,
+                    j % inputs
+                );
+            }
+        }
     }
 }

@@ -224,7 +224,7 @@ impl HfCheckpoint {
             })
     }
 
-    /// FP8 `name` times its scale, as dense f32.
+    /// FP8 `name` with its scales: FP8 blocks, or dense f32 where they do not fit ([`fp8::load`]).
     fn load_fp8(&self, name: &str) -> Result<RawTensor> {
         let Some(cfg) = self.fp8 else {
             return Err(ModelError::InvalidQuantTensor {
@@ -252,8 +252,7 @@ impl HfCheckpoint {
             path: self.files[0].clone(),
             detail: format!("tensor `{name}`: {e}"),
         })?;
-        let dense = fp8::dequantize(name, &cfg, view.shape(), view.data(), &scale)?;
-        Ok(RawTensor::Dense(dense))
+        fp8::load(name, &cfg, view.shape(), view.data(), &scale)
     }
 
     /// A part of a packed layer, which must exist.

@@ -24,11 +24,14 @@ pub use hf::HfCheckpoint;
 use crate::error::{ModelError, Result};
 
 /// A tensor as stored: dense (any float dtype) or in a GGUF quantized format.
+#[derive(Debug)]
 pub enum RawTensor {
     Dense(Tensor),
     Quantized(QTensor),
     /// AWQ and GPTQ int4 layers.
     Int4(crate::int4::GroupedInt4),
+    /// FP8 layers whose rows are whole groups of 128 (FP8 checkpoints, `quantization="fp8"`).
+    Fp8(crate::fp8_blocks::Fp8Blocks),
 }
 
 impl RawTensor {
@@ -38,6 +41,7 @@ impl RawTensor {
             RawTensor::Dense(t) => t.to_dtype(candle_core::DType::F32)?.flatten_all()?,
             RawTensor::Quantized(q) => q.dequantize(&candle_core::Device::Cpu)?.flatten_all()?,
             RawTensor::Int4(w) => return Ok(w.dequantize()),
+            RawTensor::Fp8(w) => return Ok(w.dequantize()),
         }
         .to_vec1::<f32>()?)
     }

@@ -35,14 +35,14 @@ pub fn gpu_quant_of(dtype: GgmlDType) -> Option<GpuQuant> {
     }
 }
 
-/// The GGUF type of a device format (`None` for int4).
+/// The GGUF type of a device format (`None` for int4 and FP8).
 pub fn ggml_of(kind: GpuQuant) -> Option<GgmlDType> {
     match kind {
         GpuQuant::Q4K => Some(GgmlDType::Q4K),
         GpuQuant::Q5_0 => Some(GgmlDType::Q5_0),
         GpuQuant::Q6K => Some(GgmlDType::Q6K),
         GpuQuant::Q8_0 => Some(GgmlDType::Q8_0),
-        GpuQuant::Int4 => None,
+        GpuQuant::Int4 | GpuQuant::Fp8 => None,
     }
 }
 
@@ -50,6 +50,7 @@ pub fn ggml_of(kind: GpuQuant) -> Option<GgmlDType> {
 fn value(kind: GpuQuant, block: &[u8], e: usize) -> f32 {
     match kind {
         GpuQuant::Int4 => crate::int4::block_value(block, e),
+        GpuQuant::Fp8 => crate::fp8_blocks::block_value(block, e),
         GpuQuant::Q8_0 => f32::from(block[2 + e] as i8) * f16_at(block, 0),
         GpuQuant::Q5_0 => {
             let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
@@ -193,6 +194,30 @@ mod tests {
         assert_eq!(got, want);
     }
 
+    #[test]
+    fn the_fp8_twin_equals_fp8_blocks_rounded_to_bf16() {
+        assert_eq!(GpuQuant::Fp8.block_bytes(), crate::fp8_blocks::BLOCK_BYTES);
+        assert_eq!(GpuQuant::Fp8.block_values(), crate::fp8_blocks::GROUP_K);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(17);
+        let (rows, cols) = (5, 384);
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| rng.random_range(-1.0f32..1.0) * if i % 61 == 0 { 30.0 } else { 0.2 })
+            .collect();
+        let w = crate::fp8_blocks::Fp8Blocks::quantize_rows("w", rows, cols, &values)
+            .expect("quantize");
+        let want: Vec<u16> = w
+            .dequantize()
+            .into_iter()
+            .map(|v| bf16::from_f32(v).to_bits())
+            .collect();
+        let got: Vec<u16> = dequantize_bf16(GpuQuant::Fp8, w.blocks())
+            .expect("whole blocks")
+            .into_iter()
+            .map(bf16::to_bits)
+            .collect();
+        assert_eq!(got, want);
+    }
+
     /// Arbitrary block bytes reach every bit pattern of every field (negative Q6_K scales,
     /// all 6-bit Q4_K scales and mins, both nibbles, every qh bit); only the f16 block scales
     /// are kept finite, as in any real checkpoint (a NaN scale's payload is the GPU's own).
@@ -208,7 +233,7 @@ mod tests {
                 GpuQuant::Q8_0 | GpuQuant::Q5_0 => &[0],
                 GpuQuant::Q4K => &[0, 2],
                 GpuQuant::Q6K => &[208],
-                GpuQuant::Int4 => unreachable!("GGUF types only"),
+                GpuQuant::Int4 | GpuQuant::Fp8 => unreachable!("GGUF types only"),
             };
             for block in bytes.chunks_exact_mut(kind.block_bytes()) {
                 for &at in scale_offsets {

@@ -18,7 +18,7 @@ use crate::loader::RawTensor;
 
 /// A part's values as they will be uploaded.
 pub enum PartData {
-    /// GGUF blocks of a type the GPU expands itself.
+    /// Blocks of a type the GPU expands (or multiplies) itself: GGUF, int4, FP8.
     Quantized { kind: GpuQuant, bytes: Vec<u8> },
     /// Already bf16 (dense checkpoints, and GGUF types the GPU has no kernel for).
     Bf16(Vec<bf16>),
@@ -61,6 +61,10 @@ impl PartData {
             RawTensor::Int4(w) => {
                 PartData::Bf16(w.dequantize().into_iter().map(bf16::from_f32).collect())
             }
+            RawTensor::Fp8(w) => PartData::Quantized {
+                kind: GpuQuant::Fp8,
+                bytes: w.blocks().to_vec(),
+            },
         })
     }
 

@@ -58,7 +58,9 @@ impl Stored {
         match self.load() {
             RawTensor::Dense(t) => t.to_dtype(candle_core::DType::F32).expect("f32"),
             RawTensor::Quantized(q) => q.dequantize(&Device::Cpu).expect("dequantize"),
-            RawTensor::Int4(_) => unreachable!("the test source stores no int4 tensors"),
+            RawTensor::Int4(_) | RawTensor::Fp8(_) => {
+                unreachable!("the test source stores no int4 or FP8 tensors")
+            }
         }
     }
 }
