@@ -211,10 +211,12 @@ def kv_bytes_per_position(config: dict) -> int:
     return 2 * 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
 
 
-def decode_limit(bandwidth: float, config: dict, batch: int, context: float) -> float:
+def decode_limit(bandwidth: float, config: dict, batch: int, context: float, weight_bytes: float | None = None) -> float:
     """Tokens/s a decode step of `batch` sequences with `context` positions each cannot beat when every byte it
-    reads (the weights once, each sequence's KV) moves at `bandwidth` bytes/s."""
-    step_bytes = weight_bytes_per_token(config) + batch * context * kv_bytes_per_position(config)
+    reads (the weights once, each sequence's KV) moves at `bandwidth` bytes/s. `weight_bytes` replaces the bf16
+    weights' bytes for an engine that holds them otherwise (FP8)."""
+    weights = weight_bytes_per_token(config) if weight_bytes is None else weight_bytes
+    step_bytes = weights + batch * context * kv_bytes_per_position(config)
     return batch * bandwidth / step_bytes
 
 
@@ -451,12 +453,15 @@ STEPS: dict[str, tuple[tuple[str, ...], float]] = {
 # A step named `<step><suffix>` is `<step>` on an engine variant, its rows marked with the variant's label: `_async`
 # on an engine with `async_scheduling=True`, `_fused` with NOVAINFER_CUDA_DECODE_LINEAR=fused (decode steps' linear
 # layers through the GEMV with the next kernel in its epilogue), `_lt` with NOVAINFER_CUDA_GEMM=lt (cuBLASLt, one
-# algorithm a shape without split-K). A child runs steps of one variant only, on an engine of that variant.
+# algorithm a shape without split-K), `_fp8` with quantization="fp8" (decoder layers quantized to FP8 at load and
+# kept as FP8: decode limits from the bytes the engine reports). A child runs steps of one variant only, on an
+# engine of that variant.
 ASYNC = "_async"
 FUSED = "_fused"
 LT = "_lt"
 YARN = "_yarn"
-VARIANTS: dict[str, str] = {ASYNC: "async", FUSED: "fused", LT: "cuBLASLt", YARN: "YaRN"}
+FP8 = "_fp8"
+VARIANTS: dict[str, str] = {ASYNC: "async", FUSED: "fused", LT: "cuBLASLt", YARN: "YaRN", FP8: "fp8"}
 # Qwen's documented YaRN settings for 128k (config.json's `rope_scaling`), and the context they give.
 YARN_SCALING = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
 YARN_MAX_MODEL_LEN = 131072
@@ -467,6 +472,7 @@ for _suffix, _steps in (
     (FUSED, ("decode_b1", "profile_b1")),
     (LT, ("batched_16", "batched_64", "profile_b64")),
     (YARN, ("long_128k",)),
+    (FP8, ("decode_b1", "batched_64")),
 ):
     STEPS.update({
         step + _suffix: (tuple(f"{point} {VARIANTS[_suffix]}" for point in STEPS[step][0]), STEPS[step][1])
@@ -505,6 +511,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...], float], ...] = (
     ("0.5b", ("batched_16" + LT, "batched_64" + LT, "profile_b64" + LT), 90),
     ("1.5b", ("decode_b1", "depth_4096", "batched_16", "batched_64"), 150),
     ("1.5b", ("decode_b1" + FUSED,), 60),
+    # FP8 weights (issue 33 point 3): batch-1 decode against the 2x the halved bytes allow, and 64 sequences.
+    ("1.5b", ("decode_b1" + FP8, "batched_64" + FP8), 90),
     ("7b", ("decode_b1", "batched_64"), 150),
     # A 128k-token prompt through YaRN (chunked prefill, then decode at that depth).
     ("0.5b", ("long_128k" + YARN,), 240),
@@ -588,10 +596,12 @@ def _run_step(step: str, llm, shape: str, config: dict, bandwidth: float) -> lis
     from novainfer.bench import bench_batched, bench_latency
 
     names = STEPS[step][0]
+    # An FP8 engine reads the bytes it holds, not the checkpoint's bf16 ones.
+    weights = float(llm.stats()["weight_bytes_per_token"]) if variant_of(step) == FP8 else None
     step = step.removesuffix(variant_of(step))
     if step == "decode_b1":
         decode = max(bench_latency(llm, 128, 256)[1] for _ in range(3))
-        return [_row(shape, names[0], decode, decode_limit(bandwidth, config, 1, 128 + 128), "best of 3")]
+        return [_row(shape, names[0], decode, decode_limit(bandwidth, config, 1, 128 + 128, weights), "best of 3")]
     if step == "depth_4096":
         runs = [bench_latency(llm, 4096, 129) for _ in range(2)]
         prefill, decode = max(r[0] for r in runs), max(r[1] for r in runs)
@@ -605,7 +615,7 @@ def _run_step(step: str, llm, shape: str, config: dict, bandwidth: float) -> lis
         prefill, decode = max(r[0] for r in runs), max(r[1] for r in runs)
         return [
             _row(shape, names[0], prefill, None, "best of 2"),
-            _row(shape, names[1], decode, decode_limit(bandwidth, config, n, 512 + 64), "aggregate, best of 2"),
+            _row(shape, names[1], decode, decode_limit(bandwidth, config, n, 512 + 64, weights), "aggregate, best of 2"),
         ]
     if step in ("profile_b1", "profile_b64"):
         batch = 1 if step == "profile_b1" else 64
@@ -654,7 +664,8 @@ def child_main(
     `device="cpu"` is for testing this on a machine without a GPU (a small KV pool instead of 16 GiB). Steps named
     `..._async` run on an engine with `async_scheduling=True`, `..._fused` with the fused decode GEMVs, `..._lt` with
     cuBLASLt GEMMs (environment variables, so this process's engine only: a child runs steps of one variant),
-    `..._yarn` on the checkpoint read with Qwen's YaRN settings and a 128k context (`yarn_view`)."""
+    `..._yarn` on the checkpoint read with Qwen's YaRN settings and a 128k context (`yarn_view`), `..._fp8` with
+    quantization="fp8"."""
     import signal
 
     variants = {variant_of(step) for step in steps}
@@ -686,7 +697,7 @@ def child_main(
         llm = LLM(model_dir, device=device, max_num_seqs=256, max_num_batched_tokens=8192,
                   kv_cache_bytes=KV_CACHE_BYTES if on_gpu else 256 << 20,
                   max_model_len=YARN_MAX_MODEL_LEN if variant == YARN else MAX_MODEL_LEN,
-                  async_scheduling=variant == ASYNC)
+                  async_scheduling=variant == ASYNC, quantization="fp8" if variant == FP8 else None)
         assert llm.device.startswith(device), (llm.device, device)
         loaded = time.perf_counter() - start
         bench_latency(llm, 128, 16)  # warm-up: kernels loaded, pool touched

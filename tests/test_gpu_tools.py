@@ -531,6 +531,18 @@ def test_fused_steps_set_the_decode_linear_choice_for_their_child(
     assert gpu_bench.variant_of("profile_b1_fused") == gpu_bench.FUSED and gpu_bench.variant_of("decode_b1") == ""
 
 
+def test_fp8_steps_quantize_their_childs_engine_and_take_its_bytes_for_the_limit(
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = gpu_bench.child_main("tiny", tiny_checkpoint, ("decode_b1_fp8",), time.time() + 30, 1e11, device="cpu")
+    rows = [json.loads(line[len(gpu_bench.RESULT_PREFIX):]) for line in capsys.readouterr().out.splitlines()
+            if line.startswith(gpu_bench.RESULT_PREFIX)]
+    assert rc == 0
+    assert [r["point"] for r in rows] == ["decode b1 (128+256) fp8"] and rows[0]["tok_s"] > 0
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    assert gpu_bench.decode_limit(1e11, config, 1, 256, weight_bytes=1e6) > gpu_bench.decode_limit(1e11, config, 1, 256)
+
+
 def test_the_yarn_view_reads_the_same_weights_with_qwens_128k_settings(tiny_checkpoint: Path) -> None:
     view = gpu_bench.yarn_view(tiny_checkpoint)
     config = json.loads((view / "config.json").read_text())
