@@ -1,5 +1,6 @@
 // gemv_quant.cu — decode products (GEMV, up to GEMV_MAX_ROWS activation rows) straight from packed
-// GGUF (and AWQ/GPTQ int4, FP8) blocks or from bf16 rows: y[r, col0 + o] = Σ_k x[r, k] · W[o, k], reading each
+// GGUF (and AWQ/GPTQ int4, FP8) blocks or from bf16 rows, and (at the end of the file) a tiled tensor-core GEMM for
+// larger steps that decodes packed blocks into shared memory. The GEMV: y[r, col0 + o] = Σ_k x[r, k] · W[o, k], reading each
 // weight once (no bf16 copy of a packed matrix), and the same walk with the layer's next step fused into
 // its epilogue (gate/up with SiLU·mul; QKV with bias, RoPE and the KV-cache write).
 // Launcher: crates/novainfer-cuda/src/ops/gemv_quant.rs; CPU twin (geometry, the exact order of every
@@ -254,14 +255,13 @@ __device__ __forceinline__ int gemv_row_bytes(int format, int k) {
 // the warp, so the switch does not diverge. A matrix is packed or bf16 (DENSE) throughout, and each family is a
 // kernel of its own: the bf16 path's unrolled loads need twice the registers of the packed ones, which would
 // otherwise halve every packed launch's occupancy.
-template <bool DENSE>
-__device__ __forceinline__ void gemv_any(const GemvParts& parts, int o, const bf16* __restrict__ x, int k, int n,
-                                         int lane, float (&acc)[GEMV_MAX_ROWS]) {
-    // Unrolled with constant indices, so the table stays in the parameter bank (indexing it with a
-    // variable would copy it to local memory). The ends increase, so the last run whose predecessor
-    // ends at or before o is the one holding it.
+// Row `o` of the matrix (o < the last run's end), whichever run holds it, and that run's format. Unrolled with constant
+// indices, so the table stays in the parameter bank (indexing it with a variable would copy it to local memory). The
+// ends increase, so the last run whose predecessor ends at or before o is the one holding it.
+__device__ __forceinline__ const u8* gemv_row_of(const GemvParts& parts, int o, int k, int& format) {
     const u8* w = parts.part[0].w;
-    int format = parts.part[0].format, row0 = 0;
+    int row0 = 0;
+    format = parts.part[0].format;
 #pragma unroll
     for (int q = 1; q < GEMV_MAX_PARTS; ++q) {
         if (q < parts.count && o >= parts.part[q - 1].end) {
@@ -270,7 +270,18 @@ __device__ __forceinline__ void gemv_any(const GemvParts& parts, int o, const bf
             row0 = parts.part[q - 1].end;
         }
     }
-    const u8* row = w + (i64)(o - row0) * gemv_row_bytes(format, k);
+    return w + (i64)(o - row0) * gemv_row_bytes(format, k);
+}
+
+// Row o's products with x, whichever run holds it. The format is the same for every lane of the warp, so the switch
+// does not diverge. A matrix is packed or bf16 (DENSE) throughout, and each family is a kernel of its own: the bf16
+// path's unrolled loads need twice the registers of the packed ones, which would otherwise halve every packed
+// launch's occupancy.
+template <bool DENSE>
+__device__ __forceinline__ void gemv_any(const GemvParts& parts, int o, const bf16* __restrict__ x, int k, int n,
+                                         int lane, float (&acc)[GEMV_MAX_ROWS]) {
+    int format;
+    const u8* row = gemv_row_of(parts, o, k, format);
     if (DENSE) {
         gemv_row<16, 8, chunk_bf16w, false, GEMV_UNROLL>(row, x, k, n, lane, acc);
         return;
@@ -407,3 +418,139 @@ GEMV_KERNELS(float, false, packed_f32)
 GEMV_KERNELS(bf16, false, packed_bf16)
 GEMV_KERNELS(float, true, bf16w_f32)
 GEMV_KERNELS(bf16, true, bf16w_bf16)
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Steps of more rows than the GEMV takes (NOVAINFER_CUDA_PACKED_GEMM=tile): y[r, col0 + o] = Σ_k x[r, k] · W[o, k] on
+// the tensor cores, W decoded a tile at a time into shared memory, so a block reads its weight rows once, packed,
+// instead of the whole matrix being expanded to bf16 in global memory first and read back by cuBLAS.
+// Twin: crates/novainfer-cuda/src/gemm_tile.rs (the thread and fragment arithmetic, lane by lane).
+//
+// A block (GEMM_TILE_THREADS = 4 warps) computes a GEMM_TILE_M × GEMM_TILE_N tile of y: activation rows m0 .. m0 + 64
+// by weight rows n0 .. n0 + 64. Per GEMM_TILE_K step of k, thread p (and p + 128) copies piece p of the x tile
+// (row p / 4, 8 values at 8·(p % 4)) and decodes chunk p of the W tile (weight row p / 4, chunk p % 4 of the step)
+// into bf16, w = a·q − b rounded once: the expansion's values exactly (dequant.cu computes the same two operations).
+// Rows past m or past the matrix are zeros. Warp w multiplies the 32 × 32 quarter at (32·(w / 2), 32·(w % 2)) with
+// mma.sync m16n8k16 (bf16 in, f32 accumulate): 2 × 4 tiles, fragments loaded from shared memory 4 bytes at a time
+// in the PTX ISA's layout (g = lane / 4, t = lane % 4):
+//   A (x, 16 × 16, row-major):  a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
+//   B (Wᵀ, 16 × 8, a W row is a column):  b0 (k 2t..2t+1, n g)  b1 (k 2t+8.., n g)
+//   D (16 × 8 f32):  d0, d1 (g, 2t, 2t+1)  d2, d3 (g+8, 2t, 2t+1)
+// The sums' order is the tensor cores', not the GEMV's or cuBLAS's: the result equals the bf16 path's within f32
+// rounding, and a row's result does not depend on the other rows of its step (each row's products are its own).
+#define GEMM_TILE_M 64
+#define GEMM_TILE_N 64
+#define GEMM_TILE_K 32
+#define GEMM_TILE_THREADS 128
+// A shared row holds GEMM_TILE_K values and 8 of padding: 80 bytes, so the 8 rows g of a fragment load start on
+// different bank groups, and every 16-byte piece stays aligned.
+#define GEMM_TILE_ROW (GEMM_TILE_K + 8)
+
+// Chunk c (8 values) of a packed weight row in `format`.
+__device__ __forceinline__ Chunk packed_chunk(int format, const u8* row, int c) {
+    switch (format) {
+        case GEMV_Q4_K: return chunk_q4_k(row + (i64)(c / 32) * 144, c % 32);
+        case GEMV_Q5_0: return chunk_q5_0(row + (i64)(c / 4) * 22, c % 4);
+        case GEMV_Q6_K: return chunk_q6_k(row + (i64)(c / 32) * 210, c % 32);
+        case GEMV_Q8_0: return chunk_q8_0(row + (i64)(c / 4) * 34, c % 4);
+        case GEMV_FP8: return chunk_fp8(row + (i64)(c / 16) * 132, c % 16);
+        default: return chunk_int4(row + (i64)(c / 16) * 69, c % 16);
+    }
+}
+
+__device__ __forceinline__ u32 bf16_pair(float lo, float hi) {
+    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+}
+
+// d += a·b, one m16n8k16 tile (bf16 A row-major, B column-major, f32 C/D).
+__device__ __forceinline__ void gemm_tile_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 shared_word(const bf16* p) { return *reinterpret_cast<const u32*>(p); }
+
+template <typename T>
+__device__ void gemm_packed_tile(
+    const GemvParts& w,          // rows 0 .. rows, packed
+    const bf16* __restrict__ x,  // [m, k]
+    T* __restrict__ y,           // [m, ld]; row o of w lands in column col0 + o
+    int rows, int k, int m, int ld, int col0) {
+    __shared__ __align__(16) bf16 xs[GEMM_TILE_M * GEMM_TILE_ROW];
+    __shared__ __align__(16) bf16 ws[GEMM_TILE_N * GEMM_TILE_ROW];
+    const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
+    const int n0 = blockIdx.x * GEMM_TILE_N, m0 = blockIdx.y * GEMM_TILE_M;
+    const int wm = (warp / 2) * 32, wn = (warp % 2) * 32;
+    const int g = lane / 4, t = lane % 4;
+    constexpr int PIECES = GEMM_TILE_K / 8;  // 8-value pieces (chunks) of a tile row per step
+    float acc[2][4][4];
+    for (int mi = 0; mi < 2; ++mi)
+        for (int ni = 0; ni < 4; ++ni)
+            for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
+    for (int k0 = 0; k0 < k; k0 += GEMM_TILE_K) {
+        for (int p = tid; p < GEMM_TILE_M * PIECES; p += GEMM_TILE_THREADS) {
+            const int r = p / PIECES, piece = p % PIECES;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (m0 + r < m) v = *reinterpret_cast<const uint4*>(x + (i64)(m0 + r) * k + k0 + 8 * piece);
+            *reinterpret_cast<uint4*>(xs + r * GEMM_TILE_ROW + 8 * piece) = v;
+        }
+        for (int p = tid; p < GEMM_TILE_N * PIECES; p += GEMM_TILE_THREADS) {
+            const int r = p / PIECES, piece = p % PIECES;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (n0 + r < rows) {
+                int format;
+                const u8* row = gemv_row_of(w, n0 + r, k, format);
+                const Chunk ch = packed_chunk(format, row, k0 / 8 + piece);
+                float wv[GEMV_CHUNK];
+                for (int e = 0; e < GEMV_CHUNK; ++e) wv[e] = __fsub_rn(__fmul_rn(ch.a, ch.q[e]), ch.b);
+                v = make_uint4(bf16_pair(wv[0], wv[1]), bf16_pair(wv[2], wv[3]), bf16_pair(wv[4], wv[5]),
+                               bf16_pair(wv[6], wv[7]));
+            }
+            *reinterpret_cast<uint4*>(ws + r * GEMM_TILE_ROW + 8 * piece) = v;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int ks = 0; ks < GEMM_TILE_K; ks += 16) {
+            u32 a[2][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+                const bf16* base = xs + (wm + 16 * mi + g) * GEMM_TILE_ROW + ks + 2 * t;
+                a[mi][0] = shared_word(base);
+                a[mi][1] = shared_word(base + 8 * GEMM_TILE_ROW);
+                a[mi][2] = shared_word(base + 8);
+                a[mi][3] = shared_word(base + 8 * GEMM_TILE_ROW + 8);
+            }
+#pragma unroll
+            for (int ni = 0; ni < 4; ++ni) {
+                const bf16* base = ws + (wn + 8 * ni + g) * GEMM_TILE_ROW + ks + 2 * t;
+                const u32 b0 = shared_word(base), b1 = shared_word(base + 8);
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) gemm_tile_mma(acc[mi][ni], a[mi], b0, b1);
+            }
+        }
+        __syncthreads();
+    }
+    for (int mi = 0; mi < 2; ++mi) {
+        for (int ni = 0; ni < 4; ++ni) {
+            const int c = n0 + wn + 8 * ni + 2 * t;
+            for (int half = 0; half < 2; ++half) {
+                const int r = m0 + wm + 16 * mi + g + 8 * half;
+                if (r >= m) continue;
+                for (int j = 0; j < 2; ++j) {
+                    if (c + j < rows) store_f32(y, (i64)r * ld + col0 + c + j, acc[mi][ni][2 * half + j]);
+                }
+            }
+        }
+    }
+}
+
+#define GEMM_TILE_KERNELS(T, SUFFIX)                                                                               \
+    extern "C" __global__ void __launch_bounds__(GEMM_TILE_THREADS)                                               \
+        gemm_packed_##SUFFIX(const GemvParts w, const bf16* __restrict__ x, T* __restrict__ y, int rows, int k,   \
+                             int m, int ld, int col0) {                                                           \
+        gemm_packed_tile<T>(w, x, y, rows, k, m, ld, col0);                                                       \
+    }
+
+GEMM_TILE_KERNELS(float, f32)
+GEMM_TILE_KERNELS(bf16, bf16)

@@ -128,6 +128,7 @@ pub const DTYPED_ENTRIES: &[(KernelSource, &str)] = &[
     (GATHER, "gather_rows"),
     (LORA, "lora_shrink"),
     (LORA, "lora_expand"),
+    (GEMV_QUANT, "gemm_packed"),
 ];
 
 /// Entry points with no dtype suffix (they move token ids), as `(kernel, name)`.

@@ -16,6 +16,7 @@ pub mod cache;
 pub mod error;
 pub mod flash_plan;
 pub mod gemm_choice;
+pub mod gemm_tile;
 pub mod gemv_plan;
 pub mod gpu_test;
 pub mod kernels;

@@ -55,6 +55,8 @@ pub(crate) struct KernelTable {
     /// Indexed by [`GemvEpilogue::index`] then [`GemvFamily::index`]; by output dtype (the input
     /// is bf16).
     gemv: [[PerDtype<CudaFunction>; 2]; 3],
+    /// The tiled GEMM over packed weights (`gemv_quant.cu`'s `gemm_packed_*`).
+    pub gemm_packed: PerDtype<CudaFunction>,
     attention: PerDtype<[Option<AttentionFns>; 3]>,
     /// `flash_prefill_bf16_hd<d>` for d in [`kernels::FLASH_PREFILL_HEAD_DIMS`], in order.
     flash_prefill: [CudaFunction; 2],
@@ -112,6 +114,7 @@ impl KernelTable {
                 embed(QuantType::ALL[4])?,
                 embed(QuantType::ALL[5])?,
             ],
+            gemm_packed: per(&kernels::GEMV_QUANT, "gemm_packed")?,
             gemv: [
                 gemv(GemvEpilogue::ALL[0])?,
                 gemv(GemvEpilogue::ALL[1])?,

@@ -112,6 +112,15 @@ fn split_and_thread_constants_agree_with_the_kernels() {
         &kernels::SAMPLING,
         format!("#define SAMPLE_THREADS {SAMPLE_THREADS}\n"),
     );
+    use novainfer_cuda::gemm_tile::{THREADS, TILE_K, TILE_M, TILE_N};
+    for (name, value) in [
+        ("GEMM_TILE_M", TILE_M),
+        ("GEMM_TILE_N", TILE_N),
+        ("GEMM_TILE_K", TILE_K),
+        ("GEMM_TILE_THREADS", THREADS),
+    ] {
+        has(&kernels::GEMV_QUANT, format!("#define {name} {value}\n"));
+    }
     use novainfer_cuda::gemv_plan::{CHUNK, MAX_ROWS, WARPS};
     has(
         &kernels::GEMV_QUANT,

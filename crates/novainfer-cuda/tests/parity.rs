@@ -711,6 +711,109 @@ fn gemv_matches_the_twin_bit_for_bit() {
     gemv_body::<bf16>(&gpu, seed ^ 0x9E37);
 }
 
+/// The tiled GEMM over packed weights against its twin (`gemm_tile::emulate`, which follows the
+/// kernel lane by lane): every packed format alone and a matrix of three formats' runs, 9, 64 and
+/// 100 activation rows (partial tiles), f32 and bf16 outputs in columns of a wider row, columns
+/// outside left alone. The tensor cores sum a tile in their own order, so within f32 rounding
+/// of the products' magnitude (then the output's own rounding). Fresh random weights every run.
+fn gemm_packed_body<T: TestDtype>(gpu: &GpuContext, seed: u64) {
+    use novainfer_cuda::gemm_tile::emulate;
+    use novainfer_cuda::gemv_plan::HostRun;
+    use novainfer_cuda::ops::gemv_quant::{gemm_packed, OutColumns, WeightRun};
+    let mut rng = Rng(seed);
+    let k = 512;
+    let mut matrices: Vec<Vec<(QuantType, usize)>> =
+        QuantType::ALL.iter().map(|&q| vec![(q, 70)]).collect();
+    matrices.push(vec![
+        (QuantType::Q4K, 37),
+        (QuantType::Q6K, 30),
+        (QuantType::Fp8, 9),
+    ]);
+    for formats in matrices {
+        let raws: Vec<Vec<u8>> = formats
+            .iter()
+            .map(|&(q, rows)| gemv_matrix(q.into(), rows, k, &mut rng))
+            .collect();
+        let devs: Vec<_> = raws.iter().map(|r| up(gpu, r)).collect();
+        let rows: usize = formats.iter().map(|f| f.1).sum();
+        let host: Vec<HostRun<'_>> = formats
+            .iter()
+            .zip(&raws)
+            .map(|(&(q, rows), raw)| HostRun {
+                weights: q.into(),
+                bytes: raw,
+                rows,
+            })
+            .collect();
+        let runs: Vec<WeightRun<'_>> = formats
+            .iter()
+            .zip(&devs)
+            .map(|(&(q, rows), d)| WeightRun {
+                weights: q.into(),
+                bytes: d.as_view(),
+                rows,
+            })
+            .collect();
+        for m in [9, 64, 100] {
+            let x: Vec<bf16> = rng
+                .vec(m * k, 2.0)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect();
+            let out = OutColumns {
+                ld: rows + 11,
+                col0: 5,
+            };
+            let mut want = vec![0f32; m * out.ld];
+            emulate(&host, k, &x, m, &mut want, out.ld, out.col0);
+            let sentinel = T::from_f32(-7.0);
+            let mut y = up(gpu, &vec![sentinel; m * out.ld]);
+            let xd = up(gpu, &x);
+            let (xv, mut yv) = (xd.as_view(), y.as_view_mut());
+            gemm_packed(gpu, &runs, k, &xv, m, &mut yv, out).expect("launch");
+            let got = down(gpu, &y);
+            for r in 0..m {
+                // The magnitude of row r's products (the weights are within ±1): Σ |x|.
+                let scale = x[r * k..(r + 1) * k]
+                    .iter()
+                    .map(|v| v.to_f32().abs())
+                    .sum::<f32>();
+                for c in 0..out.ld {
+                    let g = got[r * out.ld + c].to_f32();
+                    if !(out.col0..out.col0 + rows).contains(&c) {
+                        assert_eq!(
+                            g.to_bits(),
+                            sentinel.to_f32().to_bits(),
+                            "{formats:?} m={m} ({r}, {c})"
+                        );
+                        continue;
+                    }
+                    let w = T::from_f32(want[r * out.ld + c]).to_f32();
+                    // The summation order (f32), then one output rounding either side of a boundary.
+                    let tol = 1e-5 * scale + T::TOL * w.abs();
+                    assert!(
+                        (g - w).abs() <= tol,
+                        "{formats:?} m={m} ({r}, {c}): gpu {g} vs twin {w}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gemm_packed_follows_its_twin() {
+    let Some(gpu) = common::gpu_or_skip("gemm_packed") else {
+        return;
+    };
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64);
+    println!("gemm_packed: seed {seed}");
+    gemm_packed_body::<f32>(&gpu, seed);
+    gemm_packed_body::<bf16>(&gpu, seed ^ 0x51ED);
+}
+
 /// First index of the maximum with NaN as −inf: the CPU sampler's greedy rule.
 fn cpu_argmax(row: &[f32]) -> u32 {
     let clean = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { v };

@@ -100,13 +100,14 @@ fn check_aligned<T>(
 }
 
 /// The kernel's view of `runs` (checked: 1 to [`MAX_PARTS`] runs of one family, each `rows` rows
-/// of `k` in its format, aligned for the kernel's loads), the guards that keep
-/// their pointers' stream order until the launch is queued, and what they make.
+/// of `k` in its format, aligned for the kernel's loads, and each a shape `fits` the kernel
+/// takes), the guards that keep their pointers' stream order until the launch is queued, and
+/// what they make.
 fn parts_arg<'a>(
     gpu: &'a GpuContext,
     runs: &'a [WeightRun<'_>],
     k: usize,
-    n: usize,
+    fits: impl Fn(GemvWeights, usize) -> std::result::Result<(), String>,
 ) -> Result<(PartsArg, Vec<SyncOnDrop<'a>>, Launched)> {
     if runs.is_empty() || runs.len() > MAX_PARTS {
         return Err(CudaError::invalid(
@@ -123,7 +124,7 @@ fn parts_arg<'a>(
     let mut guards = Vec::with_capacity(runs.len());
     let mut end = 0;
     for (slot, run) in arg.part.iter_mut().zip(runs) {
-        check_shape(run.weights, run.rows, k, n).map_err(|why| CudaError::invalid("shape", why))?;
+        fits(run.weights, run.rows).map_err(|why| CudaError::invalid("shape", why))?;
         let row_bytes = run.weights.row_bytes(k);
         if run.bytes.len() != run.rows * row_bytes {
             return Err(CudaError::invalid(
@@ -185,7 +186,8 @@ pub fn gemv<T: Dtype>(
     y: &mut CudaViewMut<'_, T>,
     out: OutColumns,
 ) -> Result<()> {
-    let (parts, _guards, Launched { family, rows }) = parts_arg(gpu, w, k, n)?;
+    let (parts, _guards, Launched { family, rows }) =
+        parts_arg(gpu, w, k, |weights, rows| check_shape(weights, rows, k, n))?;
     check_x(gpu, x, n, k)?;
     if out.col0 + rows > out.ld || y.len() < (n - 1) * out.ld + out.col0 + rows {
         return Err(CudaError::invalid(
@@ -219,6 +221,62 @@ pub fn gemv<T: Dtype>(
     launch(args, warps_of(grid(rows))?)
 }
 
+/// `y[r, col0 + o] = Σ_k x[r, k] · W[o, k]` for `r < m` and every row `o` of the packed matrix `w`
+/// (its runs in order) by the tiled tensor-core GEMM (`gemm_packed_*`): for steps of more rows
+/// than the GEMV takes, each block decoding its weight tile into shared memory. `x` is `[m, k]`,
+/// `y` `[m, ld]`. Equals the expanded matrix's product within f32 rounding (`gemm_tile.rs`).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_packed<T: Dtype>(
+    gpu: &GpuContext,
+    w: &[WeightRun<'_>],
+    k: usize,
+    x: &CudaView<'_, bf16>,
+    m: usize,
+    y: &mut CudaViewMut<'_, T>,
+    out: OutColumns,
+) -> Result<()> {
+    let (parts, _guards, Launched { rows, .. }) = parts_arg(gpu, w, k, |weights, rows| {
+        crate::gemm_tile::check_shape(weights, rows, k, m)
+    })?;
+    check_x(gpu, x, m, k)?;
+    if out.col0 + rows > out.ld || y.len() < (m - 1) * out.ld + out.col0 + rows {
+        return Err(CudaError::invalid(
+            "y",
+            format!(
+                "{} values cannot take columns {}..{} of {m} rows of {}",
+                y.len(),
+                out.col0,
+                out.col0 + rows,
+                out.ld
+            ),
+        ));
+    }
+    let (rows_i, k_i, m_i, ld_i, col0_i) = (
+        to_i32("rows", rows)?,
+        to_i32("k", k)?,
+        to_i32("m", m)?,
+        to_i32("ld", out.ld)?,
+        to_i32("col0", out.col0)?,
+    );
+    let (gx, gy) = crate::gemm_tile::grid(rows, m);
+    let cfg = LaunchConfig {
+        grid_dim: (to_u32("rows", gx)?, to_u32("m", gy)?, 1),
+        block_dim: (crate::gemm_tile::THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let f = gpu.kernels().gemm_packed.get::<T>();
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(&parts)
+        .arg(x)
+        .arg(y)
+        .arg(&rows_i)
+        .arg(&k_i)
+        .arg(&m_i)
+        .arg(&ld_i)
+        .arg(&col0_i);
+    launch(args, cfg)
+}
+
 /// `out[r, o] = silu(x_r · W[o]) · (x_r · W[f + o])` for `r < n`, `o < f`, over a gate_up matrix
 /// `w` of `2f` rows (gate, then up): the GEMV (output `T`) followed by `silu_mul_fused`, in one
 /// launch. `x` is `[n, k]`, `out` `[n, f]`.
@@ -230,7 +288,8 @@ pub fn gemv_silu_mul<T: Dtype>(
     n: usize,
     out: &mut CudaViewMut<'_, T>,
 ) -> Result<()> {
-    let (parts, _guards, Launched { family, rows }) = parts_arg(gpu, w, k, n)?;
+    let (parts, _guards, Launched { family, rows }) =
+        parts_arg(gpu, w, k, |weights, rows| check_shape(weights, rows, k, n))?;
     check_x(gpu, x, n, k)?;
     if !rows.is_multiple_of(2) {
         return Err(CudaError::invalid(
@@ -290,7 +349,8 @@ pub fn gemv_qkv<T: Dtype>(
         ));
     }
     let n = tokens.positions.len();
-    let (parts, _guards, Launched { family, rows }) = parts_arg(gpu, w, k, n)?;
+    let (parts, _guards, Launched { family, rows }) =
+        parts_arg(gpu, w, k, |weights, rows| check_shape(weights, rows, k, n))?;
     check_len("w rows", rows, heads.total() * hd)?;
     check_x(gpu, x, n, k)?;
     if let Some(bias) = &tokens.bias {
