@@ -454,25 +454,32 @@ STEPS: dict[str, tuple[tuple[str, ...], float]] = {
 # on an engine with `async_scheduling=True`, `_fused` with NOVAINFER_CUDA_DECODE_LINEAR=fused (decode steps' linear
 # layers through the GEMV with the next kernel in its epilogue), `_lt` with NOVAINFER_CUDA_GEMM=lt (cuBLASLt, one
 # algorithm a shape without split-K), `_fp8` with quantization="fp8" (decoder layers quantized to FP8 at load and
-# kept as FP8: decode limits from the bytes the engine reports). A child runs steps of one variant only, on an
-# engine of that variant.
+# kept as FP8: decode limits from the bytes the engine reports), `_fp8tile` the same with
+# NOVAINFER_CUDA_PACKED_GEMM=tile (steps of more than 8 rows through the tiled GEMM over the FP8 blocks, not expanded
+# for cuBLAS). A child runs steps of one variant only, on an engine of that variant.
 ASYNC = "_async"
 FUSED = "_fused"
 LT = "_lt"
 YARN = "_yarn"
 FP8 = "_fp8"
-VARIANTS: dict[str, str] = {ASYNC: "async", FUSED: "fused", LT: "cuBLASLt", YARN: "YaRN", FP8: "fp8"}
+FP8_TILE = "_fp8tile"
+VARIANTS: dict[str, str] = {ASYNC: "async", FUSED: "fused", LT: "cuBLASLt", YARN: "YaRN", FP8: "fp8",
+                            FP8_TILE: "fp8 tiled"}
+# Variants whose engine quantizes the checkpoint to FP8 at load.
+FP8_VARIANTS = (FP8, FP8_TILE)
 # Qwen's documented YaRN settings for 128k (config.json's `rope_scaling`), and the context they give.
 YARN_SCALING = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
 YARN_MAX_MODEL_LEN = 131072
 # What each variant sets in its child's environment before the engine loads.
-VARIANT_ENV: dict[str, dict[str, str]] = {FUSED: {"NOVAINFER_CUDA_DECODE_LINEAR": "fused"}, LT: {"NOVAINFER_CUDA_GEMM": "lt"}}
+VARIANT_ENV: dict[str, dict[str, str]] = {FUSED: {"NOVAINFER_CUDA_DECODE_LINEAR": "fused"}, LT: {"NOVAINFER_CUDA_GEMM": "lt"},
+                                          FP8_TILE: {"NOVAINFER_CUDA_PACKED_GEMM": "tile"}}
 for _suffix, _steps in (
     (ASYNC, ("decode_b1", "profile_b1", "batched_64")),
     (FUSED, ("decode_b1", "profile_b1")),
     (LT, ("batched_16", "batched_64", "profile_b64")),
     (YARN, ("long_128k",)),
     (FP8, ("decode_b1", "batched_64")),
+    (FP8_TILE, ("batched_16", "batched_64")),
 ):
     STEPS.update({
         step + _suffix: (tuple(f"{point} {VARIANTS[_suffix]}" for point in STEPS[step][0]), STEPS[step][1])
@@ -513,6 +520,9 @@ GROUPS: tuple[tuple[str, tuple[str, ...], float], ...] = (
     ("1.5b", ("decode_b1" + FUSED,), 60),
     # FP8 weights (issue 33 point 3): batch-1 decode against the 2x the halved bytes allow, and 64 sequences.
     ("1.5b", ("decode_b1" + FP8, "batched_64" + FP8), 90),
+    # The same FP8 blocks, batches through the tiled GEMM instead of the expansion (issue 33: 64 sequences no slower
+    # than bf16).
+    ("1.5b", ("batched_16" + FP8_TILE, "batched_64" + FP8_TILE), 90),
     ("7b", ("decode_b1", "batched_64"), 150),
     # A 128k-token prompt through YaRN (chunked prefill, then decode at that depth).
     ("0.5b", ("long_128k" + YARN,), 240),
@@ -597,7 +607,7 @@ def _run_step(step: str, llm, shape: str, config: dict, bandwidth: float) -> lis
 
     names = STEPS[step][0]
     # An FP8 engine reads the bytes it holds, not the checkpoint's bf16 ones.
-    weights = float(llm.stats()["weight_bytes_per_token"]) if variant_of(step) == FP8 else None
+    weights = float(llm.stats()["weight_bytes_per_token"]) if variant_of(step) in FP8_VARIANTS else None
     step = step.removesuffix(variant_of(step))
     if step == "decode_b1":
         decode = max(bench_latency(llm, 128, 256)[1] for _ in range(3))
@@ -665,7 +675,7 @@ def child_main(
     `..._async` run on an engine with `async_scheduling=True`, `..._fused` with the fused decode GEMVs, `..._lt` with
     cuBLASLt GEMMs (environment variables, so this process's engine only: a child runs steps of one variant),
     `..._yarn` on the checkpoint read with Qwen's YaRN settings and a 128k context (`yarn_view`), `..._fp8` with
-    quantization="fp8"."""
+    quantization="fp8", `..._fp8tile` with it and the tiled packed GEMM."""
     import signal
 
     variants = {variant_of(step) for step in steps}
@@ -697,7 +707,7 @@ def child_main(
         llm = LLM(model_dir, device=device, max_num_seqs=256, max_num_batched_tokens=8192,
                   kv_cache_bytes=KV_CACHE_BYTES if on_gpu else 256 << 20,
                   max_model_len=YARN_MAX_MODEL_LEN if variant == YARN else MAX_MODEL_LEN,
-                  async_scheduling=variant == ASYNC, quantization="fp8" if variant == FP8 else None)
+                  async_scheduling=variant == ASYNC, quantization="fp8" if variant in FP8_VARIANTS else None)
         assert llm.device.startswith(device), (llm.device, device)
         loaded = time.perf_counter() - start
         bench_latency(llm, 128, 16)  # warm-up: kernels loaded, pool touched

@@ -312,6 +312,35 @@ def test_native_gguf_weights_follow_the_bf16_expansion(gpu, gpu_models, variant)
     assert bytes_native < 0.6 * bytes_bf16, (bytes_native, bytes_bf16)
 
 
+def test_the_tiled_packed_gemm_follows_the_expansion(gpu, gpu_models, tmp_path, monkeypatch):
+    # NOVAINFER_CUDA_PACKED_GEMM=tile: steps of more than 8 rows over packed matrices (gpu_weight_dtype="native")
+    # run gemv_quant.cu's tiled tensor-core GEMM, each block decoding its weight tile into shared memory, instead of
+    # expanding the matrix for cuBLAS. The same bf16 weights summed in another order: the prompt's logits (12 rows)
+    # and 16 sequences decoding together (16 rows a step) follow the expansion's within bf16 noise, on a Q8_0 GGUF and
+    # on quantization="fp8" (FP8 blocks).
+    from tiny_qwen2 import write_tiny_model
+
+    prompts = [PROMPT[i:] + PROMPT[:i] for i in range(16)]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
+    models = {"q8_0": (gpu_models["gguf_q8_0"], {"gpu_weight_dtype": "native"}),
+              "fp8": (write_tiny_model(tmp_path / "dense", dtype="bf16", head_dim=64), {"quantization": "fp8"})}
+    figures = {}
+    for name, (path, kw) in models.items():
+        outs, logits = {}, {}
+        for mode in ("expand", "tile"):
+            monkeypatch.setenv("NOVAINFER_CUDA_PACKED_GEMM", mode)
+            llm = LLM(path, device=gpu, kv_cache_bytes=16 << 20, **kw)
+            logits[mode] = logits_of(llm, PROMPT)
+            outs[mode] = [o.outputs[0] for o in llm.generate(prompts, params)]
+        agree = sum(a == b for e, t in zip(outs["expand"], outs["tile"]) for a, b in zip(e.token_ids, t.token_ids))
+        figures[name] = {"prefill_rel_err": _rel_err(logits["tile"], logits["expand"]), "decode_agree": agree,
+                         "tokens": sum(len(e.token_ids) for e in outs["expand"])}
+    _report(test="packed_gemm_tile", **figures)
+    for name, f in figures.items():
+        assert f["prefill_rel_err"] < REL_TOL, (name, f)
+        assert f["decode_agree"] >= f["tokens"] - 4, (name, f)
+
+
 def test_fused_decode_linears_follow_the_separate_ones(gpu, gpu_models, monkeypatch):
     # NOVAINFER_CUDA_DECODE_LINEAR=fused: steps of up to 8 rows run every linear layer through the GEMV
     # (kernels/gemv_quant.cu), the QKV bias, RoPE and cache write and the gate/up SiLU·mul in its epilogue. With

@@ -81,6 +81,14 @@ def test_a_misspelt_gpu_kernel_choice_is_refused_before_the_model_loads(tiny_mod
     with pytest.raises(InvalidParameterError) as info:
         LLM(tiny_models["f32"], device="cpu", kv_cache_bytes=1 << 22)
     assert info.value.param == "NOVAINFER_CUDA_GEMM" and "lt" in str(info.value)
+    # And how larger steps multiply packed matrices (expanded for cuBLAS, or the tiled GEMM with `tile`).
+    monkeypatch.setenv("NOVAINFER_CUDA_GEMM", "lt")
+    monkeypatch.setenv("NOVAINFER_CUDA_PACKED_GEMM", "tile")
+    LLM(tiny_models["f32"], device="cpu", kv_cache_bytes=1 << 22)
+    monkeypatch.setenv("NOVAINFER_CUDA_PACKED_GEMM", "marlin")
+    with pytest.raises(InvalidParameterError) as info:
+        LLM(tiny_models["f32"], device="cpu", kv_cache_bytes=1 << 22)
+    assert info.value.param == "NOVAINFER_CUDA_PACKED_GEMM" and "tile" in str(info.value)
 
 
 def test_async_scheduling_with_speculative_decoding_is_refused(tiny_models):

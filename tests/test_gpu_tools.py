@@ -541,6 +541,11 @@ def test_fp8_steps_quantize_their_childs_engine_and_take_its_bytes_for_the_limit
     assert [r["point"] for r in rows] == ["decode b1 (128+256) fp8"] and rows[0]["tok_s"] > 0
     config = json.loads((tiny_checkpoint / "config.json").read_text())
     assert gpu_bench.decode_limit(1e11, config, 1, 256, weight_bytes=1e6) > gpu_bench.decode_limit(1e11, config, 1, 256)
+    # The tiled variant is FP8 too, with its own rows and the packed GEMM's environment.
+    assert gpu_bench.variant_of("batched_64_fp8tile") == gpu_bench.FP8_TILE
+    assert gpu_bench.variant_of("batched_64_fp8") == gpu_bench.FP8
+    assert gpu_bench.planned_rows("1.5b", ("batched_64_fp8tile",))[1] == ("1.5b", "decode 64x(512+128) fp8 tiled")
+    assert gpu_bench.VARIANT_ENV[gpu_bench.FP8_TILE] == {"NOVAINFER_CUDA_PACKED_GEMM": "tile"}
 
 
 def test_the_yarn_view_reads_the_same_weights_with_qwens_128k_settings(tiny_checkpoint: Path) -> None:

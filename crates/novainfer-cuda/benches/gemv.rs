@@ -2,7 +2,8 @@
 //! `ITERS` launches), for each matrix of a Qwen2.5-0.5B and -1.5B layer, bf16 and packed (the
 //! demo files' types), 1 and 8 rows, next to the device's measured copy bandwidth; the bf16 GEMV
 //! beside cuBLAS, and the fused gate/up (SiLU·mul) and QKV (bias, RoPE, cache write) launches
-//! beside the GEMV followed by the kernel they absorb. Weights are random bytes (a packed
+//! beside the GEMV followed by the kernel they absorb; and steps of 16 to 256 rows over the packed
+//! matrices: cuBLAS on bf16, expansion then cuBLAS, and the tiled GEMM over the blocks. Weights are random bytes (a packed
 //! block's values do not change its speed); nothing is checked here (`parity.rs` does that).
 //!
 //! `cargo bench -p novainfer-cuda --features cuda --bench gemv`; `scripts/gpu-test run` runs
@@ -271,6 +272,87 @@ mod bench {
                         }
                         println!("{}", line.text);
                     }
+                }
+            }
+        }
+        batches(gpu, copy)
+    }
+
+    /// Steps of more rows than the GEMV takes, over each packed matrix of a layer: cuBLAS on the
+    /// bf16 matrix, the packed matrix expanded into a scratch then cuBLAS
+    /// (`NOVAINFER_CUDA_PACKED_GEMM=expand`), and the tiled GEMM decoding tiles in shared memory
+    /// (`tile`). Rates are the weight bytes each reads (bf16 or packed) over its time.
+    fn batches(gpu: &GpuContext, copy: f64) -> Result<(), Error> {
+        use novainfer_cuda::ops::dequant::dequantize;
+        use novainfer_cuda::ops::gemv_quant::gemm_packed;
+        const BATCH_ROWS: [usize; 3] = [16, 64, 256];
+        let most = *BATCH_ROWS.iter().max().unwrap_or(&1);
+        for model in MODELS {
+            let Model {
+                hidden: h,
+                intermediate: f,
+                heads,
+                ..
+            } = model;
+            let hd = heads.head_dim;
+            let mats = [
+                ("qkv", heads.total() * hd, h, model.packed[0]),
+                ("o_proj", h, heads.num_heads * hd, model.packed[1]),
+                ("gate_up", 2 * f, h, model.packed[2]),
+                ("down", h, f, model.packed[3]),
+            ];
+            println!("{} layer, steps of {BATCH_ROWS:?} rows:", model.name);
+            let values: Vec<bf16> = random_bytes(2 * most * f.max(h), GemvWeights::Bf16, 7)
+                .chunks_exact(2)
+                .map(|b| bf16::from_le_bytes([b[0], b[1]]))
+                .collect();
+            let x: CudaSlice<bf16> = gpu.stream().clone_htod(&values)?;
+            let mut y = gpu.stream().alloc_zeros::<bf16>(most * 2 * f.max(h))?;
+            for &(name, rows, k, packed) in &mats {
+                let weights = GemvWeights::Packed(packed);
+                let packed_bytes = weights.row_bytes(k) * rows;
+                let bf16_bytes = GemvWeights::Bf16.row_bytes(k) * rows;
+                let wp = gpu
+                    .stream()
+                    .clone_htod(&random_bytes(packed_bytes, weights, 9))?;
+                let wb = gpu.stream().clone_htod(
+                    &random_bytes(bf16_bytes, GemvWeights::Bf16, 11)
+                        .chunks_exact(2)
+                        .map(|b| bf16::from_le_bytes([b[0], b[1]]))
+                        .collect::<Vec<_>>(),
+                )?;
+                let mut scratch = gpu.stream().alloc_zeros::<bf16>(rows * k)?;
+                let run = [WeightRun {
+                    weights,
+                    bytes: wp.as_view(),
+                    rows,
+                }];
+                for n in BATCH_ROWS {
+                    let mut line = Line {
+                        text: format!("  {name:<7} {rows:>5} x {k:<5} ({weights:?}) {n:>3} rows:"),
+                        copy,
+                    };
+                    let xv = x.slice(..n * k);
+                    let shape = GemmShape { m: n, n: rows, k };
+                    let us = time_us(gpu, (WARMUP, ITERS), || {
+                        let mut yv = y.slice_mut(..n * rows);
+                        Ok(gemm_bf16(gpu, &xv, &wb.as_view(), shape, &mut yv)?)
+                    })?;
+                    line.add("cuBLAS bf16", us, bf16_bytes as f64);
+                    let us = time_us(gpu, (WARMUP, ITERS), || {
+                        let mut sv = scratch.as_view_mut();
+                        dequantize(gpu, packed, &wp.as_view(), &mut sv)?;
+                        let mut yv = y.slice_mut(..n * rows);
+                        Ok(gemm_bf16(gpu, &xv, &scratch.as_view(), shape, &mut yv)?)
+                    })?;
+                    line.add("expand", us, packed_bytes as f64);
+                    let us = time_us(gpu, (WARMUP, ITERS), || {
+                        let mut yv = y.slice_mut(..n * rows);
+                        let out = OutColumns { ld: rows, col0: 0 };
+                        Ok(gemm_packed(gpu, &run, k, &xv, n, &mut yv, out)?)
+                    })?;
+                    line.add("tile", us, packed_bytes as f64);
+                    println!("{}", line.text);
                 }
             }
         }

@@ -89,7 +89,7 @@ fn mma(d: &mut [[f32; 4]; WARP], a: &[[[bf16; 2]; 4]; WARP], b: &[[[bf16; 2]; 2]
             bm[k + 1][g] = f64::from(b[lane][reg][1].to_f32());
         }
     }
-    for lane in 0..WARP {
+    for (lane, d) in d.iter_mut().enumerate() {
         let (g, t) = (lane / 4, lane % 4);
         for (e, (row, col)) in [
             (g, 2 * t),
@@ -101,7 +101,7 @@ fn mma(d: &mut [[f32; 4]; WARP], a: &[[[bf16; 2]; 4]; WARP], b: &[[[bf16; 2]; 2]
         .enumerate()
         {
             let sum: f64 = (0..16).map(|k| am[row][k] * bm[k][col]).sum();
-            d[lane][e] = (f64::from(d[lane][e]) + sum) as f32;
+            d[e] = (f64::from(d[e]) + sum) as f32;
         }
     }
 }

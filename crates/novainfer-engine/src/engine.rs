@@ -9,8 +9,8 @@ use novainfer_model::device::{self, Resolved};
 use novainfer_model::{
     load_weights, Capabilities, Checkpoint, CudaGraphs, DecodeLinear, DeviceChoice, DeviceWeights,
     DtypeChoice, Executor, GemmLibrary, GpuWeightDtype, KvCacheDtype, LmHeadDtype, LoadOptions,
-    ModelError, OpenedCheckpoint, Qwen2Config, StepLimits, WeightQuantization, DECODE_LINEAR_ENV,
-    GEMM_ENV,
+    ModelError, OpenedCheckpoint, PackedGemm, Qwen2Config, StepLimits, WeightQuantization,
+    DECODE_LINEAR_ENV, GEMM_ENV, PACKED_GEMM_ENV,
 };
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
@@ -449,6 +449,8 @@ impl LoadedEngine {
             kv_cache_dtype: cfg.kv_cache_dtype,
             cuda_graphs: cuda_graphs(cfg)?,
             decode_linear: decode_linear()?,
+            packed_gemm: PackedGemm::from_env()
+                .map_err(|why| ParamError::new(PACKED_GEMM_ENV, why))?,
         };
         // The GPU context reads this itself; a misspelt value is refused here, before any load.
         GemmLibrary::from_env().map_err(|why| ParamError::new(GEMM_ENV, why))?;

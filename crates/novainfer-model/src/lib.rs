@@ -57,7 +57,7 @@ pub use novainfer_cuda::gemm_choice::{GemmLibrary, GEMM_ENV};
 pub use paged_kv::PagedKvCache;
 pub use parallel::{HeadShard, TensorParallel};
 pub use prepare::graph::CudaGraphs;
-pub use prepare::linear::{DecodeLinear, DECODE_LINEAR_ENV};
+pub use prepare::linear::{DecodeLinear, PackedGemm, DECODE_LINEAR_ENV, PACKED_GEMM_ENV};
 pub use qwen2::{DtypeChoice, LoadOptions, LoadedModel, LogitsFor, Qwen2Model};
 pub use rope_scaling::{RopeScaling, Yarn};
 pub use weight_quantization::WeightQuantization;

@@ -27,7 +27,7 @@ use crate::lora::apply::{add_updates, AdapterGroups, LoraScratch};
 use crate::lora::Target;
 use crate::paged_kv::PagedKvCache;
 use crate::prepare::graph::CudaGraphs;
-use crate::prepare::linear::DecodeLinear;
+use crate::prepare::linear::{DecodeLinear, PackedGemm};
 use crate::quant;
 use crate::rope_scaling::RopeScaling;
 use crate::weight_quantization::{QuantizedAtLoad, WeightQuantization};
@@ -83,6 +83,9 @@ pub struct LoadOptions {
     /// How the CUDA executor runs the linear layers of steps of a few rows
     /// ([`DecodeLinear`]); separate kernels by default. The CPU ignores it.
     pub decode_linear: DecodeLinear,
+    /// How the CUDA executor multiplies larger steps by packed matrices ([`PackedGemm`]);
+    /// expanded for cuBLAS by default. The CPU ignores it.
+    pub packed_gemm: PackedGemm,
 }
 
 impl Default for LoadOptions {
@@ -96,6 +99,7 @@ impl Default for LoadOptions {
             kv_cache_dtype: KvCacheDtype::Auto,
             cuda_graphs: CudaGraphs::Eager,
             decode_linear: DecodeLinear::Separate,
+            packed_gemm: PackedGemm::Expand,
         }
     }
 }

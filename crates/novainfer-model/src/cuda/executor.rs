@@ -24,7 +24,7 @@ use crate::forward_batch::{ForwardBatch, ForwardOutput, SpanOutput};
 use crate::layers::ops::normalize_l2;
 use crate::loader::OpenedCheckpoint;
 use crate::prepare::graph::{replay_step, route, CudaGraphs, StepRoute};
-use crate::prepare::linear::DecodeLinear;
+use crate::prepare::linear::{DecodeLinear, PackedGemm};
 use crate::prepare::{HostModelReader, PackedStep, StepCapacity, StepLayout};
 use crate::qwen2::{DtypeChoice, LoadOptions};
 use crate::weight_quantization::QuantizedAtLoad;
@@ -44,6 +44,7 @@ pub struct CudaWeights {
     limits: StepLimits,
     graph_mode: CudaGraphs,
     decode_linear: DecodeLinear,
+    packed_gemm: PackedGemm,
     /// The staging and readback slot the next step uses; a pass left in flight keeps the
     /// other one (`Step::slot`).
     slot: usize,
@@ -66,7 +67,7 @@ impl CudaWeights {
                 format!("max_num_batched_tokens, max_num_seqs and max_seq_len must be positive, got {limits:?}"),
             ));
         }
-        let decode_linear = opts.decode_linear;
+        let (decode_linear, packed_gemm) = (opts.decode_linear, opts.packed_gemm);
         let gpu = GpuContext::new(ordinal).map_err(|e| cuda_error(device, e))?;
         let err = |e| cuda_error(device, e);
         let model = GpuModel::load(
@@ -91,7 +92,7 @@ impl CudaWeights {
             &cfg,
             limits.max_num_batched_tokens,
             limits.max_num_seqs,
-            model.expanded_len(),
+            packed_gemm.scratch_len(model.expanded_len()),
         )?;
         // The scratch depends on heads and history length only; block geometry is the
         // pool's and comes with each launch.
@@ -113,7 +114,7 @@ impl CudaWeights {
         // freed upload buffers are back with the driver before memory is measured.
         gpu.synchronize().map_err(err)?;
         if let Ok((free, total)) = gpu.mem_info() {
-            tracing::info!(%device, free_mib = free >> 20, total_mib = total >> 20, ?decode_linear, "weights and buffers on the GPU");
+            tracing::info!(%device, free_mib = free >> 20, total_mib = total >> 20, ?decode_linear, ?packed_gemm, "weights and buffers on the GPU");
         }
         Ok(Self {
             gpu,
@@ -129,6 +130,7 @@ impl CudaWeights {
             limits,
             graph_mode: opts.cuda_graphs,
             decode_linear,
+            packed_gemm,
             slot: 0,
         })
     }
@@ -295,6 +297,7 @@ impl CudaWeights {
             masks: &mut self.masks,
             lora: None,
             linear: self.decode_linear,
+            packed: self.packed_gemm,
             slot: self.slot,
         }
     }

@@ -19,7 +19,8 @@ use novainfer_cuda::ops::flash_prefill::{prefill_attention, PrefillKernel};
 use novainfer_cuda::ops::gather::gather_rows;
 use novainfer_cuda::ops::gemm::{gemm_bf16, gemm_bf16_f32out, GemmShape};
 use novainfer_cuda::ops::gemv_quant::{
-    gemv, gemv_qkv, gemv_silu_mul, OutColumns, QkvHeads, QkvTokens, MAX_ROWS as GEMV_MAX_ROWS,
+    gemm_packed, gemv, gemv_qkv, gemv_silu_mul, OutColumns, QkvHeads, QkvTokens,
+    MAX_ROWS as GEMV_MAX_ROWS,
 };
 use novainfer_cuda::ops::kv::KvCacheMut;
 use novainfer_cuda::ops::paged_attention::{
@@ -45,7 +46,7 @@ use crate::device::Device;
 use crate::error::Result;
 use crate::forward_batch::DrawnToken;
 use crate::lora::Target;
-use crate::prepare::linear::DecodeLinear;
+use crate::prepare::linear::{DecodeLinear, PackedGemm};
 use crate::prepare::{MixedSteps, PackedStep, StepAttention};
 
 /// What a step returns for its sampled rows.
@@ -86,6 +87,8 @@ pub(crate) struct Step<'a> {
     pub lora: Option<LoraStep<'a>>,
     /// How steps of a few rows run their linear layers.
     pub linear: DecodeLinear,
+    /// How larger steps multiply by packed matrices.
+    pub packed: PackedGemm,
     /// Which of the two staging buffers the step's metadata goes through (the readback is
     /// this slot's too): the executor alternates them so a step in flight keeps its own.
     pub slot: usize,
@@ -153,6 +156,7 @@ impl<'a> Step<'a> {
             masks,
             lora,
             linear,
+            packed,
             slot,
             ..
         } = self;
@@ -190,6 +194,7 @@ impl<'a> Step<'a> {
             scratch,
             lora,
             linear,
+            packed,
         };
         body.layers(&views, n, attention)?;
         if rows == 0 {
@@ -249,6 +254,7 @@ pub(crate) struct Body<'b> {
     /// captured graph never has one).
     pub lora: Option<LoraStep<'b>>,
     pub linear: DecodeLinear,
+    pub packed: PackedGemm,
 }
 
 impl Body<'_> {
@@ -269,6 +275,7 @@ impl Body<'_> {
             scratch,
             lora,
             linear,
+            packed,
         } = self;
         let gpu: &GpuContext = gpu;
         let (h, f, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
@@ -351,6 +358,7 @@ impl Body<'_> {
                     &mut act.expanded,
                     "qkv",
                     false,
+                    *packed,
                 )?;
             }
             if let Some(l) = lora.as_mut() {
@@ -478,6 +486,7 @@ impl Body<'_> {
                 &mut act.expanded,
                 "proj",
                 fused,
+                *packed,
             )?;
             if let Some(l) = lora.as_mut() {
                 let parts = [Part::new(Target::O, 0, h)];
@@ -504,6 +513,7 @@ impl Body<'_> {
                     &mut act.expanded,
                     "gate_up",
                     false,
+                    *packed,
                 )?;
                 if let Some(l) = lora.as_mut() {
                     let parts = [Part::new(Target::Gate, 0, f), Part::new(Target::Up, f, f)];
@@ -536,6 +546,7 @@ impl Body<'_> {
                 &mut act.expanded,
                 "proj",
                 fused,
+                *packed,
             )?;
             if let Some(l) = lora.as_mut() {
                 let parts = [Part::new(Target::Down, 0, h)];
@@ -602,6 +613,9 @@ impl Body<'_> {
             }
             _ if rows <= GEMV_MAX_ROWS => gemv_runs(self.gpu, lm_head, &x, rows, &mut y)?,
             MatrixData::Bf16(w) => gemm_bf16_f32out(self.gpu, &x, &w.as_view(), shape, &mut y)?,
+            MatrixData::Packed(_) if self.packed == PackedGemm::Tile => {
+                gemm_packed_runs(self.gpu, lm_head, &x, rows, &mut y)?
+            }
             MatrixData::Packed(parts) => {
                 let w = expand(self.gpu, parts, lm_head, &mut act.expanded)?;
                 gemm_bf16_f32out(self.gpu, &x, &w, shape, &mut y)?
@@ -840,9 +854,9 @@ fn drawn_tokens(step: &PackedStep, readback: &Readback) -> Result<Vec<DrawnToken
 }
 
 /// `y[..n] = x[..n] · Wᵀ` over the first `n` rows of the activation buffers. A packed matrix
-/// is multiplied in place by steps of up to [`GEMV_MAX_ROWS`] rows, and expanded into
-/// `expanded` for cuBLAS by larger ones; a bf16 one goes to cuBLAS, or with `gemv_bf16` (the
-/// fused decode path) to the GEMV too for steps it takes.
+/// is multiplied in place by steps of up to [`GEMV_MAX_ROWS`] rows, and by larger ones with
+/// the tiled GEMM or expanded into `expanded` for cuBLAS, as `packed` says; a bf16 one goes to
+/// cuBLAS, or with `gemv_bf16` (the fused decode path) to the GEMV too for steps it takes.
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     gpu: &GpuContext,
@@ -853,6 +867,7 @@ fn gemm(
     expanded: &mut CudaSlice<bf16>,
     what: &str,
     gemv_bf16: bool,
+    packed: PackedGemm,
 ) -> Result<(), Failure> {
     let x = head(x, n * w.cols, "gemm input")?;
     let mut y = head_mut(y, n * w.rows, what)?;
@@ -867,11 +882,30 @@ fn gemm(
         }
         _ if n <= GEMV_MAX_ROWS => gemv_runs(gpu, w, &x, n, &mut y)?,
         MatrixData::Bf16(data) => gemm_bf16(gpu, &x, &data.as_view(), shape, &mut y)?,
+        MatrixData::Packed(_) if packed == PackedGemm::Tile => {
+            gemm_packed_runs(gpu, w, &x, n, &mut y)?
+        }
         MatrixData::Packed(parts) => {
             let data = expand(gpu, parts, w, expanded)?;
             gemm_bf16(gpu, &x, &data, shape, &mut y)?
         }
     }
+    Ok(())
+}
+
+/// `x · Wᵀ` by the tiled GEMM over the packed matrix's runs into `y` (`[n, w.rows]`).
+fn gemm_packed_runs<T: novainfer_cuda::ops::Dtype>(
+    gpu: &GpuContext,
+    w: &GpuMatrix,
+    x: &CudaView<'_, bf16>,
+    n: usize,
+    y: &mut CudaViewMut<'_, T>,
+) -> Result<(), Failure> {
+    let out = OutColumns {
+        ld: w.rows,
+        col0: 0,
+    };
+    gemm_packed(gpu, &w.runs()?, w.cols, x, n, y, out)?;
     Ok(())
 }
 

@@ -1,9 +1,11 @@
-//! How the CUDA executor runs a decode step's linear layers.
+//! How the CUDA executor runs a step's linear layers: a decode step's ([`DecodeLinear`]), and a
+//! larger step's over a packed matrix ([`PackedGemm`]).
 //!
 //! The fused path is opt-in until a GPU run has verified it (its kernels against the
 //! separate ones bit for bit, its tokens against the separate path's):
-//! `NOVAINFER_CUDA_DECODE_LINEAR=fused`. The CPU executor has its own kernels and ignores
-//! the choice.
+//! `NOVAINFER_CUDA_DECODE_LINEAR=fused`. So is the tiled GEMM over packed weights
+//! (`NOVAINFER_CUDA_PACKED_GEMM=tile`). The CPU executor has its own kernels and ignores both
+//! choices.
 
 use novainfer_cuda::gemv_plan::MAX_ROWS;
 
@@ -49,9 +51,70 @@ impl DecodeLinear {
     }
 }
 
+/// The environment variable choosing [`PackedGemm`].
+pub const PACKED_GEMM_ENV: &str = "NOVAINFER_CUDA_PACKED_GEMM";
+
+/// How a step of more than [`MAX_ROWS`] rows multiplies by a packed matrix (GGUF blocks, int4,
+/// FP8; `gpu_weight_dtype`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum PackedGemm {
+    /// The matrix expanded to bf16 in a scratch as large as the largest packed matrix, then
+    /// cuBLAS: every step writes and reads the whole matrix in bf16 besides the blocks.
+    #[default]
+    Expand,
+    /// The tiled tensor-core GEMM (`gemv_quant.cu`'s `gemm_packed`), each block decoding its
+    /// weight tile into shared memory: the blocks are read, nothing is written back, and no
+    /// scratch is allocated.
+    Tile,
+}
+
+impl PackedGemm {
+    /// The choice `value` (the variable's, if set) names; anything else is an error naming the
+    /// variable.
+    pub fn parse(value: &str) -> Result<Self, String> {
+        match value.trim() {
+            "" | "expand" => Ok(Self::Expand),
+            "tile" => Ok(Self::Tile),
+            other => Err(format!(
+                "{PACKED_GEMM_ENV}={other:?}: expected `expand` or `tile`"
+            )),
+        }
+    }
+
+    /// The choice [`PACKED_GEMM_ENV`] names in this process's environment (read when an engine
+    /// loads).
+    pub fn from_env() -> Result<Self, String> {
+        Self::parse(&std::env::var(PACKED_GEMM_ENV).unwrap_or_default())
+    }
+
+    /// Values of bf16 scratch the expansion needs for packed matrices of at most `largest`
+    /// values: none when tiles are decoded in place.
+    pub fn scratch_len(self, largest: usize) -> usize {
+        match self {
+            Self::Expand => largest,
+            Self::Tile => 0,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn expand_unless_tile_is_named() {
+        assert_eq!(PackedGemm::default(), PackedGemm::Expand);
+        assert_eq!(PackedGemm::parse(""), Ok(PackedGemm::Expand));
+        assert_eq!(PackedGemm::parse("expand"), Ok(PackedGemm::Expand));
+        assert_eq!(PackedGemm::parse(" tile "), Ok(PackedGemm::Tile));
+        let err = PackedGemm::parse("mma").expect_err("not a choice");
+        assert!(
+            err.contains(PACKED_GEMM_ENV) && err.contains("tile"),
+            "{err}"
+        );
+        assert_eq!(PackedGemm::Expand.scratch_len(1000), 1000);
+        assert_eq!(PackedGemm::Tile.scratch_len(1000), 0);
+    }
 
     #[test]
     fn separate_unless_fused_is_named() {
