@@ -484,9 +484,13 @@ __device__ void gemm_packed_tile(
     const int wm = (warp / 2) * 32, wn = (warp % 2) * 32;
     const int g = lane / 4, t = lane % 4;
     constexpr int PIECES = GEMM_TILE_K / 8;  // 8-value pieces (chunks) of a tile row per step
+    // Indexed with constants only (every loop over it unrolled), so it stays in registers.
     float acc[2][4][4];
+#pragma unroll
     for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
         for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
             for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
     for (int k0 = 0; k0 < k; k0 += GEMM_TILE_K) {
         for (int p = tid; p < GEMM_TILE_M * PIECES; p += GEMM_TILE_THREADS) {
@@ -531,12 +535,16 @@ __device__ void gemm_packed_tile(
         }
         __syncthreads();
     }
+#pragma unroll
     for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
         for (int ni = 0; ni < 4; ++ni) {
             const int c = n0 + wn + 8 * ni + 2 * t;
+#pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int r = m0 + wm + 16 * mi + g + 8 * half;
                 if (r >= m) continue;
+#pragma unroll
                 for (int j = 0; j < 2; ++j) {
                     if (c + j < rows) store_f32(y, (i64)r * ld + col0 + c + j, acc[mi][ni][2 * half + j]);
                 }
