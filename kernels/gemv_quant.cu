@@ -426,7 +426,10 @@ GEMV_KERNELS(bf16, true, bf16w_bf16)
 // Twin: crates/novainfer-cuda/src/gemm_tile.rs (the thread and fragment arithmetic, lane by lane).
 //
 // A block (GEMM_TILE_THREADS = 4 warps) computes a GEMM_TILE_M × GEMM_TILE_N tile of y: activation rows m0 .. m0 + 64
-// by weight rows n0 .. n0 + 64. Per GEMM_TILE_K step of k, thread p (and p + 128) copies piece p of the x tile
+// by weight rows n0 .. n0 + 64, over the k range blockIdx.z · k_split .. + k_split. A step of few rows over a narrow
+// matrix (64 sequences by a 1536-row projection: 24 tiles) would leave most of the GPU idle, so the launcher splits k
+// into ranges (gridDim.z, gemm_tile.rs's `splits`): each range's sums go to `partial`, and gemm_packed_reduce adds
+// them in range order. Per GEMM_TILE_K step of k, thread p (and p + 128) copies piece p of the x tile
 // (row p / 4, 8 values at 8·(p % 4)) and decodes chunk p of the W tile (weight row p / 4, chunk p % 4 of the step)
 // into bf16, w = a·q − b rounded once: the expansion's values exactly (dequant.cu computes the same two operations).
 // Rows past m or past the matrix are zeros. Warp w multiplies the 32 × 32 quarter at (32·(w / 2), 32·(w % 2)) with
@@ -476,7 +479,8 @@ __device__ void gemm_packed_tile(
     const GemvParts& w,          // rows 0 .. rows, packed
     const bf16* __restrict__ x,  // [m, k]
     T* __restrict__ y,           // [m, ld]; row o of w lands in column col0 + o
-    int rows, int k, int m, int ld, int col0) {
+    float* __restrict__ partial, // [gridDim.z, m, rows] when k is split, else unused
+    int rows, int k, int m, int ld, int col0, int k_split) {
     __shared__ __align__(16) bf16 xs[GEMM_TILE_M * GEMM_TILE_ROW];
     __shared__ __align__(16) bf16 ws[GEMM_TILE_N * GEMM_TILE_ROW];
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
@@ -492,7 +496,8 @@ __device__ void gemm_packed_tile(
         for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
-    for (int k0 = 0; k0 < k; k0 += GEMM_TILE_K) {
+    const int k_begin = blockIdx.z * k_split, k_end = min(k, k_begin + k_split);
+    for (int k0 = k_begin; k0 < k_end; k0 += GEMM_TILE_K) {
         for (int p = tid; p < GEMM_TILE_M * PIECES; p += GEMM_TILE_THREADS) {
             const int r = p / PIECES, piece = p % PIECES;
             uint4 v = make_uint4(0u, 0u, 0u, 0u);
@@ -546,18 +551,41 @@ __device__ void gemm_packed_tile(
                 if (r >= m) continue;
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
-                    if (c + j < rows) store_f32(y, (i64)r * ld + col0 + c + j, acc[mi][ni][2 * half + j]);
+                    if (c + j >= rows) continue;
+                    if (gridDim.z == 1) {
+                        store_f32(y, (i64)r * ld + col0 + c + j, acc[mi][ni][2 * half + j]);
+                    } else {
+                        partial[((i64)blockIdx.z * m + r) * rows + c + j] = acc[mi][ni][2 * half + j];
+                    }
                 }
             }
         }
     }
 }
 
+// y[r, col0 + o] = the k ranges' partial sums added in range order (a fixed order: the result does not depend on
+// timing). A thread per output, looping over the grid.
+template <typename T>
+__device__ void gemm_packed_reduce(const float* __restrict__ partial, T* __restrict__ y, int rows, int m, int splits,
+                                   int ld, int col0) {
+    const i64 total = (i64)m * rows;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        const i64 r = i / rows, o = i % rows;
+        float sum = partial[i];
+        for (int z = 1; z < splits; ++z) sum = __fadd_rn(sum, partial[(i64)z * total + i]);
+        store_f32(y, r * ld + col0 + o, sum);
+    }
+}
+
 #define GEMM_TILE_KERNELS(T, SUFFIX)                                                                               \
     extern "C" __global__ void __launch_bounds__(GEMM_TILE_THREADS)                                               \
-        gemm_packed_##SUFFIX(const GemvParts w, const bf16* __restrict__ x, T* __restrict__ y, int rows, int k,   \
-                             int m, int ld, int col0) {                                                           \
-        gemm_packed_tile<T>(w, x, y, rows, k, m, ld, col0);                                                       \
+        gemm_packed_##SUFFIX(const GemvParts w, const bf16* __restrict__ x, T* __restrict__ y,                    \
+                             float* __restrict__ partial, int rows, int k, int m, int ld, int col0, int k_split) { \
+        gemm_packed_tile<T>(w, x, y, partial, rows, k, m, ld, col0, k_split);                                    \
+    }                                                                                                             \
+    extern "C" __global__ void gemm_packed_reduce_##SUFFIX(const float* __restrict__ partial, T* __restrict__ y,  \
+                                                           int rows, int m, int splits, int ld, int col0) {       \
+        gemm_packed_reduce<T>(partial, y, rows, m, splits, ld, col0);                                             \
     }
 
 GEMM_TILE_KERNELS(float, f32)

@@ -308,6 +308,7 @@ mod bench {
                 .collect();
             let x: CudaSlice<bf16> = gpu.stream().clone_htod(&values)?;
             let mut y = gpu.stream().alloc_zeros::<bf16>(most * 2 * f.max(h))?;
+            let mut partials = gpu.stream().alloc_zeros::<f32>(1 << 22)?;
             for &(name, rows, k, packed) in &mats {
                 let weights = GemvWeights::Packed(packed);
                 let packed_bytes = weights.row_bytes(k) * rows;
@@ -346,12 +347,23 @@ mod bench {
                         Ok(gemm_bf16(gpu, &xv, &scratch.as_view(), shape, &mut yv)?)
                     })?;
                     line.add("expand", us, packed_bytes as f64);
+                    // As the executor splits it (16 MiB of partial sums).
+                    let splits = novainfer_cuda::gemm_tile::splits(
+                        rows,
+                        n,
+                        k,
+                        gpu.multiprocessor_count(),
+                        partials.len(),
+                    );
                     let us = time_us(gpu, (WARMUP, ITERS), || {
                         let mut yv = y.slice_mut(..n * rows);
+                        let mut pv = partials.as_view_mut();
                         let out = OutColumns { ld: rows, col0: 0 };
-                        Ok(gemm_packed(gpu, &run, k, &xv, n, &mut yv, out)?)
+                        Ok(gemm_packed(
+                            gpu, &run, k, &xv, n, &mut yv, out, splits, &mut pv,
+                        )?)
                     })?;
-                    line.add("tile", us, packed_bytes as f64);
+                    line.add(&format!("tile/{splits}"), us, packed_bytes as f64);
                     println!("{}", line.text);
                 }
             }

@@ -27,9 +27,36 @@ const WARP: usize = 32;
 /// 8-value pieces of a tile row per step.
 const PIECES: usize = TILE_K / CHUNK;
 
-/// The launch grid `(x, y)`: weight-row tiles by activation-row tiles.
+/// Most k ranges a launch is split into.
+pub const MAX_SPLITS: usize = 16;
+/// Blocks a launch aims at per multiprocessor: enough resident blocks to keep loads in flight.
+const BLOCKS_PER_SM: usize = 4;
+/// Fewest steps of k a range takes (shorter ones spend more on the reduction than they gain).
+const MIN_STEPS_PER_SPLIT: usize = 4;
+
+/// The launch grid `(x, y)`: weight-row tiles by activation-row tiles (times the k ranges).
 pub fn grid(rows: usize, m: usize) -> (usize, usize) {
     (rows.div_ceil(TILE_N), m.div_ceil(TILE_M))
+}
+
+/// How many k ranges a product of `m` rows by a `[rows, k]` matrix is split into on a device
+/// of `multiprocessors`, when `workspace` f32 values can hold the ranges' partial sums: enough
+/// for [`BLOCKS_PER_SM`] blocks a multiprocessor, at most [`MAX_SPLITS`], each range at least
+/// [`MIN_STEPS_PER_SPLIT`] steps, and the partials (`splits · m · rows`) within the workspace.
+/// 1: not split (written straight to the output).
+pub fn splits(rows: usize, m: usize, k: usize, multiprocessors: usize, workspace: usize) -> usize {
+    let (gx, gy) = grid(rows, m);
+    let want = (BLOCKS_PER_SM * multiprocessors).div_ceil((gx * gy).max(1));
+    let by_steps = (k / TILE_K) / MIN_STEPS_PER_SPLIT;
+    let by_workspace = workspace / (m * rows).max(1);
+    let s = want.min(MAX_SPLITS).min(by_steps).min(by_workspace).max(1);
+    // Every range non-empty: as many as ranges of ⌈steps / s⌉ steps take.
+    (k / TILE_K).div_ceil(k_split(k, s) / TILE_K)
+}
+
+/// Values of k in each of `splits` ranges (the last may be shorter): whole steps.
+pub fn k_split(k: usize, splits: usize) -> usize {
+    (k / TILE_K).div_ceil(splits.max(1)) * TILE_K
 }
 
 /// Why the kernel cannot take a matrix of `rows` rows of `k` in `weights`, if it cannot: only
@@ -106,12 +133,14 @@ fn mma(d: &mut [[f32; 4]; WARP], a: &[[[bf16; 2]; 4]; WARP], b: &[[[bf16; 2]; 2]
     }
 }
 
-/// What the kernel writes: `y` (`[m, ld]`, columns `col0 .. col0 + Σ rows` of each row; the rest
-/// left as they are) for the runs (each `rows` rows of `k / block_values` blocks) and `x`
-/// (`[m, k]`). Returns how many times each output was written (the kernel writes each once).
+/// What the kernel (and, with `splits > 1`, the reduction after it) writes: `y` (`[m, ld]`,
+/// columns `col0 .. col0 + Σ rows` of each row; the rest left as they are) for the runs (each
+/// `rows` rows of `k / block_values` blocks) and `x` (`[m, k]`), k in `splits` ranges.
+/// Returns how many times each output was written (the kernel writes each once).
 ///
 /// # Panics
 /// On a shape [`check_shape`] refuses or buffers of the wrong length (test inputs).
+#[allow(clippy::too_many_arguments)]
 pub fn emulate(
     runs: &[HostRun<'_>],
     k: usize,
@@ -120,6 +149,7 @@ pub fn emulate(
     y: &mut [f32],
     ld: usize,
     col0: usize,
+    splits: usize,
 ) -> Vec<u32> {
     let rows: usize = runs.iter().map(|r| r.rows).sum();
     for run in runs {
@@ -143,12 +173,17 @@ pub fn emulate(
     };
     let row_len = TILE_K + 8;
     let mut writes = vec![0u32; m * ld];
+    let mut partial = vec![f32::NAN; splits * m * rows];
     let (gx, gy) = grid(rows, m);
-    for (bx, by) in (0..gy).flat_map(|by| (0..gx).map(move |bx| (bx, by))) {
+    let step = k_split(k, splits);
+    let blocks =
+        (0..splits).flat_map(|bz| (0..gy).flat_map(move |by| (0..gx).map(move |bx| (bx, by, bz))));
+    for (bx, by, bz) in blocks {
         let (n0, m0) = (bx * TILE_N, by * TILE_M);
+        let (k_begin, k_end) = (bz * step, (bz * step + step).min(k));
         // acc[warp][mi][ni][lane][e]
         let mut acc = vec![[[[[0f32; 4]; WARP]; 4]; 2]; THREADS / WARP];
-        for k0 in (0..k).step_by(TILE_K) {
+        for k0 in (k_begin..k_end).step_by(TILE_K) {
             let mut xs = vec![bf16::ZERO; TILE_M * row_len];
             let mut ws = vec![bf16::ZERO; TILE_N * row_len];
             for tid in 0..THREADS {
@@ -212,15 +247,33 @@ pub fn emulate(
                         for half in 0..2 {
                             let r = m0 + wm + 16 * mi + g + 8 * half;
                             for j in 0..2 {
-                                if r < m && c + j < rows {
+                                if r >= m || c + j >= rows {
+                                    continue;
+                                }
+                                let v = acc[lane][2 * half + j];
+                                if splits == 1 {
                                     let at = r * ld + col0 + c + j;
-                                    y[at] = acc[lane][2 * half + j];
+                                    y[at] = v;
                                     writes[at] += 1;
+                                } else {
+                                    partial[(bz * m + r) * rows + c + j] = v;
                                 }
                             }
                         }
                     }
                 }
+            }
+        }
+    }
+    if splits > 1 {
+        // gemm_packed_reduce: the ranges added in order, one output each.
+        for r in 0..m {
+            for o in 0..rows {
+                let i = r * rows + o;
+                let sum = (1..splits).fold(partial[i], |s, z| s + partial[z * m * rows + i]);
+                let at = r * ld + col0 + o;
+                y[at] = sum;
+                writes[at] += 1;
             }
         }
     }
@@ -306,11 +359,11 @@ mod tests {
             .collect();
         let w: Vec<f32> = mats.iter().flat_map(|(_, v)| v.iter().copied()).collect();
         let rows = 76;
-        for m in [9, 64, 70] {
+        for (m, splits) in [(9, 1), (64, 1), (70, 1), (9, 3), (70, 16)] {
             let x: Vec<bf16> = wave(m * k, 7).into_iter().map(bf16::from_f32).collect();
             let (ld, col0) = (rows + 5, 3);
             let mut y = vec![-7.0f32; m * ld];
-            let writes = emulate(&runs, k, &x, m, &mut y, ld, col0);
+            let writes = emulate(&runs, k, &x, m, &mut y, ld, col0, splits);
             for r in 0..m {
                 for c in 0..ld {
                     let inside = (col0..col0 + rows).contains(&c);
@@ -327,7 +380,7 @@ mod tests {
                     let got = f64::from(y[r * ld + c]);
                     assert!(
                         (got - exact).abs() <= 1e-5 * scale.max(1e-3),
-                        "m={m} ({r}, {o}): {got} vs {exact}"
+                        "m={m} splits={splits} ({r}, {o}): {got} vs {exact}"
                     );
                 }
             }
@@ -354,6 +407,30 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn narrow_products_are_split_into_whole_nonempty_ranges_within_the_workspace() {
+        // 64 sequences by the 1.5B's o_proj on 132 multiprocessors: 24 tiles, split for ~4 a multiprocessor.
+        assert_eq!(splits(1536, 64, 1536, 132, 1 << 22), 12);
+        // Capped by the steps: 1536 / 32 = 48 steps, at least 4 a range.
+        assert_eq!(splits(64, 64, 1536, 1000, 1 << 22), 12);
+        // Capped by the workspace, and never below 1.
+        assert_eq!(splits(1536, 64, 8960, 132, 3 * 64 * 1536), 3);
+        assert_eq!(splits(1536, 64, 8960, 132, 0), 1);
+        // Wide enough already: the 151,936-row head at 256 rows.
+        assert_eq!(splits(151_936, 256, 1536, 132, 1 << 22), 1);
+        for k in [256, 512, 1536, 4864, 8960] {
+            for want in 1..=MAX_SPLITS {
+                let s = splits(64, 9, k, want * 1000, 1 << 30);
+                let step = k_split(k, s);
+                assert!(step.is_multiple_of(TILE_K) && step > 0, "k={k} s={s}");
+                assert!(
+                    (s - 1) * step < k && s * step >= k,
+                    "k={k} s={s}: an empty or missing range"
+                );
             }
         }
     }

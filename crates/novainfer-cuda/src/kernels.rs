@@ -129,6 +129,7 @@ pub const DTYPED_ENTRIES: &[(KernelSource, &str)] = &[
     (LORA, "lora_shrink"),
     (LORA, "lora_expand"),
     (GEMV_QUANT, "gemm_packed"),
+    (GEMV_QUANT, "gemm_packed_reduce"),
 ];
 
 /// Entry points with no dtype suffix (they move token ids), as `(kernel, name)`.

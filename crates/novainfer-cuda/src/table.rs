@@ -55,8 +55,10 @@ pub(crate) struct KernelTable {
     /// Indexed by [`GemvEpilogue::index`] then [`GemvFamily::index`]; by output dtype (the input
     /// is bf16).
     gemv: [[PerDtype<CudaFunction>; 2]; 3],
-    /// The tiled GEMM over packed weights (`gemv_quant.cu`'s `gemm_packed_*`).
+    /// The tiled GEMM over packed weights (`gemv_quant.cu`'s `gemm_packed_*`), and the sum of
+    /// its k ranges when split.
     pub gemm_packed: PerDtype<CudaFunction>,
+    pub gemm_packed_reduce: PerDtype<CudaFunction>,
     attention: PerDtype<[Option<AttentionFns>; 3]>,
     /// `flash_prefill_bf16_hd<d>` for d in [`kernels::FLASH_PREFILL_HEAD_DIMS`], in order.
     flash_prefill: [CudaFunction; 2],
@@ -115,6 +117,7 @@ impl KernelTable {
                 embed(QuantType::ALL[5])?,
             ],
             gemm_packed: per(&kernels::GEMV_QUANT, "gemm_packed")?,
+            gemm_packed_reduce: per(&kernels::GEMV_QUANT, "gemm_packed_reduce")?,
             gemv: [
                 gemv(GemvEpilogue::ALL[0])?,
                 gemv(GemvEpilogue::ALL[1])?,

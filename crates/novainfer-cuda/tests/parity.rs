@@ -713,7 +713,8 @@ fn gemv_matches_the_twin_bit_for_bit() {
 
 /// The tiled GEMM over packed weights against its twin (`gemm_tile::emulate`, which follows the
 /// kernel lane by lane): every packed format alone and a matrix of three formats' runs, 9, 64 and
-/// 100 activation rows (partial tiles), f32 and bf16 outputs in columns of a wider row, columns
+/// 100 activation rows (partial tiles), k whole and split into 3 and 16 ranges (the reduction),
+/// f32 and bf16 outputs in columns of a wider row, columns
 /// outside left alone. The tensor cores sum a tile in their own order, so within f32 rounding
 /// of the products' magnitude (then the output's own rounding). Fresh random weights every run.
 fn gemm_packed_body<T: TestDtype>(gpu: &GpuContext, seed: u64) {
@@ -754,7 +755,7 @@ fn gemm_packed_body<T: TestDtype>(gpu: &GpuContext, seed: u64) {
                 rows,
             })
             .collect();
-        for m in [9, 64, 100] {
+        for (m, splits) in [(9, 1), (64, 1), (100, 1), (9, 3), (64, 16)] {
             let x: Vec<bf16> = rng
                 .vec(m * k, 2.0)
                 .into_iter()
@@ -765,12 +766,13 @@ fn gemm_packed_body<T: TestDtype>(gpu: &GpuContext, seed: u64) {
                 col0: 5,
             };
             let mut want = vec![0f32; m * out.ld];
-            emulate(&host, k, &x, m, &mut want, out.ld, out.col0);
+            emulate(&host, k, &x, m, &mut want, out.ld, out.col0, splits);
             let sentinel = T::from_f32(-7.0);
             let mut y = up(gpu, &vec![sentinel; m * out.ld]);
             let xd = up(gpu, &x);
-            let (xv, mut yv) = (xd.as_view(), y.as_view_mut());
-            gemm_packed(gpu, &runs, k, &xv, m, &mut yv, out).expect("launch");
+            let mut partial = zeros::<f32>(gpu, splits * m * rows);
+            let (xv, mut yv, mut pv) = (xd.as_view(), y.as_view_mut(), partial.as_view_mut());
+            gemm_packed(gpu, &runs, k, &xv, m, &mut yv, out, splits, &mut pv).expect("launch");
             let got = down(gpu, &y);
             for r in 0..m {
                 // The magnitude of row r's products (the weights are within ±1): Σ |x|.
@@ -784,7 +786,7 @@ fn gemm_packed_body<T: TestDtype>(gpu: &GpuContext, seed: u64) {
                         assert_eq!(
                             g.to_bits(),
                             sentinel.to_f32().to_bits(),
-                            "{formats:?} m={m} ({r}, {c})"
+                            "{formats:?} m={m} splits={splits} ({r}, {c})"
                         );
                         continue;
                     }
@@ -793,7 +795,7 @@ fn gemm_packed_body<T: TestDtype>(gpu: &GpuContext, seed: u64) {
                     let tol = 1e-5 * scale + T::TOL * w.abs();
                     assert!(
                         (g - w).abs() <= tol,
-                        "{formats:?} m={m} ({r}, {c}): gpu {g} vs twin {w}"
+                        "{formats:?} m={m} splits={splits} ({r}, {c}): gpu {g} vs twin {w}"
                     );
                 }
             }

@@ -224,7 +224,10 @@ pub fn gemv<T: Dtype>(
 /// `y[r, col0 + o] = Σ_k x[r, k] · W[o, k]` for `r < m` and every row `o` of the packed matrix `w`
 /// (its runs in order) by the tiled tensor-core GEMM (`gemm_packed_*`): for steps of more rows
 /// than the GEMV takes, each block decoding its weight tile into shared memory. `x` is `[m, k]`,
-/// `y` `[m, ld]`. Equals the expanded matrix's product within f32 rounding (`gemm_tile.rs`).
+/// `y` `[m, ld]`. With `splits > 1` (see [`crate::gemm_tile::splits`]) k is cut into that many
+/// ranges whose sums go to `partial` (`[splits, m, rows]`) and a second launch adds them in
+/// order; with 1, `partial` is not touched. Equals the expanded matrix's product within f32
+/// rounding (`gemm_tile.rs`).
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_packed<T: Dtype>(
     gpu: &GpuContext,
@@ -234,6 +237,8 @@ pub fn gemm_packed<T: Dtype>(
     m: usize,
     y: &mut CudaViewMut<'_, T>,
     out: OutColumns,
+    splits: usize,
+    partial: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
     let (parts, _guards, Launched { rows, .. }) = parts_arg(gpu, w, k, |weights, rows| {
         crate::gemm_tile::check_shape(weights, rows, k, m)
@@ -251,30 +256,68 @@ pub fn gemm_packed<T: Dtype>(
             ),
         ));
     }
-    let (rows_i, k_i, m_i, ld_i, col0_i) = (
+    let step = crate::gemm_tile::k_split(k, splits);
+    if splits == 0 || splits > crate::gemm_tile::MAX_SPLITS || (splits - 1) * step >= k {
+        return Err(CudaError::invalid(
+            "splits",
+            format!(
+                "{splits} ranges of k = {k}: 1 to {} non-empty ones",
+                crate::gemm_tile::MAX_SPLITS
+            ),
+        ));
+    }
+    if splits > 1 && partial.len() < splits * m * rows {
+        return Err(CudaError::invalid(
+            "partial",
+            format!(
+                "{} values cannot hold {splits} ranges of [{m}, {rows}]",
+                partial.len()
+            ),
+        ));
+    }
+    let (rows_i, k_i, m_i, ld_i, col0_i, step_i, splits_i) = (
         to_i32("rows", rows)?,
         to_i32("k", k)?,
         to_i32("m", m)?,
         to_i32("ld", out.ld)?,
         to_i32("col0", out.col0)?,
+        to_i32("k_split", step)?,
+        to_i32("splits", splits)?,
     );
     let (gx, gy) = crate::gemm_tile::grid(rows, m);
     let cfg = LaunchConfig {
-        grid_dim: (to_u32("rows", gx)?, to_u32("m", gy)?, 1),
+        grid_dim: (to_u32("rows", gx)?, to_u32("m", gy)?, splits as u32),
         block_dim: (crate::gemm_tile::THREADS as u32, 1, 1),
         shared_mem_bytes: 0,
     };
-    let f = gpu.kernels().gemm_packed.get::<T>();
-    let mut args = gpu.stream().launch_builder(f);
+    let kernels = gpu.kernels();
+    let mut args = gpu.stream().launch_builder(kernels.gemm_packed.get::<T>());
     args.arg(&parts)
         .arg(x)
-        .arg(y)
+        .arg(&mut *y)
+        .arg(&mut *partial)
         .arg(&rows_i)
         .arg(&k_i)
         .arg(&m_i)
         .arg(&ld_i)
+        .arg(&col0_i)
+        .arg(&step_i);
+    launch(args, cfg)?;
+    if splits == 1 {
+        return Ok(());
+    }
+    let mut args = gpu
+        .stream()
+        .launch_builder(kernels.gemm_packed_reduce.get::<T>());
+    let partial = partial.as_view();
+    args.arg(&partial)
+        .arg(y)
+        .arg(&rows_i)
+        .arg(&m_i)
+        .arg(&splits_i)
+        .arg(&ld_i)
         .arg(&col0_i);
-    launch(args, cfg)
+    launch(args, super::elementwise(m * rows))
 }
 
 /// `out[r, o] = silu(x_r · W[o]) · (x_r · W[f + o])` for `r < n`, `o < f`, over a gate_up matrix

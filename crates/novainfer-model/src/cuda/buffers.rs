@@ -53,18 +53,23 @@ pub(crate) struct Activations {
     pub top_logprobs: CudaSlice<f32>,
     pub ranks: CudaSlice<u32>,
     /// A packed matrix expanded to bf16 for a step too large for the packed GEMV
-    /// (`gpu_weight_dtype="native"`; one value when every matrix is bf16).
+    /// (`gpu_weight_dtype="native"`; one value when every matrix is bf16, or when the tiled
+    /// GEMM multiplies packed matrices in place).
     pub expanded: CudaSlice<bf16>,
+    /// The tiled GEMM's partial sums of a product split along k (`PackedGemm::partials_len`).
+    pub partials: CudaSlice<f32>,
 }
 
 impl Activations {
-    /// `expanded_len`: the largest packed matrix's values ([`super::weights::GpuModel::expanded_len`]).
+    /// `expanded_len`: the bf16 scratch for expanding packed matrices
+    /// ([`super::weights::GpuModel::expanded_len`], or none); `partials_len`: the tiled GEMM's.
     pub fn new(
         gpu: &GpuContext,
         cfg: &Qwen2Config,
         max_tokens: usize,
         max_rows: usize,
         expanded_len: usize,
+        partials_len: usize,
     ) -> Result<Self> {
         let (h, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let q = cfg.num_attention_heads * cfg.head_dim();
@@ -106,6 +111,7 @@ impl Activations {
             top_logprobs: f32s(max_rows * MAX_TOP_LOGPROBS)?,
             ranks: u32s(max_rows)?,
             expanded: bf(expanded_len)?,
+            partials: f32s(partials_len)?,
         })
     }
 }

@@ -93,6 +93,7 @@ impl CudaWeights {
             limits.max_num_batched_tokens,
             limits.max_num_seqs,
             packed_gemm.scratch_len(model.expanded_len()),
+            packed_gemm.partials_len(),
         )?;
         // The scratch depends on heads and history length only; block geometry is the
         // pool's and comes with each launch.

@@ -359,6 +359,7 @@ impl Body<'_> {
                     "qkv",
                     false,
                     *packed,
+                    &mut act.partials,
                 )?;
             }
             if let Some(l) = lora.as_mut() {
@@ -487,6 +488,7 @@ impl Body<'_> {
                 "proj",
                 fused,
                 *packed,
+                &mut act.partials,
             )?;
             if let Some(l) = lora.as_mut() {
                 let parts = [Part::new(Target::O, 0, h)];
@@ -514,6 +516,7 @@ impl Body<'_> {
                     "gate_up",
                     false,
                     *packed,
+                    &mut act.partials,
                 )?;
                 if let Some(l) = lora.as_mut() {
                     let parts = [Part::new(Target::Gate, 0, f), Part::new(Target::Up, f, f)];
@@ -547,6 +550,7 @@ impl Body<'_> {
                 "proj",
                 fused,
                 *packed,
+                &mut act.partials,
             )?;
             if let Some(l) = lora.as_mut() {
                 let parts = [Part::new(Target::Down, 0, h)];
@@ -614,7 +618,7 @@ impl Body<'_> {
             _ if rows <= GEMV_MAX_ROWS => gemv_runs(self.gpu, lm_head, &x, rows, &mut y)?,
             MatrixData::Bf16(w) => gemm_bf16_f32out(self.gpu, &x, &w.as_view(), shape, &mut y)?,
             MatrixData::Packed(_) if self.packed == PackedGemm::Tile => {
-                gemm_packed_runs(self.gpu, lm_head, &x, rows, &mut y)?
+                gemm_packed_runs(self.gpu, lm_head, &x, rows, &mut y, &mut act.partials)?
             }
             MatrixData::Packed(parts) => {
                 let w = expand(self.gpu, parts, lm_head, &mut act.expanded)?;
@@ -868,6 +872,7 @@ fn gemm(
     what: &str,
     gemv_bf16: bool,
     packed: PackedGemm,
+    partials: &mut CudaSlice<f32>,
 ) -> Result<(), Failure> {
     let x = head(x, n * w.cols, "gemm input")?;
     let mut y = head_mut(y, n * w.rows, what)?;
@@ -883,7 +888,7 @@ fn gemm(
         _ if n <= GEMV_MAX_ROWS => gemv_runs(gpu, w, &x, n, &mut y)?,
         MatrixData::Bf16(data) => gemm_bf16(gpu, &x, &data.as_view(), shape, &mut y)?,
         MatrixData::Packed(_) if packed == PackedGemm::Tile => {
-            gemm_packed_runs(gpu, w, &x, n, &mut y)?
+            gemm_packed_runs(gpu, w, &x, n, &mut y, partials)?
         }
         MatrixData::Packed(parts) => {
             let data = expand(gpu, parts, w, expanded)?;
@@ -893,19 +898,29 @@ fn gemm(
     Ok(())
 }
 
-/// `x · Wᵀ` by the tiled GEMM over the packed matrix's runs into `y` (`[n, w.rows]`).
+/// `x · Wᵀ` by the tiled GEMM over the packed matrix's runs into `y` (`[n, w.rows]`), k split
+/// into as many ranges as fill the device and fit `partials`.
 fn gemm_packed_runs<T: novainfer_cuda::ops::Dtype>(
     gpu: &GpuContext,
     w: &GpuMatrix,
     x: &CudaView<'_, bf16>,
     n: usize,
     y: &mut CudaViewMut<'_, T>,
+    partials: &mut CudaSlice<f32>,
 ) -> Result<(), Failure> {
     let out = OutColumns {
         ld: w.rows,
         col0: 0,
     };
-    gemm_packed(gpu, &w.runs()?, w.cols, x, n, y, out)?;
+    let splits = novainfer_cuda::gemm_tile::splits(
+        w.rows,
+        n,
+        w.cols,
+        gpu.multiprocessor_count(),
+        partials.len(),
+    );
+    let mut partial = partials.as_view_mut();
+    gemm_packed(gpu, &w.runs()?, w.cols, x, n, y, out, splits, &mut partial)?;
     Ok(())
 }
 

@@ -95,6 +95,16 @@ impl PackedGemm {
             Self::Tile => 0,
         }
     }
+
+    /// f32 values the tiled GEMM may spend on a split product's partial sums (16 MiB: a step of
+    /// 64 rows by a 1.5B projection in 12 ranges takes 1.2M); products whose ranges would not fit
+    /// are split less (`gemm_tile::splits`).
+    pub fn partials_len(self) -> usize {
+        match self {
+            Self::Expand => 0,
+            Self::Tile => 1 << 22,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -114,6 +124,8 @@ mod tests {
         );
         assert_eq!(PackedGemm::Expand.scratch_len(1000), 1000);
         assert_eq!(PackedGemm::Tile.scratch_len(1000), 0);
+        assert_eq!(PackedGemm::Expand.partials_len(), 0);
+        assert!(PackedGemm::Tile.partials_len() > 0);
     }
 
     #[test]
