@@ -463,16 +463,24 @@ LT = "_lt"
 YARN = "_yarn"
 FP8 = "_fp8"
 FP8_TILE = "_fp8tile"
+Q4KM = "_q4km"
+Q4KM_TILE = "_q4kmtile"
 VARIANTS: dict[str, str] = {ASYNC: "async", FUSED: "fused", LT: "cuBLASLt", YARN: "YaRN", FP8: "fp8",
-                            FP8_TILE: "fp8 tiled"}
+                            FP8_TILE: "fp8 tiled", Q4KM: "Q4_K_M native", Q4KM_TILE: "Q4_K_M native tiled"}
 # Variants whose engine quantizes the checkpoint to FP8 at load.
 FP8_VARIANTS = (FP8, FP8_TILE)
+# Variants that load the shape's synthetic Q4_K_M GGUF (tools/synthetic_gguf.py, written beside the bf16 checkpoint
+# with its tokenizer) with gpu_weight_dtype="native": the issue's packed-weights figures on the shapes it names.
+Q4KM_VARIANTS = (Q4KM, Q4KM_TILE)
+# Variants whose decode limits come from the bytes the engine reports rather than the bf16 checkpoint's.
+PACKED_VARIANTS = FP8_VARIANTS + Q4KM_VARIANTS
 # Qwen's documented YaRN settings for 128k (config.json's `rope_scaling`), and the context they give.
 YARN_SCALING = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
 YARN_MAX_MODEL_LEN = 131072
 # What each variant sets in its child's environment before the engine loads.
 VARIANT_ENV: dict[str, dict[str, str]] = {FUSED: {"NOVAINFER_CUDA_DECODE_LINEAR": "fused"}, LT: {"NOVAINFER_CUDA_GEMM": "lt"},
-                                          FP8_TILE: {"NOVAINFER_CUDA_PACKED_GEMM": "tile"}}
+                                          FP8_TILE: {"NOVAINFER_CUDA_PACKED_GEMM": "tile"},
+                                          Q4KM_TILE: {"NOVAINFER_CUDA_PACKED_GEMM": "tile"}}
 for _suffix, _steps in (
     (ASYNC, ("decode_b1", "profile_b1", "batched_64")),
     (FUSED, ("decode_b1", "profile_b1")),
@@ -480,6 +488,8 @@ for _suffix, _steps in (
     (YARN, ("long_128k",)),
     (FP8, ("decode_b1", "batched_64")),
     (FP8_TILE, ("batched_16", "batched_64")),
+    (Q4KM, ("decode_b1", "batched_64")),
+    (Q4KM_TILE, ("batched_64",)),
 ):
     STEPS.update({
         step + _suffix: (tuple(f"{point} {VARIANTS[_suffix]}" for point in STEPS[step][0]), STEPS[step][1])
@@ -500,6 +510,13 @@ def yarn_view(model_dir: Path) -> Path:
     config["rope_scaling"] = dict(YARN_SCALING)
     (view / "config.json").write_text(json.dumps(config, indent=1))
     return view
+
+
+def config_shape(config: dict) -> dict:
+    """The synthetic-checkpoint shape (synthetic_checkpoint.resolve_shape's keys) a config.json describes."""
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "tie_word_embeddings", "max_position_embeddings", "rope_theta", "rms_norm_eps")
+    return {k: config[k] for k in keys}
 
 
 def variant_of(step: str) -> str:
@@ -523,6 +540,10 @@ GROUPS: tuple[tuple[str, tuple[str, ...], float], ...] = (
     # The same FP8 blocks, batches through the tiled GEMM instead of the expansion (issue 33: 64 sequences no slower
     # than bf16).
     ("1.5b", ("batched_16" + FP8_TILE, "batched_64" + FP8_TILE), 90),
+    # Issue 33's figures: Q4_K_M blocks kept packed, batch-1 decode (>= 2x the bf16 rows above) and 64 sequences
+    # (no slower than bf16), expanded for cuBLAS and through the tiled GEMM. The child writes the GGUF first (~1 GB).
+    ("1.5b", ("decode_b1" + Q4KM, "batched_64" + Q4KM), 150),
+    ("1.5b", ("batched_64" + Q4KM_TILE,), 120),
     ("7b", ("decode_b1", "batched_64"), 150),
     # A 128k-token prompt through YaRN (chunked prefill, then decode at that depth).
     ("0.5b", ("long_128k" + YARN,), 240),
@@ -607,7 +628,7 @@ def _run_step(step: str, llm, shape: str, config: dict, bandwidth: float) -> lis
 
     names = STEPS[step][0]
     # An FP8 engine reads the bytes it holds, not the checkpoint's bf16 ones.
-    weights = float(llm.stats()["weight_bytes_per_token"]) if variant_of(step) in FP8_VARIANTS else None
+    weights = float(llm.stats()["weight_bytes_per_token"]) if variant_of(step) in PACKED_VARIANTS else None
     step = step.removesuffix(variant_of(step))
     if step == "decode_b1":
         decode = max(bench_latency(llm, 128, 256)[1] for _ in range(3))
@@ -675,7 +696,9 @@ def child_main(
     `..._async` run on an engine with `async_scheduling=True`, `..._fused` with the fused decode GEMVs, `..._lt` with
     cuBLASLt GEMMs (environment variables, so this process's engine only: a child runs steps of one variant),
     `..._yarn` on the checkpoint read with Qwen's YaRN settings and a 128k context (`yarn_view`), `..._fp8` with
-    quantization="fp8", `..._fp8tile` with it and the tiled packed GEMM."""
+    quantization="fp8", `..._fp8tile` with it and the tiled packed GEMM, `..._q4km` on the shape's synthetic Q4_K_M
+    GGUF (written beside `model_dir` from its config and tokenizer) held packed, `..._q4kmtile` with the tiled GEMM
+    too."""
     import signal
 
     variants = {variant_of(step) for step in steps}
@@ -688,7 +711,9 @@ def child_main(
     planned = planned_rows(shape, steps)
     if variant == YARN:
         model_dir = yarn_view(model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
+    # The GGUF variants read the shape's config from the bf16 checkpoint and load the GGUF written beside it.
+    config_dir = model_dir
+    config = json.loads((config_dir / "config.json").read_text())
 
     def on_alarm(signum, frame):  # noqa: ANN001, ARG001
         raise BudgetExceeded
@@ -704,7 +729,16 @@ def child_main(
 
         start = time.perf_counter()
         on_gpu = device.startswith("cuda")
-        llm = LLM(model_dir, device=device, max_num_seqs=256, max_num_batched_tokens=8192,
+        extra = {}
+        if variant in Q4KM_VARIANTS:
+            from synthetic_gguf import ensure_gguf
+
+            model_dir, written = ensure_gguf(model_dir.parent / f"{model_dir.name}-q4_k_m.gguf", config_shape(config),
+                                             config_dir)
+            print(f"{shape}: {model_dir.name} {'written' if written else 'already there'} in "
+                  f"{time.perf_counter() - start:.1f} s", flush=True)
+            extra["gpu_weight_dtype"] = "native"
+        llm = LLM(model_dir, device=device, max_num_seqs=256, max_num_batched_tokens=8192, **extra,
                   kv_cache_bytes=KV_CACHE_BYTES if on_gpu else 256 << 20,
                   max_model_len=YARN_MAX_MODEL_LEN if variant == YARN else MAX_MODEL_LEN,
                   async_scheduling=variant == ASYNC, quantization="fp8" if variant in FP8_VARIANTS else None)

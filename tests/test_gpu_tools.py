@@ -601,3 +601,47 @@ def test_gpu_test_usage_lists_its_modes() -> None:
     for mode in ("build", "stage-model", "receive-part N", "run", "bench"):
         assert any(line.startswith(f"#   scripts/gpu-test {mode} ") for line in lines), mode
     assert not any(line.startswith("set -") for line in lines)
+
+
+# --------------------------------------------------------------------------- synthetic Q4_K_M GGUF files
+
+GGUF_SHAPE = {**TINY, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 8, "vocab_size": 151936}
+
+
+def test_a_synthetic_q4_k_m_gguf_has_llama_cpps_types_and_runs(tokenizer_dir: Path, tmp_path: Path) -> None:
+    import gguf
+
+    import synthetic_gguf as sg
+    from novainfer import LLM, SamplingParams
+
+    path, written = sg.ensure_gguf(tmp_path / "m.gguf", GGUF_SHAPE, tokenizer_dir, seed=3)
+    assert written and sg.ensure_gguf(path, GGUF_SHAPE, tokenizer_dir, seed=3) == (path, False)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    # 8 layers: the first and last (8 // 8 = 1, 7 · 8 // 8 = 7) and every third from the first eighth on.
+    assert [types[f"blk.{i}.attn_v.weight"] for i in range(8)] == [
+        "Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q6_K"]
+    assert types["blk.0.ffn_gate.weight"] == "Q4_K" and types["output.weight"] == "Q6_K"
+    assert types["blk.0.attn_norm.weight"] == "F32" and types["token_embd.weight"] == "Q4_K"
+    # The engine loads it (GGUF tokenizer included) and decodes finite logits.
+    llm = LLM(path, device="cpu", kv_cache_bytes=16 << 20)
+    out = llm.generate([[100, 200, 300]], SamplingParams(temperature=0, max_tokens=4, logprobs=1,
+                                                         ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 4
+    assert all(np.isfinite(lp[t]) for t, lp in zip(out.token_ids, out.logprobs))
+    with pytest.raises(ValueError, match="whole Q4_K blocks"):
+        sg.write_gguf(tmp_path / "odd.gguf", {**GGUF_SHAPE, "hidden_size": 192, "num_attention_heads": 4},
+                      tokenizer_dir)
+
+
+def test_q4km_steps_load_the_shapes_synthetic_gguf_beside_its_checkpoint(
+    tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checkpoint = sc.write_checkpoint(tmp_path / "small", GGUF_SHAPE, tokenizer_dir, pool_values=SMALL_POOL)
+    rc = gpu_bench.child_main("small", checkpoint, ("decode_b1_q4km",), time.time() + 60, 1e11, device="cpu")
+    out = capsys.readouterr().out
+    rows = [json.loads(line[len(gpu_bench.RESULT_PREFIX):]) for line in out.splitlines()
+            if line.startswith(gpu_bench.RESULT_PREFIX)]
+    assert rc == 0, out
+    assert [r["point"] for r in rows] == ["decode b1 (128+256) Q4_K_M native"] and rows[0]["tok_s"] > 0
+    assert (tmp_path / "small-q4_k_m.gguf").is_file() and "small-q4_k_m.gguf written" in out
+    assert gpu_bench.variant_of("batched_64_q4kmtile") == gpu_bench.Q4KM_TILE
