@@ -436,6 +436,7 @@ def write_tiny_gguf(out_path: str | Path, *, hf_dir: str | Path, qtype: str = "f
     linear: type and factor); GGUF has no dynamic NTK for Qwen2, so that is refused."""
     import gguf
     from numpy_qwen2 import load_checkpoint
+    from synthetic_gguf import add_tokenizer
 
     if qtype not in ("f32", "q8_0"):
         raise ValueError(f"qtype must be 'f32' or 'q8_0', got {qtype!r}")
@@ -443,18 +444,6 @@ def write_tiny_gguf(out_path: str | Path, *, hf_dir: str | Path, qtype: str = "f
     config = json.loads((hf_dir / "config.json").read_text())
     tok = json.loads((hf_dir / "tokenizer.json").read_text(encoding="utf-8"))
     tok_cfg = json.loads((hf_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
-
-    tokens: list[str | None] = [None] * config["vocab_size"]
-    types = [gguf.TokenType.UNUSED] * config["vocab_size"]
-    for token, tid in tok["model"]["vocab"].items():
-        tokens[tid], types[tid] = token, gguf.TokenType.NORMAL
-    for added in tok["added_tokens"]:
-        tokens[added["id"]] = added["content"]
-        types[added["id"]] = (
-            gguf.TokenType.CONTROL if added["special"] else gguf.TokenType.USER_DEFINED
-        )
-    tokens = [t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)]
-    token_id = {t: i for i, t in enumerate(tokens)}
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(out_path), "qwen2")
@@ -474,16 +463,7 @@ def write_tiny_gguf(out_path: str | Path, *, hf_dir: str | Path, qtype: str = "f
     )
     if qtype != "f32":
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(tok["model"]["merges"])
-    writer.add_eos_token_id(config["eos_token_id"])
-    writer.add_pad_token_id(token_id[tok_cfg["pad_token"]])
-    writer.add_bos_token_id(config["bos_token_id"])
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(tok_cfg["chat_template"])
+    add_tokenizer(writer, tok, tok_cfg, config["vocab_size"], config["bos_token_id"], config["eos_token_id"])
 
     for hf_name, array in load_checkpoint(hf_dir).items():
         array = array.astype(np.float32)
