@@ -512,6 +512,22 @@ def yarn_view(model_dir: Path) -> Path:
     return view
 
 
+def variant_name(suffix: str) -> str:
+    """A variant's name on the command line: its suffix without the underscore, "default" for none."""
+    return suffix.removeprefix("_") or "default"
+
+
+def selected_variants(spec: str) -> set[str]:
+    """The variant names `--variants` selects ("all", or names separated by commas); an unknown one is an error."""
+    known = {"default"} | {variant_name(v) for v in VARIANTS}
+    names = {n.strip() for n in spec.split(",") if n.strip()}
+    if names == {"all"}:
+        return known
+    if names - known:
+        raise SystemExit(f"unknown variants {sorted(names - known)}; known: all, {', '.join(sorted(known))}")
+    return names
+
+
 def config_shape(config: dict) -> dict:
     """The synthetic-checkpoint shape (synthetic_checkpoint.resolve_shape's keys) a config.json describes."""
     keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -859,8 +875,9 @@ def synthetic_main(args: argparse.Namespace) -> int:
           flush=True)
     rows: list[dict] = []
     failed = False
+    variants = selected_variants(args.variants)
     for shape, steps, cap in GROUPS:
-        if shape not in shapes:
+        if shape not in shapes or variant_name(variant_of(steps[0])) not in variants:
             continue
         planned = planned_rows(shape, steps)
         model_dir = args.synthetic_root / shape
@@ -914,6 +931,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", type=Path, default=ROOT / ".gpu" / "tokenizer",
                         help="tokenizer directory for new checkpoints (scripts/gpu-test build writes it)")
     parser.add_argument("--shapes", default=",".join(SHAPE_ORDER))
+    parser.add_argument("--variants", default="all",
+                        help="engine variants to run, comma-separated: default, " + ", ".join(
+                            variant_name(v) for v in VARIANTS) + " (default: all)")
     parser.add_argument("--budget-s", type=float, default=540.0, help="seconds the synthetic mode may take")
     parser.add_argument("--table-out", type=Path, help="also write the summary table (markdown) here")
     parser.add_argument("--child", nargs=2, metavar=("SHAPE", "DIR"), help=argparse.SUPPRESS)

@@ -645,3 +645,12 @@ def test_q4km_steps_load_the_shapes_synthetic_gguf_beside_its_checkpoint(
     assert [r["point"] for r in rows] == ["decode b1 (128+256) Q4_K_M native"] and rows[0]["tok_s"] > 0
     assert (tmp_path / "small-q4_k_m.gguf").is_file() and "small-q4_k_m.gguf written" in out
     assert gpu_bench.variant_of("batched_64_q4kmtile") == gpu_bench.Q4KM_TILE
+
+
+def test_variants_are_selected_by_name() -> None:
+    assert gpu_bench.selected_variants("all") >= {"default", "q4km", "fp8tile", "async"}
+    assert gpu_bench.selected_variants("default, q4km") == {"default", "q4km"}
+    assert gpu_bench.variant_name(gpu_bench.variant_of("batched_64_q4kmtile")) == "q4kmtile"
+    assert gpu_bench.variant_name(gpu_bench.variant_of("batched_64")) == "default"
+    with pytest.raises(SystemExit, match="unknown variants"):
+        gpu_bench.selected_variants("fast")
