@@ -43,13 +43,16 @@ FINITE = np.flatnonzero(~np.isnan(TABLE))
 
 
 def encode(x: np.ndarray) -> np.ndarray:
-    """The nearest e4m3 code of each value (|x| <= 448 expected)."""
+    """The nearest e4m3 code of each value (|x| <= 448 expected), a tie going to the even code (the cast's
+    rounding)."""
     values = TABLE[FINITE]
     order = np.argsort(values)
     sorted_values, sorted_codes = values[order], FINITE[order]
     i = np.clip(np.searchsorted(sorted_values, x), 1, len(sorted_values) - 1)
     left, right = sorted_values[i - 1], sorted_values[i]
-    pick = np.where(np.abs(x - left) <= np.abs(right - x), i - 1, i)
+    below, above = np.abs(x - left), np.abs(right - x)
+    even_left = (sorted_codes[i - 1] & 1) == 0
+    pick = np.where(below < above, i - 1, np.where(below > above, i, np.where(even_left, i - 1, i)))
     return sorted_codes[pick].astype(np.uint8)
 
 
@@ -204,19 +207,6 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-def encode_even(x: np.ndarray) -> np.ndarray:
-    """The nearest e4m3 code of each float32 value, a tie going to the even code (the cast's rounding)."""
-    values = TABLE[FINITE]
-    order = np.argsort(values)
-    sorted_values, sorted_codes = values[order], FINITE[order]
-    i = np.clip(np.searchsorted(sorted_values, x), 1, len(sorted_values) - 1)
-    left, right = sorted_values[i - 1], sorted_values[i]
-    below, above = np.abs(x - left), np.abs(right - x)
-    even_left = (sorted_codes[i - 1] & 1) == 0
-    pick = np.where(below < above, i - 1, np.where(below > above, i, np.where(even_left, i - 1, i)))
-    return sorted_codes[pick].astype(np.uint8)
-
-
 def online_fp8_reference(path: Path) -> Qwen2Reference:
     """The float64 reference on `path`'s weights with every decoder projection quantized in float32 as vLLM's
     dynamic FP8 does: s = amax / 448 per output channel, q = e4m3(w / s) saturated at ±448, w' = q · s. A
@@ -231,7 +221,7 @@ def online_fp8_reference(path: Path) -> Qwen2Reference:
                 continue
             amax = np.abs(w).max(axis=1, keepdims=True)
             s = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
-            q = TABLE[encode_even(np.clip(w / s, -448, 448))].astype(np.float32)
+            q = TABLE[encode(np.clip(w / s, -448, 448))].astype(np.float32)
             weights[name] = q * s
     return Qwen2Reference(config, weights)
 

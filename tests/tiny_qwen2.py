@@ -436,7 +436,7 @@ def write_tiny_gguf(out_path: str | Path, *, hf_dir: str | Path, qtype: str = "f
     linear: type and factor); GGUF has no dynamic NTK for Qwen2, so that is refused."""
     import gguf
     from numpy_qwen2 import load_checkpoint
-    from synthetic_gguf import add_tokenizer
+    from synthetic_gguf import add_hparams, add_tokenizer
 
     if qtype not in ("f32", "q8_0"):
         raise ValueError(f"qtype must be 'f32' or 'q8_0', got {qtype!r}")
@@ -447,16 +447,7 @@ def write_tiny_gguf(out_path: str | Path, *, hf_dir: str | Path, qtype: str = "f
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(out_path), "qwen2")
-    writer.add_type("model")
-    writer.add_name("tiny-qwen2")
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(config["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    add_hparams(writer, "tiny-qwen2", config)
     _add_rope_scaling(writer, config.get("rope_scaling"))
     writer.add_file_type(
         gguf.LlamaFileType.ALL_F32 if qtype == "f32" else gguf.LlamaFileType.MOSTLY_Q8_0

@@ -79,6 +79,20 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> 
     return blocks.reshape(rows, -1)
 
 
+def add_hparams(writer, name: str, config: Mapping) -> None:  # noqa: ANN001
+    """A Qwen2 config.json's hyperparameters as GGUF metadata, as llama.cpp's converter writes them."""
+    writer.add_type("model")
+    writer.add_name(name)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+
+
 def add_tokenizer(writer, tokenizer: Mapping, tokenizer_config: Mapping, vocab_size: int,  # noqa: ANN001
                   bos_id: int | None, eos_id: int) -> None:
     """A HF byte-level BPE tokenizer (tokenizer.json, tokenizer_config.json) as GGUF metadata, as llama.cpp's
@@ -136,16 +150,7 @@ def write_gguf(out_path: str | Path, shape: str | Mapping[str, Any], tokenizer_d
     sidecar.unlink(missing_ok=True)
     partial = out.with_name(out.name + ".partial")
     writer = gguf.GGUFWriter(str(partial), "qwen2")
-    writer.add_type("model")
-    writer.add_name(f"synthetic-qwen2-{name}")
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(config["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    add_hparams(writer, f"synthetic-qwen2-{name}", config)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_tokenizer(writer, tokenizer, tokenizer_config, config["vocab_size"], config["bos_token_id"],

@@ -618,20 +618,12 @@ impl<S: TensorSource> Builder<S> {
         Ok(match self.src.take(name, &[vocab, hidden])? {
             RawTensor::Dense(t) => Embedding::Dense(self.dense(t)?),
             RawTensor::Quantized(q) => Embedding::Quantized(Arc::new(self.requantize(q)?)),
-            // No checkpoint we read quantizes embeddings this way (AWQ and GPTQ leave them
-            // dense); a row lookup of dequantized values is exact.
-            RawTensor::Int4(w) => {
+            // No checkpoint we read quantizes embeddings this way (AWQ, GPTQ and FP8 ones leave
+            // them dense); a row lookup of dequantized values is exact.
+            raw @ (RawTensor::Int4(_) | RawTensor::Fp8(_)) => {
                 let t = Tensor::from_vec(
-                    w.dequantize(),
-                    (w.rows(), w.cols()),
-                    &candle_core::Device::Cpu,
-                )?;
-                Embedding::Dense(self.dense(t)?)
-            }
-            RawTensor::Fp8(w) => {
-                let t = Tensor::from_vec(
-                    w.dequantize(),
-                    (w.rows(), w.cols()),
+                    raw.to_f32_vec()?,
+                    (vocab, hidden),
                     &candle_core::Device::Cpu,
                 )?;
                 Embedding::Dense(self.dense(t)?)

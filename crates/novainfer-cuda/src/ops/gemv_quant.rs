@@ -166,6 +166,22 @@ fn check_x(gpu: &GpuContext, x: &CudaView<'_, bf16>, n: usize, k: usize) -> Resu
     check_aligned(gpu, "x", x, VECTOR_BYTES)
 }
 
+/// `y` (`len` values) takes columns `out.col0 .. out.col0 + rows` of `n` rows of `out.ld`.
+fn check_out(len: usize, n: usize, rows: usize, out: OutColumns) -> Result<()> {
+    if out.col0 + rows > out.ld || len < (n - 1) * out.ld + out.col0 + rows {
+        return Err(CudaError::invalid(
+            "y",
+            format!(
+                "{len} values cannot take columns {}..{} of {n} rows of {}",
+                out.col0,
+                out.col0 + rows,
+                out.ld
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn warps_of(blocks: usize) -> Result<LaunchConfig> {
     Ok(LaunchConfig {
         grid_dim: (to_u32("rows", blocks)?, 1, 1),
@@ -189,18 +205,7 @@ pub fn gemv<T: Dtype>(
     let (parts, _guards, Launched { family, rows }) =
         parts_arg(gpu, w, k, |weights, rows| check_shape(weights, rows, k, n))?;
     check_x(gpu, x, n, k)?;
-    if out.col0 + rows > out.ld || y.len() < (n - 1) * out.ld + out.col0 + rows {
-        return Err(CudaError::invalid(
-            "y",
-            format!(
-                "{} values cannot take columns {}..{} of {n} rows of {}",
-                y.len(),
-                out.col0,
-                out.col0 + rows,
-                out.ld
-            ),
-        ));
-    }
+    check_out(y.len(), n, rows, out)?;
     let (rows_i, k_i, n_i, ld_i, col0_i) = (
         to_i32("rows", rows)?,
         to_i32("k", k)?,
@@ -244,18 +249,7 @@ pub fn gemm_packed<T: Dtype>(
         crate::gemm_tile::check_shape(weights, rows, k, m)
     })?;
     check_x(gpu, x, m, k)?;
-    if out.col0 + rows > out.ld || y.len() < (m - 1) * out.ld + out.col0 + rows {
-        return Err(CudaError::invalid(
-            "y",
-            format!(
-                "{} values cannot take columns {}..{} of {m} rows of {}",
-                y.len(),
-                out.col0,
-                out.col0 + rows,
-                out.ld
-            ),
-        ));
-    }
+    check_out(y.len(), m, rows, out)?;
     let step = crate::gemm_tile::k_split(k, splits);
     if splits == 0 || splits > crate::gemm_tile::MAX_SPLITS || (splits - 1) * step >= k {
         return Err(CudaError::invalid(
