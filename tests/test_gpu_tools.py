@@ -571,15 +571,18 @@ def test_synthetic_mode_end_to_end_on_the_cpu(
     # The benchmarks' prompts use ids up to the tokenizer's size: the vocabulary must be real-sized.
     monkeypatch.setitem(sc.SHAPES, "tiny", TINY)
     monkeypatch.setattr(gpu_bench, "SHAPE_ORDER", ("tiny",))
-    # The second group gets too little time to start: its row is reported as not run.
-    monkeypatch.setattr(gpu_bench, "GROUPS", (("tiny", ("decode_b1",), 60), ("tiny", ("workload",), 5)))
+    # The last group gets too little time to start: its row is reported as not run. The fused group is not among
+    # the variants asked for: it has no row at all.
+    monkeypatch.setattr(gpu_bench, "GROUPS", (("tiny", ("decode_b1",), 60), ("tiny", ("decode_b1_fused",), 60),
+                                              ("tiny", ("workload",), 5)))
     table = tmp_path / "table.md"
     args = gpu_bench.argparse.Namespace(
         shapes="tiny", synthetic_root=tmp_path / "synthetic", tokenizer=tokenizer_dir, budget_s=120.0,
-        table_out=table, bandwidth=1e11, device="cpu")
+        table_out=table, bandwidth=1e11, device="cpu", variants="default")
     assert gpu_bench.synthetic_main(args) == 0
     out = capsys.readouterr().out
     assert "tiny: wrote" in out and "tiny: decode b1 (128+256):" in out and gpu_bench.RESULT_PREFIX not in out
+    assert "fused" not in out
     assert sc.is_complete(tmp_path / "synthetic" / "tiny", "tiny")
     text = table.read_text()
     assert text.startswith("## Speed on synthetic checkpoints")
