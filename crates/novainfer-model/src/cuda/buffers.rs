@@ -13,6 +13,7 @@ use super::driver_error;
 use crate::config::Qwen2Config;
 use crate::draw::{MAX_DEVICE_EDITS, MAX_TOP_LOGPROBS};
 use crate::error::{ModelError, Result};
+use crate::prepare::linear::PackedGemm;
 use crate::prepare::{write_edits, PackedStep, StepLayout};
 
 /// Per-token activations for `max_num_batched_tokens` tokens and the sampling tail for
@@ -52,24 +53,30 @@ pub(crate) struct Activations {
     pub top_ids: CudaSlice<u32>,
     pub top_logprobs: CudaSlice<f32>,
     pub ranks: CudaSlice<u32>,
-    /// A packed matrix expanded to bf16 for a step too large for the packed GEMV
-    /// (`gpu_weight_dtype="native"`; one value when every matrix is bf16, or when the tiled
-    /// GEMM multiplies packed matrices in place).
-    pub expanded: CudaSlice<bf16>,
-    /// The tiled GEMM's partial sums of a product split along k (`PackedGemm::partials_len`).
-    pub partials: CudaSlice<f32>,
+    /// What a step too large for the packed GEMV needs to multiply by a packed matrix.
+    pub packed: PackedScratch,
+}
+
+/// The scratch of steps of more rows than the GEMV takes over packed matrices, as
+/// [`PackedGemm`] runs them: one or the other, never both.
+pub enum PackedScratch {
+    /// The matrix expanded to bf16 here for cuBLAS (as large as the largest packed matrix; one
+    /// value when every matrix is bf16).
+    Expand(CudaSlice<bf16>),
+    /// The tiled GEMM's partial sums of a product split along k ([`PackedGemm::partials_len`]).
+    Tile(CudaSlice<f32>),
 }
 
 impl Activations {
-    /// `expanded_len`: the bf16 scratch for expanding packed matrices
-    /// ([`super::weights::GpuModel::expanded_len`], or none); `partials_len`: the tiled GEMM's.
+    /// `packed` with `expanded_len` (the largest packed matrix's values,
+    /// [`super::weights::GpuModel::expanded_len`]) sizes [`Self::packed`].
     pub fn new(
         gpu: &GpuContext,
         cfg: &Qwen2Config,
         max_tokens: usize,
         max_rows: usize,
+        packed: PackedGemm,
         expanded_len: usize,
-        partials_len: usize,
     ) -> Result<Self> {
         let (h, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let q = cfg.num_attention_heads * cfg.head_dim();
@@ -110,8 +117,10 @@ impl Activations {
             top_ids: u32s(max_rows * MAX_TOP_LOGPROBS)?,
             top_logprobs: f32s(max_rows * MAX_TOP_LOGPROBS)?,
             ranks: u32s(max_rows)?,
-            expanded: bf(expanded_len)?,
-            partials: f32s(partials_len)?,
+            packed: match packed {
+                PackedGemm::Expand => PackedScratch::Expand(bf(expanded_len)?),
+                PackedGemm::Tile => PackedScratch::Tile(f32s(packed.partials_len())?),
+            },
         })
     }
 }

@@ -24,7 +24,7 @@ use crate::forward_batch::{ForwardBatch, ForwardOutput, SpanOutput};
 use crate::layers::ops::normalize_l2;
 use crate::loader::OpenedCheckpoint;
 use crate::prepare::graph::{replay_step, route, CudaGraphs, StepRoute};
-use crate::prepare::linear::{DecodeLinear, PackedGemm};
+use crate::prepare::linear::DecodeLinear;
 use crate::prepare::{HostModelReader, PackedStep, StepCapacity, StepLayout};
 use crate::qwen2::{DtypeChoice, LoadOptions};
 use crate::weight_quantization::QuantizedAtLoad;
@@ -44,7 +44,6 @@ pub struct CudaWeights {
     limits: StepLimits,
     graph_mode: CudaGraphs,
     decode_linear: DecodeLinear,
-    packed_gemm: PackedGemm,
     /// The staging and readback slot the next step uses; a pass left in flight keeps the
     /// other one (`Step::slot`).
     slot: usize,
@@ -92,8 +91,8 @@ impl CudaWeights {
             &cfg,
             limits.max_num_batched_tokens,
             limits.max_num_seqs,
-            packed_gemm.scratch_len(model.expanded_len()),
-            packed_gemm.partials_len(),
+            packed_gemm,
+            model.expanded_len(),
         )?;
         // The scratch depends on heads and history length only; block geometry is the
         // pool's and comes with each launch.
@@ -131,7 +130,6 @@ impl CudaWeights {
             limits,
             graph_mode: opts.cuda_graphs,
             decode_linear,
-            packed_gemm,
             slot: 0,
         })
     }
@@ -298,7 +296,6 @@ impl CudaWeights {
             masks: &mut self.masks,
             lora: None,
             linear: self.decode_linear,
-            packed: self.packed_gemm,
             slot: self.slot,
         }
     }

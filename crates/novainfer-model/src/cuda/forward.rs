@@ -36,7 +36,8 @@ use novainfer_cuda::ops::silu_mul::silu_mul_fused;
 use novainfer_cuda::GpuContext;
 
 use super::buffers::{
-    head, head_mut, Activations, EditBuffers, KvPool, MaskBuffers, Readback, StepBuffers, StepViews,
+    head, head_mut, Activations, EditBuffers, KvPool, MaskBuffers, PackedScratch, Readback,
+    StepBuffers, StepViews,
 };
 use super::lora::{LoraStep, Part};
 use super::weights::{GpuLayer, GpuMatrix, GpuModel, MatrixData, PackedPart};
@@ -46,7 +47,7 @@ use crate::device::Device;
 use crate::error::Result;
 use crate::forward_batch::DrawnToken;
 use crate::lora::Target;
-use crate::prepare::linear::{DecodeLinear, PackedGemm};
+use crate::prepare::linear::DecodeLinear;
 use crate::prepare::{MixedSteps, PackedStep, StepAttention};
 
 /// What a step returns for its sampled rows.
@@ -87,8 +88,6 @@ pub(crate) struct Step<'a> {
     pub lora: Option<LoraStep<'a>>,
     /// How steps of a few rows run their linear layers.
     pub linear: DecodeLinear,
-    /// How larger steps multiply by packed matrices.
-    pub packed: PackedGemm,
     /// Which of the two staging buffers the step's metadata goes through (the readback is
     /// this slot's too): the executor alternates them so a step in flight keeps its own.
     pub slot: usize,
@@ -156,7 +155,6 @@ impl<'a> Step<'a> {
             masks,
             lora,
             linear,
-            packed,
             slot,
             ..
         } = self;
@@ -194,7 +192,6 @@ impl<'a> Step<'a> {
             scratch,
             lora,
             linear,
-            packed,
         };
         body.layers(&views, n, attention)?;
         if rows == 0 {
@@ -254,7 +251,6 @@ pub(crate) struct Body<'b> {
     /// captured graph never has one).
     pub lora: Option<LoraStep<'b>>,
     pub linear: DecodeLinear,
-    pub packed: PackedGemm,
 }
 
 impl Body<'_> {
@@ -275,7 +271,6 @@ impl Body<'_> {
             scratch,
             lora,
             linear,
-            packed,
         } = self;
         let gpu: &GpuContext = gpu;
         let (h, f, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
@@ -355,11 +350,9 @@ impl Body<'_> {
                     &layer.qkv,
                     n,
                     &mut act.qkv,
-                    &mut act.expanded,
+                    &mut act.packed,
                     "qkv",
                     false,
-                    *packed,
-                    &mut act.partials,
                 )?;
             }
             if let Some(l) = lora.as_mut() {
@@ -484,11 +477,9 @@ impl Body<'_> {
                 &layer.o_proj,
                 n,
                 &mut act.proj,
-                &mut act.expanded,
+                &mut act.packed,
                 "proj",
                 fused,
-                *packed,
-                &mut act.partials,
             )?;
             if let Some(l) = lora.as_mut() {
                 let parts = [Part::new(Target::O, 0, h)];
@@ -512,11 +503,9 @@ impl Body<'_> {
                     &layer.gate_up,
                     n,
                     &mut act.gate_up,
-                    &mut act.expanded,
+                    &mut act.packed,
                     "gate_up",
                     false,
-                    *packed,
-                    &mut act.partials,
                 )?;
                 if let Some(l) = lora.as_mut() {
                     let parts = [Part::new(Target::Gate, 0, f), Part::new(Target::Up, f, f)];
@@ -546,11 +535,9 @@ impl Body<'_> {
                 &layer.down_proj,
                 n,
                 &mut act.proj,
-                &mut act.expanded,
+                &mut act.packed,
                 "proj",
                 fused,
-                *packed,
-                &mut act.partials,
             )?;
             if let Some(l) = lora.as_mut() {
                 let parts = [Part::new(Target::Down, 0, h)];
@@ -617,13 +604,15 @@ impl Body<'_> {
             }
             _ if rows <= GEMV_MAX_ROWS => gemv_runs(self.gpu, lm_head, &x, rows, &mut y)?,
             MatrixData::Bf16(w) => gemm_bf16_f32out(self.gpu, &x, &w.as_view(), shape, &mut y)?,
-            MatrixData::Packed(_) if self.packed == PackedGemm::Tile => {
-                gemm_packed_runs(self.gpu, lm_head, &x, rows, &mut y, &mut act.partials)?
-            }
-            MatrixData::Packed(parts) => {
-                let w = expand(self.gpu, parts, lm_head, &mut act.expanded)?;
-                gemm_bf16_f32out(self.gpu, &x, &w, shape, &mut y)?
-            }
+            MatrixData::Packed(parts) => match &mut act.packed {
+                PackedScratch::Tile(partials) => {
+                    gemm_packed_runs(self.gpu, lm_head, &x, rows, &mut y, partials)?
+                }
+                PackedScratch::Expand(expanded) => {
+                    let w = expand(self.gpu, parts, lm_head, expanded)?;
+                    gemm_bf16_f32out(self.gpu, &x, &w, shape, &mut y)?
+                }
+            },
         }
         Ok(())
     }
@@ -859,7 +848,7 @@ fn drawn_tokens(step: &PackedStep, readback: &Readback) -> Result<Vec<DrawnToken
 
 /// `y[..n] = x[..n] · Wᵀ` over the first `n` rows of the activation buffers. A packed matrix
 /// is multiplied in place by steps of up to [`GEMV_MAX_ROWS`] rows, and by larger ones with
-/// the tiled GEMM or expanded into `expanded` for cuBLAS, as `packed` says; a bf16 one goes to
+/// the tiled GEMM or expanded for cuBLAS, whichever `scratch` is for; a bf16 one goes to
 /// cuBLAS, or with `gemv_bf16` (the fused decode path) to the GEMV too for steps it takes.
 #[allow(clippy::too_many_arguments)]
 fn gemm(
@@ -868,11 +857,9 @@ fn gemm(
     w: &GpuMatrix,
     n: usize,
     y: &mut CudaSlice<bf16>,
-    expanded: &mut CudaSlice<bf16>,
+    scratch: &mut PackedScratch,
     what: &str,
     gemv_bf16: bool,
-    packed: PackedGemm,
-    partials: &mut CudaSlice<f32>,
 ) -> Result<(), Failure> {
     let x = head(x, n * w.cols, "gemm input")?;
     let mut y = head_mut(y, n * w.rows, what)?;
@@ -887,13 +874,13 @@ fn gemm(
         }
         _ if n <= GEMV_MAX_ROWS => gemv_runs(gpu, w, &x, n, &mut y)?,
         MatrixData::Bf16(data) => gemm_bf16(gpu, &x, &data.as_view(), shape, &mut y)?,
-        MatrixData::Packed(_) if packed == PackedGemm::Tile => {
-            gemm_packed_runs(gpu, w, &x, n, &mut y, partials)?
-        }
-        MatrixData::Packed(parts) => {
-            let data = expand(gpu, parts, w, expanded)?;
-            gemm_bf16(gpu, &x, &data, shape, &mut y)?
-        }
+        MatrixData::Packed(parts) => match scratch {
+            PackedScratch::Tile(partials) => gemm_packed_runs(gpu, w, &x, n, &mut y, partials)?,
+            PackedScratch::Expand(expanded) => {
+                let data = expand(gpu, parts, w, expanded)?;
+                gemm_bf16(gpu, &x, &data, shape, &mut y)?
+            }
+        },
     }
     Ok(())
 }

@@ -123,7 +123,6 @@ impl Runner<'_> {
             scratch: &mut *s.scratch,
             lora: None,
             linear: s.linear,
-            packed: s.packed,
         };
         let attention = Attention::Decode {
             max_seq_len: self.graphs.max_seq_len,

@@ -87,15 +87,6 @@ impl PackedGemm {
         Self::parse(&std::env::var(PACKED_GEMM_ENV).unwrap_or_default())
     }
 
-    /// Values of bf16 scratch the expansion needs for packed matrices of at most `largest`
-    /// values: none when tiles are decoded in place.
-    pub fn scratch_len(self, largest: usize) -> usize {
-        match self {
-            Self::Expand => largest,
-            Self::Tile => 0,
-        }
-    }
-
     /// f32 values the tiled GEMM may spend on a split product's partial sums (16 MiB: a step of
     /// 64 rows by a 1.5B projection in 12 ranges takes 1.2M); products whose ranges would not fit
     /// are split less (`gemm_tile::splits`).
@@ -122,8 +113,6 @@ mod tests {
             err.contains(PACKED_GEMM_ENV) && err.contains("tile"),
             "{err}"
         );
-        assert_eq!(PackedGemm::Expand.scratch_len(1000), 1000);
-        assert_eq!(PackedGemm::Tile.scratch_len(1000), 0);
         assert_eq!(PackedGemm::Expand.partials_len(), 0);
         assert!(PackedGemm::Tile.partials_len() > 0);
     }
