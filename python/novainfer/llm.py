@@ -297,9 +297,10 @@ class LLM:
         `async_scheduling`), and seconds spent stepping. With speculative
         decoding: drafts verified (`num_drafts`), their tokens (`num_draft_tokens`), those confirmed
         (`num_accepted_tokens`), `spec_acceptance_rate` (confirmed / drafted) and `spec_mean_acceptance_length`
-        (tokens per verified step: 1 + confirmed / drafts, as vLLM reports it). On the CPU,
+        (tokens per verified step: 1 + confirmed / drafts, as vLLM reports it).
         `weight_bytes_per_token`: the weight bytes one decode step reads, which with
-        `novainfer._native.read_bandwidth()` bounds single-stream decode speed."""
+        `novainfer._native.read_bandwidth()` bounds single-stream decode speed (on the CPU and a GPU); on a GPU
+        also `weight_bytes`, the bytes the weights occupy in its memory (as `gpu_weight_dtype` holds them)."""
         return self._engine.stats()
 
     def reset_prefix_cache(self) -> bool:

@@ -91,6 +91,8 @@ pub struct EngineStats {
     pub kv_bytes_per_block: usize,
     /// Weight bytes a decode step reads (`None` where the device does not say).
     pub weight_bytes_per_token: Option<usize>,
+    /// Bytes the weights occupy on the device (`None` where the device does not say: the CPU).
+    pub weight_bytes: Option<usize>,
     pub num_prompt_tokens_computed: u64,
     pub num_generated_tokens: u64,
     /// Speculative decoding: drafts verified (one per request per step), their tokens, and
@@ -163,6 +165,7 @@ impl EngineCore {
             kv_bytes_per_block: runner.kv_bytes_per_block()
                 + draft.map_or(0, DraftModel::kv_bytes_per_block),
             weight_bytes_per_token: runner.weight_bytes_per_token(),
+            weight_bytes: runner.weight_bytes(),
             ..EngineStats::default()
         };
         Self {

@@ -41,6 +41,9 @@ impl Executor for HostDraws {
     fn weight_bytes_per_token(&self) -> Option<usize> {
         self.inner.weight_bytes_per_token()
     }
+    fn weight_bytes(&self) -> Option<usize> {
+        self.inner.weight_bytes()
+    }
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             sampling: DeviceSampling { draws: true },

@@ -197,6 +197,7 @@ struct Facts {
     num_blocks: usize,
     kv_bytes_per_block: usize,
     weight_bytes_per_token: Option<usize>,
+    weight_bytes: Option<usize>,
 }
 
 pub struct ModelRunner {
@@ -219,6 +220,7 @@ impl ModelRunner {
             num_blocks: executor.num_blocks(),
             kv_bytes_per_block: executor.kv_bytes_per_block(),
             weight_bytes_per_token: executor.weight_bytes_per_token(),
+            weight_bytes: executor.weight_bytes(),
         };
         Self {
             executor: DeviceThread::spawn(executor),
@@ -257,6 +259,11 @@ impl ModelRunner {
     /// Weight bytes a decode step reads, where the executor knows them.
     pub fn weight_bytes_per_token(&self) -> Option<usize> {
         self.facts.weight_bytes_per_token
+    }
+
+    /// Bytes the weights occupy on the device, where the executor knows them.
+    pub fn weight_bytes(&self) -> Option<usize> {
+        self.facts.weight_bytes
     }
 
     /// Bytes of the whole KV pool.

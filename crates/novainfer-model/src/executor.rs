@@ -88,6 +88,12 @@ pub trait Executor: Send {
     fn weight_bytes_per_token(&self) -> Option<usize> {
         None
     }
+    /// Bytes the weights occupy in the device's memory, where the executor knows them: the
+    /// CUDA executor's every matrix as it holds it (packed or bf16, the embedding table
+    /// included) and vectors; what `gpu_weight_dtype` changes.
+    fn weight_bytes(&self) -> Option<usize> {
+        None
+    }
     /// What this backend can do ([`Capabilities`]): the engine asks, never the device kind.
     /// A batch asking for more (an adapter span without `adapters`, a draw without
     /// `sampling.draws`) is answered with [`ModelError::Unsupported`](crate::ModelError).

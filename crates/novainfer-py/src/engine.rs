@@ -351,6 +351,9 @@ impl PyEngine {
         if let Some(bytes) = s.weight_bytes_per_token {
             stats.set_item("weight_bytes_per_token", bytes as u64)?;
         }
+        if let Some(bytes) = s.weight_bytes {
+            stats.set_item("weight_bytes", bytes as u64)?;
+        }
         stats.set_item(
             "spec_acceptance_rate",
             ratio(s.num_accepted_tokens, s.num_draft_tokens),

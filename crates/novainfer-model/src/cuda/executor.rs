@@ -581,6 +581,9 @@ impl Executor for CudaExecutor {
     fn weight_bytes_per_token(&self) -> Option<usize> {
         Some(self.w.model.weight_bytes_per_token())
     }
+    fn weight_bytes(&self) -> Option<usize> {
+        Some(self.w.model.weight_bytes())
+    }
 
     fn config(&self) -> &Qwen2Config {
         &self.w.cfg

@@ -174,6 +174,16 @@ impl GpuModel {
         layers + vector(&self.norm) + self.lm_head().bytes()
     }
 
+    /// Bytes every weight holds on the device: [`Self::weight_bytes_per_token`]'s and the
+    /// embedding table's (once when it is the head).
+    pub fn weight_bytes(&self) -> usize {
+        let table = match self.lm_head {
+            Some(_) => self.embed_tokens.bytes(),
+            None => 0,
+        };
+        self.weight_bytes_per_token() + table
+    }
+
     /// The largest expansion a step may need: the biggest packed matrix (0 when none is).
     pub fn expanded_len(&self) -> usize {
         let layers = self
