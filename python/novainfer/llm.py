@@ -133,7 +133,8 @@ class LLM:
 
     `quantization="fp8"` quantizes a dense checkpoint's decoder linear layers at load to FP8 (e4m3, a scale per
     output channel, as vLLM's option): a GPU keeps them as FP8 (half the bytes of bf16); the CPU, which has no FP8
-    arithmetic, runs their dense values, so both compute with the same weights. Embeddings, norms and the lm_head
+    arithmetic, runs their dense f32 values, so both compute with the same weights (on the CPU for the numbers, not
+    speed: twice a bf16 checkpoint's bytes). Embeddings, norms and the lm_head
     stay as they are. An already quantized checkpoint (GGUF blocks, AWQ, GPTQ) is a `ModelLoadError`; an FP8 one is
     kept as it is.
 

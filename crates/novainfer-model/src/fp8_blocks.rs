@@ -14,9 +14,12 @@
 //! [ s: f32 LE ][ 128 e4m3fn codes, channel order ]
 //! ```
 
+use std::sync::Mutex;
+
 use novainfer_cuda::quant_type::e4m3_to_f32;
 
 use crate::error::{ModelError, Result};
+use crate::layers::parallel::SharedOut;
 
 /// Input channels per group.
 pub const GROUP_K: usize = 128;
@@ -56,42 +59,37 @@ impl Fp8Blocks {
         rows: usize,
         cols: usize,
         codes: &[u8],
-        scale: impl Fn(usize, usize) -> f32,
+        scale: impl Fn(usize, usize) -> f32 + Sync,
     ) -> Result<Self> {
-        if !Self::fits(cols) {
-            return Err(invalid(
-                name,
-                format!("{cols} input channels are not whole groups of {GROUP_K}"),
-            ));
-        }
         if codes.len() != rows * cols {
             return Err(invalid(
                 name,
                 format!("{} codes for a [{rows}, {cols}] weight", codes.len()),
             ));
         }
-        let groups = cols / GROUP_K;
-        let mut blocks = Vec::with_capacity(rows * groups * BLOCK_BYTES);
-        for (i, group) in codes.chunks_exact(GROUP_K).enumerate() {
-            let (o, g) = (i / groups, i % groups);
-            let s = scale(o, g);
-            if !s.is_finite() {
-                return Err(invalid(name, format!("a scale of {s}")));
-            }
-            if let Some(j) = group.iter().position(|&c| c & 0x7F == 0x7F) {
-                return Err(invalid(
-                    name,
-                    format!(
+        Self::build(name, rows, cols, |o, blocks| {
+            let row = &codes[o * cols..(o + 1) * cols];
+            for (g, (block, group)) in blocks
+                .chunks_exact_mut(BLOCK_BYTES)
+                .zip(row.chunks_exact(GROUP_K))
+                .enumerate()
+            {
+                let s = scale(o, g);
+                if !s.is_finite() {
+                    return Err(format!("a scale of {s}"));
+                }
+                if let Some(j) = group.iter().position(|&c| c & 0x7F == 0x7F) {
+                    return Err(format!(
                         "a NaN code (0x{:02x}) at [{o}, {}]",
                         group[j],
                         g * GROUP_K + j
-                    ),
-                ));
+                    ));
+                }
+                block[..4].copy_from_slice(&s.to_le_bytes());
+                block[4..].copy_from_slice(group);
             }
-            blocks.extend_from_slice(&s.to_le_bytes());
-            blocks.extend_from_slice(group);
-        }
-        Ok(Self { rows, cols, blocks })
+            Ok(())
+        })
     }
 
     /// `values` (`[rows, cols]`, row-major) quantized per output channel, as vLLM's dynamic FP8
@@ -105,29 +103,63 @@ impl Fp8Blocks {
                 format!("{} values for a [{rows}, {cols}] weight", values.len()),
             ));
         }
-        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+        Self::build(name, rows, cols, |o, blocks| {
+            let row = &values[o * cols..(o + 1) * cols];
+            if let Some(i) = row.iter().position(|v| !v.is_finite()) {
+                return Err(format!("a value of {} at [{o}, {i}]", row[i]));
+            }
+            let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let s = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
+            for (block, group) in blocks
+                .chunks_exact_mut(BLOCK_BYTES)
+                .zip(row.chunks_exact(GROUP_K))
+            {
+                block[..4].copy_from_slice(&s.to_le_bytes());
+                for (code, &v) in block[4..].iter_mut().zip(group) {
+                    *code = f32_to_e4m3(v / s);
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// The blocks of `rows` rows of `cols` (whole groups), each row's written by `row(o, its
+    /// blocks)` on the CPU pool (a 1.5B model's projections are a billion weights); the first
+    /// row's error, if any, names `name`.
+    fn build(
+        name: &str,
+        rows: usize,
+        cols: usize,
+        row: impl Fn(usize, &mut [u8]) -> std::result::Result<(), String> + Sync,
+    ) -> Result<Self> {
+        if !Self::fits(cols) {
             return Err(invalid(
                 name,
-                format!("a value of {} at [{}, {}]", values[i], i / cols, i % cols),
+                format!("{cols} input channels are not whole groups of {GROUP_K}"),
             ));
         }
-        let scales: Vec<f32> = values
-            .chunks_exact(cols.max(1))
-            .map(|row| {
-                let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
-                if amax > 0.0 {
-                    amax / E4M3_MAX
-                } else {
-                    1.0
+        let row_bytes = cols / GROUP_K * BLOCK_BYTES;
+        let mut blocks = vec![0u8; rows * row_bytes];
+        // The first failing row's message, by row (the same error whatever the threads' order).
+        let failed: Mutex<Option<(usize, String)>> = Mutex::new(None);
+        let shared = SharedOut::new(&mut blocks);
+        candle_core::utils::barrier_pool().execute_chunked(rows, |range| {
+            for o in range {
+                // SAFETY: row o's blocks belong to this item alone.
+                let dst = unsafe { shared.range(o * row_bytes, row_bytes) };
+                if let Err(why) = row(o, dst) {
+                    let mut first = failed.lock().unwrap_or_else(|e| e.into_inner());
+                    if first.as_ref().is_none_or(|(at, _)| o < *at) {
+                        *first = Some((o, why));
+                    }
+                    return;
                 }
-            })
-            .collect();
-        let codes: Vec<u8> = values
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| f32_to_e4m3(v / scales[i / cols]))
-            .collect();
-        Self::from_codes(name, rows, cols, &codes, |o, _| scales[o])
+            }
+        });
+        match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some((_, why)) => Err(invalid(name, why)),
+            None => Ok(Self { rows, cols, blocks }),
+        }
     }
 
     pub fn rows(&self) -> usize {
@@ -143,12 +175,27 @@ impl Fp8Blocks {
         &self.blocks
     }
 
-    /// The dense `[rows, cols]` weights, `f32(q) · s` each, one rounding.
+    /// The dense `[rows, cols]` weights, `f32(q) · s` each, one rounding; rows on the CPU pool.
     pub fn dequantize(&self) -> Vec<f32> {
-        self.blocks
-            .chunks_exact(BLOCK_BYTES)
-            .flat_map(|block| (0..GROUP_K).map(move |j| block_value(block, j)))
-            .collect()
+        let (cols, row_bytes) = (self.cols, self.cols / GROUP_K * BLOCK_BYTES);
+        let mut out = vec![0f32; self.rows * cols];
+        let shared = SharedOut::new(&mut out);
+        candle_core::utils::barrier_pool().execute_chunked(self.rows, |range| {
+            for o in range {
+                // SAFETY: row o's values belong to this item alone.
+                let dst = unsafe { shared.range(o * cols, cols) };
+                let blocks = &self.blocks[o * row_bytes..(o + 1) * row_bytes];
+                for (values, block) in dst
+                    .chunks_exact_mut(GROUP_K)
+                    .zip(blocks.chunks_exact(BLOCK_BYTES))
+                {
+                    for (j, v) in values.iter_mut().enumerate() {
+                        *v = block_value(block, j);
+                    }
+                }
+            }
+        });
+        out
     }
 }
 

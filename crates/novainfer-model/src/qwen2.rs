@@ -204,6 +204,13 @@ impl Qwen2Model {
         source: S,
         opts: &LoadOptions,
     ) -> Result<Self> {
+        if opts.quantization == WeightQuantization::Fp8 {
+            // The CPU has no FP8 arithmetic: the layers run as their dense values.
+            tracing::warn!(
+                "quantization=fp8 on the CPU runs the FP8 layers as dense f32 values (the weights a GPU \
+                 multiplies as FP8), twice a bf16 checkpoint's bytes: for the same numbers, not for speed"
+            );
+        }
         let mut b = Builder {
             src: CheckedSource::new(QuantizedAtLoad::new(source, opts.quantization)),
             opts: *opts,
