@@ -165,6 +165,18 @@ def test_generate_takes_a_speculative_config(tiny_models, tiny_llm):
     assert res.returncode == 2 and "speculative-config" in res.stderr
 
 
+def test_generate_takes_a_quantization(tiny_models):
+    # The tiny model's down_proj (128 inputs) is FP8 with --quantization fp8: the same text as the library gives.
+    from novainfer import LLM
+
+    res = _cli("generate", "--model", str(tiny_models["f32"]), "--max-tokens", "8", "--quantization", "fp8", "hello")
+    assert res.returncode == 0, res.stderr
+    expected = LLM(tiny_models["f32"], quantization="fp8").generate("hello", _greedy(8))[0].outputs[0].text
+    assert res.stdout == expected + "\n"
+    res = _cli("generate", "--model", str(tiny_models["f32"]), "--quantization", "int3", "hello")
+    assert res.returncode == 2 and "quantization" in res.stderr
+
+
 def test_bench_llama_cpp_puts_both_engines_side_by_side(tiny_models, tmp_path):
     """Stand-ins for llama.cpp's bench tools print its JSONL at fixed speeds: the table holds NovaInfer's own
     measurement beside them, their ratio and each process's peak RSS; a failing tool is a failed cell and exit 1."""
