@@ -274,3 +274,9 @@ def test_online_fp8_refuses_quantized_checkpoints_and_unknown_methods(tmp_path):
         LLM(gguf, quantization="fp8")
     with pytest.raises(InvalidParameterError, match="quantization"):
         LLM(hf, quantization="int8")
+    from test_awq_gptq import VARIANTS as INT_VARIANTS
+    from test_awq_gptq import write_quantized
+
+    awq = write_quantized(tmp_path / "awq", INT_VARIANTS["awq-g128"][0])
+    with pytest.raises(ModelLoadError, match="quant_method awq"):
+        LLM(awq, quantization="fp8")

@@ -8,8 +8,9 @@
 //!   stay as they are (vLLM keeps them too). On a GPU the layers stay FP8 (half a bf16 matrix's
 //!   bytes; decode multiplies the codes in place); the CPU, which has no FP8 arithmetic, runs
 //!   their dense values, so both devices compute with the same weights. A checkpoint that is
-//!   already FP8 is kept as it is; one quantized some other way (GGUF blocks, AWQ, GPTQ) is a
-//!   load error naming the first such layer, since quantizing it again would only lose more.
+//!   already FP8 (`quant_method: fp8`) is kept as it is, every layer (those its scale layout
+//!   leaves dense too); one quantized some other way (AWQ, GPTQ, GGUF blocks) is a load error
+//!   naming its method or first such layer, since quantizing it again would only lose more.
 
 use candle_core::DType;
 
@@ -108,6 +109,12 @@ impl<S: TensorSource> TensorSource for QuantizedAtLoad<S> {
                  already {what}; load it without quantization"
             ),
         };
+        match self.inner.quant_method() {
+            // An FP8 checkpoint's layers are FP8 values already, whatever form they load in.
+            Some("fp8") => return Ok(raw),
+            Some(method) => return Err(already(format!("quantized (quant_method {method})"))),
+            None => {}
+        }
         match raw {
             RawTensor::Dense(t) => {
                 let &[rows, cols] = t.dims() else {
@@ -133,7 +140,7 @@ impl<S: TensorSource> TensorSource for QuantizedAtLoad<S> {
             }
             RawTensor::Fp8(w) => Ok(RawTensor::Fp8(w)),
             RawTensor::Quantized(q) => Err(already(format!("{:?} (GGUF)", q.dtype()))),
-            RawTensor::Int4(_) => Err(already("int4 (AWQ/GPTQ)".to_owned())),
+            RawTensor::Int4(_) => Err(already("int4".to_owned())),
         }
     }
 }
@@ -172,10 +179,13 @@ mod tests {
         }
     }
 
-    /// A source of named tensors, for the wrapper to read.
-    struct Tensors(Vec<(&'static str, RawTensor)>);
+    /// A source of named tensors, for the wrapper to read, with a checkpoint's `quant_method`.
+    struct Tensors(Vec<(&'static str, RawTensor)>, Option<&'static str>);
 
     impl TensorSource for Tensors {
+        fn quant_method(&self) -> Option<&'static str> {
+            self.1
+        }
         fn names(&self) -> Vec<String> {
             self.0.iter().map(|(n, _)| (*n).to_owned()).collect()
         }
@@ -200,11 +210,14 @@ mod tests {
         let head = "lm_head.weight";
         let w = dense(4, 256);
         let mut src = QuantizedAtLoad::new(
-            Tensors(vec![
-                (q, RawTensor::Dense(w.to_dtype(DType::BF16).expect("bf16"))),
-                (narrow, RawTensor::Dense(dense(4, 96))),
-                (head, RawTensor::Dense(dense(4, 256))),
-            ]),
+            Tensors(
+                vec![
+                    (q, RawTensor::Dense(w.to_dtype(DType::BF16).expect("bf16"))),
+                    (narrow, RawTensor::Dense(dense(4, 96))),
+                    (head, RawTensor::Dense(dense(4, 256))),
+                ],
+                None,
+            ),
             WeightQuantization::Fp8,
         );
         let RawTensor::Fp8(got) = src.load(q).expect("load") else {
@@ -223,7 +236,7 @@ mod tests {
         assert!(matches!(src.load(narrow), Ok(RawTensor::Dense(_))));
         assert!(matches!(src.load(head), Ok(RawTensor::Dense(_))));
         let mut plain = QuantizedAtLoad::new(
-            Tensors(vec![(q, RawTensor::Dense(dense(4, 256)))]),
+            Tensors(vec![(q, RawTensor::Dense(dense(4, 256)))], None),
             WeightQuantization::None,
         );
         assert!(matches!(plain.load(q), Ok(RawTensor::Dense(_))));
@@ -234,10 +247,22 @@ mod tests {
         let name = "model.layers.3.mlp.gate_proj.weight";
         let q = QTensor::quantize(&dense(4, 256), GgmlDType::Q8_0).expect("q8_0");
         let mut src = QuantizedAtLoad::new(
-            Tensors(vec![(name, RawTensor::Quantized(q))]),
+            Tensors(vec![(name, RawTensor::Quantized(q))], None),
             WeightQuantization::Fp8,
         );
         let e = src.load(name).expect_err("refused").to_string();
         assert!(e.contains(name) && e.contains("Q8_0"), "{e}");
+        // An AWQ/GPTQ checkpoint is refused by its method, whatever form a layer loads in (a
+        // dequantized one included); an FP8 checkpoint's dense layers stay as they are.
+        for (method, refused) in [("gptq", true), ("fp8", false)] {
+            let mut src = QuantizedAtLoad::new(
+                Tensors(vec![(name, RawTensor::Dense(dense(4, 256)))], Some(method)),
+                WeightQuantization::Fp8,
+            );
+            match src.load(name) {
+                Err(e) => assert!(refused && e.to_string().contains(method), "{e}"),
+                Ok(raw) => assert!(!refused && matches!(raw, RawTensor::Dense(_))),
+            }
+        }
     }
 }

@@ -211,6 +211,17 @@ impl TensorSource for HfCheckpoint {
         }
         Ok(RawTensor::Dense(tensor))
     }
+
+    fn quant_method(&self) -> Option<&'static str> {
+        match (&self.fp8, &self.packed) {
+            (Some(_), _) => Some("fp8"),
+            (None, Some(p)) => Some(match p.scheme {
+                IntQuant::Awq(_) => "awq",
+                IntQuant::Gptq(_) => "gptq",
+            }),
+            (None, None) => None,
+        }
+    }
 }
 
 impl HfCheckpoint {

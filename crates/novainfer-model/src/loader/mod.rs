@@ -55,6 +55,11 @@ pub trait TensorSource {
     fn shape(&self, name: &str) -> Option<Vec<usize>>;
     /// Loads a tensor; quantized tensors stay quantized.
     fn load(&mut self, name: &str) -> Result<RawTensor>;
+    /// The checkpoint's `quant_method` (config.json's `quantization_config`: `awq`, `gptq`,
+    /// `fp8`), when it has one; a GGUF file's types are per tensor and say nothing here.
+    fn quant_method(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 /// Which kind of model file a path holds.
@@ -180,6 +185,13 @@ impl TensorSource for Checkpoint {
         match self {
             Checkpoint::Hf(c) => c.load(name),
             Checkpoint::Gguf(c) => c.load(name),
+        }
+    }
+
+    fn quant_method(&self) -> Option<&'static str> {
+        match self {
+            Checkpoint::Hf(c) => c.quant_method(),
+            Checkpoint::Gguf(c) => c.quant_method(),
         }
     }
 }
