@@ -308,7 +308,9 @@ mod bench {
                 .collect();
             let x: CudaSlice<bf16> = gpu.stream().clone_htod(&values)?;
             let mut y = gpu.stream().alloc_zeros::<bf16>(most * 2 * f.max(h))?;
-            let mut partials = gpu.stream().alloc_zeros::<f32>(1 << 22)?;
+            let mut partials = gpu
+                .stream()
+                .alloc_zeros::<f32>(novainfer_cuda::gemm_tile::PARTIALS)?;
             for &(name, rows, k, packed) in &mats {
                 let weights = GemvWeights::Packed(packed);
                 let packed_bytes = weights.row_bytes(k) * rows;

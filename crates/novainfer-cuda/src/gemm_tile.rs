@@ -27,6 +27,10 @@ const WARP: usize = 32;
 /// 8-value pieces of a tile row per step.
 const PIECES: usize = TILE_K / CHUNK;
 
+/// f32 values of partial sums an executor gives the split products (16 MiB: a step of 64 rows by
+/// a 1.5B projection in 12 ranges takes 1.2M); products whose ranges would not fit are split
+/// less ([`splits`]).
+pub const PARTIALS: usize = 1 << 22;
 /// Most k ranges a launch is split into.
 pub const MAX_SPLITS: usize = 16;
 /// Blocks a launch aims at per multiprocessor: enough resident blocks to keep loads in flight.

@@ -98,9 +98,8 @@ impl<S: TensorSource> TensorSource for QuantizedAtLoad<S> {
     }
 
     fn load(&mut self, name: &str) -> Result<RawTensor> {
-        let raw = self.inner.load(name)?;
         if self.quantization == WeightQuantization::None || !is_decoder_linear(name) {
-            return Ok(raw);
+            return self.inner.load(name);
         }
         let already = |what: String| ModelError::InvalidQuantTensor {
             name: name.to_owned(),
@@ -109,13 +108,14 @@ impl<S: TensorSource> TensorSource for QuantizedAtLoad<S> {
                  already {what}; load it without quantization"
             ),
         };
+        // Asked before a layer is read (an AWQ one is unpacked on reading).
         match self.inner.quant_method() {
             // An FP8 checkpoint's layers are FP8 values already, whatever form they load in.
-            Some("fp8") => return Ok(raw),
+            Some("fp8") => return self.inner.load(name),
             Some(method) => return Err(already(format!("quantized (quant_method {method})"))),
             None => {}
         }
-        match raw {
+        match self.inner.load(name)? {
             RawTensor::Dense(t) => {
                 let &[rows, cols] = t.dims() else {
                     return Ok(RawTensor::Dense(t));

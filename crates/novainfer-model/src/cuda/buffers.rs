@@ -63,7 +63,7 @@ pub enum PackedScratch {
     /// The matrix expanded to bf16 here for cuBLAS (as large as the largest packed matrix; one
     /// value when every matrix is bf16).
     Expand(CudaSlice<bf16>),
-    /// The tiled GEMM's partial sums of a product split along k ([`PackedGemm::partials_len`]).
+    /// The tiled GEMM's partial sums of a product split along k (`gemm_tile::PARTIALS` values).
     Tile(CudaSlice<f32>),
 }
 
@@ -119,7 +119,7 @@ impl Activations {
             ranks: u32s(max_rows)?,
             packed: match packed {
                 PackedGemm::Expand => PackedScratch::Expand(bf(expanded_len)?),
-                PackedGemm::Tile => PackedScratch::Tile(f32s(packed.partials_len())?),
+                PackedGemm::Tile => PackedScratch::Tile(f32s(novainfer_cuda::gemm_tile::PARTIALS)?),
             },
         })
     }

@@ -16,7 +16,7 @@ use novainfer_cuda::quant_type::scale_min_k4;
 use crate::error::{ModelError, Result};
 
 /// The block formats the GPU expands (and, with `gpu_weight_dtype="native"`, multiplies)
-/// itself: the GGUF types of the demo models and AWQ/GPTQ grouped int4. The device's own enum,
+/// itself: the GGUF types of the demo models, AWQ/GPTQ grouped int4 and FP8 blocks. The device's own enum,
 /// shared with its launchers; every other GGUF type is dequantized on the host by candle.
 pub use novainfer_cuda::quant_type::QuantType as GpuQuant;
 

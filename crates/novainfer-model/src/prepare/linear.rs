@@ -86,16 +86,6 @@ impl PackedGemm {
     pub fn from_env() -> Result<Self, String> {
         Self::parse(&std::env::var(PACKED_GEMM_ENV).unwrap_or_default())
     }
-
-    /// f32 values the tiled GEMM may spend on a split product's partial sums (16 MiB: a step of
-    /// 64 rows by a 1.5B projection in 12 ranges takes 1.2M); products whose ranges would not fit
-    /// are split less (`gemm_tile::splits`).
-    pub fn partials_len(self) -> usize {
-        match self {
-            Self::Expand => 0,
-            Self::Tile => 1 << 22,
-        }
-    }
 }
 
 #[cfg(test)]
@@ -113,8 +103,6 @@ mod tests {
             err.contains(PACKED_GEMM_ENV) && err.contains("tile"),
             "{err}"
         );
-        assert_eq!(PackedGemm::Expand.partials_len(), 0);
-        assert!(PackedGemm::Tile.partials_len() > 0);
     }
 
     #[test]
