@@ -91,12 +91,13 @@ def awq_tensors(w: np.ndarray, group: int) -> dict[str, np.ndarray]:
     }
 
 
-def gptq_tensors(w, group: int, bits: int, sym: bool, desc_act: bool, v2: bool, rng) -> dict[str, np.ndarray]:
+def gptq_tensors(w, group: int, bits: int, sym: bool, desc_act: bool, v2: bool, rng,
+                 order: np.ndarray | None = None) -> dict[str, np.ndarray]:
     inp, per = w.shape[1], 32 // bits
     size = inp if group == -1 else group
     if desc_act:
         # Act-order quantizes channels in decreasing Hessian diagonal; any permutation has the same layout.
-        order = rng.permutation(inp)
+        order = rng.permutation(inp) if order is None else order
         g_idx = np.empty(inp, dtype=np.int64)
         g_idx[order] = np.arange(inp) // size
     else:
@@ -174,13 +175,18 @@ VARIANTS = {
     "gptq4-sym-per-channel": ({"quant_method": "gptq", "bits": 4, "group_size": -1, "sym": True}, "blocks"),
     "gptq8-sym-g128": ({"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": True, "desc_act": False}, "blocks"),
     # Act-order with groups of 128: int4 with the columns sorted by group and the input permuted to match
-    # (this test's layers each draw their own order, so Q, K and V run as separate products).
+    # (this variant's layers each draw their own order, so Q, K and V run as separate products; in the "-shared" one
+    # the layers of one input share theirs, as in real checkpoints, and run as one product: SHARED_ORDERS).
     "gptq4-desc-act-g128": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False, "desc_act": True},
                             "blocks"),
+    "gptq4-desc-act-g128-shared": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False,
+                                    "desc_act": True}, "blocks"),
     "gptq4-desc-act-g64": ({"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": True, "desc_act": True}, "dense"),
     "gptq8-asym-g64-v2": ({"quant_method": "gptq", "bits": 8, "group_size": 64, "sym": False,
                            "checkpoint_format": "gptq_v2"}, "dense"),
 }
+# Variants whose act-order layers of one input share their channel order (write_quantized's `shared_orders`).
+SHARED_ORDERS = {"gptq4-desc-act-g128-shared"}
 
 
 SAFETENSORS_KIND = {np.dtype("float32"): "F32", np.dtype("float16"): "F16", np.dtype("int32"): "I32",
@@ -209,15 +215,28 @@ def write_with_quantized_linears(out: Path, qcfg: dict, torch_dtype: str, parts_
     return out
 
 
-def write_quantized(out: Path, qcfg: dict, seed: int = 0) -> Path:
-    """The tiny model with every decoder linear layer in `qcfg`'s format (AWQ or GPTQ)."""
+def write_quantized(out: Path, qcfg: dict, seed: int = 0, shared_orders: bool = False) -> Path:
+    """The tiny model with every decoder linear layer in `qcfg`'s format (AWQ or GPTQ). Under act-order each layer
+    draws its own channel order, unless `shared_orders`: then the layers that read the same input share one (Q, K
+    and V; gate and up), as GPTQ's orders do in real checkpoints (they sort by the input's statistics)."""
     rng = np.random.default_rng(seed + 1)
+    orders: dict[str, np.ndarray] = {}
 
-    def parts_of(_prefix: str, array: np.ndarray) -> dict[str, np.ndarray]:
+    def order_for(prefix: str, inp: int) -> np.ndarray | None:
+        if not shared_orders:
+            return None
+        key = prefix.rsplit(".", 1)[0] + {"q_proj": ":in", "k_proj": ":in", "v_proj": ":in", "gate_proj": ":in",
+                                          "up_proj": ":in"}.get(prefix.rsplit(".", 1)[1], ":" + prefix)
+        if key not in orders:
+            orders[key] = rng.permutation(inp)
+        return orders[key]
+
+    def parts_of(prefix: str, array: np.ndarray) -> dict[str, np.ndarray]:
         if qcfg["quant_method"] == "awq":
             return awq_tensors(array, qcfg["group_size"])
         return gptq_tensors(array, qcfg["group_size"], qcfg["bits"], qcfg.get("sym", True),
-                            qcfg.get("desc_act", False), qcfg.get("checkpoint_format") == "gptq_v2", rng)
+                            qcfg.get("desc_act", False), qcfg.get("checkpoint_format") == "gptq_v2", rng,
+                            order_for(prefix, array.shape[1]))
 
     return write_with_quantized_linears(out, qcfg, "float16", parts_of, seed)
 
@@ -276,7 +295,8 @@ def reference_for(path: Path, *, int8_activations: bool = False) -> Qwen2Referen
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("quantized")
-    return {name: write_quantized(root / name, qcfg) for name, (qcfg, _) in VARIANTS.items()}
+    return {name: write_quantized(root / name, qcfg, shared_orders=name in SHARED_ORDERS)
+            for name, (qcfg, _) in VARIANTS.items()}
 
 
 def _max_diff(a: np.ndarray, b: np.ndarray) -> float:

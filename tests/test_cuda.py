@@ -403,6 +403,39 @@ def test_native_awq_int4_weights_follow_the_cpu(gpu, tmp_path):
     assert figures["native"]["bytes"] < 0.75 * figures["bf16"]["bytes"], figures
 
 
+def test_native_gptq_act_order_follows_the_cpu(gpu, tmp_path, monkeypatch):
+    # GPTQ act-order int4 (desc_act, groups of 128) kept packed with gpu_weight_dtype="native": the sorted columns
+    # stay int4 on the device and each product takes its input permuted first (gather.cu's gather_columns), as
+    # the CPU does. With orders shared by Q, K and V and by gate and up (as real checkpoints have) every matrix is
+    # packed; with an order per layer, the fused QKV and gate|up matrices mix orders and are expanded with their
+    # columns in place, o_proj and down_proj stay packed. Prefill (expanded for cuBLAS) and decode (the GEMV) both
+    # follow the CPU, and through the tiled GEMM too (NOVAINFER_CUDA_PACKED_GEMM=tile).
+    from test_awq_gptq import VARIANTS, write_quantized
+
+    qcfg = VARIANTS["gptq4-desc-act-g128"][0]
+    models = {"shared": write_quantized(tmp_path / "shared", qcfg, shared_orders=True),
+              "per_layer": write_quantized(tmp_path / "per_layer", qcfg)}
+    figures = {}
+    for name, path in models.items():
+        cpu = LLM(path, device="cpu", kv_cache_dtype="f32", kv_cache_bytes=16 << 20)
+        ref = logits_of(cpu, PROMPT)
+        c = _greedy(cpu)
+        for mode, env in (("bf16", "expand"), ("native", "expand"), ("native_tile", "tile")):
+            monkeypatch.setenv("NOVAINFER_CUDA_PACKED_GEMM", env)
+            llm = LLM(path, device=gpu, kv_cache_bytes=16 << 20, gpu_weight_dtype=mode.removesuffix("_tile"))
+            g = _greedy(llm)
+            figures[f"{name}_{mode}"] = {"prefill_rel_err": _rel_err(logits_of(llm, PROMPT), ref),
+                                         "decode_agree": sum(x == y for x, y in zip(g.token_ids, c.token_ids)),
+                                         "bytes": llm.stats()["weight_bytes_per_token"]}
+    _report(test="native_gptq_act_order", **figures)
+    for key, f in figures.items():
+        assert f["prefill_rel_err"] < 2 * REL_TOL, (key, f)
+        assert f["decode_agree"] >= len(c.token_ids) - 2, (key, f)
+    assert figures["shared_native"]["bytes"] < 0.75 * figures["shared_bf16"]["bytes"], figures
+    # Per-layer orders: only o_proj and down_proj packed, so fewer bytes saved, but some.
+    assert figures["per_layer_native"]["bytes"] < figures["per_layer_bf16"]["bytes"], figures
+
+
 def test_fp8_weights_stay_fp8_on_the_device_and_follow_the_cpu(gpu, tmp_path):
     # An FP8 checkpoint (per-channel scales) and quantization="fp8" of a bf16 one: by default (gpu_weight_dtype
     # "auto") their decoder layers stay FP8 on the device (dequant.cu's and gemv_quant.cu's FP8 paths: the prompt

@@ -126,6 +126,7 @@ pub const DTYPED_ENTRIES: &[(KernelSource, &str)] = &[
     (DEQUANT, "embed_fp8"),
     (QKV, "qkv_bias_rope_cache"),
     (GATHER, "gather_rows"),
+    (GATHER, "gather_columns"),
     (LORA, "lora_shrink"),
     (LORA, "lora_expand"),
     (GEMV_QUANT, "gemm_packed"),

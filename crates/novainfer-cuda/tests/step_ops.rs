@@ -9,7 +9,7 @@ mod common;
 
 use common::host::{assert_close, cast, down, up, zeros, Rng, TestDtype};
 use half::bf16;
-use novainfer_cuda::ops::gather::{chain_tokens, gather_rows};
+use novainfer_cuda::ops::gather::{chain_tokens, gather_columns, gather_rows};
 use novainfer_cuda::ops::gemm::{gemm_bf16, gemm_bf16_f32out, GemmShape};
 use novainfer_cuda::ops::kv::{copy_block, BlockCopy, KvCacheMut, KvGeometry};
 use novainfer_cuda::ops::qkv::{qkv_bias_rope_cache, QkvInput};
@@ -284,6 +284,54 @@ fn gather_rows_copies_the_chosen_rows() {
     };
     gather_body::<f32>(&gpu);
     gather_body::<bf16>(&gpu);
+}
+
+/// A fresh random permutation of `0..d` (Fisher-Yates on the test generator).
+fn permutation(rng: &mut Rng, d: usize) -> Vec<u32> {
+    let mut order: Vec<u32> = (0..d as u32).collect();
+    for i in (1..d).rev() {
+        let j = (rng.next() % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    order
+}
+
+fn gather_columns_body<T: TestDtype>(gpu: &GpuContext) {
+    // d of the 0.5B's hidden size, rows a few; plus an order entry past the row (zero).
+    let (rows, d) = (5, 896);
+    let mut rng = Rng(21);
+    let (x, _) = cast::<T>(&rng.vec(rows * d, 4.0));
+    let mut order = permutation(&mut rng, d);
+    order[7] = d as u32;
+    let mut out = zeros::<T>(gpu, rows * d);
+    gather_columns(
+        gpu,
+        &up(gpu, &x).as_view(),
+        &up(gpu, &order).as_view(),
+        &mut out.as_view_mut(),
+    )
+    .expect("launch");
+    let got = down(gpu, &out);
+    for r in 0..rows {
+        for (j, &c) in order.iter().enumerate() {
+            let want = if (c as usize) < d {
+                x[r * d + c as usize].to_f32()
+            } else {
+                0.0
+            };
+            let g = got[r * d + j].to_f32();
+            assert_eq!(g.to_bits(), want.to_bits(), "row {r}, column {j}");
+        }
+    }
+}
+
+#[test]
+fn gather_columns_permutes_each_row() {
+    let Some(gpu) = common::gpu_or_skip("gather_columns") else {
+        return;
+    };
+    gather_columns_body::<f32>(&gpu);
+    gather_columns_body::<bf16>(&gpu);
 }
 
 #[test]

@@ -6,8 +6,8 @@
 //!   figures are in.
 //! * `bf16`: every matrix expanded to bf16 at load, cuBLAS for every product.
 //!   Three times a Q4_K_M file's bytes in device memory, and a decode step reads them all.
-//! * `native`: Q4_K, Q5_0, Q6_K and Q8_0 matrices, AWQ/GPTQ int4 ones (not act-order) and FP8
-//!   ones stay as the file's blocks; steps of up to 8 rows (decode) multiply them in place
+//! * `native`: Q4_K, Q5_0, Q6_K and Q8_0 matrices, AWQ/GPTQ int4 ones (act-order ones with their
+//!   input order, when a fused matrix's parts share it) and FP8 ones stay as the file's blocks; steps of up to 8 rows (decode) multiply them in place
 //!   (`kernels/gemv_quant.cu`, reading each block once), larger ones expand each matrix into a
 //!   bf16 scratch first and run cuBLAS. A packed embedding table expands only each step's token
 //!   rows, and a tied head is that table, so the weights take about the file's size (plus the

@@ -1,5 +1,6 @@
-//! Launchers of `kernels/gather.cu`: `out[i] = x[rows[i]]`, the rows a step samples from; and
-//! a step's input tokens taken on the device from the draws of the step before it.
+//! Launchers of `kernels/gather.cu`: `out[i] = x[rows[i]]`, the rows a step samples from;
+//! `out[r, j] = x[r, order[j]]`, a GPTQ act-order matrix's input in its columns' order; and a
+//! step's input tokens taken on the device from the draws of the step before it.
 
 use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
 
@@ -28,6 +29,29 @@ pub fn gather_rows<T: Dtype>(
     let mut args = gpu.stream().launch_builder(f);
     args.arg(x).arg(rows).arg(out).arg(&d_i).arg(&src_rows);
     launch(args, per_row(num_out, 256)?)
+}
+
+/// `out[r, j] = x[r, order[j]]` for every row of `x` (`[rows, d]`, `d = order.len()`): the input
+/// of a matrix whose stored column `j` is input channel `order[j]` (GPTQ act-order, as the CPU's
+/// `Linear` permutes it). The loader checks that `order` is a permutation; an entry outside the
+/// row gives zero rather than an out-of-bounds read.
+pub fn gather_columns<T: Dtype>(
+    gpu: &GpuContext,
+    x: &CudaView<'_, T>,
+    order: &CudaView<'_, u32>,
+    out: &mut CudaViewMut<'_, T>,
+) -> Result<()> {
+    let d = order.len();
+    let rows = check_multiple("x", x.len(), d)?;
+    check_len("out", out.len(), rows * d)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let d_i = to_i32("order", d)?;
+    let f = gpu.kernels().gather_columns.get::<T>();
+    let mut args = gpu.stream().launch_builder(f);
+    args.arg(x).arg(order).arg(out).arg(&d_i);
+    launch(args, per_row(rows, 256)?)
 }
 
 /// `token_ids[pairs[2i]] = drawn[pairs[2i + 1]]` for each pair: a step's tokens that the step

@@ -55,6 +55,9 @@ pub(crate) struct Activations {
     pub ranks: CudaSlice<u32>,
     /// What a step too large for the packed GEMV needs to multiply by a packed matrix.
     pub packed: PackedScratch,
+    /// `[T, ordered_cols]`: a product's input permuted for a GPTQ act-order matrix (one value
+    /// when no matrix has an order).
+    pub ordered: CudaSlice<bf16>,
 }
 
 /// The scratch of steps of more rows than the GEMV takes over packed matrices, as
@@ -69,7 +72,10 @@ pub enum PackedScratch {
 
 impl Activations {
     /// `packed` with `expanded_len` (the largest packed matrix's values,
-    /// [`super::weights::GpuModel::expanded_len`]) sizes [`Self::packed`].
+    /// [`super::weights::GpuModel::expanded_len`]) sizes [`Self::packed`]; `ordered_cols` (the
+    /// widest act-order matrix's input, [`super::weights::GpuModel::ordered_cols`]) a row of
+    /// [`Self::ordered`].
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         gpu: &GpuContext,
         cfg: &Qwen2Config,
@@ -77,6 +83,7 @@ impl Activations {
         max_rows: usize,
         packed: PackedGemm,
         expanded_len: usize,
+        ordered_cols: usize,
     ) -> Result<Self> {
         let (h, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let q = cfg.num_attention_heads * cfg.head_dim();
@@ -121,6 +128,8 @@ impl Activations {
                 PackedGemm::Expand => PackedScratch::Expand(bf(expanded_len)?),
                 PackedGemm::Tile => PackedScratch::Tile(f32s(novainfer_cuda::gemm_tile::PARTIALS)?),
             },
+            // The head's rows (max_rows) are among the tokens' (max_tokens) count too.
+            ordered: bf(t.max(max_rows) * ordered_cols)?,
         })
     }
 }

@@ -93,6 +93,7 @@ impl CudaWeights {
             limits.max_num_seqs,
             packed_gemm,
             model.expanded_len(),
+            model.ordered_cols(),
         )?;
         // The scratch depends on heads and history length only; block geometry is the
         // pool's and comes with each launch.

@@ -16,7 +16,7 @@ use novainfer_cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use novainfer_cuda::ops::dequant::dequantize;
 use novainfer_cuda::ops::embedding::{embedding, embedding_quant, EmbeddingShape};
 use novainfer_cuda::ops::flash_prefill::{prefill_attention, PrefillKernel};
-use novainfer_cuda::ops::gather::gather_rows;
+use novainfer_cuda::ops::gather::{gather_columns, gather_rows};
 use novainfer_cuda::ops::gemm::{gemm_bf16, gemm_bf16_f32out, GemmShape};
 use novainfer_cuda::ops::gemv_quant::{
     gemm_packed, gemv, gemv_qkv, gemv_silu_mul, OutColumns, QkvHeads, QkvTokens,
@@ -341,7 +341,19 @@ impl Body<'_> {
             let pool = &mut kv.layers[index];
             if fused {
                 let q = &mut act.q;
-                qkv_fused(gpu, rope, qkv_heads, layer, views, n, &act.normed, q, pool)?;
+                let ordered = &mut act.ordered;
+                qkv_fused(
+                    gpu,
+                    rope,
+                    qkv_heads,
+                    layer,
+                    views,
+                    n,
+                    &act.normed,
+                    ordered,
+                    q,
+                    pool,
+                )?;
             } else {
                 let x = &act.normed;
                 gemm(
@@ -351,6 +363,7 @@ impl Body<'_> {
                     n,
                     &mut act.qkv,
                     &mut act.packed,
+                    &mut act.ordered,
                     "qkv",
                     false,
                 )?;
@@ -478,6 +491,7 @@ impl Body<'_> {
                 n,
                 &mut act.proj,
                 &mut act.packed,
+                &mut act.ordered,
                 "proj",
                 fused,
             )?;
@@ -495,7 +509,7 @@ impl Body<'_> {
                 &mut head_mut(&mut act.normed, n * h, "normed")?,
             )?;
             if fused {
-                gate_up_fused(gpu, layer, n, &act.normed, &mut act.mlp)?;
+                gate_up_fused(gpu, layer, n, &act.normed, &mut act.ordered, &mut act.mlp)?;
             } else {
                 gemm(
                     gpu,
@@ -504,6 +518,7 @@ impl Body<'_> {
                     n,
                     &mut act.gate_up,
                     &mut act.packed,
+                    &mut act.ordered,
                     "gate_up",
                     false,
                 )?;
@@ -536,6 +551,7 @@ impl Body<'_> {
                 n,
                 &mut act.proj,
                 &mut act.packed,
+                &mut act.ordered,
                 "proj",
                 fused,
             )?;
@@ -590,6 +606,7 @@ impl Body<'_> {
         let act = &mut *self.act;
         let lm_head = self.model.lm_head();
         let x = head(&act.last_normed, rows * h, "last_normed")?;
+        let x = ordered_input(self.gpu, lm_head, x, &mut act.ordered)?;
         let mut y = head_mut(&mut act.logits, rows * vocab, "logits")?;
         let shape = GemmShape {
             m: rows,
@@ -850,6 +867,7 @@ fn drawn_tokens(step: &PackedStep, readback: &Readback) -> Result<Vec<DrawnToken
 /// is multiplied in place by steps of up to [`GEMV_MAX_ROWS`] rows, and by larger ones with
 /// the tiled GEMM or expanded for cuBLAS, whichever `scratch` is for; a bf16 one goes to
 /// cuBLAS, or with `gemv_bf16` (the fused decode path) to the GEMV too for steps it takes.
+/// An act-order matrix takes its input permuted into `ordered` first.
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     gpu: &GpuContext,
@@ -858,10 +876,12 @@ fn gemm(
     n: usize,
     y: &mut CudaSlice<bf16>,
     scratch: &mut PackedScratch,
+    ordered: &mut CudaSlice<bf16>,
     what: &str,
     gemv_bf16: bool,
 ) -> Result<(), Failure> {
     let x = head(x, n * w.cols, "gemm input")?;
+    let x = ordered_input(gpu, w, x, ordered)?;
     let mut y = head_mut(y, n * w.rows, what)?;
     let shape = GemmShape {
         m: n,
@@ -883,6 +903,24 @@ fn gemm(
         },
     }
     Ok(())
+}
+
+/// `x` (`[n, w.cols]`) as `w`'s products take it: itself, or for a matrix with an input order
+/// (GPTQ act-order) its columns in that order, gathered into the first `n · w.cols` values of
+/// `scratch`.
+fn ordered_input<'a>(
+    gpu: &GpuContext,
+    w: &GpuMatrix,
+    x: CudaView<'a, bf16>,
+    scratch: &'a mut CudaSlice<bf16>,
+) -> Result<CudaView<'a, bf16>, Failure> {
+    let Some(order) = &w.input_order else {
+        return Ok(x);
+    };
+    let len = x.len();
+    let mut permuted = head_mut(scratch, len, "ordered input")?;
+    gather_columns::<bf16>(gpu, &x, &order.as_view(), &mut permuted)?;
+    Ok(head(scratch, len, "ordered input")?)
 }
 
 /// `x · Wᵀ` by the tiled GEMM over the packed matrix's runs into `y` (`[n, w.rows]`), k split
@@ -938,11 +976,13 @@ fn qkv_fused(
     views: &StepViews<'_>,
     n: usize,
     x: &CudaSlice<bf16>,
+    ordered: &mut CudaSlice<bf16>,
     q: &mut CudaSlice<bf16>,
     pool: &mut super::buffers::LayerKv,
 ) -> Result<(), Failure> {
     let w = &layer.qkv;
     let x = head(x, n * w.cols, "qkv input")?;
+    let x = ordered_input(gpu, w, x, ordered)?;
     let tokens = QkvTokens {
         bias: Some(layer.qkv_bias.as_view()),
         positions: again(&views.positions),
@@ -973,10 +1013,12 @@ fn gate_up_fused(
     layer: &GpuLayer,
     n: usize,
     x: &CudaSlice<bf16>,
+    ordered: &mut CudaSlice<bf16>,
     mlp: &mut CudaSlice<bf16>,
 ) -> Result<(), Failure> {
     let w = &layer.gate_up;
     let x = head(x, n * w.cols, "gate_up input")?;
+    let x = ordered_input(gpu, w, x, ordered)?;
     let mut out = head_mut(mlp, n * (w.rows / 2), "mlp")?;
     gemv_silu_mul::<bf16>(gpu, &w.runs()?, w.cols, &x, n, &mut out)?;
     Ok(())

@@ -7,7 +7,9 @@
 //! `gpu_weight_dtype` keeps packed (`native`: all of them; `auto`: FP8) keeps them raw instead
 //! ([`MatrixData::Packed`]): decode
 //! steps multiply the blocks in place, larger steps expand them into a scratch first
-//! (`forward::gemm`); a packed embedding table expands just the step's token rows.
+//! (`forward::gemm`); a packed embedding table expands just the step's token rows. A packed
+//! GPTQ act-order matrix keeps its sorted columns and their order ([`GpuMatrix::input_order`]):
+//! its products take their input permuted to match (`gather_columns`).
 
 use half::bf16;
 use novainfer_cuda::cudarc::driver::CudaSlice;
@@ -21,13 +23,16 @@ use crate::device::Device;
 use crate::error::{ModelError, Result};
 use crate::gpu_weight_dtype::GpuWeightDtype;
 use crate::loader::TensorSource;
-use crate::prepare::{HostLayer, HostMatrix, HostModelReader, PartData};
+use crate::prepare::{HostLayer, HostMatrix, HostModelReader, InputOrder, PartData};
 
 /// A `[rows, cols]` matrix on the device.
 pub(crate) struct GpuMatrix {
     pub data: MatrixData,
     pub rows: usize,
     pub cols: usize,
+    /// A packed act-order matrix's: stored column `j` is input channel `input_order[j]`, so a
+    /// product multiplies it by `x[:, input_order]`. `None`: columns in place.
+    pub input_order: Option<CudaSlice<u32>>,
 }
 
 pub(crate) enum MatrixData {
@@ -46,12 +51,14 @@ pub(crate) struct PackedPart {
 }
 
 impl GpuMatrix {
-    /// Bytes on the device: bf16 values, or the packed parts' blocks.
+    /// Bytes on the device: bf16 values, or the packed parts' blocks (and input order).
     pub fn bytes(&self) -> usize {
-        match &self.data {
-            MatrixData::Bf16(d) => d.len() * 2,
-            MatrixData::Packed(parts) => parts.iter().map(|p| p.blocks.len()).sum(),
-        }
+        let order = self.input_order.as_ref().map_or(0, |o| o.len() * 4);
+        order
+            + match &self.data {
+                MatrixData::Bf16(d) => d.len() * 2,
+                MatrixData::Packed(parts) => parts.iter().map(|p| p.blocks.len()).sum(),
+            }
     }
 
     /// The matrix as runs of rows in one GEMV format, in row order: a bf16 matrix is one run,
@@ -126,7 +133,7 @@ impl GpuModel {
         };
         let n = reader.config().num_hidden_layers;
         tracing::info!(%device, gpu = gpu.device_name(), layers = n, "loading weights");
-        let embed_tokens = up.matrix(&reader.embedding()?)?;
+        let embed_tokens = up.table(&reader.embedding()?)?;
         // A line per quarter of the model: enough to see a slow load move.
         let every = n.div_ceil(4).max(1);
         let mut layers = Vec::with_capacity(n);
@@ -184,6 +191,19 @@ impl GpuModel {
         self.weight_bytes_per_token() + table
     }
 
+    /// Values of the widest input a product permutes (an act-order matrix's `cols`; 0 when no
+    /// matrix has an order): what a row of the permuted-input scratch holds.
+    pub fn ordered_cols(&self) -> usize {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.qkv, &l.o_proj, &l.gate_up, &l.down_proj])
+            .chain([self.lm_head()])
+            .filter(|m| m.input_order.is_some())
+            .map(|m| m.cols)
+            .max()
+            .unwrap_or(0)
+    }
+
     /// The largest expansion a step may need: the biggest packed matrix (0 when none is).
     pub fn expanded_len(&self) -> usize {
         let layers = self
@@ -227,14 +247,26 @@ impl Uploader<'_> {
     }
 
     /// Whether every part of `m` is a GPU quant type the policy keeps packed, whose rows are
-    /// whole blocks.
+    /// whole blocks, and one permuted input serves every part.
     fn packable(&self, m: &HostMatrix) -> bool {
-        m.parts.iter().all(|p| match &p.data {
+        let parts = m.parts.iter().all(|p| match &p.data {
             PartData::Quantized { kind, .. } => {
                 self.policy.keeps_packed(*kind) && m.cols.is_multiple_of(kind.block_values())
             }
             PartData::Bf16(_) => false,
-        })
+        });
+        parts && m.input_order() != InputOrder::Mixed
+    }
+
+    /// The embedding table: its rows are looked up, not multiplied, so it stays packed only
+    /// with its columns in place (an act-order table, which no checkpoint we know has, is
+    /// expanded with them put back).
+    fn table(&self, m: &HostMatrix) -> Result<GpuMatrix> {
+        if m.input_order() == InputOrder::Natural {
+            self.matrix(m)
+        } else {
+            self.bf16_matrix(m)
+        }
     }
 
     fn matrix(&self, m: &HostMatrix) -> Result<GpuMatrix> {
@@ -242,10 +274,18 @@ impl Uploader<'_> {
             return self.bf16_matrix(m);
         }
         let stream = self.gpu.stream();
+        let input_order = match m.input_order() {
+            InputOrder::Shared(order) => Some(
+                stream
+                    .clone_htod(&order[..])
+                    .map_err(driver_error("cuMemcpyHtoD"))?,
+            ),
+            InputOrder::Natural | InputOrder::Mixed => None,
+        };
         let mut parts = Vec::with_capacity(m.parts.len());
         let mut row0 = 0;
         for part in &m.parts {
-            let PartData::Quantized { kind, bytes } = &part.data else {
+            let PartData::Quantized { kind, bytes, .. } = &part.data else {
                 unreachable!("packable: every part is quantized")
             };
             let blocks = stream
@@ -263,6 +303,7 @@ impl Uploader<'_> {
             data: MatrixData::Packed(parts),
             rows: m.rows(),
             cols: m.cols,
+            input_order,
         })
     }
 
@@ -280,7 +321,16 @@ impl Uploader<'_> {
                 PartData::Bf16(values) => stream
                     .memcpy_htod(values.as_slice(), &mut rows)
                     .map_err(driver_error("cuMemcpyHtoD"))?,
-                PartData::Quantized { kind, bytes } => {
+                // Act-order columns go back in place on the host (the device expands blocks
+                // in their stored order).
+                PartData::Quantized { order: Some(_), .. } => stream
+                    .memcpy_htod(part.data.natural_bf16(m.cols)?.as_slice(), &mut rows)
+                    .map_err(driver_error("cuMemcpyHtoD"))?,
+                PartData::Quantized {
+                    kind,
+                    bytes,
+                    order: None,
+                } => {
                     let raw = stream
                         .clone_htod(bytes.as_slice())
                         .map_err(driver_error("cuMemcpyHtoD"))?;
@@ -300,6 +350,7 @@ impl Uploader<'_> {
             data: MatrixData::Bf16(data),
             rows: m.rows(),
             cols: m.cols,
+            input_order: None,
         })
     }
 }

@@ -8,6 +8,14 @@
 //! raw GGUF blocks are expanded straight into their rows, bf16 rows are copied there.
 //! [`HostMatrix::to_bf16`] assembles the same bytes on the host; tests check the layout
 //! with it and a GPU parity test can compare the device's copy to it.
+//!
+//! GPTQ act-order int4 parts keep their columns sorted by group ([`PartData::Quantized`]'s
+//! `order`): a matrix kept packed on the device multiplies them by its input permuted the same
+//! way (as the CPU's `Linear` does), which needs every part to share the order
+//! ([`HostMatrix::input_order`]: Q, K and V, or gate and up, see the same input); expanded to
+//! bf16, their columns are put back in place on the host.
+
+use std::sync::Arc;
 
 use candle_core::DType;
 use half::bf16;
@@ -18,8 +26,13 @@ use crate::loader::RawTensor;
 
 /// A part's values as they will be uploaded.
 pub enum PartData {
-    /// Blocks of a type the GPU expands (or multiplies) itself: GGUF, int4, FP8.
-    Quantized { kind: GpuQuant, bytes: Vec<u8> },
+    /// Blocks of a type the GPU expands (or multiplies) itself: GGUF, int4, FP8. With an
+    /// `order` (GPTQ act-order int4), stored column `j` is input channel `order[j]`.
+    Quantized {
+        kind: GpuQuant,
+        bytes: Vec<u8>,
+        order: Option<Arc<[u32]>>,
+    },
     /// Already bf16 (dense checkpoints, and GGUF types the GPU has no kernel for).
     Bf16(Vec<bf16>),
 }
@@ -48,22 +61,22 @@ impl PartData {
                 Some(kind) => PartData::Quantized {
                     kind,
                     bytes: q.data()?.into_owned(),
+                    order: None,
                 },
                 None => PartData::Bf16(to_bf16(&q.dequantize(&candle_core::Device::Cpu)?)?),
             },
             RawTensor::Dense(t) => PartData::Bf16(to_bf16(&t)?),
-            // The device expands (or, native, multiplies) the blocks; an act-order layer's
-            // permuted columns are put back in place on the host (`s·(q − z)` rounded once).
-            RawTensor::Int4(w) if w.input_order().is_none() => PartData::Quantized {
+            // The device expands (or, native, multiplies) the blocks; an act-order layer keeps
+            // its sorted columns and their order (see the module's note).
+            RawTensor::Int4(w) => PartData::Quantized {
                 kind: GpuQuant::Int4,
                 bytes: w.blocks().to_vec(),
+                order: w.input_order().cloned(),
             },
-            RawTensor::Int4(w) => {
-                PartData::Bf16(w.dequantize().into_iter().map(bf16::from_f32).collect())
-            }
             RawTensor::Fp8(w) => PartData::Quantized {
                 kind: GpuQuant::Fp8,
                 bytes: w.blocks().to_vec(),
+                order: None,
             },
         })
     }
@@ -71,11 +84,40 @@ impl PartData {
     /// How many values this part expands to.
     pub fn len(&self) -> usize {
         match self {
-            PartData::Quantized { kind, bytes } => {
+            PartData::Quantized { kind, bytes, .. } => {
                 bytes.len() / kind.block_bytes() * kind.block_values()
             }
             PartData::Bf16(v) => v.len(),
         }
+    }
+
+    /// The input order of an act-order part (`None` for every other part).
+    pub fn order(&self) -> Option<&Arc<[u32]>> {
+        match self {
+            PartData::Quantized { order, .. } => order.as_ref(),
+            PartData::Bf16(_) => None,
+        }
+    }
+
+    /// The part's values as bf16 in their checkpoint's column order, `cols` to a row: a
+    /// quantized part through the device dequantizer's CPU twin (`s·(q − z)` rounded once for
+    /// int4), an act-order one with its columns put back in place.
+    pub fn natural_bf16(&self, cols: usize) -> Result<Vec<bf16>> {
+        let (kind, bytes, order) = match self {
+            PartData::Bf16(v) => return Ok(v.clone()),
+            PartData::Quantized { kind, bytes, order } => (*kind, bytes, order),
+        };
+        let stored = dequantize_bf16(kind, bytes)?;
+        let Some(order) = order else {
+            return Ok(stored);
+        };
+        let mut out = vec![bf16::ZERO; stored.len()];
+        for (dst, src) in out.chunks_exact_mut(cols).zip(stored.chunks_exact(cols)) {
+            for (&channel, &v) in order.iter().zip(src) {
+                dst[channel as usize] = v;
+            }
+        }
+        Ok(out)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -138,18 +180,122 @@ impl HostMatrix {
         })
     }
 
-    /// The whole matrix as the GPU holds it (quantized parts through the CPU twin).
+    /// The whole matrix expanded to bf16 as the GPU holds it then (quantized parts through the
+    /// CPU twin, act-order columns back in place).
     pub fn to_bf16(&self) -> Result<Vec<bf16>> {
         let mut out = vec![bf16::ZERO; self.len()];
         for (at, part) in self.placed() {
             let dst = &mut out[at..at + part.rows * self.cols];
-            match &part.data {
-                PartData::Bf16(v) => dst.copy_from_slice(v),
-                PartData::Quantized { kind, bytes } => {
-                    dst.copy_from_slice(&dequantize_bf16(*kind, bytes)?)
-                }
-            }
+            dst.copy_from_slice(&part.data.natural_bf16(self.cols)?);
         }
         Ok(out)
+    }
+
+    /// The order the parts' stored columns share: whether a packed copy of the matrix can be
+    /// multiplied by one permuted input.
+    pub fn input_order(&self) -> InputOrder<'_> {
+        let mut orders = self.parts.iter().map(|p| p.data.order());
+        let first = orders.next().flatten();
+        if !orders.all(|o| o == first) {
+            return InputOrder::Mixed;
+        }
+        match first {
+            Some(order) => InputOrder::Shared(order),
+            None => InputOrder::Natural,
+        }
+    }
+}
+
+/// How a [`HostMatrix`]'s stored columns map to its input channels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputOrder<'a> {
+    /// Column `j` is input channel `j` in every part.
+    Natural,
+    /// In every part, stored column `j` is input channel `order[j]`.
+    Shared(&'a Arc<[u32]>),
+    /// Parts disagree (act-order layers sorted by different statistics, or act-order beside
+    /// plain parts): the matrix is expanded to bf16 with its columns in place.
+    Mixed,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::int4::GroupedInt4;
+
+    fn int4(rows: usize, cols: usize, seed: u32, order: Option<Vec<u32>>) -> RawTensor {
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| {
+                ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 2001) as f32 / 1000.0
+                    - 1.0
+            })
+            .collect();
+        let w = GroupedInt4::quantize(rows, cols, &values).expect("quantize");
+        RawTensor::Int4(match order {
+            Some(order) => w.with_input_order("w", order).expect("a permutation"),
+            None => w,
+        })
+    }
+
+    /// An affine shuffle of `0..cols` (37 is prime to a power of two): not the identity.
+    fn shuffled(cols: usize) -> Vec<u32> {
+        (0..cols as u32)
+            .map(|j| (j * 37 + 5) % cols as u32)
+            .collect()
+    }
+
+    #[test]
+    fn act_order_parts_keep_their_blocks_and_expand_in_place() {
+        let (rows, cols) = (3, 256);
+        let order = shuffled(cols);
+        let RawTensor::Int4(w) = int4(rows, cols, 1, Some(order.clone())) else {
+            unreachable!()
+        };
+        let want: Vec<bf16> = w.dequantize().into_iter().map(bf16::from_f32).collect();
+        let part = PartData::from_raw(RawTensor::Int4(w)).expect("part");
+        let PartData::Quantized {
+            kind: GpuQuant::Int4,
+            order: Some(kept),
+            ..
+        } = &part
+        else {
+            panic!("an act-order int4 part stays int4 with its order")
+        };
+        assert_eq!(&kept[..], &order[..]);
+        let got = part.natural_bf16(cols).expect("expand");
+        let first_diff = got
+            .iter()
+            .zip(&want)
+            .position(|(a, b)| a.to_bits() != b.to_bits());
+        assert_eq!(first_diff, None, "columns back in input-channel order");
+    }
+
+    #[test]
+    fn a_matrix_has_one_input_order_only_when_every_part_shares_it() {
+        let (cols, order) = (256, shuffled(256));
+        let matrix = |parts: Vec<Option<Vec<u32>>>| {
+            let mut m = HostMatrix {
+                cols,
+                parts: Vec::new(),
+            };
+            for (i, o) in parts.into_iter().enumerate() {
+                m.push(&format!("p{i}"), 2, int4(2, cols, i as u32, o))
+                    .expect("part");
+            }
+            m
+        };
+        assert_eq!(matrix(vec![None, None]).input_order(), InputOrder::Natural);
+        let shared = matrix(vec![Some(order.clone()), Some(order.clone())]);
+        assert!(matches!(shared.input_order(), InputOrder::Shared(o) if o[..] == order[..]));
+        let mut other = order.clone();
+        other.swap(0, 1);
+        assert_eq!(
+            matrix(vec![Some(order.clone()), Some(other)]).input_order(),
+            InputOrder::Mixed
+        );
+        assert_eq!(
+            matrix(vec![Some(order), None]).input_order(),
+            InputOrder::Mixed
+        );
     }
 }

@@ -19,6 +19,6 @@ pub mod reader;
 pub mod step;
 
 pub use dequant::{dequantize_bf16, ggml_of, gpu_quant_of, GpuQuant, GGUF_KINDS};
-pub use matrix::{HostMatrix, MatrixPart, PartData};
+pub use matrix::{HostMatrix, InputOrder, MatrixPart, PartData};
 pub use reader::{HostLayer, HostModelReader};
 pub use step::{write_edits, MixedSteps, PackedStep, StepAttention, StepCapacity, StepLayout};
