@@ -16,7 +16,7 @@
 
 mod logit_adjust;
 mod penalties;
-mod row_math;
+pub(crate) mod row_math;
 mod truncation;
 
 use novainfer_core::SamplingParams;
