@@ -17,7 +17,9 @@
 //! * on plain AVX2, 2 to 8 rows (a speculative verification step) stream the weights the same
 //!   way, each block going through every row's tile while it is in L1
 //!   (`GroupJob::few_rows_avx2`); from 5 rows on they are bound by the arithmetic instead;
-//! * work items are (row chunk, column group) pairs handed to candle's barrier pool.
+//! * work items are (row chunk, column group) pairs handed to candle's barrier pool: a few
+//!   rows (decode) give each thread one contiguous share of them to stream, stealing at the
+//!   end (`layers::parallel::execute_contiguous`); more rows take sixteenths.
 //!
 //! Batch invariance: every output element is produced by one thread, over all of
 //! k, with the same sequence of f32 operations whatever `m`, the tile height, the
