@@ -46,6 +46,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
+# hf_peer.py beside this file, also when a test loads this module by its path.
+sys.path.insert(0, str(ROOT / "scripts"))
 
 DEMOS = {
     "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
@@ -465,8 +467,12 @@ FP8 = "_fp8"
 FP8_TILE = "_fp8tile"
 Q4KM = "_q4km"
 Q4KM_TILE = "_q4kmtile"
+# Not an engine of ours: issue 31's same-run peer, transformers with a static cache and torch.compile
+# (scripts/hf_peer.py) on the same checkpoint; its child runs `decode_b1_peer` and `batched_64_peer` only.
+PEER = "_peer"
 VARIANTS: dict[str, str] = {ASYNC: "async", FUSED: "fused", LT: "cuBLASLt", YARN: "YaRN", FP8: "fp8",
-                            FP8_TILE: "fp8 tiled", Q4KM: "Q4_K_M native", Q4KM_TILE: "Q4_K_M native tiled"}
+                            FP8_TILE: "fp8 tiled", Q4KM: "Q4_K_M native", Q4KM_TILE: "Q4_K_M native tiled",
+                            PEER: "HF static cache + torch.compile (peer)"}
 # Variants whose engine quantizes the checkpoint to FP8 at load.
 FP8_VARIANTS = (FP8, FP8_TILE)
 # Variants that load the shape's synthetic Q4_K_M GGUF (tools/synthetic_gguf.py, written beside the bf16 checkpoint
@@ -495,6 +501,11 @@ for _suffix, _steps in (
         step + _suffix: (tuple(f"{point} {VARIANTS[_suffix]}" for point in STEPS[step][0]), STEPS[step][1])
         for step in _steps
     })
+# The peer's points: decode rates only (the prompt's prefill cancels out, see hf_peer.py); their first run compiles.
+STEPS.update({
+    "decode_b1" + PEER: ((f"decode b1 (128+256) {VARIANTS[PEER]}",), 90),
+    "batched_64" + PEER: ((f"decode 64x(512+128) {VARIANTS[PEER]}",), 120),
+})
 
 
 def yarn_view(model_dir: Path) -> Path:
@@ -564,6 +575,10 @@ GROUPS: tuple[tuple[str, tuple[str, ...], float], ...] = (
     # A 128k-token prompt through YaRN (chunked prefill, then decode at that depth).
     ("0.5b", ("long_128k" + YARN,), 240),
     ("0.5b", ("workload",), 240),
+    # Last, so that it never displaces one of ours: the same-run peer on the shapes issue 31 names, against decode_b1
+    # and batched_64 above (`--variants default,peer` gives it the time).
+    ("0.5b", ("decode_b1" + PEER, "batched_64" + PEER), 240),
+    ("1.5b", ("decode_b1" + PEER, "batched_64" + PEER), 240),
 )
 # A child's fixed costs (start, imports, model load, warm-up) that must fit besides its first step.
 CHILD_OVERHEAD_S = 25.0
@@ -703,6 +718,19 @@ def _run_step(step: str, llm, shape: str, config: dict, bandwidth: float) -> lis
     raise ValueError(f"unknown step {step!r}")
 
 
+def _run_peer_step(step: str, peer, config: dict, bandwidth: float, shape: str) -> list[dict]:  # noqa: ANN001
+    """One of the peer's steps on its loaded model (scripts/hf_peer.py); rows named as in STEPS."""
+    name = STEPS[step][0][0]
+    if step == "decode_b1" + PEER:
+        rate = peer.decode_rate(1, 128, 32, 256)
+        return [_row(shape, name, rate, decode_limit(bandwidth, config, 1, 128 + 128), "tokens 32..256, best of 2")]
+    if step == "batched_64" + PEER:
+        rate = peer.decode_rate(64, 512, 16, 128)
+        return [_row(shape, name, rate, decode_limit(bandwidth, config, 64, 512 + 64),
+                     "aggregate, tokens 16..128, best of 2")]
+    raise ValueError(f"unknown peer step {step!r}")
+
+
 def child_main(
     shape: str, model_dir: Path, steps: tuple[str, ...], deadline: float, bandwidth: float, device: str = "cuda"
 ) -> int:
@@ -714,7 +742,8 @@ def child_main(
     `..._yarn` on the checkpoint read with Qwen's YaRN settings and a 128k context (`yarn_view`), `..._fp8` with
     quantization="fp8", `..._fp8tile` with it and the tiled packed GEMM, `..._q4km` on the shape's synthetic Q4_K_M
     GGUF (written beside `model_dir` from its config and tokenizer) held packed, `..._q4kmtile` with the tiled GEMM
-    too."""
+    too; `..._peer` steps run transformers with a static cache and torch.compile (scripts/hf_peer.py), not our
+    engine."""
     import signal
 
     variants = {variant_of(step) for step in steps}
@@ -745,6 +774,29 @@ def child_main(
 
         start = time.perf_counter()
         on_gpu = device.startswith("cuda")
+        if variant == PEER:
+            from hf_peer import HfStaticPeer
+
+            peer = HfStaticPeer(model_dir, device)
+            print(f"{shape}: transformers loaded on {device} in {time.perf_counter() - start:.1f} s", flush=True)
+            for step in steps:
+                left = deadline - time.time()
+                if left < STEPS[step][1]:
+                    for point in STEPS[step][0]:
+                        _emit(_row(shape, point, None, None, f"not run: time budget ({max(left, 0):.0f} s left)"),
+                              emitted)
+                    continue
+                try:
+                    for row in _run_peer_step(step, peer, config, bandwidth, shape):
+                        _emit(row, emitted)
+                except BudgetExceeded:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the peer's failure costs only its own points
+                    failed = 1
+                    print(f"{shape}: {step} FAILED: {e!r}", flush=True)
+                    _emit(_row(shape, STEPS[step][0][0], None, None, f"FAILED: {type(e).__name__}: {str(e)[:120]}"),
+                          emitted)
+            return failed
         extra = {}
         if variant in Q4KM_VARIANTS:
             from synthetic_gguf import ensure_gguf

@@ -657,3 +657,32 @@ def test_variants_are_selected_by_name() -> None:
     assert gpu_bench.variant_name(gpu_bench.variant_of("batched_64")) == "default"
     with pytest.raises(SystemExit, match="unknown variants"):
         gpu_bench.selected_variants("fast")
+
+
+def test_peer_steps_run_transformers_in_their_own_child(tiny_checkpoint: Path) -> None:
+    # Issue 31's same-run peer (scripts/hf_peer.py: transformers, static cache, torch.compile) is a variant of its
+    # own, on both shapes the issue names, and reports decode rates against the same bandwidth limits as ours.
+    assert "peer" in gpu_bench.selected_variants("all")
+    peer_groups = [(shape, steps) for shape, steps, _ in gpu_bench.GROUPS if gpu_bench.variant_of(steps[0]) == "_peer"]
+    assert {shape for shape, _ in peer_groups} == {"0.5b", "1.5b"}
+    assert all(gpu_bench.variant_of(step) == "_peer" for _, steps in peer_groups for step in steps)
+
+    class FakePeer:
+        def __init__(self) -> None:
+            self.calls: list[tuple[int, int, int, int]] = []
+
+        def decode_rate(self, batch: int, prompt: int, n1: int, n2: int) -> float:
+            self.calls.append((batch, prompt, n1, n2))
+            return 100.0 * batch
+
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    peer = FakePeer()
+    rows = [row for _, steps in peer_groups[:1] for step in steps
+            for row in gpu_bench._run_peer_step(step, peer, config, 1e12, "0.5b")]
+    assert [r["tok_s"] for r in rows] == [100.0, 6400.0]
+    assert [r["point"] for r in rows] == [gpu_bench.STEPS[s][0][0] for s in peer_groups[0][1]]
+    assert all(r["limit_tok_s"] and r["limit_tok_s"] > r["tok_s"] for r in rows)
+    assert rows[1]["limit_tok_s"] == gpu_bench.decode_limit(1e12, config, 64, 512 + 64)
+    assert peer.calls == [(1, 128, 32, 256), (64, 512, 16, 128)]
+    with pytest.raises(ValueError, match="unknown peer step"):
+        gpu_bench._run_peer_step("decode_b1", peer, config, 1e12, "0.5b")
