@@ -15,9 +15,10 @@ const MAX_OWNERS: usize = 64;
 /// its own range and, once that is empty, steals chunks from the back of the others'. So
 /// each thread reads one long run of memory (as a static split would) and still nobody
 /// waits for a slow thread (as with `execute_chunked`, whose sixteenths of the work
-/// interleave the threads: a decode GEMV over a 228 KiB matrix took 14.7 µs that way and
-/// 10.3 µs in contiguous halves, docs/benchmarks.md, issue 30). Which thread runs an item
-/// never changes a result where every item writes its own outputs with the same operations.
+/// interleave the threads: on 2 threads of a Zen 4, a decode GEMV over a 228 KiB matrix took
+/// 16.4 µs that way and 11.7 µs in contiguous shares, docs/benchmarks.md, issue 30). Which
+/// thread runs an item never changes a result where every item writes its own outputs with
+/// the same operations.
 pub(crate) fn execute_contiguous<F: Fn(Range<usize>) + Sync>(n_items: usize, f: F) {
     let pool = candle_core::utils::barrier_pool();
     let owners = pool.n_workers() + 1;
