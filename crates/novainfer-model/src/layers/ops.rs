@@ -35,9 +35,9 @@ pub fn silu_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
 }
 
 /// [`silu_mul`] into `out` (its capacity reused). The logistic comes from
-/// `sampler::row_math::exp_nonpos` (about 2 ulp), which LLVM vectorises: libm's `exp` does not, and with it a
-/// decode step's SwiGLU was ~2% of the 0.5B model's step on two threads, all of it on one
-/// (issue 30).
+/// `sampler::row_math::exp_nonpos` (about 2 ulp), which LLVM vectorises: libm's `exp` does
+/// not, and with it a decode step's SwiGLU was ~2% of the 0.5B model's step on two threads,
+/// all of it on one (issue 30).
 pub fn silu_mul_into(gate: &[f32], up: &[f32], out: &mut Vec<f32>) {
     out.clear();
     out.resize(gate.len().min(up.len()), 0.0);
