@@ -779,43 +779,34 @@ def child_main(
 
             peer = HfStaticPeer(model_dir, device)
             print(f"{shape}: transformers loaded on {device} in {time.perf_counter() - start:.1f} s", flush=True)
-            for step in steps:
-                left = deadline - time.time()
-                if left < STEPS[step][1]:
-                    for point in STEPS[step][0]:
-                        _emit(_row(shape, point, None, None, f"not run: time budget ({max(left, 0):.0f} s left)"),
-                              emitted)
-                    continue
-                try:
-                    for row in _run_peer_step(step, peer, config, bandwidth, shape):
-                        _emit(row, emitted)
-                except BudgetExceeded:
-                    raise
-                except Exception as e:  # noqa: BLE001 - the peer's failure costs only its own points
-                    failed = 1
-                    print(f"{shape}: {step} FAILED: {e!r}", flush=True)
-                    _emit(_row(shape, STEPS[step][0][0], None, None, f"FAILED: {type(e).__name__}: {str(e)[:120]}"),
-                          emitted)
-            return failed
-        extra = {}
-        if variant in Q4KM_VARIANTS:
-            from synthetic_gguf import ensure_gguf
 
-            model_dir, written = ensure_gguf(model_dir.parent / f"{model_dir.name}-q4_k_m.gguf", config_shape(config),
-                                             config_dir)
-            print(f"{shape}: {model_dir.name} {'written' if written else 'already there'} in "
-                  f"{time.perf_counter() - start:.1f} s", flush=True)
-            extra["gpu_weight_dtype"] = "native"
-        llm = LLM(model_dir, device=device, max_num_seqs=256, max_num_batched_tokens=8192, **extra,
-                  kv_cache_bytes=KV_CACHE_BYTES if on_gpu else 256 << 20,
-                  max_model_len=YARN_MAX_MODEL_LEN if variant == YARN else MAX_MODEL_LEN,
-                  async_scheduling=variant == ASYNC, quantization="fp8" if variant in FP8_VARIANTS else None)
-        assert llm.device.startswith(device), (llm.device, device)
-        loaded = time.perf_counter() - start
-        bench_latency(llm, 128, 16)  # warm-up: kernels loaded, pool touched
-        print(f"{shape}: loaded on {llm.device} in {loaded:.1f} s, warmed up in "
-              f"{time.perf_counter() - start - loaded:.1f} s; weights {weight_bytes_per_token(config) / 2**30:.2f} GiB "
-              f"bf16, KV {kv_bytes_per_position(config) / 1024:.1f} KiB/position", flush=True)
+            def run_step(step: str) -> list[dict]:
+                return _run_peer_step(step, peer, config, bandwidth, shape)
+        else:
+            extra = {}
+            if variant in Q4KM_VARIANTS:
+                from synthetic_gguf import ensure_gguf
+
+                model_dir, written = ensure_gguf(model_dir.parent / f"{model_dir.name}-q4_k_m.gguf",
+                                                 config_shape(config), config_dir)
+                print(f"{shape}: {model_dir.name} {'written' if written else 'already there'} in "
+                      f"{time.perf_counter() - start:.1f} s", flush=True)
+                extra["gpu_weight_dtype"] = "native"
+            llm = LLM(model_dir, device=device, max_num_seqs=256, max_num_batched_tokens=8192, **extra,
+                      kv_cache_bytes=KV_CACHE_BYTES if on_gpu else 256 << 20,
+                      max_model_len=YARN_MAX_MODEL_LEN if variant == YARN else MAX_MODEL_LEN,
+                      async_scheduling=variant == ASYNC, quantization="fp8" if variant in FP8_VARIANTS else None)
+            assert llm.device.startswith(device), (llm.device, device)
+            loaded = time.perf_counter() - start
+            bench_latency(llm, 128, 16)  # warm-up: kernels loaded, pool touched
+            print(f"{shape}: loaded on {llm.device} in {loaded:.1f} s, warmed up in "
+                  f"{time.perf_counter() - start - loaded:.1f} s; weights "
+                  f"{weight_bytes_per_token(config) / 2**30:.2f} GiB bf16, KV "
+                  f"{kv_bytes_per_position(config) / 1024:.1f} KiB/position", flush=True)
+
+            def run_step(step: str) -> list[dict]:
+                return _run_step(step, llm, shape, config, bandwidth)
+
         for step in steps:
             left = deadline - time.time()
             if left < STEPS[step][1]:
@@ -824,7 +815,7 @@ def child_main(
                 continue
             step_start = time.perf_counter()
             try:
-                for row in _run_step(step, llm, shape, config, bandwidth):
+                for row in run_step(step):
                     _emit(row, emitted)
             except BudgetExceeded:
                 raise

@@ -166,20 +166,26 @@ impl GroupedInt4 {
         for block in self.blocks.chunks_exact(BLOCK_BYTES) {
             out.extend((0..GROUP_K).map(|j| block_value(block, j)));
         }
-        let Some(order) = &self.order else {
-            return out;
-        };
-        let mut logical = vec![0f32; out.len()];
-        for (dst, src) in logical
-            .chunks_exact_mut(self.cols)
-            .zip(out.chunks_exact(self.cols))
-        {
-            for (&i, &v) in order.iter().zip(src) {
-                dst[i as usize] = v;
-            }
+        match &self.order {
+            Some(order) => in_input_order(&out, order),
+            None => out,
         }
-        logical
     }
+}
+
+/// Rows of `stored` (`order.len()` values each, stored column `j` being input channel
+/// `order[j]`) with their columns put back in input-channel order.
+pub fn in_input_order<T: Copy + Default>(stored: &[T], order: &[u32]) -> Vec<T> {
+    let mut out = vec![T::default(); stored.len()];
+    for (dst, src) in out
+        .chunks_exact_mut(order.len())
+        .zip(stored.chunks_exact(order.len()))
+    {
+        for (&i, &v) in order.iter().zip(src) {
+            dst[i as usize] = v;
+        }
+    }
+    out
 }
 
 /// Weight `j` (0..128) of a block: `s · (q − z)`, rounded once (what every reader of the blocks,

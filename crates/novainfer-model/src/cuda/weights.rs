@@ -23,6 +23,7 @@ use crate::device::Device;
 use crate::error::{ModelError, Result};
 use crate::gpu_weight_dtype::GpuWeightDtype;
 use crate::loader::TensorSource;
+use crate::prepare::matrix::quantized_bf16;
 use crate::prepare::{HostLayer, HostMatrix, HostModelReader, InputOrder, PartData};
 
 /// A `[rows, cols]` matrix on the device.
@@ -323,8 +324,15 @@ impl Uploader<'_> {
                     .map_err(driver_error("cuMemcpyHtoD"))?,
                 // Act-order columns go back in place on the host (the device expands blocks
                 // in their stored order).
-                PartData::Quantized { order: Some(_), .. } => stream
-                    .memcpy_htod(part.data.natural_bf16(m.cols)?.as_slice(), &mut rows)
+                PartData::Quantized {
+                    kind,
+                    bytes,
+                    order: Some(order),
+                } => stream
+                    .memcpy_htod(
+                        quantized_bf16(*kind, bytes, Some(order))?.as_slice(),
+                        &mut rows,
+                    )
                     .map_err(driver_error("cuMemcpyHtoD"))?,
                 PartData::Quantized {
                     kind,

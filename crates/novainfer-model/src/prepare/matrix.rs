@@ -99,30 +99,20 @@ impl PartData {
         }
     }
 
-    /// The part's values as bf16 in their checkpoint's column order, `cols` to a row: a
-    /// quantized part through the device dequantizer's CPU twin (`s·(q − z)` rounded once for
-    /// int4), an act-order one with its columns put back in place.
-    pub fn natural_bf16(&self, cols: usize) -> Result<Vec<bf16>> {
-        let (kind, bytes, order) = match self {
-            PartData::Bf16(v) => return Ok(v.clone()),
-            PartData::Quantized { kind, bytes, order } => (*kind, bytes, order),
-        };
-        let stored = dequantize_bf16(kind, bytes)?;
-        let Some(order) = order else {
-            return Ok(stored);
-        };
-        let mut out = vec![bf16::ZERO; stored.len()];
-        for (dst, src) in out.chunks_exact_mut(cols).zip(stored.chunks_exact(cols)) {
-            for (&channel, &v) in order.iter().zip(src) {
-                dst[channel as usize] = v;
-            }
-        }
-        Ok(out)
-    }
-
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// A quantized part's values as bf16 in their checkpoint's column order: through the device
+/// dequantizer's CPU twin (`s·(q − z)` rounded once for int4), an act-order part's columns
+/// (`order`) put back in place.
+pub fn quantized_bf16(kind: GpuQuant, bytes: &[u8], order: Option<&[u32]>) -> Result<Vec<bf16>> {
+    let stored = dequantize_bf16(kind, bytes)?;
+    Ok(match order {
+        Some(order) => crate::int4::in_input_order(&stored, order),
+        None => stored,
+    })
 }
 
 fn to_bf16(t: &candle_core::Tensor) -> Result<Vec<bf16>> {
@@ -186,7 +176,12 @@ impl HostMatrix {
         let mut out = vec![bf16::ZERO; self.len()];
         for (at, part) in self.placed() {
             let dst = &mut out[at..at + part.rows * self.cols];
-            dst.copy_from_slice(&part.data.natural_bf16(self.cols)?);
+            match &part.data {
+                PartData::Bf16(v) => dst.copy_from_slice(v),
+                PartData::Quantized { kind, bytes, order } => {
+                    dst.copy_from_slice(&quantized_bf16(*kind, bytes, order.as_deref())?)
+                }
+            }
         }
         Ok(out)
     }
@@ -252,17 +247,17 @@ mod tests {
             unreachable!()
         };
         let want: Vec<bf16> = w.dequantize().into_iter().map(bf16::from_f32).collect();
-        let part = PartData::from_raw(RawTensor::Int4(w)).expect("part");
+        let m = HostMatrix::single("w", rows, cols, RawTensor::Int4(w)).expect("matrix");
         let PartData::Quantized {
             kind: GpuQuant::Int4,
             order: Some(kept),
             ..
-        } = &part
+        } = &m.parts[0].data
         else {
             panic!("an act-order int4 part stays int4 with its order")
         };
         assert_eq!(&kept[..], &order[..]);
-        let got = part.natural_bf16(cols).expect("expand");
+        let got = m.to_bf16().expect("expand");
         let first_diff = got
             .iter()
             .zip(&want)
