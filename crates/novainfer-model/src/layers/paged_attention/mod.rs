@@ -4,10 +4,13 @@
 //! * the query rows are every query head of the group (Qwen2.5-0.5B: 7) of a few tokens,
 //!   so each K/V row is read and decoded once for all of them;
 //! * history is walked a tile of [`TILE`] positions at a time, looking the block table up
-//!   once per block the tile touches; a tile is decoded (f16/bf16/q8_0 → f32) into reused
-//!   per-thread scratch, the keys transposed (8 positions side by side) so that the scores
-//!   and the value pass run register blocks of up to 6 query rows × 16 positions/dimensions
-//!   (12 accumulators), each loaded K/V vector feeding up to 6 rows;
+//!   once per block the tile touches; the tile's keys are decoded (f16/bf16/q8_0 → f32)
+//!   and transposed (8 positions side by side) into reused per-thread scratch, so that the
+//!   scores and the value pass run register blocks of up to 6 query rows × 16
+//!   positions/dimensions (12 accumulators), each loaded K/V vector feeding up to 6 rows;
+//!   K and V are read and decoded where they lie in the pool when the rows are few (decode),
+//!   through a decoded copy of the tile when they are many (prefill: each register block of
+//!   rows would decode the values again);
 //! * softmax is online: per tile, new running max, rescale, exponentials, weighted values;
 //! * positions are grouped in partitions of [`PART`]; each partition's (max, sum, values)
 //!   is computed from scratch and the partitions are merged in order. Decode rows with a
@@ -45,7 +48,7 @@ use crate::forward_batch::SeqSpan;
 use crate::kernel_select;
 use crate::kv_dtype::KvStorage;
 use crate::paged_kv::PoolLayer;
-use ops::{exp_scalar, AttnOps, Scalar, GROUP, TILE};
+use ops::{exp_scalar, AttnOps, Rows, Scalar, GROUP, TILE};
 
 /// Positions per partition (a multiple of [`TILE`]).
 const PART: usize = 256;
@@ -269,6 +272,8 @@ unsafe fn attend<K: Kernel>(
     plan: &mut Plan,
     out: &mut Vec<f32>,
 ) {
+    // The ops read rows of `head_dim` numbers where the pool's rows lie.
+    debug_assert_eq!(layer.head_dim, shape.head_dim);
     out.clear();
     out.resize(q.len(), 0.0);
     plan.build(positions, seqs, shape);
@@ -430,9 +435,11 @@ impl Plan {
 /// Per-thread buffers, grown to the largest item seen and reused.
 #[derive(Default)]
 struct Scratch {
+    /// The tile's keys decoded, when they are not read in place ([`AttnOps::in_place`]).
     k: Vec<f32>,
-    /// The tile's keys transposed (the ISA's layout, [`AttnOps::transpose`]).
+    /// The tile's keys decoded and transposed (the ISA's layout, [`AttnOps::transpose`]).
     kt: Vec<f32>,
+    /// The tile's values decoded, when they are not read in place ([`AttnOps::in_place`]).
     v: Vec<f32>,
     /// Per query row, the tile's scores, then its exponentials (`TILE` apart).
     s: Vec<f32>,
@@ -620,6 +627,9 @@ unsafe fn run_item<O: AttnOps>(o: O, ctx: &Ctx, item: &Item, out: SharedOut, par
         }
         let table = &ctx.seqs[item.seq].block_table[..];
         let max_limit = sc.limit[..rows].iter().copied().max().unwrap_or(0);
+        let in_place = o.in_place(rows);
+        // The tile's K and V rows in the pool, and those of their decoded copies.
+        let [mut kp, mut vp, mut kd, mut vd] = [[std::ptr::null::<u8>(); TILE]; 4];
         for part in item.parts.clone() {
             let p0 = part * PART;
             let end = (p0 + PART).min(max_limit + 1);
@@ -635,10 +645,11 @@ unsafe fn run_item<O: AttnOps>(o: O, ctx: &Ctx, item: &Item, out: SharedOut, par
                 let groups = nt.div_ceil(GROUP);
                 // SAFETY (block): the caller's ISA contract; positions lie inside the table
                 // (checked by `ForwardBatch::validate`) and slots inside the pool
-                // (`check_slots`); scratch sizes from `fit`.
+                // (`check_slots`), so `locate`'s rows are valid; scratch sizes from `fit`.
                 unsafe {
-                    gather(o, ctx, table, item.kv_head, t0, nt, sc);
-                    o.transpose(&sc.k, hd, groups, &mut sc.kt);
+                    locate(ctx, table, item.kv_head, t0, nt, &mut kp, &mut vp);
+                    let keys = tile_rows(o, ctx, in_place, &kp, groups * GROUP, &mut sc.k, &mut kd);
+                    o.transpose(keys, hd, groups, &mut sc.kt);
                     o.scores(&sc.q, hd, rows, &sc.kt, groups, &mut sc.s);
                 }
                 // Rows that end before `nt` (or before the tile) get zero weights past their
@@ -665,14 +676,17 @@ unsafe fn run_item<O: AttnOps>(o: O, ctx: &Ctx, item: &Item, out: SharedOut, par
                     sc.alpha[r] = alpha;
                     longest = longest.max(n);
                 }
-                // SAFETY: as above.
+                // SAFETY: `locate`'s rows; the ISA as above.
+                let values =
+                    unsafe { tile_rows(o, ctx, in_place, &vp, longest, &mut sc.v, &mut vd) };
+                // SAFETY: as above; the first `longest` rows of `values` are valid.
                 unsafe {
                     o.accumulate(
                         &mut sc.pacc[..rows * hd],
                         hd,
                         &sc.alpha,
                         &sc.s,
-                        &sc.v,
+                        values,
                         longest,
                     )
                 };
@@ -762,40 +776,87 @@ unsafe fn run_merge<O: AttnOps>(o: O, ctx: &Ctx, mg: &Merge, partials: &[f32], o
     scratch.put_back();
 }
 
-/// Decodes K and V rows of positions `t0..t0+n` of `kv_head` into the scratch tiles,
-/// walking the block table one block at a time.
+/// The first `n` of a tile's `rows` (in the pool) as the ops should read them: in place, or
+/// (`!in_place`) decoded into `buf` (rows of `head_dim`), `copy` pointing at those.
+///
+/// # Safety
+/// The first `n` of `rows` are valid rows of the pool; the CPU has `o`'s ISA.
 #[inline(always)]
-unsafe fn gather<O: AttnOps>(
+unsafe fn tile_rows<'a, O: AttnOps>(
     o: O,
+    ctx: &Ctx,
+    in_place: bool,
+    rows: &'a [*const u8; TILE],
+    n: usize,
+    buf: &mut [f32],
+    copy: &'a mut [*const u8; TILE],
+) -> Rows<'a> {
+    let dtype = ctx.layer.dtype;
+    if in_place {
+        return Rows { at: rows, dtype };
+    }
+    let hd = ctx.shape.head_dim;
+    for ((&src, dst), row) in rows
+        .iter()
+        .zip(copy.iter_mut())
+        .zip(buf.chunks_exact_mut(hd))
+        .take(n)
+    {
+        // SAFETY: the caller's contract.
+        unsafe {
+            o.decode_row(
+                dtype,
+                std::slice::from_raw_parts(src, ctx.layer.head_bytes),
+                row,
+            )
+        };
+        *dst = row.as_ptr().cast();
+    }
+    Rows {
+        at: copy,
+        dtype: KvStorage::F32,
+    }
+}
+
+/// Points `k[j]`, `v[j]` at the K and V rows of position `t0 + j` of `kv_head` for `j < n`
+/// (walking the block table one block at a time), and the entries from `n` on at the last
+/// of them.
+///
+/// # Safety
+/// Positions `t0..t0 + n` (n ≥ 1) lie inside `table`, and their slots inside the pool.
+#[inline(always)]
+unsafe fn locate(
     ctx: &Ctx,
     table: &[u32],
     kv_head: usize,
     t0: usize,
     n: usize,
-    sc: &mut Scratch,
+    k: &mut [*const u8; TILE],
+    v: &mut [*const u8; TILE],
 ) {
     let PoolLayer {
-        k,
-        v,
-        dtype,
+        k: kpool,
+        v: vpool,
         block_size: bs,
-        head_dim: hd,
         head_bytes: hb,
         slot_bytes: sb,
+        ..
     } = ctx.layer;
+    debug_assert!((1..=TILE).contains(&n));
     let (mut pos, end, mut j) = (t0, t0 + n, 0);
     while pos < end {
         let (block, within) = (table[pos / bs] as usize, pos % bs);
         let take = (bs - within).min(end - pos);
         for i in 0..take {
             let at = (block * bs + within + i) * sb + kv_head * hb;
-            // SAFETY: the caller's ISA contract; `at + hb` lies in the pool (valid slot).
-            unsafe {
-                o.decode_row(dtype, &k[at..at + hb], &mut sc.k[j * hd..(j + 1) * hd]);
-                o.decode_row(dtype, &v[at..at + hb], &mut sc.v[j * hd..(j + 1) * hd]);
-            }
+            // Bounds-checked: a row outside the pool is a bug upstream, not a read past it.
+            k[j] = kpool[at..at + hb].as_ptr();
+            v[j] = vpool[at..at + hb].as_ptr();
             j += 1;
         }
         pos += take;
+    }
+    for j in n..TILE {
+        (k[j], v[j]) = (k[n - 1], v[n - 1]);
     }
 }

@@ -16,8 +16,11 @@
 //! * value accumulation is per dimension: `acc·α`, then `acc = fma(e_j, v_j, acc)` in
 //!   position order. Positions past a row's own limit carry `e_j = 0`, so a row may run a
 //!   few extra (exact no-op) steps when it shares a tile with later rows.
+//! * K and V are read where they lie in the pool ([`Rows`]) and decoded to f32 (exact for
+//!   f16/bf16, one exact conversion and one multiplication for q8_0) as they are loaded:
+//!   whether a row is decoded into a scratch copy first or in registers changes no bit.
 
-use crate::kv_dtype::KvStorage;
+use crate::kv_dtype::{q8_block, KvStorage};
 
 /// Positions per softmax tile (and rows of the K/V scratch): the per-row work of a tile
 /// (maximum, rescaling, sums, reloading the running values) is paid once per `TILE` positions.
@@ -30,6 +33,43 @@ const _: () = assert!(
     TILE.is_multiple_of(GROUP) && VECS.is_power_of_two(),
     "the softmax sum is a pairwise tree over the tile's vectors"
 );
+
+/// One tile's K or V rows, in the pool or in a decoded copy: row `j` of the tile at `at[j]`,
+/// `dtype`-encoded ([`KvStorage::row_bytes`] of the head size each), valid for every row an
+/// op reads (`groups·8` keys, `n` values). Key rows past the tile's last position repeat a
+/// valid row: their numbers are read, never weighed.
+#[derive(Clone, Copy)]
+pub(super) struct Rows<'a> {
+    pub(super) at: &'a [*const u8; TILE],
+    pub(super) dtype: KvStorage,
+}
+
+/// Number `d` of the `hd`-long row at `row`, encoded in `dtype`, decoded exactly as
+/// [`KvStorage::decode`] decodes it.
+///
+/// # Safety
+/// `row` is valid for `dtype.row_bytes(hd)` bytes and `d < hd`.
+#[inline(always)]
+unsafe fn decode_at(dtype: KvStorage, row: *const u8, hd: usize, d: usize) -> f32 {
+    let half = |p: *const u8| {
+        // SAFETY: the caller's contract (p lies in the row).
+        u16::from_le_bytes(unsafe { [*p, *p.add(1)] })
+    };
+    // SAFETY (every read): inside the row, by the caller's contract and the layout.
+    unsafe {
+        match dtype {
+            KvStorage::F32 => f32::from_le_bytes(*row.add(4 * d).cast::<[u8; 4]>()),
+            KvStorage::F16 => half::f16::from_bits(half(row.add(2 * d))).to_f32(),
+            KvStorage::Bf16 => f32::from_bits(u32::from(half(row.add(2 * d))) << 16),
+            KvStorage::Q8_0 => {
+                let qk = q8_block(hd);
+                let block = row.add(d / qk * (2 + qk));
+                let scale = half::f16::from_bits(half(block)).to_f32();
+                f32::from(*block.add(2 + d % qk) as i8) * scale
+            }
+        }
+    }
+}
 
 /// `rows` as the fewest blocks `(first row, rows)` of at most `max`, as even as
 /// possible: a block of 1-2 rows has too few accumulators to hide the FMA latency.
@@ -62,10 +102,10 @@ fn tree<T: Copy, const N: usize>(mut x: [T; N], add: impl Fn(T, T) -> T) -> T {
 pub(super) trait AttnOps: Copy {
     /// Decodes one row of `dst.len()` numbers from `src` (in `dtype`).
     unsafe fn decode_row(self, dtype: KvStorage, src: &[u8], dst: &mut [f32]);
-    /// Lays out the keys of groups `g < groups` (`k`: rows of `hd`, [`GROUP`] rows a group) in
-    /// `kt` (`groups·8·hd` floats) the way this ISA's [`AttnOps::scores`] reads them; the
-    /// portable layout is `kt[g·8·hd + d·8 + j] = k[(8g + j)·hd + d]`.
-    unsafe fn transpose(self, k: &[f32], hd: usize, groups: usize, kt: &mut [f32]);
+    /// Decodes the keys of groups `g < groups` (rows `8g..8g + 8` of `k`) into `kt`
+    /// (`groups·8·hd` floats), laid out the way this ISA's [`AttnOps::scores`] reads them; the
+    /// portable layout is `kt[g·8·hd + d·8 + j] = k_{8g + j}[d]`.
+    unsafe fn transpose(self, k: Rows, hd: usize, groups: usize, kt: &mut [f32]);
     /// For query rows `r < rows` (`q`: rows of `hd`) and key groups `g < groups` (`kt` from
     /// [`AttnOps::transpose`]): `s[r·TILE + 8g + l] = Σ_d q[r][d]·k_{8g+l}[d]`.
     unsafe fn scores(
@@ -80,17 +120,21 @@ pub(super) trait AttnOps: Copy {
     /// Scores → exponentials in place: with `m' = max(m, s[..n])`, `s[j] = exp(s[j] − m')`
     /// for `j < n` and 0 after; returns `(m', Σ s)`. `n ≥ 1`.
     unsafe fn softmax(self, s: &mut [f32], m: f32, n: usize) -> (f32, f32);
-    /// For rows `r` of `acc` (rows of `hd`): `acc_r = acc_r·alpha[r] + Σ_{j<n} e[r·TILE + j]·v_j`,
-    /// `v` rows of `hd`.
+    /// For rows `r` of `acc` (rows of `hd`): `acc_r = acc_r·alpha[r] + Σ_{j<n} e[r·TILE + j]·v_j`.
     unsafe fn accumulate(
         self,
         acc: &mut [f32],
         hd: usize,
         alpha: &[f32],
         e: &[f32],
-        v: &[f32],
+        v: Rows,
         n: usize,
     );
+    /// Whether, for `rows` query rows, [`AttnOps::transpose`] and [`AttnOps::accumulate`]
+    /// should read K and V where they lie rather than from a decoded f32 copy of the tile:
+    /// a value vector is decoded once per register block of rows, so with many blocks one
+    /// decoded copy is cheaper.
+    fn in_place(self, rows: usize) -> bool;
     /// `acc = acc·ca + b·cb` (one fused multiply-add per number).
     unsafe fn merge(self, acc: &mut [f32], ca: f32, b: &[f32], cb: f32);
     /// `out = acc / l`.
@@ -136,12 +180,13 @@ impl AttnOps for Scalar {
         dtype.decode(src, dst);
     }
 
-    unsafe fn transpose(self, k: &[f32], hd: usize, groups: usize, kt: &mut [f32]) {
+    unsafe fn transpose(self, k: Rows, hd: usize, groups: usize, kt: &mut [f32]) {
         for g in 0..groups {
-            let (rows, kt) = (&k[g * GROUP * hd..], &mut kt[g * GROUP * hd..]);
+            let kt = &mut kt[g * GROUP * hd..];
             for j in 0..GROUP {
                 for d in 0..hd {
-                    kt[d * GROUP + j] = rows[j * hd + d];
+                    // SAFETY: the rows' contract.
+                    kt[d * GROUP + j] = unsafe { decode_at(k.dtype, k.at[g * GROUP + j], hd, d) };
                 }
             }
         }
@@ -188,7 +233,7 @@ impl AttnOps for Scalar {
         hd: usize,
         alpha: &[f32],
         e: &[f32],
-        v: &[f32],
+        v: Rows,
         n: usize,
     ) {
         for (r, row) in acc.chunks_exact_mut(hd).enumerate() {
@@ -196,11 +241,19 @@ impl AttnOps for Scalar {
             for (d, a) in row.iter_mut().enumerate() {
                 let mut x = *a * alpha[r];
                 for j in 0..n {
-                    x = e[j].mul_add(v[j * hd + d], x);
+                    // SAFETY: the rows' contract.
+                    let vj = unsafe { decode_at(v.dtype, v.at[j], hd, d) };
+                    x = e[j].mul_add(vj, x);
                 }
                 *a = x;
             }
         }
+    }
+
+    /// Always from a decoded copy: decoding a number costs the portable code more than
+    /// reading it.
+    fn in_place(self, _rows: usize) -> bool {
+        false
     }
 
     unsafe fn merge(self, acc: &mut [f32], ca: f32, b: &[f32], cb: f32) {
@@ -225,6 +278,8 @@ pub(super) use avx512::Avx512;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod format;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 #[cfg(target_arch = "x86_64")]

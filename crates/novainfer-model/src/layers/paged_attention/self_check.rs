@@ -3,7 +3,7 @@
 //! CPU that is about to use it.
 //!
 //! The problem touches every path of the ops where an ISA's order of operations could go
-//! wrong: a GQA group, full and partial tiles (a partial tile with a 16-wide pair and an odd
+//! wrong: a GQA group, K and V read in place and through decoded copies, full and partial tiles (a partial tile with a 16-wide pair and an odd
 //! group of 8, and one with a single group), rows that end mid-tile at different places,
 //! register blocks of uneven rows, both 2-chunk and 1-chunk value blocks (`head_dim` 48), a
 //! decode row split over two partitions and merged, and the KV dtypes f16, q8_0 (one block a
@@ -23,12 +23,13 @@ const SHAPE: AttentionShape = AttentionShape {
     head_dim: 48,
 };
 const BLOCK_SIZE: usize = 16;
-/// Per sequence: its length and the positions of its query tokens. Five prompt tokens ending
-/// in the second tile, which holds 23 positions (3 groups of 8: a pair and an odd one),
-/// each row ending at a different place in it (15 rows: register blocks of 7 and 8, or
-/// 5 × 3 for AVX2); one decode token at 260: two partitions stored as partials and merged,
-/// the second a tile of 5 positions (one group).
-const SEQS: [(usize, std::ops::Range<usize>); 2] = [(55, 50..55), (261, 260..261)];
+/// Per sequence: its length and the positions of its query tokens. Seven prompt tokens
+/// ending in the second tile, which holds 23 positions (3 groups of 8: a pair and an odd
+/// one), each row ending at a different place in it (21 rows: more than two register blocks
+/// at either width, so K and V are read through decoded copies, in blocks of 7, or 5, 5, 5
+/// and 6 for AVX2); one decode token at 260 (3 rows, K and V read in place): two partitions
+/// stored as partials and merged, the second a tile of 5 positions (one group).
+const SEQS: [(usize, std::ops::Range<usize>); 2] = [(55, 48..55), (261, 260..261)];
 /// Every dtype whose decoding is the ISA's own code (f32 rows are copied).
 const DTYPES: [KvStorage; 3] = [KvStorage::F16, KvStorage::Q8_0, KvStorage::Bf16];
 
@@ -185,7 +186,7 @@ pub(super) unsafe fn agrees<K: Kernel>(k: K) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layers::paged_attention::ops::{Avx2, GROUP};
+    use crate::layers::paged_attention::ops::{Avx2, Avx512, Rows, GROUP};
 
     /// A mistake an ISA's ops could make; each must make the check fail.
     #[derive(Debug, Clone, Copy, PartialEq)]
@@ -219,9 +220,17 @@ mod tests {
         }
 
         #[inline(always)]
-        unsafe fn transpose(self, k: &[f32], hd: usize, groups: usize, kt: &mut [f32]) {
+        unsafe fn transpose(self, k: Rows, hd: usize, groups: usize, kt: &mut [f32]) {
             // SAFETY: as above.
-            unsafe { Avx2.transpose(k, hd, groups, kt) }
+            unsafe { Avx2.transpose(k, hd, groups, kt) };
+            // A key's last number, decoded wrong (AVX2 keeps the portable layout).
+            if self.0 == Fault::Decode(k.dtype) {
+                for g in 0..groups {
+                    for x in &mut kt[g * GROUP * hd + (hd - 1) * GROUP..][..GROUP] {
+                        *x = f32::from_bits(x.to_bits() ^ 1);
+                    }
+                }
+            }
         }
 
         #[inline(always)]
@@ -262,11 +271,34 @@ mod tests {
             hd: usize,
             alpha: &[f32],
             e: &[f32],
-            v: &[f32],
+            v: Rows,
             n: usize,
         ) {
+            if self.0 != Fault::Decode(v.dtype) {
+                // SAFETY: as above.
+                return unsafe { Avx2.accumulate(acc, hd, alpha, e, v, n) };
+            }
+            // The values decoded wrong, through `decode_row`'s fault.
+            let mut copy = vec![0f32; TILE * hd];
+            let mut at = [std::ptr::null(); TILE];
+            for (j, (row, dst)) in copy.chunks_exact_mut(hd).zip(&mut at).enumerate().take(n) {
+                // SAFETY: as above; `Rows` promises `row_bytes(hd)` at each of the first n.
+                unsafe {
+                    let src = std::slice::from_raw_parts(v.at[j], v.dtype.row_bytes(hd));
+                    self.decode_row(v.dtype, src, row);
+                }
+                *dst = row.as_ptr().cast();
+            }
+            let copy = Rows {
+                at: &at,
+                dtype: KvStorage::F32,
+            };
             // SAFETY: as above.
-            unsafe { Avx2.accumulate(acc, hd, alpha, e, v, n) }
+            unsafe { Avx2.accumulate(acc, hd, alpha, e, copy, n) }
+        }
+
+        fn in_place(self, rows: usize) -> bool {
+            Avx2.in_place(rows)
         }
 
         #[inline(always)]
@@ -348,5 +380,10 @@ mod tests {
         let last = SEQS[0].1.end - 1;
         assert_eq!((last + 1 - TILE).div_ceil(GROUP), 3);
         assert_eq!(crate::kv_dtype::q8_block(SHAPE.head_dim), SHAPE.head_dim);
+        // The prompt's rows read K and V through decoded copies, the decode row's in place,
+        // at either width.
+        let prompt_rows = SEQS[0].1.len() * SHAPE.num_heads;
+        assert!(!Avx2.in_place(prompt_rows) && !Avx512.in_place(prompt_rows));
+        assert!(Avx2.in_place(SHAPE.num_heads) && Avx512.in_place(SHAPE.num_heads));
     }
 }

@@ -512,6 +512,9 @@ fn head_dim_128_and_odd_groups_match_the_reference_and_the_portable_path_bit_for
 /// whose test-only dense matmul dominates). `NOVAINFER_KERNEL_DEPTH` (default 4096) history,
 /// f16 cache, a 512-token prefill chunk ending there and one decode row, CPU time:
 /// `RAYON_NUM_THREADS=1 cargo test --release -p novainfer-model kernel_timing -- --ignored --nocapture`
+/// (`NOVAINFER_KERNEL_DEPTH` sets the depth, 4096 by default; `NOVAINFER_KERNEL_POINT=decode`
+/// or `prefill_512` runs only that point, for a profiler): every SIMD ISA on the 0.5B's and
+/// the 1.5B's attention shapes, f16 cache.
 #[test]
 #[ignore = "timing printout, run by hand"]
 fn kernel_timing() {
@@ -519,38 +522,54 @@ fn kernel_timing() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(4096);
-    let fx = Fixture::new(SHAPE, depth, 16, KvStorage::F16, 1);
-    let width = SHAPE.num_heads * SHAPE.head_dim;
-    let isa = AttnIsa::select(SHAPE, KvStorage::F16);
-    for (name, positions, reps) in [
-        ("prefill_512", (depth - 512..depth).collect::<Vec<_>>(), 5),
-        ("decode", vec![depth - 1], 200),
-    ] {
-        let q = random(positions.len() * width, 2, 1.0);
-        // This thread's CPU time (with one thread the pool runs every item here): wall time
-        // on the shared machine swings with the other processes.
-        let cpu = || {
-            let mut ts = libc::timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            };
-            // SAFETY: `ts` is a valid timespec to write.
-            unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-            ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
-        };
-        let mut times = Vec::new();
-        for _ in 0..reps {
-            let t = cpu();
-            std::hint::black_box(fx.run(&q, &positions, isa));
-            times.push(cpu() - t);
+    // Qwen2.5-1.5B: 12 query heads over 2 KV heads of 128.
+    let shape_1_5b = AttentionShape {
+        num_heads: 12,
+        num_kv_heads: 2,
+        head_dim: 128,
+    };
+    let only = std::env::var("NOVAINFER_KERNEL_POINT").ok();
+    for shape in [SHAPE, shape_1_5b] {
+        let fx = Fixture::new(shape, depth, 16, KvStorage::F16, 1);
+        let width = shape.num_heads * shape.head_dim;
+        for isa in fast_isas(shape.head_dim) {
+            for (name, positions, reps) in [
+                ("prefill_512", (depth - 512..depth).collect::<Vec<_>>(), 5),
+                ("decode", vec![depth - 1], 2000),
+            ] {
+                if only.as_ref().is_some_and(|p| p != name) {
+                    continue;
+                }
+                let q = random(positions.len() * width, 2, 1.0);
+                // This thread's CPU time (with one thread the pool runs every item here):
+                // wall time on the shared machine swings with the other processes.
+                let cpu = || {
+                    let mut ts = libc::timespec {
+                        tv_sec: 0,
+                        tv_nsec: 0,
+                    };
+                    // SAFETY: `ts` is a valid timespec to write.
+                    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+                    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+                };
+                let mut times = Vec::new();
+                for _ in 0..reps {
+                    let t = cpu();
+                    std::hint::black_box(fx.run(&q, &positions, isa));
+                    times.push(cpu() - t);
+                }
+                times.sort_by(f64::total_cmp);
+                let flops = positions.iter().map(|p| p + 1).sum::<usize>() * width * 4;
+                println!(
+                    "{}/{}/{} {name} depth {depth} {isa:?}: min {:.3} ms, median {:.3} ms, {:.2} GFLOP/s",
+                    shape.num_heads,
+                    shape.num_kv_heads,
+                    shape.head_dim,
+                    times[0] * 1e3,
+                    times[reps / 2] * 1e3,
+                    flops as f64 / times[0] / 1e9
+                );
+            }
         }
-        times.sort_by(f64::total_cmp);
-        let flops = positions.iter().map(|p| p + 1).sum::<usize>() * width * 4;
-        println!(
-            "{name} depth {depth} {isa:?}: min {:.3} ms, median {:.3} ms, {:.2} GFLOP/s",
-            times[0] * 1e3,
-            times[reps / 2] * 1e3,
-            flops as f64 / times[0] / 1e9
-        );
     }
 }

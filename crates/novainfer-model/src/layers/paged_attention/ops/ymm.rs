@@ -1,12 +1,14 @@
 //! The parts of the vectorized kernel that stay 8 lanes wide at every width: the documented
 //! order of a tile's maximum and sum is in vectors of [`GROUP`] positions (so a wider ISA
-//! splits its vectors back into those), and the keys are transposed 8 rows at a time.
+//! splits its vectors back into those), and the keys are decoded and transposed 8 rows at a
+//! time.
 //! AVX2 intrinsics are safe in these (and in the closure of [`tree`]) for every ISA: the
 //! crate's baseline, x86-64-v3, has AVX2, so they inline wherever they are called.
 
 use std::arch::x86_64::*;
 
-use super::{tree, GROUP, VECS};
+use super::format::Format;
+use super::{tree, Avx2, GROUP, VECS};
 
 const _: () = assert!(GROUP == 8, "one __m256 is one group of positions");
 
@@ -42,17 +44,26 @@ pub(super) unsafe fn tile_sum(e: [__m256; VECS]) -> f32 {
     }
 }
 
-/// Transposes the 8 rows of `hd` floats at `src` (row `j` at `src + j·hd`) into lines of
-/// `stride` floats: `dst[d·stride + j] = src[j·hd + d]`, the rest of each line untouched.
+/// Decodes and transposes the 8 rows of `hd` numbers at `rows` (`F`-encoded) into lines of
+/// `stride` floats: `dst[d·stride + j] = row_j[d]`, the rest of each line untouched.
 ///
 /// # Safety
-/// AVX; `hd` a multiple of 8; the rows readable and the `hd` lines writable.
+/// AVX2/FMA/F16C; `hd` a multiple of 8; the rows valid for `F`'s `row_bytes(hd)` and the
+/// `hd` lines writable.
 #[inline(always)]
-pub(super) unsafe fn transpose_8_rows(src: *const f32, hd: usize, dst: *mut f32, stride: usize) {
+pub(super) unsafe fn transpose_8_rows<F: Format>(
+    rows: &[*const u8; 8],
+    hd: usize,
+    dst: *mut f32,
+    stride: usize,
+) {
     // SAFETY: the caller's contract.
     unsafe {
         for c in 0..hd / 8 {
-            let r: [__m256; 8] = std::array::from_fn(|j| _mm256_loadu_ps(src.add(j * hd + 8 * c)));
+            let mut r = [_mm256_setzero_ps(); 8];
+            for (x, row) in r.iter_mut().zip(rows) {
+                *x = F::load::<Avx2>(*row, 8 * c, hd);
+            }
             let t0 = _mm256_unpacklo_ps(r[0], r[1]);
             let t1 = _mm256_unpackhi_ps(r[0], r[1]);
             let t2 = _mm256_unpacklo_ps(r[2], r[3]);
