@@ -240,10 +240,10 @@ impl AttnOps for Scalar {
             let e = &e[r * TILE..];
             for (d, a) in row.iter_mut().enumerate() {
                 let mut x = *a * alpha[r];
-                for j in 0..n {
+                for (ej, vrow) in e[..n].iter().zip(v.at) {
                     // SAFETY: the rows' contract.
-                    let vj = unsafe { decode_at(v.dtype, v.at[j], hd, d) };
-                    x = e[j].mul_add(vj, x);
+                    let vj = unsafe { decode_at(v.dtype, *vrow, hd, d) };
+                    x = ej.mul_add(vj, x);
                 }
                 *a = x;
             }
