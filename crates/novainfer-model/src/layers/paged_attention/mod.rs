@@ -52,6 +52,9 @@ use ops::{exp_scalar, AttnOps, Rows, Scalar, GROUP, TILE};
 
 /// Positions per partition (a multiple of [`TILE`]).
 const PART: usize = 256;
+/// How far ahead of the tile being computed its rows are prefetched ([`prefetch`]): two
+/// tiles measured best on Zen 4 (four and eight were slower: the early rows leave L2).
+const AHEAD: usize = 2 * TILE;
 /// Tokens per prefill work item: their query rows (32 × the group) share every decoded and
 /// transposed K/V tile. Measured (0.5B shape, f16 cache, 1 thread): 8 → 32 tokens made a
 /// 512-token chunk at depth 16k ~15% faster, 64 gained little more at 16k and lost at 4k.
@@ -294,10 +297,11 @@ unsafe fn attend<K: Kernel>(
     // decode needs one fork/join of the pool, not two.
     let pending = &plan.pending;
     candle_core::utils::barrier_pool().execute_chunked(plan.items.len(), |range| {
-        for item in &plan.items[range] {
+        let items = &plan.items[range];
+        for (i, item) in items.iter().enumerate() {
             // SAFETY: each item writes only its own rows of `out` (its tokens × the heads of
             // its KV head) or its own range of `partials` (see `Plan`); the ISA as above.
-            unsafe { k.item(&ctx, item, dst, partial_dst) };
+            unsafe { k.item(&ctx, item, items.get(i + 1), dst, partial_dst) };
             let Some(Split { merge: m, .. }) = item.split else {
                 continue;
             };
@@ -334,6 +338,66 @@ struct Item {
     tokens: std::ops::Range<usize>,
     parts: std::ops::Range<usize>,
     split: Option<Split>,
+}
+
+impl Item {
+    /// The positions the item reads: its partitions, up to its latest token's.
+    fn walk(&self, ctx: &Ctx) -> std::ops::Range<usize> {
+        let last = self
+            .tokens
+            .clone()
+            .map(|t| ctx.positions[t])
+            .max()
+            .unwrap_or(0);
+        self.parts.start * PART..(last + 1).min(self.parts.end * PART)
+    }
+}
+
+/// Prefetches ([`prefetch`]) the rows of an item's walk ahead of the tile it computes, past
+/// its end into the walk of the item this thread runs next.
+struct Ahead<'a, 'c> {
+    ctx: &'a Ctx<'c>,
+    item: &'a Item,
+    walk: std::ops::Range<usize>,
+    next: Option<(&'a Item, std::ops::Range<usize>)>,
+}
+
+impl Ahead<'_, '_> {
+    /// Asks for the rows of `n` positions from `pos` of the item's walk (the next item's
+    /// first ones, as far as `pos` lies past its end).
+    #[inline(always)]
+    fn fetch(&self, pos: usize, n: usize) {
+        let next_walk = self.next.as_ref().map(|(_, walk)| walk);
+        let Some((in_next, range)) = ahead_of(&self.walk, next_walk, pos, n) else {
+            return;
+        };
+        let item = match &self.next {
+            Some((next, _)) if in_next => *next,
+            _ => self.item,
+        };
+        let table = &self.ctx.seqs[item.seq].block_table;
+        // SAFETY: a walk's positions lie inside its table, their slots inside the pool
+        // (checked by `ForwardBatch::validate` and `check_slots`).
+        unsafe { prefetch(self.ctx, table, item.kv_head, range.start, range.len()) };
+    }
+}
+
+/// The positions `pos..pos + n` of `walk` followed by `next` mean: `(false, range)` in
+/// `walk` itself, `(true, range)` in `next` (where `pos` lies past `walk`'s end), cut at the
+/// walk's end; `None` past both.
+fn ahead_of(
+    walk: &std::ops::Range<usize>,
+    next: Option<&std::ops::Range<usize>>,
+    pos: usize,
+    n: usize,
+) -> Option<(bool, std::ops::Range<usize>)> {
+    let (in_next, walk, pos) = if pos < walk.end {
+        (false, walk, pos)
+    } else {
+        let next = next?;
+        (true, next, next.start + (pos - walk.end))
+    };
+    (pos < walk.end).then(|| (in_next, pos..(pos + n).min(walk.end)))
 }
 
 /// Where a split item's partial goes: `partials[partial..]`, merged by `merges[merge]`.
@@ -506,14 +570,28 @@ impl Scratch {
 /// `out`/`partials` must be the buffers of this call's plan; `partials` of `merge_group` the
 /// merge's own group (partition 0 first).
 trait Kernel: AttnOps + Send + Sync {
-    unsafe fn item(self, ctx: &Ctx, item: &Item, out: SharedOut, partials: SharedOut);
+    unsafe fn item(
+        self,
+        ctx: &Ctx,
+        item: &Item,
+        next: Option<&Item>,
+        out: SharedOut,
+        partials: SharedOut,
+    );
     unsafe fn merge_group(self, ctx: &Ctx, m: &Merge, partials: &[f32], out: SharedOut);
 }
 
 impl Kernel for Scalar {
-    unsafe fn item(self, ctx: &Ctx, item: &Item, out: SharedOut, partials: SharedOut) {
+    unsafe fn item(
+        self,
+        ctx: &Ctx,
+        item: &Item,
+        next: Option<&Item>,
+        out: SharedOut,
+        partials: SharedOut,
+    ) {
         // SAFETY: forwarded.
-        unsafe { run_item(self, ctx, item, out, partials) }
+        unsafe { run_item(self, ctx, item, next, out, partials) }
     }
 
     unsafe fn merge_group(self, ctx: &Ctx, m: &Merge, partials: &[f32], out: SharedOut) {
@@ -524,9 +602,16 @@ impl Kernel for Scalar {
 
 #[cfg(target_arch = "x86_64")]
 impl Kernel for ops::Avx2 {
-    unsafe fn item(self, ctx: &Ctx, item: &Item, out: SharedOut, partials: SharedOut) {
+    unsafe fn item(
+        self,
+        ctx: &Ctx,
+        item: &Item,
+        next: Option<&Item>,
+        out: SharedOut,
+        partials: SharedOut,
+    ) {
         // SAFETY: forwarded; AVX2/FMA/F16C were detected.
-        unsafe { run_item_avx2(self, ctx, item, out, partials) }
+        unsafe { run_item_avx2(self, ctx, item, next, out, partials) }
     }
 
     unsafe fn merge_group(self, ctx: &Ctx, m: &Merge, partials: &[f32], out: SharedOut) {
@@ -537,9 +622,16 @@ impl Kernel for ops::Avx2 {
 
 #[cfg(target_arch = "x86_64")]
 impl Kernel for ops::Avx512 {
-    unsafe fn item(self, ctx: &Ctx, item: &Item, out: SharedOut, partials: SharedOut) {
+    unsafe fn item(
+        self,
+        ctx: &Ctx,
+        item: &Item,
+        next: Option<&Item>,
+        out: SharedOut,
+        partials: SharedOut,
+    ) {
         // SAFETY: forwarded; AVX-512F (and AVX2/FMA/F16C) were detected.
-        unsafe { run_item_avx512(ctx, item, out, partials) }
+        unsafe { run_item_avx512(ctx, item, next, out, partials) }
     }
 
     unsafe fn merge_group(self, ctx: &Ctx, m: &Merge, partials: &[f32], out: SharedOut) {
@@ -555,11 +647,12 @@ unsafe fn run_item_avx2<O: AttnOps>(
     o: O,
     ctx: &Ctx,
     item: &Item,
+    next: Option<&Item>,
     out: SharedOut,
     partials: SharedOut,
 ) {
     // SAFETY: forwarded contract of `Kernel::item`.
-    unsafe { run_item(o, ctx, item, out, partials) }
+    unsafe { run_item(o, ctx, item, next, out, partials) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -571,9 +664,15 @@ unsafe fn run_merge_avx2<O: AttnOps>(o: O, ctx: &Ctx, m: &Merge, partials: &[f32
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f")]
-unsafe fn run_item_avx512(ctx: &Ctx, item: &Item, out: SharedOut, partials: SharedOut) {
+unsafe fn run_item_avx512(
+    ctx: &Ctx,
+    item: &Item,
+    next: Option<&Item>,
+    out: SharedOut,
+    partials: SharedOut,
+) {
     // SAFETY: forwarded contract of `Kernel::item`.
-    unsafe { run_item(ops::Avx512, ctx, item, out, partials) }
+    unsafe { run_item(ops::Avx512, ctx, item, next, out, partials) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -606,7 +705,14 @@ fn head_offset(ctx: &Ctx, t: usize, kv_head: usize, h: usize) -> usize {
 }
 
 #[inline(always)]
-unsafe fn run_item<O: AttnOps>(o: O, ctx: &Ctx, item: &Item, out: SharedOut, partials: SharedOut) {
+unsafe fn run_item<O: AttnOps>(
+    o: O,
+    ctx: &Ctx,
+    item: &Item,
+    next: Option<&Item>,
+    out: SharedOut,
+    partials: SharedOut,
+) {
     let hd = ctx.shape.head_dim;
     let rows = item.tokens.len() * ctx.group;
     let mut scratch = Scratch::take();
@@ -628,6 +734,15 @@ unsafe fn run_item<O: AttnOps>(o: O, ctx: &Ctx, item: &Item, out: SharedOut, par
         let table = &ctx.seqs[item.seq].block_table[..];
         let max_limit = sc.limit[..rows].iter().copied().max().unwrap_or(0);
         let in_place = o.in_place(rows);
+        let walk = item.walk(ctx);
+        let ahead = Ahead {
+            ctx,
+            item,
+            walk: walk.clone(),
+            next: next.map(|n| (n, n.walk(ctx))),
+        };
+        // The first tiles, unless the item before on this thread asked for them already.
+        ahead.fetch(walk.start, AHEAD);
         // The tile's K and V rows in the pool, and those of their decoded copies.
         let [mut kp, mut vp, mut kd, mut vd] = [[std::ptr::null::<u8>(); TILE]; 4];
         for part in item.parts.clone() {
@@ -648,6 +763,7 @@ unsafe fn run_item<O: AttnOps>(o: O, ctx: &Ctx, item: &Item, out: SharedOut, par
                 // (`check_slots`), so `locate`'s rows are valid; scratch sizes from `fit`.
                 unsafe {
                     locate(ctx, table, item.kv_head, t0, nt, &mut kp, &mut vp);
+                    ahead.fetch(t0 + AHEAD, TILE);
                     let keys = tile_rows(o, ctx, in_place, &kp, groups * GROUP, &mut sc.k, &mut kd);
                     o.transpose(keys, hd, groups, &mut sc.kt);
                     o.scores(&sc.q, hd, rows, &sc.kt, groups, &mut sc.s);
@@ -818,9 +934,8 @@ unsafe fn tile_rows<'a, O: AttnOps>(
     }
 }
 
-/// Points `k[j]`, `v[j]` at the K and V rows of position `t0 + j` of `kv_head` for `j < n`
-/// (walking the block table one block at a time), and the entries from `n` on at the last
-/// of them.
+/// Points `k[j]`, `v[j]` at the K and V rows of position `t0 + j` of `kv_head` for `j < n`,
+/// and the entries from `n` on at the last of them.
 ///
 /// # Safety
 /// Positions `t0..t0 + n` (n ≥ 1) lie inside `table`, and their slots inside the pool.
@@ -834,15 +949,72 @@ unsafe fn locate(
     k: &mut [*const u8; TILE],
     v: &mut [*const u8; TILE],
 ) {
+    debug_assert!((1..=TILE).contains(&n));
+    // SAFETY: the caller's contract.
+    unsafe {
+        each_row(ctx, table, kv_head, t0, n, |j, kr, vr| {
+            (k[j], v[j]) = (kr.as_ptr(), vr.as_ptr())
+        })
+    };
+    for j in n..TILE {
+        (k[j], v[j]) = (k[n - 1], v[n - 1]);
+    }
+}
+
+/// Asks the CPU to bring the K and V rows of positions `t0..t0 + n` of `kv_head` into its
+/// second-level cache. A decode step's cache comes from memory (the weights streamed since
+/// the layer last ran evict it), one partition after another, and the rows of a tile lie
+/// spread over the pool's blocks: the hardware prefetchers fell behind, and a layer's
+/// attention at depth 4,096 took 2.2× its time on rows in cache (1.5B shape, one thread,
+/// `kernel_timing` with `NOVAINFER_KERNEL_LAYERS=28`); with the rows asked for
+/// [`AHEAD`] positions early, continuing into the thread's next item, 1.5×. Into L2
+/// (`T1`), not L1: on Zen 4, `T0` prefetches gained nothing (the first level's miss buffers
+/// fill and stall the loads).
+///
+/// # Safety
+/// As [`locate`].
+#[inline(always)]
+unsafe fn prefetch(ctx: &Ctx, table: &[u32], kv_head: usize, t0: usize, n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        const LINE: usize = 64;
+        // SAFETY: the caller's contract; prefetching never faults.
+        unsafe {
+            each_row(ctx, table, kv_head, t0, n, |_, kr, vr| {
+                for at in (0..kr.len()).step_by(LINE) {
+                    _mm_prefetch::<_MM_HINT_T1>(kr.as_ptr().wrapping_add(at).cast());
+                    _mm_prefetch::<_MM_HINT_T1>(vr.as_ptr().wrapping_add(at).cast());
+                }
+            })
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (ctx, table, kv_head, t0, n);
+}
+
+/// `f(j, k, v)` with the K and V rows of position `t0 + j` of `kv_head`, `j < n`, walking
+/// the block table one block at a time.
+///
+/// # Safety
+/// As [`locate`].
+#[inline(always)]
+unsafe fn each_row<'a>(
+    ctx: &Ctx<'a>,
+    table: &[u32],
+    kv_head: usize,
+    t0: usize,
+    n: usize,
+    mut f: impl FnMut(usize, &'a [u8], &'a [u8]),
+) {
     let PoolLayer {
-        k: kpool,
-        v: vpool,
+        k,
+        v,
         block_size: bs,
         head_bytes: hb,
         slot_bytes: sb,
         ..
     } = ctx.layer;
-    debug_assert!((1..=TILE).contains(&n));
     let (mut pos, end, mut j) = (t0, t0 + n, 0);
     while pos < end {
         let (block, within) = (table[pos / bs] as usize, pos % bs);
@@ -850,13 +1022,9 @@ unsafe fn locate(
         for i in 0..take {
             let at = (block * bs + within + i) * sb + kv_head * hb;
             // Bounds-checked: a row outside the pool is a bug upstream, not a read past it.
-            k[j] = kpool[at..at + hb].as_ptr();
-            v[j] = vpool[at..at + hb].as_ptr();
+            f(j, &k[at..at + hb], &v[at..at + hb]);
             j += 1;
         }
         pos += take;
-    }
-    for j in n..TILE {
-        (k[j], v[j]) = (k[n - 1], v[n - 1]);
     }
 }

@@ -321,9 +321,16 @@ mod tests {
     }
 
     impl Kernel for Faulty {
-        unsafe fn item(self, ctx: &Ctx, item: &Item, out: SharedOut, partials: SharedOut) {
+        unsafe fn item(
+            self,
+            ctx: &Ctx,
+            item: &Item,
+            next: Option<&Item>,
+            out: SharedOut,
+            partials: SharedOut,
+        ) {
             // SAFETY: forwarded; AVX2 was detected (the tests).
-            unsafe { run_item_avx2(self, ctx, item, out, partials) }
+            unsafe { run_item_avx2(self, ctx, item, next, out, partials) }
         }
 
         unsafe fn merge_group(self, ctx: &Ctx, m: &Merge, partials: &[f32], out: SharedOut) {

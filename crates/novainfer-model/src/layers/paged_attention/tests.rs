@@ -274,6 +274,26 @@ fn the_timed_choice_runs_every_candidate_on_the_same_problem_and_forcing_wins() 
 }
 
 #[test]
+fn prefetching_runs_ahead_within_a_walk_and_on_into_the_next_items() {
+    let (walk, next) = (256..512, 0..100);
+    // Inside the walk, cut at its end.
+    assert_eq!(
+        ahead_of(&walk, Some(&next), 256, 64),
+        Some((false, 256..320))
+    );
+    assert_eq!(
+        ahead_of(&walk, Some(&next), 480, 64),
+        Some((false, 480..512))
+    );
+    // Past its end: the next item's first positions, cut at that walk's end.
+    assert_eq!(ahead_of(&walk, Some(&next), 512, 32), Some((true, 0..32)));
+    assert_eq!(ahead_of(&walk, Some(&next), 576, 64), Some((true, 64..100)));
+    // Past both, or no next item on this thread.
+    assert_eq!(ahead_of(&walk, Some(&next), 612, 32), None);
+    assert_eq!(ahead_of(&walk, None, 512, 32), None);
+}
+
+#[test]
 fn exp_is_accurate_on_the_softmax_range() {
     for i in 0..=17_400 {
         let x = -(i as f32) * 0.005;
@@ -513,8 +533,10 @@ fn head_dim_128_and_odd_groups_match_the_reference_and_the_portable_path_bit_for
 /// f16 cache, a 512-token prefill chunk ending there and one decode row, CPU time:
 /// `RAYON_NUM_THREADS=1 cargo test --release -p novainfer-model kernel_timing -- --ignored --nocapture`
 /// (`NOVAINFER_KERNEL_DEPTH` sets the depth, 4096 by default; `NOVAINFER_KERNEL_POINT=decode`
-/// or `prefill_512` runs only that point, for a profiler): every SIMD ISA on the 0.5B's and
-/// the 1.5B's attention shapes, f16 cache.
+/// or `prefill_512` runs only that point, for a profiler; `NOVAINFER_KERNEL_LAYERS=28` cycles
+/// through that many caches, so that each call reads its own from memory as a model's step
+/// does, rather than one from the last level cache): every SIMD ISA on the 0.5B's and the
+/// 1.5B's attention shapes, f16 cache.
 #[test]
 #[ignore = "timing printout, run by hand"]
 fn kernel_timing() {
@@ -529,8 +551,14 @@ fn kernel_timing() {
         head_dim: 128,
     };
     let only = std::env::var("NOVAINFER_KERNEL_POINT").ok();
+    let layers: usize = std::env::var("NOVAINFER_KERNEL_LAYERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
     for shape in [SHAPE, shape_1_5b] {
-        let fx = Fixture::new(shape, depth, 16, KvStorage::F16, 1);
+        let fxs: Vec<Fixture> = (0..layers)
+            .map(|l| Fixture::new(shape, depth, 16, KvStorage::F16, 1 + l as u64))
+            .collect();
         let width = shape.num_heads * shape.head_dim;
         for isa in fast_isas(shape.head_dim) {
             for (name, positions, reps) in [
@@ -553,7 +581,8 @@ fn kernel_timing() {
                     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
                 };
                 let mut times = Vec::new();
-                for _ in 0..reps {
+                for rep in 0..reps {
+                    let fx = &fxs[rep % layers];
                     let t = cpu();
                     std::hint::black_box(fx.run(&q, &positions, isa));
                     times.push(cpu() - t);
