@@ -535,7 +535,8 @@ fn head_dim_128_and_odd_groups_match_the_reference_and_the_portable_path_bit_for
 /// (`NOVAINFER_KERNEL_DEPTH` sets the depth, 4096 by default; `NOVAINFER_KERNEL_POINT=decode`
 /// or `prefill_512` runs only that point, for a profiler; `NOVAINFER_KERNEL_LAYERS=28` cycles
 /// through that many caches, so that each call reads its own from memory as a model's step
-/// does, rather than one from the last level cache): every SIMD ISA on the 0.5B's and the
+/// does, rather than one from the last level cache; `NOVAINFER_KERNEL_WALL=1` times the wall
+/// clock, for runs on more than one thread): every SIMD ISA on the 0.5B's and the
 /// 1.5B's attention shapes, f16 cache.
 #[test]
 #[ignore = "timing printout, run by hand"]
@@ -551,6 +552,7 @@ fn kernel_timing() {
         head_dim: 128,
     };
     let only = std::env::var("NOVAINFER_KERNEL_POINT").ok();
+    let wall = std::env::var_os("NOVAINFER_KERNEL_WALL").is_some();
     let layers: usize = std::env::var("NOVAINFER_KERNEL_LAYERS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -570,14 +572,20 @@ fn kernel_timing() {
                 }
                 let q = random(positions.len() * width, 2, 1.0);
                 // This thread's CPU time (with one thread the pool runs every item here):
-                // wall time on the shared machine swings with the other processes.
+                // wall time on the shared machine swings with the other processes. With
+                // more threads, `NOVAINFER_KERNEL_WALL=1` times the wall clock instead.
                 let cpu = || {
                     let mut ts = libc::timespec {
                         tv_sec: 0,
                         tv_nsec: 0,
                     };
+                    let clock = if wall {
+                        libc::CLOCK_MONOTONIC
+                    } else {
+                        libc::CLOCK_THREAD_CPUTIME_ID
+                    };
                     // SAFETY: `ts` is a valid timespec to write.
-                    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+                    unsafe { libc::clock_gettime(clock, &mut ts) };
                     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
                 };
                 let mut times = Vec::new();
