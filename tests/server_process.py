@@ -34,6 +34,8 @@ class ServerProcess:
         executable: str | None = None,
     ) -> None:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="novainfer-server-", suffix=".log", delete=False)
+        # The log's text once `stop()` has removed its file (a test may still ask for it then).
+        self._final_log: str | None = None
         program = [executable] if executable else [sys.executable, "-m", "novainfer.server"]
         cmd = [*program, "--host", "127.0.0.1", "--port", "0", *args]
         self.proc = subprocess.Popen(
@@ -59,8 +61,7 @@ class ServerProcess:
         reader.join(timeout)
         if not found:
             self.stop()
-            with open(self.log.name) as f:
-                raise RuntimeError(f"server did not start within {timeout} s:\n{f.read()}")
+            raise RuntimeError(f"server did not start within {timeout} s:\n{self.logs()}")
         return found[0]
 
     def _wait_warm(self, timeout: float) -> None:
@@ -77,6 +78,8 @@ class ServerProcess:
             time.sleep(0.02)
 
     def logs(self) -> str:
+        if self._final_log is not None:
+            return self._final_log
         self.log.flush()
         with open(self.log.name) as f:
             return f.read()
@@ -125,7 +128,12 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.log.close()
+        if self._final_log is None:
+            # Kept in memory rather than left in the temporary directory (every server a test
+            # run started used to leave its log there).
+            self._final_log = self.logs()
+            self.log.close()
+            os.unlink(self.log.name)
 
     def __enter__(self) -> ServerProcess:
         return self
