@@ -120,7 +120,8 @@ pub(super) trait AttnOps: Copy {
     /// Scores → exponentials in place: with `m' = max(m, s[..n])`, `s[j] = exp(s[j] − m')`
     /// for `j < n` and 0 after; returns `(m', Σ s)`. `n ≥ 1`.
     unsafe fn softmax(self, s: &mut [f32], m: f32, n: usize) -> (f32, f32);
-    /// For rows `r` of `acc` (rows of `hd`): `acc_r = acc_r·alpha[r] + Σ_{j<n} e[r·TILE + j]·v_j`.
+    /// For rows `r` of `acc` (rows of `hd`):
+    /// `acc_r = acc_r·alpha[r] + Σ_{j<n} e[r·TILE + j]·v_j`.
     unsafe fn accumulate(
         self,
         acc: &mut [f32],

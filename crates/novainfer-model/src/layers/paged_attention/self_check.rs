@@ -3,12 +3,12 @@
 //! CPU that is about to use it.
 //!
 //! The problem touches every path of the ops where an ISA's order of operations could go
-//! wrong: a GQA group, K and V read in place and through decoded copies, full and partial tiles (a partial tile with a 16-wide pair and an odd
-//! group of 8, and one with a single group), rows that end mid-tile at different places,
-//! register blocks of uneven rows, both 2-chunk and 1-chunk value blocks (`head_dim` 48), a
-//! decode row split over two partitions and merged, and the KV dtypes f16, q8_0 (one block a
-//! row) and bf16. Its tests check that it catches plausible mistakes. It costs about a
-//! millisecond, once per process.
+//! wrong: a GQA group, K and V read in place and through decoded copies, full and partial
+//! tiles (a partial tile with a 16-wide pair and an odd group of 8, and one with a single
+//! group), rows that end mid-tile at different places, register blocks of uneven rows, both
+//! 2-chunk and 1-chunk value blocks (`head_dim` 48), a decode row split over two partitions
+//! and merged, and the KV dtypes f16, q8_0 (one block a row) and bf16. Its tests check that
+//! it catches plausible mistakes. It costs about a millisecond, once per process.
 
 use super::*;
 use crate::forward_batch::SpanOutput;

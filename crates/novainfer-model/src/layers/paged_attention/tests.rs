@@ -531,7 +531,8 @@ fn head_dim_128_and_odd_groups_match_the_reference_and_the_portable_path_bit_for
 /// Not a test: times the kernel alone (the `attention` bench goes through the whole layer,
 /// whose test-only dense matmul dominates). `NOVAINFER_KERNEL_DEPTH` (default 4096) history,
 /// f16 cache, a 512-token prefill chunk ending there and one decode row, CPU time:
-/// `RAYON_NUM_THREADS=1 cargo test --release -p novainfer-model kernel_timing -- --ignored --nocapture`
+/// `RAYON_NUM_THREADS=1 cargo test --release -p novainfer-model kernel_timing -- --ignored
+/// --nocapture`
 /// (`NOVAINFER_KERNEL_DEPTH` sets the depth, 4096 by default; `NOVAINFER_KERNEL_POINT=decode`
 /// or `prefill_512` runs only that point, for a profiler; `NOVAINFER_KERNEL_LAYERS=28` cycles
 /// through that many caches, so that each call reads its own from memory as a model's step
@@ -562,6 +563,7 @@ fn kernel_timing() {
             .map(|l| Fixture::new(shape, depth, 16, KvStorage::F16, 1 + l as u64))
             .collect();
         let width = shape.num_heads * shape.head_dim;
+        let (heads, kv_heads, hd) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
         for isa in fast_isas(shape.head_dim) {
             for (name, positions, reps) in [
                 ("prefill_512", (depth - 512..depth).collect::<Vec<_>>(), 5),
@@ -598,10 +600,8 @@ fn kernel_timing() {
                 times.sort_by(f64::total_cmp);
                 let flops = positions.iter().map(|p| p + 1).sum::<usize>() * width * 4;
                 println!(
-                    "{}/{}/{} {name} depth {depth} {isa:?}: min {:.3} ms, median {:.3} ms, {:.2} GFLOP/s",
-                    shape.num_heads,
-                    shape.num_kv_heads,
-                    shape.head_dim,
+                    "{heads}/{kv_heads}/{hd} {name} depth {depth} {isa:?}: min {:.3} ms, \
+                     median {:.3} ms, {:.2} GFLOP/s",
                     times[0] * 1e3,
                     times[reps / 2] * 1e3,
                     flops as f64 / times[0] / 1e9

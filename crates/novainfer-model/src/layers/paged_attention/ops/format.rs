@@ -2,8 +2,9 @@
 //! where they lie in the pool instead of through a decoded f32 copy of every tile (whose
 //! stores were a fifth of a decode step's attention time).
 //!
-//! A load gives the bits [`crate::kv_dtype::KvStorage::decode`] gives: f16 and bf16 widen exactly, q8_0 is one
-//! exact conversion and one multiplication by the block's f16 scale widened.
+//! A load gives the bits [`crate::kv_dtype::KvStorage::decode`] gives: f16 and bf16 widen
+//! exactly, q8_0 is one exact conversion and one multiplication by the block's f16 scale
+//! widened.
 
 use super::simd::Simd;
 use crate::kv_dtype::q8_block;

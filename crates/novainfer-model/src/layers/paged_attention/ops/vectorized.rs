@@ -16,8 +16,8 @@
 //!   in the 8-lane order too, so that even a signed zero comes out the same;
 //! * `exp` is one body of lane-wise operations;
 //! * decoding ([`super::format`]: f16 → f32 and bf16 → f32 are exact, q8_0 is one exact
-//!   conversion and one multiplication), the value pass (`acc·α`, then FMAs in position order), merging and
-//!   finishing work per number: the width changes nothing.
+//!   conversion and one multiplication), the value pass (`acc·α`, then FMAs in position
+//!   order), merging and finishing work per number: the width changes nothing.
 //!
 //! No closure here holds a [`Simd`] operation (register arrays are filled by loops, not
 //! `std::array::from_fn`): a closure is compiled without its caller's target features, so
