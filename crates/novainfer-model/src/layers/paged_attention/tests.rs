@@ -79,6 +79,11 @@ impl Fixture {
 
     /// Attention of `q` rows at `positions` (one span of this sequence).
     fn run(&self, q: &[f32], positions: &[usize], isa: AttnIsa) -> Vec<f32> {
+        self.run_with(q, positions, isa, &mut Plan::default())
+    }
+
+    /// [`Fixture::run`] through `plan` (as the model reuses one from call to call).
+    fn run_with(&self, q: &[f32], positions: &[usize], isa: AttnIsa, plan: &mut Plan) -> Vec<f32> {
         let span = SeqSpan {
             query_start: 0,
             query_len: positions.len(),
@@ -86,7 +91,18 @@ impl Fixture {
             output: crate::forward_batch::SpanOutput::LastLogits,
             adapter: None,
         };
-        paged_attention(q, positions, &[span], self.pool.layer(0), self.shape, isa)
+        let (layer, mut out) = (self.pool.layer(0), Vec::new());
+        paged_attention_into(
+            q,
+            positions,
+            &[span],
+            layer,
+            self.shape,
+            isa,
+            plan,
+            &mut out,
+        );
+        out
     }
 
     /// The f64 softmax over the pool's (decoded) rows.
@@ -271,6 +287,29 @@ fn the_timed_choice_runs_every_candidate_on_the_same_problem_and_forcing_wins() 
         s.decision,
         crate::kernel_select::Decision::Forced { var: ISA_VAR }
     );
+}
+
+#[test]
+fn a_reused_plan_gives_a_fresh_ones_bits() {
+    // A deep decode leaves many partials behind; the calls after it (fewer partitions, two
+    // rows in different ones) must not read any of them.
+    let fx = Fixture::new(SHAPE, 1200, 16, KvStorage::F16, 5);
+    let width = SHAPE.num_heads * SHAPE.head_dim;
+    for isa in isas() {
+        let mut plan = Plan::default();
+        for (i, positions) in [vec![1199], vec![300, 1000], vec![700]].iter().enumerate() {
+            let q = random(positions.len() * width, 40 + i as u64, 1.0);
+            let reused = fx.run_with(&q, positions, isa, &mut plan);
+            let fresh = fx.run(&q, positions, isa);
+            assert!(
+                reused
+                    .iter()
+                    .zip(&fresh)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{isa:?}, call {i}"
+            );
+        }
+    }
 }
 
 #[test]
