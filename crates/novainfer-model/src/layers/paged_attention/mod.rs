@@ -10,7 +10,8 @@
 //!   positions/dimensions (12 accumulators), each loaded K/V vector feeding up to 6 rows;
 //!   K and V are read and decoded where they lie in the pool when the rows are few (decode),
 //!   through a decoded copy of the tile when they are many (prefill: each register block of
-//!   rows would decode the values again);
+//!   rows would decode the values again); meanwhile the rows of the tile two ahead are
+//!   prefetched ([`Ahead`]), as a decode step's cache comes from memory;
 //! * softmax is online: per tile, new running max, rescale, exponentials, weighted values;
 //! * positions are grouped in partitions of [`PART`]; each partition's (max, sum, values)
 //!   is computed from scratch and the partitions are merged in order. Decode rows with a
@@ -52,9 +53,13 @@ use ops::{exp_scalar, AttnOps, Rows, Scalar, GROUP, TILE};
 
 /// Positions per partition (a multiple of [`TILE`]).
 const PART: usize = 256;
-/// How far ahead of the tile being computed its rows are prefetched ([`prefetch`]): two
+/// How far ahead of the tile being computed its rows are prefetched ([`Ahead`]): two
 /// tiles measured best on Zen 4 (four and eight were slower: the early rows leave L2).
 const AHEAD: usize = 2 * TILE;
+const _: () = assert!(
+    AHEAD.is_multiple_of(TILE),
+    "prefetching works a tile at a time"
+);
 /// Tokens per prefill work item: their query rows (32 × the group) share every decoded and
 /// transposed K/V tile. Measured (0.5B shape, f16 cache, 1 thread): 8 → 32 tokens made a
 /// 512-token chunk at depth 16k ~15% faster, 64 gained little more at 16k and lost at 4k.
@@ -353,22 +358,50 @@ impl Item {
     }
 }
 
-/// Prefetches ([`prefetch`]) the rows of an item's walk ahead of the tile it computes, past
-/// its end into the walk of the item this thread runs next.
+/// Prefetches the rows of an item's walk ahead of the tile it computes, past its end into
+/// the walk of the item this thread runs next: it locates a tile's rows once ([`Ahead::locate`])
+/// and asks for its keys and its values at two moments ([`Ahead::keys`], [`Ahead::values`]).
+///
+/// Why: a decode step's cache comes from memory (the weights streamed since the layer last
+/// ran evict it), one partition after another, and the rows of a tile lie spread over the
+/// pool's blocks: the hardware prefetchers fell behind, and a layer's attention at depth
+/// 4,096 took 2.2× its time on rows in cache (1.5B shape, one thread, `kernel_timing` with
+/// `NOVAINFER_KERNEL_LAYERS=28`: 0.88 against 0.40 ms). With the rows asked for [`AHEAD`]
+/// positions early, continuing into the thread's next item: 0.64 ms; with the keys asked for
+/// before a tile's transpose and the values after it rather than all at once: 0.55 (two
+/// threads: median 0.37 → 0.33 ms). Into L2 (`T1`), not L1: on Zen 4, `T0` prefetches
+/// gained nothing (the first level's miss buffers fill and stall the loads).
 struct Ahead<'a, 'c> {
     ctx: &'a Ctx<'c>,
     item: &'a Item,
     walk: std::ops::Range<usize>,
     next: Option<(&'a Item, std::ops::Range<usize>)>,
+    /// The K and V rows of the positions last located, the first `n`.
+    k: [*const u8; TILE],
+    v: [*const u8; TILE],
+    n: usize,
 }
 
-impl Ahead<'_, '_> {
-    /// Asks for the rows of `n` positions from `pos` of the item's walk (the next item's
-    /// first ones, as far as `pos` lies past its end).
+impl<'a, 'c> Ahead<'a, 'c> {
+    fn new(ctx: &'a Ctx<'c>, item: &'a Item, next: Option<&'a Item>) -> Self {
+        Self {
+            ctx,
+            item,
+            walk: item.walk(ctx),
+            next: next.map(|n| (n, n.walk(ctx))),
+            k: [std::ptr::null(); TILE],
+            v: [std::ptr::null(); TILE],
+            n: 0,
+        }
+    }
+
+    /// Locates the rows of the [`TILE`] positions from `pos` of the item's walk (the next
+    /// item's first ones, as far as `pos` lies past its end; none past both).
     #[inline(always)]
-    fn fetch(&self, pos: usize, n: usize, rows: Wanted) {
+    fn locate(&mut self, pos: usize) {
+        self.n = 0;
         let next_walk = self.next.as_ref().map(|(_, walk)| walk);
-        let Some((in_next, range)) = ahead_of(&self.walk, next_walk, pos, n) else {
+        let Some((in_next, range)) = ahead_of(&self.walk, next_walk, pos, TILE) else {
             return;
         };
         let item = match &self.next {
@@ -376,18 +409,32 @@ impl Ahead<'_, '_> {
             _ => self.item,
         };
         let table = &self.ctx.seqs[item.seq].block_table;
+        let (k, v) = (&mut self.k, &mut self.v);
         // SAFETY: a walk's positions lie inside its table, their slots inside the pool
         // (checked by `ForwardBatch::validate` and `check_slots`).
         unsafe {
-            prefetch(
+            each_row(
                 self.ctx,
                 table,
                 item.kv_head,
                 range.start,
                 range.len(),
-                rows,
+                |j, kr, vr| (k[j], v[j]) = (kr.as_ptr(), vr.as_ptr()),
             )
         };
+        self.n = range.len();
+    }
+
+    /// Asks for the located keys.
+    #[inline(always)]
+    fn keys(&self) {
+        prefetch_rows(&self.k[..self.n], self.ctx.layer.head_bytes);
+    }
+
+    /// Asks for the located values.
+    #[inline(always)]
+    fn values(&self) {
+        prefetch_rows(&self.v[..self.n], self.ctx.layer.head_bytes);
     }
 }
 
@@ -746,15 +793,13 @@ unsafe fn run_item<O: AttnOps>(
         let table = &ctx.seqs[item.seq].block_table[..];
         let max_limit = sc.limit[..rows].iter().copied().max().unwrap_or(0);
         let in_place = o.in_place(rows);
-        let walk = item.walk(ctx);
-        let ahead = Ahead {
-            ctx,
-            item,
-            walk: walk.clone(),
-            next: next.map(|n| (n, n.walk(ctx))),
-        };
+        let mut ahead = Ahead::new(ctx, item, next);
         // The first tiles, unless the item before on this thread asked for them already.
-        ahead.fetch(walk.start, AHEAD, Wanted::Both);
+        for pos in (ahead.walk.start..).step_by(TILE).take(AHEAD / TILE) {
+            ahead.locate(pos);
+            ahead.keys();
+            ahead.values();
+        }
         // The tile's K and V rows in the pool, and those of their decoded copies.
         let [mut kp, mut vp, mut kd, mut vd] = [[std::ptr::null::<u8>(); TILE]; 4];
         for part in item.parts.clone() {
@@ -776,11 +821,12 @@ unsafe fn run_item<O: AttnOps>(
                 unsafe {
                     locate(ctx, table, item.kv_head, t0, nt, &mut kp, &mut vp);
                     // The keys of the tile `AHEAD` on now, its values after the transpose:
-                    // spread out, the requests queue less (measured, see `prefetch`).
-                    ahead.fetch(t0 + AHEAD, TILE, Wanted::Keys);
+                    // spread out, the requests queue less (measured, see `Ahead`).
+                    ahead.locate(t0 + AHEAD);
+                    ahead.keys();
                     let keys = tile_rows(o, ctx, in_place, &kp, groups * GROUP, &mut sc.k, &mut kd);
                     o.transpose(keys, hd, groups, &mut sc.kt);
-                    ahead.fetch(t0 + AHEAD, TILE, Wanted::Values);
+                    ahead.values();
                     o.scores(&sc.q, hd, rows, &sc.kt, groups, &mut sc.s);
                 }
                 // Rows that end before `nt` (or before the tile) get zero weights past their
@@ -976,49 +1022,23 @@ unsafe fn locate(
     }
 }
 
-/// Which rows of a position [`prefetch`] asks for.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Wanted {
-    Keys,
-    Values,
-    Both,
-}
-
-/// Asks the CPU to bring the K and/or V rows of positions `t0..t0 + n` of `kv_head` into its
-/// second-level cache. A decode step's cache comes from memory (the weights streamed since
-/// the layer last ran evict it), one partition after another, and the rows of a tile lie
-/// spread over the pool's blocks: the hardware prefetchers fell behind, and a layer's
-/// attention at depth 4,096 took 2.2× its time on rows in cache (1.5B shape, one thread,
-/// `kernel_timing` with `NOVAINFER_KERNEL_LAYERS=28`: 0.88 against 0.40 ms). With the rows
-/// asked for [`AHEAD`] positions early, continuing into the thread's next item: 0.64 ms;
-/// with the keys asked for before a tile's transpose and the values after it rather than
-/// all at once: 0.55 (two threads: median 0.37 → 0.33 ms). Into L2 (`T1`), not L1: on Zen 4,
-/// `T0` prefetches gained nothing (the first level's miss buffers fill and stall the loads).
-///
-/// # Safety
-/// As [`locate`].
+/// Asks the CPU to bring the `bytes` at each of `rows` into its second-level cache (see
+/// [`Ahead`]); prefetching never faults, whatever the address.
 #[inline(always)]
-unsafe fn prefetch(ctx: &Ctx, table: &[u32], kv_head: usize, t0: usize, n: usize, rows: Wanted) {
+fn prefetch_rows(rows: &[*const u8], bytes: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
         const LINE: usize = 64;
-        // SAFETY: the caller's contract; prefetching never faults.
-        unsafe {
-            each_row(ctx, table, kv_head, t0, n, |_, kr, vr| {
-                for at in (0..kr.len()).step_by(LINE) {
-                    if rows != Wanted::Values {
-                        _mm_prefetch::<_MM_HINT_T1>(kr.as_ptr().wrapping_add(at).cast());
-                    }
-                    if rows != Wanted::Keys {
-                        _mm_prefetch::<_MM_HINT_T1>(vr.as_ptr().wrapping_add(at).cast());
-                    }
-                }
-            })
+        for row in rows {
+            for at in (0..bytes).step_by(LINE) {
+                // SAFETY: a prefetch is a hint; it reads nothing and cannot fault.
+                unsafe { _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(at).cast()) };
+            }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (ctx, table, kv_head, t0, n, rows);
+    let _ = (rows, bytes);
 }
 
 /// `f(j, k, v)` with the K and V rows of position `t0 + j` of `kv_head`, `j < n`, walking
