@@ -1,5 +1,5 @@
-//! Zeroed byte buffers for the memory a decode step streams (the packed weights), backed by
-//! transparent huge pages where the OS offers them.
+//! Zeroed byte buffers for the memory a decode step streams (the packed weights and the KV
+//! pool), backed by transparent huge pages where the OS offers them.
 //!
 //! A decode step reads every weight and its sequences' KV rows from memory, so it runs at
 //! the machine's read bandwidth. With 4 KiB pages every page costs a TLB miss and the
@@ -9,8 +9,8 @@
 //! `madvise`, gives huge pages only to ranges that ask, so these buffers ask.
 //!
 //! Pages stay lazy as in a `calloc`ed buffer, but a touched huge page costs its whole 2 MiB:
-//! that is why the KV pool is not here (two touched pages per layer would add ~100 MB to a
-//! short conversation's footprint) until a long-context measurement shows what it would buy.
+//! the KV pool pays that for a faster long-context attention (`paged_kv::LayerPool` says how
+//! much of each).
 
 use std::ops::{Deref, DerefMut};
 
@@ -75,7 +75,7 @@ impl LargeBuffer {
 
     /// Whether the buffer is a mapping that asked for huge pages (for the tests).
     #[cfg(test)]
-    fn is_mapped(&self) -> bool {
+    pub(crate) fn is_mapped(&self) -> bool {
         matches!(self.storage, Storage::Mapped(_))
     }
 }

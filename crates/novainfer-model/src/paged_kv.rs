@@ -14,6 +14,7 @@
 use crate::config::Qwen2Config;
 use crate::error::{ModelError, Result};
 use crate::kv_dtype::KvStorage;
+use crate::large_buffer::LargeBuffer;
 
 pub struct PagedKvCache {
     block_size: usize,
@@ -27,22 +28,32 @@ pub struct PagedKvCache {
     layers: Vec<LayerPool>,
 }
 
+/// One layer's keys and values, on huge pages where the OS has them. A long context's decode
+/// reads its rows from all over the pool, and with 4 KiB pages every few rows cost a page walk
+/// whose page-table lines the weights streamed between layers have evicted: the 1.5B's attention
+/// took 0.45-0.53 ms a layer at depth 4,096 on 4 KiB pages and 0.41 on 2 MiB ones, 2.26 and
+/// 1.59 ms at depth 16,384 (decode 9.5 → 10.8 tok/s; docs/benchmarks.md). The price is the lazy
+/// allocation's grain: a touched huge page costs its whole 2 MiB, so the first sequence adds up
+/// to 4 MiB a layer (~110 MB for the 1.5B), and the step whose K/V first lands in a page zeroes
+/// it (per layer, keys and values). The free queue cycles through every block
+/// (`novainfer_core::block_pool`), so a serving process ends up touching the whole pool on
+/// either page size.
 pub(crate) struct LayerPool {
-    pub(crate) k: Vec<u8>,
-    pub(crate) v: Vec<u8>,
+    pub(crate) k: LargeBuffer,
+    pub(crate) v: LargeBuffer,
 }
 
 impl PagedKvCache {
     /// A pool of `num_blocks` blocks of `block_size` slots. The buffers are zero-initialised
-    /// allocations, so untouched blocks cost address space, not memory.
+    /// lazily, so untouched pages cost address space, not memory ([`LayerPool`]).
     pub fn new(cfg: &Qwen2Config, num_blocks: usize, block_size: usize, dtype: KvStorage) -> Self {
         let head_bytes = dtype.row_bytes(cfg.head_dim());
         let slot_bytes = cfg.num_key_value_heads * head_bytes;
         let bytes = num_blocks * block_size * slot_bytes;
         let layers = (0..cfg.num_hidden_layers)
             .map(|_| LayerPool {
-                k: vec![0; bytes],
-                v: vec![0; bytes],
+                k: LargeBuffer::zeroed(bytes),
+                v: LargeBuffer::zeroed(bytes),
             })
             .collect();
         Self {
@@ -161,4 +172,47 @@ pub(crate) struct PoolLayer<'a> {
     pub(crate) head_dim: usize,
     pub(crate) head_bytes: usize,
     pub(crate) slot_bytes: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pool_past_a_huge_page_asks_for_huge_pages() {
+        let cfg = Qwen2Config {
+            vocab_size: 8,
+            hidden_size: 256,
+            intermediate_size: 8,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            max_position_embeddings: 1 << 20,
+            rope_theta: 10_000.0,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: false,
+            torch_dtype: None,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        };
+        let dtype = KvStorage::F16;
+        // One layer's keys past 2 MiB.
+        let slot_bytes = cfg.num_key_value_heads * dtype.row_bytes(cfg.head_dim());
+        let blocks = (4 << 20) / (16 * slot_bytes);
+        let mut pool = PagedKvCache::new(&cfg, blocks, 16, dtype);
+        for layer in &pool.layers {
+            assert!(cfg!(not(unix)) || (layer.k.is_mapped() && layer.v.is_mapped()));
+        }
+        // Rows land where the slot says, in either buffer, at the far end too.
+        let row = cfg.num_key_value_heads * cfg.head_dim();
+        let last = pool.num_slots() - 1;
+        let (k, v) = (vec![1.5f32; row], vec![-2.0f32; row]);
+        pool.write(0, &[last], &k, &v);
+        let layer = pool.layer(0);
+        let at = |buf: &[u8]| {
+            let bytes = &buf[last * slot_bytes..last * slot_bytes + 2];
+            half::f16::from_le_bytes([bytes[0], bytes[1]]).to_f32()
+        };
+        assert_eq!((at(layer.k), at(layer.v)), (1.5, -2.0));
+    }
 }
