@@ -31,8 +31,8 @@ pub struct PagedKvCache {
 /// One layer's keys and values, on huge pages where the OS has them. A long context's decode
 /// reads its rows from all over the pool, and with 4 KiB pages every few rows cost a page walk
 /// whose page-table lines the weights streamed between layers have evicted: the 1.5B's attention
-/// took 0.45-0.53 ms a layer at depth 4,096 on 4 KiB pages and 0.41 on 2 MiB ones, 2.26 and
-/// 1.59 ms at depth 16,384 (decode 9.5 → 10.8 tok/s; docs/benchmarks.md). The price is the lazy
+/// took 0.43-0.53 ms a layer at depth 4,096 on 4 KiB pages and 0.41-0.43 on 2 MiB ones, 2.26 and
+/// 1.59 ms at depth 16,384 (decode 8.0 → 11.2 tok/s; docs/benchmarks.md). The price is the lazy
 /// allocation's grain: a touched huge page costs its whole 2 MiB, so the first sequence adds up
 /// to 4 MiB a layer (~110 MB for the 1.5B), and the step whose K/V first lands in a page zeroes
 /// it (per layer, keys and values). The free queue cycles through every block
