@@ -4,10 +4,12 @@
 //! * the query rows are every query head of the group (Qwen2.5-0.5B: 7) of a few tokens,
 //!   so each K/V row is read and decoded once for all of them;
 //! * history is walked a tile of [`TILE`] positions at a time, looking the block table up
-//!   once per block the tile touches; the tile's keys are decoded (f16/bf16/q8_0 → f32)
-//!   and transposed (8 positions side by side) into reused per-thread scratch, so that the
-//!   scores and the value pass run register blocks of up to 6 query rows × 16
-//!   positions/dimensions (12 accumulators), each loaded K/V vector feeding up to 6 rows;
+//!   once per block the tile touches; the scores want keys of 8 or 16 positions side by
+//!   side, which the pool keeps that way for f32/f16/bf16 ([`KeyLayout::Tiled`]; for q8_0,
+//!   and blocks of other than whole tiles, the tile's keys are decoded and transposed into
+//!   reused per-thread scratch), so that the scores and the value pass run register blocks
+//!   of up to 6 (8 on AVX-512) query rows × 16 positions/dimensions, each loaded K/V vector
+//!   feeding every row of the block;
 //!   K and V are read and decoded where they lie in the pool when the rows are few (decode),
 //!   through a decoded copy of the tile when they are many (prefill: each register block of
 //!   rows would decode the values again); meanwhile the rows of the tile two ahead are
@@ -48,8 +50,8 @@ use super::AttentionShape;
 use crate::forward_batch::SeqSpan;
 use crate::kernel_select;
 use crate::kv_dtype::KvStorage;
-use crate::paged_kv::PoolLayer;
-use ops::{exp_scalar, AttnOps, Rows, Scalar, GROUP, TILE};
+use crate::paged_kv::{KeyLayout, PoolLayer, KEY_TILE};
+use ops::{exp_scalar, AttnOps, Keys, Rows, Scalar, GROUP, TILE, TILES};
 
 /// Positions per partition (a multiple of [`TILE`]).
 const PART: usize = 256;
@@ -281,7 +283,7 @@ unsafe fn attend<K: Kernel>(
     out: &mut Vec<f32>,
 ) {
     // The ops read rows of `head_dim` numbers where the pool's rows lie.
-    debug_assert_eq!(layer.head_dim, shape.head_dim);
+    debug_assert_eq!(layer.geo.head_dim, shape.head_dim);
     out.clear();
     out.resize(q.len(), 0.0);
     plan.build(positions, seqs, shape);
@@ -376,9 +378,11 @@ struct Ahead<'a, 'c> {
     item: &'a Item,
     walk: std::ops::Range<usize>,
     next: Option<(&'a Item, std::ops::Range<usize>)>,
-    /// The K and V rows of the positions last located, the first `n`.
+    /// The keys (rows or tiles, `nk` of them) and value rows (`n`) of the positions last
+    /// located.
     k: [*const u8; TILE],
     v: [*const u8; TILE],
+    nk: usize,
     n: usize,
 }
 
@@ -391,6 +395,7 @@ impl<'a, 'c> Ahead<'a, 'c> {
             next: next.map(|n| (n, n.walk(ctx))),
             k: [std::ptr::null(); TILE],
             v: [std::ptr::null(); TILE],
+            nk: 0,
             n: 0,
         }
     }
@@ -399,7 +404,7 @@ impl<'a, 'c> Ahead<'a, 'c> {
     /// item's first ones, as far as `pos` lies past its end; none past both).
     #[inline(always)]
     fn locate(&mut self, pos: usize) {
-        self.n = 0;
+        (self.nk, self.n) = (0, 0);
         let next_walk = self.next.as_ref().map(|(_, walk)| walk);
         let Some((in_next, range)) = ahead_of(&self.walk, next_walk, pos, TILE) else {
             return;
@@ -409,32 +414,27 @@ impl<'a, 'c> Ahead<'a, 'c> {
             _ => self.item,
         };
         let table = &self.ctx.seqs[item.seq].block_table;
-        let (k, v) = (&mut self.k, &mut self.v);
-        // SAFETY: a walk's positions lie inside its table, their slots inside the pool
-        // (checked by `ForwardBatch::validate` and `check_slots`).
-        unsafe {
-            each_row(
-                self.ctx,
-                table,
-                item.kv_head,
-                range.start,
-                range.len(),
-                |j, kr, vr| (k[j], v[j]) = (kr.as_ptr(), vr.as_ptr()),
-            )
-        };
+        self.nk = rows_of(
+            self.ctx,
+            table,
+            item.kv_head,
+            range.start,
+            range.len(),
+            (&mut self.k, &mut self.v),
+        );
         self.n = range.len();
     }
 
     /// Asks for the located keys.
     #[inline(always)]
     fn keys(&self) {
-        prefetch_rows(&self.k[..self.n], self.ctx.layer.head_bytes);
+        prefetch_rows(&self.k[..self.nk], key_bytes(self.ctx));
     }
 
     /// Asks for the located values.
     #[inline(always)]
     fn values(&self) {
-        prefetch_rows(&self.v[..self.n], self.ctx.layer.head_bytes);
+        prefetch_rows(&self.v[..self.n], self.ctx.layer.geo.head_bytes);
     }
 }
 
@@ -800,7 +800,8 @@ unsafe fn run_item<O: AttnOps>(
             ahead.keys();
             ahead.values();
         }
-        // The tile's K and V rows in the pool, and those of their decoded copies.
+        // The tile's keys (rows or tiles) and value rows in the pool, and those of their
+        // decoded copies.
         let [mut kp, mut vp, mut kd, mut vd] = [[std::ptr::null::<u8>(); TILE]; 4];
         for part in item.parts.clone() {
             let p0 = part * PART;
@@ -820,14 +821,22 @@ unsafe fn run_item<O: AttnOps>(
                 // (`check_slots`), so `locate`'s rows are valid; scratch sizes from `fit`.
                 unsafe {
                     locate(ctx, table, item.kv_head, t0, nt, &mut kp, &mut vp);
-                    // The keys of the tile `AHEAD` on now, its values after the transpose:
+                    // The keys of the tile `AHEAD` on now, its values once this tile's keys are
+                    // ready (transposed, where the pool keeps them as rows):
                     // spread out, the requests queue less (measured, see `Ahead`).
                     ahead.locate(t0 + AHEAD);
                     ahead.keys();
-                    let keys = tile_rows(o, ctx, in_place, &kp, groups * GROUP, &mut sc.k, &mut kd);
-                    o.transpose(keys, hd, groups, &mut sc.kt);
+                    let keys = tile_keys(
+                        o,
+                        ctx,
+                        in_place,
+                        &kp,
+                        groups,
+                        (&mut sc.k, &mut sc.kt),
+                        &mut kd,
+                    );
                     ahead.values();
-                    o.scores(&sc.q, hd, rows, &sc.kt, groups, &mut sc.s);
+                    o.scores(&sc.q, hd, rows, keys, groups, &mut sc.s);
                 }
                 // Rows that end before `nt` (or before the tile) get zero weights past their
                 // end, so the tile's value pass can run every row to the longest one.
@@ -968,7 +977,7 @@ unsafe fn tile_rows<'a, O: AttnOps>(
     buf: &mut [f32],
     copy: &'a mut [*const u8; TILE],
 ) -> Rows<'a> {
-    let dtype = ctx.layer.dtype;
+    let dtype = ctx.layer.geo.dtype;
     if in_place {
         return Rows { at: rows, dtype };
     }
@@ -983,7 +992,7 @@ unsafe fn tile_rows<'a, O: AttnOps>(
         unsafe {
             o.decode_row(
                 dtype,
-                std::slice::from_raw_parts(src, ctx.layer.head_bytes),
+                std::slice::from_raw_parts(src, ctx.layer.geo.head_bytes),
                 row,
             )
         };
@@ -995,13 +1004,120 @@ unsafe fn tile_rows<'a, O: AttnOps>(
     }
 }
 
-/// Points `k[j]`, `v[j]` at the K and V rows of position `t0 + j` of `kv_head` for `j < n`,
-/// and the entries from `n` on at the last of them.
+/// The first `groups` groups of a tile's keys (`at`: rows or tiles in the pool, as
+/// [`rows_of`] located them) as [`AttnOps::scores`] reads them: rows transposed into `kt`
+/// (through the decoded copy `k` when `!in_place`), tiles where they lie, or (`!in_place`)
+/// decoded into `kt`, `copy` pointing at those.
 ///
 /// # Safety
-/// Positions `t0..t0 + n` (n ≥ 1) lie inside `table`, and their slots inside the pool.
+/// As [`tile_rows`], for keys.
 #[inline(always)]
-unsafe fn locate(
+unsafe fn tile_keys<'a, O: AttnOps>(
+    o: O,
+    ctx: &Ctx,
+    in_place: bool,
+    at: &'a [*const u8; TILE],
+    groups: usize,
+    (k, kt): (&mut [f32], &'a mut [f32]),
+    copy: &'a mut [*const u8; TILE],
+) -> Keys<'a> {
+    let geo = ctx.layer.geo;
+    let hd = geo.head_dim;
+    let tiled = match geo.keys {
+        KeyLayout::Rows => {
+            // SAFETY: the caller's contract.
+            unsafe {
+                let rows = tile_rows(o, ctx, in_place, at, groups * GROUP, k, copy);
+                o.transpose(rows, hd, groups, kt);
+            }
+            return Keys::Transposed(kt);
+        }
+        KeyLayout::Tiled(t) => t,
+    };
+    let first = |a: &'a [*const u8; TILE]| {
+        a.first_chunk::<TILES>()
+            .expect("a tile holds TILES key tiles")
+    };
+    if in_place {
+        return Keys::Tiled {
+            at: first(at),
+            dtype: tiled,
+        };
+    }
+    let numbers = KEY_TILE * hd;
+    for ((&src, dst), buf) in at
+        .iter()
+        .zip(copy.iter_mut())
+        .zip(kt.chunks_exact_mut(numbers))
+        .take((groups * GROUP).div_ceil(KEY_TILE))
+    {
+        // SAFETY: the caller's contract (a located tile holds `numbers` numbers).
+        unsafe {
+            o.decode_row(
+                tiled.storage(),
+                std::slice::from_raw_parts(src, key_bytes(ctx)),
+                buf,
+            )
+        };
+        *dst = buf.as_ptr().cast();
+    }
+    Keys::Tiled {
+        at: first(copy),
+        dtype: crate::paged_kv::TiledDtype::F32,
+    }
+}
+
+/// Bytes of what [`rows_of`] points a key at: a row, or a tile of [`KEY_TILE`] positions.
+#[inline(always)]
+fn key_bytes(ctx: &Ctx) -> usize {
+    let geo = ctx.layer.geo;
+    match geo.keys {
+        KeyLayout::Rows => geo.head_bytes,
+        KeyLayout::Tiled(_) => KEY_TILE * geo.head_bytes,
+    }
+}
+
+/// Points `v[j]` at the value rows of positions `t0 + j` of `kv_head`, `j < n`, and `k` at
+/// their keys as the pool lays them out: `k[j]` at the rows, or `k[0..]` at the tiles that
+/// hold them, in order (with `t0` a multiple of [`KEY_TILE`], `k[i]` holds positions
+/// `t0 + KEY_TILE·i..`); returns how many of `k` it set. Each row and tile lies inside the
+/// pool (checked: one outside is a bug upstream, not a read past it).
+#[inline(always)]
+fn rows_of(
+    ctx: &Ctx,
+    table: &[u32],
+    kv_head: usize,
+    t0: usize,
+    n: usize,
+    (k, v): (&mut [*const u8; TILE], &mut [*const u8; TILE]),
+) -> usize {
+    let (geo, layer) = (ctx.layer.geo, ctx.layer);
+    let tiled = matches!(geo.keys, KeyLayout::Tiled(_));
+    let at = |buf: &[u8], at: usize, len: usize| buf[at..at + len].as_ptr();
+    let (hb, tb) = (geo.head_bytes, key_bytes(ctx));
+    let mut tiles = 0;
+    each_slot(geo.block_size, table, t0, n, |j, slot| {
+        v[j] = at(layer.v, geo.row_at(slot, kv_head), hb);
+        if !tiled {
+            k[j] = at(layer.k, geo.row_at(slot, kv_head), hb);
+        } else if j == 0 || slot.is_multiple_of(KEY_TILE) {
+            // A tile's slots lie in one block (blocks are whole tiles), so a new tile
+            // starts with a slot that is a multiple of KEY_TILE.
+            k[tiles] = at(layer.k, geo.key_tile_at(slot, kv_head), tb);
+            tiles += 1;
+        }
+    });
+    if tiled {
+        tiles
+    } else {
+        n
+    }
+}
+
+/// [`rows_of`] the `n` positions of the tile from `t0` (`n ≥ 1`), with the keys and value
+/// rows past those pointing at the last one's.
+#[inline(always)]
+fn locate(
     ctx: &Ctx,
     table: &[u32],
     kv_head: usize,
@@ -1011,14 +1127,12 @@ unsafe fn locate(
     v: &mut [*const u8; TILE],
 ) {
     debug_assert!((1..=TILE).contains(&n));
-    // SAFETY: the caller's contract.
-    unsafe {
-        each_row(ctx, table, kv_head, t0, n, |j, kr, vr| {
-            (k[j], v[j]) = (kr.as_ptr(), vr.as_ptr())
-        })
-    };
+    let nk = rows_of(ctx, table, kv_head, t0, n, (&mut *k, &mut *v));
+    for j in nk..TILE {
+        k[j] = k[nk - 1];
+    }
     for j in n..TILE {
-        (k[j], v[j]) = (k[n - 1], v[n - 1]);
+        v[j] = v[n - 1];
     }
 }
 
@@ -1041,36 +1155,16 @@ fn prefetch_rows(rows: &[*const u8], bytes: usize) {
     let _ = (rows, bytes);
 }
 
-/// `f(j, k, v)` with the K and V rows of position `t0 + j` of `kv_head`, `j < n`, walking
-/// the block table one block at a time.
-///
-/// # Safety
-/// As [`locate`].
+/// `f(j, slot)` with the slot of position `t0 + j`, `j < n`, walking the block table one
+/// block at a time.
 #[inline(always)]
-unsafe fn each_row<'a>(
-    ctx: &Ctx<'a>,
-    table: &[u32],
-    kv_head: usize,
-    t0: usize,
-    n: usize,
-    mut f: impl FnMut(usize, &'a [u8], &'a [u8]),
-) {
-    let PoolLayer {
-        k,
-        v,
-        block_size: bs,
-        head_bytes: hb,
-        slot_bytes: sb,
-        ..
-    } = ctx.layer;
+fn each_slot(bs: usize, table: &[u32], t0: usize, n: usize, mut f: impl FnMut(usize, usize)) {
     let (mut pos, end, mut j) = (t0, t0 + n, 0);
     while pos < end {
         let (block, within) = (table[pos / bs] as usize, pos % bs);
         let take = (bs - within).min(end - pos);
         for i in 0..take {
-            let at = (block * bs + within + i) * sb + kv_head * hb;
-            // Bounds-checked: a row outside the pool is a bug upstream, not a read past it.
-            f(j, &k[at..at + hb], &v[at..at + hb]);
+            f(j, block * bs + within + i);
             j += 1;
         }
         pos += take;

@@ -16,11 +16,13 @@
 //! * value accumulation is per dimension: `acc·α`, then `acc = fma(e_j, v_j, acc)` in
 //!   position order. Positions past a row's own limit carry `e_j = 0`, so a row may run a
 //!   few extra (exact no-op) steps when it shares a tile with later rows.
-//! * K and V are read where they lie in the pool ([`Rows`]) and decoded to f32 (exact for
-//!   f16/bf16, one exact conversion and one multiplication for q8_0) as they are loaded:
-//!   whether a row is decoded into a scratch copy first or in registers changes no bit.
+//! * K and V are read where they lie in the pool ([`Rows`], [`Keys`]) and decoded to f32
+//!   (exact for f16/bf16, one exact conversion and one multiplication for q8_0) as they are
+//!   loaded: whether a row is decoded into a scratch copy first or in registers changes no
+//!   bit, nor does the pool's key layout (rows, or tiles of positions side by side).
 
 use crate::kv_dtype::{q8_block, KvStorage};
+use crate::paged_kv::{TiledDtype, KEY_TILE};
 
 /// Positions per softmax tile (and rows of the K/V scratch): the per-row work of a tile
 /// (maximum, rescaling, sums, reloading the running values) is paid once per `TILE` positions.
@@ -33,6 +35,12 @@ const _: () = assert!(
     TILE.is_multiple_of(GROUP) && VECS.is_power_of_two(),
     "the softmax sum is a pairwise tree over the tile's vectors"
 );
+/// Key tiles ([`crate::paged_kv::KeyLayout::Tiled`]) per softmax tile.
+pub(super) const TILES: usize = TILE / KEY_TILE;
+const _: () = assert!(
+    TILE.is_multiple_of(KEY_TILE) && KEY_TILE.is_multiple_of(16),
+    "a softmax tile is whole key tiles, each whole vectors of 8 or 16 lanes"
+);
 
 /// One tile's K or V rows, in the pool or in a decoded copy: row `j` of the tile at `at[j]`,
 /// `dtype`-encoded ([`KvStorage::row_bytes`] of the head size each), valid for every row an
@@ -42,6 +50,32 @@ const _: () = assert!(
 pub(super) struct Rows<'a> {
     pub(super) at: &'a [*const u8; TILE],
     pub(super) dtype: KvStorage,
+}
+
+/// A tile's keys as [`AttnOps::scores`] reads them.
+#[derive(Clone, Copy)]
+pub(super) enum Keys<'a> {
+    /// Decoded by [`AttnOps::transpose`], in its ISA's layout.
+    Transposed(&'a [f32]),
+    /// [`KEY_TILE`] positions side by side ([`crate::paged_kv::KeyLayout::Tiled`]), in the
+    /// pool or decoded to f32: positions `KEY_TILE·i..` at `at[i]`, number `d` of position
+    /// `KEY_TILE·i + l` at index `KEY_TILE·d + l`. Every tile a score reads is a whole one
+    /// of the pool's: positions past the tile's last hold numbers that are read, never
+    /// weighed.
+    Tiled {
+        at: &'a [*const u8; TILES],
+        dtype: TiledDtype,
+    },
+}
+
+/// Number `i` of the `dtype` array at `p`, decoded as [`KvStorage::decode`] decodes it.
+///
+/// # Safety
+/// `p` is valid for `i + 1` numbers.
+#[inline(always)]
+unsafe fn tiled_at(dtype: TiledDtype, p: *const u8, i: usize) -> f32 {
+    // SAFETY: the caller's contract; f32, f16 and bf16 numbers decode alone.
+    unsafe { decode_at(dtype.storage(), p, i + 1, i) }
 }
 
 /// Number `d` of the `hd`-long row at `row`, encoded in `dtype`, decoded exactly as
@@ -106,14 +140,15 @@ pub(super) trait AttnOps: Copy {
     /// (`groups·8·hd` floats), laid out the way this ISA's [`AttnOps::scores`] reads them; the
     /// portable layout is `kt[g·8·hd + d·8 + j] = k_{8g + j}[d]`.
     unsafe fn transpose(self, k: Rows, hd: usize, groups: usize, kt: &mut [f32]);
-    /// For query rows `r < rows` (`q`: rows of `hd`) and key groups `g < groups` (`kt` from
-    /// [`AttnOps::transpose`]): `s[r·TILE + 8g + l] = Σ_d q[r][d]·k_{8g+l}[d]`.
+    /// For query rows `r < rows` (`q`: rows of `hd`) and key groups `g < groups`:
+    /// `s[r·TILE + 8g + l] = Σ_d q[r][d]·k_{8g+l}[d]` (and possibly more of the row's `TILE`
+    /// with numbers never weighed).
     unsafe fn scores(
         self,
         q: &[f32],
         hd: usize,
         rows: usize,
-        kt: &[f32],
+        keys: Keys,
         groups: usize,
         s: &mut [f32],
     );
@@ -198,17 +233,29 @@ impl AttnOps for Scalar {
         q: &[f32],
         hd: usize,
         rows: usize,
-        kt: &[f32],
+        keys: Keys,
         groups: usize,
         s: &mut [f32],
     ) {
         for r in 0..rows {
             let q = &q[r * hd..(r + 1) * hd];
             for j in 0..groups * GROUP {
-                let k = &kt[(j / GROUP) * GROUP * hd + j % GROUP..];
                 let mut acc = 0f32;
-                for (d, qd) in q.iter().enumerate() {
-                    acc = qd.mul_add(k[d * GROUP], acc);
+                match keys {
+                    Keys::Transposed(kt) => {
+                        let k = &kt[(j / GROUP) * GROUP * hd + j % GROUP..];
+                        for (d, qd) in q.iter().enumerate() {
+                            acc = qd.mul_add(k[d * GROUP], acc);
+                        }
+                    }
+                    Keys::Tiled { at, dtype } => {
+                        let (tile, lane) = (at[j / KEY_TILE], j % KEY_TILE);
+                        for (d, qd) in q.iter().enumerate() {
+                            // SAFETY: a tile holds KEY_TILE·hd numbers (`Keys`).
+                            let k = unsafe { tiled_at(dtype, tile, KEY_TILE * d + lane) };
+                            acc = qd.mul_add(k, acc);
+                        }
+                    }
                 }
                 s[r * TILE + j] = acc;
             }

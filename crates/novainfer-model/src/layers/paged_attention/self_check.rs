@@ -13,6 +13,7 @@
 use super::*;
 use crate::forward_batch::SpanOutput;
 use crate::kv_dtype::KvStorage;
+use crate::paged_kv::KvGeometry;
 
 /// A group of 3 query heads; 48 = 3 chunks of 16 (a 2-chunk and a 1-chunk value block).
 /// One KV head: a second would only double the cost (its offset is the driver's, not the
@@ -85,13 +86,12 @@ impl Problem {
         dtype: KvStorage,
     ) -> Self {
         let hd = shape.head_dim;
-        let head_bytes = dtype.row_bytes(hd);
-        let slot_bytes = shape.num_kv_heads * head_bytes;
+        let geo = KvGeometry::new(dtype, BLOCK_SIZE, hd, shape.num_kv_heads);
         let blocks: usize = spec.iter().map(|(len, _)| len.div_ceil(BLOCK_SIZE)).sum();
         let mut ids = (0..blocks as u32).map(|i| (i * 5 + 3) % blocks as u32);
         let (mut k, mut v) = (
-            vec![0u8; blocks * BLOCK_SIZE * slot_bytes],
-            vec![0u8; blocks * BLOCK_SIZE * slot_bytes],
+            vec![0u8; blocks * BLOCK_SIZE * geo.slot_bytes],
+            vec![0u8; blocks * BLOCK_SIZE * geo.slot_bytes],
         );
         let (mut q, mut positions, mut seqs) = (Vec::new(), Vec::new(), Vec::new());
         for (i, (len, tokens)) in spec.iter().cloned().enumerate() {
@@ -106,10 +106,9 @@ impl Problem {
             for pos in 0..len {
                 let slot = table[pos / BLOCK_SIZE] as usize * BLOCK_SIZE + pos % BLOCK_SIZE;
                 for h in 0..shape.num_kv_heads {
-                    let at = slot * slot_bytes + h * head_bytes;
                     let row = (pos * shape.num_kv_heads + h) * hd;
-                    dtype.encode(&kf[row..row + hd], &mut k[at..at + head_bytes]);
-                    dtype.encode(&vf[row..row + hd], &mut v[at..at + head_bytes]);
+                    geo.write_key(&mut k, slot, h, &kf[row..row + hd]);
+                    geo.write_value(&mut v, slot, h, &vf[row..row + hd]);
                 }
             }
             seqs.push(SeqSpan {
@@ -137,15 +136,10 @@ impl Problem {
     /// The CPU has `k`'s ISA.
     pub(super) unsafe fn run<K: Kernel>(&self, k: K) -> Vec<f32> {
         let shape = self.shape;
-        let head_bytes = self.dtype.row_bytes(shape.head_dim);
         let layer = PoolLayer {
             k: &self.k,
             v: &self.v,
-            dtype: self.dtype,
-            block_size: BLOCK_SIZE,
-            head_dim: shape.head_dim,
-            head_bytes,
-            slot_bytes: shape.num_kv_heads * head_bytes,
+            geo: KvGeometry::new(self.dtype, BLOCK_SIZE, shape.head_dim, shape.num_kv_heads),
         };
         let (mut plan, mut out) = (Plan::default(), Vec::new());
         // SAFETY: forwarded.
@@ -186,7 +180,7 @@ pub(super) unsafe fn agrees<K: Kernel>(k: K) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layers::paged_attention::ops::{Avx2, Avx512, Rows, GROUP};
+    use crate::layers::paged_attention::ops::{Avx2, Avx512, Keys, Rows, GROUP, TILES};
 
     /// A mistake an ISA's ops could make; each must make the check fail.
     #[derive(Debug, Clone, Copy, PartialEq)]
@@ -239,12 +233,39 @@ mod tests {
             q: &[f32],
             hd: usize,
             rows: usize,
-            kt: &[f32],
+            keys: Keys,
             groups: usize,
             s: &mut [f32],
         ) {
+            let Keys::Tiled { at, dtype } = keys else {
+                // SAFETY: as above (transposed keys took their fault in `transpose`).
+                return unsafe { Avx2.scores(q, hd, rows, keys, groups, s) };
+            };
+            if self.0 != Fault::Decode(dtype.storage()) {
+                // SAFETY: as above.
+                return unsafe { Avx2.scores(q, hd, rows, keys, groups, s) };
+            }
+            // Tiled keys decoded wrong, through `decode_row`'s fault: every key's last number.
+            let numbers = KEY_TILE * hd;
+            let mut copy = vec![0f32; TILES * numbers];
+            let mut ptrs = [std::ptr::null(); TILES];
+            for ((tile, src), dst) in copy.chunks_exact_mut(numbers).zip(at).zip(&mut ptrs) {
+                // SAFETY: as above; a tile holds `numbers` numbers (`Keys`).
+                unsafe {
+                    let bytes = std::slice::from_raw_parts(*src, numbers * dtype.size());
+                    Avx2.decode_row(dtype.storage(), bytes, tile);
+                }
+                for x in &mut tile[(hd - 1) * KEY_TILE..] {
+                    *x = f32::from_bits(x.to_bits() ^ 1);
+                }
+                *dst = tile.as_ptr().cast();
+            }
+            let keys = Keys::Tiled {
+                at: &ptrs,
+                dtype: crate::paged_kv::TiledDtype::F32,
+            };
             // SAFETY: as above.
-            unsafe { Avx2.scores(q, hd, rows, kt, groups, s) }
+            unsafe { Avx2.scores(q, hd, rows, keys, groups, s) }
         }
 
         #[inline(always)]

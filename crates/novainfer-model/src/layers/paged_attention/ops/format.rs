@@ -88,3 +88,25 @@ macro_rules! by_format {
     }};
 }
 pub(super) use by_format;
+
+/// `$body` with the type `$f` the [`Format`] of `$dtype`, a [`crate::paged_kv::TiledDtype`].
+macro_rules! by_tiled {
+    ($dtype:expr, |$f:ident| $body:expr) => {{
+        use $crate::layers::paged_attention::ops::format as fmt;
+        match $dtype {
+            $crate::paged_kv::TiledDtype::F32 => {
+                type $f = fmt::F32;
+                $body
+            }
+            $crate::paged_kv::TiledDtype::F16 => {
+                type $f = fmt::F16;
+                $body
+            }
+            $crate::paged_kv::TiledDtype::Bf16 => {
+                type $f = fmt::Bf16;
+                $body
+            }
+        }
+    }};
+}
+pub(super) use by_tiled;

@@ -30,13 +30,14 @@
 
 use std::arch::x86_64::*;
 
-use super::format::{by_format, Format};
+use super::format::{by_format, by_tiled, Format, F32};
 use super::simd::Simd;
 use super::ymm::{hmax, tile_sum, transpose_8_rows};
 use super::{
-    row_blocks, AttnOps, Avx2, Rows, EXP_LO, EXP_P, GROUP, LN2_HI, LN2_LO, LOG2E, TILE, VECS,
+    row_blocks, AttnOps, Avx2, Keys, Rows, EXP_LO, EXP_P, GROUP, LN2_HI, LN2_LO, LOG2E, TILE, VECS,
 };
 use crate::kv_dtype::KvStorage;
+use crate::paged_kv::KEY_TILE;
 
 /// `$f::<$s, R, $c, $t…>($args)` for `R = $rows`, `1 ≤ $rows ≤ 8` (a `ROW_BLOCK`).
 macro_rules! by_rows {
@@ -76,30 +77,31 @@ unsafe fn exp<S: Simd>(x: S::V) -> S::V {
     }
 }
 
-/// Scores of `R` query rows (`q`, rows of `hd`) against `P` key vectors (`kt`, blocks of
-/// `LANES·hd` in the `LANES`-wide layout), into `s` (rows `TILE` apart): `R·P`
-/// accumulators, each key vector loaded once for the `R` rows.
+/// Scores of `R` query rows (`q`, rows of `hd`) against `P` vectors of `LANES` keys, `F`-encoded,
+/// number `d` of vector `p`'s keys at index `d·line` of `k[p]` (the transposed scratch:
+/// `line = LANES`; a key tile: `line = KEY_TILE`), into `s` (rows `TILE` apart): `R·P`
+/// accumulators, each key vector loaded (and decoded) once for the `R` rows.
 ///
 /// # Safety
 /// `S`'s ISA; the rows and key vectors exist.
 #[inline(always)]
-unsafe fn score_block<S: Simd, const R: usize, const P: usize>(
+unsafe fn score_block<S: Simd, const R: usize, const P: usize, F: Format>(
     q: *const f32,
     hd: usize,
-    kt: *const f32,
+    (k, line): ([*const u8; P], usize),
     s: *mut f32,
 ) {
     // SAFETY: the caller's contract.
     unsafe {
         let mut acc = [[S::zero(); P]; R];
         for d in 0..hd {
-            let mut k = [S::zero(); P];
-            for (p, kp) in k.iter_mut().enumerate() {
-                *kp = S::load(kt.add(p * S::LANES * hd + d * S::LANES));
+            let mut kv = [S::zero(); P];
+            for (p, x) in kv.iter_mut().enumerate() {
+                *x = F::load::<S>(k[p], d * line, hd);
             }
             for (r, row) in acc.iter_mut().enumerate() {
                 let qb = S::splat(*q.add(r * hd + d));
-                for (x, kp) in row.iter_mut().zip(&k) {
+                for (x, kp) in row.iter_mut().zip(&kv) {
                     *x = S::fma(qb, *kp, *x);
                 }
             }
@@ -233,37 +235,85 @@ impl<S: Simd> AttnOps for S {
         q: &[f32],
         hd: usize,
         rows: usize,
-        kt: &[f32],
+        keys: Keys,
         groups: usize,
         s: &mut [f32],
     ) {
-        debug_assert!(q.len() >= rows * hd && kt.len() >= groups * GROUP * hd);
-        debug_assert!(s.len() >= rows * TILE && groups <= TILE / GROUP);
-        let (q, kt, s) = (q.as_ptr(), kt.as_ptr(), s.as_mut_ptr());
-        let per = S::LANES / GROUP;
-        let (vecs, paired) = (groups / per, groups / per * per);
-        for (r0, nr) in row_blocks(rows, S::ROW_BLOCK) {
-            let (qr, sr) = (q.wrapping_add(r0 * hd), s.wrapping_add(r0 * TILE));
-            let mut v0 = 0;
-            while v0 < vecs {
-                let (k, so) = (
-                    kt.wrapping_add(v0 * S::LANES * hd),
-                    sr.wrapping_add(v0 * S::LANES),
-                );
-                // SAFETY: rows r0.., key vectors v0.. lie inside the slices (checked above).
-                unsafe {
-                    if vecs - v0 >= 2 {
-                        by_rows!(nr, score_block::<S, 2>(qr, hd, k, so));
-                    } else {
-                        by_rows!(nr, score_block::<S, 1>(qr, hd, k, so));
+        debug_assert!(q.len() >= rows * hd && s.len() >= rows * TILE && groups <= TILE / GROUP);
+        let (q, s) = (q.as_ptr(), s.as_mut_ptr());
+        match keys {
+            Keys::Transposed(kt) => {
+                debug_assert!(kt.len() >= groups * GROUP * hd);
+                let kt = kt.as_ptr();
+                let per = S::LANES / GROUP;
+                let (vecs, paired) = (groups / per, groups / per * per);
+                // Vector v of the ISA's layout, and group g of the portable one.
+                let vector = |v: usize| kt.wrapping_add(v * S::LANES * hd).cast::<u8>();
+                let group = |g: usize| [kt.wrapping_add(g * GROUP * hd).cast::<u8>()];
+                for (r0, nr) in row_blocks(rows, S::ROW_BLOCK) {
+                    let (qr, sr) = (q.wrapping_add(r0 * hd), s.wrapping_add(r0 * TILE));
+                    let mut v0 = 0;
+                    while v0 < vecs {
+                        let so = sr.wrapping_add(v0 * S::LANES);
+                        // SAFETY: rows r0.., key vectors v0.. lie inside the slices (checked
+                        // above).
+                        unsafe {
+                            if vecs - v0 >= 2 {
+                                let k = ([vector(v0), vector(v0 + 1)], S::LANES);
+                                by_rows!(nr, score_block::<S, 2, F32>(qr, hd, k, so));
+                            } else {
+                                let k = ([vector(v0)], S::LANES);
+                                by_rows!(nr, score_block::<S, 1, F32>(qr, hd, k, so));
+                            }
+                        }
+                        v0 += if vecs - v0 >= 2 { 2 } else { 1 };
+                    }
+                    for g in paired..groups {
+                        let so = sr.wrapping_add(g * GROUP);
+                        // SAFETY: as above; every `Simd` ISA has AVX2/FMA.
+                        unsafe {
+                            by_rows!(
+                                nr,
+                                score_block::<Avx2, 1, F32>(qr, hd, (group(g), GROUP), so)
+                            )
+                        };
                     }
                 }
-                v0 += if vecs - v0 >= 2 { 2 } else { 1 };
             }
-            for g in paired..groups {
-                let (k, so) = (kt.wrapping_add(g * GROUP * hd), sr.wrapping_add(g * GROUP));
-                // SAFETY: as above; every `Simd` ISA has AVX2/FMA.
-                unsafe { by_rows!(nr, score_block::<Avx2, 1>(qr, hd, k, so)) };
+            Keys::Tiled { at, dtype } => {
+                // Vector v's lanes are positions LANES·v.., which lie in one key tile (LANES
+                // divides KEY_TILE); a last vector past `groups` reads numbers never weighed.
+                let vecs = (groups * GROUP).div_ceil(S::LANES);
+                let size = dtype.size();
+                let vector = |v: usize| {
+                    let first = v * S::LANES;
+                    at[first / KEY_TILE].wrapping_add(first % KEY_TILE * size)
+                };
+                for (r0, nr) in row_blocks(rows, S::ROW_BLOCK) {
+                    let (qr, sr) = (q.wrapping_add(r0 * hd), s.wrapping_add(r0 * TILE));
+                    let mut v0 = 0;
+                    while v0 < vecs {
+                        let so = sr.wrapping_add(v0 * S::LANES);
+                        // SAFETY: rows r0.. inside the slices (checked above), key vectors
+                        // inside their tiles (`Keys`); the ISA was detected.
+                        unsafe {
+                            if vecs - v0 >= 2 {
+                                let k = ([vector(v0), vector(v0 + 1)], KEY_TILE);
+                                by_tiled!(dtype, |F| by_rows!(
+                                    nr,
+                                    score_block::<S, 2, F>(qr, hd, k, so)
+                                ));
+                            } else {
+                                let k = ([vector(v0)], KEY_TILE);
+                                by_tiled!(dtype, |F| by_rows!(
+                                    nr,
+                                    score_block::<S, 1, F>(qr, hd, k, so)
+                                ));
+                            }
+                        }
+                        v0 += if vecs - v0 >= 2 { 2 } else { 1 };
+                    }
+                }
             }
         }
     }
