@@ -312,21 +312,7 @@ mod tests {
 
     #[test]
     fn a_pool_past_a_huge_page_asks_for_huge_pages() {
-        let cfg = Qwen2Config {
-            vocab_size: 8,
-            hidden_size: 256,
-            intermediate_size: 8,
-            num_hidden_layers: 2,
-            num_attention_heads: 4,
-            num_key_value_heads: 2,
-            max_position_embeddings: 1 << 20,
-            rope_theta: 10_000.0,
-            rms_norm_eps: 1e-6,
-            tie_word_embeddings: false,
-            torch_dtype: None,
-            bos_token_id: None,
-            eos_token_ids: vec![],
-        };
+        let cfg = config(2, 64);
         let dtype = KvStorage::F16;
         // One layer's keys past 2 MiB.
         let slot_bytes = cfg.num_key_value_heads * dtype.row_bytes(cfg.head_dim());

@@ -981,26 +981,39 @@ unsafe fn tile_rows<'a, O: AttnOps>(
     if in_place {
         return Rows { at: rows, dtype };
     }
-    let hd = ctx.shape.head_dim;
-    for ((&src, dst), row) in rows
-        .iter()
-        .zip(copy.iter_mut())
-        .zip(buf.chunks_exact_mut(hd))
-        .take(n)
-    {
-        // SAFETY: the caller's contract.
-        unsafe {
-            o.decode_row(
-                dtype,
-                std::slice::from_raw_parts(src, ctx.layer.geo.head_bytes),
-                row,
-            )
-        };
-        *dst = row.as_ptr().cast();
-    }
+    let geo = ctx.layer.geo;
+    // SAFETY: the caller's contract.
+    unsafe { decode_copies(o, dtype, rows, (n, geo.head_dim, geo.head_bytes), buf, copy) };
     Rows {
         at: copy,
         dtype: KvStorage::F32,
+    }
+}
+
+/// Decodes the first `n` of `src` (`dtype`, `bytes` each holding `numbers` numbers) into
+/// `buf`, one after another, `copy` pointing at each.
+///
+/// # Safety
+/// The first `n` of `src` are valid for `bytes`; `buf` holds `n·numbers`; the CPU has `o`'s
+/// ISA.
+#[inline(always)]
+unsafe fn decode_copies<O: AttnOps>(
+    o: O,
+    dtype: KvStorage,
+    src: &[*const u8; TILE],
+    (n, numbers, bytes): (usize, usize, usize),
+    buf: &mut [f32],
+    copy: &mut [*const u8; TILE],
+) {
+    for ((&src, dst), out) in src
+        .iter()
+        .zip(copy.iter_mut())
+        .zip(buf.chunks_exact_mut(numbers))
+        .take(n)
+    {
+        // SAFETY: the caller's contract.
+        unsafe { o.decode_row(dtype, std::slice::from_raw_parts(src, bytes), out) };
+        *dst = out.as_ptr().cast();
     }
 }
 
@@ -1044,23 +1057,12 @@ unsafe fn tile_keys<'a, O: AttnOps>(
             dtype: tiled,
         };
     }
-    let numbers = KEY_TILE * hd;
-    for ((&src, dst), buf) in at
-        .iter()
-        .zip(copy.iter_mut())
-        .zip(kt.chunks_exact_mut(numbers))
-        .take((groups * GROUP).div_ceil(KEY_TILE))
-    {
-        // SAFETY: the caller's contract (a located tile holds `numbers` numbers).
-        unsafe {
-            o.decode_row(
-                tiled.storage(),
-                std::slice::from_raw_parts(src, key_bytes(ctx)),
-                buf,
-            )
-        };
-        *dst = buf.as_ptr().cast();
-    }
+    let tiles = (groups * GROUP).div_ceil(KEY_TILE);
+    // SAFETY: the caller's contract (a located tile holds KEY_TILE·hd numbers).
+    unsafe {
+        let shape = (tiles, KEY_TILE * hd, key_bytes(ctx));
+        decode_copies(o, tiled.storage(), at, shape, kt, copy)
+    };
     Keys::Tiled {
         at: first(copy),
         dtype: crate::paged_kv::TiledDtype::F32,

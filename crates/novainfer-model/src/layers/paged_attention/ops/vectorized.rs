@@ -114,6 +114,39 @@ unsafe fn score_block<S: Simd, const R: usize, const P: usize, F: Format>(
     }
 }
 
+/// [`score_block`] over query rows `0..rows` (`q`, rows of `hd`) and key vectors `0..vecs`
+/// (vector `v` at `vector(v)`, numbers `line` apart), two vectors at a time, into `s`
+/// (rows `TILE` apart, vector `v` at `v·LANES`).
+///
+/// # Safety
+/// As [`score_block`], for every row and vector named.
+#[inline(always)]
+unsafe fn score_vectors<S: Simd, F: Format>(
+    (q, hd, rows): (*const f32, usize, usize),
+    vecs: usize,
+    (vector, line): (impl Fn(usize) -> *const u8, usize),
+    s: *mut f32,
+) {
+    for (r0, nr) in row_blocks(rows, S::ROW_BLOCK) {
+        let (qr, sr) = (q.wrapping_add(r0 * hd), s.wrapping_add(r0 * TILE));
+        let mut v0 = 0;
+        while v0 < vecs {
+            let so = sr.wrapping_add(v0 * S::LANES);
+            // SAFETY: the caller's contract.
+            unsafe {
+                if vecs - v0 >= 2 {
+                    let k = ([vector(v0), vector(v0 + 1)], line);
+                    by_rows!(nr, score_block::<S, 2, F>(qr, hd, k, so));
+                } else {
+                    let k = ([vector(v0)], line);
+                    by_rows!(nr, score_block::<S, 1, F>(qr, hd, k, so));
+                }
+            }
+            v0 += if vecs - v0 >= 2 { 2 } else { 1 };
+        }
+    }
+}
+
 /// `R` rows × `C` `LANES`-dim chunks (from dimension `d0`) of the value accumulation: each
 /// value vector loaded (and decoded) once for the `R` rows.
 ///
@@ -249,35 +282,13 @@ impl<S: Simd> AttnOps for S {
                 let (vecs, paired) = (groups / per, groups / per * per);
                 // Vector v of the ISA's layout, and group g of the portable one.
                 let vector = |v: usize| kt.wrapping_add(v * S::LANES * hd).cast::<u8>();
-                let group = |g: usize| [kt.wrapping_add(g * GROUP * hd).cast::<u8>()];
-                for (r0, nr) in row_blocks(rows, S::ROW_BLOCK) {
-                    let (qr, sr) = (q.wrapping_add(r0 * hd), s.wrapping_add(r0 * TILE));
-                    let mut v0 = 0;
-                    while v0 < vecs {
-                        let so = sr.wrapping_add(v0 * S::LANES);
-                        // SAFETY: rows r0.., key vectors v0.. lie inside the slices (checked
-                        // above).
-                        unsafe {
-                            if vecs - v0 >= 2 {
-                                let k = ([vector(v0), vector(v0 + 1)], S::LANES);
-                                by_rows!(nr, score_block::<S, 2, F32>(qr, hd, k, so));
-                            } else {
-                                let k = ([vector(v0)], S::LANES);
-                                by_rows!(nr, score_block::<S, 1, F32>(qr, hd, k, so));
-                            }
-                        }
-                        v0 += if vecs - v0 >= 2 { 2 } else { 1 };
-                    }
-                    for g in paired..groups {
-                        let so = sr.wrapping_add(g * GROUP);
-                        // SAFETY: as above; every `Simd` ISA has AVX2/FMA.
-                        unsafe {
-                            by_rows!(
-                                nr,
-                                score_block::<Avx2, 1, F32>(qr, hd, (group(g), GROUP), so)
-                            )
-                        };
-                    }
+                let group = |g: usize| kt.wrapping_add((paired + g) * GROUP * hd).cast::<u8>();
+                // SAFETY: rows and key vectors lie inside the slices (checked above); every
+                // `Simd` ISA has AVX2/FMA.
+                unsafe {
+                    score_vectors::<S, F32>((q, hd, rows), vecs, (vector, S::LANES), s);
+                    let s = s.wrapping_add(paired * GROUP);
+                    score_vectors::<Avx2, F32>((q, hd, rows), groups - paired, (group, GROUP), s);
                 }
             }
             Keys::Tiled { at, dtype } => {
@@ -289,31 +300,16 @@ impl<S: Simd> AttnOps for S {
                     let first = v * S::LANES;
                     at[first / KEY_TILE].wrapping_add(first % KEY_TILE * size)
                 };
-                for (r0, nr) in row_blocks(rows, S::ROW_BLOCK) {
-                    let (qr, sr) = (q.wrapping_add(r0 * hd), s.wrapping_add(r0 * TILE));
-                    let mut v0 = 0;
-                    while v0 < vecs {
-                        let so = sr.wrapping_add(v0 * S::LANES);
-                        // SAFETY: rows r0.. inside the slices (checked above), key vectors
-                        // inside their tiles (`Keys`); the ISA was detected.
-                        unsafe {
-                            if vecs - v0 >= 2 {
-                                let k = ([vector(v0), vector(v0 + 1)], KEY_TILE);
-                                by_tiled!(dtype, |F| by_rows!(
-                                    nr,
-                                    score_block::<S, 2, F>(qr, hd, k, so)
-                                ));
-                            } else {
-                                let k = ([vector(v0)], KEY_TILE);
-                                by_tiled!(dtype, |F| by_rows!(
-                                    nr,
-                                    score_block::<S, 1, F>(qr, hd, k, so)
-                                ));
-                            }
-                        }
-                        v0 += if vecs - v0 >= 2 { 2 } else { 1 };
-                    }
-                }
+                // SAFETY: rows inside the slices (checked above), key vectors inside their
+                // tiles (`Keys`); the ISA was detected.
+                unsafe {
+                    by_tiled!(dtype, |F| score_vectors::<S, F>(
+                        (q, hd, rows),
+                        vecs,
+                        (vector, KEY_TILE),
+                        s
+                    ))
+                };
             }
         }
     }
