@@ -61,9 +61,10 @@ __device__ void lora_shrink(
     if (lane == 0) *out = p.scale * acc;
 }
 
-// grid (ceil(out_features / LORA_EXPAND_THREADS), rows): thread c of block (b, r) adds row r's
+// grid (rows, ceil(out_features / LORA_EXPAND_THREADS)): thread c of block (r, b) adds row r's
 // update to column offset + b * LORA_EXPAND_THREADS + c of y (row stride y_stride: a column
-// range of a fused q|k|v or gate|up output).
+// range of a fused q|k|v or gate|up output). Rows go on x, whose limit is 2^31 - 1, not y's
+// 65,535: a step's rows are its batched tokens, which may exceed that.
 template <typename T>
 __device__ void lora_expand(
     const float* __restrict__ t,       // [rows, max_rank]
@@ -75,8 +76,8 @@ __device__ void lora_expand(
     int offset,
     int num_slots,
     int max_rank) {
-    const int r = blockIdx.y;
-    const int c = blockIdx.x * LORA_EXPAND_THREADS + threadIdx.x;
+    const int r = blockIdx.x;
+    const int c = blockIdx.y * LORA_EXPAND_THREADS + threadIdx.x;
     const i32 slot = row_slot[r];
     if (c >= out_features || slot < 0 || slot >= num_slots) {
         return;
@@ -87,7 +88,10 @@ __device__ void lora_expand(
     }
     const float* tr = t + (i64)r * max_rank;
     float acc = 0.0f;
-    for (int j = 0; j < p.rank; ++j) {
+    // t holds max_rank numbers a row; the model sizes it for every resident rank, and this bound keeps a
+    // larger one from reading the next row's.
+    const int rank = min(p.rank, max_rank);
+    for (int j = 0; j < rank; ++j) {
         acc += tr[j] * p.bt[(i64)j * out_features + c];
     }
     const i64 at = (i64)r * y_stride + offset + c;

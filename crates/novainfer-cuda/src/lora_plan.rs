@@ -27,9 +27,10 @@ pub fn shrink_grid(rows: usize, max_rank: usize) -> (usize, usize) {
     (rows, max_rank.div_ceil(SHRINK_WARPS))
 }
 
-/// Grid of the expand: `(⌈out / EXPAND_THREADS⌉, rows)`.
+/// Grid of the expand: `(rows, ⌈out / EXPAND_THREADS⌉)`. Rows on x, whose limit is 2³¹ − 1 (y's is
+/// 65,535, which a step's batched tokens may exceed).
 pub fn expand_grid(out_features: usize, rows: usize) -> (usize, usize) {
-    (out_features.div_ceil(EXPAND_THREADS), rows)
+    (rows, out_features.div_ceil(EXPAND_THREADS))
 }
 
 /// A resident adapter's projection on the host, for the twin: `a` `[rank, in]`, `bt`
@@ -111,10 +112,10 @@ pub fn emulate_expand(
     offset: usize,
 ) {
     let (gx, gy) = expand_grid(out_features, row_slot.len());
-    for r in 0..gy {
-        for bx in 0..gx {
+    for r in 0..gx {
+        for by in 0..gy {
             for thread in 0..EXPAND_THREADS {
-                let c = bx * EXPAND_THREADS + thread;
+                let c = by * EXPAND_THREADS + thread;
                 let slot = row_slot[r];
                 let pair = usize::try_from(slot).ok().and_then(|s| pairs.get(s));
                 let Some(p) = pair.filter(|p| p.a.is_some()) else {
@@ -124,7 +125,7 @@ pub fn emulate_expand(
                     continue;
                 }
                 let mut acc = 0f32;
-                for j in 0..p.rank {
+                for j in 0..p.rank.min(max_rank) {
                     acc += t[r * max_rank + j] * p.bt[j * out_features + c];
                 }
                 y[r * y_stride + offset + c] += acc;
@@ -258,7 +259,13 @@ mod tests {
 
     #[test]
     fn the_grids_cover_every_cell_once() {
-        for (rows, rank, out) in [(1, 1, 1), (3, 16, 896), (64, 64, 4864), (5, 7, 257)] {
+        for (rows, rank, out) in [
+            (1, 1, 1),
+            (3, 16, 896),
+            (64, 64, 4864),
+            (5, 7, 257),
+            (70_000, 1, 300),
+        ] {
             let (gx, gy) = shrink_grid(rows, rank);
             let mut seen = vec![0u8; rows * rank];
             for r in 0..gx {
@@ -273,9 +280,10 @@ mod tests {
             }
             assert!(seen.iter().all(|&n| n == 1));
             let (ex, ey) = expand_grid(out, rows);
+            assert!(ey <= 65_535, "grid.y limit");
             let mut seen = vec![0u8; rows * out];
-            for r in 0..ey {
-                for b in 0..ex {
+            for r in 0..ex {
+                for b in 0..ey {
                     for th in 0..EXPAND_THREADS {
                         let c = b * EXPAND_THREADS + th;
                         if c < out {

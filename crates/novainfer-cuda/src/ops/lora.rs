@@ -124,7 +124,7 @@ pub fn lora_expand<T: Dtype>(
     launch(
         args,
         LaunchConfig {
-            grid_dim: (to_u32("out_features", gx)?, to_u32("rows", gy)?, 1),
+            grid_dim: (to_u32("rows", gx)?, to_u32("out_features", gy)?, 1),
             block_dim: (EXPAND_THREADS as u32, 1, 1),
             shared_mem_bytes: 0,
         },
