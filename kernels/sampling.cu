@@ -292,12 +292,18 @@ __device__ void sample_row(const T* __restrict__ logits,   // [rows, vocab]
     }
     __syncthreads();
     if (threadIdx.x == result[0]) {
+        // The walk repeats this thread's own sum s (from 0, same order) and adds it to the prefix the
+        // way thread 0 did: at its last live id it reaches exactly the `end` that chose this thread,
+        // so it always crosses the target. Summing from the prefix instead rounds differently and can
+        // stop short, leaving the row's last live id as the draw.
+        // Twin: crates/novainfer-cuda/src/draw_walk.rs.
         const float target = fscratch[0];
-        float cum = partial[threadIdx.x];
+        const float before = partial[threadIdx.x];
+        float local = 0.0f;
         for (int i = r.begin; i < r.end; ++i) {
             if (!alive(r, i, cut)) continue;
-            cum = __fadd_rn(cum, expf(d[i]));
-            if (cum > target) {
+            local = __fadd_rn(local, expf(d[i]));
+            if (__fadd_rn(before, local) > target) {
                 result[1] = (u32)i;
                 break;
             }
@@ -354,7 +360,7 @@ __device__ void argmax_row(const T* __restrict__ logits, u32* __restrict__ out, 
 // id order, then the block's fixed tree, as everywhere here). −inf for an all −inf row or an
 // id past the vocabulary.
 template <typename T>
-__device__ void token_logprob_row(const T* __restrict__ logits, const u32* __restrict__ ids,
+__device__ void token_logprob_row(const T* __restrict__ logits, const u32* ids,
                                   float* __restrict__ out, int vocab) {
     __shared__ float fscratch[WARP_SIZE];
     const i64 row = blockIdx.x;
@@ -449,7 +455,7 @@ __device__ void adjust_row(const T* __restrict__ logits, float* __restrict__ adj
 // logprobs into top_ids / top_lps[row · MAX_TOP_LOGPROBS ..]. `scratch` holds the row's
 // x − max for the rank cut. Sums as in `token_logprob_row`.
 template <typename T>
-__device__ void top_logprobs_row(const T* __restrict__ logits, const u32* __restrict__ ids, int n,
+__device__ void top_logprobs_row(const T* __restrict__ logits, const u32* ids, int n,
                                  float* __restrict__ scratch, u32* __restrict__ top_ids,
                                  float* __restrict__ top_lps, u32* __restrict__ ranks, int vocab) {
     __shared__ float fscratch[WARP_SIZE];

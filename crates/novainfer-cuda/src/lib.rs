@@ -13,6 +13,7 @@
 //!   launch (each `.cu` file says how).
 
 pub mod cache;
+pub mod draw_walk;
 pub mod error;
 pub mod flash_plan;
 pub mod gemm_choice;

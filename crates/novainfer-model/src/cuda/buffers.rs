@@ -390,8 +390,9 @@ impl EditBuffers {
     }
 
     /// Uploads `step`'s edits and returns them; with none, one stale entry that no offset
-    /// reaches (the kernels take a non-empty view). Like [`StepBuffers::upload`], the copy
-    /// completes before this returns.
+    /// reaches (the kernels take a non-empty view). Like [`StepBuffers::write_and_copy`], the
+    /// copy is only queued: there is one staging buffer, so the caller waits for any pass in
+    /// flight before calling this (cudarc does not wait on pinned memory: event tracking is off).
     pub fn upload(&mut self, gpu: &GpuContext, step: &PackedStep) -> Result<CudaView<'_, RowEdit>> {
         let n = step.edits.len();
         if n > 0 {
@@ -445,7 +446,8 @@ impl MaskBuffers {
     }
 
     /// Uploads `step`'s masks and returns them (a stale word when there are none: no row's
-    /// `masks_at` reaches it). The copy completes before this returns.
+    /// `masks_at` reaches it). The copy is only queued, from one staging buffer: the caller
+    /// waits for any pass in flight first, as for the edits.
     pub fn upload(&mut self, gpu: &GpuContext, step: &PackedStep) -> Result<CudaView<'_, u32>> {
         let n = step.masks.len();
         let capacity = self.device.len();

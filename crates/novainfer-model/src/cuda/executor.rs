@@ -636,6 +636,15 @@ impl Executor for CudaExecutor {
     fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput> {
         // Whatever this draws lands over the last enqueued pass's draws.
         self.last_draws = None;
+        // A pass in flight may not have copied its inputs yet: its edits and masks sit in staging
+        // buffers of their own (one each), its metadata in a slot this step may reuse. Pinned
+        // staging is not waited for by cudarc (event tracking is off), so the host must not
+        // write any of it before those copies ran. The passes stay in flight for `finish`.
+        for f in self.in_flight.iter().flatten() {
+            f.done
+                .synchronize()
+                .map_err(|e| ModelError::Cuda(format!("cuEventSynchronize failed: {e:?}")))?;
+        }
         if batch.only_samples() {
             let TailOut { rows, tokens } = self.run_in_pool(batch, Tail::Logits, true)?;
             return Ok(ForwardOutput {

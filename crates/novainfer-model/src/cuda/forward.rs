@@ -662,11 +662,12 @@ pub(crate) fn sample_tail(
         gpu.stream()
             .memcpy_dtoh(&head(&act.last_normed, rows * h, "last_normed")?, hidden)
             .map_err(driver_error("cuMemcpyDtoHAsync"))?;
-        // Waits for the copy, and so for the step: kernels' own errors surface here.
+        // The stream's end is the copy's and the step's (pinned reads do not wait by
+        // themselves: cudarc's event tracking is off); kernels' own errors surface here.
+        gpu.synchronize()?;
         let values = hidden
             .as_slice()
             .map_err(driver_error("cuEventSynchronize"))?;
-        gpu.synchronize()?;
         return Ok(TailOut {
             rows: values[..rows * h].iter().map(|&x| f32::from(x)).collect(),
             tokens: Vec::new(),
@@ -822,14 +823,14 @@ pub(crate) fn read_tail(
         out.rows = values[..host * vocab].to_vec();
     }
     if draws > 0 {
-        out.tokens = drawn_tokens(step, readback)?;
+        out.tokens = drawn_tokens(step, readback, vocab)?;
     }
     Ok(out)
 }
 
 /// The drawn rows' tokens from the pinned readback (the step's copies are complete), with
 /// the logprobs each asked for, in sampled-row order.
-fn drawn_tokens(step: &PackedStep, readback: &Readback) -> Result<Vec<DrawnToken>> {
+fn drawn_tokens(step: &PackedStep, readback: &Readback, vocab: usize) -> Result<Vec<DrawnToken>> {
     let sync = driver_error("cuEventSynchronize");
     let ids = readback.ids.as_slice().map_err(&sync)?;
     let logprobs = readback.logprobs.as_slice().map_err(&sync)?;
@@ -854,6 +855,8 @@ fn drawn_tokens(step: &PackedStep, readback: &Readback) -> Result<Vec<DrawnToken
             ..DrawnToken::default()
         };
         if let Ok(n) = usize::try_from(step.tops[r]) {
+            // The kernel writes min(n, MAX_TOP_LOGPROBS, vocab) entries; the rest of the slot is stale.
+            let n = n.min(MAX_TOP_LOGPROBS).min(vocab);
             let at = r * MAX_TOP_LOGPROBS;
             token.rank = ranks[r];
             token.top_logprobs = (0..n).map(|k| (top_ids[at + k], top_lps[at + k])).collect();
