@@ -566,14 +566,19 @@ fn dequant_matches_candle() {
 
 /// The GEMV against its twin, bit for bit: every format (packed and bf16), 1, 3 and 8
 /// activation rows, f32 and bf16 outputs written into columns of a wider row (a part of a fused
-/// matrix's output), columns outside left alone, k = 1536 (chunks not a multiple of the lanes)
-/// and 2304; and a row's result the same alone and in a batch. Fresh random weights every run.
+/// matrix's output), columns outside left alone, k = 1536 and 2304 (192 and 288 chunks of 8: whole
+/// rounds of the 32 lanes) and, for formats whose blocks divide it, 896 (the 0.5B's hidden size: 112
+/// chunks, a lane loop with a ragged tail); and a row's result the same alone and in a batch. Fresh
+/// random weights every run.
 fn gemv_body<T: TestDtype>(gpu: &GpuContext, seed: u64) {
     use novainfer_cuda::gemv_plan::emulate;
     use novainfer_cuda::ops::gemv_quant::{gemv, OutColumns, WeightRun};
     let mut rng = Rng(seed);
     for weights in GemvWeights::ALL {
-        for (rows, k) in [(37, 1536), (64, 2304)] {
+        for (rows, k) in [(37, 1536), (64, 2304), (37usize, 896usize)] {
+            if !k.is_multiple_of(weights.block_values()) {
+                continue;
+            }
             let raw = gemv_matrix(weights, rows, k, &mut rng);
             let w = up(gpu, &raw);
             for n in [1, 3, 8] {

@@ -96,15 +96,25 @@ fn packed(q: QuantType) -> GemvWeights {
 }
 
 fn runs_body<T: TestDtype>(gpu: &GpuContext, rng: &mut Rng) {
-    let k = 1536;
-    // Every format in one launch, run boundaries not on a block of four warps.
-    let layout = [
-        (packed(QuantType::Q4K), 9),
-        (GemvWeights::Bf16, 6),
-        (packed(QuantType::Q6K), 3),
-        (packed(QuantType::Int4), 5),
+    // Every packed format across two launches (a launch takes one family: bf16 runs go alone, as
+    // `gemv_body` runs them), run boundaries not on a block of four warps.
+    let layouts = [
+        vec![
+            (packed(QuantType::Q4K), 9),
+            (packed(QuantType::Q6K), 3),
+            (packed(QuantType::Int4), 5),
+            (packed(QuantType::Fp8), 6),
+        ],
+        vec![(packed(QuantType::Q5_0), 7), (packed(QuantType::Q8_0), 5)],
     ];
-    let runs = Runs::new(gpu, rng, &layout, k);
+    for layout in &layouts {
+        runs_launch::<T>(gpu, rng, layout);
+    }
+}
+
+fn runs_launch<T: TestDtype>(gpu: &GpuContext, rng: &mut Rng, layout: &[(GemvWeights, usize)]) {
+    let k = 1536;
+    let runs = Runs::new(gpu, rng, layout, k);
     let rows = runs.rows();
     for n in [1, 3, 8] {
         let x_host = activations(rng, n, k);
@@ -156,7 +166,7 @@ fn silu_body<T: TestDtype>(gpu: &GpuContext, rng: &mut Rng) {
     ]);
     layouts.push(vec![
         (packed(QuantType::Q8_0), f - 2),
-        (GemvWeights::Bf16, 4),
+        (packed(QuantType::Q4K), 4),
         (packed(QuantType::Q5_0), f - 2),
     ]);
     for layout in layouts {
