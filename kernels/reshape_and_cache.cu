@@ -1,7 +1,8 @@
 // reshape_and_cache.cu — writes the new tokens' K and V rows into the paged KV pool.
 // Launcher: crates/novainfer-cuda/src/ops/reshape_and_cache.rs.
 //
-// The pool layout is the CPU's (crates/novainfer-model/src/paged_kv.rs):
+// The pool layout is row-major, as the CPU pool's was before it tiled its keys (the CPU now keeps
+// f32/f16/bf16 keys in tiles of 16 slots; the GPU does not: its decode kernels load whole rows):
 //
 //   k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
 //   slot = block_table[pos / block_size] · block_size + pos % block_size

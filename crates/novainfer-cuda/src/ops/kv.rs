@@ -1,6 +1,7 @@
 //! The paged KV pool of one layer as the launchers take it, and block copies within it.
 //!
-//! Layout (the CPU's `PagedKvCache`): K and V in separate buffers, each
+//! Layout (row-major, as the CPU's `PagedKvCache` before it tiled its keys; the CPU pool now keeps
+//! keys in tiles of 16 slots, this one does not): K and V in separate buffers, each
 //! `[num_blocks, block_size, num_kv_heads, head_dim]`, so slot `s` is the `kv_row =
 //! num_kv_heads · head_dim` values at `s · kv_row`, and block `b` holds slots
 //! `b · block_size .. (b + 1) · block_size`.

@@ -1,8 +1,9 @@
 //! Launcher of `kernels/qkv.cu`: bias, RoPE and the KV-cache write after the fused QKV GEMM.
 //!
-//! Equal, in f32, to the CPU's `Linear` bias add, then `Rope::apply` on q and k, then
-//! `PagedKvCache::write` (the rotation is `rope_rotate`, shared with `rope.cu`, and the
-//! table is `RopeTable`'s). In bf16 each value is rounded once, when stored.
+//! Equal, in f32, to the CPU's `Linear` bias add, then `Rope::apply` on q and k, then the
+//! cache write (whole rows: the GPU pool does not tile keys as the CPU's does). The rotation
+//! is `rope_rotate`, shared with `rope.cu`, and the table is `RopeTable`'s. In bf16 each
+//! value is rounded once, when stored.
 
 use cudarc::driver::{CudaView, CudaViewMut, PushKernelArg};
 
