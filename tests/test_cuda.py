@@ -522,3 +522,8 @@ def test_lora_on_the_gpu_follows_the_cpu_and_moves_the_output(gpu, gpu_models, t
     base_first = got[1].logprobs[0]
     for name, g in (("a", got[0]), ("b", got[2])):
         assert g.token_ids != got[1].token_ids or g.logprobs[0] != base_first, name
+    # All three in one batch: every step mixes both adapters and the base model (the segmented product's
+    # row groups), and each request says what it said alone.
+    batched = [o.outputs[0] for o in on_gpu.generate([PROMPT] * 3, params, lora_request=requests)]
+    for name, g, b_ in zip(("a", "base", "b"), got, batched):
+        assert b_.token_ids == g.token_ids, name
