@@ -523,7 +523,13 @@ def test_lora_on_the_gpu_follows_the_cpu_and_moves_the_output(gpu, gpu_models, t
     for name, g in (("a", got[0]), ("b", got[2])):
         assert g.token_ids != got[1].token_ids or g.logprobs[0] != base_first, name
     # All three in one batch: every step mixes both adapters and the base model (the segmented product's
-    # row groups), and each request says what it said alone.
+    # row groups), and each request says what it said alone (a GEMM of three rows may round differently
+    # from one of one: a token may differ only at a near-tie, as above).
     batched = [o.outputs[0] for o in on_gpu.generate([PROMPT] * 3, params, lora_request=requests)]
     for name, g, b_ in zip(("a", "base", "b"), got, batched):
-        assert b_.token_ids == g.token_ids, name
+        for i, (gt, bt) in enumerate(zip(g.token_ids, b_.token_ids)):
+            if gt != bt:
+                margin = g.logprobs[i][gt] - g.logprobs[i].get(bt, -np.inf)
+                assert margin < 0.1, (name, i, margin)
+                break
+            assert abs(g.logprobs[i][gt] - b_.logprobs[i][bt]) < 0.05, (name, i)
