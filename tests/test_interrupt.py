@@ -57,7 +57,9 @@ def test_sigint_interrupts_generate_and_aborts_the_batch(tiny_models):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert "KeyboardInterrupt" in err, err
+    # Once seen failing with an empty stderr under a loaded full run (not reproduced in 15 tries under load):
+    # the status and stdout say whether the batch had finished or the process died.
+    assert "KeyboardInterrupt" in err, f"status {proc.returncode}, stdout {out[-500:]!r}, stderr {err[-2000:]!r}"
     assert proc.returncode != 0
     assert elapsed < EXIT_BOUND_S, f"took {elapsed:.2f} s to exit after SIGINT"
     lines = out.strip().splitlines()
