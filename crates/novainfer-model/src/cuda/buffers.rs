@@ -369,10 +369,12 @@ fn typed<T>(buf: &CudaSlice<u8>, offset: usize, len: usize) -> Result<CudaView<'
 }
 
 /// The drawn rows' edits of a step (penalties, bias, mask), uploaded apart from the step's
-/// metadata because their count varies from none to [`MAX_DEVICE_EDITS`] a row: a pinned
-/// staging buffer and its device copy, for `max_rows` rows.
+/// metadata because their count varies from none to [`MAX_DEVICE_EDITS`] a row: pinned
+/// staging buffers, one per slot as [`StepBuffers`]' (a pass in flight may not have copied its
+/// own yet), and one device copy (stream order keeps the passes' uploads apart), for
+/// `max_rows` rows.
 pub(crate) struct EditBuffers {
-    staging: PinnedHostSlice<u8>,
+    staging: [PinnedHostSlice<u8>; 2],
     device: CudaSlice<RowEdit>,
 }
 
@@ -380,8 +382,10 @@ impl EditBuffers {
     pub fn new(gpu: &GpuContext, max_rows: usize) -> Result<Self> {
         let capacity = max_rows.max(1) * MAX_DEVICE_EDITS;
         // SAFETY: written by `write_edits` before each upload, which copies only what it wrote.
-        let staging = unsafe { gpu.context().alloc_pinned::<u8>(16 * capacity) }
-            .map_err(driver_error("cuMemHostAlloc"))?;
+        let pinned = || unsafe { gpu.context().alloc_pinned::<u8>(16 * capacity) };
+        let staging = [pinned(), pinned()].map(|s| s.map_err(driver_error("cuMemHostAlloc")));
+        let [a, b] = staging;
+        let staging = [a?, b?];
         let device = gpu
             .stream()
             .alloc_zeros::<RowEdit>(capacity)
@@ -389,15 +393,19 @@ impl EditBuffers {
         Ok(Self { staging, device })
     }
 
-    /// Uploads `step`'s edits and returns them; with none, one stale entry that no offset
-    /// reaches (the kernels take a non-empty view). Like [`StepBuffers::write_and_copy`], the
-    /// copy is only queued: there is one staging buffer, so the caller waits for any pass in
-    /// flight before calling this (cudarc does not wait on pinned memory: event tracking is off).
-    pub fn upload(&mut self, gpu: &GpuContext, step: &PackedStep) -> Result<CudaView<'_, RowEdit>> {
+    /// Uploads `step`'s edits through staging buffer `slot` and returns them; with none, one
+    /// stale entry that no offset reaches (the kernels take a non-empty view). Like
+    /// [`StepBuffers::write_and_copy`], the copy is only queued (cudarc does not wait on pinned
+    /// memory: event tracking is off), so `slot` must not be a pass's in flight.
+    pub fn upload(
+        &mut self,
+        gpu: &GpuContext,
+        step: &PackedStep,
+        slot: usize,
+    ) -> Result<CudaView<'_, RowEdit>> {
         let n = step.edits.len();
         if n > 0 {
-            let staging = self
-                .staging
+            let staging = self.staging[slot % 2]
                 .as_mut_slice()
                 .map_err(driver_error("cuEventSynchronize"))?;
             if staging.len() < 16 * n {
@@ -428,7 +436,7 @@ impl EditBuffers {
 /// The grammar masks of a step's drawn rows (`⌈vocab / 32⌉` words a row, up to `max_rows`
 /// rows), uploaded apart from the step's metadata like the edits.
 pub(crate) struct MaskBuffers {
-    staging: PinnedHostSlice<u32>,
+    staging: [PinnedHostSlice<u32>; 2],
     device: CudaSlice<u32>,
 }
 
@@ -436,8 +444,10 @@ impl MaskBuffers {
     pub fn new(gpu: &GpuContext, cfg: &Qwen2Config, max_rows: usize) -> Result<Self> {
         let capacity = max_rows.max(1) * cfg.vocab_size.div_ceil(32);
         // SAFETY: written before each upload, which copies only what was written.
-        let staging = unsafe { gpu.context().alloc_pinned::<u32>(capacity) }
-            .map_err(driver_error("cuMemHostAlloc"))?;
+        let pinned = || unsafe { gpu.context().alloc_pinned::<u32>(capacity) };
+        let staging = [pinned(), pinned()].map(|s| s.map_err(driver_error("cuMemHostAlloc")));
+        let [a, b] = staging;
+        let staging = [a?, b?];
         let device = gpu
             .stream()
             .alloc_zeros::<u32>(capacity)
@@ -445,15 +455,19 @@ impl MaskBuffers {
         Ok(Self { staging, device })
     }
 
-    /// Uploads `step`'s masks and returns them (a stale word when there are none: no row's
-    /// `masks_at` reaches it). The copy is only queued, from one staging buffer: the caller
-    /// waits for any pass in flight first, as for the edits.
-    pub fn upload(&mut self, gpu: &GpuContext, step: &PackedStep) -> Result<CudaView<'_, u32>> {
+    /// Uploads `step`'s masks through staging buffer `slot` and returns them (a stale word
+    /// when there are none: no row's `masks_at` reaches it). The copy is only queued, as for
+    /// the edits: `slot` must not be a pass's in flight.
+    pub fn upload(
+        &mut self,
+        gpu: &GpuContext,
+        step: &PackedStep,
+        slot: usize,
+    ) -> Result<CudaView<'_, u32>> {
         let n = step.masks.len();
         let capacity = self.device.len();
         if n > 0 {
-            let staging = self
-                .staging
+            let staging = self.staging[slot % 2]
                 .as_mut_slice()
                 .map_err(driver_error("cuEventSynchronize"))?;
             let words = staging

@@ -23,7 +23,7 @@ use crate::executor::{DeviceMemory, DeviceWeights, Enqueued, Executor, PassTicke
 use crate::forward_batch::{ForwardBatch, ForwardOutput, SpanOutput};
 use crate::layers::ops::normalize_l2;
 use crate::loader::OpenedCheckpoint;
-use crate::prepare::graph::{replay_step, route, CudaGraphs, StepRoute};
+use crate::prepare::graph::{fits_bucket, replay_step, route, CudaGraphs, StepRoute};
 use crate::prepare::linear::DecodeLinear;
 use crate::prepare::{HostModelReader, PackedStep, StepCapacity, StepLayout};
 use crate::qwen2::{DtypeChoice, LoadOptions};
@@ -244,7 +244,24 @@ impl DeviceWeights for CudaWeights {
                 .max_seq_len()
                 .min(capacity.max_blocks_per_seq * block_size);
             let step = executor.w.step(&mut executor.meta, &mut executor.kv);
-            executor.graphs = Some(DecodeGraphs::capture(step, max_rows, max_seq_len)?);
+            match DecodeGraphs::capture(step, max_rows, max_seq_len) {
+                Ok(graphs) => executor.graphs = Some(graphs),
+                // Graphs are a speed-up: without them every step runs eagerly, as with
+                // `enforce_eager`. The capture drained the stream; an executor whose stream
+                // cannot even synchronise is broken, and says so.
+                Err(e) => {
+                    executor
+                        .w
+                        .gpu
+                        .synchronize()
+                        .map_err(|sync| cuda_error(executor.w.device, sync))?;
+                    tracing::warn!(
+                        device = %executor.w.device,
+                        error = %e,
+                        "CUDA graph capture failed; decode steps run eagerly"
+                    );
+                }
+            }
         }
         Ok(Box::new(executor))
     }
@@ -267,6 +284,17 @@ pub struct CudaExecutor {
     /// another forward may have drawn over them.
     last_draws: Option<Vec<usize>>,
     next_ticket: u64,
+}
+
+impl Drop for CudaExecutor {
+    /// Waits for the stream before anything is freed: a pass in flight (an error path, a
+    /// dropped engine) may still be copying into the pinned readback, and the graphs' kernel
+    /// nodes reference the modules `w` owns, which fields drop first.
+    fn drop(&mut self) {
+        let _ = self.w.gpu.synchronize();
+        self.in_flight = [None, None];
+        self.graphs = None;
+    }
 }
 
 /// A pass on the device: what reading it back needs.
@@ -303,6 +331,34 @@ impl CudaWeights {
 }
 
 impl CudaExecutor {
+    /// The bucket whose graph replays `step` (packed from `batch`): where `route` sends it and
+    /// the padding takes it; `None` runs it eagerly.
+    fn graph_bucket(&self, batch: &ForwardBatch, step: &PackedStep) -> Option<usize> {
+        let graphs = self.graphs.as_ref()?;
+        match route(batch, Some(&graphs.buckets)) {
+            StepRoute::Graph { bucket } => {
+                fits_bucket(step, bucket, self.meta.layout.max_blocks_per_seq).then_some(bucket)
+            }
+            StepRoute::Eager(_) => None,
+        }
+    }
+
+    /// A step run now goes through staging slot `w.slot` (metadata, edits, masks, readback):
+    /// it must not be a pass's still in flight, whose inputs may not have been copied yet and
+    /// whose results are not read yet. The engine finishes a pass before a synchronous step.
+    fn slot_is_free(&self, what: &str) -> Result<()> {
+        match &self.in_flight[self.w.slot] {
+            Some(f) => Err(ModelError::config(
+                "enqueue",
+                format!(
+                    "{what} while both staging slots hold passes in flight (pass {}): finish one first",
+                    f.ticket
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// Runs one sequence apart from the engine's pool, in a scratch pool of its own
     /// allocated for the call (these requests are off the hot path; a prompt too long for
     /// the free memory is an allocation error, not a fault). `chunk` tokens per step;
@@ -315,6 +371,7 @@ impl CudaExecutor {
         sample_every: bool,
         tail: Tail,
     ) -> Result<Vec<f32>> {
+        self.slot_is_free("a request apart from the pool")?;
         let block_size = self.kv.block_size;
         let num_blocks = tokens.len().div_ceil(block_size).max(1);
         let mut scratch_pool = KvPool::new(&self.w.gpu, &self.w.cfg, num_blocks, block_size)?;
@@ -353,9 +410,9 @@ impl CudaExecutor {
 }
 
 impl CudaExecutor {
-    /// A step over the engine's pool: replayed from a decode graph where `route` sends it
-    /// (graphs on, `may_replay`, a plain sampled decode step within the largest bucket),
-    /// else eager.
+    /// A step over the engine's pool: replayed from a decode graph where
+    /// [`Self::graph_bucket`] finds one (graphs on, `may_replay`, a plain sampled decode step
+    /// within the largest bucket), else eager.
     fn run_in_pool(
         &mut self,
         batch: &ForwardBatch,
@@ -370,21 +427,23 @@ impl CudaExecutor {
         let with_lora = !step.adapters.is_empty();
         self.lora.bind(&self.w.gpu, &mut step)?;
         let may_replay = may_replay && !with_lora;
-        if let (Some(graphs), Tail::Logits, true) = (self.graphs.as_mut(), tail, may_replay) {
-            if let StepRoute::Graph { bucket } = route(batch, Some(&graphs.buckets)) {
-                let step_buffers = self.w.step(&mut self.meta, &mut self.kv);
-                let mut runner = Runner {
-                    step: step_buffers,
-                    graphs,
-                    wait: true,
-                };
-                return match replay_step(&mut runner, &step, bucket)? {
-                    TailPassed::Done(out) => Ok(out),
-                    TailPassed::Reads(_) => Err(ModelError::Cuda(
-                        "a replay left in flight by a waiting runner: this is a bug".into(),
-                    )),
-                };
-            }
+        let bucket = match (tail, may_replay) {
+            (Tail::Logits, true) => self.graph_bucket(batch, &step),
+            _ => None,
+        };
+        if let (Some(graphs), Some(bucket)) = (self.graphs.as_mut(), bucket) {
+            let step_buffers = self.w.step(&mut self.meta, &mut self.kv);
+            let mut runner = Runner {
+                step: step_buffers,
+                graphs,
+                wait: true,
+            };
+            return match replay_step(&mut runner, &step, bucket)? {
+                TailPassed::Done(out) => Ok(out),
+                TailPassed::Reads(_) => Err(ModelError::Cuda(
+                    "a replay left in flight by a waiting runner: this is a bug".into(),
+                )),
+            };
         }
         let mut forward = self.w.step(&mut self.meta, &mut self.kv);
         if with_lora {
@@ -507,23 +566,11 @@ impl CudaExecutor {
         };
         self.last_draws = None;
         let mut step = PackedStep::pack_chained(batch, &self.capacity, &chain)?;
-        if !step.edits.is_empty() || step.masks_at.iter().any(|&m| m >= 0) {
-            // Edits and masks go through staging buffers of their own, one each: the pass in
-            // flight must have copied its own before this one writes them.
-            for f in self.in_flight.iter().flatten() {
-                f.done
-                    .synchronize()
-                    .map_err(|e| ModelError::Cuda(format!("cuEventSynchronize failed: {e:?}")))?;
-            }
-        }
         let with_lora = !step.adapters.is_empty();
         self.lora.bind(&self.w.gpu, &mut step)?;
-        let replay = match (self.graphs.as_ref(), with_lora) {
-            (Some(graphs), false) => match route(batch, Some(&graphs.buckets)) {
-                StepRoute::Graph { bucket } => Some(bucket),
-                _ => None,
-            },
-            _ => None,
+        let replay = match with_lora {
+            false => self.graph_bucket(batch, &step),
+            true => None,
         };
         let reads = match (replay, self.graphs.as_mut()) {
             (Some(bucket), Some(graphs)) => {
@@ -634,17 +681,9 @@ impl Executor for CudaExecutor {
     }
 
     fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput> {
+        self.slot_is_free("forward")?;
         // Whatever this draws lands over the last enqueued pass's draws.
         self.last_draws = None;
-        // A pass in flight may not have copied its inputs yet: its edits and masks sit in staging
-        // buffers of their own (one each), its metadata in a slot this step may reuse. Pinned
-        // staging is not waited for by cudarc (event tracking is off), so the host must not
-        // write any of it before those copies ran. The passes stay in flight for `finish`.
-        for f in self.in_flight.iter().flatten() {
-            f.done
-                .synchronize()
-                .map_err(|e| ModelError::Cuda(format!("cuEventSynchronize failed: {e:?}")))?;
-        }
         if batch.only_samples() {
             let TailOut { rows, tokens } = self.run_in_pool(batch, Tail::Logits, true)?;
             return Ok(ForwardOutput {

@@ -200,11 +200,13 @@ impl<'a> Step<'a> {
         }
         body.final_rows(&views, n, rows)?;
         if tail == Tail::Hidden {
-            let out = sample_tail(gpu, cfg, act, readback, edits, masks, &views, step, tail)?;
+            let staging = TailStaging { edits, masks, slot };
+            let out = sample_tail(gpu, cfg, act, readback, staging, &views, step, tail)?;
             return Ok((TailPassed::Done(out), readback));
         }
         body.lm_head(rows)?;
-        let reads = enqueue_tail(gpu, cfg, act, readback, edits, masks, &views, step)?;
+        let staging = TailStaging { edits, masks, slot };
+        let reads = enqueue_tail(gpu, cfg, act, readback, staging, &views, step)?;
         Ok((TailPassed::Reads(reads), readback))
     }
 }
@@ -645,8 +647,7 @@ pub(crate) fn sample_tail(
     cfg: &Qwen2Config,
     act: &mut Activations,
     readback: &mut Readback,
-    edits: &mut EditBuffers,
-    masks: &mut MaskBuffers,
+    staging: TailStaging<'_>,
     views: &StepViews<'_>,
     step: &PackedStep,
     tail: Tail,
@@ -673,7 +674,7 @@ pub(crate) fn sample_tail(
             tokens: Vec::new(),
         });
     }
-    let reads = enqueue_tail(gpu, cfg, act, readback, edits, masks, views, step)?;
+    let reads = enqueue_tail(gpu, cfg, act, readback, staging, views, step)?;
     // Every copy of the tail was recorded on the stream; waiting for the stream covers them
     // and surfaces the kernels' own errors as this step's.
     gpu.synchronize()?;
@@ -689,24 +690,30 @@ pub(crate) struct TailReads {
     draws: usize,
 }
 
+/// Where a logits tail's edits and grammar masks go up: the step's staging slot of each.
+pub(crate) struct TailStaging<'a> {
+    pub edits: &'a mut EditBuffers,
+    pub masks: &'a mut MaskBuffers,
+    pub slot: usize,
+}
+
 /// [`sample_tail`]'s launches and copies for a logits tail, without waiting for them.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn enqueue_tail(
     gpu: &GpuContext,
     cfg: &Qwen2Config,
     act: &mut Activations,
     readback: &mut Readback,
-    edits: &mut EditBuffers,
-    masks: &mut MaskBuffers,
+    staging: TailStaging<'_>,
     views: &StepViews<'_>,
     step: &PackedStep,
 ) -> Result<TailReads, Failure> {
+    let TailStaging { edits, masks, slot } = staging;
     let vocab = cfg.vocab_size;
     let rows = step.sample_rows.len();
     if step.masks_at.iter().any(|&m| m >= 0) {
         // A grammar's rows are masked in place first: everything after (logprobs, edits,
         // the draw) reads the masked row, as the host sampler does.
-        let words = masks.upload(gpu, step)?;
+        let words = masks.upload(gpu, step, slot)?;
         mask_rows::<f32>(
             gpu,
             &mut head_mut(&mut act.logits, rows * vocab, "logits")?,
@@ -719,7 +726,7 @@ pub(crate) fn enqueue_tail(
     let draws = step.num_draws();
     if draws > 0 {
         if !step.edits.is_empty() {
-            let edits = edits.upload(gpu, step)?;
+            let edits = edits.upload(gpu, step, slot)?;
             adjust_rows::<f32>(
                 gpu,
                 &head(&act.logits, rows * vocab, "logits")?,

@@ -35,7 +35,9 @@ use novainfer_cuda::cudarc::driver::CudaGraph;
 use novainfer_cuda::ops::paged_attention::ATTN_SPLIT;
 
 use super::driver_error;
-use super::forward::{enqueue_tail, read_tail, Attention, Body, Failure, Step, TailPassed};
+use super::forward::{
+    enqueue_tail, read_tail, Attention, Body, Failure, Step, TailPassed, TailStaging,
+};
 use crate::error::{ModelError, Result};
 use crate::prepare::graph::{capture_all, capture_step, GraphBuckets, GraphOps};
 use crate::prepare::PackedStep;
@@ -187,13 +189,17 @@ impl GraphOps for Runner<'_> {
         let s = &mut self.step;
         let views = s.meta.views(step)?;
         let device = s.device;
+        let staging = TailStaging {
+            edits: &mut *s.edits,
+            masks: &mut *s.masks,
+            slot: s.slot,
+        };
         let reads = enqueue_tail(
             s.gpu,
             s.cfg,
             &mut *s.act,
             &mut *s.readback,
-            &mut *s.edits,
-            &mut *s.masks,
+            staging,
             &views,
             step,
         )

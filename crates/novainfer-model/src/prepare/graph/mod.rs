@@ -23,5 +23,5 @@ pub mod route;
 pub use buckets::{GraphBuckets, BUCKET_LADDER};
 pub use mode::{CudaGraphs, GRAPHS_ENV};
 pub use order::{capture_all, replay_step, GraphOps};
-pub use pad::{capture_step, pad_to_bucket, GraphSections};
+pub use pad::{capture_step, fits_bucket, pad_to_bucket, GraphSections};
 pub use route::{route, EagerReason, StepRoute};

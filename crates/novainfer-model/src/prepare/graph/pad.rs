@@ -22,13 +22,16 @@ use crate::prepare::{PackedStep, StepLayout};
 /// row; `None` unless `step` is a decode step of at most `bucket` sequences whose rows are all
 /// sampled in order (what [`super::route`] sends to a graph).
 pub fn pad_to_bucket(step: &PackedStep, bucket: usize, width: usize) -> Option<PackedStep> {
+    fits_bucket(step, bucket, width).then(|| padded(step.clone(), bucket, width))
+}
+
+/// Whether [`pad_to_bucket`] takes `step`: the executor asks before it routes a step to a
+/// graph, so a step `route` sends there but the padding refuses runs eagerly, not as an error.
+pub fn fits_bucket(step: &PackedStep, bucket: usize, width: usize) -> bool {
     let s = step.num_seqs();
     let identity = step.sample_rows.iter().copied().eq(0..s as i32);
     let decode = s > 0 && step.decode_only && step.num_tokens() == s;
-    if s > bucket || !decode || !identity || step.block_tables.len() != s * width {
-        return None;
-    }
-    Some(padded(step.clone(), bucket, width))
+    s <= bucket && decode && identity && step.block_tables.len() == s * width
 }
 
 /// The step a bucket's graph is captured with: padding rows only. Its launches are recorded,
@@ -156,6 +159,19 @@ mod tests {
         b.push(&[2], 0, vec![4], vec![1], true);
         let unsampled = PackedStep::pack(&b, &CAP).expect("valid");
         assert_eq!(pad_to_bucket(&unsampled, 4, 3), None, "row 0 not sampled");
+        // The executor's question before it routes a step to a graph has the same answers.
+        for (s, bucket, width) in [
+            (&step, 4, 3),
+            (&step, 2, 3),
+            (&step, 4, 4),
+            (&prefill, 4, 3),
+            (&unsampled, 4, 3),
+        ] {
+            assert_eq!(
+                fits_bucket(s, bucket, width),
+                pad_to_bucket(s, bucket, width).is_some()
+            );
+        }
     }
 
     #[test]
