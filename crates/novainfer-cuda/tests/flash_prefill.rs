@@ -272,9 +272,9 @@ impl View<'_> {
     }
 }
 
-/// The flash kernel's documented tolerance (as in `tests/flash_twin.rs`): the output's bf16
-/// rounding, relative, plus P's rounding to bf16 for the tensor cores, up to 2^-9 · max|V|
-/// absolute (2^-8 for margin; V is in [-1, 1) here).
+/// The flash kernel's documented tolerance (`FLASH_RTOL`/`FLASH_ATOL` in `tests/flash_twin.rs`):
+/// the output's bf16 rounding, relative, plus P's rounding to bf16 for the tensor cores, up to
+/// 2^-9 · max|V − out| absolute (2^-8 at worst for V in [-1, 1); 2^-7 for margin).
 fn assert_close(what: &str, got: &[bf16], want: &[f32]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     let mut worst = 0f32;
@@ -283,7 +283,7 @@ fn assert_close(what: &str, got: &[bf16], want: &[f32]) {
         let err = (g - w).abs();
         worst = worst.max(err);
         assert!(
-            err <= 1.6e-2 * w.abs() + 1.0 / 256.0,
+            err <= 1.6e-2 * w.abs() + 1.0 / 128.0,
             "{what}: element {i}: gpu {g} vs {w}"
         );
     }

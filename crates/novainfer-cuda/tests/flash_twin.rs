@@ -239,10 +239,11 @@ impl layers::KvView for View<'_> {
 /// The documented tolerance of the flash kernel against the f32 oracle, for values V in
 /// [-1, 1): the output's bf16 rounding (2^-9 relative, 1.6e-2 leaves room for the inputs'),
 /// plus P's rounding to bf16 for the tensor cores: each weight moves by up to 2^-9 of itself,
-/// which moves the average by up to 2^-9 · max|V| absolute (2^-8 here, for margin). Short
+/// which moves the weighted average by up to 2^-9 · max|V − out|, at worst 2^-8 for V in
+/// [-1, 1); 2^-7 leaves a factor of two for the GPU's ex2.approx and summation order. Short
 /// histories show it most (no averaging over many keys).
 pub const FLASH_RTOL: f32 = 1.6e-2;
-pub const FLASH_ATOL: f32 = 1.0 / 256.0;
+pub const FLASH_ATOL: f32 = 1.0 / 128.0;
 
 fn assert_close(what: &str, got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len(), "{what}: length");

@@ -182,6 +182,7 @@ fn assert_logits_close(got: &[f32], want: &[f32], what: &str) {
 
 #[test]
 fn graphs_match_the_eager_forward_and_batching_changes_no_token() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().expect("tempdir");
     let cfg = common::config_hd64(false);
     write_checkpoint(dir.path(), &cfg);
@@ -212,6 +213,10 @@ fn graphs_match_the_eager_forward_and_batching_changes_no_token() {
     }
 }
 
+/// The tests of this file one at a time: the launch count is process-wide, and another test's
+/// launches during a count would be counted (`cargo test` runs tests on several threads).
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Kernels and cuBLAS calls of one decode step of `seqs` (after their prompts).
 fn launches_of_a_decode_step(ex: &mut dyn Executor, seqs: &[usize]) -> u64 {
     let vocab = ex.config().vocab_size;
@@ -231,6 +236,7 @@ fn launches_of_a_decode_step(ex: &mut dyn Executor, seqs: &[usize]) -> u64 {
 
 #[test]
 fn fused_decode_linears_follow_the_separate_ones_with_fewer_launches() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().expect("tempdir");
     let cfg = common::config_hd64(false);
     write_checkpoint(dir.path(), &cfg);
@@ -332,6 +338,7 @@ fn generate_in_flight(ex: &mut dyn Executor, seqs: &[usize]) -> Vec<Vec<u32>> {
 
 #[test]
 fn passes_in_flight_chain_their_tokens_on_the_device_and_decode_the_same() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().expect("tempdir");
     let cfg = common::config_hd64(false);
     write_checkpoint(dir.path(), &cfg);
