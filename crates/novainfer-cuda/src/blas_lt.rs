@@ -74,7 +74,8 @@ pub struct LtChoice {
 
 pub(crate) struct LtGemms {
     // Field order is drop order: the plans before the handle, the handle before its workspace.
-    plans: Mutex<HashMap<LtShape, (Plan, LtChoice)>>,
+    /// Per shape, its plan, or `None` when none could be made (cuBLAS serves that shape).
+    plans: Mutex<HashMap<LtShape, Option<(Plan, LtChoice)>>>,
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
 }
@@ -108,11 +109,13 @@ impl LtGemms {
             .plans
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        plans.get(&shape).map(|(_, c)| *c)
+        plans.get(&shape).and_then(|p| p.as_ref()).map(|(_, c)| *c)
     }
 
     /// `y = x · Wᵀ` for `shape` on `stream`, with the shape's cached algorithm (chosen now if
-    /// this is its first call).
+    /// this is its first call): `Ok(true)` once enqueued, `Ok(false)` for a shape cuBLASLt has
+    /// no plan for (the heuristic failed or found nothing: remembered, and logged once), which
+    /// the caller runs with plain cuBLAS instead.
     ///
     /// # Safety
     /// `w`, `x` and `y` address `n·k` bf16, `m·k` bf16 and `m·n` values of `y`'s type (f32 if
@@ -124,15 +127,24 @@ impl LtGemms {
         w: u64,
         x: u64,
         y: u64,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let handle = self.handle;
         let mut plans = self
             .plans
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let (plan, _) = match plans.entry(shape) {
+        let planned = match plans.entry(shape) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(plan(handle, shape)?),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(match plan(handle, shape) {
+                Ok(planned) => Some(planned),
+                Err(error) => {
+                    tracing::warn!(?shape, %error, "no cuBLASLt plan for a GEMM shape; cuBLAS runs it");
+                    None
+                }
+            }),
+        };
+        let Some((plan, _)) = planned else {
+            return Ok(false);
         };
         let (alpha, beta) = (1.0f32, 0.0f32);
         let (ws, _ws_sync) = self.workspace.device_ptr(stream);
@@ -159,7 +171,8 @@ impl LtGemms {
                 stream.cu_stream() as sys::cudaStream_t,
             )
         }
-        .map_err(lt_error("cublasLtMatmul"))
+        .map_err(lt_error("cublasLtMatmul"))?;
+        Ok(true)
     }
 }
 

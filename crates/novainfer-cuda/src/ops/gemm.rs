@@ -103,7 +103,10 @@ fn gemm<Y>(
         };
         // SAFETY: the lengths of x, W and y were checked against (m, n, k) above, `y_type`
         // is `Y`'s (only the two wrappers call this), and the views outlive the enqueue.
-        return unsafe { lt.gemm(stream, shape, w_ptr, x_ptr, y_ptr) };
+        if unsafe { lt.gemm(stream, shape, w_ptr, x_ptr, y_ptr) }? {
+            return Ok(());
+        }
+        // No cuBLASLt plan for this shape: plain cuBLAS below.
     }
     let (m, n, k) = (to_i32("m", m)?, to_i32("n", n)?, to_i32("k", k)?);
     let (alpha, beta) = (1.0f32, 0.0f32);
