@@ -285,7 +285,9 @@ mod bench {
     fn batches(gpu: &GpuContext, copy: f64) -> Result<(), Error> {
         use novainfer_cuda::ops::dequant::dequantize;
         use novainfer_cuda::ops::gemv_quant::gemm_packed;
-        const BATCH_ROWS: [usize; 3] = [16, 64, 256];
+        // Up to a 4,096-token prompt: where the tiled GEMM, which decodes each weight tile once per
+        // 64 rows, may lose to one expansion and cuBLAS.
+        const BATCH_ROWS: [usize; 5] = [16, 64, 256, 1024, 4096];
         let most = *BATCH_ROWS.iter().max().unwrap_or(&1);
         for model in MODELS {
             let Model {
