@@ -20,6 +20,7 @@ tokens by agreement counts with each disagreement at a near-tie of the CPU's own
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -45,6 +46,26 @@ REL_TOL = 0.04
 
 def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
     return float((np.abs(got - ref).max(axis=-1) / np.abs(ref).max(axis=-1)).max())
+
+
+def _assert_follows(want: list, got: list, what: str, gap: float = 0.1) -> None:
+    """Greedy outputs `got` follow `want` token for token, except that a sequence may part at a near-tie.
+
+    Two paths that sum in another order may round one activation differently; where `want`'s top two are within
+    `gap` logprob the other may pick the second, and from there on the sequences are free to differ. `want` must
+    carry at least two logprobs a token, so that the other path's pick has its logprob there.
+    """
+    for n, (w, g) in enumerate(zip(want, got)):
+        for i, (wt, gt) in enumerate(zip(w.token_ids, g.token_ids)):
+            if wt != gt:
+                margin = w.logprobs[i][wt] - w.logprobs[i].get(gt, -np.inf)
+                assert margin < gap, f"{what}: sequence {n} parts at token {i} with a margin of {margin}"
+                break
+
+
+def _common(a: list[int], b: list[int]) -> list[int]:
+    """The longest common prefix of two token lists."""
+    return [x for x, _ in itertools.takewhile(lambda p: p[0] == p[1], zip(a, b))]
 
 
 def _report(**figures: object) -> None:
@@ -325,10 +346,10 @@ def test_the_tiled_packed_gemm_follows_the_expansion(gpu, gpu_models, tmp_path, 
     from tiny_qwen2 import write_tiny_model
 
     prompts = [PROMPT[i:] + PROMPT[:i] for i in range(16)]
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
     models = {"q8_0": (gpu_models["gguf_q8_0"], {"gpu_weight_dtype": "native"}),
               "fp8": (write_tiny_model(tmp_path / "dense", dtype="bf16", head_dim=64), {"quantization": "fp8"})}
-    figures = {}
+    figures, sequences = {}, {}
     for name, (path, kw) in models.items():
         outs, logits = {}, {}
         for mode in ("expand", "tile"):
@@ -339,10 +360,12 @@ def test_the_tiled_packed_gemm_follows_the_expansion(gpu, gpu_models, tmp_path, 
         agree = sum(a == b for e, t in zip(outs["expand"], outs["tile"]) for a, b in zip(e.token_ids, t.token_ids))
         figures[name] = {"prefill_rel_err": _rel_err(logits["tile"], logits["expand"]), "decode_agree": agree,
                          "tokens": sum(len(e.token_ids) for e in outs["expand"])}
+        sequences[name] = (outs["expand"], outs["tile"])
     _report(test="packed_gemm_tile", **figures)
     for name, f in figures.items():
         assert f["prefill_rel_err"] < REL_TOL, (name, f)
-        assert f["decode_agree"] >= f["tokens"] - 4, (name, f)
+    for name, (expand, tile) in sequences.items():
+        _assert_follows(expand, tile, name)
 
 
 def test_fused_decode_linears_follow_the_separate_ones(gpu, gpu_models, monkeypatch):
@@ -351,7 +374,7 @@ def test_fused_decode_linears_follow_the_separate_ones(gpu, gpu_models, monkeypa
     # packed weights the separate path runs the same GEMV and the epilogue rounds as its stores do: the same
     # tokens and logprobs exactly. With bf16 weights the GEMV replaces cuBLAS (another order of summation):
     # tokens follow within near-ties. Decode graphs capture the fused path too (buckets up to 8 rows).
-    params = SamplingParams(temperature=0, max_tokens=12, logprobs=1, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
     prompts = [PROMPT, PROMPT[3:] + [7, 8, 9], [11, 12, 13, 14, 15]]
 
     def run(path: Path, **kw):
@@ -367,15 +390,16 @@ def test_fused_decode_linears_follow_the_separate_ones(gpu, gpu_models, monkeypa
     graphed = run(gpu_models["f32"])
     sep, fus = outs["separate"], outs["fused"]
     bf16_agree = sum(a == b for s, f in zip(sep["bf16"], fus["bf16"]) for a, b in zip(s.token_ids, f.token_ids))
+    # Over each pair's common prefix (after a near-tie parting the contexts differ).
     bf16_lp_err = max(abs(ls[t] - lf[t]) for s, f in zip(sep["bf16"], fus["bf16"])
-                      for t, ls, lf in zip(f.token_ids, s.logprobs, f.logprobs) if t in ls)
+                      for t, ls, lf in zip(_common(s.token_ids, f.token_ids), s.logprobs, f.logprobs))
     _report(test="fused_decode_linears", bf16_agree=bf16_agree, bf16_tokens=sum(len(s.token_ids) for s in sep["bf16"]),
             bf16_logprob_err=bf16_lp_err,
             native_same=all(s.token_ids == f.token_ids for s, f in zip(sep["native"], fus["native"])))
     for s, f in zip(sep["native"], fus["native"]):
         assert f.token_ids == s.token_ids
         assert [lp[t] for t, lp in zip(f.token_ids, f.logprobs)] == [lp[t] for t, lp in zip(s.token_ids, s.logprobs)]
-    assert bf16_agree >= sum(len(s.token_ids) for s in sep["bf16"]) - 2, bf16_agree
+    _assert_follows(sep["bf16"], fus["bf16"], "bf16 fused")
     assert bf16_lp_err < 0.1, bf16_lp_err
     assert [g.token_ids for g in graphed] == [f.token_ids for f in fus["bf16"]]
 
