@@ -183,25 +183,45 @@ def demo_main() -> int:
         except Exception as e:  # noqa: BLE001 - a first run of new kernels: report, keep the other figures
             print(f"{name}: native weights FAILED: {e!r}")
             native = None
-        theirs = hf_figures(hf_dir)  # its model is freed on return; the next model starts clean
-        import torch
-
-        torch.cuda.empty_cache()
+        # Ours first: the peer below may be missing (transformers is not carried) or be stopped at the budget.
         print(f"{name}: weight bytes/token {weight_bytes_per_token(config) / 2**20:.0f} MiB (bf16), "
-              f"bandwidth limit {limit:.0f} tok/s")
+              f"bandwidth limit {limit:.0f} tok/s", flush=True)
         print(f"  batch-1 decode: novainfer {ours['decode_b1_tok_s']:.1f} tok/s "
-              f"({100 * ours['decode_b1_tok_s'] / limit:.0f}% of the limit), "
-              f"transformers {theirs['decode_b1_tok_s']:.1f} tok/s")
+              f"({100 * ours['decode_b1_tok_s'] / limit:.0f}% of the limit)", flush=True)
+        print(f"  256 requests, lengths U[100, 1024]: novainfer {ours['workload_output_tok_s']:.0f} output tok/s "
+              f"({ours['workload_seconds']:.1f} s)", flush=True)
         if native is not None:
             packed_limit = bandwidth / native["weight_bytes_per_token"]
             print(f"  batch-1 decode, gpu_weight_dtype=native: {native['decode_b1_tok_s']:.1f} tok/s "
                   f"({native['decode_b1_tok_s'] / ours['decode_b1_tok_s']:.2f}x bf16; "
                   f"{native['weight_bytes_per_token'] / 2**20:.0f} MiB/token, "
-                  f"{100 * native['decode_b1_tok_s'] / packed_limit:.0f}% of the packed limit {packed_limit:.0f} tok/s)")
-        print(f"  256 requests, lengths U[100, 1024]: novainfer {ours['workload_output_tok_s']:.0f} output tok/s "
-              f"({ours['workload_seconds']:.1f} s), transformers (static batches of 64) "
-              f"{theirs['workload_output_tok_s']:.0f} output tok/s ({theirs['workload_seconds']:.1f} s)")
+                  f"{100 * native['decode_b1_tok_s'] / packed_limit:.0f}% of the packed limit {packed_limit:.0f} tok/s)",
+                  flush=True)
+        missing = peer_missing()
+        if missing is not None:
+            print(f"  transformers: not run ({missing})", flush=True)
+            continue
+        theirs = hf_figures(hf_dir)  # its model is freed on return; the next model starts clean
+        import torch
+
+        torch.cuda.empty_cache()
+        print(f"  transformers: batch-1 decode {theirs['decode_b1_tok_s']:.1f} tok/s; 256 requests (static batches "
+              f"of 64) {theirs['workload_output_tok_s']:.0f} output tok/s ({theirs['workload_seconds']:.1f} s)",
+              flush=True)
     return 0 if ran else 1
+
+
+def peer_missing() -> str | None:
+    """Why the transformers peer cannot run on this machine, or None: the GPU image may lack transformers (it is
+    not carried), and torch.compile's Triton needs a C compiler for its first compile."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("transformers") is None:
+        return "transformers is not installed"
+    if not (shutil.which("cc") or shutil.which("gcc") or os.environ.get("CC")):
+        return "no C compiler for torch.compile"
+    return None
 
 
 # --------------------------------------------------------------------------- bandwidth limits
@@ -552,26 +572,27 @@ def variant_of(step: str) -> str:
 # Child runs in order of priority: (shape, steps, most seconds it may take once its checkpoint is there).
 # nano-vllm's workload is the longest and least predictable point, so it runs last, in a run of its own.
 GROUPS: tuple[tuple[str, tuple[str, ...], float], ...] = (
+    # Each issue's headline figures first (a `run` leaves the benchmarks a few minutes), the variants after.
     # The breakdowns right after the first rate: they say where a step's time goes, whatever else is cut.
     ("0.5b", ("decode_b1", "profile_b1", "profile_b64", "depth_4096", "batched_16", "batched_64"), 180),
-    # The same points with the step ahead scheduled while the GPU runs (issue 31's GPU-busy fraction).
-    ("0.5b", ("decode_b1" + ASYNC, "profile_b1" + ASYNC, "batched_64" + ASYNC), 120),
+    ("1.5b", ("decode_b1", "depth_4096", "batched_16", "batched_64"), 150),
     # Decode with the fused GEMVs: the rate, and the device events (launches) per step against profile_b1's.
     ("0.5b", ("decode_b1" + FUSED, "profile_b1" + FUSED), 90),
-    # Batched steps' GEMMs through cuBLASLt (no split-K): against batched_16/64 and profile_b64 above.
-    ("0.5b", ("batched_16" + LT, "batched_64" + LT, "profile_b64" + LT), 90),
-    ("1.5b", ("decode_b1", "depth_4096", "batched_16", "batched_64"), 150),
-    ("1.5b", ("decode_b1" + FUSED,), 60),
-    # FP8 weights (issue 33 point 3): batch-1 decode against the 2x the halved bytes allow, and 64 sequences.
-    ("1.5b", ("decode_b1" + FP8, "batched_64" + FP8), 90),
-    # The same FP8 blocks, batches through the tiled GEMM instead of the expansion (issue 33: 64 sequences no slower
-    # than bf16).
-    ("1.5b", ("batched_16" + FP8_TILE, "batched_64" + FP8_TILE), 90),
+    # The same points with the step ahead scheduled while the GPU runs (issue 31's GPU-busy fraction).
+    ("0.5b", ("decode_b1" + ASYNC, "profile_b1" + ASYNC, "batched_64" + ASYNC), 120),
     # Issue 33's figures: Q4_K_M blocks kept packed, batch-1 decode (>= 2x the bf16 rows above) and 64 sequences
     # (no slower than bf16), expanded for cuBLAS and through the tiled GEMM. The child writes the GGUF first (~1 GB).
     ("1.5b", ("decode_b1" + Q4KM, "batched_64" + Q4KM), 150),
-    ("1.5b", ("batched_64" + Q4KM_TILE,), 120),
+    # FP8 weights (issue 33 point 3): batch-1 decode against the 2x the halved bytes allow, and 64 sequences.
+    ("1.5b", ("decode_b1" + FP8, "batched_64" + FP8), 90),
+    # Batched steps' GEMMs through cuBLASLt (no split-K): against batched_16/64 and profile_b64 above.
+    ("0.5b", ("batched_16" + LT, "batched_64" + LT, "profile_b64" + LT), 90),
+    ("1.5b", ("decode_b1" + FUSED,), 60),
     ("7b", ("decode_b1", "batched_64"), 150),
+    ("1.5b", ("batched_64" + Q4KM_TILE,), 120),
+    # The same FP8 blocks, batches through the tiled GEMM instead of the expansion (issue 33: 64 sequences no slower
+    # than bf16).
+    ("1.5b", ("batched_16" + FP8_TILE, "batched_64" + FP8_TILE), 90),
     # A 128k-token prompt through YaRN (chunked prefill, then decode at that depth).
     ("0.5b", ("long_128k" + YARN,), 240),
     ("0.5b", ("workload",), 240),
@@ -582,8 +603,9 @@ GROUPS: tuple[tuple[str, tuple[str, ...], float], ...] = (
 )
 # A child's fixed costs (start, imports, model load, warm-up) that must fit besides its first step.
 CHILD_OVERHEAD_S = 25.0
-# Pessimistic write rate for a checkpoint not yet on disk (one thread into a VM's page cache ran at 0.4 GB/s).
-WRITE_BYTES_PER_S = 0.3e9
+# Pessimistic write rate for a checkpoint not yet on disk (one thread into a VM's page cache ran at 0.4 GB/s, and
+# 0.15-0.28 GB/s on a busy 2-core VM).
+WRITE_BYTES_PER_S = 0.15e9
 # Seconds kept back for the summary at the end of the budget.
 RESERVE_S = 10.0
 
@@ -873,9 +895,16 @@ def run_child(
     # The child stops itself at its deadline; past it by this much it is taken as hung.
     grace = 15.0
     while True:
+        left = deadline + grace - time.time()
         try:
-            line = lines.get(timeout=max(deadline + grace - time.time(), 0.1))
+            line = lines.get(timeout=max(min(left, 1.0), 0.1))
         except queue.Empty:
+            if problem is None and proc.poll() is not None:
+                # Exited a second ago, but a process it started (a compile worker) still holds the pipe open:
+                # everything it printed has been read.
+                break
+            if left > 0:
+                continue
             if problem is not None:
                 break  # killed 5 s ago and the pipe still open: give up on the rest of its output
             problem = f"killed: still running {grace:.0f} s past its time budget"
@@ -900,8 +929,6 @@ def run_child(
 
 def synthetic_main(args: argparse.Namespace) -> int:
     """The synthetic mode (see the module docstring); returns 1 if any point failed."""
-    from synthetic_checkpoint import ensure_checkpoint, is_complete
-
     started = time.monotonic()
     end = started + args.budget_s - RESERVE_S
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
@@ -919,39 +946,23 @@ def synthetic_main(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     failed = False
     variants = selected_variants(args.variants)
-    for shape, steps, cap in GROUPS:
-        if shape not in shapes or variant_name(variant_of(steps[0])) not in variants:
-            continue
-        planned = planned_rows(shape, steps)
-        model_dir = args.synthetic_root / shape
-        first_step = STEPS[steps[0]][1]
-        left = end - time.monotonic()
-        if not is_complete(model_dir, shape):
-            write_s = checkpoint_bytes(shape) / WRITE_BYTES_PER_S
-            if left < write_s + CHILD_OVERHEAD_S + first_step:
-                rows = fill_missing(rows, planned,
-                                    f"not run: time budget (checkpoint not written, {max(left, 0):.0f} s left)")
-                continue
-            start = time.monotonic()
-            try:
-                ensure_checkpoint(model_dir, shape, args.tokenizer)
-            except Exception as e:  # noqa: BLE001 - the other shapes still run
-                failed = True
-                print(f"{shape}: writing the checkpoint FAILED: {e!r}", flush=True)
-                rows = fill_missing(rows, planned, f"FAILED: checkpoint: {type(e).__name__}: {str(e)[:100]}")
-                continue
-            print(f"{shape}: wrote {model_dir} ({checkpoint_bytes(shape) / 2**30:.1f} GiB) in "
-                  f"{time.monotonic() - start:.1f} s", flush=True)
-        seconds = min(end - time.monotonic(), cap)
-        if seconds < CHILD_OVERHEAD_S + first_step:
-            rows = fill_missing(rows, planned, f"not run: time budget ({max(seconds, 0):.0f} s for it)")
-            continue
-        child_rows, problem = run_child(shape, model_dir, steps, bandwidth, seconds, args.device)
-        if problem is not None:
-            failed = True
-        if any(str(r.get("note", "")).startswith("FAILED") for r in child_rows):
-            failed = True
-        rows = fill_missing(rows + child_rows, planned, f"not run: child {problem}")
+    groups = [(shape, steps, cap) for shape, steps, cap in GROUPS
+              if shape in shapes and variant_name(variant_of(steps[0])) in variants]
+    try:
+        failed = run_groups(args, groups, (started, end), bandwidth, rows)
+    except KeyboardInterrupt:
+        # Stopped from outside (gpu-test's timeout at the run's budget): what ran is in `rows`.
+        failed = True
+        print("stopped by SIGINT: the table has the points that ran", flush=True)
+    all_planned = [row for shape, steps, _ in groups for row in planned_rows(shape, steps)]
+    write_table(args, fill_missing(rows, all_planned, "not run: the run was stopped"), bandwidth, started)
+    return 1 if failed else 0
+
+
+def write_table(args: argparse.Namespace, rows: list[dict], bandwidth: float, started: float, final: bool = True
+                ) -> None:
+    """The summary table of `rows` to `--table-out` (rewritten after every group, so a run killed from outside
+    still leaves the points it measured), or printed at the end without it."""
     table = summary_table(rows)
     heading = ("## Speed on synthetic checkpoints (random bf16 weights, real shapes; "
                f"{time.monotonic() - started:.0f} s)\n\n"
@@ -960,10 +971,58 @@ def synthetic_main(args: argparse.Namespace) -> int:
     if args.table_out is not None:
         # scripts/gpu-test appends it to its summary, last; printed here too it would show twice there.
         args.table_out.write_text(heading + "\n" + table + "\n", encoding="utf-8")
-        print(f"\nsummary table written to {args.table_out}", flush=True)
-    else:
+        if final:
+            print(f"\nsummary table written to {args.table_out}", flush=True)
+    elif final:
         print("\n" + heading + "\n" + table, flush=True)
-    return 1 if failed else 0
+
+
+def run_groups(args: argparse.Namespace, groups: list[tuple[str, tuple[str, ...], float]],
+               window: tuple[float, float], bandwidth: float, rows: list[dict]) -> bool:
+    """Runs `groups` in order within the budget's (start, end) `window`, appending every planned point's row to
+    `rows` (in place, so an interrupted run keeps what it measured); True if a point failed."""
+    from synthetic_checkpoint import ensure_checkpoint, is_complete
+
+    started, end = window
+    failed = False
+    for shape, steps, cap in groups:
+        planned = planned_rows(shape, steps)
+        if variant_of(steps[0]) == PEER:
+            missing = peer_missing()
+            if missing is not None:
+                rows[:] = fill_missing(rows, planned, f"not run: {missing}")
+                continue
+        model_dir = args.synthetic_root / shape
+        first_step = STEPS[steps[0]][1]
+        left = end - time.monotonic()
+        if not is_complete(model_dir, shape):
+            write_s = checkpoint_bytes(shape) / WRITE_BYTES_PER_S
+            if left < write_s + CHILD_OVERHEAD_S + first_step:
+                rows[:] = fill_missing(rows, planned,
+                                       f"not run: time budget (checkpoint not written, {max(left, 0):.0f} s left)")
+                continue
+            start = time.monotonic()
+            try:
+                ensure_checkpoint(model_dir, shape, args.tokenizer)
+            except Exception as e:  # noqa: BLE001 - the other shapes still run
+                failed = True
+                print(f"{shape}: writing the checkpoint FAILED: {e!r}", flush=True)
+                rows[:] = fill_missing(rows, planned, f"FAILED: checkpoint: {type(e).__name__}: {str(e)[:100]}")
+                continue
+            print(f"{shape}: wrote {model_dir} ({checkpoint_bytes(shape) / 2**30:.1f} GiB) in "
+                  f"{time.monotonic() - start:.1f} s", flush=True)
+        seconds = min(end - time.monotonic(), cap)
+        if seconds < CHILD_OVERHEAD_S + first_step:
+            rows[:] = fill_missing(rows, planned, f"not run: time budget ({max(seconds, 0):.0f} s for it)")
+            continue
+        child_rows, problem = run_child(shape, model_dir, steps, bandwidth, seconds, args.device)
+        if problem is not None:
+            failed = True
+        if any(str(r.get("note", "")).startswith("FAILED") for r in child_rows):
+            failed = True
+        rows[:] = fill_missing(rows + child_rows, planned, f"not run: child {problem}")
+        write_table(args, rows, bandwidth, started, final=False)
+    return failed
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -591,6 +591,39 @@ def test_synthetic_mode_end_to_end_on_the_cpu(
     assert lines[-1] == "| tiny | 256 req U[100,1024] |  |  | not run: time budget (5 s for it) |"
 
 
+def test_a_stopped_synthetic_run_still_writes_its_table_and_a_missing_peer_is_not_a_failure(
+    tiny_checkpoint: Path, tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gpu-test stops the synthetic mode with SIGINT at the run's budget: the points measured before stay in the
+    table (rewritten after every group), the rest read "not run". Peer groups without transformers are not run and
+    fail nothing."""
+    monkeypatch.setitem(sc.SHAPES, "tiny", TINY)
+    monkeypatch.setattr(gpu_bench, "SHAPE_ORDER", ("tiny",))
+    monkeypatch.setattr(gpu_bench, "GROUPS", (("tiny", ("decode_b1_peer",), 60), ("tiny", ("decode_b1",), 60),
+                                              ("tiny", ("batched_16",), 60)))
+    monkeypatch.setattr(gpu_bench, "peer_missing", lambda: "transformers is not installed")
+    calls = []
+
+    def child(shape, model_dir, steps, bandwidth, seconds, device):  # noqa: ANN001, ANN202 - run_child's signature
+        calls.append(steps)
+        if steps == ("batched_16",):
+            raise KeyboardInterrupt
+        return [{"shape": shape, "point": gpu_bench.STEPS[steps[0]][0][0], "tok_s": 123.0, "limit_tok_s": 1000.0,
+                 "note": ""}], None
+
+    monkeypatch.setattr(gpu_bench, "run_child", child)
+    table = tmp_path / "table.md"
+    args = gpu_bench.argparse.Namespace(
+        shapes="tiny", synthetic_root=tmp_path / "synthetic", tokenizer=tokenizer_dir, budget_s=300.0,
+        table_out=table, bandwidth=1e11, device="cpu", variants="all")
+    assert gpu_bench.synthetic_main(args) == 1, "a stopped run is not a clean one"
+    assert calls == [("decode_b1",), ("batched_16",)], "the peer's child never started"
+    lines = table.read_text().strip().splitlines()[-4:]
+    assert lines[0].endswith("| not run: transformers is not installed |")
+    assert lines[1].startswith("| tiny | decode b1 (128+256) | 123")
+    assert all(line.endswith("| not run: the run was stopped |") for line in lines[2:])
+
+
 # --------------------------------------------------------------------------- scripts/gpu-test
 
 
