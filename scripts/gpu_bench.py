@@ -478,11 +478,14 @@ STEPS: dict[str, tuple[tuple[str, ...], float]] = {
 # algorithm a shape without split-K), `_fp8` with quantization="fp8" (decoder layers quantized to FP8 at load and
 # kept as FP8: decode limits from the bytes the engine reports), `_fp8tile` the same with
 # NOVAINFER_CUDA_PACKED_GEMM=tile (steps of more than 8 rows through the tiled GEMM over the FP8 blocks, not expanded
-# for cuBLAS). A child runs steps of one variant only, on an engine of that variant.
+# for cuBLAS), `_flash` with NOVAINFER_CUDA_PREFILL=flash (prompt attention on the tensor cores: issue 32's prefill
+# figures; the YaRN point uses it too, as the legacy prefill kernel would need ~10 minutes for 128k tokens). A child
+# runs steps of one variant only, on an engine of that variant.
 ASYNC = "_async"
 FUSED = "_fused"
 LT = "_lt"
 YARN = "_yarn"
+FLASH = "_flash"
 FP8 = "_fp8"
 FP8_TILE = "_fp8tile"
 Q4KM = "_q4km"
@@ -490,7 +493,7 @@ Q4KM_TILE = "_q4kmtile"
 # Not an engine of ours: issue 31's same-run peer, transformers with a static cache and torch.compile
 # (scripts/hf_peer.py) on the same checkpoint; its child runs `decode_b1_peer` and `batched_64_peer` only.
 PEER = "_peer"
-VARIANTS: dict[str, str] = {ASYNC: "async", FUSED: "fused", LT: "cuBLASLt", YARN: "YaRN", FP8: "fp8",
+VARIANTS: dict[str, str] = {ASYNC: "async", FUSED: "fused", LT: "cuBLASLt", YARN: "YaRN", FLASH: "flash", FP8: "fp8",
                             FP8_TILE: "fp8 tiled", Q4KM: "Q4_K_M native", Q4KM_TILE: "Q4_K_M native tiled",
                             PEER: "HF static cache + torch.compile (peer)"}
 # Variants whose engine quantizes the checkpoint to FP8 at load.
@@ -505,6 +508,8 @@ YARN_SCALING = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings
 YARN_MAX_MODEL_LEN = 131072
 # What each variant sets in its child's environment before the engine loads.
 VARIANT_ENV: dict[str, dict[str, str]] = {FUSED: {"NOVAINFER_CUDA_DECODE_LINEAR": "fused"}, LT: {"NOVAINFER_CUDA_GEMM": "lt"},
+                                          FLASH: {"NOVAINFER_CUDA_PREFILL": "flash"},
+                                          YARN: {"NOVAINFER_CUDA_PREFILL": "flash"},
                                           FP8_TILE: {"NOVAINFER_CUDA_PACKED_GEMM": "tile"},
                                           Q4KM_TILE: {"NOVAINFER_CUDA_PACKED_GEMM": "tile"}}
 for _suffix, _steps in (
@@ -512,6 +517,7 @@ for _suffix, _steps in (
     (FUSED, ("decode_b1", "profile_b1")),
     (LT, ("batched_16", "batched_64", "profile_b64")),
     (YARN, ("long_128k",)),
+    (FLASH, ("depth_4096", "batched_64")),
     (FP8, ("decode_b1", "batched_64")),
     (FP8_TILE, ("batched_16", "batched_64")),
     (Q4KM, ("decode_b1", "batched_64")),
@@ -578,11 +584,14 @@ GROUPS: tuple[tuple[str, tuple[str, ...], float], ...] = (
     ("1.5b", ("decode_b1", "depth_4096", "batched_16", "batched_64"), 150),
     # Decode with the fused GEMVs: the rate, and the device events (launches) per step against profile_b1's.
     ("0.5b", ("decode_b1" + FUSED, "profile_b1" + FUSED), 90),
+    # Prompts through the tensor-core prefill (issue 32: >= 100,000 tok/s for a 4,096-token prompt on the 0.5B).
+    ("0.5b", ("depth_4096" + FLASH, "batched_64" + FLASH), 90),
     # The same points with the step ahead scheduled while the GPU runs (issue 31's GPU-busy fraction).
     ("0.5b", ("decode_b1" + ASYNC, "profile_b1" + ASYNC, "batched_64" + ASYNC), 120),
     # Issue 33's figures: Q4_K_M blocks kept packed, batch-1 decode (>= 2x the bf16 rows above) and 64 sequences
     # (no slower than bf16), expanded for cuBLAS and through the tiled GEMM. The child writes the GGUF first (~1 GB).
     ("1.5b", ("decode_b1" + Q4KM, "batched_64" + Q4KM), 150),
+    ("1.5b", ("depth_4096" + FLASH, "batched_64" + FLASH), 90),
     # FP8 weights (issue 33 point 3): batch-1 decode against the 2x the halved bytes allow, and 64 sequences.
     ("1.5b", ("decode_b1" + FP8, "batched_64" + FP8), 90),
     # Batched steps' GEMMs through cuBLASLt (no split-K): against batched_16/64 and profile_b64 above.

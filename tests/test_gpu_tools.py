@@ -690,6 +690,11 @@ def test_variants_are_selected_by_name() -> None:
     assert gpu_bench.variant_name(gpu_bench.variant_of("batched_64")) == "default"
     with pytest.raises(SystemExit, match="unknown variants"):
         gpu_bench.selected_variants("fast")
+    # Prompt attention on the tensor cores for the flash points and for 128k tokens (the legacy kernel is serial in
+    # the context: ~10 minutes for 128k, past the point's time).
+    for variant in (gpu_bench.FLASH, gpu_bench.YARN):
+        assert gpu_bench.VARIANT_ENV[variant] == {"NOVAINFER_CUDA_PREFILL": "flash"}
+    assert gpu_bench.STEPS["depth_4096_flash"][0] == ("prefill 4096 flash", "decode b1 @4096 flash")
 
 
 def test_peer_steps_run_transformers_in_their_own_child(tiny_checkpoint: Path) -> None:
