@@ -21,6 +21,9 @@ enum Action {
     Abort(u64),
     /// What the output thread does when it finds a stop string.
     StopString(u64),
+    /// A prompt to score (every position's logits): a prefill-only request whose steps are
+    /// not sampled rows only, so a backend runs them at once, not in flight.
+    Score(u64, Vec<u32>),
 }
 
 /// What a run streamed and counted.
@@ -74,6 +77,17 @@ fn run_on(
                 }
                 Action::Abort(id) => core.abort(RequestId(id)),
                 Action::StopString(id) => core.finish(RequestId(id), FinishReason::Stop),
+                Action::Score(id, prompt) => {
+                    let reply: crate::prefill::Reply<Vec<f32>> = Box::new(|scored| {
+                        assert!(scored.is_ok(), "the prompt was scored: {:?}", scored.err());
+                    });
+                    core.add_prefill(
+                        RequestId(id),
+                        prompt,
+                        crate::prefill::PrefillTask::PromptLogits(reply),
+                        None,
+                    );
+                }
             }
         }
         let more_actions = actions.iter().any(|(at, _)| *at > step);
@@ -325,6 +339,27 @@ fn passes_left_in_flight_stream_what_steps_in_order_stream() {
         assert!(in_flight.stats.num_steps_ahead > 0);
         assert!(overlapped > 0, "no pass was enqueued behind one in flight");
     }
+}
+
+/// A prompt scored among requests decoding ahead: its step runs at once (it is not sampled rows
+/// only) and draws over what the pass before drew on the device, so the step after it must take
+/// its chained tokens from the host, as the CUDA executor then says (`chains_on_device`).
+#[test]
+fn a_step_run_at_once_among_passes_in_flight_breaks_no_chain() {
+    let actions = vec![
+        (0, Action::Add(0, vec![5, 6, 7], build(params(0.0, 14)))),
+        (
+            0,
+            Action::Add(10, vec![8, 9], build(params(0.9, 14).seed(Some(3)))),
+        ),
+        (3, Action::Score(50, vec![11, 12, 13, 14, 15])),
+        (6, Action::Score(60, vec![16, 17])),
+    ];
+    let ordered = run(drawing(), false, &actions);
+    let (in_flight, overlapped) = run_in_flight(drawing(), &actions);
+    assert_same_streams(&ordered, &in_flight);
+    assert!(in_flight.stats.num_steps_ahead > 0);
+    assert!(overlapped > 0, "no pass was enqueued behind one in flight");
 }
 
 /// A backend that samples nothing itself (the CPU) gets its rows drawn on the device thread by

@@ -45,8 +45,10 @@ struct Toy {
 /// The toy's passes left in flight: each computed at enqueue, read back by `finish`.
 #[derive(Default)]
 pub(crate) struct InFlightToy {
-    /// The tokens the last enqueued pass drew, in order (what a chained pass takes).
-    last_draws: Vec<u32>,
+    /// The tokens the last enqueued pass drew, in order (what a chained pass takes); `None`
+    /// once a pass run at once (one that is not sampled rows only) may have drawn over them,
+    /// as the CUDA executor's `last_draws`.
+    last_draws: Option<Vec<u32>>,
     passes: HashMap<u64, (ForwardOutput, std::time::Instant)>,
     next: u64,
     /// Passes enqueued while an earlier one was not yet read back.
@@ -100,6 +102,9 @@ impl Executor for Toy {
         Ok(())
     }
     fn forward(&mut self, batch: &ForwardBatch) -> novainfer_model::Result<ForwardOutput> {
+        if let Some(state) = self.in_flight.as_mut() {
+            state.last_draws = None;
+        }
         let mut out = ForwardOutput::default();
         for s in &batch.seqs {
             let last = s.query_start + s.query_len - 1;
@@ -140,21 +145,27 @@ impl Executor for Toy {
         }
         Ok(out)
     }
-    fn chains_on_device(&self, _: &ForwardBatch) -> bool {
-        self.in_flight.is_some()
+    fn chains_on_device(&self, batch: &ForwardBatch) -> bool {
+        self.in_flight
+            .as_ref()
+            .is_some_and(|s| batch.only_samples() && s.last_draws.is_some())
     }
     fn enqueue(
         &mut self,
         batch: &ForwardBatch,
         chained: &[(usize, usize)],
     ) -> novainfer_model::Result<Enqueued> {
-        let Some(state) = self.in_flight.as_mut() else {
+        if self.in_flight.is_none() || !batch.only_samples() || batch.seqs.is_empty() {
+            // As the CUDA executor: only a step of sampled rows is left in flight.
+            assert!(chained.is_empty(), "chained inputs into a pass run at once");
             return Ok(Enqueued::Done(self.forward(batch)?));
-        };
+        }
+        let state = self.in_flight.as_mut().expect("in flight");
         let mut batch = batch.clone();
+        let last = state.last_draws.as_ref();
         for &(flat, k) in chained {
             assert_eq!(batch.token_ids[flat], 0, "the runner's placeholder");
-            batch.token_ids[flat] = state.last_draws[k];
+            batch.token_ids[flat] = last.expect("draws of the pass before")[k];
         }
         if !state.passes.is_empty() {
             state.overlapped.fetch_add(1, Ordering::Relaxed);
@@ -167,7 +178,7 @@ impl Executor for Toy {
         self.in_flight = in_flight;
         let state = self.in_flight.as_mut().expect("in flight");
         let out = out?;
-        state.last_draws = out.tokens.iter().map(|t| t.token_id).collect();
+        state.last_draws = Some(out.tokens.iter().map(|t| t.token_id).collect());
         state
             .passes
             .insert(ticket, (out, std::time::Instant::now()));

@@ -509,7 +509,17 @@ impl CudaExecutor {
                         let end = (start + group).min(span.query_len);
                         let mut tokens = batch.one_token_spans(i, start..end);
                         if let SpanOutput::DrawEach(each) = &span.output {
-                            for (one, draw) in tokens.seqs.iter_mut().zip(&each[start..end]) {
+                            let rules = each.get(start..end).ok_or_else(|| {
+                                ModelError::config(
+                                    "draw",
+                                    format!(
+                                        "a verify span of {} tokens has {} draw rules",
+                                        span.query_len,
+                                        each.len()
+                                    ),
+                                )
+                            })?;
+                            for (one, draw) in tokens.seqs.iter_mut().zip(rules) {
                                 one.output = SpanOutput::Draw(draw.clone());
                             }
                         }
@@ -696,7 +706,10 @@ impl Executor for CudaExecutor {
     }
 
     fn chains_on_device(&self, batch: &ForwardBatch) -> bool {
-        batch.only_samples()
+        // Only while the last pass's draws are still in `act.drawn_ids`: a step run at once in
+        // between (an embedding's or a scored prompt's) may have drawn over them, and the
+        // caller then fills the tokens in from that pass's read-back draws.
+        batch.only_samples() && self.last_draws.is_some()
     }
 
     fn enqueue(&mut self, batch: &ForwardBatch, chained: &[(usize, usize)]) -> Result<Enqueued> {
