@@ -86,8 +86,22 @@ impl DeviceAdapters {
                 Some(slot) => slot,
                 None => {
                     let slot = self.victim(&step.adapters);
-                    self.upload(gpu, slot, adapter)?;
                     changed = true;
+                    if let Err(e) = self.upload(gpu, slot, adapter) {
+                        // Slots are allocated after the KV pool took its share of the device: out of
+                        // memory, every adapter this step does not name goes, then one more try.
+                        let evicted = self.evict_all_but(&step.adapters);
+                        if evicted == 0 {
+                            return Err(e);
+                        }
+                        tracing::warn!(
+                            adapter = adapter.name(),
+                            evicted,
+                            error = %e,
+                            "LoRA upload failed; evicted the adapters this step does not use and retried"
+                        );
+                        self.upload(gpu, slot, adapter)?;
+                    }
                     slot
                 }
             };
@@ -147,8 +161,44 @@ impl DeviceAdapters {
             .unwrap_or(0)
     }
 
-    /// Copies `adapter` into `slot` and points its table entries at it.
+    /// Frees every resident adapter `keep` does not name and clears its table entries; how many.
+    fn evict_all_but(&mut self, keep: &[AdapterRef]) -> usize {
+        let mut evicted = 0;
+        for slot in 0..MAX_SLOTS {
+            let named = self.slots[slot]
+                .as_ref()
+                .is_some_and(|r| keep.iter().any(|a| a.id() == r.id));
+            if self.slots[slot].is_some() && !named {
+                self.clear_slot(slot);
+                evicted += 1;
+            }
+        }
+        evicted
+    }
+
+    /// Empties `slot`: its buffers freed (in stream order, behind the work that reads them) and
+    /// its table entries pointing nowhere.
+    fn clear_slot(&mut self, slot: usize) {
+        self.slots[slot] = None;
+        for entry in self.host_table.iter_mut().skip(slot).step_by(MAX_SLOTS) {
+            *entry = LoraPair::default();
+        }
+    }
+
+    /// Copies `adapter` into `slot` and points its table entries at it. On failure the slot is
+    /// left empty, its entries pointing nowhere (never at buffers freed with the failure).
     fn upload(&mut self, gpu: &GpuContext, slot: usize, adapter: &AdapterRef) -> Result<()> {
+        // The old adapter goes first: its memory is free for the new one, and no entry can
+        // outlive its buffers.
+        self.clear_slot(slot);
+        let result = self.upload_into(gpu, slot, adapter);
+        if result.is_err() {
+            self.clear_slot(slot);
+        }
+        result
+    }
+
+    fn upload_into(&mut self, gpu: &GpuContext, slot: usize, adapter: &AdapterRef) -> Result<()> {
         let stream = gpu.stream();
         let mut mats = Vec::new();
         let mut rank = 1;
