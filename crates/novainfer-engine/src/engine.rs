@@ -139,7 +139,8 @@ impl KvBudget {
     fn bytes(self, weights: &dyn DeviceWeights, gpu_memory_utilization: f64) -> Result<usize> {
         let gpu = weights.device_memory()?;
         match (self, gpu) {
-            (KvBudget::Bytes(n), _) => Ok(n),
+            (KvBudget::Bytes(n), Some(mem)) => gpu_fixed_kv_bytes(mem, n),
+            (KvBudget::Bytes(n), None) => Ok(n),
             (KvBudget::Auto, None) => Ok(DEFAULT_KV_CACHE_BYTES),
             (KvBudget::Auto, Some(mem)) => gpu_kv_bytes(mem, gpu_memory_utilization),
             (KvBudget::FractionOfAvailable(_), Some(_)) => Err(ParamError::new(
@@ -160,6 +161,24 @@ impl KvBudget {
             ),
         }
     }
+}
+
+/// `kv_cache_bytes` on a GPU: refused when it exceeds what is free after the weights and
+/// buffers (the pool's allocation would fail with a driver error that names no parameter).
+fn gpu_fixed_kv_bytes(mem: novainfer_model::DeviceMemory, bytes: usize) -> Result<usize> {
+    if bytes <= mem.free {
+        return Ok(bytes);
+    }
+    Err(ParamError::new(
+        "kv_cache_bytes",
+        format!(
+            "{} MiB asked for the KV cache, but the GPU has {} MiB free after the weights and \
+             buffers",
+            bytes >> 20,
+            mem.free >> 20
+        ),
+    )
+    .into())
 }
 
 /// vLLM's rule: the engine may use `utilization` of the GPU's total memory; what is in use
@@ -1072,6 +1091,18 @@ mod tests {
             let err = gpu_kv_bytes(mem, bad).expect_err("out of range");
             assert_eq!(err.param(), Some("gpu_memory_utilization"), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_fixed_gpu_kv_pool_must_fit_the_free_memory() {
+        let mem = DeviceMemory {
+            free: 10 * GIB,
+            total: 80 * GIB,
+        };
+        assert_eq!(gpu_fixed_kv_bytes(mem, 4 * GIB).expect("fits"), 4 * GIB);
+        let err = gpu_fixed_kv_bytes(mem, 16 * GIB).expect_err("16 GiB > 10 GiB free");
+        assert_eq!(err.param(), Some("kv_cache_bytes"));
+        assert!(err.to_string().contains("10240 MiB free"), "{err}");
     }
 
     #[test]
