@@ -9,10 +9,16 @@
 //! fallback (its last live id, for Qwen2 a padding id past the tokenizer) is drawn.
 
 /// A row's live weights (`exp(d)` for ids inside the cut, `None` outside it), split as the kernel
-/// splits it among `threads` threads.
+/// splits it among `threads` threads, with what the block computes once before any draw.
 pub struct DrawRow<'a> {
     pub weights: &'a [Option<f32>],
     pub threads: usize,
+    /// Each thread's sum `s` of its live weights, from 0 in id order.
+    pub sums: Vec<f32>,
+    /// Thread 0's exclusive prefixes of `sums`, one chain of f32 additions.
+    pub prefixes: Vec<f32>,
+    /// The chain's end: the row's total mass.
+    pub total: f32,
 }
 
 /// Where a target landed.
@@ -24,25 +30,21 @@ pub enum Landing {
     Fallback(u32),
 }
 
-impl DrawRow<'_> {
-    fn chunk(&self, t: usize) -> std::ops::Range<usize> {
-        let vocab = self.weights.len();
-        let chunk = vocab.div_ceil(self.threads);
-        let begin = (t * chunk).min(vocab);
-        begin..(begin + chunk).min(vocab)
-    }
-
-    /// Each thread's sum `s` of its live weights, from 0 in id order.
-    pub fn thread_sums(&self) -> Vec<f32> {
-        (0..self.threads)
-            .map(|t| self.chunk(t).filter_map(|i| self.weights[i]).sum())
-            .collect()
-    }
-
-    /// Thread 0's exclusive prefixes of `sums` and their total, one chain of f32 additions.
-    pub fn prefixes(sums: &[f32]) -> (Vec<f32>, f32) {
+impl<'a> DrawRow<'a> {
+    pub fn new(weights: &'a [Option<f32>], threads: usize) -> Self {
+        let mut row = Self {
+            weights,
+            threads,
+            sums: Vec::new(),
+            prefixes: Vec::new(),
+            total: 0.0,
+        };
+        row.sums = (0..threads)
+            .map(|t| row.live(t).fold(0.0f32, |s, w| s + w))
+            .collect();
         let mut total = 0.0f32;
-        let prefixes = sums
+        row.prefixes = row
+            .sums
             .iter()
             .map(|&s| {
                 let before = total;
@@ -50,7 +52,25 @@ impl DrawRow<'_> {
                 before
             })
             .collect();
-        (prefixes, total)
+        row.total = total;
+        row
+    }
+
+    fn chunk(&self, t: usize) -> std::ops::Range<usize> {
+        let vocab = self.weights.len();
+        let chunk = vocab.div_ceil(self.threads);
+        let begin = (t * chunk).min(vocab);
+        begin..(begin + chunk).min(vocab)
+    }
+
+    /// Thread `t`'s live (id, weight) in id order.
+    fn live_ids(&self, t: usize) -> impl Iterator<Item = (usize, f32)> + '_ {
+        self.chunk(t)
+            .filter_map(|i| self.weights[i].map(|w| (i, w)))
+    }
+
+    fn live(&self, t: usize) -> impl Iterator<Item = f32> + '_ {
+        self.live_ids(t).map(|(_, w)| w)
     }
 
     fn fallback(&self) -> u32 {
@@ -62,23 +82,13 @@ impl DrawRow<'_> {
 
     /// The kernel's draw for `target` (`u · total`, `u` in [0, 1)).
     pub fn land(&self, target: f32) -> Landing {
-        let sums = self.thread_sums();
-        let (prefixes, total) = Self::prefixes(&sums);
-        let owner = (0..self.threads).find(|&t| {
-            let end = if t + 1 < self.threads {
-                prefixes[t + 1]
-            } else {
-                total
-            };
-            end > target
-        });
-        let Some(t) = owner else {
+        let end = |t: usize| self.prefixes.get(t + 1).copied().unwrap_or(self.total);
+        let Some(t) = (0..self.threads).find(|&t| end(t) > target) else {
             return Landing::Fallback(self.fallback());
         };
-        let before = prefixes[t];
+        let before = self.prefixes[t];
         let mut local = 0.0f32;
-        for i in self.chunk(t) {
-            let Some(w) = self.weights[i] else { continue };
+        for (i, w) in self.live_ids(t) {
             local += w;
             if before + local > target {
                 return Landing::Id(i as u32);
@@ -87,12 +97,10 @@ impl DrawRow<'_> {
         Landing::Fallback(self.fallback())
     }
 
-    /// The final sum of a walk that starts from the prefix (the kernel's first version): thread
-    /// `t`'s `prefix + w₁ + w₂ + …`, which rounds differently from `prefix + s`.
-    pub fn walk_from_prefix_end(&self, t: usize, prefix: f32) -> f32 {
-        self.chunk(t)
-            .filter_map(|i| self.weights[i])
-            .fold(prefix, |cum, w| cum + w)
+    /// Thread `t`'s walk as the kernel's first version summed it, from its prefix
+    /// (`prefix + w₁ + w₂ + …`): its end, which rounds differently from `prefix + s`.
+    pub fn walk_from_prefix_end(&self, t: usize) -> f32 {
+        self.live(t).fold(self.prefixes[t], |cum, w| cum + w)
     }
 }
 
@@ -128,23 +136,24 @@ mod tests {
     }
 
     #[test]
-    fn the_walk_reaches_its_threads_end_exactly() {
+    fn a_target_just_below_a_threads_end_lands_in_that_thread() {
+        // The gap the first walk left: the largest target that still picks thread t.
         let mut rng = Lcg(7);
         for dead_every in [0, 3] {
             let weights = row(&mut rng, 151_936, dead_every);
-            let row = DrawRow {
-                weights: &weights,
-                threads: 1024,
-            };
-            let sums = row.thread_sums();
-            let (prefixes, _) = DrawRow::prefixes(&sums);
+            let row = DrawRow::new(&weights, 1024);
             for t in 0..row.threads {
-                // The kernel's walk: its own sum from 0, added to the prefix the way thread 0 did.
-                let local: f32 = row.chunk(t).filter_map(|i| row.weights[i]).sum();
-                assert_eq!(
-                    (prefixes[t] + local).to_bits(),
-                    (prefixes[t] + sums[t]).to_bits()
-                );
+                let end = row.prefixes.get(t + 1).copied().unwrap_or(row.total);
+                if row.sums[t] == 0.0 {
+                    continue;
+                }
+                let target = f32::from_bits(end.to_bits() - 1).max(row.prefixes[t]);
+                match row.land(target) {
+                    Landing::Id(i) => {
+                        assert!(row.chunk(t).contains(&(i as usize)), "thread {t}: id {i}")
+                    }
+                    Landing::Fallback(i) => panic!("thread {t}: target {target} fell back to {i}"),
+                }
             }
         }
     }
@@ -157,14 +166,9 @@ mod tests {
         let mut short = 0;
         for _ in 0..4 {
             let weights = row(&mut rng, 151_936, 0);
-            let row = DrawRow {
-                weights: &weights,
-                threads: 1024,
-            };
-            let sums = row.thread_sums();
-            let (prefixes, _) = DrawRow::prefixes(&sums);
+            let row = DrawRow::new(&weights, 1024);
             short += (0..row.threads)
-                .filter(|&t| row.walk_from_prefix_end(t, prefixes[t]) < prefixes[t] + sums[t])
+                .filter(|&t| row.walk_from_prefix_end(t) < row.prefixes[t] + row.sums[t])
                 .count();
         }
         assert!(
@@ -183,11 +187,8 @@ mod tests {
             (50, 1024, 0),
         ] {
             let weights = row(&mut rng, vocab, dead_every);
-            let row = DrawRow {
-                weights: &weights,
-                threads,
-            };
-            let (_, total) = DrawRow::prefixes(&row.thread_sums());
+            let row = DrawRow::new(&weights, threads);
+            let total = row.total;
             for _ in 0..2000 {
                 let target = rng.next() * total;
                 if target >= total {

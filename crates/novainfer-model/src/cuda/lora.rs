@@ -204,9 +204,9 @@ impl DeviceAdapters {
         let mut rank = 1;
         for layer in 0..self.num_layers {
             for (ti, &target) in Target::ALL.iter().enumerate() {
+                // Cleared by `upload`: entries of projections the adapter leaves alone stay empty.
                 let entry =
                     &mut self.host_table[(layer * Target::ALL.len() + ti) * MAX_SLOTS + slot];
-                *entry = LoraPair::default();
                 let Some(pair) = adapter.layer(layer).get(target) else {
                     continue;
                 };
