@@ -635,3 +635,50 @@ fn verify_rows_are_drawn_and_cut_at_the_first_mismatch() {
         }
     }
 }
+
+/// A grammar's verify rows come back as logits (its matcher cannot be advanced on a copy for
+/// the device's rules), and are sampled here by the device's rule: a seeded request's tokens
+/// come from one random stream whether or not it drafts, as without a grammar.
+#[test]
+fn a_grammar_verify_sampled_here_keeps_the_device_stream() {
+    let spec = crate::speculative::SpeculativeConfig::from_json(&serde_json::json!({
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 2,
+        "draft_policy": "always",
+    }))
+    .expect("config");
+    let seeded = |seed| {
+        params(1.0, 24)
+            .ignore_eos(false)
+            .structured_output(Some(novainfer_core::StructuredOutput::Regex(
+                "(ab|ba)+c".into(),
+            )))
+            .seed(Some(seed))
+            .build()
+            .expect("valid")
+    };
+    // Prompts of the grammar's own bytes, so that n-gram drafts find matches.
+    let prompt: Vec<u32> = b"abbaabab".iter().map(|&b| b as u32).collect();
+    let ids = |t: &Tokens| {
+        t[&RequestId(0)]
+            .iter()
+            .map(|t| t.token_id)
+            .collect::<Vec<_>>()
+    };
+    let mut drafted = 0;
+    for seed in 0..6 {
+        let request = [(0, prompt.clone(), seeded(seed))];
+        let (plain, _, _) = run_with(drawing(), None, &request);
+        let (speculating, _, (verifies, accepted)) =
+            run_with(drawing(), Some(spec.clone()), &request);
+        assert_eq!(
+            verifies, 0,
+            "a grammar's verify rows are not drawn on the device"
+        );
+        drafted += accepted;
+        assert_eq!(ids(&speculating), ids(&plain), "seed {seed}");
+    }
+    assert!(drafted > 0, "drafts were accepted");
+}

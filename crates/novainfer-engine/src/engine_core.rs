@@ -818,7 +818,9 @@ impl EngineCore {
             .active
             .get_mut(&id)
             .expect("verified request is active: this is a bug");
+        let device_draws = self.runner.capabilities().sampling.draws;
         let tokens = verify_draft(
+            device_draws,
             id,
             &mut active.sampler,
             active.constraint.as_mut(),

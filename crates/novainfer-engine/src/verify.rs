@@ -101,7 +101,12 @@ pub fn sample_row_as_device(
 /// outputs are the same token for token. For a one-hot draft this is rejection sampling: a
 /// draft token `x` is kept with probability `p(x)`, and a rejected one is replaced by a sample
 /// of `p` without `x`. Returns the confirmed draft tokens and the token after them.
+///
+/// `device_draws`: the backend draws rows itself, so each row here is sampled by the device's
+/// rule ([`sample_row_as_device`]) and a seeded request keeps one random stream whichever side
+/// sampled its verify.
 pub fn verify_draft(
+    device_draws: bool,
     id: RequestId,
     sampler: &mut Sampler,
     mut constraint: Option<&mut Constraint>,
@@ -112,7 +117,14 @@ pub fn verify_draft(
 ) -> Vec<SampledToken> {
     let mut tokens = Vec::with_capacity(draft.len() + 1);
     for (i, row) in rows.chunks_exact_mut(vocab).enumerate() {
-        let token = sample_row(id, sampler, constraint.as_deref_mut(), row, outcomes);
+        let token = sample_row_as_device(
+            device_draws,
+            id,
+            sampler,
+            constraint.as_deref_mut(),
+            row,
+            outcomes,
+        );
         let confirmed = draft.get(i) == Some(&token.token_id);
         tokens.push(token);
         let grammar_ended =
@@ -183,6 +195,7 @@ mod tests {
                     let mut sampler = Sampler::new(&params, &[], seed);
                     let mut rows: Vec<f32> = row0.iter().chain(&row1).copied().collect();
                     let out = verify_draft(
+                        false,
                         RequestId(1),
                         &mut sampler,
                         None,
