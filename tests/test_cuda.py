@@ -225,6 +225,54 @@ def test_async_scheduling_on_the_gpu_streams_what_steps_in_order_stream(gpu, gpu
             seeded_parted=parted)
 
 
+def test_ngram_speculation_on_the_gpu_gives_the_tokens_plain_decoding_gives(gpu, gpu_models, tiny_gpu):
+    """Drafts verified on the device (every request's rows in one pass, each row drawn by its own rule; a grammar's
+    rows sampled on the host by the device's rule) give what decoding without drafts gives: greedy, seeded, with a
+    penalty, with a grammar; within what a pass of more rows may round differently (a greedy parting only at a
+    near-tie, a seeded one rarely). Drafts are accepted, save steps, and leave no block held."""
+    from novainfer import StructuredOutputsParams
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+             "draft_policy": "always"}
+    spec = LLM(gpu_models["f32"], device=gpu, kv_cache_bytes=64 << 20, speculative_config=ngram)
+    # Repetitive prompts give the lookup something to find from the first decode on.
+    prompts = [PROMPT * 3, PROMPT[:5] * 4, PROMPT[::-1] * 2, [300, 301, 302] * 5, PROMPT, PROMPT[3:] + PROMPT]
+    grammar = StructuredOutputsParams(regex="(ab|cd){3,12}x")
+    variants = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=40, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.1, logprobs=2),
+        SamplingParams(temperature=0.7, seed=3, max_tokens=40, structured_outputs=grammar, logprobs=2),
+    ]
+    parted = 0
+    for params in variants:
+        want = tiny_gpu.generate(prompts, params)
+        got = spec.generate(prompts, params)
+        for w, g in zip(want, got):
+            wo, go = w.outputs[0], g.outputs[0]
+            common = _common(wo.token_ids, go.token_ids)
+            for token, a, b in zip(common, go.logprobs, wo.logprobs):
+                assert abs(a[token] - b[token]) < 2e-2, params
+            if len(common) == len(wo.token_ids) == len(go.token_ids):
+                assert go.finish_reason == wo.finish_reason, params
+            elif params.temperature == 0:
+                _assert_follows([wo], [go], f"greedy with drafts ({params})")
+            else:
+                parted += 1
+    assert parted <= 1, f"{parted} seeded requests parted"
+    stats = spec.stats()
+    assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] > 0
+    assert stats["kv_used_blocks"] == 0 and stats["num_running"] == 0
+    one = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    steps = []
+    for llm in (tiny_gpu, spec):
+        before = llm.stats()["num_steps"]
+        llm.generate([PROMPT * 3], one)
+        steps.append(llm.stats()["num_steps"] - before)
+    assert steps[1] < steps[0], steps
+    _report(test="speculation_tiny", seeded_parted=parted, acceptance=stats["spec_acceptance_rate"], steps=steps)
+
+
 def test_64_concurrent_requests_leak_no_blocks_and_batch_invariance_is_measured(tiny_gpu):
     prompts = [PROMPT[: 2 + i % 10] + [40 + i] for i in range(64)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

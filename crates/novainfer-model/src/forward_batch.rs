@@ -209,23 +209,63 @@ impl ForwardBatch {
         out
     }
 
-    /// Span `i`'s tokens `range` (relative to the span) as one-token spans over its block
-    /// table, each returning its logits: the same attention as one chunk, with a logits row
-    /// per token, for a device that returns only last-token rows.
-    pub fn one_token_spans(&self, i: usize, range: std::ops::Range<usize>) -> ForwardBatch {
-        let s = &self.seqs[i];
-        let mut out = ForwardBatch::default();
-        for t in range.map(|t| s.query_start + t) {
-            out.push_adapted(
-                &self.token_ids[t..=t],
-                self.positions[t],
-                vec![self.slot_mapping[t]],
+    /// The batch's spans other than embeddings, as passes of at most `max_spans` spans each
+    /// returning at most its last token's row, for a device that returns only last-token rows
+    /// and at most `max_spans` of them: a span that wants a row per token (a scored prompt, a
+    /// speculative verify) becomes one-token spans over its block table, each with its own
+    /// output (logits, or row i's draw rule). Spans keep the batch's order and each span's
+    /// tokens their own, so every token's K/V is written (in its pass or an earlier one) before
+    /// a later token of its sequence reads it, and the passes' logits rows and tokens, joined
+    /// in order, are the batch's in [`ForwardOutput`]'s order. Embeddings (`LastHidden`) are
+    /// left out: their rows come from another tail.
+    pub fn row_passes(&self, max_spans: usize) -> Result<Vec<ForwardBatch>> {
+        let max_spans = max_spans.max(1);
+        let mut passes = vec![ForwardBatch::default()];
+        let mut push = |token: std::ops::Range<usize>, s: &SeqSpan, output: SpanOutput| {
+            if passes.last().is_some_and(|p| p.seqs.len() == max_spans) {
+                passes.push(ForwardBatch::default());
+            }
+            let pass = passes.last_mut().expect("one pass at least");
+            pass.push_adapted(
+                &self.token_ids[token.clone()],
+                self.positions.get(token.start).copied().unwrap_or(0),
+                self.slot_mapping[token].to_vec(),
                 s.block_table.clone(),
-                SpanOutput::LastLogits,
+                output,
                 s.adapter.clone(),
             );
+        };
+        for s in &self.seqs {
+            let all = s.query_start..s.query_start + s.query_len;
+            match &s.output {
+                SpanOutput::LastHidden => {}
+                SpanOutput::None | SpanOutput::LastLogits | SpanOutput::Draw(_) => {
+                    push(all, s, s.output.clone())
+                }
+                SpanOutput::AllLogits => {
+                    for t in all {
+                        push(t..t + 1, s, SpanOutput::LastLogits);
+                    }
+                }
+                SpanOutput::DrawEach(each) => {
+                    if each.len() != s.query_len {
+                        return Err(ModelError::config(
+                            "draw",
+                            format!(
+                                "a verify span of {} tokens has {} draw rules",
+                                s.query_len,
+                                each.len()
+                            ),
+                        ));
+                    }
+                    for (t, draw) in all.zip(each) {
+                        push(t..t + 1, s, SpanOutput::Draw(draw.clone()));
+                    }
+                }
+            }
         }
-        out
+        passes.retain(|p| !p.seqs.is_empty());
+        Ok(passes)
     }
 
     /// Checks the arrays agree; a mismatch is a runner bug, reported rather than panicking.
@@ -252,5 +292,134 @@ impl ForwardBatch {
             return bad("sequence spans do not cover the batch");
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tokens `tokens` at positions `start..` of a sequence whose table is `table` (block size
+    /// 4), with `output`.
+    fn push(b: &mut ForwardBatch, tokens: &[u32], start: usize, table: &[u32], out: SpanOutput) {
+        let slots = (start..start + tokens.len())
+            .map(|p| table[p / 4] as usize * 4 + p % 4)
+            .collect();
+        b.push_span(tokens, start, slots, table.to_vec(), out);
+    }
+
+    fn seeded(seed: u64) -> Draw {
+        Draw {
+            seed,
+            ..Draw::greedy()
+        }
+    }
+
+    /// A step of a decode, a prompt chunk, an embedding, a verify and a scored prompt.
+    fn mixed() -> ForwardBatch {
+        let mut b = ForwardBatch::default();
+        push(&mut b, &[9], 6, &[0, 1], SpanOutput::Draw(seeded(1)));
+        push(&mut b, &[1, 2, 3], 0, &[2], SpanOutput::None);
+        push(&mut b, &[4, 5], 0, &[3], SpanOutput::LastHidden);
+        let each = (10..13).map(seeded).collect();
+        push(&mut b, &[7, 8, 9], 5, &[4, 5], SpanOutput::DrawEach(each));
+        push(&mut b, &[3, 1, 4, 1, 5], 0, &[6, 7], SpanOutput::AllLogits);
+        push(&mut b, &[2], 3, &[8], SpanOutput::LastLogits);
+        b
+    }
+
+    /// Each pass's spans as (positions, slots, table, output), all passes in order.
+    type Unit = (Vec<usize>, Vec<usize>, Vec<u32>, SpanOutput);
+    fn units(passes: &[ForwardBatch]) -> Vec<Unit> {
+        passes
+            .iter()
+            .flat_map(|p| {
+                p.seqs.iter().map(|s| {
+                    let r = s.query_start..s.query_start + s.query_len;
+                    (
+                        p.positions[r.clone()].to_vec(),
+                        p.slot_mapping[r].to_vec(),
+                        s.block_table.clone(),
+                        s.output.clone(),
+                    )
+                })
+            })
+            .collect()
+    }
+
+    #[test]
+    fn row_passes_cut_per_token_spans_into_one_token_spans_in_order() {
+        let b = mixed();
+        let one = b.row_passes(64).expect("passes");
+        assert_eq!(one.len(), 1, "everything fits one pass");
+        let got = units(&one);
+        // The decode, the chunk, the verify's three tokens each with its rule, the scored
+        // prompt's five tokens each with its row, the last decode; no embedding.
+        assert_eq!(got.len(), 1 + 1 + 3 + 5 + 1);
+        assert_eq!(
+            got[0],
+            (vec![6], vec![6], vec![0, 1], SpanOutput::Draw(seeded(1)))
+        );
+        assert_eq!(
+            got[1],
+            (vec![0, 1, 2], vec![8, 9, 10], vec![2], SpanOutput::None)
+        );
+        for (i, unit) in got[2..5].iter().enumerate() {
+            let p = 5 + i;
+            let slot = [4, 5][p / 4] as usize * 4 + p % 4;
+            let want = (
+                vec![p],
+                vec![slot],
+                vec![4, 5],
+                SpanOutput::Draw(seeded(10 + i as u64)),
+            );
+            assert_eq!(unit, &want);
+        }
+        for (p, unit) in got[5..10].iter().enumerate() {
+            assert_eq!(unit.0, vec![p]);
+            assert_eq!(unit.3, SpanOutput::LastLogits);
+        }
+        assert_eq!(got[10].3, SpanOutput::LastLogits);
+        // Rows come out in the batch's order: the logits rows of the scored prompt and the
+        // last decode, the draws of the decode and the verify.
+        let rows: Vec<usize> = one[0]
+            .logits_indices()
+            .iter()
+            .map(|&r| one[0].positions[r])
+            .collect();
+        assert_eq!(rows, vec![6, 5, 6, 7, 0, 1, 2, 3, 4, 3]);
+    }
+
+    #[test]
+    fn row_passes_hold_at_most_max_spans_and_keep_the_order_across_passes() {
+        let b = mixed();
+        let whole = units(&b.row_passes(64).expect("passes"));
+        for max in 1..=11 {
+            let passes = b.row_passes(max).expect("passes");
+            assert!(passes
+                .iter()
+                .all(|p| !p.seqs.is_empty() && p.seqs.len() <= max));
+            assert_eq!(passes.len(), 11usize.div_ceil(max), "max {max}");
+            assert_eq!(units(&passes), whole, "max {max}");
+            for p in &passes {
+                p.validate(4).expect("a consistent batch");
+            }
+        }
+    }
+
+    #[test]
+    fn a_verify_with_the_wrong_number_of_rules_is_an_error_and_embeddings_alone_give_none() {
+        let mut b = ForwardBatch::default();
+        push(
+            &mut b,
+            &[7, 8],
+            2,
+            &[0],
+            SpanOutput::DrawEach(vec![Draw::greedy()]),
+        );
+        assert!(b.row_passes(8).is_err());
+        let mut b = ForwardBatch::default();
+        push(&mut b, &[7, 8], 0, &[0], SpanOutput::LastHidden);
+        assert!(b.row_passes(8).expect("passes").is_empty());
     }
 }

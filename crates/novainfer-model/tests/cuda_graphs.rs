@@ -11,7 +11,10 @@
 //!   ones: the same greedy tokens with two launches a layer fewer;
 //! * passes left in flight (`Executor::enqueue`), each decode step enqueued before the one
 //!   before it is read back and taking its tokens from that one's draws on the device, eager
-//!   and captured: the same greedy tokens as steps run one by one.
+//!   and captured: the same greedy tokens as steps run one by one;
+//! * a speculative verify step of many sequences (each draft right, or wrong at its second
+//!   token), eager and captured (its one-token spans replay a decode graph): the greedy
+//!   tokens up to each draft's first miss, and 17 sequences' 68 rows in two passes.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -363,6 +366,82 @@ fn passes_in_flight_chain_their_tokens_on_the_device_and_decode_the_same() {
         assert!(
             err.to_string().contains("no pass enqueued just before"),
             "{err}"
+        );
+    }
+}
+
+/// One verify step over sequences `seqs` after their prompts: each span is its first greedy
+/// token (`want[s][0]`) and a draft of [`DRAFT`] tokens, the true continuation, or for odd
+/// sequences wrong at its second token. Returns each sequence's drawn rows, and the launches
+/// the verify step took.
+const DRAFT: usize = 3;
+fn verify(ex: &mut dyn Executor, seqs: &[usize], want: &[Vec<u32>]) -> (Vec<Vec<u32>>, u64) {
+    let vocab = ex.config().vocab_size;
+    let mut prefill = ForwardBatch::default();
+    let mut step = ForwardBatch::default();
+    for (&s, w) in seqs.iter().zip(want) {
+        let p = prompt(s, vocab);
+        prefill.push(&p, 0, slots(&table(s), 0..p.len()), table(s), false);
+        let mut span = w[..=DRAFT].to_vec();
+        if s % 2 == 1 {
+            span[2] = (span[2] + 1) % vocab as u32;
+        }
+        let at = p.len()..p.len() + span.len();
+        let each = SpanOutput::DrawEach(vec![Draw::greedy(); span.len()]);
+        step.push_adapted(&span, at.start, slots(&table(s), at), table(s), each, None);
+    }
+    ex.forward(&prefill).expect("prefill");
+    let before = novainfer_cuda::ops::launches();
+    let out = ex.forward(&step).expect("verify");
+    let launches = novainfer_cuda::ops::launches() - before;
+    assert_eq!(
+        out.tokens.len(),
+        seqs.len() * (DRAFT + 1),
+        "a token per row"
+    );
+    let rows = out
+        .tokens
+        .chunks(DRAFT + 1)
+        .map(|r| r.iter().map(|t| t.token_id).collect())
+        .collect();
+    (rows, launches)
+}
+
+#[test]
+fn a_verify_step_of_many_sequences_draws_the_greedy_rows_in_few_passes() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = common::config_hd64(false);
+    write_checkpoint(dir.path(), &cfg);
+    let Some((mut eager, mut graphs)) = executors(dir.path()) else {
+        return;
+    };
+    // 16 sequences: 64 rows, one pass; 17: 68 rows, two passes (max_num_seqs is 64).
+    for n in [1usize, 16, 17] {
+        let seqs: Vec<usize> = (0..n).collect();
+        let (want, _) = generate(eager.as_mut(), &seqs);
+        let (got, eager_launches) = verify(eager.as_mut(), &seqs, &want);
+        for (s, (rows, w)) in got.iter().zip(&want).enumerate() {
+            // Row i follows the draft's first i tokens: right up to the first wrong one.
+            let kept = if s % 2 == 1 { 2 } else { DRAFT + 1 };
+            assert_eq!(rows[..kept], w[1..=kept], "{n} sequences, sequence {s}");
+        }
+        let (replayed, _) = verify(graphs.as_mut(), &seqs, &want);
+        for (s, (a, b)) in replayed.iter().zip(&got).enumerate() {
+            let kept = if s % 2 == 1 { 2 } else { DRAFT + 1 };
+            assert_eq!(
+                a[..kept],
+                b[..kept],
+                "{n} sequences, sequence {s}: captured"
+            );
+        }
+        // One pass's launches, or two's: never one pass per sequence.
+        // (The draw tail's few kernels beside a logits tail's: 8 a pass of slack.)
+        let one_decode = launches_of_a_decode_step(eager.as_mut(), &[0]);
+        let passes = (n * (DRAFT + 1)).div_ceil(LIMITS.max_num_seqs) as u64;
+        assert!(
+            eager_launches <= passes * (one_decode + 8),
+            "{n} sequences: {eager_launches} launches, a decode step takes {one_decode}"
         );
     }
 }

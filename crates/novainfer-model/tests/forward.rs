@@ -242,7 +242,7 @@ fn embedding_is_the_unit_final_hidden_state_of_the_last_token() {
 }
 
 /// The CUDA executor runs a step with embeddings and scored prompts as several forwards
-/// (`ForwardBatch::select`, `one_token_spans`); on the CPU, those pieces give exactly what
+/// (`ForwardBatch::select`, `row_passes`); on the CPU, those pieces give exactly what
 /// the one mixed step gives, and the mixed step's rows equal each request computed alone.
 #[test]
 fn a_mixed_step_equals_its_pieces_and_each_request_alone() {
@@ -269,28 +269,23 @@ fn a_mixed_step_equals_its_pieces_and_each_request_alone() {
     assert_eq!(got.logits.len(), (1 + score.len()) * v);
     assert_eq!(got.hidden.len(), cfg.hidden_size);
 
-    // The pieces, in a fresh pool: generation alone, the embedding, the scored tokens as
-    // one-token spans in two groups.
-    let mut kv = PagedKvCache::new(&cfg, 16, bs, model.kv_dtype());
-    let mut logits = model
-        .forward_outputs(&mixed.select(&[0]), &mut kv)
-        .expect("generation")
-        .logits;
-    let hidden = model
-        .forward_outputs(&mixed.select(&[1]), &mut kv)
-        .expect("embedding")
-        .hidden;
-    for range in [0..4, 4..score.len()] {
-        let part = mixed.one_token_spans(2, range);
-        logits.extend(
-            model
-                .forward_outputs(&part, &mut kv)
-                .expect("scored")
-                .logits,
-        );
+    // The pieces, in a fresh pool, as the CUDA executor runs them: the embedding alone, the
+    // rest as `row_passes` (the scored tokens as one-token spans), 3 or 4 spans a pass.
+    for max_spans in [3, 4, 64] {
+        let mut kv = PagedKvCache::new(&cfg, 16, bs, model.kv_dtype());
+        let hidden = model
+            .forward_outputs(&mixed.select(&[1]), &mut kv)
+            .expect("embedding")
+            .hidden;
+        let passes = mixed.row_passes(max_spans).expect("passes");
+        assert_eq!(passes.len(), (1 + score.len()).div_ceil(max_spans));
+        let mut logits = Vec::new();
+        for pass in &passes {
+            logits.extend(model.forward_outputs(pass, &mut kv).expect("pass").logits);
+        }
+        assert_eq!(logits, got.logits, "{max_spans} spans a pass");
+        assert_eq!(hidden, got.hidden);
     }
-    assert_eq!(logits, got.logits);
-    assert_eq!(hidden, got.hidden);
 
     // Each alone, apart from any pool: the same numbers.
     let mut alone = model

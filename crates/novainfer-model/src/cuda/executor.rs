@@ -452,86 +452,27 @@ impl CudaExecutor {
         forward.run(&step, tail)
     }
 
-    /// A step with embeddings or scored prompts in it. The eager forward returns one kind of
-    /// row per step and at most `max_seqs` of them, so the sequences (independent of each
-    /// other) run in several forwards over the same pool: the generation spans together; each
-    /// embedding's span with the hidden tail; each scored span as one-token spans over its
-    /// own table (the same attention as one chunk, with a row per token), `max_seqs` at a
-    /// time and in order, so every token's K/V is written before a later token reads it.
+    /// A step with embeddings, scored prompts or verifies in it. The forward returns at most
+    /// its spans' last rows, of one kind (logits and draws, or hidden states), and at most
+    /// `max_seqs` of them; so the embeddings run one by one with the hidden tail, and the rest
+    /// as [`ForwardBatch::row_passes`]: a scored prompt's or a verify's tokens become one-token
+    /// spans over their table (the same attention as one chunk, with a row per token), packed
+    /// with the step's other spans `max_seqs` to a pass and in order, so a verify step of many
+    /// requests is one pass (a decode graph's replay where one fits), not one per request.
     fn forward_split(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput> {
-        let plain: Vec<usize> = (0..batch.seqs.len())
-            .filter(|&i| {
-                matches!(
-                    batch.seqs[i].output,
-                    SpanOutput::None | SpanOutput::LastLogits | SpanOutput::Draw(_)
-                )
-            })
-            .collect();
-        let TailOut {
-            rows: plain_logits,
-            tokens: plain_tokens,
-        } = self.run_in_pool(&batch.select(&plain), Tail::Logits, true)?;
-        let vocab = self.w.cfg.vocab_size;
-        let mut plain_rows = plain_logits.chunks_exact(vocab);
-        let mut plain_tokens = plain_tokens.into_iter();
         let mut out = ForwardOutput::default();
-        let missing =
-            |what: &str| ModelError::config("forward", format!("a sampled span got no {what}"));
+        for pass in batch.row_passes(self.capacity.max_seqs)? {
+            let TailOut { rows, tokens } = self.run_in_pool(&pass, Tail::Logits, true)?;
+            out.logits.extend(rows);
+            out.tokens.extend(tokens);
+        }
         for (i, span) in batch.seqs.iter().enumerate() {
-            match span.output {
-                SpanOutput::None => {}
-                SpanOutput::LastLogits => {
-                    if span.query_len > 0 {
-                        let row = plain_rows.next().ok_or_else(|| missing("logits row"))?;
-                        out.logits.extend_from_slice(row);
-                    }
-                }
-                SpanOutput::Draw(_) => {
-                    if span.query_len > 0 {
-                        out.tokens
-                            .push(plain_tokens.next().ok_or_else(|| missing("token"))?);
-                    }
-                }
-                SpanOutput::LastHidden => {
-                    let mut one = batch.select(&[i]);
-                    // The eager forward's sampled rows are its hidden tail's rows.
-                    one.seqs[0].output = SpanOutput::LastLogits;
-                    out.hidden
-                        .extend(self.run_in_pool(&one, Tail::Hidden, false)?.rows);
-                }
-                SpanOutput::AllLogits | SpanOutput::DrawEach(_) => {
-                    // As one-token spans over the span's table, max_seqs at a time and in
-                    // order (each token's K/V is written before a later token reads it); a
-                    // verify's tokens each drawn by their own rule.
-                    let group = self.capacity.max_seqs.max(1);
-                    let mut start = 0;
-                    while start < span.query_len {
-                        let end = (start + group).min(span.query_len);
-                        let mut tokens = batch.one_token_spans(i, start..end);
-                        if let SpanOutput::DrawEach(each) = &span.output {
-                            let rules = each.get(start..end).ok_or_else(|| {
-                                ModelError::config(
-                                    "draw",
-                                    format!(
-                                        "a verify span of {} tokens has {} draw rules",
-                                        span.query_len,
-                                        each.len()
-                                    ),
-                                )
-                            })?;
-                            for (one, draw) in tokens.seqs.iter_mut().zip(rules) {
-                                one.output = SpanOutput::Draw(draw.clone());
-                            }
-                        }
-                        // Eager: a verify or scoring span is no plain decode step, though
-                        // cut into one-token spans it looks like one.
-                        let TailOut { rows, tokens } =
-                            self.run_in_pool(&tokens, Tail::Logits, false)?;
-                        out.logits.extend(rows);
-                        out.tokens.extend(tokens);
-                        start = end;
-                    }
-                }
+            if span.output == SpanOutput::LastHidden {
+                let mut one = batch.select(&[i]);
+                // The eager forward's sampled rows are its hidden tail's rows.
+                one.seqs[0].output = SpanOutput::LastLogits;
+                out.hidden
+                    .extend(self.run_in_pool(&one, Tail::Hidden, false)?.rows);
             }
         }
         Ok(out)

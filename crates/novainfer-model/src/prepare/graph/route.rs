@@ -2,8 +2,9 @@
 //!
 //! A graph is captured for one shape of step only: one query token per sequence, every
 //! sequence's row sampled in order (logits or a device draw), at most the largest bucket of
-//! sequences. Everything else (prefill, chunked prefill, mixed steps, speculative verifies,
-//! prompt scoring, embeddings) runs eagerly, as do steps while graphs are off.
+//! sequences. Everything else (prefill, chunked prefill, mixed steps, embeddings) runs eagerly,
+//! as do steps while graphs are off. A speculative verify or a scored prompt reaches here cut
+//! into one-token sampled spans (`ForwardBatch::row_passes`): those passes replay.
 
 use super::buckets::GraphBuckets;
 use crate::forward_batch::{ForwardBatch, SpanOutput};
