@@ -688,7 +688,7 @@ impl EngineCore {
                         .get_mut(at * vocab..(at + n) * vocab)
                         .expect("one logits row per verified token: this is a bug");
                     at += n;
-                    self.verify(s.request_id, s.draft_token_ids(), rows, vocab, &mut sampled);
+                    self.verify(s.request_id, s.draft_token_ids(), rows, &mut sampled);
                 }
                 ChunkOutput::PromptLogits => {
                     let n = s.token_ids.len();
@@ -811,7 +811,6 @@ impl EngineCore {
         id: RequestId,
         draft: &[u32],
         rows: &mut [f32],
-        vocab: usize,
         sampled: &mut Vec<(RequestId, Vec<SampledToken>)>,
     ) {
         let active = self
@@ -826,7 +825,6 @@ impl EngineCore {
             active.constraint.as_mut(),
             draft,
             rows,
-            vocab,
             &mut self.grammar_outcomes,
         );
         self.record_verify(id, draft.len(), tokens, sampled);

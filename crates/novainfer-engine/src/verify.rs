@@ -94,7 +94,7 @@ pub fn sample_row_as_device(
     sample_row(id, sampler, constraint, row, outcomes)
 }
 
-/// Verifies request `id`'s draft: samples the rows in order (row `i` follows draft token
+/// Verifies request `id`'s draft: samples the rows (`draft.len() + 1` of them) in order (row `i` follows draft token
 /// `i - 1`) and stops at the first token that is not the draft's, or when the grammar ends.
 /// Every output token is thus sampled from the target's own distribution after the tokens
 /// before it, with the same sampler and random stream as without a draft: greedy and seeded
@@ -112,9 +112,10 @@ pub fn verify_draft(
     mut constraint: Option<&mut Constraint>,
     draft: &[u32],
     rows: &mut [f32],
-    vocab: usize,
     outcomes: &mut GrammarOutcomes,
 ) -> Vec<SampledToken> {
+    // A row for the token before the draft and one for each draft token.
+    let vocab = rows.len() / (draft.len() + 1);
     let mut tokens = Vec::with_capacity(draft.len() + 1);
     for (i, row) in rows.chunks_exact_mut(vocab).enumerate() {
         let token = sample_row_as_device(
@@ -193,7 +194,9 @@ mod tests {
                 let mut second = vec![0usize; vocab];
                 for seed in 0..TRIALS as u64 {
                     let mut sampler = Sampler::new(&params, &[], seed);
-                    let mut rows: Vec<f32> = row0.iter().chain(&row1).copied().collect();
+                    // Row i follows the draft's first i tokens (the third's values are not looked at).
+                    let rows = row0.iter().chain(&row1).chain(&row0);
+                    let mut rows: Vec<f32> = rows.copied().collect();
                     let out = verify_draft(
                         false,
                         RequestId(1),
@@ -201,12 +204,17 @@ mod tests {
                         None,
                         &draft,
                         &mut rows,
-                        vocab,
                         &mut GrammarOutcomes::default(),
                     );
                     first[out[0].token_id as usize] += 1;
                     let kept = out[0].token_id == draft[0];
-                    assert_eq!(out.len(), if kept { 2 } else { 1 }, "stops at a rejection");
+                    // A row after each draft token: a token per kept draft token and one more.
+                    let kept_both = kept && out[1].token_id == draft[1];
+                    assert_eq!(
+                        out.len(),
+                        1 + kept as usize + kept_both as usize,
+                        "stops at a rejection"
+                    );
                     if kept {
                         second[out[1].token_id as usize] += 1;
                     }
