@@ -109,7 +109,7 @@ class Engine:
         kv_cache_bytes: int | None = None,
         kv_cache_fraction: float | None = None,
         gpu_memory_utilization: float = 0.9,
-        max_num_seqs: int = 64,
+        max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
         kv_layout: str = "block",

@@ -98,7 +98,8 @@ class LLM:
     step. Left unset on the CPU, `max_model_len` defaults to at most 8192, the threshold to 128 tokens per
     thread (256 to 2048) with one long prompt at a time, and `max_num_batched_tokens` to 256 per thread (512
     to 2048), so no single request holds the engine for minutes and no step for more than a few seconds
-    (docs/scheduling.md states the rule); on a GPU they are unlimited and the budget is 2048, as in vLLM.
+    (docs/scheduling.md states the rule); `max_num_seqs` to 64. On a GPU, as vLLM's defaults for GPUs, the
+    long-prompt limits are off, `max_num_seqs` is 256 and `max_num_batched_tokens` 8192 (the server's: 2048).
 
     `speculative_config` turns on speculative decoding, in vLLM's shape: ``{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}`` drafts tokens by prompt
@@ -174,7 +175,7 @@ class LLM:
         kv_cache_bytes: int | None = None,
         kv_cache_fraction: float | None = None,
         gpu_memory_utilization: float = 0.9,
-        max_num_seqs: int = 64,
+        max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
         kv_layout: str = "block",
@@ -191,7 +192,7 @@ class LLM:
     ) -> None:
         for name, value in (
             ("block_size", block_size),
-            ("max_num_seqs", max_num_seqs),
+            ("max_num_seqs", 1 if max_num_seqs is None else max_num_seqs),
             ("max_num_batched_tokens", 1 if max_num_batched_tokens is None else max_num_batched_tokens),
             ("kv_cache_bytes", 1 if kv_cache_bytes is None else kv_cache_bytes),
             ("priority_aging_steps", priority_aging_steps),

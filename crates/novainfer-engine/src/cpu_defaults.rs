@@ -13,8 +13,11 @@
 //!   long-prefill slot.
 //! - **`max_long_partial_prefills`**: 1. One long prompt is computed at a time; shorter ones
 //!   overtake the rest (vLLM's rule).
+//! - **`max_num_seqs`**: 64. On the CPU a decode row costs about a third of a one-row step
+//!   (docs/benchmarks.md): batching's gain levels off after a few rows, and seats past a few
+//!   dozen only lengthen every stream's step.
 //! - **`max_num_batched_tokens`**: twice the long-prefill threshold, `256 × threads` clamped to
-//!   512–2048 tokens. Short prompts are admitted whole, so with the GPU's 2048 a burst of chat
+//!   512–2048 tokens. Short prompts are admitted whole, so with the GPU server's 2048 a burst of chat
 //!   requests made one step of ~2000 prompt tokens: ~9 s on two cores for the 0.5B model, during
 //!   which no stream got a token and every prompt of the step waited for the slowest's first
 //!   token. With 512 a step takes about two seconds, first tokens come out a few prompts at a time,
@@ -23,12 +26,16 @@
 /// The default context on the CPU.
 pub const CPU_MAX_MODEL_LEN: usize = 8192;
 
+/// The CPU's sequences a step when unset.
+pub const CPU_MAX_NUM_SEQS: usize = 64;
+
 /// What the CPU rule fills in for the knobs left unset.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CpuDefaults {
     pub max_model_len_cap: usize,
     pub long_prefill_token_threshold: usize,
     pub max_long_partial_prefills: usize,
+    pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
 }
 
@@ -38,6 +45,7 @@ impl CpuDefaults {
             max_model_len_cap: CPU_MAX_MODEL_LEN,
             long_prefill_token_threshold: (128 * threads).clamp(256, 2048),
             max_long_partial_prefills: 1,
+            max_num_seqs: CPU_MAX_NUM_SEQS,
             max_num_batched_tokens: (256 * threads).clamp(512, 2048),
         }
     }
@@ -68,7 +76,7 @@ mod tests {
     }
 
     #[test]
-    fn the_step_budget_is_twice_the_threshold_and_never_above_the_gpus() {
+    fn the_step_budget_is_twice_the_threshold_and_never_above_the_gpu_servers() {
         for threads in [1, 2, 3, 8, 64] {
             let d = CpuDefaults::for_threads(threads);
             assert_eq!(
@@ -77,7 +85,8 @@ mod tests {
             );
             // A short prompt (up to the threshold) fits a step whole.
             assert!(d.max_num_batched_tokens >= d.long_prefill_token_threshold);
-            assert!(d.max_num_batched_tokens <= crate::engine::DEFAULT_MAX_NUM_BATCHED_TOKENS);
+            let serving = crate::gpu_defaults::GpuDefaults::for_usage(crate::Usage::Serving);
+            assert!(d.max_num_batched_tokens <= serving.max_num_batched_tokens);
         }
         assert_eq!(CpuDefaults::for_threads(2).max_num_batched_tokens, 512);
     }

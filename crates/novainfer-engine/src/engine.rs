@@ -17,6 +17,7 @@ use crate::chat_template::{ChatMessage, ChatTemplate};
 use crate::cpu_defaults::CpuDefaults;
 use crate::draft_model::DraftModel;
 use crate::error::{EngineError, Result};
+use crate::gpu_defaults::{GpuDefaults, Usage};
 use crate::lora::LoraRegistry;
 use crate::request::Prompt;
 use crate::speculative::SpeculativeMethod;
@@ -74,10 +75,14 @@ pub struct EngineConfig {
     /// and KV pool together), as in vLLM; the KV pool gets what is left of it once the
     /// weights are loaded. Used when `kv_cache` is [`KvBudget::Auto`]; ignored on the CPU.
     pub gpu_memory_utilization: f64,
-    pub max_num_seqs: usize,
-    /// Token budget of one step (decodes + prefill chunks). Unset: [`DEFAULT_MAX_NUM_BATCHED_TOKENS`]
-    /// on a GPU, the [`CpuDefaults`] rule on the CPU.
+    /// Most sequences in one step. Unset: the [`GpuDefaults`] rule on a GPU (256), the
+    /// [`CpuDefaults`] rule on the CPU (64).
+    pub max_num_seqs: Option<usize>,
+    /// Token budget of one step (decodes + prefill chunks). Unset: the [`GpuDefaults`] rule on a
+    /// GPU (by `usage`), the [`CpuDefaults`] rule on the CPU.
     pub max_num_batched_tokens: Option<usize>,
+    /// What the engine is for (vLLM's usage context): it picks a GPU's default step budget.
+    pub usage: Usage,
     pub enable_prefix_caching: bool,
     /// FCFS or priority order (vLLM's `scheduling_policy`).
     pub scheduling_policy: SchedulingPolicy,
@@ -108,10 +113,6 @@ pub const DEFAULT_KV_CACHE_BYTES: usize = 2 << 30;
 
 /// vLLM's default share of a GPU's memory.
 pub const DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
-
-/// A step's token budget when `max_num_batched_tokens` is unset on a GPU (vLLM's default with
-/// chunked prefill); the CPU's rule never gives more.
-pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: usize = 2048;
 
 /// How much memory the KV cache may take.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -256,8 +257,9 @@ impl EngineConfig {
             kv_cache_dtype: KvCacheDtype::Auto,
             kv_cache: KvBudget::Auto,
             gpu_memory_utilization: DEFAULT_GPU_MEMORY_UTILIZATION,
-            max_num_seqs: 64,
+            max_num_seqs: None,
             max_num_batched_tokens: None,
+            usage: Usage::Offline,
             enable_prefix_caching: true,
             scheduling_policy: SchedulingPolicy::Fcfs,
             priority_aging_steps: 256,
@@ -737,12 +739,13 @@ fn decode_linear() -> Result<DecodeLinear> {
 /// context ([`OpenedCheckpoint::max_model_len`]: `max_position_embeddings`, scaled by its RoPE
 /// scaling), the most positions a device's RoPE table needs.
 fn step_limits(cfg: &EngineConfig, model_max_len: usize) -> StepLimits {
+    // Sized before an `auto` device may move the model to the CPU, whose rule never gives more.
+    let gpu = GpuDefaults::for_usage(cfg.usage);
     StepLimits {
-        // The CPU's default budget is never larger, so buffers sized for this hold it.
         max_num_batched_tokens: cfg
             .max_num_batched_tokens
-            .unwrap_or(DEFAULT_MAX_NUM_BATCHED_TOKENS),
-        max_num_seqs: cfg.max_num_seqs,
+            .unwrap_or(gpu.max_num_batched_tokens),
+        max_num_seqs: cfg.max_num_seqs.unwrap_or(gpu.max_num_seqs),
         // An over-long max_model_len is refused once the pool is sized; a device must not
         // size its buffers for it before that.
         max_seq_len: cfg
@@ -786,30 +789,42 @@ fn scheduler_config(
     let long_prefill_token_threshold = cfg
         .long_prefill_token_threshold
         .or(cpu.map(|d| d.long_prefill_token_threshold));
-    let max_num_batched_tokens = cfg.max_num_batched_tokens.unwrap_or_else(|| {
-        cpu.map_or(DEFAULT_MAX_NUM_BATCHED_TOKENS, |d| d.max_num_batched_tokens)
-    });
+    let gpu = GpuDefaults::for_usage(cfg.usage);
+    let max_num_batched_tokens = cfg
+        .max_num_batched_tokens
+        .unwrap_or_else(|| cpu.map_or(gpu.max_num_batched_tokens, |d| d.max_num_batched_tokens));
+    let max_num_seqs = cfg
+        .max_num_seqs
+        .unwrap_or_else(|| cpu.map_or(gpu.max_num_seqs, |d| d.max_num_seqs));
     // The CPU's default long-prefill limit needs the threshold that says what is long.
     let max_long_partial_prefills = cfg.max_long_partial_prefills.or(cpu
         .filter(|_| long_prefill_token_threshold.is_some())
         .map(|d| d.max_long_partial_prefills));
-    if let Some(d) = cpu {
-        tracing::info!(
+    match cpu {
+        Some(d) => tracing::info!(
             max_model_len,
             explicit_max_model_len = cfg.max_model_len.is_some(),
             cpu_max_model_len_default = d.max_model_len_cap,
             long_prefill_token_threshold,
             max_long_partial_prefills,
+            max_num_seqs,
             max_num_batched_tokens,
             "CPU scheduling: unset limits follow the CPU rule (see cpu_defaults.rs); \
-             --max-model-len, --long-prefill-token-threshold and --max-num-batched-tokens \
-             override it"
-        );
+             --max-model-len, --long-prefill-token-threshold, --max-num-seqs and \
+             --max-num-batched-tokens override it"
+        ),
+        None => tracing::info!(
+            usage = ?cfg.usage,
+            max_num_seqs,
+            max_num_batched_tokens,
+            "GPU scheduling: unset limits follow the GPU rule (see gpu_defaults.rs); \
+             --max-num-seqs and --max-num-batched-tokens override it"
+        ),
     }
     Ok(SchedulerConfig::builder()
         .kv_layout(cfg.kv_layout)
         .max_num_batched_tokens(max_num_batched_tokens)
-        .max_num_seqs(cfg.max_num_seqs)
+        .max_num_seqs(max_num_seqs)
         .max_model_len(max_model_len)
         .block_size(cfg.effective_block_size())
         .num_blocks(num_blocks)
@@ -1291,5 +1306,33 @@ mod tests {
         let err =
             size_kv_cache(&cfg, &gpu, 4096, None, None).expect_err("a kilobyte holds no context");
         assert_eq!(err.param(), Some("gpu_memory_utilization"));
+    }
+
+    #[test]
+    fn unset_step_limits_follow_the_devices_rule_and_set_ones_win() {
+        let limits = |cfg: &EngineConfig, cpu: Option<CpuDefaults>| {
+            let s = scheduler_config(cfg, cpu, 1024, 4096).expect("valid");
+            (s.max_num_seqs(), s.max_num_batched_tokens())
+        };
+        let mut cfg = EngineConfig::new("/m");
+        // A GPU: vLLM's defaults for GPUs, by usage; the device's buffers hold them.
+        assert_eq!(limits(&cfg, None), (256, 8192));
+        let sized = step_limits(&cfg, 4096);
+        assert_eq!(
+            (sized.max_num_seqs, sized.max_num_batched_tokens),
+            (256, 8192)
+        );
+        cfg.usage = Usage::Serving;
+        assert_eq!(limits(&cfg, None), (256, 2048));
+        // The CPU: its own rule (2 threads: a 512-token budget).
+        let cpu = CpuDefaults::for_threads(2);
+        assert_eq!(limits(&cfg, Some(cpu)), (64, 512));
+        // What the operator sets wins everywhere.
+        cfg.max_num_seqs = Some(5);
+        cfg.max_num_batched_tokens = Some(300);
+        assert_eq!(limits(&cfg, None), (5, 300));
+        assert_eq!(limits(&cfg, Some(cpu)), (5, 300));
+        let sized = step_limits(&cfg, 4096);
+        assert_eq!((sized.max_num_seqs, sized.max_num_batched_tokens), (5, 300));
     }
 }

@@ -15,6 +15,7 @@ pub mod engine_core;
 pub mod error;
 pub mod fim;
 pub mod gguf_tokenizer;
+pub mod gpu_defaults;
 pub mod handle;
 pub mod host_draws;
 pub mod lora;
@@ -47,10 +48,11 @@ pub use chat_template::{ChatMessage, ToolCallMessage};
 pub use checked::CheckedRequest;
 pub use engine::{
     EngineConfig, Frontend, KvBudget, LoadedEngine, DEFAULT_GPU_MEMORY_UTILIZATION,
-    DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_KV_CACHE_BYTES,
 };
 pub use engine_core::{EngineCore, EngineStats};
 pub use error::{EngineError, Result};
+pub use gpu_defaults::Usage;
 pub use handle::{AbortHandle, EngineHandle, NextDelta, RequestStream};
 pub use lora::{AdapterInfo, LoraConfig, LoraRegistry};
 /// Constrained decoding (llguidance): servers build tool-call grammars with

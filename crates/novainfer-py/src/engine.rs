@@ -118,7 +118,7 @@ impl PyEngine {
     #[new]
     #[pyo3(signature = (model, *, device="auto", dtype="auto", max_model_len=None, seed=0,
         requantize_q5_0=false, lm_head_dtype="auto", gpu_weight_dtype="auto", quantization=None, enforce_eager=false, async_scheduling=false, block_size=16, kv_cache_bytes=None, kv_cache_fraction=None,
-        gpu_memory_utilization=0.9, max_num_seqs=64,
+        gpu_memory_utilization=0.9, max_num_seqs=None,
         max_num_batched_tokens=None, enable_prefix_caching=true, kv_layout="block",
         kv_cache_dtype="auto", scheduling_policy="fcfs", priority_aging_steps=256,
         long_prefill_token_threshold=None, max_num_partial_prefills=None,
@@ -142,7 +142,7 @@ impl PyEngine {
         kv_cache_bytes: Option<usize>,
         kv_cache_fraction: Option<f64>,
         gpu_memory_utilization: f64,
-        max_num_seqs: usize,
+        max_num_seqs: Option<usize>,
         max_num_batched_tokens: Option<usize>,
         enable_prefix_caching: bool,
         kv_layout: &str,
@@ -238,6 +238,8 @@ impl PyEngine {
             },
             max_num_seqs,
             max_num_batched_tokens,
+            // The `LLM` class: offline generation (the GPU's larger step budget).
+            usage: novainfer_engine::Usage::Offline,
             enable_prefix_caching,
             scheduling_policy,
             priority_aging_steps,

@@ -94,9 +94,10 @@ pub struct ServeArgs {
     /// KV cache as a fraction of the memory available after loading the model.
     #[arg(long)]
     pub kv_cache_fraction: Option<f64>,
-    /// Most sequences decoded in one engine step (the batch).
-    #[arg(long, default_value_t = 64)]
-    pub max_num_seqs: usize,
+    /// Most sequences decoded in one engine step (the batch; default: 256 on a GPU, 64 on the
+    /// CPU, see docs/scheduling.md).
+    #[arg(long)]
+    pub max_num_seqs: Option<usize>,
     /// Token budget of one engine step, decodes and prompt chunks together (default: 2048 on a
     /// GPU; on the CPU 256 x threads within 512..2048, see docs/scheduling.md).
     #[arg(long)]
@@ -553,6 +554,8 @@ impl ServeArgs {
         cfg.kv_cache = kv_cache;
         cfg.max_num_seqs = self.max_num_seqs;
         cfg.max_num_batched_tokens = self.max_num_batched_tokens;
+        // A server's steps stay short: streams wait for each (the GPU's serving budget).
+        cfg.usage = novainfer_engine::Usage::Serving;
         cfg.enable_prefix_caching = !self.no_enable_prefix_caching;
         cfg.scheduling_policy = self.scheduling_policy.parse()?;
         cfg.priority_aging_steps = self.priority_aging_steps;
@@ -628,7 +631,9 @@ mod tests {
         a.check().expect("defaults are valid");
         let cfg = a.engine_config("/m".into()).expect("valid");
         assert!(cfg.enable_prefix_caching);
-        assert_eq!(cfg.max_num_seqs, 64);
+        // The device's rule fills these in once it is known.
+        assert_eq!((cfg.max_num_seqs, cfg.max_num_batched_tokens), (None, None));
+        assert_eq!(cfg.usage, novainfer_engine::Usage::Serving);
         assert_eq!(cfg.device, DeviceChoice::Auto);
         assert_eq!(cfg.kv_cache, KvBudget::Auto);
         assert_eq!(cfg.gpu_memory_utilization, 0.9);
