@@ -10,11 +10,10 @@
 //! - **`max_num_batched_tokens`**: 8192 tokens offline (the `LLM` class: throughput first; a
 //!   step of 8192 prompt tokens keeps the tensor cores busy), 2048 serving (the HTTP server: a
 //!   step that carries prompt chunks delays every stream's next token, and 2048 tokens keep that
-//!   pause to a fraction of a second while still prefilling at full speed on the 1.5B and
-//!   larger). These are vLLM's `LLM_CLASS` and `OPENAI_API_SERVER` figures for GPUs other than
+//!   pause short). These are vLLM's `LLM_CLASS` and `OPENAI_API_SERVER` figures for GPUs other than
 //!   its largest.
 //! - **`long_prefill_token_threshold`**, **`max_long_partial_prefills`**: none (a GPU computes
-//!   a long prompt's chunk in tens of milliseconds: no request holds the engine for long).
+//!   a step's prompt chunks in a fraction of a second: no request holds the engine for long).
 
 /// What the engine is for, which decides the GPU's step budget (vLLM's `UsageContext`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -46,19 +45,6 @@ impl GpuDefaults {
             },
         }
     }
-
-    /// The largest of the rule's step budgets: a device sizes its buffers for this before it
-    /// knows whether the model stays on it.
-    pub fn largest() -> Self {
-        let (a, b) = (
-            Self::for_usage(Usage::Offline),
-            Self::for_usage(Usage::Serving),
-        );
-        Self {
-            max_num_seqs: a.max_num_seqs.max(b.max_num_seqs),
-            max_num_batched_tokens: a.max_num_batched_tokens.max(b.max_num_batched_tokens),
-        }
-    }
 }
 
 #[cfg(test)]
@@ -85,14 +71,16 @@ mod tests {
     }
 
     #[test]
-    fn the_cpu_rule_never_exceeds_the_gpus_largest() {
-        // Buffers sized for the GPU's largest step hold a CPU step (the load sizes them before
-        // an `auto` device may move the model to the CPU).
-        let gpu = GpuDefaults::largest();
-        for threads in [1, 2, 8, 64, 512] {
-            let cpu = CpuDefaults::for_threads(threads);
-            assert!(cpu.max_num_seqs <= gpu.max_num_seqs);
-            assert!(cpu.max_num_batched_tokens <= gpu.max_num_batched_tokens);
+    fn the_cpu_rule_never_exceeds_either_gpu_rule() {
+        // Step limits follow the GPU rule before an `auto` device may move the model to the
+        // CPU: they must hold the CPU's steps whatever the usage.
+        for usage in [Usage::Offline, Usage::Serving] {
+            let gpu = GpuDefaults::for_usage(usage);
+            for threads in [1, 2, 8, 64, 512] {
+                let cpu = CpuDefaults::for_threads(threads);
+                assert!(cpu.max_num_seqs <= gpu.max_num_seqs);
+                assert!(cpu.max_num_batched_tokens <= gpu.max_num_batched_tokens);
+            }
         }
     }
 }

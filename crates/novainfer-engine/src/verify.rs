@@ -94,8 +94,8 @@ pub fn sample_row_as_device(
     sample_row(id, sampler, constraint, row, outcomes)
 }
 
-/// Verifies request `id`'s draft: samples the rows (`draft.len() + 1` of them) in order (row `i` follows draft token
-/// `i - 1`) and stops at the first token that is not the draft's, or when the grammar ends.
+/// Verifies request `id`'s draft: samples the rows (`draft.len() + 1` of them) in order (row
+/// `i` follows draft token `i - 1`) and stops at the first token that is not the draft's, or when the grammar ends.
 /// Every output token is thus sampled from the target's own distribution after the tokens
 /// before it, with the same sampler and random stream as without a draft: greedy and seeded
 /// outputs are the same token for token. For a one-hot draft this is rejection sampling: a

@@ -380,8 +380,8 @@ mod tests {
             assert_eq!(unit.3, SpanOutput::LastLogits);
         }
         assert_eq!(got[10].3, SpanOutput::LastLogits);
-        // Rows come out in the batch's order: the logits rows of the scored prompt and the
-        // last decode, the draws of the decode and the verify.
+        // Rows are computed in the batch's order (by position): the decode's draw, the
+        // verify's three, the scored prompt's five, the last decode's.
         let rows: Vec<usize> = one[0]
             .logits_indices()
             .iter()
