@@ -151,3 +151,16 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return total;
 }
 
+// d += a·b, one m16n8k16 tensor-core tile (sm_80+): bf16 A (row-major 16×16) and B
+// (column-major 16×8), f32 C/D, in the PTX ISA's fragment layouts. Under the CPU emulator
+// (crates/novainfer-cuemu) the warp exchanges its fragments and multiplies them out.
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#ifdef NOVAINFER_CUEMU
+    cuemu::mma_bf16_16816(d, a, b0, b1);
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}

@@ -63,60 +63,84 @@ struct FlashShape {
 
 // ---- PTX wrappers ------------------------------------------------------------------------
 
+#ifndef NOVAINFER_CUEMU
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
 }
+#endif
 
 // 16 bytes global → shared, asynchronously; `valid` false writes 16 zero bytes instead
 // (src-size 0: nothing is read).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+#ifdef NOVAINFER_CUEMU
+    // A copy that has landed by the time the wait returns: the emulator copies at once.
+    if (valid) {
+        memcpy(smem, gmem, 16);
+    } else {
+        memset(smem, 0, 16);
+    }
+#else
     const int n = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)),
                  "l"(gmem), "r"(n)
                  : "memory");
+#endif
 }
+#ifdef NOVAINFER_CUEMU
+__device__ __forceinline__ void cp_async_commit() {}
+__device__ __forceinline__ void cp_async_wait_all() {}
+#else
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+#endif
 
 // Four 8×8 b16 matrices; lanes 8i .. 8i + 7 give the row addresses of matrix i, and lane l
 // receives, in register i, row l / 4, columns 2(l % 4), 2(l % 4) + 1 of matrix i (with
 // .trans: column l / 4, rows 2(l % 4), 2(l % 4) + 1).
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* row_addr) {
+#ifdef NOVAINFER_CUEMU
+    cuemu::ldmatrix_x4(r, row_addr, false);
+#else
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_u32(row_addr))
                  : "memory");
+#endif
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* row_addr) {
+#ifdef NOVAINFER_CUEMU
+    cuemu::ldmatrix_x4(r, row_addr, true);
+#else
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_u32(row_addr))
                  : "memory");
-}
-
-// d += a·b, one m16n8k16 tile: bf16 A (row-major 16×16) and B (column-major 16×8), f32 C/D.
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 
 // 2^x, approximate (2 ulp), 2^−inf = +0.
 __device__ __forceinline__ float ex2(float x) {
+#ifdef NOVAINFER_CUEMU
+    return exp2f(x);
+#else
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
+#endif
 }
 
 // (lo, hi) rounded to nearest-even bf16 and packed lo | hi << 16: the A fragment's order
 // (the lower half holds the lower column).
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+#ifdef NOVAINFER_CUEMU
+    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+#else
     u32 d;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
     return d;
+#endif
 }
 __device__ __forceinline__ float lo_f32(u32 packed) { return __uint_as_float(packed << 16); }
 __device__ __forceinline__ float hi_f32(u32 packed) { return __uint_as_float(packed & 0xffff0000u); }
@@ -207,8 +231,8 @@ __device__ void flash_prefill(const bf16* __restrict__ q, const bf16* __restrict
     constexpr int DT = HD / 8;             // 8-dim n-tiles of O
     static_assert(FLASH_BLOCK_M == 16 * FLASH_WARPS, "one m16 row block per warp");
     static_assert(FLASH_BLOCK_M == FLASH_BLOCK_N, "Q is staged in the K buffer");
-    __shared__ alignas(16) bf16 ks[FLASH_BLOCK_N * ROW];
-    __shared__ alignas(16) bf16 vs[FLASH_BLOCK_N * ROW];
+    __shared__ __align__(16) bf16 ks[FLASH_BLOCK_N * ROW];
+    __shared__ __align__(16) bf16 vs[FLASH_BLOCK_N * ROW];
     __shared__ i32 limit_s[FLASH_BLOCK_M];  // limit of each packed row, −1: no such row
     __shared__ i32 present[FLASH_BLOCK_N];
 

@@ -464,14 +464,6 @@ __device__ __forceinline__ u32 bf16_pair(float lo, float hi) {
     return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
 }
 
-// d += a·b, one m16n8k16 tile (bf16 A row-major, B column-major, f32 C/D).
-__device__ __forceinline__ void gemm_tile_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ u32 shared_word(const bf16* p) { return *reinterpret_cast<const u32*>(p); }
 
 template <typename T>
@@ -535,7 +527,7 @@ __device__ void gemm_packed_tile(
                 const bf16* base = ws + (wn + 8 * ni + g) * GEMM_TILE_ROW + ks + 2 * t;
                 const u32 b0 = shared_word(base), b1 = shared_word(base + 8);
 #pragma unroll
-                for (int mi = 0; mi < 2; ++mi) gemm_tile_mma(acc[mi][ni], a[mi], b0, b1);
+                for (int mi = 0; mi < 2; ++mi) mma_bf16_16816(acc[mi][ni], a[mi], b0, b1);
             }
         }
         __syncthreads();

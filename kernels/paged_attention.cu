@@ -440,9 +440,9 @@ __device__ void decode_grouped(
     float* __restrict__ part_ml,          // [num_seqs, num_heads, max_splits, 2]
     AttnShape shape) {
     using Kv = StagedKv<T, HD>;
-    __shared__ alignas(16) T ks[Kv::KEYS * Kv::ROW];
-    __shared__ alignas(16) T vs[Kv::KEYS * Kv::ROW];
-    __shared__ alignas(16) T qs[ATTN_MAX_GROUP * HD];
+    __shared__ __align__(16) T ks[Kv::KEYS * Kv::ROW];
+    __shared__ __align__(16) T vs[Kv::KEYS * Kv::ROW];
+    __shared__ __align__(16) T qs[ATTN_MAX_GROUP * HD];
     __shared__ i32 present[Kv::KEYS];
     static_assert(sizeof(ks) + sizeof(vs) + sizeof(qs) + sizeof(present) <= 48 * 1024,
                   "static shared memory");
