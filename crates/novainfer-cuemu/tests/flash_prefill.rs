@@ -8,7 +8,9 @@ mod common;
 use common::{addr, to_f32, Aligned, Rng};
 use half::bf16;
 use novainfer_cuda::flash_plan::{self, emulate, PoolRef, QueryRef};
-use novainfer_cuemu::kernels::{flash_prefill_bf16_hd128, flash_prefill_bf16_hd64, FlashShape};
+use novainfer_cuemu::kernels::flash_prefill::{
+    flash_prefill_bf16_hd128, flash_prefill_bf16_hd64, FlashShape,
+};
 use novainfer_cuemu::{launch, Dim3};
 
 #[derive(Clone, Copy, Debug)]
@@ -102,7 +104,11 @@ impl Case {
             max_blocks_per_seq: self.max_blocks as i32,
             scale_log2: flash_plan::scale_log2(g.head_dim),
         };
-        let (q, k, v) = (Aligned::new(&s.q), Aligned::new(&self.k), Aligned::new(&self.v));
+        let (q, k, v) = (
+            Aligned::new(&s.q),
+            Aligned::new(&self.k),
+            Aligned::new(&self.v),
+        );
         let mut out = Aligned::new(&vec![bf16::ZERO; s.q.len()]);
         let kernel = match g.head_dim {
             64 => flash_prefill_bf16_hd64,
@@ -182,7 +188,10 @@ impl Case {
                     let scores: Vec<f64> = (0..=pos)
                         .map(|j| {
                             let k = &self.k[at(j, kvh)..][..hd];
-                            q.iter().zip(k).map(|(a, b)| a.to_f64() * b.to_f64()).sum::<f64>()
+                            q.iter()
+                                .zip(k)
+                                .map(|(a, b)| a.to_f64() * b.to_f64())
+                                .sum::<f64>()
                                 / (hd as f64).sqrt()
                         })
                         .collect();

@@ -41,7 +41,11 @@ impl<T: Copy> Aligned<T> {
         let mut store = vec![0u128; bytes.div_ceil(16).max(1)];
         // SAFETY: `store` holds at least `bytes` bytes; T is Copy (plain data here).
         unsafe {
-            std::ptr::copy_nonoverlapping(v.as_ptr() as *const u8, store.as_mut_ptr() as *mut u8, bytes);
+            std::ptr::copy_nonoverlapping(
+                v.as_ptr() as *const u8,
+                store.as_mut_ptr() as *mut u8,
+                bytes,
+            );
         }
         Aligned {
             store,

@@ -1,8 +1,4 @@
-//! The `extern "C"` kernels of `kernels/*.cu` as the emulator library exports them, with the
-//! argument structs they take by value. Signatures copy the `.cu` files' (bf16 is `u16`);
-//! a test that declares one wrongly reads garbage, so each kernel a test uses is declared
-//! here once, beside the file it comes from.
-#![allow(clippy::too_many_arguments)]
+//! kernels/flash_prefill.cu
 
 /// `FlashShape` in kernels/flash_prefill.cu.
 #[repr(C)]
@@ -17,7 +13,6 @@ pub struct FlashShape {
 }
 
 extern "C-unwind" {
-    // kernels/flash_prefill.cu
     pub fn flash_prefill_bf16_hd64(
         q: *const u16,
         k_cache: *const u16,
