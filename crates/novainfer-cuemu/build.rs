@@ -6,7 +6,10 @@ use std::{env, fs, path::PathBuf};
 
 fn main() {
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets it"));
-    let kernels = manifest.join("../../kernels").canonicalize().expect("kernels/ exists");
+    let kernels = manifest
+        .join("../../kernels")
+        .canonicalize()
+        .expect("kernels/ exists");
     let emu = manifest.join("cuemu");
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets it"));
     println!("cargo:rerun-if-changed={}", kernels.display());
@@ -33,7 +36,10 @@ fn main() {
         .collect();
     names.sort();
     for path in names {
-        let stem = path.file_stem().and_then(|s| s.to_str()).expect("a UTF-8 name");
+        let stem = path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .expect("a UTF-8 name");
         let wrapper = out.join(format!("kernel_{stem}.cpp"));
         let text = format!(
             "#include \"cuemu.h\"\nnamespace cuemu_{stem} {{\n#include \"{}\"\n}}\n",
@@ -42,5 +48,13 @@ fn main() {
         fs::write(&wrapper, text).expect("OUT_DIR is writable");
         build.file(wrapper);
     }
+    // The emulator's own test kernels (tests/emulator.rs).
+    let selftest = out.join("kernel_selftest.cpp");
+    let text = format!(
+        "#include \"cuemu.h\"\nnamespace cuemu_selftest {{\n#include \"{}\"\n}}\n",
+        emu.join("selftest.cu").display()
+    );
+    fs::write(&selftest, text).expect("OUT_DIR is writable");
+    build.file(selftest);
     build.compile("cuemu");
 }

@@ -16,13 +16,81 @@ dim3 block_dim{1, 1, 1};
 dim3 grid_dim{1, 1, 1};
 
 namespace {
-// Every GPU thread of a block is a fiber (ucontext) on the launching OS thread, switched
+// Every GPU thread of a block is a fiber on the launching OS thread, switched
 // cooperatively: a fiber runs until it waits at a collective or returns. That is exact for
 // the kernels' semantics (threads only communicate through barriers, shuffles and atomics),
 // deterministic, and far cheaper than an OS thread per GPU thread.
 
 // Thrown out of a collective once the launch has failed; the fiber's entry catches it.
 struct Abandoned {};
+
+// A fiber's saved context. On x86-64 a switch saves the callee-saved registers, MXCSR and the
+// x87 control word on the stack and swaps stack pointers: glibc's swapcontext also saves the
+// signal mask with a system call on every switch, which was most of the emulator's time.
+// Elsewhere ucontext does it.
+#if defined(__x86_64__)
+struct Context {
+    void* sp = nullptr;
+};
+extern "C" void cuemu_switch(void** save_sp, void* load_sp);
+asm(R"(
+    .text
+    .p2align 4
+    .type cuemu_switch,@function
+cuemu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size cuemu_switch, .-cuemu_switch
+)");
+
+void switch_context(Context& save, Context& load) { cuemu_switch(&save.sp, load.sp); }
+
+// A stack whose first switch "returns" into `entry` as if called: the frame cuemu_switch pops
+// (control words, six registers, a return address), then a null return address for `entry`,
+// placed so that the stack is 16-byte aligned at its call site (rsp ≡ 8 mod 16 on entry).
+void start_context(Context& c, char* stack, size_t size, void (*entry)()) {
+    uintptr_t top = (reinterpret_cast<uintptr_t>(stack) + size) & ~uintptr_t(15);
+    // sp ≡ 8 (mod 16): the switch pops eight words, so `entry` starts at rsp = sp + 64 ≡ 8.
+    uint64_t* sp = reinterpret_cast<uint64_t*>(top - 88);
+    const uint32_t mxcsr = 0x1F80, x87 = 0x037F;                // the ABI's defaults
+    sp[0] = mxcsr | (uint64_t)x87 << 32;
+    for (int i = 1; i <= 6; i++) sp[i] = 0;  // r15 .. rbp
+    sp[7] = reinterpret_cast<uint64_t>(entry);
+    sp[8] = 0;  // entry's return address: it never returns
+    c.sp = sp;
+}
+#else
+struct Context {
+    ucontext_t uc;
+};
+void switch_context(Context& save, Context& load) { swapcontext(&save.uc, &load.uc); }
+void start_context(Context& c, char* stack, size_t size, void (*entry)()) {
+    getcontext(&c.uc);
+    c.uc.uc_stack.ss_sp = stack;
+    c.uc.uc_stack.ss_size = size;
+    c.uc.uc_link = nullptr;
+    makecontext(&c.uc, entry, 0);
+}
+#endif
 
 constexpr size_t kStack = 256 * 1024;
 
@@ -35,7 +103,7 @@ struct Warp {
 };
 
 struct Fiber {
-    ucontext_t ctx;
+    Context ctx;
     char* stack = nullptr;
     ThreadState st;
     bool done = false;
@@ -43,7 +111,7 @@ struct Fiber {
 };
 
 struct Launch {
-    ucontext_t scheduler;
+    Context scheduler;
     std::vector<Fiber> fibers;
     unsigned current = 0;
     unsigned live = 0;     // fibers of the running block that have not returned
@@ -80,7 +148,7 @@ void wait_until(Launch& l, Done done, const char* what) {
     while (!done()) {
         if (l.failed) throw Abandoned{};
         f.waiting_at = what;
-        swapcontext(&f.ctx, &l.scheduler);
+        switch_context(f.ctx, l.scheduler);
         f.waiting_at = nullptr;
     }
     if (l.failed) throw Abandoned{};
@@ -148,8 +216,11 @@ void fiber_main() {
     } catch (...) {
         fail(l, "an exception escaped the kernel");
     }
-    l.fibers[l.current].done = true;
-    // uc_link returns to the scheduler.
+    Fiber& f = l.fibers[l.current];
+    f.done = true;
+    // Back to the scheduler for good: this context is never resumed.
+    switch_context(f.ctx, l.scheduler);
+    __builtin_unreachable();
 }
 
 // Runs one block to completion (or failure): resumes fibers round-robin; a full round in
@@ -167,11 +238,7 @@ void run_block(Launch& l, uint3 block) {
         f.done = false;
         f.waiting_at = nullptr;
         f.st.block_idx = block;
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = f.stack;
-        f.ctx.uc_stack.ss_size = kStack;
-        f.ctx.uc_link = &l.scheduler;
-        makecontext(&f.ctx, fiber_main, 0);
+        start_context(f.ctx, f.stack, kStack, fiber_main);
     }
     unsigned remaining = n;
     while (remaining > 0) {
@@ -182,7 +249,7 @@ void run_block(Launch& l, uint3 block) {
             if (f.done) continue;
             l.current = i;
             state = f.st;
-            swapcontext(&l.scheduler, &f.ctx);
+            switch_context(l.scheduler, f.ctx);
             if (f.done) {
                 remaining--;
             } else {
@@ -196,7 +263,7 @@ void run_block(Launch& l, uint3 block) {
                 while (!f.done) {
                     l.current = i;
                     state = f.st;
-                    swapcontext(&l.scheduler, &f.ctx);
+                    switch_context(l.scheduler, f.ctx);
                 }
             }
             return;
