@@ -3,6 +3,7 @@
 
 #include <ucontext.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstdio>
 #include <exception>
@@ -125,6 +126,10 @@ struct Launch {
     std::string error;
     void (*body)(void*) = nullptr;
     void* ctx = nullptr;
+    // The order fibers are resumed in each round (see cuemu_launch's `schedule`).
+    int schedule = 0;
+    uint64_t rng = 0;
+    std::vector<unsigned> order;
 };
 
 Launch* current = nullptr;
@@ -241,10 +246,21 @@ void run_block(Launch& l, uint3 block) {
         start_context(f.ctx, f.stack, kStack, fiber_main);
     }
     unsigned remaining = n;
+    l.order.resize(n);
+    for (unsigned i = 0; i < n; i++) l.order[i] = l.schedule == 1 ? n - 1 - i : i;
     while (remaining > 0) {
         const auto before = l.progress;
         bool any_waiting = false;
-        for (unsigned i = 0; i < n; i++) {
+        if (l.schedule == 2) {
+            // Fisher-Yates with xorshift64: a different interleaving every round.
+            for (unsigned i = n - 1; i > 0; i--) {
+                l.rng ^= l.rng << 13;
+                l.rng ^= l.rng >> 7;
+                l.rng ^= l.rng << 17;
+                std::swap(l.order[i], l.order[l.rng % (i + 1)]);
+            }
+        }
+        for (unsigned i : l.order) {
             Fiber& f = l.fibers[i];
             if (f.done) continue;
             l.current = i;
@@ -362,8 +378,11 @@ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t
 }
 
 // Runs `body(ctx)` as every thread of every block; 0 on success, else the failure is in `error`.
+// `schedule` orders the fibers between waits: 0 in thread order, 1 in reverse, 2 shuffled every
+// round from `seed`. A kernel whose threads share memory without a barrier between the write
+// and the read gives different results under different orders (the GPU promises no order).
 extern "C" int cuemu_launch(const unsigned grid[3], const unsigned block[3], void (*body)(void*), void* ctx,
-                            char* error, size_t error_len) {
+                            int schedule, uint64_t seed, char* error, size_t error_len) {
     std::lock_guard<std::mutex> serial(launch_lock);
     const unsigned threads = block[0] * block[1] * block[2];
     if (threads == 0 || threads > 1024 || grid[0] == 0 || grid[1] == 0 || grid[2] == 0) {
@@ -371,9 +390,15 @@ extern "C" int cuemu_launch(const unsigned grid[3], const unsigned block[3], voi
                       grid[1], grid[2], block[0], block[1], block[2]);
         return 1;
     }
+    if (schedule < 0 || schedule > 2) {
+        std::snprintf(error, error_len, "unknown schedule %d", schedule);
+        return 1;
+    }
     Launch l;
     l.body = body;
     l.ctx = ctx;
+    l.schedule = schedule;
+    l.rng = seed | 1;  // xorshift's state must not be zero
     l.fibers.resize(threads);
     l.warps.resize((threads + 31) / 32);
     // A warp's lanes beyond the block never run; they count as returned.

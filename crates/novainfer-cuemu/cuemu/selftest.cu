@@ -87,3 +87,13 @@ extern "C" __global__ void st_ldmatrix_trans(const bf16* x, u32* out) {
     cuemu::ldmatrix_x4(r, &xs[(lane / 8) * 64 + (lane % 8) * 8], true);
     for (int i = 0; i < 4; i++) out[lane * 4 + i] = r[i];
 }
+
+// A race: thread t reads its neighbour's shared slot with no barrier after the writes, so
+// what it sees depends on whether t + 1 has run yet.
+extern "C" __global__ void st_race(int* out) {
+    __shared__ int slot[64];
+    slot[threadIdx.x] = -1;
+    __syncthreads();
+    slot[threadIdx.x] = (int)threadIdx.x;
+    out[threadIdx.x] = slot[(threadIdx.x + 1) % 64];
+}

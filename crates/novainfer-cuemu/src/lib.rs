@@ -50,6 +50,8 @@ extern "C-unwind" {
         block: *const u32,
         body: extern "C-unwind" fn(*mut c_void),
         ctx: *mut c_void,
+        schedule: c_int,
+        seed: u64,
         error: *mut c_char,
         error_len: usize,
     ) -> c_int;
@@ -61,10 +63,69 @@ extern "C-unwind" fn trampoline<F: Fn() + Sync>(ctx: *mut c_void) {
     body();
 }
 
+/// The order in which a block's threads run between their waits. A GPU promises none, so a
+/// kernel that reads another thread's shared-memory write without a barrier between them is
+/// wrong; under one order it may still pass, under another it does not. [`launch`] takes the
+/// order from `CUEMU_SCHEDULE` (`forward`, `reverse`, `shuffle` or `shuffle:SEED`; forward by
+/// default), so the whole suite can run under each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Schedule {
+    /// Thread order, every round.
+    Forward,
+    /// Reverse thread order, every round.
+    Reverse,
+    /// A new permutation every round, from this seed.
+    Shuffle(u64),
+}
+
+/// The environment variable [`launch`] reads its [`Schedule`] from.
+pub const SCHEDULE_ENV: &str = "CUEMU_SCHEDULE";
+
+impl Schedule {
+    /// Parses `forward`, `reverse`, `shuffle` (seed 1) or `shuffle:SEED`.
+    pub fn parse(value: &str) -> Result<Self, LaunchError> {
+        match value.trim() {
+            "" | "forward" => Ok(Schedule::Forward),
+            "reverse" => Ok(Schedule::Reverse),
+            "shuffle" => Ok(Schedule::Shuffle(1)),
+            other => other
+                .strip_prefix("shuffle:")
+                .and_then(|seed| seed.parse().ok())
+                .map(Schedule::Shuffle)
+                .ok_or_else(|| {
+                    LaunchError(format!(
+                        "{SCHEDULE_ENV}={other:?}: expected forward, reverse, shuffle or shuffle:SEED"
+                    ))
+                }),
+        }
+    }
+
+    /// `CUEMU_SCHEDULE`'s order (forward when unset).
+    pub fn from_env() -> Result<Self, LaunchError> {
+        Self::parse(&std::env::var(SCHEDULE_ENV).unwrap_or_default())
+    }
+}
+
 /// Runs `body` as every thread of a `grid` × `block` launch (blocks in order, the threads of
-/// a block as fibers on the calling thread). `body` calls one kernel; the emulator's collectives may unwind
-/// through it when the launch fails (a C++ exception, hence the "C-unwind" ABI).
+/// a block as fibers on the calling thread), in `CUEMU_SCHEDULE`'s order. `body` calls one
+/// kernel; the emulator's collectives may unwind through it when the launch fails (a C++
+/// exception, hence the "C-unwind" ABI).
 pub fn launch<F: Fn() + Sync>(grid: Dim3, block: Dim3, body: F) -> Result<(), LaunchError> {
+    launch_with(Schedule::from_env()?, grid, block, body)
+}
+
+/// [`launch`] in a given order.
+pub fn launch_with<F: Fn() + Sync>(
+    schedule: Schedule,
+    grid: Dim3,
+    block: Dim3,
+    body: F,
+) -> Result<(), LaunchError> {
+    let (kind, seed) = match schedule {
+        Schedule::Forward => (0, 0),
+        Schedule::Reverse => (1, 0),
+        Schedule::Shuffle(seed) => (2, seed),
+    };
     let grid = [grid.x, grid.y, grid.z];
     let block = [block.x, block.y, block.z];
     let mut error = [0 as c_char; 512];
@@ -76,6 +137,8 @@ pub fn launch<F: Fn() + Sync>(grid: Dim3, block: Dim3, body: F) -> Result<(), La
             block.as_ptr(),
             trampoline::<F>,
             &body as *const F as *mut c_void,
+            kind,
+            seed,
             error.as_mut_ptr(),
             error.len(),
         )

@@ -7,7 +7,7 @@ mod common;
 
 use common::{addr, Rng};
 use half::bf16;
-use novainfer_cuemu::{launch, Dim3};
+use novainfer_cuemu::{launch, launch_with, Dim3, Schedule};
 
 extern "C-unwind" {
     fn st_shuffles(out: *mut i32);
@@ -17,6 +17,7 @@ extern "C-unwind" {
     fn st_shuffle_after_return(out: *mut i32);
     fn st_mma(a: *const u16, bt: *const u16, d: *mut f32);
     fn st_ldmatrix_trans(x: *const u16, out: *mut u32);
+    fn st_race(out: *mut i32);
 }
 
 #[test]
@@ -165,4 +166,45 @@ fn ldmatrix_trans_hands_out_columns() {
             assert_eq!(out[lane * 4 + m], want, "lane {lane}, matrix {m}");
         }
     }
+}
+
+#[test]
+fn schedules_expose_a_missing_barrier() {
+    let run = |schedule| {
+        let mut out = vec![0i32; 64];
+        let p = addr(out.as_mut_ptr());
+        launch_with(schedule, Dim3::x(1), Dim3::x(64), || unsafe {
+            st_race(p as _)
+        })
+        .expect("launch");
+        out
+    };
+    let forward = run(Schedule::Forward);
+    let reverse = run(Schedule::Reverse);
+    // Forward, threads read their neighbour's slot before it runs (all but the one the
+    // barrier's releaser wrote); in reverse, after (all but the releaser's own read).
+    let fresh = |out: &[i32]| (0..64).filter(|&t| out[t] == ((t + 1) % 64) as i32).count();
+    assert_eq!(fresh(&forward), 1, "{forward:?}");
+    assert_eq!(fresh(&reverse), 63, "{reverse:?}");
+    let shuffled = run(Schedule::Shuffle(3));
+    assert_ne!(shuffled, forward);
+    assert_ne!(shuffled, reverse);
+    assert_eq!(
+        run(Schedule::Shuffle(3)),
+        shuffled,
+        "a seed replays its order"
+    );
+}
+
+#[test]
+fn the_schedule_setting_parses() {
+    assert_eq!(Schedule::parse("").ok(), Some(Schedule::Forward));
+    assert_eq!(Schedule::parse("reverse").ok(), Some(Schedule::Reverse));
+    assert_eq!(Schedule::parse("shuffle").ok(), Some(Schedule::Shuffle(1)));
+    assert_eq!(
+        Schedule::parse("shuffle:42").ok(),
+        Some(Schedule::Shuffle(42))
+    );
+    assert!(Schedule::parse("random").is_err());
+    assert!(Schedule::parse("shuffle:x").is_err());
 }
