@@ -41,6 +41,9 @@ pub struct GpuContext {
 
 // The runner opens the context on one thread and may drive it from another (the engine
 // thread); every field is Send + Sync, and this keeps it so.
+/// How `novainfer-cuemu`'s fake libcuda names its device.
+pub const EMULATED_DEVICE_PREFIX: &str = "cuemu";
+
 const _: fn() = || {
     fn send_sync<T: Send + Sync>() {}
     send_sync::<GpuContext>();
@@ -172,6 +175,12 @@ impl GpuContext {
     /// The driver's name for the device, e.g. `"NVIDIA H100 80GB HBM3"` (for logs).
     pub fn device_name(&self) -> &str {
         &self.name
+    }
+
+    /// Whether the device is `novainfer-cuemu`'s fake CUDA (kernels emulated on the CPU, a
+    /// thousand times slower than a GPU): tests shrink their problems there.
+    pub fn is_emulated(&self) -> bool {
+        self.name.starts_with(EMULATED_DEVICE_PREFIX)
     }
 
     /// Streaming multiprocessors: how many blocks it takes to fill the device.

@@ -51,6 +51,12 @@ const GEOMETRIES: [Geometry; 3] = [
 ];
 
 const LENS: [usize; 6] = [1, 15, 64, 65, 1000, 4096];
+/// Prefix-cached starts of LENS' sequences (mid-tile, mid-block).
+const STARTS_CACHED: [usize; 6] = [0, 3, 37, 64, 500, 4000];
+/// Under the CPU emulator (novainfer-cuemu's fake CUDA) a 4k prompt takes minutes: the same
+/// tile and block edges with shorter tails.
+const EMULATED_LENS: [usize; 6] = [1, 15, 64, 65, 130, 200];
+const EMULATED_STARTS_CACHED: [usize; 6] = [0, 3, 37, 64, 70, 190];
 
 struct Rng(u64);
 impl Rng {
@@ -306,12 +312,16 @@ fn flash_prefill_matches_cpu_legacy_and_twin() {
     let Some(gpu) = common::gpu_or_skip("flash prefill parity") else {
         return;
     };
+    let (lens, starts_cached) = if gpu.is_emulated() {
+        (EMULATED_LENS, EMULATED_STARTS_CACHED)
+    } else {
+        (LENS, STARTS_CACHED)
+    };
     for (i, g) in GEOMETRIES.into_iter().enumerate() {
-        let case = Case::new(&gpu, g, &LENS, 40 + i as u64);
-        // Whole prompts, then the same sequences behind cached prefixes (mid-tile, mid-block).
-        let starts_cached = [0, 3, 37, 64, 500, 4000];
+        let case = Case::new(&gpu, g, &lens, 40 + i as u64);
+        // Whole prompts, then the same sequences behind cached prefixes.
         for starts in [[0; 6], starts_cached] {
-            let l = case.launch(&starts, &LENS);
+            let l = case.launch(&starts, &lens);
             let what = format!("{g:?} starts {starts:?}");
             let flash = case.run(&gpu, &l, true);
             let legacy = case.run(&gpu, &l, false);
@@ -348,19 +358,34 @@ fn flash_prefill_does_not_depend_on_chunking() {
     let Some(gpu) = common::gpu_or_skip("flash prefill chunking") else {
         return;
     };
+    // The second sequence is cut at `cuts`, the first (shorter) one where they fall within it.
+    let (lens, all_cuts) = if gpu.is_emulated() {
+        (
+            [100, 300],
+            [
+                vec![0, 64, 300],
+                vec![0, 1, 65, 100, 117, 299, 300],
+                vec![0, 150, 300],
+            ],
+        )
+    } else {
+        (
+            [1000, 4096],
+            [
+                vec![0, 512, 4096],
+                vec![0, 1, 65, 1000, 1017, 4095, 4096],
+                vec![0, 2048, 4096],
+            ],
+        )
+    };
     for (i, g) in GEOMETRIES.into_iter().enumerate() {
-        let lens = [1000, 4096];
         let case = Case::new(&gpu, g, &lens, 70 + i as u64);
         let whole = case.run(&gpu, &case.launch(&[0, 0], &lens), true);
         let row = g.num_heads * g.head_dim;
-        for cuts in [
-            vec![0, 512, 4096],
-            vec![0, 1, 65, 1000, 1017, 4095, 4096],
-            vec![0, 2048, 4096],
-        ] {
+        for cuts in all_cuts.clone() {
             let mut pieces = [Vec::new(), Vec::new()];
             for w in cuts.windows(2) {
-                let (a0, b0) = (w[0].min(1000), w[1].min(1000));
+                let (a0, b0) = (w[0].min(lens[0]), w[1].min(lens[0]));
                 let out = case.run(&gpu, &case.launch(&[a0, w[0]], &[b0, w[1]]), true);
                 let n0 = (b0 - a0) * row;
                 pieces[0].extend_from_slice(&out[..n0]);

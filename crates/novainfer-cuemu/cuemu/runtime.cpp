@@ -436,3 +436,26 @@ extern "C" int cuemu_launch(const unsigned grid[3], const unsigned block[3], voi
     return 0;
 }
 }  // namespace cuemu
+
+// ---- The kernel registry (registry.h) ----------------------------------------------------
+#include <map>
+
+#include "registry.h"
+
+namespace cuemu {
+namespace {
+std::map<std::string, Binder>& registry() {
+    // Built by static initialisers of the kernel files: a function-local static is ready
+    // whichever file registers first.
+    static std::map<std::string, Binder> kernels;
+    return kernels;
+}
+}  // namespace
+
+void register_kernel(const char* name, Binder bind) { registry()[name] = bind; }
+
+Binder find_kernel(const char* name) {
+    const auto it = registry().find(name);
+    return it == registry().end() ? nullptr : it->second;
+}
+}  // namespace cuemu
