@@ -361,12 +361,16 @@ def test_demo_greedy_chat_agrees_with_the_cpu_engine(gpu, demo_gguf):
         disagreements.append({"prompt": prompt, "position": i, "cpu_margin_nats": float(gap)})
     _report(test="demo_greedy_chat", prompts=len(CHAT_PROMPTS), agree=len(CHAT_PROMPTS) - len(disagreements),
             disagreements=disagreements)
-    assert len(disagreements) <= 2, disagreements
+    # bf16 activations against the CPU's int8-quantized ones part a few greedy chats at near-ties (the
+    # CPU emulator's fake CUDA, bf16 like a GPU, agreed on 19 of 24, each parting under 0.15 nats); a
+    # wrong kernel parts them at large margins, or most of them.
+    assert len(disagreements) <= 6, disagreements
     assert all(d["cpu_margin_nats"] < NEAR_TIE_NATS for d in disagreements), disagreements
 
 
 def _greedy(llm: LLM, n: int = 12):
-    params = SamplingParams(temperature=0, max_tokens=n, logprobs=1, ignore_eos=True)
+    # Two logprobs a token: where another path's pick parts from this one, its logprob is there (_assert_follows).
+    params = SamplingParams(temperature=0, max_tokens=n, logprobs=2, ignore_eos=True)
     return llm.generate(PROMPT, params)[0].outputs[0]
 
 
@@ -383,14 +387,18 @@ def test_native_gguf_weights_follow_the_bf16_expansion(gpu, gpu_models, variant)
     ref = logits_of(cpu, PROMPT)
     err = _rel_err(logits_of(native, PROMPT), ref)
     a, b, c = _greedy(bf16), _greedy(native), _greedy(cpu)
-    agree = sum(x == y for x, y in zip(b.token_ids, c.token_ids))
-    lp_err = max(abs(lb[t] - lc[t]) for t, lb, lc in zip(b.token_ids, b.logprobs, c.logprobs) if t in lc)
+    agree = len(_common(b.token_ids, c.token_ids))
+    # Over the common prefix: past a parting the sequences are free to differ.
+    lp_err = max((abs(b.logprobs[i][t] - c.logprobs[i][t]) for i, t in enumerate(_common(b.token_ids, c.token_ids))),
+                 default=0.0)
     bytes_bf16 = bf16.stats()["weight_bytes_per_token"]
     bytes_native = native.stats()["weight_bytes_per_token"]
     _report(test=f"native_tiny_{variant}", prefill_rel_err=err, decode_agree=agree, decode_logprob_err=lp_err,
             bytes_bf16=bytes_bf16, bytes_native=bytes_native, bf16_agree=sum(x == y for x, y in zip(a.token_ids, c.token_ids)))
     assert err < REL_TOL, err
-    assert b.token_ids == c.token_ids or agree >= len(c.token_ids) - 2
+    # The random tiny model has near-ties (top two 0.017 apart after this prompt, where the GGUF paths' logits sit
+    # 0.06 from the f32 ones on either device): decoding may part there, nowhere else.
+    _assert_follows([c], [b], f"native {variant}")
     assert lp_err < 0.1, lp_err
     # Q8_0 is 34 bytes per 32 weights against bf16's 64; the vectors are the same.
     assert bytes_native < 0.6 * bytes_bf16, (bytes_native, bytes_bf16)
