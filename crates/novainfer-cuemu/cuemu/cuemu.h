@@ -11,8 +11,8 @@
 //  - warp collectives (shuffles, ballots, `__syncwarp`, ldmatrix, mma.sync) are a barrier
 //    over the lanes their mask names, with an exchange area per warp;
 //  - a barrier that can never complete (a thread that never arrives: a divergent
-//    `__syncthreads`, or a shuffle whose mask names a lane that left) fails the launch
-//    with what each thread waits at, instead of hanging.
+//    `__syncthreads`, or a shuffle whose mask names a lane that left) fails the launch,
+//    naming the block, the thread and what it waits at, instead of hanging.
 // Numerics: `__fmul_rn` and friends are plain IEEE operations (the file is compiled with
 // -ffp-contract=off, so nothing else contracts either); mma.sync multiplies bf16 exactly
 // and accumulates in f32 in k order, which a tensor core does to within its own rounding.

@@ -104,6 +104,23 @@ void device_free(void* p) {
 struct LaunchBody {
     cuemu::Bound run;
 };
+
+// The order a block's threads run in (runtime.cpp's `schedule`), from CUEMU_SCHEDULE as the
+// Rust side reads it: forward, reverse, shuffle or shuffle:SEED.
+struct Order {
+    int kind = 0;
+    uint64_t seed = 0;
+};
+Order order_from_env() {
+    const char* v = std::getenv("CUEMU_SCHEDULE");
+    if (!v || !*v || !std::strcmp(v, "forward")) return {0, 0};
+    if (!std::strcmp(v, "reverse")) return {1, 0};
+    if (!std::strcmp(v, "shuffle")) return {2, 1};
+    if (!std::strncmp(v, "shuffle:", 8)) return {2, std::strtoull(v + 8, nullptr, 10)};
+    std::fprintf(stderr, "cuemu: CUEMU_SCHEDULE=%s is not forward, reverse, shuffle or shuffle:SEED\n", v);
+    std::abort();
+}
+const Order launch_order = order_from_env();
 void run_body(void* ctx) { static_cast<LaunchBody*>(ctx)->run(); }
 }  // namespace
 
@@ -351,7 +368,7 @@ CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned
     return submit(s, [body = std::move(body), name, gx, gy, gz, bx, by, bz]() mutable {
         const unsigned g[3] = {gx, gy, gz}, b[3] = {bx, by, bz};
         char why[512];
-        if (cuemu::cuemu_launch(g, b, run_body, &body, 0, 0, why, sizeof why) != 0) {
+        if (cuemu::cuemu_launch(g, b, run_body, &body, launch_order.kind, launch_order.seed, why, sizeof why) != 0) {
             std::fprintf(stderr, "cuemu: %s <<<(%u,%u,%u),(%u,%u,%u)>>> failed: %s\n", name.c_str(), gx, gy, gz,
                          bx, by, bz, why);
             return CUDA_ERROR_LAUNCH_FAILED;
