@@ -39,11 +39,11 @@ pub struct GpuContext {
     multiprocessors: usize,
 }
 
-// The runner opens the context on one thread and may drive it from another (the engine
-// thread); every field is Send + Sync, and this keeps it so.
 /// How `novainfer-cuemu`'s fake libcuda names its device.
 pub const EMULATED_DEVICE_PREFIX: &str = "cuemu";
 
+// The runner opens the context on one thread and may drive it from another (the engine
+// thread); every field is Send + Sync, and this keeps it so.
 const _: fn() = || {
     fn send_sync<T: Send + Sync>() {}
     send_sync::<GpuContext>();

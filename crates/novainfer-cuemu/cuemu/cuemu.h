@@ -10,6 +10,8 @@
 //    no longer counts, as on sm_70+);
 //  - warp collectives (shuffles, ballots, `__syncwarp`, ldmatrix, mma.sync) are a barrier
 //    over the lanes their mask names, with an exchange area per warp;
+//  - `cp.async` (flash_prefill.cu's wrapper) copies at once, so a read of its destination
+//    before the wait is not caught here;
 //  - a barrier that can never complete (a thread that never arrives: a divergent
 //    `__syncthreads`, or a shuffle whose mask names a lane that left) fails the launch,
 //    naming the block, the thread and what it waits at, instead of hanging.
