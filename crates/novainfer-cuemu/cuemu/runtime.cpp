@@ -1,5 +1,6 @@
 // runtime.cpp — the launch and the collectives behind cuemu.h (see there for the model).
 #include "cuemu.h"
+#include "registry.h"
 
 #include <ucontext.h>
 
@@ -7,6 +8,7 @@
 #include <cstdlib>
 #include <cstdio>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -438,9 +440,6 @@ extern "C" int cuemu_launch(const unsigned grid[3], const unsigned block[3], voi
 }  // namespace cuemu
 
 // ---- The kernel registry (registry.h) ----------------------------------------------------
-#include <map>
-
-#include "registry.h"
 
 namespace cuemu {
 namespace {

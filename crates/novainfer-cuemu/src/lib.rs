@@ -151,21 +151,3 @@ pub fn launch_with<F: Fn() + Sync>(
         Err(LaunchError(why.to_string_lossy().into_owned()))
     }
 }
-
-/// A raw pointer the emulated threads may share: kernels take device pointers, here host
-/// memory that the test keeps alive and does not touch during the launch.
-#[derive(Clone, Copy, Debug)]
-pub struct Shared<T>(pub *mut T);
-
-// SAFETY: the kernels' own synchronisation governs access, as on a GPU.
-unsafe impl<T> Sync for Shared<T> {}
-unsafe impl<T> Send for Shared<T> {}
-
-impl<T> Shared<T> {
-    pub fn of(v: &mut [T]) -> Self {
-        Shared(v.as_mut_ptr())
-    }
-    pub fn get(self) -> *mut T {
-        self.0
-    }
-}

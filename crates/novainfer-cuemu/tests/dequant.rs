@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{Aligned, Rng};
+use common::{Aligned, Dtype, Rng};
 use half::{bf16, f16};
 use novainfer_cuda::gemv_plan::{chunk, GemvWeights, CHUNK};
 use novainfer_cuda::quant_type::{e4m3_to_f32, QuantType};
@@ -20,8 +20,7 @@ type DequantFn<T> = unsafe extern "C-unwind" fn(*const u8, *mut T, i64);
 type EmbedFn<T> = unsafe extern "C-unwind" fn(*const u32, *const u8, *mut T, i32, i32);
 
 /// An output dtype: its kernels, and the bits a stored f32 value becomes.
-trait Out: Copy + Send + Sync + 'static {
-    const NAME: &'static str;
+trait Out: Dtype {
     const SENTINEL: Self;
     fn dequant(q: QuantType) -> DequantFn<Self>;
     fn embed(q: QuantType) -> EmbedFn<Self>;
@@ -31,7 +30,6 @@ trait Out: Copy + Send + Sync + 'static {
 }
 
 impl Out for f32 {
-    const NAME: &'static str = "f32";
     const SENTINEL: Self = -7.0;
     fn dequant(q: QuantType) -> DequantFn<Self> {
         match q {
@@ -63,7 +61,6 @@ impl Out for f32 {
 
 /// bf16 as the kernels take it: its bit pattern.
 impl Out for u16 {
-    const NAME: &'static str = "bf16";
     const SENTINEL: Self = 0xC0E0; // -7.0
     fn dequant(q: QuantType) -> DequantFn<Self> {
         match q {

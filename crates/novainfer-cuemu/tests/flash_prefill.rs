@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{addr, to_f32, Aligned, Rng};
+use common::{addr, Aligned, Rng};
 use half::bf16;
 use novainfer_cuda::flash_plan::{self, emulate, PoolRef, QueryRef};
 use novainfer_cuemu::kernels::flash_prefill::{
@@ -272,5 +272,4 @@ fn the_flash_prefill_kernel_gives_the_same_bits_in_one_chunk_or_two() {
         .filter(|(a, b)| a.to_bits() != b.to_bits())
         .count();
     assert_eq!(differ, 0, "chunked prefill changed {differ} values");
-    let _ = to_f32(&whole);
 }

@@ -16,7 +16,7 @@
 
 mod common;
 
-use common::{Aligned, Rng};
+use common::{Aligned, Dtype, Rng};
 use half::{bf16, f16};
 use novainfer_cuda::gemm_tile;
 use novainfer_cuda::gemv_plan::{
@@ -64,10 +64,7 @@ type GemmFn<T> = unsafe extern "C-unwind" fn(
 type ReduceFn<T> = unsafe extern "C-unwind" fn(*const f32, *mut T, i32, i32, i32, i32, i32);
 
 /// An output dtype: its entry points (family by family), and what a store of an f32 holds.
-trait Out: Copy + Send + Sync + 'static {
-    const NAME: &'static str;
-    /// Relative tolerance of the GPU tests (`tests/common/host.rs`'s `TestDtype::TOL`).
-    const TOL: f32;
+trait Out: Dtype {
     /// The store's relative rounding error, bounded: none in f32, half a bf16 ulp (2^-9) with
     /// a margin.
     const ROUNDING: f64;
@@ -76,8 +73,6 @@ trait Out: Copy + Send + Sync + 'static {
     fn qkv(family: GemvFamily) -> QkvFn<Self>;
     fn gemm() -> GemmFn<Self>;
     fn reduce() -> ReduceFn<Self>;
-    fn from_f32(v: f32) -> Self;
-    fn to_f32(self) -> f32;
     /// `v` stored and loaded back (the unfused path's intermediate, `round_as`).
     fn round(v: f32) -> f32 {
         Self::from_f32(v).to_f32()
@@ -85,8 +80,6 @@ trait Out: Copy + Send + Sync + 'static {
 }
 
 impl Out for f32 {
-    const NAME: &'static str = "f32";
-    const TOL: f32 = 2e-5;
     const ROUNDING: f64 = 0.0;
     fn plain(family: GemvFamily) -> PlainFn<Self> {
         match family {
@@ -112,19 +105,10 @@ impl Out for f32 {
     fn reduce() -> ReduceFn<Self> {
         gemm_packed_reduce_f32
     }
-    fn from_f32(v: f32) -> Self {
-        v
-    }
-    fn to_f32(self) -> f32 {
-        self
-    }
 }
 
 /// bf16 as the kernels take it: its bit pattern.
 impl Out for u16 {
-    const NAME: &'static str = "bf16";
-    // One bf16 rounding of the output (2^-8) plus inputs rounded along the way.
-    const TOL: f32 = 1.6e-2;
     const ROUNDING: f64 = 1.0 / 256.0;
     fn plain(family: GemvFamily) -> PlainFn<Self> {
         match family {
@@ -149,12 +133,6 @@ impl Out for u16 {
     }
     fn reduce() -> ReduceFn<Self> {
         gemm_packed_reduce_bf16
-    }
-    fn from_f32(v: f32) -> Self {
-        bf16::from_f32(v).to_bits()
-    }
-    fn to_f32(self) -> f32 {
-        bf16::from_bits(self).to_f32()
     }
 }
 

@@ -13,8 +13,7 @@
 
 mod common;
 
-use common::{addr, Aligned, Rng};
-use half::bf16;
+use common::{addr, Aligned, Dtype, Rng};
 use novainfer_cuemu::kernels::paged_attention::*;
 use novainfer_cuemu::{launch, Dim3};
 
@@ -56,24 +55,11 @@ struct Kernels<E> {
 }
 
 /// A pool element as the kernels take it: f32, or bf16 as its bits.
-trait Elem: Copy + Send + Sync + 'static {
-    const NAME: &'static str;
-    /// The GPU tests' relative tolerance (`TestDtype::TOL` in novainfer-cuda's tests).
-    const TOL: f32;
-    fn from_f32(v: f32) -> Self;
-    fn to_f32(self) -> f32;
+trait Elem: Dtype {
     fn kernels(head_dim: usize) -> Kernels<Self>;
 }
 
 impl Elem for f32 {
-    const NAME: &'static str = "f32";
-    const TOL: f32 = 2e-5;
-    fn from_f32(v: f32) -> Self {
-        v
-    }
-    fn to_f32(self) -> f32 {
-        self
-    }
     fn kernels(head_dim: usize) -> Kernels<Self> {
         match head_dim {
             64 => Kernels {
@@ -94,15 +80,6 @@ impl Elem for f32 {
 }
 
 impl Elem for u16 {
-    const NAME: &'static str = "bf16";
-    // One bf16 rounding of the output (2^-8) plus inputs rounded along the way.
-    const TOL: f32 = 1.6e-2;
-    fn from_f32(v: f32) -> Self {
-        bf16::from_f32(v).to_bits()
-    }
-    fn to_f32(self) -> f32 {
-        bf16::from_bits(self).to_f32()
-    }
     fn kernels(head_dim: usize) -> Kernels<Self> {
         match head_dim {
             64 => Kernels {

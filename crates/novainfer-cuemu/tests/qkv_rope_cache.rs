@@ -15,8 +15,7 @@
 
 mod common;
 
-use common::{addr, Rng};
-use half::bf16;
+use common::{addr, Dtype, Rng};
 use novainfer_cuda::rope_scaling::{rotation, RopeScaling, Yarn};
 use novainfer_cuemu::kernels::qkv::{qkv_bias_rope_cache_bf16, qkv_bias_rope_cache_f32};
 use novainfer_cuemu::kernels::reshape_and_cache::{reshape_and_cache_bf16, reshape_and_cache_f32};
@@ -49,34 +48,19 @@ type QkvFn<E> = unsafe extern "C-unwind" fn(
 );
 
 /// An activation element as the kernels take it: f32, or bf16 as its bits.
-trait Elem: Copy + Send + Sync + 'static {
-    const NAME: &'static str;
-    /// The GPU tests' relative tolerance (`TestDtype::TOL` in novainfer-cuda's tests).
-    const TOL: f32;
+trait Elem: Dtype {
     const ROPE: RopeFn<Self>;
     const RESHAPE: ReshapeFn<Self>;
     const QKV: QkvFn<Self>;
-    /// Round to nearest even (bf16), as `f32_to_bf16` and `half` do.
-    fn from_f32(v: f32) -> Self;
-    /// Exact.
-    fn to_f32(self) -> f32;
     /// A random bit pattern (any value, NaNs and infinities included).
     fn random_bits(rng: &mut Rng) -> Self;
     fn bits(self) -> u32;
 }
 
 impl Elem for f32 {
-    const NAME: &'static str = "f32";
-    const TOL: f32 = 2e-5;
     const ROPE: RopeFn<Self> = rope_neox_f32;
     const RESHAPE: ReshapeFn<Self> = reshape_and_cache_f32;
     const QKV: QkvFn<Self> = qkv_bias_rope_cache_f32;
-    fn from_f32(v: f32) -> Self {
-        v
-    }
-    fn to_f32(self) -> f32 {
-        self
-    }
     fn random_bits(rng: &mut Rng) -> Self {
         f32::from_bits(rng.next() as u32)
     }
@@ -86,17 +70,9 @@ impl Elem for f32 {
 }
 
 impl Elem for u16 {
-    const NAME: &'static str = "bf16";
-    const TOL: f32 = 1.6e-2;
     const ROPE: RopeFn<Self> = rope_neox_bf16;
     const RESHAPE: ReshapeFn<Self> = reshape_and_cache_bf16;
     const QKV: QkvFn<Self> = qkv_bias_rope_cache_bf16;
-    fn from_f32(v: f32) -> Self {
-        bf16::from_f32(v).to_bits()
-    }
-    fn to_f32(self) -> f32 {
-        bf16::from_bits(self).to_f32()
-    }
     fn random_bits(rng: &mut Rng) -> Self {
         rng.next() as u16
     }

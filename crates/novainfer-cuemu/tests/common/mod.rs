@@ -28,6 +28,42 @@ impl Rng {
     }
 }
 
+/// An element as the kernels take it: f32, or bf16 as its bit pattern (`u16`). Each test file
+/// extends it with the kernels of its own file.
+pub trait Dtype: Copy + Send + Sync + 'static {
+    const NAME: &'static str;
+    /// The GPU tests' relative tolerance for one output of this type (`TestDtype::TOL` in
+    /// novainfer-cuda's tests): f32 rounding, or one bf16 rounding (2^-8) plus inputs rounded
+    /// along the way.
+    const TOL: f32;
+    /// Rounded to nearest even for bf16, as `f32_to_bf16` and `half` round.
+    fn from_f32(v: f32) -> Self;
+    /// Exact.
+    fn to_f32(self) -> f32;
+}
+
+impl Dtype for f32 {
+    const NAME: &'static str = "f32";
+    const TOL: f32 = 2e-5;
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Dtype for u16 {
+    const NAME: &'static str = "bf16";
+    const TOL: f32 = 1.6e-2;
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v).to_bits()
+    }
+    fn to_f32(self) -> f32 {
+        bf16::from_bits(self).to_f32()
+    }
+}
+
 /// A copy of `v` on 16 bytes, as device allocations are (kernels load 16-byte pieces).
 pub struct Aligned<T: Copy> {
     store: Vec<u128>,
@@ -68,8 +104,4 @@ impl<T: Copy> Aligned<T> {
 /// A pointer value the emulated threads can share (captured by the launch closure).
 pub fn addr<T>(p: *const T) -> usize {
     p as usize
-}
-
-pub fn to_f32(v: &[bf16]) -> Vec<f32> {
-    v.iter().map(|x| x.to_f32()).collect()
 }
