@@ -211,3 +211,11 @@ def test_bench_llama_cpp_puts_both_engines_side_by_side(tiny_models, tmp_path):
     bench.write_text("#!/bin/sh\necho boom >&2\nexit 3\n")
     res = _cli(*args)
     assert res.returncode == 1 and "failed (exit 3: boom)" in res.stdout, res.stdout
+    # A tool the points need but the directory lacks stops the run before the first point, with its name.
+    batched.unlink()
+    res = _cli(*args)
+    assert res.returncode == 1 and "lacks llama-batched-bench" in res.stderr and "Traceback" not in res.stderr
+    assert "prefill" not in res.stderr, res.stderr
+    bench.write_text('#!/bin/sh\necho \'{"n_prompt": 1, "avg_ts": 10.0}\'\n')
+    res = _cli(*args[:-2])  # `--batch-sizes` with none: llama-bench alone suffices
+    assert res.returncode == 0, res.stderr

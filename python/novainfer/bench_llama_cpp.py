@@ -57,7 +57,10 @@ def add_llama_cpp_args(p: argparse._ActionsContainer) -> None:
 def _run(cmd: list[str], env: dict[str, str]) -> tuple[str, float | None, str | None]:
     """Runs `cmd` to the end; returns its stdout, its peak RSS in MiB and an error line if it failed."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
+        try:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
+        except OSError as e:  # vanished or lost its exec bit since `_missing_tools` looked: a failed cell
+            return "", None, f"cannot start {cmd[0]}: {e.strerror}"
         # wait4 reaps the child itself, so its rusage is the child's own peak RSS (KiB on Linux).
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -195,6 +198,11 @@ def run_bench_llama_cpp(args: argparse.Namespace) -> int:
     args.model = resolve_model(args.model, progress=False)
     if not str(args.model).endswith(".gguf"):
         raise SystemExit("bench llama-cpp needs a GGUF model (llama.cpp reads GGUF only)")
+    missing = _missing_tools(args)
+    if missing:
+        # Checked before the first point: the batched tool is needed last, after many minutes of work.
+        raise SystemExit(f"bench llama-cpp: {args.llama_cpp} lacks {', '.join(missing)} (build those llama.cpp "
+                         "targets, or drop the points that need them)")
     if args.threads is None:
         args.threads = os.cpu_count() or 1
     rows: list[tuple[str, Measured, Measured]] = []
@@ -227,6 +235,14 @@ def run_bench_llama_cpp(args: argparse.Namespace) -> int:
         _print_roofs(args, sizes, bandwidth, decodes)
     failed = any(m.tok_s is None for _, ours, theirs in rows for m in (ours, theirs))
     return 1 if failed else 0
+
+
+def _missing_tools(args: argparse.Namespace) -> list[str]:
+    """The llama.cpp executables the requested points need that `--llama-cpp` does not hold."""
+    needed = (["llama-bench"] if args.prompt_lengths or args.depths else []) + \
+        (["llama-batched-bench"] if args.batch_sizes else [])
+    return [tool for tool in needed
+            if not (Path(args.llama_cpp) / tool).is_file() or not os.access(Path(args.llama_cpp) / tool, os.X_OK)]
 
 
 def _line(row: tuple[str, Measured, Measured]) -> str:
