@@ -58,6 +58,20 @@ def test_greedy_outputs_do_not_depend_on_the_batch(tiny_models, alone, engine_ar
     assert _tokens(llm, _prompts(), GREEDY) == alone
 
 
+def test_a_generate_calls_prompts_enter_the_same_first_step(tiny_models):
+    # `generate` hands its whole batch to the engine at once, so the first step prefills every prompt
+    # however fast the calling thread is. Submitted one by one, the engine started stepping the first
+    # prompt before the others arrived: which rows shared a step varied from run to run, and with it the
+    # kernel a row ran through (a GPU decode row takes the GEMV in a small step, the GEMM in a large one).
+    llm = LLM(tiny_models["f32"], enable_prefix_caching=False, max_num_batched_tokens=2048)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for _ in range(5):
+        before = llm.stats()["num_steps"]
+        outs = llm.generate(_prompts(16, seed=5), one)
+        assert all(len(o.outputs[0].token_ids) == 1 for o in outs)
+        assert llm.stats()["num_steps"] - before == 1
+
+
 @pytest.fixture(scope="module")
 def alone_by_kv_dtype(tiny_models) -> dict[str, list[list[int]]]:
     """Each prompt's greedy tokens alone, per KV cache dtype (prompts of 3..60 tokens in one chunk)."""

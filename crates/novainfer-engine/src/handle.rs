@@ -39,16 +39,21 @@ use crate::output_processor::{self, DeltaSink};
 use crate::prefill::{PrefillTask, Reply};
 use crate::request::{Delta, Scheduling, TokenLogprob};
 
+/// One generation request on its way to the engine thread.
+struct Submission {
+    /// The first of its `n` completions' ids (`id .. id + n`).
+    id: RequestId,
+    /// Checked by the submitting thread.
+    request: CheckedRequest,
+    scheduling: Scheduling,
+    deltas: DeltaSink,
+}
+
 enum Command {
-    Generate {
-        id: RequestId,
-        /// Checked by the submitting thread. Boxed: the largest field by far, and commands
-        /// are moved through a channel.
-        request: Box<CheckedRequest>,
-        scheduling: Scheduling,
-        deltas: DeltaSink,
-    },
-    /// A request of `n` completions, with ids `id .. id + n`.
+    /// Requests that enter the engine together, before the same step: a batch submitted at
+    /// once is scheduled the same way however fast the submitting thread is (which requests
+    /// share a step decides which kernels a row runs through, and so its last bits).
+    Generate(Vec<Submission>),
     /// Every completion of a request (or a prefill-only request).
     Abort {
         id: RequestId,
@@ -220,16 +225,45 @@ impl EngineHandle {
         request: CheckedRequest,
         scheduling: Scheduling,
     ) -> Result<RequestStream> {
-        let n = request.params().n();
-        let (deltas, rx) = mpsc::channel();
-        let abort = self.submit_checked_to(request, scheduling, deltas.into())?;
-        Ok(RequestStream {
-            id: abort.id,
-            unfinished: n,
-            rx,
-            commands: abort.commands,
-            liveness: self.liveness.clone(),
-        })
+        let mut streams = self.submit_checked_batch(vec![(request, scheduling)])?;
+        Ok(streams.remove(0))
+    }
+
+    /// Queues checked requests together: the engine adds all of them before its next step,
+    /// so an offline batch is scheduled (and computed) the same way on every run. One stream
+    /// per request, in order.
+    pub fn submit_checked_batch(
+        &self,
+        requests: Vec<(CheckedRequest, Scheduling)>,
+    ) -> Result<Vec<RequestStream>> {
+        let commands = self.sender()?.clone();
+        let mut streams = Vec::with_capacity(requests.len());
+        let mut submissions = Vec::with_capacity(requests.len());
+        for (request, scheduling) in requests {
+            let n = request.params().n();
+            let id = self.reserve_ids(n);
+            let (deltas, rx) = mpsc::channel();
+            submissions.push(Submission {
+                id,
+                request,
+                scheduling,
+                deltas: deltas.into(),
+            });
+            streams.push(RequestStream {
+                id,
+                unfinished: n,
+                rx,
+                commands: commands.clone(),
+                liveness: self.liveness.clone(),
+            });
+        }
+        self.send(Command::Generate(submissions))?;
+        Ok(streams)
+    }
+
+    /// Ids for a request's `n` completions: `id .. id + n`.
+    fn reserve_ids(&self, n: usize) -> RequestId {
+        RequestId(self.next_id.fetch_add(n as u64, Ordering::Relaxed))
     }
 
     /// Like [`Self::submit`], with the deltas going to `sink` (e.g. an async channel). The
@@ -266,14 +300,13 @@ impl EngineHandle {
         scheduling: Scheduling,
         sink: DeltaSink,
     ) -> Result<AbortHandle> {
-        let n = request.params().n();
-        let id = RequestId(self.next_id.fetch_add(n as u64, Ordering::Relaxed));
-        self.send(Command::Generate {
+        let id = self.reserve_ids(request.params().n());
+        self.send(Command::Generate(vec![Submission {
             id,
-            request: Box::new(request),
+            request,
             scheduling,
             deltas: sink,
-        })?;
+        }]))?;
         Ok(AbortHandle {
             id,
             commands: self.sender()?.clone(),
@@ -447,13 +480,10 @@ fn between_steps(rx: &mpsc::Receiver<Command>, busy: bool) -> Option<Vec<Command
 
 fn handle(core: &mut EngineCore, command: Command) {
     match command {
-        Command::Generate {
-            id,
-            request,
-            scheduling,
-            deltas,
-        } => {
-            core.add_request(id, *request, scheduling, deltas);
+        Command::Generate(submissions) => {
+            for s in submissions {
+                core.add_request(s.id, s.request, s.scheduling, s.deltas);
+            }
         }
         Command::Abort { id } => core.abort(id),
         Command::Finish(id, reason) => core.finish(id, reason),

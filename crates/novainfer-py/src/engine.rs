@@ -505,7 +505,7 @@ impl PyEngine {
                     .collect::<Result<_, _>>()?;
                 let prompts: Vec<Vec<u32>> =
                     checked.iter().map(|r| r.prompt_ids().to_vec()).collect();
-                let streams: Vec<RequestStream> = checked
+                let requests = checked
                     .into_iter()
                     .zip(&priority)
                     .zip(adapters)
@@ -515,9 +515,12 @@ impl PyEngine {
                             adapter,
                             ..Scheduling::default()
                         };
-                        self.handle.submit_checked(request, scheduling)
+                        (request, scheduling)
                     })
-                    .collect::<Result<_, _>>()?;
+                    .collect();
+                // All at once: the engine's first step sees the whole batch, so the same call
+                // is scheduled, and computed, the same way on every run.
+                let streams: Vec<RequestStream> = self.handle.submit_checked_batch(requests)?;
                 Ok::<_, EngineError>((prompts, streams))
             })
             .map_err(engine_error)?;
