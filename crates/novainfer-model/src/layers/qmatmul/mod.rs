@@ -116,6 +116,33 @@ trait Kernel {
         facc: [S::F; R],
     ) -> [S::F; R];
 
+    /// [`Kernel::tile`] over block `b` of all 16 columns (`S::LANES == GROUP`) while the
+    /// weights stream from memory (a few-row product), asking for the lines
+    /// [`DECODE_PREFETCH_BYTES`] ahead as it goes. The default asks for the block's lines
+    /// first, which suits blocks of up to 16 lines; a format with larger blocks spreads its
+    /// requests over the block's work: Q4_K's 38 lines asked at once left its 1-row AVX-512
+    /// stream 1.4-1.6x slower than AVX2's on Zen 5 (AVX2's `row16_avx2` spreads them), and
+    /// spread the same way, within about 1.1x of it.
+    ///
+    /// # Safety
+    /// As [`Kernel::tile`] for columns `0..GROUP` and blocks `b..b + 1`.
+    #[inline(always)]
+    unsafe fn stream_tile<S: Simd, const R: usize>(
+        group: *const u8,
+        acts: &QuantizedActs,
+        row0: usize,
+        b: usize,
+        facc: [S::F; R],
+    ) -> [S::F; R] {
+        debug_assert_eq!(S::LANES, GROUP);
+        // SAFETY: forwarded.
+        unsafe {
+            let blk = group.add(b * Self::GROUP_BLOCK_BYTES);
+            prefetch_ahead(blk, 0, Self::GROUP_BLOCK_BYTES.div_ceil(64));
+            Self::tile::<S, R>(group, 0, acts, row0, b..b + 1, facc)
+        }
+    }
+
     /// [`Kernel::tile`] on plain AVX2. A format overrides it where a hand-written AVX2
     /// kernel beats the generic one; the override must compute the same exact integer
     /// sums and the same f32 operations, so its bits equal every other path's.
@@ -675,22 +702,14 @@ impl GroupJob<'_> {
         row0: usize,
     ) {
         debug_assert_eq!(S::LANES, GROUP);
-        let lines = F::GROUP_BLOCK_BYTES.div_ceil(64);
-        // A large block's lines requested before each of two tiles, as in `few_rows_avx2`.
-        let steps = if B > 0 && lines > 16 { 2 } else { 1 };
-        let per_step = lines.div_ceil(steps);
         // SAFETY: forwarded contract of `run`; column offset 0 covers the whole group.
         unsafe {
             let mut fa = [S::zerof(); A];
             let mut fb = [S::zerof(); B];
             for b in 0..self.acts.k / F::BLOCK_K {
-                let blk = group.add(b * F::GROUP_BLOCK_BYTES);
-                prefetch_ahead(blk, 0, per_step);
-                fa = S::kernel_tile::<F, A>(group, 0, self.acts, row0, b..b + 1, fa);
+                // The first tile asks for the lines ahead; the second reads the block from L1.
+                fa = F::stream_tile::<S, A>(group, self.acts, row0, b, fa);
                 if B > 0 {
-                    if steps > 1 {
-                        prefetch_ahead(blk, 64 * per_step, lines - per_step);
-                    }
                     fb = S::kernel_tile::<F, B>(group, 0, self.acts, row0 + A, b..b + 1, fb);
                 }
             }

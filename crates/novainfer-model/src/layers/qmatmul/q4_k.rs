@@ -83,49 +83,22 @@ impl Kernel for Q4K {
         acts: &QuantizedActs,
         row0: usize,
         blocks: Range<usize>,
-        mut facc: [S::F; R],
+        facc: [S::F; R],
     ) -> [S::F; R] {
-        // SAFETY: `group` points at `acts.nb` packed blocks of this layout, columns
-        // `col_off..col_off+LANES` lie in the group and rows `row0..row0+R` exist in
-        // `acts` (the driver's contract); the CPU supports `S`.
-        unsafe {
-            let low4 = S::splat8(0x0F);
-            for b in blocks {
-                let blk = group.add(b * Self::GROUP_BLOCK_BYTES);
-                let mut isum = [S::zero(); R];
-                for s in 0..8 {
-                    let mut acc = [S::zero(); R];
-                    for i in 0..8 {
-                        let v = S::load(blk.add(QS + 4 * GROUP * (8 * (s / 2) + i) + 4 * col_off));
-                        let nib = if s % 2 == 0 { v } else { S::shr16::<4>(v) };
-                        let u = S::and(nib, low4);
-                        for (r, a) in acc.iter_mut().enumerate() {
-                            let at = (row0 + r) * acts.k + b * QK_K + 32 * s + 4 * i;
-                            *a = S::dot_u6(*a, u, S::bcast4(acts.qs.as_ptr().add(at)));
-                        }
-                    }
-                    let sc = S::u8_i32(blk.add(SC + GROUP * s + col_off));
-                    for (t, a) in isum.iter_mut().zip(acc) {
-                        *t = S::add32(*t, S::mullo32(a, sc));
-                    }
-                }
-                let dw = S::loadf(blk.add(4 * col_off));
-                let dmin = S::loadf(blk.add(DMIN + 4 * col_off));
-                for (r, (f, t)) in facc.iter_mut().zip(isum).enumerate() {
-                    let i = (row0 + r) * acts.nb + b;
-                    let sums = &acts.sums[i * K_SUMS + K_PAIRS32..i * K_SUMS + K_PAIRS32 + 4];
-                    let mut imin = S::zero();
-                    for (p, &pair) in sums.iter().enumerate() {
-                        let m = S::u8_i16(blk.add(MINS + 2 * GROUP * p + 2 * col_off));
-                        imin = S::add32(imin, S::madd16(m, S::splat32(pair)));
-                    }
-                    let da = S::splatf(acts.d[i]);
-                    *f = S::fma(S::cvt(t), S::mul(dw, da), *f);
-                    *f = S::fnma(S::cvt(imin), S::mul(dmin, da), *f);
-                }
-            }
-            facc
-        }
+        // SAFETY: forwarded.
+        unsafe { tile_generic::<S, R, false>(group, col_off, acts, row0, blocks, facc) }
+    }
+
+    #[inline(always)]
+    unsafe fn stream_tile<S: Simd, const R: usize>(
+        group: *const u8,
+        acts: &QuantizedActs,
+        row0: usize,
+        b: usize,
+        facc: [S::F; R],
+    ) -> [S::F; R] {
+        // SAFETY: forwarded.
+        unsafe { tile_generic::<S, R, true>(group, 0, acts, row0, b..b + 1, facc) }
     }
 
     #[inline(always)]
@@ -150,6 +123,76 @@ impl Kernel for Q4K {
     ) -> [__m256; 2] {
         // SAFETY: forwarded (a padding half reads the group's zeroed padding columns).
         unsafe { row16_avx2(group, acts, row) }
+    }
+}
+
+/// [`Kernel::tile`] for any [`Simd`]; `STREAM`: the weights come from memory
+/// ([`Kernel::stream_tile`]), so the block asks for the lines [`super::DECODE_PREFETCH_BYTES`] ahead
+/// a quarter at a time, between its sub-block pairs.
+///
+/// # Safety
+/// [`Kernel::tile`]'s contract.
+#[inline(always)]
+unsafe fn tile_generic<S: Simd, const R: usize, const STREAM: bool>(
+    group: *const u8,
+    col_off: usize,
+    acts: &QuantizedActs,
+    row0: usize,
+    blocks: Range<usize>,
+    mut facc: [S::F; R],
+) -> [S::F; R] {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let low4 = S::splat8(0x0F);
+        for b in blocks {
+            let blk = group.add(b * Q4K::GROUP_BLOCK_BYTES);
+            let mut isum = [S::zero(); R];
+            for p in 0..4 {
+                // Sub-blocks 2p (low nibbles) and 2p + 1 (high) from one load of each plane
+                // row. (Splitting each row's chains further, to hide `vpdpbusd`'s latency at one
+                // row, changed nothing measurable on Zen 5 once the prefetches were spread.)
+                if STREAM {
+                    // 4 steps of 10 lines cover the 38-line block, as in `row16_avx2`.
+                    prefetch_ahead(blk, 640 * p, 10);
+                }
+                let mut lo = [S::zero(); R];
+                let mut hi = [S::zero(); R];
+                for i in 0..8 {
+                    let v = S::load(blk.add(QS + 4 * GROUP * (8 * p + i) + 4 * col_off));
+                    let ql = S::and(v, low4);
+                    let qh = S::and(S::shr16::<4>(v), low4);
+                    for r in 0..R {
+                        let at = acts
+                            .qs
+                            .as_ptr()
+                            .add((row0 + r) * acts.k + b * QK_K + 64 * p + 4 * i);
+                        lo[r] = S::dot_u6(lo[r], ql, S::bcast4(at));
+                        hi[r] = S::dot_u6(hi[r], qh, S::bcast4(at.add(32)));
+                    }
+                }
+                let sc_lo = S::u8_i32(blk.add(SC + GROUP * 2 * p + col_off));
+                let sc_hi = S::u8_i32(blk.add(SC + GROUP * (2 * p + 1) + col_off));
+                for (t, (l, h)) in isum.iter_mut().zip(lo.into_iter().zip(hi)) {
+                    *t = S::add32(*t, S::mullo32(l, sc_lo));
+                    *t = S::add32(*t, S::mullo32(h, sc_hi));
+                }
+            }
+            let dw = S::loadf(blk.add(4 * col_off));
+            let dmin = S::loadf(blk.add(DMIN + 4 * col_off));
+            for (r, (f, t)) in facc.iter_mut().zip(isum).enumerate() {
+                let i = (row0 + r) * acts.nb + b;
+                let sums = &acts.sums[i * K_SUMS + K_PAIRS32..i * K_SUMS + K_PAIRS32 + 4];
+                let mut imin = S::zero();
+                for (p, &pair) in sums.iter().enumerate() {
+                    let m = S::u8_i16(blk.add(MINS + 2 * GROUP * p + 2 * col_off));
+                    imin = S::add32(imin, S::madd16(m, S::splat32(pair)));
+                }
+                let da = S::splatf(acts.d[i]);
+                *f = S::fma(S::cvt(t), S::mul(dw, da), *f);
+                *f = S::fnma(S::cvt(imin), S::mul(dmin, da), *f);
+            }
+        }
+        facc
     }
 }
 

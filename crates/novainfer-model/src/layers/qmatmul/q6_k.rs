@@ -111,45 +111,22 @@ impl Kernel for Q6K {
         acts: &QuantizedActs,
         row0: usize,
         blocks: Range<usize>,
-        mut facc: [S::F; R],
+        facc: [S::F; R],
     ) -> [S::F; R] {
-        // SAFETY: `group` points at `acts.nb` packed blocks of this layout, columns
-        // `col_off..col_off+LANES` lie in the group and rows `row0..row0+R` exist in
-        // `acts` (the driver's contract); the CPU supports `S`.
-        unsafe {
-            let low4 = S::splat8(0x0F);
-            let bits45 = S::splat8(0x30);
-            for b in blocks {
-                let blk = group.add(b * Self::GROUP_BLOCK_BYTES);
-                let planes = blk.add(4 * col_off);
-                let mut isum = [S::zero(); R];
-                for g in 0..16 {
-                    let mut acc = [S::zero(); R];
-                    for c in 4 * g..4 * g + 4 {
-                        let v = S::load(planes.add(LO + 4 * GROUP * (c % 32)));
-                        let nib = if c < 32 { v } else { S::shr16::<4>(v) };
-                        let h = S::load(planes.add(HI + 4 * GROUP * (c % 16)));
-                        let u = S::or(S::and(nib, low4), S::and(high_bits::<S>(h, c / 16), bits45));
-                        for (r, a) in acc.iter_mut().enumerate() {
-                            let at = (row0 + r) * acts.k + b * QK_K + 4 * c;
-                            *a = S::dot_u6(*a, u, S::bcast4(acts.qs.as_ptr().add(at)));
-                        }
-                    }
-                    let sc = S::i8_i32(blk.add(SC + GROUP * g + col_off));
-                    for (r, (t, a)) in isum.iter_mut().zip(acc).enumerate() {
-                        let sum16 = acts.sums[((row0 + r) * acts.nb + b) * K_SUMS + g];
-                        let a = S::sub32(a, S::splat32(32 * sum16));
-                        *t = S::add32(*t, S::mullo32(a, sc));
-                    }
-                }
-                let dw = S::loadf(planes);
-                for (r, (f, t)) in facc.iter_mut().zip(isum).enumerate() {
-                    let da = S::splatf(acts.d[(row0 + r) * acts.nb + b]);
-                    *f = S::fma(S::cvt(t), S::mul(dw, da), *f);
-                }
-            }
-            facc
-        }
+        // SAFETY: forwarded.
+        unsafe { tile_generic::<S, R, false>(group, col_off, acts, row0, blocks, facc) }
+    }
+
+    #[inline(always)]
+    unsafe fn stream_tile<S: Simd, const R: usize>(
+        group: *const u8,
+        acts: &QuantizedActs,
+        row0: usize,
+        b: usize,
+        facc: [S::F; R],
+    ) -> [S::F; R] {
+        // SAFETY: forwarded.
+        unsafe { tile_generic::<S, R, true>(group, 0, acts, row0, b..b + 1, facc) }
     }
 
     #[inline(always)]
@@ -174,6 +151,62 @@ impl Kernel for Q6K {
     ) -> [__m256; 2] {
         // SAFETY: forwarded (a padding half reads the group's zeroed padding columns).
         unsafe { row16_avx2(group, acts, row) }
+    }
+}
+
+/// [`Kernel::tile`] for any [`Simd`]; `STREAM`: the weights come from memory
+/// ([`Kernel::stream_tile`]), so the block asks for the lines
+/// [`super::DECODE_PREFETCH_BYTES`] ahead a quarter at a time, between its sub-blocks.
+///
+/// # Safety
+/// [`Kernel::tile`]'s contract.
+#[inline(always)]
+unsafe fn tile_generic<S: Simd, const R: usize, const STREAM: bool>(
+    group: *const u8,
+    col_off: usize,
+    acts: &QuantizedActs,
+    row0: usize,
+    blocks: Range<usize>,
+    mut facc: [S::F; R],
+) -> [S::F; R] {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let low4 = S::splat8(0x0F);
+        let bits45 = S::splat8(0x30);
+        for b in blocks {
+            let blk = group.add(b * Q6K::GROUP_BLOCK_BYTES);
+            let planes = blk.add(4 * col_off);
+            let mut isum = [S::zero(); R];
+            for g in 0..16 {
+                if STREAM && g % 4 == 0 {
+                    // 4 steps of 14 lines cover the 54-line block.
+                    prefetch_ahead(blk, 64 * 14 * (g / 4), 14);
+                }
+                let mut acc = [S::zero(); R];
+                for c in 4 * g..4 * g + 4 {
+                    let v = S::load(planes.add(LO + 4 * GROUP * (c % 32)));
+                    let nib = if c < 32 { v } else { S::shr16::<4>(v) };
+                    let h = S::load(planes.add(HI + 4 * GROUP * (c % 16)));
+                    let u = S::or(S::and(nib, low4), S::and(high_bits::<S>(h, c / 16), bits45));
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let at = (row0 + r) * acts.k + b * QK_K + 4 * c;
+                        *a = S::dot_u6(*a, u, S::bcast4(acts.qs.as_ptr().add(at)));
+                    }
+                }
+                let sc = S::i8_i32(blk.add(SC + GROUP * g + col_off));
+                for (r, (t, a)) in isum.iter_mut().zip(acc).enumerate() {
+                    let sum16 = acts.sums[((row0 + r) * acts.nb + b) * K_SUMS + g];
+                    let a = S::sub32(a, S::splat32(32 * sum16));
+                    *t = S::add32(*t, S::mullo32(a, sc));
+                }
+            }
+            let dw = S::loadf(planes);
+            for (r, (f, t)) in facc.iter_mut().zip(isum).enumerate() {
+                let da = S::splatf(acts.d[(row0 + r) * acts.nb + b]);
+                *f = S::fma(S::cvt(t), S::mul(dw, da), *f);
+            }
+        }
+        facc
     }
 }
 
