@@ -66,7 +66,7 @@ const SLAB_K: usize = 1024;
 /// re-reads each line from L1, so the L2 streamer sees few requests to run ahead on);
 /// measured on Zen 3 (AVX2), the m = 1 stream reaches ~22 GB/s with any distance from 2 to
 /// 8 packed blocks (7–28 KiB; 0: 9 GB/s), so this sits in the middle of that plateau.
-const DECODE_PREFETCH_BYTES: usize = 10 * 1024;
+pub(crate) const DECODE_PREFETCH_BYTES: usize = 10 * 1024;
 
 /// Prefetches `lines` cache lines from [`DECODE_PREFETCH_BYTES`] + `at` bytes past `p`.
 #[inline(always)]
