@@ -160,6 +160,26 @@ def test_completion_prompt_list_and_text(client, tiny_llm):
     assert [c.text for c in out.choices] == [greedy(tiny_llm, p, 5) for p in prompts]
 
 
+def _engine_steps(server, model: str) -> float:
+    """`novainfer:engine_steps_total` of `model` from one `/metrics` scrape."""
+    _, _, body = http(server, "GET", "/metrics")
+    for line in body.decode().splitlines():
+        if line.startswith("novainfer:engine_steps_total{") and f'model_name="{model}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no novainfer:engine_steps_total for {model}")
+
+
+def test_a_requests_prompts_enter_the_engine_in_one_step(client, server):
+    # A list of prompts reaches the engine as one submission, so its first step prefills all of them (one step
+    # for one token each). Submitted one by one, the engine started on the first prompt before the others arrived.
+    for _ in range(3):
+        before = _engine_steps(server, "tiny")
+        out = client.completions.create(model="tiny", prompt=[f"prompt number {i}" for i in range(12)],
+                                        max_tokens=1, temperature=0)
+        assert len(out.choices) == 12
+        assert _engine_steps(server, "tiny") - before == 1
+
+
 def test_completion_stream_equals_whole(client):
     whole = client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0)
     chunks = list(client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0,

@@ -236,29 +236,54 @@ impl EngineHandle {
         &self,
         requests: Vec<(CheckedRequest, Scheduling)>,
     ) -> Result<Vec<RequestStream>> {
-        let commands = self.sender()?.clone();
-        let mut streams = Vec::with_capacity(requests.len());
+        let mut receivers = Vec::with_capacity(requests.len());
+        let requests = requests
+            .into_iter()
+            .map(|(request, scheduling)| {
+                let (deltas, rx) = mpsc::channel();
+                receivers.push((request.params().n(), rx));
+                (request, scheduling, deltas.into())
+            })
+            .collect();
+        let aborts = self.submit_checked_batch_to(requests)?;
+        Ok(aborts
+            .into_iter()
+            .zip(receivers)
+            .map(|(abort, (n, rx))| RequestStream {
+                id: abort.id,
+                unfinished: n,
+                rx,
+                commands: abort.commands,
+                liveness: self.liveness.clone(),
+            })
+            .collect())
+    }
+
+    /// [`Self::submit_checked_batch`] with each request's deltas going to its own sink, as in
+    /// [`Self::submit_to`]: one command, so either all of the requests are queued (and enter
+    /// the same step) or, with the engine gone, none is.
+    pub fn submit_checked_batch_to(
+        &self,
+        requests: Vec<(CheckedRequest, Scheduling, DeltaSink)>,
+    ) -> Result<Vec<AbortHandle>> {
+        let commands = self.sender()?;
+        let mut aborts = Vec::with_capacity(requests.len());
         let mut submissions = Vec::with_capacity(requests.len());
-        for (request, scheduling) in requests {
-            let n = request.params().n();
-            let id = self.reserve_ids(n);
-            let (deltas, rx) = mpsc::channel();
+        for (request, scheduling, deltas) in requests {
+            let id = self.reserve_ids(request.params().n());
+            aborts.push(AbortHandle {
+                id,
+                commands: commands.clone(),
+            });
             submissions.push(Submission {
                 id,
                 request,
                 scheduling,
-                deltas: deltas.into(),
-            });
-            streams.push(RequestStream {
-                id,
-                unfinished: n,
-                rx,
-                commands: commands.clone(),
-                liveness: self.liveness.clone(),
+                deltas,
             });
         }
         self.send(Command::Generate(submissions))?;
-        Ok(streams)
+        Ok(aborts)
     }
 
     /// Ids for a request's `n` completions: `id .. id + n`.
@@ -300,17 +325,8 @@ impl EngineHandle {
         scheduling: Scheduling,
         sink: DeltaSink,
     ) -> Result<AbortHandle> {
-        let id = self.reserve_ids(request.params().n());
-        self.send(Command::Generate(vec![Submission {
-            id,
-            request,
-            scheduling,
-            deltas: sink,
-        }]))?;
-        Ok(AbortHandle {
-            id,
-            commands: self.sender()?.clone(),
-        })
+        let mut aborts = self.submit_checked_batch_to(vec![(request, scheduling, sink)])?;
+        Ok(aborts.remove(0))
     }
 
     /// Next-token logits at every prompt position, `[prompt_len, vocab]`: scheduled as a

@@ -1,6 +1,7 @@
 //! Running engine requests from async handlers, and cancelling them.
 //!
-//! [`Generation`] submits one engine request per prompt, each delivering its deltas straight
+//! [`Generation`] submits one engine request per prompt (all in one submission, so they enter the
+//! engine's same step), each delivering its deltas straight
 //! into one tokio channel (a [`DeltaSink`] run on the engine's output thread), so a request
 //! holds no thread while it waits for tokens. Dropping a
 //! `Generation` before its streams end (client gone, timeout, handler error) aborts every
@@ -49,20 +50,18 @@ impl Generation {
         scheduling: Scheduling,
     ) -> Result<Self, ApiError> {
         let (tx, rx) = mpsc::unbounded_channel();
-        let mut aborts: Vec<AbortHandle> = Vec::with_capacity(requests.len());
         let unfinished = requests.iter().map(|r| r.params().n()).collect();
-        for (i, request) in requests.into_iter().enumerate() {
-            let tx = tx.clone();
-            let sink = DeltaSink::new(move |item| tx.send((i, item)).is_ok());
-            match handle.submit_checked_to(request, scheduling.clone(), sink) {
-                Ok(abort) => aborts.push(abort),
-                Err(e) => {
-                    // Nothing runs unless all are accepted.
-                    aborts.iter().for_each(AbortHandle::abort);
-                    return Err(e.into());
-                }
-            }
-        }
+        let requests = requests
+            .into_iter()
+            .enumerate()
+            .map(|(i, request)| {
+                let tx = tx.clone();
+                let sink = DeltaSink::new(move |item| tx.send((i, item)).is_ok());
+                (request, scheduling.clone(), sink)
+            })
+            .collect();
+        // One submission: the prompts enter the engine's same step, or none does.
+        let aborts = handle.submit_checked_batch_to(requests)?;
         Ok(Self {
             rx,
             aborts,

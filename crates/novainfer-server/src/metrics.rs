@@ -297,6 +297,16 @@ pub(crate) const SERIES: &[Series] = &[
     },
     Series {
         kind: "counter",
+        source: Source::Engine(|s| s.num_steps as f64),
+        ours: &[named(
+            "novainfer:engine_steps_total",
+            "Forward steps the engine ran (tokens per step = prompt tokens computed plus \
+             generated tokens, over steps).",
+        )],
+        vllm: &[],
+    },
+    Series {
+        kind: "counter",
         source: Source::Engine(|s| s.num_drafts as f64),
         ours: &[named(
             "novainfer:spec_decode_num_drafts_total",
