@@ -29,6 +29,7 @@
 //! product of row r alone, bit for bit.
 
 mod activation;
+mod amx;
 mod int4;
 mod q4_k;
 mod q5_0;
@@ -193,6 +194,22 @@ trait Kernel {
             [facc[0][0], facc[1][0]]
         }
     }
+
+    /// Rows `rows` (a multiple of [`amx::TILE_ROWS`]) against the whole group on AMX tiles
+    /// ([`amx`]); false for a format without an AMX form (its rows then run on AVX-512).
+    /// Same per-element sequence of f32 operations as [`Kernel::tile`].
+    ///
+    /// # Safety
+    /// As [`GroupJob::rows`] for these rows; [`amx::available`] and AVX-512 F/BW/VNNI.
+    #[inline(always)]
+    unsafe fn amx_rows(
+        _job: &GroupJob<'_>,
+        _group: *const u8,
+        _g: usize,
+        _rows: Range<usize>,
+    ) -> bool {
+        false
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -203,6 +220,13 @@ enum Format {
     Q6K,
     /// [`crate::int4::GroupedInt4`] (AWQ, GPTQ).
     Int4,
+}
+
+impl Format {
+    /// Whether the format's products have an AMX form ([`Kernel::amx_rows`]).
+    fn has_amx(self) -> bool {
+        !matches!(self, Self::Int4)
+    }
 }
 
 /// Work items of 2 to this many rows run [`Isas::few`]'s code: the few-row streaming paths
@@ -374,6 +398,13 @@ impl PackedMatrix {
     /// chunk of a product ends in short tiles (at k = 8960 the old 29-row chunks ran 5 of
     /// every 29 rows as single-row tiles).
     fn rows_per_chunk(&self) -> usize {
+        if self.isas.many == IsaChoice::Amx {
+            // Whole pairs of AMX row tiles (rows past the last whole tile run on AVX-512), as
+            // many as [`amx::CHUNK_BYTES`] of activations hold: each item unpacks its group's
+            // weights once for all of them.
+            let pair = 2 * amx::TILE_ROWS;
+            return (amx::CHUNK_BYTES / self.k / pair).max(1) * pair;
+        }
         let rows = ROW_CHUNK_BYTES / self.k;
         if rows >= 24 {
             rows / 24 * 24
@@ -413,6 +444,7 @@ impl PackedMatrix {
         // is written by exactly one work item.
         unsafe {
             match isa {
+                IsaChoice::Amx => job.rows_amx::<F>(group, g, rows),
                 IsaChoice::Avx512 => job.rows_avx512::<F>(group, g, rows),
                 IsaChoice::Vnni256 => job.rows_vnni256::<F>(group, g, rows),
                 IsaChoice::Avx2 => job.rows_avx2::<F>(group, g, rows),
@@ -551,6 +583,21 @@ struct GroupJob<'a> {
 }
 
 impl GroupJob<'_> {
+    /// Whole 16-row tiles on AMX where the format has an AMX form, the rest on AVX-512.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vnni")]
+    unsafe fn rows_amx<F: Kernel>(&self, group: *const u8, g: usize, rows: Range<usize>) {
+        let tiled = rows.len() / amx::TILE_ROWS * amx::TILE_ROWS;
+        // SAFETY: forwarded contract of `run`; `IsaChoice::Amx` is offered only where
+        // `amx::available()` and AVX-512 are.
+        unsafe {
+            let done = tiled > 0 && F::amx_rows(self, group, g, rows.start..rows.start + tiled);
+            let rest = if done { rows.start + tiled } else { rows.start };
+            if rest < rows.end {
+                self.rows_avx512::<F>(group, g, rest..rows.end);
+            }
+        }
+    }
+
     #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vnni")]
     unsafe fn rows_avx512<F: Kernel>(&self, group: *const u8, g: usize, rows: Range<usize>) {
         // SAFETY: forwarded contract of `run`; these features were detected.

@@ -52,6 +52,18 @@ impl Kernel for Q4K {
     const WIDE_TILE: usize = 6;
     const AVX2_TILE: usize = 6;
 
+    #[inline(always)]
+    unsafe fn amx_rows(
+        job: &super::GroupJob<'_>,
+        group: *const u8,
+        g: usize,
+        rows: Range<usize>,
+    ) -> bool {
+        // SAFETY: forwarded.
+        unsafe { super::amx::scaled_rows::<Self>(job, group, g, rows) };
+        true
+    }
+
     fn pack_block(cols: &[Option<&[u8]>; GROUP], out: &mut [u8]) {
         for (j, raw) in cols.iter().enumerate() {
             let Some(raw) = raw else { continue };
@@ -372,6 +384,69 @@ unsafe fn sub_block_avx2<const HIGH: bool, const R: usize>(
         let scv = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8));
         for (t, a) in isum.iter_mut().zip(acc) {
             *t = _mm256_add_epi32(*t, _mm256_madd_epi16(a, scv));
+        }
+    }
+}
+
+impl super::amx::ScaledBlocks for Q4K {
+    const HI_SIGNED: bool = false;
+
+    #[inline(always)]
+    unsafe fn unpack_scaled(blk: *const u8, out: &mut [u8; 8 * 1024]) {
+        use super::amx::{put, scale16, split_scaled};
+        // SAFETY: `blk` is one packed block (the caller's contract); AVX-512 is enabled.
+        unsafe {
+            let low4 = _mm512_set1_epi8(0x0F);
+            // Tile j holds sub-blocks 2j (rows 0-7: low nibbles of plane j) and 2j + 1 (rows
+            // 8-15: high nibbles); `v = sc·q` ≤ 63·15.
+            for j in 0..4 {
+                let sc = |s: usize| {
+                    scale16(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        blk.add(SC + GROUP * s) as *const __m128i,
+                    )))
+                };
+                let (sc_lo, sc_hi) = (sc(2 * j), sc(2 * j + 1));
+                for i in 0..8 {
+                    let v =
+                        _mm512_loadu_si512(blk.add(QS + 4 * GROUP * (8 * j + i)) as *const __m512i);
+                    let ql = _mm512_and_si512(v, low4);
+                    let qh = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4);
+                    let (lo, hi) = split_scaled(ql, sc_lo, false);
+                    put(out, j, i, lo);
+                    put(out, 4 + j, i, hi);
+                    let (lo, hi) = split_scaled(qh, sc_hi, false);
+                    put(out, j, 8 + i, lo);
+                    put(out, 4 + j, 8 + i, hi);
+                }
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn finish(
+        blk: *const u8,
+        acts: &QuantizedActs,
+        row: usize,
+        b: usize,
+        isum: __m512i,
+        f: __m512,
+    ) -> __m512 {
+        use super::simd::Avx512 as S;
+        // SAFETY: the caller's contract. `tile_generic`'s f32 work for one row, the same
+        // operations in the same order.
+        unsafe {
+            let dw = S::loadf(blk);
+            let dmin = S::loadf(blk.add(DMIN));
+            let i = row * acts.nb + b;
+            let sums = &acts.sums[i * K_SUMS + K_PAIRS32..i * K_SUMS + K_PAIRS32 + 4];
+            let mut imin = S::zero();
+            for (p, &pair) in sums.iter().enumerate() {
+                let m = S::u8_i16(blk.add(MINS + 2 * GROUP * p));
+                imin = S::add32(imin, S::madd16(m, S::splat32(pair)));
+            }
+            let da = S::splatf(acts.d[i]);
+            let f = S::fma(S::cvt(isum), S::mul(dw, da), f);
+            S::fnma(S::cvt(imin), S::mul(dmin, da), f)
         }
     }
 }

@@ -40,6 +40,18 @@ impl Kernel for Q5_0 {
     const GROUP_BLOCK_BYTES: usize = QH + 4 * GROUP;
     const WIDE_TILE: usize = 8;
 
+    #[inline(always)]
+    unsafe fn amx_rows(
+        job: &super::GroupJob<'_>,
+        group: *const u8,
+        g: usize,
+        rows: Range<usize>,
+    ) -> bool {
+        // SAFETY: forwarded.
+        unsafe { super::amx::flat_rows::<Self>(job, group, g, rows) };
+        true
+    }
+
     fn pack_block(cols: &[Option<&[u8]>; GROUP], out: &mut [u8]) {
         for (j, raw) in cols.iter().enumerate() {
             let Some(raw) = raw else { continue };
@@ -180,7 +192,7 @@ unsafe fn tile_avx2<const R: usize>(
 /// Moves bit `c` of every qh byte to bit 4 (the caller masks the rest); 16-bit
 /// shifts by at most 4 never carry a neighbour byte's bit into bit 4.
 #[inline(always)]
-unsafe fn high_bit<S: Simd>(qh: S::I, c: usize) -> S::I {
+pub(super) unsafe fn high_bit<S: Simd>(qh: S::I, c: usize) -> S::I {
     // SAFETY: register shifts; the caller's ISA contract holds.
     unsafe {
         match c {
@@ -193,5 +205,37 @@ unsafe fn high_bit<S: Simd>(qh: S::I, c: usize) -> S::I {
             6 => S::shr16::<2>(qh),
             _ => S::shr16::<3>(qh),
         }
+    }
+}
+
+impl super::amx::FlatBlocks for Q5_0 {
+    const SIGNED: bool = false;
+    const WEIGHTS: Option<usize> = None;
+
+    #[inline(always)]
+    unsafe fn unpack(blk: *const u8, out: &mut [u8; 8 * super::amx::ROW_BYTES]) {
+        use super::simd::Avx512;
+        // SAFETY: `blk` is one packed block (the caller's contract); AVX-512 is enabled. The
+        // same `u = w + 16` per chunk as `tile`.
+        unsafe {
+            let low4 = Avx512::splat8(0x0F);
+            let bit4 = Avx512::splat8(0x10);
+            let qh = Avx512::load(blk.add(QH));
+            for c in 0..8 {
+                let v = Avx512::load(blk.add(QS + 4 * GROUP * (c % 4)));
+                let nib = if c < 4 { v } else { Avx512::shr16::<4>(v) };
+                let u = Avx512::or(
+                    Avx512::and(nib, low4),
+                    Avx512::and(high_bit::<Avx512>(qh, c), bit4),
+                );
+                _mm512_storeu_si512(out.as_mut_ptr().add(64 * c) as *mut __m512i, u);
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn exact(c: __m512i, acts: &QuantizedActs, i: usize) -> __m512i {
+        // SAFETY: AVX-512 is enabled (the caller's contract). `Σ (w + 16)·a - 16·Σa`, as `tile`.
+        unsafe { _mm512_sub_epi32(c, _mm512_set1_epi32(16 * acts.sums[i])) }
     }
 }

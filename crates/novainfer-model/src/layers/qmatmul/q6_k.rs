@@ -67,6 +67,18 @@ impl Kernel for Q6K {
     const WIDE_TILE: usize = 4;
     const AVX2_TILE: usize = 6;
 
+    #[inline(always)]
+    unsafe fn amx_rows(
+        job: &super::GroupJob<'_>,
+        group: *const u8,
+        g: usize,
+        rows: Range<usize>,
+    ) -> bool {
+        // SAFETY: forwarded.
+        unsafe { super::amx::scaled_rows::<Self>(job, group, g, rows) };
+        true
+    }
+
     fn pack_block(cols: &[Option<&[u8]>; GROUP], out: &mut [u8]) {
         for (j, raw) in cols.iter().enumerate() {
             let Some(raw) = raw else { continue };
@@ -391,6 +403,53 @@ unsafe fn high_bits<S: Simd>(h: S::I, t: usize) -> S::I {
             1 => S::shl16::<2>(h),
             2 => h,
             _ => S::shr16::<2>(h),
+        }
+    }
+}
+
+impl super::amx::ScaledBlocks for Q6K {
+    const HI_SIGNED: bool = true;
+
+    #[inline(always)]
+    unsafe fn unpack_scaled(blk: *const u8, out: &mut [u8; 8 * 1024]) {
+        use super::amx::{put, scale16, split_scaled};
+        use super::simd::Avx512 as S;
+        // SAFETY: `blk` is one packed block (the caller's contract); AVX-512 is enabled.
+        unsafe {
+            let low4 = S::splat8(0x0F);
+            let bits45 = S::splat8(0x30);
+            let bias = S::splat8(32);
+            // Chunk c (tile c / 16, row c % 16) as `tile_generic` decodes it, less 32, times
+            // its sub-block's i8 scale: `v = sc·(q - 32)`, |v| ≤ 4096.
+            for c in 0..64 {
+                let v = S::load(blk.add(LO + 4 * GROUP * (c % 32)));
+                let nib = if c < 32 { v } else { S::shr16::<4>(v) };
+                let h = S::load(blk.add(HI + 4 * GROUP * (c % 16)));
+                let u = S::or(S::and(nib, low4), S::and(high_bits::<S>(h, c / 16), bits45));
+                let q = _mm512_sub_epi8(u, bias);
+                let sc = scale16(S::i8_i32(blk.add(SC + GROUP * (c / 4))));
+                let (lo, hi) = split_scaled(q, sc, true);
+                put(out, c / 16, c % 16, lo);
+                put(out, 4 + c / 16, c % 16, hi);
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn finish(
+        blk: *const u8,
+        acts: &QuantizedActs,
+        row: usize,
+        b: usize,
+        isum: __m512i,
+        f: __m512,
+    ) -> __m512 {
+        use super::simd::Avx512 as S;
+        // SAFETY: the caller's contract. `tile_generic`'s f32 work for one row.
+        unsafe {
+            let dw = S::loadf(blk);
+            let da = S::splatf(acts.d[row * acts.nb + b]);
+            S::fma(S::cvt(isum), S::mul(dw, da), f)
         }
     }
 }

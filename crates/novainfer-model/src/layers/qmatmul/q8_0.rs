@@ -24,6 +24,18 @@ impl Kernel for Q8_0 {
     const GROUP_BLOCK_BYTES: usize = QS + 8 * 4 * GROUP;
     const WIDE_TILE: usize = 6;
 
+    #[inline(always)]
+    unsafe fn amx_rows(
+        job: &super::GroupJob<'_>,
+        group: *const u8,
+        g: usize,
+        rows: Range<usize>,
+    ) -> bool {
+        // SAFETY: forwarded.
+        unsafe { super::amx::flat_rows::<Self>(job, group, g, rows) };
+        true
+    }
+
     fn pack_block(cols: &[Option<&[u8]>; GROUP], out: &mut [u8]) {
         for (j, raw) in cols.iter().enumerate() {
             let Some(raw) = raw else { continue };
@@ -69,5 +81,20 @@ impl Kernel for Q8_0 {
             }
             facc
         }
+    }
+}
+
+impl super::amx::FlatBlocks for Q8_0 {
+    const SIGNED: bool = true;
+    const WEIGHTS: Option<usize> = Some(QS);
+
+    #[inline(always)]
+    unsafe fn exact(
+        c: std::arch::x86_64::__m512i,
+        _acts: &QuantizedActs,
+        _i: usize,
+    ) -> std::arch::x86_64::__m512i {
+        // Signed weights times signed activations: `Σ w·a` with no offset.
+        c
     }
 }

@@ -18,7 +18,7 @@
 //!   (on the Zen 4 Q4_K decodes 1.13-1.27x faster on AVX-512). Flushing the matrix before
 //!   each run was tried: ~180 ns a line in a VM, and it showed ties where the model decoded
 //!   14% slower;
-//! * prefill: 64 rows against a small matrix that stays in cache.
+//! * prefill: [`PREFILL_ROWS`] rows against a small matrix that stays in cache.
 //!
 //! Every candidate runs on one packed matrix (the layout is the same for every ISA), so the
 //! streaming problem costs its size once. Its rows repeat 16 rows of weights quantized by
@@ -48,8 +48,11 @@ const STREAM_MAX_BYTES: usize = 64 << 20;
 /// problem stays in the last-level cache (see [`time_regime`]); where it streams from memory
 /// the usual [`kernel_select::MARGIN`] applies.
 const DECODE_MARGIN: f64 = 0.15;
-/// Rows and output columns of the prefill problem (its weights: 256 × 2048, ≤ 0.6 MiB).
-const PREFILL_ROWS: usize = 64;
+/// Rows and output columns of the prefill problem (its weights: 256 × 2048, ≤ 0.6 MiB). 128
+/// rows, not fewer: AMX unpacks a group's weights once per work item for all its rows, and at
+/// 64 rows it tied AVX-512 on Q4_K where 128 gained 1.24x and a 512-token prompt's 1.4x
+/// (Intel Xeon with AMX, 2 threads; docs/benchmarks.md).
+const PREFILL_ROWS: usize = 128;
 const PREFILL_N: usize = 256;
 
 /// The ISAs for products of `format` on this CPU, chosen on first use and kept for the
@@ -219,8 +222,14 @@ fn time_regime(
         Regime::Prefill => PREFILL_ROWS,
     };
     let x: Vec<f32> = (0..m * K).map(|i| wave(i, 0.73)).collect();
+    // AMX runs only whole 16-row tiles (fewer rows run the AVX-512 code), so it is a
+    // candidate for the prefill problem of a format that has an AMX form, or when forced.
+    let amx_forced = forced.is_some_and(|(_, v)| v == IsaChoice::Amx.name());
     let candidates = available
         .iter()
+        .filter(|&&isa| {
+            isa != IsaChoice::Amx || amx_forced || (regime == Regime::Prefill && format.has_amx())
+        })
         .map(|&isa| {
             let x = &x;
             Candidate::new(isa, isa.name(), move || {
@@ -283,9 +292,14 @@ mod tests {
                 s.rejected.is_empty(),
                 "an ISA disagreed with AVX2 on this CPU: {s}"
             );
-            if available.len() > 1 {
+            // AMX is timed for prefill only (fewer rows than a tile run the AVX-512 code).
+            let names: Vec<_> = available
+                .iter()
+                .filter(|&&i| i != IsaChoice::Amx || regime == "prefill")
+                .map(|i| i.name())
+                .collect();
+            if names.len() > 1 {
                 let timed: Vec<_> = s.timings.iter().map(|t| t.0).collect();
-                let names: Vec<_> = available.iter().map(|i| i.name()).collect();
                 assert_eq!(timed, names);
             }
         }

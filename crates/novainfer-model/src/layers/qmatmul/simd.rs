@@ -374,6 +374,8 @@ pub(super) enum IsaChoice {
     Avx2,
     Vnni256,
     Avx512,
+    /// AMX tiles for whole 16-row tiles of a product, AVX-512 for the rest ([`super::amx`]).
+    Amx,
 }
 
 impl IsaChoice {
@@ -383,6 +385,7 @@ impl IsaChoice {
             Self::Avx2 => "avx2",
             Self::Vnni256 => "vnni256",
             Self::Avx512 => "avx512",
+            Self::Amx => "amx",
         }
     }
 }
@@ -402,6 +405,9 @@ pub(super) fn available() -> Vec<IsaChoice> {
         && is_x86_feature_detected!("avx512vnni")
     {
         v.push(IsaChoice::Avx512);
+        if super::amx::available() {
+            v.push(IsaChoice::Amx);
+        }
     }
     v
 }

@@ -117,7 +117,7 @@ fn q6_k_matches_candle() {
 }
 
 /// Row r of an m-row product equals the product of row r alone, bit for bit, and
-/// the AVX2, AVX-VNNI and AVX-512 paths agree bit for bit.
+/// the AVX2, AVX-VNNI, AVX-512 and AMX paths agree bit for bit.
 #[test]
 fn rows_are_batch_invariant_and_isa_independent() {
     let int4 = crate::int4::GroupedInt4::quantize(29, 1024, &random(29 * 1024, 5)).expect("q");
@@ -146,7 +146,7 @@ fn rows_are_batch_invariant_and_isa_independent() {
                 "{name}: row {r} differs between m={m} and m=1"
             );
         }
-        for isa in [IsaChoice::Avx2, IsaChoice::Vnni256, IsaChoice::Avx512] {
+        for isa in ISAS {
             if !supports(isa) {
                 continue;
             }
@@ -163,15 +163,23 @@ fn rows_are_batch_invariant_and_isa_independent() {
     }
 }
 
+/// Every implementation; a test runs those [`supports`] says this CPU has.
+const ISAS: [IsaChoice; 4] = [
+    IsaChoice::Avx2,
+    IsaChoice::Vnni256,
+    IsaChoice::Avx512,
+    IsaChoice::Amx,
+];
+
 fn supports(isa: IsaChoice) -> bool {
+    let avx512 = is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vnni");
     match isa {
         IsaChoice::Avx2 => true,
         IsaChoice::Vnni256 => is_x86_feature_detected!("avxvnni"),
-        IsaChoice::Avx512 => {
-            is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vnni")
-        }
+        IsaChoice::Avx512 => avx512,
+        IsaChoice::Amx => avx512 && super::amx::available(),
     }
 }
 
@@ -344,7 +352,8 @@ fn assert_bits_equal(got: &[f32], want: &[f32], what: &str) {
 /// kernels (`row_avx2` on AVX2), more rows the multi-row tiles (on AVX2 both formats' own
 /// `tile_avx2`: m = 2 to 8 in the few-row streaming walk, as one tile of m rows or, for 7 and
 /// 8, tiles of 4 and 3 or 4; m = 9 and 13 in the prefill driver's 6-row tiles and their 2-
-/// and 1-row tails).
+/// and 1-row tails; on AMX, m = 16 to 200 in single and paired 16-row tiles, the rows past
+/// them on AVX-512).
 #[test]
 fn k_quant_kernels_equal_the_scalar_reference_bit_for_bit() {
     let k = 1536;
@@ -360,13 +369,14 @@ fn k_quant_kernels_equal_the_scalar_reference_bit_for_bit() {
         for j in [0, 9] {
             raw[j * (k / 256) * block_bytes..][quants.clone()].fill(0xFF);
         }
-        for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 13] {
+        // 200 rows: AMX's 160-row chunks at this k, then a pair of tiles and 8 rows.
+        for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 33, 48, 200] {
             let x = extreme_acts(m, k, 31 + m as u64);
             let want = match format {
                 super::Format::Q6K => reference_q6k(&raw, n, k, &x, m),
                 _ => reference_q4k(&raw, n, k, &x, m),
             };
-            for isa in [IsaChoice::Avx2, IsaChoice::Vnni256, IsaChoice::Avx512] {
+            for isa in ISAS {
                 if !supports(isa) {
                     continue;
                 }
@@ -474,10 +484,10 @@ fn q5_0_and_q8_0_kernels_equal_the_scalar_reference_bit_for_bit() {
             group_bytes,
             data,
         };
-        for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 13] {
+        for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 33, 48] {
             let x = extreme_acts(m, k, 41 + m as u64);
             let want = reference_q8_0_style(dtype, &raw, n, k, &x, m);
-            for isa in [IsaChoice::Avx2, IsaChoice::Vnni256, IsaChoice::Avx512] {
+            for isa in ISAS {
                 if !supports(isa) {
                     continue;
                 }
@@ -548,10 +558,10 @@ fn int4_kernels_equal_the_scalar_reference_bit_for_bit() {
         }
         let w = GroupedInt4::from_blocks("t", n, k, raw).expect("valid");
         let mut packed = PackedMatrix::from_int4(&w).expect("AVX2 is here");
-        for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 13] {
+        for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 33, 48] {
             let x = extreme_acts(m, k, 51 + m as u64);
             let want = reference_int4(&w, &x, m);
-            for isa in [IsaChoice::Avx2, IsaChoice::Vnni256, IsaChoice::Avx512] {
+            for isa in ISAS {
                 if !supports(isa) {
                     continue;
                 }
@@ -603,5 +613,47 @@ fn int4_matches_the_dequantized_product() {
                 );
             }
         }
+    }
+}
+
+/// Prefill products of the demo models' shapes (512 rows) on each ISA this CPU has: best of
+/// five, milliseconds. `RAYON_NUM_THREADS=2 cargo test --release -p novainfer-model --lib
+/// prefill_shapes_per_isa -- --ignored --nocapture`
+#[test]
+#[ignore = "timing printout, run by hand"]
+fn prefill_shapes_per_isa() {
+    let m: usize = std::env::var("NOVAINFER_PREFILL_ROWS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(512);
+    for (dtype, n, k, what) in [
+        (GgmlDType::Q4K, 8960, 1536, "1.5B ffn_gate"),
+        (GgmlDType::Q6K, 1536, 8960, "1.5B ffn_down"),
+        (GgmlDType::Q5_0, 4864, 896, "0.5B ffn_gate"),
+        (GgmlDType::Q8_0, 896, 896, "0.5B attn_q"),
+    ] {
+        let mut packed = case(dtype, n, k).packed;
+        let x = random(m * k, 7);
+        let mut line = format!("{what} {dtype:?} {n}x{k}, m={m}:");
+        let only = std::env::var("NOVAINFER_QMATMUL_ISA").ok();
+        for isa in ISAS {
+            if !supports(isa) || only.as_deref().is_some_and(|o| o != isa.name()) {
+                continue;
+            }
+            packed.isas = Isas::all(isa);
+            let mut best = f64::MAX;
+            // The output reused, as the engine's buffers are (a fresh 18 MB one faults its
+            // pages in on every run).
+            let mut out = Vec::new();
+            for _ in 0..5 {
+                let t = std::time::Instant::now();
+                packed.matmul_into(&x, m, &mut out);
+                std::hint::black_box(&out);
+                best = best.min(t.elapsed().as_secs_f64() * 1e3);
+            }
+            let gmacs = (m * n * k) as f64 / best / 1e6;
+            line += &format!(" {}: {best:.2} ms ({gmacs:.0} GMAC/s)", isa.name());
+        }
+        println!("{line}");
     }
 }
