@@ -355,13 +355,18 @@ pub(super) trait ScaledBlocks: Kernel {
     /// # Safety
     /// `blk` points at one packed block; AVX-512 is enabled.
     unsafe fn unpack_scaled(blk: *const u8, out: &mut [u8; 8 * TILE_BYTES]);
+    /// What a block's f32 update reads from the weights, loaded once for all its rows.
+    type Block: Copy;
+    /// # Safety
+    /// `blk` points at one packed block; AVX-512 is enabled.
+    unsafe fn block(blk: *const u8) -> Self::Block;
     /// Block `b`'s f32 update of row `row`'s accumulator from its exact `isum = Σ v·a`
     /// (what [`Kernel::tile`] does after its integer sums).
     ///
     /// # Safety
-    /// `blk` points at packed block `b`; the row exists in `acts`; AVX-512 is enabled.
+    /// `w` is [`Self::block`] of packed block `b`; the row exists in `acts`; AVX-512 is enabled.
     unsafe fn finish(
-        blk: *const u8,
+        w: Self::Block,
         acts: &QuantizedActs,
         row: usize,
         b: usize,
@@ -444,7 +449,7 @@ pub(super) unsafe fn scaled_rows<F: ScaledBlocks>(
                         tile_store!("2", res.add(2 * TILE_BYTES), ROW_BYTES);
                         tile_store!("3", res.add(3 * TILE_BYTES), ROW_BYTES);
                     }
-                    let blk = group.add(b * F::GROUP_BLOCK_BYTES);
+                    let w = F::block(group.add(b * F::GROUP_BLOCK_BYTES));
                     let row_tiles = if two { 2 } else { 1 };
                     for t in 0..row_tiles {
                         for r in 0..TILE_ROWS {
@@ -457,7 +462,7 @@ pub(super) unsafe fn scaled_rows<F: ScaledBlocks>(
                             );
                             let isum = _mm512_add_epi32(lo, _mm512_slli_epi32::<8>(hi));
                             let f = job.carried::<Avx512, 1>(b, row, col0);
-                            let f = F::finish(blk, acts, row, b, isum, f[0]);
+                            let f = F::finish(w, acts, row, b, isum, f[0]);
                             job.store::<Avx512, 1>([f], row, col0);
                         }
                     }

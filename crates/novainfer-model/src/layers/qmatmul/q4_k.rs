@@ -422,9 +422,22 @@ impl super::amx::ScaledBlocks for Q4K {
         }
     }
 
+    /// `dw`, `dmin` and the four sub-block pairs' mins as i16 pairs.
+    type Block = (__m512, __m512, [__m512i; 4]);
+
+    #[inline(always)]
+    unsafe fn block(blk: *const u8) -> Self::Block {
+        use super::simd::Avx512 as S;
+        // SAFETY: the caller's contract.
+        unsafe {
+            let mins = std::array::from_fn(|p| S::u8_i16(blk.add(MINS + 2 * GROUP * p)));
+            (S::loadf(blk), S::loadf(blk.add(DMIN)), mins)
+        }
+    }
+
     #[inline(always)]
     unsafe fn finish(
-        blk: *const u8,
+        (dw, dmin, mins): Self::Block,
         acts: &QuantizedActs,
         row: usize,
         b: usize,
@@ -435,13 +448,10 @@ impl super::amx::ScaledBlocks for Q4K {
         // SAFETY: the caller's contract. `tile_generic`'s f32 work for one row, the same
         // operations in the same order.
         unsafe {
-            let dw = S::loadf(blk);
-            let dmin = S::loadf(blk.add(DMIN));
             let i = row * acts.nb + b;
             let sums = &acts.sums[i * K_SUMS + K_PAIRS32..i * K_SUMS + K_PAIRS32 + 4];
             let mut imin = S::zero();
-            for (p, &pair) in sums.iter().enumerate() {
-                let m = S::u8_i16(blk.add(MINS + 2 * GROUP * p));
+            for (m, &pair) in mins.into_iter().zip(sums) {
                 imin = S::add32(imin, S::madd16(m, S::splat32(pair)));
             }
             let da = S::splatf(acts.d[i]);

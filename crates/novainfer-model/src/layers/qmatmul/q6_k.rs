@@ -435,9 +435,19 @@ impl super::amx::ScaledBlocks for Q6K {
         }
     }
 
+    /// `dw`.
+    type Block = __m512;
+
+    #[inline(always)]
+    unsafe fn block(blk: *const u8) -> __m512 {
+        use super::simd::Avx512 as S;
+        // SAFETY: the caller's contract.
+        unsafe { S::loadf(blk) }
+    }
+
     #[inline(always)]
     unsafe fn finish(
-        blk: *const u8,
+        dw: __m512,
         acts: &QuantizedActs,
         row: usize,
         b: usize,
@@ -447,7 +457,6 @@ impl super::amx::ScaledBlocks for Q6K {
         use super::simd::Avx512 as S;
         // SAFETY: the caller's contract. `tile_generic`'s f32 work for one row.
         unsafe {
-            let dw = S::loadf(blk);
             let da = S::splatf(acts.d[row * acts.nb + b]);
             S::fma(S::cvt(isum), S::mul(dw, da), f)
         }
