@@ -384,6 +384,14 @@ impl PackedMatrix {
         matmul_many_into(&[self], x, m, &mut [out]);
     }
 
+    /// `[m, n]` from the input already quantized for this matrix's format (the timing
+    /// problems: the quantization is the same code whatever the ISA, so it is left out).
+    fn product(&self, acts: &QuantizedActs, m: usize) -> Vec<f32> {
+        let mut out = Vec::new();
+        products_into(&[self], &[acts], m, &mut [&mut out]);
+        out
+    }
+
     fn act_kind(&self) -> ActKind {
         match self.format {
             Format::Q5_0 => q5_0::Q5_0::ACT,
@@ -519,38 +527,51 @@ pub fn matmul_many_into(mats: &[&PackedMatrix], x: &[f32], m: usize, outs: &mut 
             }
         }
         let acts: &[QuantizedActs; 2] = acts;
-        let mut dsts = [None; MAX_MANY];
-        for ((w, out), dst) in mats.iter().zip(outs.iter_mut()).zip(&mut dsts) {
-            out.clear();
-            out.resize(m * w.n, 0.0);
-            *dst = Some(SharedOut::new(out));
+        let mut per_mat = [&acts[0]; MAX_MANY];
+        for (a, w) in per_mat.iter_mut().zip(mats) {
+            *a = &acts[slot(w.act_kind())];
         }
-        // Item ranges of each product in one flat numbering.
-        let mut starts = [0usize; MAX_MANY + 1];
-        for (i, w) in mats.iter().enumerate() {
-            starts[i + 1] = starts[i] + w.items(m);
-        }
-        let starts = &starts[..=mats.len()];
-        let total = starts[mats.len()];
-        let run = |range: Range<usize>| {
-            for item in range {
-                let i = starts.partition_point(|&s| s <= item) - 1;
-                let dst = dsts[i].expect("one output per matrix");
-                // SAFETY: `acts[slot]` is `x` quantized for `mats[i]`'s format; `dst` is its
-                // own output, each item of which one work item writes.
-                unsafe {
-                    mats[i].item_any(&acts[slot(mats[i].act_kind())], m, dst, item - starts[i])
-                };
-            }
-        };
-        // A few rows stream the weights: each thread takes one contiguous share. More rows
-        // are bound by the arithmetic, where sixteenths of the work balance best.
-        if m <= FEW_ROWS {
-            crate::layers::parallel::execute_contiguous(total, run);
-        } else {
-            candle_core::utils::barrier_pool().execute_chunked(total, run);
-        }
+        products_into(mats, &per_mat[..mats.len()], m, outs);
     });
+}
+
+/// The products of [`matmul_many_into`] from inputs already quantized (`acts[i]` for
+/// `mats[i]`'s format): every product's work items in one fork/join of the pool.
+fn products_into(
+    mats: &[&PackedMatrix],
+    acts: &[&QuantizedActs],
+    m: usize,
+    outs: &mut [&mut Vec<f32>],
+) {
+    let mut dsts = [None; MAX_MANY];
+    for ((w, out), dst) in mats.iter().zip(outs.iter_mut()).zip(&mut dsts) {
+        out.clear();
+        out.resize(m * w.n, 0.0);
+        *dst = Some(SharedOut::new(out));
+    }
+    // Item ranges of each product in one flat numbering.
+    let mut starts = [0usize; MAX_MANY + 1];
+    for (i, w) in mats.iter().enumerate() {
+        starts[i + 1] = starts[i] + w.items(m);
+    }
+    let starts = &starts[..=mats.len()];
+    let total = starts[mats.len()];
+    let run = |range: Range<usize>| {
+        for item in range {
+            let i = starts.partition_point(|&s| s <= item) - 1;
+            let dst = dsts[i].expect("one output per matrix");
+            // SAFETY: `acts[i]` is the input quantized for `mats[i]`'s format; `dst` is its
+            // own output, each item of which one work item writes.
+            unsafe { mats[i].item_any(acts[i], m, dst, item - starts[i]) };
+        }
+    };
+    // A few rows stream the weights: each thread takes one contiguous share. More rows
+    // are bound by the arithmetic, where sixteenths of the work balance best.
+    if m <= FEW_ROWS {
+        crate::layers::parallel::execute_contiguous(total, run);
+    } else {
+        candle_core::utils::barrier_pool().execute_chunked(total, run);
+    }
 }
 
 /// Reorders ggml rows into 16-column groups, `[group][block][GROUP_BLOCK_BYTES]`.

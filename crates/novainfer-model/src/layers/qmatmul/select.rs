@@ -31,6 +31,7 @@ use std::sync::{Mutex, OnceLock};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
+use super::activation::QuantizedActs;
 use super::simd::{self, IsaChoice};
 use super::{Format, Isas, PackedMatrix, GROUP};
 use crate::kernel_select::{self, Candidate, Selection};
@@ -48,12 +49,13 @@ const STREAM_MAX_BYTES: usize = 64 << 20;
 /// problem stays in the last-level cache (see [`time_regime`]); where it streams from memory
 /// the usual [`kernel_select::MARGIN`] applies.
 const DECODE_MARGIN: f64 = 0.15;
-/// Rows and output columns of the prefill problem (its weights: 256 × 2048, ≤ 0.6 MiB). 128
+/// Rows and output columns of the prefill problem (its weights: 1024 × 2048, ≤ 2.2 MiB: in the
+/// last-level cache, and large enough that the products, not the fork/join, are timed). 128
 /// rows, not fewer: AMX unpacks a group's weights once per work item for all its rows, and at
 /// 64 rows it tied AVX-512 on Q4_K where 128 gained 1.24x and a 512-token prompt's 1.4x
 /// (Intel Xeon with AMX, 2 threads; docs/benchmarks.md).
 const PREFILL_ROWS: usize = 128;
-const PREFILL_N: usize = 256;
+const PREFILL_N: usize = 1024;
 
 /// The ISAs for products of `format` on this CPU, chosen on first use and kept for the
 /// process; `None` without AVX2+FMA (candle's kernels run then).
@@ -222,6 +224,10 @@ fn time_regime(
         Regime::Prefill => PREFILL_ROWS,
     };
     let x: Vec<f32> = (0..m * K).map(|i| wave(i, 0.73)).collect();
+    // Quantized once: the candidates differ only in the products (quantizing 128 rows took
+    // about as long as a 256-column product of them, and hid AMX's gain over AVX-512).
+    let mut acts = QuantizedActs::default();
+    acts.fill(problem.mat().borrow().act_kind(), &x, m, K);
     // AMX runs only whole 16-row tiles (fewer rows run the AVX-512 code), so it is a
     // candidate for the prefill problem of a format that has an AMX form, or when forced.
     let amx_forced = forced.is_some_and(|(_, v)| v == IsaChoice::Amx.name());
@@ -231,10 +237,10 @@ fn time_regime(
             isa != IsaChoice::Amx || amx_forced || (regime == Regime::Prefill && format.has_amx())
         })
         .map(|&isa| {
-            let x = &x;
+            let acts = &acts;
             Candidate::new(isa, isa.name(), move || {
                 problem.mat().borrow_mut().set_isas(Isas::all(isa));
-                problem.mat().borrow().matmul(x, m)
+                problem.mat().borrow().product(acts, m)
             })
         })
         .collect();
