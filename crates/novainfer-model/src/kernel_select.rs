@@ -149,7 +149,23 @@ pub(crate) fn wall_clock(run: &mut dyn FnMut() -> Vec<f32>) -> (Duration, Vec<f3
 pub(crate) fn select<T: Copy>(
     kernel: String,
     forced: Option<(&'static str, &str)>,
+    candidates: Vec<Candidate<'_, T>>,
+    margin: f64,
+    time: &mut dyn FnMut(&mut dyn FnMut() -> Vec<f32>) -> (Duration, Vec<f32>),
+) -> (T, Selection) {
+    select_keeping(kernel, forced, candidates, None, margin, time)
+}
+
+/// [`select`], except that the margin protects `incumbent` (a candidate's name) rather than
+/// the baseline, where it is a candidate and passed the bit check: a family whose timing
+/// problem cannot tell its candidates apart names the choice other evidence favours. The
+/// baseline's output stays the reference for the bit check.
+#[allow(clippy::type_complexity)]
+pub(crate) fn select_keeping<T: Copy>(
+    kernel: String,
+    forced: Option<(&'static str, &str)>,
     mut candidates: Vec<Candidate<'_, T>>,
+    incumbent: Option<&str>,
     margin: f64,
     time: &mut dyn FnMut(&mut dyn FnMut() -> Vec<f32>) -> (Duration, Vec<f32>),
 ) -> (T, Selection) {
@@ -208,10 +224,13 @@ pub(crate) fn select<T: Copy>(
     }
     // `min_by_key` keeps the first of equal keys: the earlier candidate on a tie.
     let fastest = (0..candidates.len()).min_by_key(|&i| best[i]).unwrap_or(0);
-    let winner = if best[fastest].as_secs_f64() * (1.0 + margin) <= best[0].as_secs_f64() {
+    let kept = incumbent
+        .and_then(|name| candidates.iter().position(|c| c.name == name))
+        .unwrap_or(0);
+    let winner = if best[fastest].as_secs_f64() * (1.0 + margin) <= best[kept].as_secs_f64() {
         fastest
     } else {
-        0
+        kept
     };
     let timings = candidates.iter().map(|c| c.name).zip(best).collect();
     done(&candidates[winner], Decision::Timed, timings, rejected)
@@ -342,6 +361,36 @@ mod tests {
         let (chosen, s) = select("attention".into(), None, c, MARGIN, &mut time);
         assert_eq!((chosen, s.chosen), (0, "avx2"));
         assert!(s.to_string().contains("4.00x faster than avx512"), "{s}");
+    }
+
+    #[test]
+    fn an_incumbent_stays_within_the_margin_and_loses_beyond_it_or_when_rejected() {
+        let last = Cell::new(0);
+        let select_with = |times: Vec<Vec<u64>>, wrong: &[&str]| {
+            let runs = counters(3);
+            let c = candidates(&["avx2", "vnni256", "avx512"], wrong, &runs, &last);
+            let mut time = fake(times, &last);
+            let (chosen, s) =
+                select_keeping("qmatmul".into(), None, c, Some("avx512"), MARGIN, &mut time);
+            (chosen, s.chosen, s.to_string())
+        };
+        // The baseline 2% faster: the incumbent stays, and the log says by how little.
+        let (chosen, name, line) = select_with(vec![vec![100], vec![150], vec![102]], &[]);
+        assert_eq!((chosen, name), (2, "avx512"));
+        assert!(
+            line.contains("avx2 1.02x faster, within the margin"),
+            "{line}"
+        );
+        // 10% faster: the baseline wins.
+        let (chosen, _, _) = select_with(vec![vec![100], vec![150], vec![110]], &[]);
+        assert_eq!(chosen, 0);
+        // Another candidate beyond the margin wins too.
+        let (chosen, _, _) = select_with(vec![vec![100], vec![80], vec![100]], &[]);
+        assert_eq!(chosen, 1);
+        // A rejected incumbent protects nothing: the baseline's rule applies.
+        let (chosen, _, line) = select_with(vec![vec![100], vec![150], vec![50]], &["avx512"]);
+        assert_eq!(chosen, 0);
+        assert!(line.contains("rejected"), "{line}");
     }
 
     #[test]
