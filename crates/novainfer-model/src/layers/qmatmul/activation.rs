@@ -60,36 +60,48 @@ impl QuantizedActs {
         }
     }
 
-    fn reset(&mut self, m: usize, k: usize, block: usize) {
+    /// Sizes the buffers for `m` rows of `k` values in blocks of `block` (`sums_per_block` each;
+    /// `qs_u8` only for Q8_K).
+    fn reset(&mut self, m: usize, k: usize, block: usize, sums_per_block: usize, with_u8: bool) {
         self.k = k;
         self.nb = k / block;
+        let blocks = m * self.nb;
         self.qs.clear();
         self.qs.resize(m * k, 0);
         self.qs_u8.clear();
+        self.qs_u8.resize(if with_u8 { m * k } else { 0 }, 0);
         self.d.clear();
+        self.d.resize(blocks, 0.0);
         self.sums.clear();
+        self.sums.resize(blocks * sums_per_block, 0);
     }
 
     fn q8_0(&mut self, x: &[f32], m: usize, k: usize) {
-        self.reset(m, k, QK8_0);
-        let Self { qs, d, sums, .. } = self;
-        for (xb, qb) in x.chunks_exact(QK8_0).zip(qs.chunks_exact_mut(QK8_0)) {
+        self.reset(m, k, QK8_0, 1, false);
+        let dst = BlockDst::new(self);
+        for_blocks(m * self.nb, x.len(), |b| {
+            let xb = &x[b * QK8_0..(b + 1) * QK8_0];
             let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
             let scale = amax / 127.0;
             let inv = if scale != 0.0 { 1.0 / scale } else { 0.0 };
-            // SAFETY: both slices hold exactly one 32-value block; AVX2 was detected
-            // before any packed matrix (the only caller) was built.
-            sums.push(unsafe { round_block_avx2(xb, inv, qb) });
-            d.push(f16::from_f32(scale).to_f32());
-        }
+            // SAFETY: block `b` owns these parts of the buffers (`BlockDst`); the slice holds
+            // one 32-value block; AVX2 was detected before any packed matrix (the only
+            // caller) was built.
+            unsafe {
+                let qb = dst.qs(b * QK8_0, QK8_0);
+                *dst.sums(b, 1).get_unchecked_mut(0) = round_block_avx2(xb, inv, qb);
+                *dst.d(b) = f16::from_f32(scale).to_f32();
+            }
+        });
     }
 
     fn q8k(&mut self, x: &[f32], m: usize, k: usize) {
-        self.reset(m, k, QK_K);
-        let Self {
-            qs, qs_u8, d, sums, ..
-        } = self;
-        for (xb, qb) in x.chunks_exact(QK_K).zip(qs.chunks_exact_mut(QK_K)) {
+        self.reset(m, k, QK_K, K_SUMS, true);
+        let dst = BlockDst::new(self);
+        for_blocks(m * self.nb, x.len(), |b| {
+            let xb = &x[b * QK_K..(b + 1) * QK_K];
+            // SAFETY: block `b` owns these parts of the buffers (`BlockDst`).
+            let (qb, sums, d) = unsafe { (dst.qs(b * QK_K, QK_K), dst.sums(b, K_SUMS), dst.d(b)) };
             // The signed value of largest magnitude (first one on ties), as ggml picks it.
             let (mut amax, mut max) = (0f32, 0f32);
             for &v in xb {
@@ -99,9 +111,10 @@ impl QuantizedActs {
                 }
             }
             if amax == 0.0 {
-                d.push(0.0);
-                sums.extend([0; K_SUMS]);
-                continue;
+                // Zeroed by `reset`, but for `qs_u8`: 0 as u8 is 128.
+                // SAFETY: as above.
+                unsafe { dst.qs_u8(b * QK_K, QK_K) }.fill(0x80);
+                return;
             }
             let iscale = -127f32 / max;
             // `round(iscale·v)` clamped to i8, 32 values at a time (the packs saturate, which
@@ -110,18 +123,91 @@ impl QuantizedActs {
                 // SAFETY: 32 values each; AVX2 was detected before any packed matrix was built.
                 unsafe { round_block_avx2(x32, iscale, q32) };
             }
-            d.push(1.0 / iscale);
+            *d = 1.0 / iscale;
             let s16: [i32; 16] = std::array::from_fn(|g| {
                 qb[16 * g..16 * g + 16].iter().map(|&q| i32::from(q)).sum()
             });
-            sums.extend_from_slice(&s16);
+            sums[..16].copy_from_slice(&s16);
             for t in 0..4 {
                 let lo = (s16[4 * t] + s16[4 * t + 1]) as i16;
                 let hi = (s16[4 * t + 2] + s16[4 * t + 3]) as i16;
-                sums.push(i16_pair(lo, hi));
+                sums[K_PAIRS32 + t] = i16_pair(lo, hi);
             }
+            // SAFETY: as above.
+            let u8s = unsafe { dst.qs_u8(b * QK_K, QK_K) };
+            for (u, &q) in u8s.iter_mut().zip(qb.iter()) {
+                *u = (q as u8) ^ 0x80;
+            }
+        });
+    }
+}
+
+/// Inputs of fewer values are quantized on the calling thread: a fork/join of the pool costs
+/// more than a decode row's quantization. Above it (prefill) the blocks are shared out: on
+/// one thread, quantizing a 512-token prompt's rows was ~6% of a 1.5B prefill, the other
+/// thread idle meanwhile.
+const PARALLEL_VALUES: usize = 1 << 16;
+
+/// Runs `f` for every block in `0..blocks`, on the pool when the input has `values` ≥
+/// [`PARALLEL_VALUES`].
+fn for_blocks(blocks: usize, values: usize, f: impl Fn(usize) + Sync) {
+    let run = |range: std::ops::Range<usize>| range.for_each(&f);
+    if values >= PARALLEL_VALUES {
+        candle_core::utils::barrier_pool().execute_chunked(blocks, run);
+    } else {
+        run(0..blocks);
+    }
+}
+
+/// The buffers of a [`QuantizedActs`] sized by `reset`, as raw parts that blocks write
+/// concurrently: block `b` writes only its own values, scale and sums.
+#[derive(Clone, Copy)]
+struct BlockDst {
+    qs: *mut i8,
+    qs_u8: *mut u8,
+    d: *mut f32,
+    sums: *mut i32,
+}
+
+// SAFETY: the pointers are only dereferenced at disjoint per-block ranges (see the methods'
+// contracts), while the `QuantizedActs` they come from is not otherwise touched.
+unsafe impl Send for BlockDst {}
+unsafe impl Sync for BlockDst {}
+
+impl BlockDst {
+    fn new(acts: &mut QuantizedActs) -> Self {
+        Self {
+            qs: acts.qs.as_mut_ptr(),
+            qs_u8: acts.qs_u8.as_mut_ptr(),
+            d: acts.d.as_mut_ptr(),
+            sums: acts.sums.as_mut_ptr(),
         }
-        qs_u8.extend(qs.iter().map(|&q| (q as u8) ^ 0x80));
+    }
+
+    // # Safety (all four): the range lies inside the buffer `reset` sized, and belongs to the
+    // calling block alone.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn qs(&self, at: usize, len: usize) -> &mut [i8] {
+        // SAFETY: the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.qs.add(at), len) }
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn qs_u8(&self, at: usize, len: usize) -> &mut [u8] {
+        // SAFETY: the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.qs_u8.add(at), len) }
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn d(&self, b: usize) -> &mut f32 {
+        // SAFETY: the caller's contract.
+        unsafe { &mut *self.d.add(b) }
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn sums(&self, b: usize, per_block: usize) -> &mut [i32] {
+        // SAFETY: the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.sums.add(b * per_block), per_block) }
     }
 }
 
@@ -211,6 +297,35 @@ mod tests {
                 &u8s[..],
                 "block {b} as u8"
             );
+        }
+    }
+
+    /// A prompt's rows quantized on the pool (past `PARALLEL_VALUES`) equal each row
+    /// quantized alone on the calling thread, every buffer, zero blocks included.
+    #[test]
+    fn rows_quantized_together_on_the_pool_equal_each_alone() {
+        let (m, k) = (40, 2048);
+        let mut x: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7919 % 2003) as f32 - 1001.0) / 53.0)
+            .collect();
+        x[3 * k..3 * k + 512].iter_mut().for_each(|v| *v = 0.0);
+        assert!(m * k >= PARALLEL_VALUES && k < PARALLEL_VALUES);
+        for kind in [ActKind::Q8_0, ActKind::Q8K] {
+            let all = QuantizedActs::new(kind, &x, m, k);
+            let per_block = if kind == ActKind::Q8K { K_SUMS } else { 1 };
+            for r in 0..m {
+                let one = QuantizedActs::new(kind, &x[r * k..(r + 1) * k], 1, k);
+                let nb = all.nb;
+                assert_eq!(&all.qs[r * k..(r + 1) * k], &one.qs[..], "{kind:?} row {r}");
+                assert_eq!(&all.d[r * nb..(r + 1) * nb], &one.d[..], "{kind:?} row {r}");
+                let sums = &all.sums[r * nb * per_block..(r + 1) * nb * per_block];
+                assert_eq!(sums, &one.sums[..], "{kind:?} row {r}");
+                if kind == ActKind::Q8K {
+                    assert_eq!(&all.qs_u8[r * k..(r + 1) * k], &one.qs_u8[..]);
+                } else {
+                    assert!(all.qs_u8.is_empty());
+                }
+            }
         }
     }
 

@@ -628,6 +628,8 @@ fn prefill_shapes_per_isa() {
         .unwrap_or(512);
     for (dtype, n, k, what) in [
         (GgmlDType::Q4K, 8960, 1536, "1.5B ffn_gate"),
+        (GgmlDType::Q4K, 1536, 1536, "1.5B attn_q"),
+        (GgmlDType::Q4K, 1536, 8960, "1.5B ffn_down (Q4_K layers)"),
         (GgmlDType::Q6K, 1536, 8960, "1.5B ffn_down"),
         (GgmlDType::Q5_0, 4864, 896, "0.5B ffn_gate"),
         (GgmlDType::Q8_0, 896, 896, "0.5B attn_q"),
