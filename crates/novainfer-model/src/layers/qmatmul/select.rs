@@ -79,18 +79,20 @@ fn choose(format: Format) -> Option<Isas> {
     let stream = Problem::streaming(format, &rows, baseline);
     let prefill = Problem::new(format, &rows, PREFILL_N, baseline);
     let time = |problem: &Problem, regime, incumbent| {
-        let (isa, s) = time_regime(format, &available, forced, problem, regime, incumbent);
-        kernel_select::record(&s);
-        isa
+        time_regime(format, &available, forced, problem, regime, incumbent)
     };
-    let few = time(&stream, Regime::Verify, None);
+    let (few, few_record) = time(&stream, Regime::Verify, None);
     // Where the streaming problem stays in the cache, its 1-row timing cannot see the memory
     // stream that bounds decode (see the module docs): the verify regime's winner, which on
     // AVX-512 is the same streaming code, is kept unless another ISA wins by the margin.
     let incumbent = (!streams_from_memory()).then_some(few);
-    let one = time(&stream, Regime::Decode, incumbent);
+    let (one, one_record) = time(&stream, Regime::Decode, incumbent);
     drop(stream);
-    let many = time(&prefill, Regime::Prefill, None);
+    let (many, many_record) = time(&prefill, Regime::Prefill, None);
+    // Logged in the regimes' order of rows (decode, verify, prefill), whatever the timing's.
+    for record in [one_record, few_record, many_record] {
+        kernel_select::record(&record);
+    }
     Some(Isas { one, few, many })
 }
 
