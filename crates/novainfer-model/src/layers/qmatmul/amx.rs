@@ -178,7 +178,8 @@ macro_rules! tile_dp {
 struct Results([[i32; GROUP]; 4 * TILE_ROWS]);
 
 thread_local! {
-    /// One work item's unpacked weights (a group's whole k), reused across items.
+    /// One work item's unpacked weights (a K-quant slab of blocks, or a Q5_0 group's whole k),
+    /// reused across items.
     static UNPACKED: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
