@@ -171,6 +171,14 @@ macro_rules! tile_dp {
             options(nostack, nomem)
         )
     };
+    // Signed weights where `$signed` (a constant) is true.
+    ($signed:expr, $c:literal, $a:literal, $b:literal) => {
+        if $signed {
+            tile_dp!(ss, $c, $a, $b)
+        } else {
+            tile_dp!(su, $c, $a, $b)
+        }
+    };
 }
 
 /// Result tiles stored for the f32 work: 4 tiles of 16 rows × 16 i32.
@@ -281,40 +289,24 @@ pub(super) unsafe fn flat_rows<F: FlatBlocks>(
                     tile_zero!("0");
                     tile_load!("4", a(0), stride);
                     tile_load!("6", weights_of(b0), ROW_BYTES);
-                    if F::SIGNED {
-                        tile_dp!(ss, "0", "4", "6")
-                    } else {
-                        tile_dp!(su, "0", "4", "6")
-                    }
+                    tile_dp!(F::SIGNED, "0", "4", "6");
                     if blocks > 1 {
                         tile_zero!("1");
                         tile_load!("5", a(1), stride);
                         tile_load!("7", weights_of(b0 + 1), ROW_BYTES);
-                        if F::SIGNED {
-                            tile_dp!(ss, "1", "5", "7")
-                        } else {
-                            tile_dp!(su, "1", "5", "7")
-                        }
+                        tile_dp!(F::SIGNED, "1", "5", "7");
                     }
                     if blocks > 2 {
                         tile_zero!("2");
                         tile_load!("4", a(2), stride);
                         tile_load!("6", weights_of(b0 + 2), ROW_BYTES);
-                        if F::SIGNED {
-                            tile_dp!(ss, "2", "4", "6")
-                        } else {
-                            tile_dp!(su, "2", "4", "6")
-                        }
+                        tile_dp!(F::SIGNED, "2", "4", "6");
                     }
                     if blocks > 3 {
                         tile_zero!("3");
                         tile_load!("5", a(3), stride);
                         tile_load!("7", weights_of(b0 + 3), ROW_BYTES);
-                        if F::SIGNED {
-                            tile_dp!(ss, "3", "5", "7")
-                        } else {
-                            tile_dp!(su, "3", "5", "7")
-                        }
+                        tile_dp!(F::SIGNED, "3", "5", "7");
                     }
                     tile_store!("0", res, ROW_BYTES);
                     if blocks > 1 {
@@ -437,19 +429,11 @@ pub(super) unsafe fn scaled_rows<F: ScaledBlocks>(
                             tile_load!("7", planes.add((4 + j) * TILE_BYTES), ROW_BYTES);
                             tile_load!("4", act_at(acts, row0, k0), stride);
                             tile_dp!(su, "0", "4", "6");
-                            if F::HI_SIGNED {
-                                tile_dp!(ss, "1", "4", "7")
-                            } else {
-                                tile_dp!(su, "1", "4", "7")
-                            }
+                            tile_dp!(F::HI_SIGNED, "1", "4", "7");
                             if two {
                                 tile_load!("5", act_at(acts, row0 + TILE_ROWS, k0), stride);
                                 tile_dp!(su, "2", "5", "6");
-                                if F::HI_SIGNED {
-                                    tile_dp!(ss, "3", "5", "7")
-                                } else {
-                                    tile_dp!(su, "3", "5", "7")
-                                }
+                                tile_dp!(F::HI_SIGNED, "3", "5", "7");
                             }
                         }
                         tile_store!("0", res, ROW_BYTES);

@@ -30,6 +30,24 @@
 //! thread or the ISA (int sums are exact). So row r of an m-row product equals the
 //! product of row r alone, bit for bit.
 
+/// [`Kernel::amx_rows`] for a format whose AMX form is `amx::$driver` (`flat_rows` or
+/// `scaled_rows`, which need the format's [`amx::FlatBlocks`] / [`amx::ScaledBlocks`]).
+macro_rules! amx_rows_by {
+    ($driver:ident) => {
+        #[inline(always)]
+        unsafe fn amx_rows(
+            job: &super::GroupJob<'_>,
+            group: *const u8,
+            g: usize,
+            rows: std::ops::Range<usize>,
+        ) -> bool {
+            // SAFETY: forwarded.
+            unsafe { super::amx::$driver::<Self>(job, group, g, rows) };
+            true
+        }
+    };
+}
+
 mod activation;
 mod amx;
 mod int4;

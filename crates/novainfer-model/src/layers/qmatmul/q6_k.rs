@@ -67,17 +67,7 @@ impl Kernel for Q6K {
     const WIDE_TILE: usize = 4;
     const AVX2_TILE: usize = 6;
 
-    #[inline(always)]
-    unsafe fn amx_rows(
-        job: &super::GroupJob<'_>,
-        group: *const u8,
-        g: usize,
-        rows: Range<usize>,
-    ) -> bool {
-        // SAFETY: forwarded.
-        unsafe { super::amx::scaled_rows::<Self>(job, group, g, rows) };
-        true
-    }
+    amx_rows_by!(scaled_rows);
 
     fn pack_block(cols: &[Option<&[u8]>; GROUP], out: &mut [u8]) {
         for (j, raw) in cols.iter().enumerate() {

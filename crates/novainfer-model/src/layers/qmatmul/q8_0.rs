@@ -24,17 +24,7 @@ impl Kernel for Q8_0 {
     const GROUP_BLOCK_BYTES: usize = QS + 8 * 4 * GROUP;
     const WIDE_TILE: usize = 6;
 
-    #[inline(always)]
-    unsafe fn amx_rows(
-        job: &super::GroupJob<'_>,
-        group: *const u8,
-        g: usize,
-        rows: Range<usize>,
-    ) -> bool {
-        // SAFETY: forwarded.
-        unsafe { super::amx::flat_rows::<Self>(job, group, g, rows) };
-        true
-    }
+    amx_rows_by!(flat_rows);
 
     fn pack_block(cols: &[Option<&[u8]>; GROUP], out: &mut [u8]) {
         for (j, raw) in cols.iter().enumerate() {
