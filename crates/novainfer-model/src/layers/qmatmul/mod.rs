@@ -12,7 +12,7 @@
 //!   each weight block reused across the `R` rows (GEMM for prefill; `R = 1` is the
 //!   decode GEMV, which only streams the weights once);
 //! * on plain AVX2 a single row (decode) runs `Kernel::row_avx2` over all 16 columns of a
-//!   group, with software prefetches `DECODE_PREFETCH_BYTES` ahead: decode streams every
+//!   group, with software prefetches ahead ([`prefetch`]): decode streams every
 //!   matrix from memory, and that, not the arithmetic, bounds it;
 //! * on plain AVX2, 2 to 8 rows (a speculative verification step) stream the weights the same
 //!   way, each block going through every row's tile while it is in L1
@@ -51,6 +51,7 @@ macro_rules! amx_rows_by {
 mod activation;
 mod amx;
 mod int4;
+mod prefetch;
 mod q4_k;
 mod q5_0;
 mod q6_k;
@@ -81,26 +82,6 @@ const ROW_CHUNK_BYTES: usize = 256 * 1024;
 /// every format) stays in L1 across the tiles instead of streaming from L2 once per
 /// tile (measured on AVX2: Q6_K at k = 8960 was ~1.5x slower per MAC than at k = 1536).
 const SLAB_K: usize = 1024;
-/// How far ahead of the block it is reading a single-row (decode) AVX2 kernel asks for
-/// weight lines with software prefetches. A decode step streams every matrix from memory,
-/// and the hardware prefetchers alone left one core at ~9 GB/s on Q6_K (the kernel
-/// re-reads each line from L1, so the L2 streamer sees few requests to run ahead on);
-/// measured on Zen 3 (AVX2), the m = 1 stream reaches ~22 GB/s with any distance from 2 to
-/// 8 packed blocks (7–28 KiB; 0: 9 GB/s), so this sits in the middle of that plateau.
-pub(crate) const DECODE_PREFETCH_BYTES: usize = 10 * 1024;
-
-/// Prefetches `lines` cache lines from [`DECODE_PREFETCH_BYTES`] + `at` bytes past `p`.
-#[inline(always)]
-fn prefetch_ahead(p: *const u8, at: usize, lines: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    for l in 0..lines {
-        let line = p.wrapping_add(DECODE_PREFETCH_BYTES + at + 64 * l);
-        // SAFETY: a prefetch never faults, whatever the address (past the matrix's end
-        // included; `wrapping_add` keeps that address computation defined); SSE is baseline.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(line as *const i8) };
-    }
-}
-
 /// One quant format's packing and micro-kernel.
 trait Kernel {
     const ACT: ActKind;
@@ -139,7 +120,7 @@ trait Kernel {
 
     /// [`Kernel::tile`] over block `b` of all 16 columns (`S::LANES == GROUP`) while the
     /// weights stream from memory (a few-row product), asking for the lines
-    /// [`DECODE_PREFETCH_BYTES`] ahead as it goes. The default asks for the block's lines
+    /// ahead ([`prefetch`]) as it goes. The default asks for the block's lines
     /// first, which suits blocks of up to 16 lines; a format with larger blocks spreads its
     /// requests over the block's work: Q4_K's 38 lines asked at once left its 1-row AVX-512
     /// stream 1.4-1.6x slower than AVX2's on Zen 5 (AVX2's `row16_avx2` spreads them), and
@@ -159,7 +140,7 @@ trait Kernel {
         // SAFETY: forwarded.
         unsafe {
             let blk = group.add(b * Self::GROUP_BLOCK_BYTES);
-            prefetch_ahead(blk, 0, Self::GROUP_BLOCK_BYTES.div_ceil(64));
+            prefetch::ahead(blk, 0, Self::GROUP_BLOCK_BYTES.div_ceil(64));
             Self::tile::<S, R>(group, 0, acts, row0, b..b + 1, facc)
         }
     }
@@ -206,7 +187,7 @@ trait Kernel {
             let lines = Self::GROUP_BLOCK_BYTES.div_ceil(64);
             for b in 0..acts.k / Self::BLOCK_K {
                 let blk = group.add(b * Self::GROUP_BLOCK_BYTES);
-                prefetch_ahead(blk, 0, lines);
+                prefetch::ahead(blk, 0, lines);
                 for (h, f) in facc.iter_mut().enumerate().take(halves) {
                     *f = Self::tile_avx2::<1>(group, h * Avx2::LANES, acts, row, b..b + 1, *f);
                 }
@@ -704,7 +685,7 @@ impl GroupJob<'_> {
 
     /// `A + B` rows (2 to 8: a speculative verification step, or a few
     /// sequences decoding together) against the whole group on plain AVX2, block by block
-    /// over all of k with software prefetches [`DECODE_PREFETCH_BYTES`] ahead, like the
+    /// over all of k with software prefetches ahead ([`prefetch`]), like the
     /// decode GEMV: the weights stream from memory once and each block, while it is in L1,
     /// goes through every row (a tile of `A` rows, then one of `B`) and both column halves.
     /// Before this, such products ran the prefill driver's 2- and 1-row tiles, each a pass of
@@ -744,19 +725,19 @@ impl GroupJob<'_> {
             for b in 0..self.acts.k / F::BLOCK_K {
                 let blk = group.add(b * F::GROUP_BLOCK_BYTES);
                 let mut step = 0;
-                let mut prefetch = || {
+                let mut ask_ahead = || {
                     if step < steps {
                         let from = per_step * step;
-                        prefetch_ahead(blk, 64 * from, per_step.min(lines.saturating_sub(from)));
+                        prefetch::ahead(blk, 64 * from, per_step.min(lines.saturating_sub(from)));
                         step += 1;
                     }
                 };
                 for h in 0..halves {
                     let col_off = h * Avx2::LANES;
-                    prefetch();
+                    ask_ahead();
                     fa[h] = F::tile_avx2::<A>(group, col_off, self.acts, row0, b..b + 1, fa[h]);
                     if B > 0 {
-                        prefetch();
+                        ask_ahead();
                         let r = row0 + A;
                         fb[h] = F::tile_avx2::<B>(group, col_off, self.acts, r, b..b + 1, fb[h]);
                     }
@@ -774,7 +755,7 @@ impl GroupJob<'_> {
 
     /// `A + B` rows (1 to [`FEW_ROWS`]: decode, verification, a few sequences) against the
     /// whole group on an ISA whose register holds all of it (AVX-512), block by block over all
-    /// of k with software prefetches [`DECODE_PREFETCH_BYTES`] ahead: the AVX2 paths' stream
+    /// of k with software prefetches ahead ([`prefetch`]): the AVX2 paths' stream
     /// ([`Kernel::row_avx2`], [`Self::few_rows_avx2`]) at 16 columns a register. Before it these
     /// rows went through [`Self::rows`]' slabs without prefetches: on Zen 5 (2 threads, a
     /// 63 MiB matrix) a 4-row Q5_0 product took 5.1 ms, 1.3-1.7 ms with it (AVX2: 3.2-3.4).

@@ -23,7 +23,7 @@ use std::ops::Range;
 
 use super::activation::{ActKind, QuantizedActs, K_PAIRS32, K_SUMS, QK_K};
 use super::simd::Simd;
-use super::{prefetch_ahead, Kernel, GROUP};
+use super::{prefetch, Kernel, GROUP};
 
 pub(super) struct Q4K;
 
@@ -129,7 +129,7 @@ impl Kernel for Q4K {
 }
 
 /// [`Kernel::tile`] for any [`Simd`]; `STREAM`: the weights come from memory
-/// ([`Kernel::stream_tile`]), so the block asks for the lines [`super::DECODE_PREFETCH_BYTES`] ahead
+/// ([`Kernel::stream_tile`]), so the block asks for the lines ahead ([`super::prefetch`])
 /// a quarter at a time, between its sub-block pairs.
 ///
 /// # Safety
@@ -155,7 +155,7 @@ unsafe fn tile_generic<S: Simd, const R: usize, const STREAM: bool>(
                 // row, changed nothing measurable on Zen 5 once the prefetches were spread.)
                 if STREAM {
                     // 4 steps of 10 lines cover the 38-line block, as in `row16_avx2`.
-                    prefetch_ahead(blk, 640 * p, 10);
+                    prefetch::ahead(blk, 640 * p, 10);
                 }
                 let mut lo = [S::zero(); R];
                 let mut hi = [S::zero(); R];
@@ -199,7 +199,7 @@ unsafe fn tile_generic<S: Simd, const R: usize, const STREAM: bool>(
 }
 
 /// One row × all 16 columns of a group on plain AVX2 (decode), with software prefetches
-/// [`super::DECODE_PREFETCH_BYTES`] ahead. Each sub-block's 8 chunk products (pair sums
+/// ahead ([`super::prefetch`]). Each sub-block's 8 chunk products (pair sums
 /// ≤ 2·15·127) add up in i16 (≤ 8·3810 = 30480, exact since |a| ≤ 127), and the scale
 /// multiplies inside the widening `madd` (`(sc, sc)` pairs): the same exact `isum` and
 /// `imin` as [`Kernel::tile`], then the same f32 operations, so the same bits.
@@ -218,7 +218,7 @@ unsafe fn row16_avx2(group: *const u8, acts: &QuantizedActs, row: usize) -> [__m
             let mut isum = [_mm256_setzero_si256(); 2];
             for p in 0..4 {
                 // 4 steps of 10 lines cover the 38-line block (2432 bytes).
-                prefetch_ahead(blk, 640 * p, 10);
+                prefetch::ahead(blk, 640 * p, 10);
                 let mut lo = [_mm256_setzero_si256(); 2];
                 let mut hi = [_mm256_setzero_si256(); 2];
                 for i in 0..8 {

@@ -34,7 +34,7 @@ use std::ops::Range;
 
 use super::activation::{ActKind, QuantizedActs, K_SUMS, QK_K};
 use super::simd::Simd;
-use super::{prefetch_ahead, Kernel, GROUP};
+use super::{prefetch, Kernel, GROUP};
 
 pub(super) struct Q6K;
 
@@ -158,7 +158,7 @@ impl Kernel for Q6K {
 
 /// [`Kernel::tile`] for any [`Simd`]; `STREAM`: the weights come from memory
 /// ([`Kernel::stream_tile`]), so the block asks for the lines
-/// [`super::DECODE_PREFETCH_BYTES`] ahead a quarter at a time, between its sub-blocks.
+/// ahead ([`super::prefetch`]) a quarter at a time, between its sub-blocks.
 ///
 /// # Safety
 /// [`Kernel::tile`]'s contract.
@@ -182,7 +182,7 @@ unsafe fn tile_generic<S: Simd, const R: usize, const STREAM: bool>(
             for g in 0..16 {
                 if STREAM && g % 4 == 0 {
                     // 4 steps of 14 lines cover the 54-line block.
-                    prefetch_ahead(blk, 64 * 14 * (g / 4), 14);
+                    prefetch::ahead(blk, 64 * 14 * (g / 4), 14);
                 }
                 let mut acc = [S::zero(); R];
                 for c in 4 * g..4 * g + 4 {
@@ -214,7 +214,7 @@ unsafe fn tile_generic<S: Simd, const R: usize, const STREAM: bool>(
 
 /// One row × all 16 columns of a group on plain AVX2 (decode): each chunk's 64-byte plane
 /// rows are unpacked for both 8-column halves at once, against one broadcast of the
-/// activations, with software prefetches [`super::DECODE_PREFETCH_BYTES`] ahead. Per column the
+/// activations, with software prefetches ahead ([`super::prefetch`]). Per column the
 /// same integer `isum` and f32 operations as [`tile_avx2`], so the same bits.
 ///
 /// # Safety
@@ -254,7 +254,7 @@ unsafe fn quarter16_avx2<const T: usize>(blk: *const u8, a: *const u8, isum: &mu
     unsafe {
         for s in 0..4 {
             // 16 steps of 4 lines cover the 54-line block (3456 bytes).
-            prefetch_ahead(blk, 256 * (4 * T + s), 4);
+            prefetch::ahead(blk, 256 * (4 * T + s), 4);
             let sc16 = _mm_loadu_si128(blk.add(SC + GROUP * (4 * T + s)) as *const __m128i);
             let scv = [
                 _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc16, sc16)),
