@@ -62,17 +62,17 @@ impl QuantizedActs {
 
     /// Sizes the buffers for `m` rows of `k` values in blocks of `block` (`sums_per_block` each;
     /// `qs_u8` only for Q8_K).
+    ///
+    /// What the buffers held stays where they keep their length: every block writes all of its
+    /// values, scale and sums (zeroing them first was 3.5% of a 1.5B prefill, with the
+    /// products' outputs).
     fn reset(&mut self, m: usize, k: usize, block: usize, sums_per_block: usize, with_u8: bool) {
         self.k = k;
         self.nb = k / block;
         let blocks = m * self.nb;
-        self.qs.clear();
         self.qs.resize(m * k, 0);
-        self.qs_u8.clear();
         self.qs_u8.resize(if with_u8 { m * k } else { 0 }, 0);
-        self.d.clear();
         self.d.resize(blocks, 0.0);
-        self.sums.clear();
         self.sums.resize(blocks * sums_per_block, 0);
     }
 
@@ -111,7 +111,9 @@ impl QuantizedActs {
                 }
             }
             if amax == 0.0 {
-                // Zeroed by `reset`, but for `qs_u8`: 0 as u8 is 128.
+                qb.fill(0);
+                sums.fill(0);
+                *d = 0.0;
                 // SAFETY: as above.
                 unsafe { dst.qs_u8(b * QK_K, QK_K) }.fill(0x80);
                 return;
@@ -326,6 +328,27 @@ mod tests {
                     assert!(all.qs_u8.is_empty());
                 }
             }
+        }
+    }
+
+    /// Buffers that held other rows (`reset` no longer zeroes them) quantize to what fresh
+    /// ones do, zero blocks included.
+    #[test]
+    fn reused_buffers_quantize_like_fresh_ones() {
+        let (m, k) = (3, 1024);
+        let before: Vec<f32> = (0..m * k).map(|i| (i % 97) as f32 - 40.5).collect();
+        let mut x: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 31 % 211) as f32 - 105.0) / 9.0)
+            .collect();
+        x[k..k + 512].iter_mut().for_each(|v| *v = 0.0);
+        for kind in [ActKind::Q8_0, ActKind::Q8K] {
+            let fresh = QuantizedActs::new(kind, &x, m, k);
+            let mut reused = QuantizedActs::new(kind, &before, m, k);
+            reused.fill(kind, &x, m, k);
+            assert_eq!(reused.qs, fresh.qs, "{kind:?}");
+            assert_eq!(reused.qs_u8, fresh.qs_u8, "{kind:?}");
+            assert_eq!(reused.d, fresh.d, "{kind:?}");
+            assert_eq!(reused.sums, fresh.sums, "{kind:?}");
         }
     }
 

@@ -210,6 +210,31 @@ fn products_of_one_input_together_equal_each_alone_bit_for_bit() {
     }
 }
 
+/// Outputs are not zeroed before the products: every element must be written, whatever the
+/// buffer held (here NaN), on every ISA, with a partial column group and partial row tiles.
+#[test]
+fn products_overwrite_every_output() {
+    let (n, k) = (29, 512);
+    for dtype in [
+        GgmlDType::Q5_0,
+        GgmlDType::Q8_0,
+        GgmlDType::Q4K,
+        GgmlDType::Q6K,
+    ] {
+        let mut packed = case(dtype, n, k).packed;
+        for isa in ISAS.into_iter().filter(|&isa| supports(isa)) {
+            packed.isas = Isas::all(isa);
+            for m in [1, 5, 37] {
+                let x = random(m * k, 5 + m as u64);
+                let want = packed.matmul(&x, m);
+                let mut out = vec![f32::NAN; m * n];
+                super::matmul_many_into(&[&packed], &x, m, &mut [&mut out]);
+                assert_bits_equal(&out, &want, &format!("{dtype:?} {isa:?} m={m}"));
+            }
+        }
+    }
+}
+
 /// Raw ggml K-quant rows whose every byte is random (so scales reach -128 and 127 and the
 /// quants 0 and their maximum), with block scales `d`/`dmin` kept small and finite.
 fn raw_k_rows(n: usize, k: usize, block_bytes: usize, f16_at: &[usize], seed: u64) -> Vec<u8> {
