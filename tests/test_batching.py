@@ -129,12 +129,13 @@ def test_read_bandwidth_is_a_rate_and_refuses_bad_sizes():
 
 def test_the_kernel_choices_are_listed_once_a_model_loads(tiny_models):
     # The tiny model's heads are 16 wide: AVX2 and (where the CPU has it) AVX-512 attention are
-    # candidates; its q8_0 GGUF adds the quantized matmuls' three regimes (1 row, 2-8 rows, more).
+    # candidates; its q8_0 GGUF adds the quantized matmuls' four regimes (1 row, 2-8 rows, a batch's
+    # 9-48, more).
     LLM(tiny_models["gguf_q8_0"])
     lines = _native.kernel_selections()
     assert any(line.startswith("attention (head_dim 16, 2 query heads per KV head, F16 cache): ") for line in lines), lines
     qmatmul = [line for line in lines if line.startswith("qmatmul Q8_0 ")]
-    regimes = ["qmatmul Q8_0 decode", "qmatmul Q8_0 verify", "qmatmul Q8_0 prefill"]
+    regimes = ["qmatmul Q8_0 decode", "qmatmul Q8_0 verify", "qmatmul Q8_0 batch", "qmatmul Q8_0 prefill"]
     assert [line.split(" (")[0] for line in qmatmul] == regimes, lines
     # Each says how it was decided (the timing's ratio, a NOVAINFER_*_ISA variable, or a lone candidate).
     assert all(" faster" in line or "forced by NOVAINFER_" in line or "the only candidate" in line for line in lines)

@@ -234,15 +234,23 @@ impl Format {
 /// (AVX2's and AVX-512's) cover exactly 2 to 8 rows (and their GEMVs one).
 const FEW_ROWS: usize = 8;
 
+/// Products of up to this many rows (and more than [`FEW_ROWS`]) run [`Isas::batch`]'s code: a
+/// decode step of a batch of sequences. On a Xeon with AMX (2 threads) AVX-512 beat AMX by
+/// ~10% at 16-32 rows on Q4_K, Q5_0 and Q8_0 (AMX unpacks a group's weights for only one or
+/// two row tiles), where at 64 rows AMX tied or won, as it does for prefill.
+const BATCH_ROWS: usize = 48;
+
 /// The ISAs a matrix's products run on, each chosen by speed ([`select`]) for its regime:
 /// `one` for single-row work items (decode: bound by streaming the weights), `few` for 2 to
-/// [`FEW_ROWS`] rows (speculative verification, a few sequences), `many` for the rest
+/// [`FEW_ROWS`] rows (speculative verification, a few sequences), `batch` for the larger
+/// items of products of up to [`BATCH_ROWS`] rows (a batch's decode step), `many` for the rest
 /// (prefill tiles, bound by the arithmetic). Every ISA gives the same bits, so mixing them
 /// keeps batch invariance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Isas {
     one: IsaChoice,
     few: IsaChoice,
+    batch: IsaChoice,
     many: IsaChoice,
 }
 
@@ -251,7 +259,26 @@ impl Isas {
         Self {
             one: isa,
             few: isa,
+            batch: isa,
             many: isa,
+        }
+    }
+
+    /// The ISA of a work item of `rows` rows in an `m`-row product.
+    fn for_item(&self, m: usize, rows: usize) -> IsaChoice {
+        match rows {
+            1 => self.one,
+            2..=FEW_ROWS => self.few,
+            _ => self.tiled(m),
+        }
+    }
+
+    /// The ISA of an `m`-row product's items of more than [`FEW_ROWS`] rows.
+    fn tiled(&self, m: usize) -> IsaChoice {
+        if m <= BATCH_ROWS {
+            self.batch
+        } else {
+            self.many
         }
     }
 }
@@ -406,8 +433,8 @@ impl PackedMatrix {
     /// A multiple of every tile height (4, 6, 8) where it can be, so that only the last
     /// chunk of a product ends in short tiles (at k = 8960 the old 29-row chunks ran 5 of
     /// every 29 rows as single-row tiles).
-    fn rows_per_chunk(&self) -> usize {
-        if self.isas.many == IsaChoice::Amx {
+    fn rows_per_chunk(&self, m: usize) -> usize {
+        if self.isas.tiled(m) == IsaChoice::Amx {
             // Whole pairs of AMX row tiles (rows past the last whole tile run on AVX-512), as
             // many as [`amx::CHUNK_BYTES`] of activations hold: each item unpacks its group's
             // weights once for all of them.
@@ -424,7 +451,7 @@ impl PackedMatrix {
 
     /// Work items of an `m`-row product: (row chunk, column group) pairs.
     fn items(&self, m: usize) -> usize {
-        m.div_ceil(self.rows_per_chunk()) * self.n.div_ceil(GROUP)
+        m.div_ceil(self.rows_per_chunk(m)) * self.n.div_ceil(GROUP)
     }
 
     /// Runs work item `item` of the `m`-row product whose quantized input is `acts` into `dst`.
@@ -434,7 +461,7 @@ impl PackedMatrix {
     /// of `m · n` floats that no one else writes at this item's (rows, columns).
     unsafe fn item<F: Kernel>(&self, acts: &QuantizedActs, m: usize, dst: SharedOut, item: usize) {
         let groups = self.n.div_ceil(GROUP);
-        let rows_per_chunk = self.rows_per_chunk();
+        let rows_per_chunk = self.rows_per_chunk(m);
         let job = GroupJob {
             acts,
             n: self.n,
@@ -443,11 +470,7 @@ impl PackedMatrix {
         let (chunk, g) = (item / groups, item % groups);
         let rows = chunk * rows_per_chunk..m.min((chunk + 1) * rows_per_chunk);
         let group = self.data.bytes()[g * self.group_bytes..].as_ptr();
-        let isa = match rows.len() {
-            1 => self.isas.one,
-            2..=FEW_ROWS => self.isas.few,
-            _ => self.isas.many,
-        };
+        let isa = self.isas.for_item(m, rows.len());
         // SAFETY: `group` starts a packed group of `k / BLOCK_K` blocks (see `pack`), `rows` lie
         // inside `acts`, `isa` was detected on this CPU, and each (row, column) of the output
         // is written by exactly one work item.

@@ -20,7 +20,10 @@
 //!   Rapids VM had decoded ~4% slower on AVX-512, before its 1-8-row products streamed with
 //!   prefetches spread over a block). Flushing the matrix before each run was tried: ~180 ns
 //!   a line in a VM, and it showed ties where the model decoded 14% slower;
-//! * prefill: [`PREFILL_ROWS`] rows against a small matrix that stays in cache.
+//! * batch (a decode step of [`super::BATCH_ROWS`] sequences or fewer) and prefill: [`BATCH_PROBLEM_ROWS`]
+//!   and [`PREFILL_ROWS`] rows against a small matrix that stays in cache. They differ where AMX
+//!   is among the candidates: it unpacks a group's weights once per work item, which a
+//!   prefill's hundreds of rows repay and a batch's few row tiles may not.
 //!
 //! Every problem times the products alone: its input is quantized once, outside the runs.
 //!
@@ -56,6 +59,9 @@ const STREAM_MAX_BYTES: usize = 64 << 20;
 /// (Intel Xeon with AMX, 2 threads; docs/benchmarks.md).
 const PREFILL_ROWS: usize = 128;
 const PREFILL_N: usize = 1024;
+/// Rows of the batch problem: two AMX row tiles, the middle of the batch regime (9 to
+/// [`super::BATCH_ROWS`] rows), on the prefill problem's matrix.
+const BATCH_PROBLEM_ROWS: usize = 32;
 
 /// The ISAs for products of `format` on this CPU, chosen on first use and kept for the
 /// process; `None` without AVX2+FMA (candle's kernels run then).
@@ -89,11 +95,18 @@ fn choose(format: Format) -> Option<Isas> {
     let (one, one_record) = time(&stream, Regime::Decode, incumbent);
     drop(stream);
     let (many, many_record) = time(&prefill, Regime::Prefill, None);
-    // Logged in the regimes' order of rows (decode, verify, prefill), whatever the timing's.
-    for record in [one_record, few_record, many_record] {
+    let (batch, batch_record) = time(&prefill, Regime::Batch, None);
+    // Logged in the regimes' order of rows (decode, verify, batch, prefill), whatever the
+    // timing's.
+    for record in [one_record, few_record, batch_record, many_record] {
         kernel_select::record(&record);
     }
-    Some(Isas { one, few, many })
+    Some(Isas {
+        one,
+        few,
+        batch,
+        many,
+    })
 }
 
 /// A timing problem's matrix: `n` rows repeating the 16 sample rows, packed on first use.
@@ -142,8 +155,17 @@ enum Regime {
     Decode,
     /// Four rows (a speculative verification step) over the same matrix.
     Verify,
+    /// [`BATCH_PROBLEM_ROWS`] rows against the prefill problem's matrix.
+    Batch,
     /// [`PREFILL_ROWS`] rows against a matrix in cache.
     Prefill,
+}
+
+impl Regime {
+    /// Whether the problem's rows fill whole 16-row tiles (AMX's candidates).
+    fn tiled(self) -> bool {
+        matches!(self, Self::Batch | Self::Prefill)
+    }
 }
 
 /// 16 rows of `K` values quantized to `format` by candle (ggml's raw blocks), or for
@@ -228,6 +250,7 @@ fn time_regime(
     let m = match regime {
         Regime::Decode => 1,
         Regime::Verify => 4,
+        Regime::Batch => BATCH_PROBLEM_ROWS,
         Regime::Prefill => PREFILL_ROWS,
     };
     let x: Vec<f32> = (0..m * K).map(|i| wave(i, 0.73)).collect();
@@ -236,13 +259,12 @@ fn time_regime(
     let mut acts = QuantizedActs::default();
     acts.fill(problem.mat().borrow().act_kind(), &x, m, K);
     // AMX runs only whole 16-row tiles (fewer rows run the AVX-512 code), so it is a
-    // candidate for the prefill problem of a format that has an AMX form, or when forced.
+    // candidate for the batch and prefill problems of a format that has an AMX form, or when
+    // forced.
     let amx_forced = forced.is_some_and(|(_, v)| v == IsaChoice::Amx.name());
     let candidates = available
         .iter()
-        .filter(|&&isa| {
-            isa != IsaChoice::Amx || amx_forced || (regime == Regime::Prefill && format.has_amx())
-        })
+        .filter(|&&isa| isa != IsaChoice::Amx || amx_forced || (regime.tiled() && format.has_amx()))
         .map(|&isa| {
             let acts = &acts;
             Candidate::new(isa, isa.name(), move || {
@@ -258,6 +280,7 @@ fn time_regime(
         Regime::Verify => {
             format!("qmatmul {format:?} verify (4 rows streaming a {mib} MiB matrix)")
         }
+        Regime::Batch => format!("qmatmul {format:?} batch ({BATCH_PROBLEM_ROWS} rows)"),
         Regime::Prefill => format!("qmatmul {format:?} prefill ({PREFILL_ROWS} rows)"),
     };
     kernel_select::select_keeping(
@@ -285,6 +308,7 @@ mod tests {
         let regimes = [
             ("decode", isas.one),
             ("verify", isas.few),
+            ("batch", isas.batch),
             ("prefill", isas.many),
         ];
         for (regime, chosen) in regimes {
@@ -300,10 +324,11 @@ mod tests {
                 s.rejected.is_empty(),
                 "an ISA disagreed with AVX2 on this CPU: {s}"
             );
-            // AMX is timed for prefill only (fewer rows than a tile run the AVX-512 code).
+            // AMX is timed for batch and prefill only (fewer rows than a tile run the AVX-512
+            // code).
             let names: Vec<_> = available
                 .iter()
-                .filter(|&&i| i != IsaChoice::Amx || regime == "prefill")
+                .filter(|&&i| i != IsaChoice::Amx || regime == "batch" || regime == "prefill")
                 .map(|i| i.name())
                 .collect();
             if names.len() > 1 {
@@ -344,6 +369,7 @@ mod tests {
             for (problem, regime) in [
                 (&stream, Regime::Decode),
                 (&stream, Regime::Verify),
+                (&prefill, Regime::Batch),
                 (&prefill, Regime::Prefill),
             ] {
                 let (_, s) = time_regime(format, &available, None, problem, regime, None);

@@ -163,6 +163,30 @@ fn rows_are_batch_invariant_and_isa_independent() {
     }
 }
 
+/// Which regime's ISA runs a work item: by its rows up to [`super::FEW_ROWS`] (a prefill's
+/// last chunk may be short), past them by the product's rows.
+#[test]
+fn work_items_run_their_regimes_isa() {
+    let isas = Isas {
+        one: IsaChoice::Avx2,
+        few: IsaChoice::Vnni256,
+        batch: IsaChoice::Avx512,
+        many: IsaChoice::Amx,
+    };
+    for (m, rows, want) in [
+        (1, 1, IsaChoice::Avx2),
+        (8, 8, IsaChoice::Vnni256),
+        (9, 9, IsaChoice::Avx512),
+        (super::BATCH_ROWS, 29, IsaChoice::Avx512),
+        (super::BATCH_ROWS + 1, super::BATCH_ROWS + 1, IsaChoice::Amx),
+        (512, 29, IsaChoice::Amx),
+        (512, 5, IsaChoice::Vnni256),
+        (513, 1, IsaChoice::Avx2),
+    ] {
+        assert_eq!(isas.for_item(m, rows), want, "m={m}, rows={rows}");
+    }
+}
+
 /// Every implementation; a test runs those [`supports`] says this CPU has.
 const ISAS: [IsaChoice; 4] = [
     IsaChoice::Avx2,
