@@ -235,9 +235,10 @@ impl Format {
 const FEW_ROWS: usize = 8;
 
 /// Products of up to this many rows (and more than [`FEW_ROWS`]) run [`Isas::batch`]'s code: a
-/// decode step of a batch of sequences. On a Xeon with AMX (2 threads) AVX-512 beat AMX by
-/// ~10% at 16-32 rows on Q4_K, Q5_0 and Q8_0 (AMX unpacks a group's weights for only one or
-/// two row tiles), where at 64 rows AMX tied or won, as it does for prefill.
+/// decode step of a batch of sequences. On a Xeon with AMX (2 threads, the demo models'
+/// shapes) AVX-512 beat AMX by ~10% at 16-32 rows on Q4_K, Q5_0 and Q8_0 (AMX unpacks a
+/// group's weights for only one or two row tiles), where at 64 rows AMX tied or won, as it
+/// does for prefill; which wins on a CPU is timed ([`select`]).
 const BATCH_ROWS: usize = 48;
 
 /// The ISAs a matrix's products run on, each chosen by speed ([`select`]) for its regime:
