@@ -20,10 +20,11 @@
 //!   Rapids VM had decoded ~4% slower on AVX-512, before its 1-8-row products streamed with
 //!   prefetches spread over a block). Flushing the matrix before each run was tried: ~180 ns
 //!   a line in a VM, and it showed ties where the model decoded 14% slower;
-//! * batch (a decode step of [`super::BATCH_ROWS`] sequences or fewer) and prefill: [`BATCH_PROBLEM_ROWS`]
-//!   and [`PREFILL_ROWS`] rows against a small matrix that stays in cache. They differ where AMX
-//!   is among the candidates: it unpacks a group's weights once per work item, which a
-//!   prefill's hundreds of rows repay and a batch's few row tiles may not.
+//! * batch (a decode step of [`super::BATCH_ROWS`] sequences or fewer) and prefill:
+//!   [`BATCH_PROBLEM_ROWS`] and [`PREFILL_ROWS`] rows against a small matrix that stays in
+//!   cache. They differ where AMX is among the candidates: it unpacks a group's weights once
+//!   per work item, which a prefill's hundreds of rows repay and a batch's few row tiles may
+//!   not.
 //!
 //! Every problem times the products alone: its input is quantized once, outside the runs.
 //!
