@@ -66,10 +66,11 @@ fn words(bytes: &mut [u8]) -> &mut [u64] {
     words
 }
 
-/// How far ahead of the line it reads the probe asks for lines (into L1). This is the fastest
-/// plain read we know on every CPU measured, so the roof is the stricter one: on a Xeon with
-/// AMX it read 37 GB/s this way and 31 asking 4 KiB ahead into L2, the form the decode kernels
-/// read fastest with there (`layers::qmatmul::prefetch`).
+/// How far ahead of the line it reads the probe asks for lines (into L1): the decode kernels'
+/// distance where they ask into L1 (`layers::qmatmul::prefetch`). Where they ask into L2
+/// instead (Intel), the probe keeps this form, as the faster of the two for a plain read is
+/// the stricter roof: on a Xeon with AMX it read 37 GB/s this way and 31 asking 4 KiB ahead
+/// into L2 (alternated; the other CPUs were not compared).
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_BYTES: usize = 10 * 1024;
 /// (Elsewhere [`prefetch`] asks for nothing.)

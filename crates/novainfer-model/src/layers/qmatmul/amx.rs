@@ -374,7 +374,8 @@ const SCALED_BLOCK_BYTES: usize = 8 * TILE_BYTES;
 const SLAB_BLOCKS: usize = 2;
 
 /// Rows `rows` (a multiple of [`TILE_ROWS`]) of a Q4_K/Q6_K product against group `g`: the
-/// group's `v` planes are unpacked once, then for each pair of 16-row tiles and each block,
+/// group's `v` planes are unpacked once, [`SLAB_BLOCKS`] blocks at a time, and for each slab,
+/// each pair of 16-row tiles and each of the slab's blocks,
 /// `Σ lo·a` and `Σ hi·a` over the block's four 64-value steps (tiles 0-3: low and high for
 /// each row tile), `isum = lo + 256·hi`, and the block's f32 update onto the output, which
 /// carries the accumulators between blocks.

@@ -19,7 +19,7 @@
 //!   (`GroupJob::few_rows_avx2`); from 5 rows on they are bound by the arithmetic instead;
 //! * on AVX-512 1 to 8 rows stream the same way, 16 columns a register
 //!   (`GroupJob::few_rows_wide`);
-//! * on AMX (chosen for prefill where it wins), whole 16-row tiles of a work item run on tile
+//! * on AMX (chosen for prefill and batches where it wins), whole 16-row tiles of a work item run on tile
 //!   products and the rows past them on AVX-512 ([`amx`]);
 //! * work items are (row chunk, column group) pairs handed to candle's barrier pool: a few
 //!   rows (decode) give each thread one contiguous share of them to stream, stealing at the
