@@ -233,7 +233,10 @@ mod tests {
             }
         }
         for (mark, b) in &kept {
-            assert!(b.iter().all(|x| x == mark), "a neighbour wrote into a buffer");
+            assert!(
+                b.iter().all(|x| x == mark),
+                "a neighbour wrote into a buffer"
+            );
         }
     }
 }

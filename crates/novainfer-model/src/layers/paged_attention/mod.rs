@@ -51,7 +51,7 @@ use crate::forward_batch::SeqSpan;
 use crate::kernel_select;
 use crate::kv_dtype::KvStorage;
 use crate::paged_kv::{KeyLayout, PoolLayer, KEY_TILE};
-use ops::{exp_scalar, AttnOps, Keys, Rows, Scalar, GROUP, TILE, TILES};
+use ops::{exp_scalar, AttnOps, Keys, Rows, Scalar, Trickle, GROUP, TILE, TILES};
 
 /// Positions per partition (a multiple of [`TILE`]).
 const PART: usize = 256;
@@ -373,11 +373,12 @@ impl Item {
 /// before a tile's transpose and the values after it rather than all at once: 0.55 (two
 /// threads: median 0.37 → 0.33 ms). Into L2 (`T1`), not L1: on Zen 4, `T0` prefetches
 /// gained nothing (the first level's miss buffers fill and stall the loads). For decode's
-/// few rows, whose tiles go by fast, the same queueing in halves again: each half of the keys
-/// and of the values asked for at its own moment of the tile (an Intel Xeon with AMX, 2
-/// threads, 200 layers' caches at depth 4,096: 0.5B shape 0.185 → 0.169 ms, 1.5B 0.325 →
-/// 0.316; `T0`, `T2` and one or four tiles ahead no better). A prefill's tiles take long
-/// enough for two moments, and its 0.5B-shape chunk ran ~3% slower with four.
+/// few rows, whose tiles go by fast, the same queueing again: its lines are asked for one at a
+/// time from inside the kernel's loops ([`ops::Trickle`]). On an Intel Xeon with AMX (2 threads,
+/// 200 layers' caches at depth 4,096), all at two moments: 0.5B shape 0.182 ms, 1.5B 0.316; a
+/// half at each of four moments: 0.172, 0.311; a line at a time: see docs/benchmarks.md
+/// (`T0`, `T2` and one or four tiles ahead no better). A prefill's tiles take long enough
+/// for two moments (its 0.5B-shape chunk ran ~3% slower with four).
 struct Ahead<'a, 'c> {
     ctx: &'a Ctx<'c>,
     item: &'a Item,
@@ -430,51 +431,16 @@ impl<'a, 'c> Ahead<'a, 'c> {
         self.n = range.len();
     }
 
-    /// Asks for what moment `moment` (0 to 3, in the order a tile's work reaches them) of a
-    /// tile asks for: with `spread` (decode) a half of the keys or of the values at each, else
-    /// the keys at the first and the values at the second (see the type's docs).
+    /// The located keys' lines, to be asked for a line at a time.
     #[inline(always)]
-    fn at_moment(&self, moment: usize, spread: bool) {
-        match (spread, moment) {
-            (true, 0) => self.keys(Part::FirstHalf),
-            (true, 1) => self.keys(Part::SecondHalf),
-            (true, 2) => self.values(Part::FirstHalf),
-            (true, _) => self.values(Part::SecondHalf),
-            (false, 0) => self.keys(Part::All),
-            (false, 1) => self.values(Part::All),
-            (false, _) => {}
-        }
+    fn keys(&self) -> Trickle<'_> {
+        Trickle::new(&self.k[..self.nk], key_bytes(self.ctx))
     }
 
-    /// Asks for `part` of the located keys.
+    /// The located values' lines, to be asked for a line at a time.
     #[inline(always)]
-    fn keys(&self, part: Part) {
-        prefetch_rows(part.of(&self.k[..self.nk]), key_bytes(self.ctx));
-    }
-
-    /// Asks for `part` of the located values.
-    #[inline(always)]
-    fn values(&self, part: Part) {
-        prefetch_rows(part.of(&self.v[..self.n]), self.ctx.layer.geo.head_bytes);
-    }
-}
-
-/// Which of the located rows [`Ahead`] asks for at one moment.
-#[derive(Clone, Copy)]
-enum Part {
-    All,
-    FirstHalf,
-    SecondHalf,
-}
-
-impl Part {
-    fn of<T>(self, rows: &[T]) -> &[T] {
-        let (first, second) = rows.split_at(rows.len() / 2);
-        match self {
-            Self::All => rows,
-            Self::FirstHalf => first,
-            Self::SecondHalf => second,
-        }
+    fn values(&self) -> Trickle<'_> {
+        Trickle::new(&self.v[..self.n], self.ctx.layer.geo.head_bytes)
     }
 }
 
@@ -837,8 +803,8 @@ unsafe fn run_item<O: AttnOps>(
         // The first tiles, unless the item before on this thread asked for them already.
         for pos in (ahead.walk.start..).step_by(TILE).take(AHEAD / TILE) {
             ahead.locate(pos);
-            ahead.keys(Part::All);
-            ahead.values(Part::All);
+            ahead.keys().rest();
+            ahead.values().rest();
         }
         // The tile's keys (rows or tiles) and value rows in the pool, and those of their
         // decoded copies.
@@ -862,9 +828,13 @@ unsafe fn run_item<O: AttnOps>(
                 unsafe {
                     locate(ctx, table, item.kv_head, t0, nt, &mut kp, &mut vp);
                     // The rows of the tile `AHEAD` on, asked for over this one's work: spread
-                    // out, the requests queue less (measured, see `Ahead`).
+                    // out, the requests queue less (measured, see `Ahead`). Decode asks for
+                    // them a line at a time from inside the loops, a prefill for its keys now
+                    // and its values once this tile's keys are ready.
                     ahead.locate(t0 + AHEAD);
-                    ahead.at_moment(0, in_place);
+                    if !in_place {
+                        ahead.keys().rest();
+                    }
                     let keys = tile_keys(
                         o,
                         ctx,
@@ -874,10 +844,15 @@ unsafe fn run_item<O: AttnOps>(
                         (&mut sc.k, &mut sc.kt),
                         &mut kd,
                     );
-                    ahead.at_moment(1, in_place);
-                    o.scores(&sc.q, hd, rows, keys, groups, &mut sc.s);
+                    let mut lines = if in_place {
+                        ahead.keys()
+                    } else {
+                        ahead.values().rest();
+                        Trickle::none()
+                    };
+                    o.scores(&sc.q, hd, rows, keys, groups, &mut sc.s, &mut lines);
+                    lines.rest();
                 }
-                ahead.at_moment(2, in_place);
                 // Rows that end before `nt` (or before the tile) get zero weights past their
                 // end, so the tile's value pass can run every row to the longest one.
                 let mut longest = 0;
@@ -902,10 +877,14 @@ unsafe fn run_item<O: AttnOps>(
                     sc.alpha[r] = alpha;
                     longest = longest.max(n);
                 }
-                ahead.at_moment(3, in_place);
                 // SAFETY: `locate`'s rows; the ISA as above.
                 let values =
                     unsafe { tile_rows(o, ctx, in_place, &vp, longest, &mut sc.v, &mut vd) };
+                let mut lines = if in_place {
+                    ahead.values()
+                } else {
+                    Trickle::none()
+                };
                 // SAFETY: as above; the first `longest` rows of `values` are valid.
                 unsafe {
                     o.accumulate(
@@ -915,8 +894,10 @@ unsafe fn run_item<O: AttnOps>(
                         &sc.s,
                         values,
                         longest,
+                        &mut lines,
                     )
                 };
+                lines.rest();
             }
             for r in 0..rows {
                 if sc.limit[r] < p0 {
@@ -1177,25 +1158,6 @@ fn locate(
     for j in n..TILE {
         v[j] = v[n - 1];
     }
-}
-
-/// Asks the CPU to bring the `bytes` at each of `rows` into its second-level cache (see
-/// [`Ahead`]); prefetching never faults, whatever the address.
-#[inline(always)]
-fn prefetch_rows(rows: &[*const u8], bytes: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-        const LINE: usize = 64;
-        for row in rows {
-            for at in (0..bytes).step_by(LINE) {
-                // SAFETY: a prefetch is a hint; it reads nothing and cannot fault.
-                unsafe { _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(at).cast()) };
-            }
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (rows, bytes);
 }
 
 /// `f(j, slot)` with the slot of position `t0 + j`, `j < n`, walking the block table one

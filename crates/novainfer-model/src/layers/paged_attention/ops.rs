@@ -129,6 +129,69 @@ fn tree<T: Copy, const N: usize>(mut x: [T; N], add: impl Fn(T, T) -> T) -> T {
     x[0]
 }
 
+/// Asks the CPU to bring the line at `p` into its second-level cache; a prefetch never
+/// faults, whatever the address.
+#[inline(always)]
+pub(super) fn prefetch_line(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint; it reads nothing and cannot fault; SSE is baseline.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        _mm_prefetch::<_MM_HINT_T1>(p.cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// The cache lines of some rows (the tile ahead's keys or values), asked for one at a time
+/// from inside [`AttnOps::scores`]' and [`AttnOps::accumulate`]'s loops (a line per step of
+/// the dimensions or of the value rows) rather than all at once: a burst of requests past the
+/// core's fill buffers stalls the loads behind it (the driver's `Ahead` says how much that
+/// cost). What the loops leave, [`Trickle::rest`] asks for at once.
+pub(super) struct Trickle<'a> {
+    rows: &'a [*const u8],
+    /// Bytes of each row.
+    bytes: usize,
+    /// The next line: row `row`, `at` bytes in.
+    row: usize,
+    at: usize,
+}
+
+impl<'a> Trickle<'a> {
+    pub(super) fn new(rows: &'a [*const u8], bytes: usize) -> Self {
+        Self {
+            rows,
+            bytes,
+            row: 0,
+            at: 0,
+        }
+    }
+
+    /// Asks for nothing.
+    pub(super) fn none() -> Self {
+        Self::new(&[], 0)
+    }
+
+    /// Asks for the next line, if any is left.
+    #[inline(always)]
+    pub(super) fn step(&mut self) {
+        if let Some(&row) = self.rows.get(self.row) {
+            prefetch_line(row.wrapping_add(self.at));
+            self.at += 64;
+            if self.at >= self.bytes {
+                (self.row, self.at) = (self.row + 1, 0);
+            }
+        }
+    }
+
+    /// Asks for every line not asked for yet.
+    pub(super) fn rest(&mut self) {
+        while self.row < self.rows.len() {
+            self.step();
+        }
+    }
+}
+
 /// What the kernel driver needs from an instruction set.
 ///
 /// # Safety
@@ -142,7 +205,9 @@ pub(super) trait AttnOps: Copy {
     unsafe fn transpose(self, k: Rows, hd: usize, groups: usize, kt: &mut [f32]);
     /// For query rows `r < rows` (`q`: rows of `hd`) and key groups `g < groups`:
     /// `s[r·TILE + 8g + l] = Σ_d q[r][d]·k_{8g+l}[d]` (and possibly more of the row's `TILE`
-    /// with numbers never weighed).
+    /// with numbers never weighed). Asks for `ahead`'s lines as it goes (some or none of
+    /// them: the caller asks for the rest).
+    #[allow(clippy::too_many_arguments)]
     unsafe fn scores(
         self,
         q: &[f32],
@@ -151,12 +216,15 @@ pub(super) trait AttnOps: Copy {
         keys: Keys,
         groups: usize,
         s: &mut [f32],
+        ahead: &mut Trickle,
     );
     /// Scores → exponentials in place: with `m' = max(m, s[..n])`, `s[j] = exp(s[j] − m')`
     /// for `j < n` and 0 after; returns `(m', Σ s)`. `n ≥ 1`.
     unsafe fn softmax(self, s: &mut [f32], m: f32, n: usize) -> (f32, f32);
     /// For rows `r` of `acc` (rows of `hd`):
-    /// `acc_r = acc_r·alpha[r] + Σ_{j<n} e[r·TILE + j]·v_j`.
+    /// `acc_r = acc_r·alpha[r] + Σ_{j<n} e[r·TILE + j]·v_j`. Asks for `ahead`'s lines as
+    /// [`AttnOps::scores`] does.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn accumulate(
         self,
         acc: &mut [f32],
@@ -165,6 +233,7 @@ pub(super) trait AttnOps: Copy {
         e: &[f32],
         v: Rows,
         n: usize,
+        ahead: &mut Trickle,
     );
     /// Whether, for `rows` query rows, [`AttnOps::transpose`] and [`AttnOps::accumulate`]
     /// should read K and V where they lie rather than from a decoded f32 copy of the tile:
@@ -236,6 +305,7 @@ impl AttnOps for Scalar {
         keys: Keys,
         groups: usize,
         s: &mut [f32],
+        _ahead: &mut Trickle,
     ) {
         for r in 0..rows {
             let q = &q[r * hd..(r + 1) * hd];
@@ -283,6 +353,7 @@ impl AttnOps for Scalar {
         e: &[f32],
         v: Rows,
         n: usize,
+        _ahead: &mut Trickle,
     ) {
         for (r, row) in acc.chunks_exact_mut(hd).enumerate() {
             let e = &e[r * TILE..];

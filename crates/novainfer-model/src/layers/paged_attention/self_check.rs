@@ -180,7 +180,7 @@ pub(super) unsafe fn agrees<K: Kernel>(k: K) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layers::paged_attention::ops::{Avx2, Avx512, Keys, Rows, GROUP, TILES};
+    use crate::layers::paged_attention::ops::{Avx2, Avx512, Keys, Rows, Trickle, GROUP, TILES};
 
     /// A mistake an ISA's ops could make; each must make the check fail.
     #[derive(Debug, Clone, Copy, PartialEq)]
@@ -236,14 +236,15 @@ mod tests {
             keys: Keys,
             groups: usize,
             s: &mut [f32],
+            ahead: &mut Trickle,
         ) {
             let Keys::Tiled { at, dtype } = keys else {
                 // SAFETY: as above (transposed keys took their fault in `transpose`).
-                return unsafe { Avx2.scores(q, hd, rows, keys, groups, s) };
+                return unsafe { Avx2.scores(q, hd, rows, keys, groups, s, ahead) };
             };
             if self.0 != Fault::Decode(dtype.storage()) {
                 // SAFETY: as above.
-                return unsafe { Avx2.scores(q, hd, rows, keys, groups, s) };
+                return unsafe { Avx2.scores(q, hd, rows, keys, groups, s, ahead) };
             }
             // Tiled keys decoded wrong, through `decode_row`'s fault: every key's last number.
             let numbers = KEY_TILE * hd;
@@ -265,7 +266,7 @@ mod tests {
                 dtype: crate::paged_kv::TiledDtype::F32,
             };
             // SAFETY: as above.
-            unsafe { Avx2.scores(q, hd, rows, keys, groups, s) }
+            unsafe { Avx2.scores(q, hd, rows, keys, groups, s, ahead) }
         }
 
         #[inline(always)]
@@ -294,10 +295,11 @@ mod tests {
             e: &[f32],
             v: Rows,
             n: usize,
+            ahead: &mut Trickle,
         ) {
             if self.0 != Fault::Decode(v.dtype) {
                 // SAFETY: as above.
-                return unsafe { Avx2.accumulate(acc, hd, alpha, e, v, n) };
+                return unsafe { Avx2.accumulate(acc, hd, alpha, e, v, n, ahead) };
             }
             // The values decoded wrong, through `decode_row`'s fault.
             let mut copy = vec![0f32; TILE * hd];
@@ -315,7 +317,7 @@ mod tests {
                 dtype: KvStorage::F32,
             };
             // SAFETY: as above.
-            unsafe { Avx2.accumulate(acc, hd, alpha, e, copy, n) }
+            unsafe { Avx2.accumulate(acc, hd, alpha, e, copy, n, ahead) }
         }
 
         fn in_place(self, rows: usize) -> bool {

@@ -34,7 +34,8 @@ use super::format::{by_format, by_tiled, Format, F32};
 use super::simd::Simd;
 use super::ymm::{hmax, tile_sum, transpose_8_rows};
 use super::{
-    row_blocks, AttnOps, Avx2, Keys, Rows, EXP_LO, EXP_P, GROUP, LN2_HI, LN2_LO, LOG2E, TILE, VECS,
+    row_blocks, AttnOps, Avx2, Keys, Rows, Trickle, EXP_LO, EXP_P, GROUP, LN2_HI, LN2_LO, LOG2E,
+    TILE, VECS,
 };
 use crate::kv_dtype::KvStorage;
 use crate::paged_kv::KEY_TILE;
@@ -90,11 +91,13 @@ unsafe fn score_block<S: Simd, const R: usize, const P: usize, F: Format>(
     hd: usize,
     (k, line): ([*const u8; P], usize),
     s: *mut f32,
+    ahead: &mut Trickle,
 ) {
     // SAFETY: the caller's contract.
     unsafe {
         let mut acc = [[S::zero(); P]; R];
         for d in 0..hd {
+            ahead.step();
             let mut kv = [S::zero(); P];
             for (p, x) in kv.iter_mut().enumerate() {
                 *x = F::load::<S>(k[p], d * line, hd);
@@ -126,6 +129,7 @@ unsafe fn score_vectors<S: Simd, F: Format>(
     vecs: usize,
     (vector, line): (impl Fn(usize) -> *const u8, usize),
     s: *mut f32,
+    ahead: &mut Trickle,
 ) {
     for (r0, nr) in row_blocks(rows, S::ROW_BLOCK) {
         let (qr, sr) = (q.wrapping_add(r0 * hd), s.wrapping_add(r0 * TILE));
@@ -136,10 +140,10 @@ unsafe fn score_vectors<S: Simd, F: Format>(
             unsafe {
                 if vecs - v0 >= 2 {
                     let k = ([vector(v0), vector(v0 + 1)], line);
-                    by_rows!(nr, score_block::<S, 2, F>(qr, hd, k, so));
+                    by_rows!(nr, score_block::<S, 2, F>(qr, hd, k, so, ahead));
                 } else {
                     let k = ([vector(v0)], line);
-                    by_rows!(nr, score_block::<S, 1, F>(qr, hd, k, so));
+                    by_rows!(nr, score_block::<S, 1, F>(qr, hd, k, so, ahead));
                 }
             }
             v0 += if vecs - v0 >= 2 { 2 } else { 1 };
@@ -161,6 +165,7 @@ unsafe fn acc_block<S: Simd, const R: usize, const C: usize, F: Format>(
     e: *const f32,
     (v, d0): (&[*const u8; TILE], usize),
     n: usize,
+    ahead: &mut Trickle,
 ) {
     // SAFETY: the caller's contract.
     unsafe {
@@ -172,6 +177,7 @@ unsafe fn acc_block<S: Simd, const R: usize, const C: usize, F: Format>(
             }
         }
         for (j, vrow) in v.iter().enumerate().take(n) {
+            ahead.step();
             let mut vj = [S::zero(); C];
             for (c, x) in vj.iter_mut().enumerate() {
                 *x = F::load::<S>(*vrow, d0 + S::LANES * c, hd);
@@ -271,6 +277,7 @@ impl<S: Simd> AttnOps for S {
         keys: Keys,
         groups: usize,
         s: &mut [f32],
+        ahead: &mut Trickle,
     ) {
         debug_assert!(q.len() >= rows * hd && s.len() >= rows * TILE && groups <= TILE / GROUP);
         let (q, s) = (q.as_ptr(), s.as_mut_ptr());
@@ -286,9 +293,10 @@ impl<S: Simd> AttnOps for S {
                 // SAFETY: rows and key vectors lie inside the slices (checked above); every
                 // `Simd` ISA has AVX2/FMA.
                 unsafe {
-                    score_vectors::<S, F32>((q, hd, rows), vecs, (vector, S::LANES), s);
+                    let (all, portable) = ((q, hd, rows), (group, GROUP));
+                    score_vectors::<S, F32>(all, vecs, (vector, S::LANES), s, ahead);
                     let s = s.wrapping_add(paired * GROUP);
-                    score_vectors::<Avx2, F32>((q, hd, rows), groups - paired, (group, GROUP), s);
+                    score_vectors::<Avx2, F32>(all, groups - paired, portable, s, ahead);
                 }
             }
             Keys::Tiled { at, dtype } => {
@@ -307,7 +315,8 @@ impl<S: Simd> AttnOps for S {
                         (q, hd, rows),
                         vecs,
                         (vector, KEY_TILE),
-                        s
+                        s,
+                        ahead
                     ))
                 };
             }
@@ -361,6 +370,7 @@ impl<S: Simd> AttnOps for S {
         e: &[f32],
         v: Rows,
         n: usize,
+        ahead: &mut Trickle,
     ) {
         let (rows, lanes) = (acc.len() / hd, S::LANES);
         debug_assert!(hd.is_multiple_of(lanes) && alpha.len() >= rows);
@@ -382,12 +392,12 @@ impl<S: Simd> AttnOps for S {
                     if chunks - c0 >= 2 {
                         by_format!(v.dtype, |F| by_rows!(
                             nr,
-                            acc_block::<S, 2, F>(ac, hd, al, er, vc, n)
+                            acc_block::<S, 2, F>(ac, hd, al, er, vc, n, ahead)
                         ));
                     } else {
                         by_format!(v.dtype, |F| by_rows!(
                             nr,
-                            acc_block::<S, 1, F>(ac, hd, al, er, vc, n)
+                            acc_block::<S, 1, F>(ac, hd, al, er, vc, n, ahead)
                         ));
                     }
                 }
