@@ -175,13 +175,21 @@ impl<'a> Trickle<'a> {
     /// Asks for the next line, if any is left.
     #[inline(always)]
     pub(super) fn step(&mut self) {
-        if let Some(&row) = self.rows.get(self.row) {
-            prefetch_line(row.wrapping_add(self.at));
-            self.at += 64;
-            if self.at >= self.bytes {
-                (self.row, self.at) = (self.row + 1, 0);
-            }
+        if let Some(line) = self.next_line() {
+            prefetch_line(line);
         }
+    }
+
+    /// The next line's address (each row's from its start, 64 bytes apart, while inside it).
+    #[inline(always)]
+    fn next_line(&mut self) -> Option<*const u8> {
+        let row = *self.rows.get(self.row)?;
+        let line = row.wrapping_add(self.at);
+        self.at += 64;
+        if self.at >= self.bytes {
+            (self.row, self.at) = (self.row + 1, 0);
+        }
+        Some(line)
     }
 
     /// Asks for every line not asked for yet.
@@ -405,3 +413,29 @@ mod simd;
 mod vectorized;
 #[cfg(target_arch = "x86_64")]
 mod ymm;
+
+#[cfg(test)]
+mod trickle_tests {
+    use super::Trickle;
+
+    #[test]
+    fn a_trickle_names_every_line_of_every_row_once_in_order() {
+        let buf = [0u8; 4096];
+        let base = buf.as_ptr();
+        let rows = [base, base.wrapping_add(1024), base.wrapping_add(3000)];
+        // 130 bytes a row: lines at 0, 64 and 128 of each.
+        let mut t = Trickle::new(&rows, 130);
+        let got: Vec<usize> = std::iter::from_fn(|| t.next_line())
+            .map(|p| p as usize - base as usize)
+            .collect();
+        assert_eq!(got, [0, 64, 128, 1024, 1088, 1152, 3000, 3064, 3128]);
+        assert_eq!(t.next_line(), None);
+        t.rest();
+        assert_eq!(Trickle::none().next_line(), None);
+        // What the steps leave, `rest` asks for, and then nothing is left.
+        let mut t = Trickle::new(&rows, 64);
+        t.step();
+        t.rest();
+        assert_eq!(t.next_line(), None);
+    }
+}
