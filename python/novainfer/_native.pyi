@@ -187,6 +187,7 @@ def kernel_selections() -> list[str]:
 
 def read_bandwidth(mib: int = 512, passes: int = 5) -> float:
     """This machine's memory read bandwidth in bytes per second: the fastest of `passes` reads of a
-    `mib`-MiB buffer by the engine's CPU thread pool (``RAYON_NUM_THREADS`` threads). It bounds
+    `mib`-MiB buffer by the engine's CPU thread pool (``RAYON_NUM_THREADS`` threads) in each of two
+    ways of prefetching (into L1 10 KiB ahead, and as the decode kernels do on this CPU). It bounds
     single-stream decode from above: see ``LLM.stats()["weight_bytes_per_token"]``. A bad size or
     pass count raises ``InvalidParameterError``."""

@@ -20,7 +20,7 @@ fn cuda_unavailable_reason(py: Python<'_>, ordinal: usize) -> Option<String> {
 
 /// This machine's memory read bandwidth in bytes per second, measured with the engine's CPU
 /// thread pool (`RAYON_NUM_THREADS` threads) over a buffer of `mib` MiB, the fastest of `passes`
-/// passes.
+/// passes in each of the probe's two prefetch forms (`memory_bandwidth::read_bandwidth`).
 #[pyfunction]
 #[pyo3(signature = (mib=512, passes=5))]
 fn read_bandwidth(py: Python<'_>, mib: usize, passes: usize) -> PyResult<f64> {

@@ -51,7 +51,7 @@ macro_rules! amx_rows_by {
 mod activation;
 mod amx;
 mod int4;
-mod prefetch;
+pub(crate) mod prefetch;
 mod q4_k;
 mod q5_0;
 mod q6_k;

@@ -153,7 +153,7 @@ pub(crate) fn decode() -> Prefetch {
 
 /// Asks for `lines` cache lines from each of [`decode`]'s distances + `at` bytes past `p`.
 #[inline(always)]
-pub(super) fn ahead(p: *const u8, at: usize, lines: usize) {
+pub(crate) fn ahead(p: *const u8, at: usize, lines: usize) {
     let Prefetch { far, near } = decode();
     request(far, p, at, lines);
     if let Some(near) = near {
