@@ -9,6 +9,9 @@
 //! * `stream FORMAT N K COUNT`: `COUNT` distinct `[N, K]` matrices (`q4k`, `q6k`, `q5_0`, `q8_0`)
 //!   one call each, best of 3, and the first one alone again and again (cache-resident: what the
 //!   arithmetic allows).
+//! * `hot FORMAT N K SECONDS`: one `[N, K]` matrix's product again and again for that long
+//!   (median of 100-call batches): the arithmetic's rate alone, steady enough to profile
+//!   (`perf record`) or to A/B a kernel change on a noisy machine.
 //!
 //! `RAYON_NUM_THREADS=2 cargo run --release -p novainfer-model --example decode_gemvs -- step 0.5b`
 use std::cell::RefCell;
@@ -140,17 +143,52 @@ fn step(model: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn stream(args: &[String]) -> anyhow::Result<()> {
-    let [format, n, k, count] = args else {
-        anyhow::bail!("stream takes FORMAT N K COUNT");
-    };
-    let format = match format.as_str() {
+fn format(name: &str) -> anyhow::Result<GgmlDType> {
+    Ok(match name {
         "q4k" => GgmlDType::Q4K,
         "q6k" => GgmlDType::Q6K,
         "q5_0" => GgmlDType::Q5_0,
         "q8_0" => GgmlDType::Q8_0,
         other => anyhow::bail!("unknown format {other}"),
+    })
+}
+
+fn hot(args: &[String]) -> anyhow::Result<()> {
+    let [name, n, k, seconds] = args else {
+        anyhow::bail!("hot takes FORMAT N K SECONDS");
     };
+    let (n, k, seconds): (usize, usize, f64) = (n.parse()?, k.parse()?, seconds.parse()?);
+    let mat = matrix(format(name)?, n, k)?;
+    let x = vec![0.5f32; k];
+    let mut out = Vec::new();
+    const BATCH: usize = 100;
+    let start = Instant::now();
+    let mut rates = Vec::new();
+    while start.elapsed().as_secs_f64() < seconds || rates.is_empty() {
+        let t = Instant::now();
+        for _ in 0..BATCH {
+            mat.matmul_into(&x, 1, &mut out);
+        }
+        rates.push(gb_s(mat.storage_bytes() * BATCH, t.elapsed().as_secs_f64()));
+    }
+    rates.sort_by(f64::total_cmp);
+    let per_call = mat.storage_bytes() as f64 / (rates[rates.len() / 2] * 1e9);
+    println!(
+        "{name} [{n}, {k}] ({:.2} MB): {:.1} GB/s median of {} batches ({:.2} us a call), best {:.1}",
+        mat.storage_bytes() as f64 / 1e6,
+        rates[rates.len() / 2],
+        rates.len(),
+        per_call * 1e6,
+        rates[rates.len() - 1]
+    );
+    Ok(())
+}
+
+fn stream(args: &[String]) -> anyhow::Result<()> {
+    let [format, n, k, count] = args else {
+        anyhow::bail!("stream takes FORMAT N K COUNT");
+    };
+    let format = self::format(format)?;
     let (n, k, count): (usize, usize, usize) = (n.parse()?, k.parse()?, count.parse()?);
     let mats = (0..count)
         .map(|_| matrix(format, n, k))
@@ -189,6 +227,9 @@ fn main() -> anyhow::Result<()> {
     match args.first().map(String::as_str) {
         Some("step") => step(args.get(1).map_or("0.5b", String::as_str)),
         Some("stream") => stream(&args[1..]),
-        _ => anyhow::bail!("usage: decode_gemvs step 0.5b|1.5b | stream FORMAT N K COUNT"),
+        Some("hot") => hot(&args[1..]),
+        _ => anyhow::bail!(
+            "usage: decode_gemvs step 0.5b|1.5b | stream FORMAT N K COUNT | hot FORMAT N K SECONDS"
+        ),
     }
 }

@@ -171,44 +171,84 @@ unsafe fn tile_generic<S: Simd, const R: usize, const STREAM: bool>(
     blocks: Range<usize>,
     mut facc: [S::F; R],
 ) -> [S::F; R] {
-    // SAFETY: the caller's contract.
+    // SAFETY: the caller's contract: rows `row0..row0 + R` and blocks `blocks` exist in
+    // `acts`, so each row's pointers below address its block's 256 values and 16 sums.
     unsafe {
-        let low4 = S::splat8(0x0F);
-        let bits45 = S::splat8(0x30);
         for b in blocks {
             let blk = group.add(b * Q6K::GROUP_BLOCK_BYTES);
-            let planes = blk.add(4 * col_off);
+            let row = |r: usize| Row {
+                qs: acts.qs.as_ptr().add((row0 + r) * acts.k + b * QK_K),
+                sums: acts.sums.as_ptr().add(((row0 + r) * acts.nb + b) * K_SUMS),
+            };
+            let rows: [Row; R] = std::array::from_fn(row);
             let mut isum = [S::zero(); R];
-            for g in 0..16 {
-                if STREAM && g % 4 == 0 {
-                    // 4 steps of 14 lines cover the 54-line block.
-                    prefetch::ahead(blk, 64 * 14 * (g / 4), 14);
-                }
-                let mut acc = [S::zero(); R];
-                for c in 4 * g..4 * g + 4 {
-                    let v = S::load(planes.add(LO + 4 * GROUP * (c % 32)));
-                    let nib = if c < 32 { v } else { S::shr16::<4>(v) };
-                    let h = S::load(planes.add(HI + 4 * GROUP * (c % 16)));
-                    let u = S::or(S::and(nib, low4), S::and(high_bits::<S>(h, c / 16), bits45));
-                    for (r, a) in acc.iter_mut().enumerate() {
-                        let at = (row0 + r) * acts.k + b * QK_K + 4 * c;
-                        *a = S::dot_u6(*a, u, S::bcast4(acts.qs.as_ptr().add(at)));
-                    }
-                }
-                let sc = S::i8_i32(blk.add(SC + GROUP * g + col_off));
-                for (r, (t, a)) in isum.iter_mut().zip(acc).enumerate() {
-                    let sum16 = acts.sums[((row0 + r) * acts.nb + b) * K_SUMS + g];
-                    let a = S::sub32(a, S::splat32(32 * sum16));
-                    *t = S::add32(*t, S::mullo32(a, sc));
-                }
-            }
-            let dw = S::loadf(planes);
+            quarter_generic::<S, R, 0, STREAM>(blk, col_off, &rows, &mut isum);
+            quarter_generic::<S, R, 1, STREAM>(blk, col_off, &rows, &mut isum);
+            quarter_generic::<S, R, 2, STREAM>(blk, col_off, &rows, &mut isum);
+            quarter_generic::<S, R, 3, STREAM>(blk, col_off, &rows, &mut isum);
+            let dw = S::loadf(blk.add(4 * col_off));
             for (r, (f, t)) in facc.iter_mut().zip(isum).enumerate() {
-                let da = S::splatf(acts.d[(row0 + r) * acts.nb + b]);
+                let da = S::splatf(*acts.d.get_unchecked((row0 + r) * acts.nb + b));
                 *f = S::fma(S::cvt(t), S::mul(dw, da), *f);
             }
         }
         facc
+    }
+}
+
+/// One row's inputs for one block: its 256 activations and 16 sub-block sums.
+#[derive(Clone, Copy)]
+struct Row {
+    qs: *const i8,
+    sums: *const i32,
+}
+
+/// Sub-blocks `4T..4T+4` of one block (chunks `16T..16T+16`) into `isum`, in order:
+/// `Σ_g sc_g·(Σ q·a - 32·Σa_g)` per row and column. `T` is a constant so that the chunk's
+/// nibble and high-bit field are fixed shifts: with the quarter a run-time value (a loop over
+/// all 16 sub-blocks) the compiler kept the loop and chose each shift by a branch, and the
+/// 1-row stream of an in-cache matrix computed at ~22 GB/s on one core.
+///
+/// # Safety
+/// `blk` is a packed block and `col_off + S::LANES ≤ GROUP`; every `rows[r]` points at its
+/// row's activations and sums of this block.
+#[inline(always)]
+unsafe fn quarter_generic<S: Simd, const R: usize, const T: usize, const STREAM: bool>(
+    blk: *const u8,
+    col_off: usize,
+    rows: &[Row; R],
+    isum: &mut [S::I; R],
+) {
+    // SAFETY: the caller's contract; every offset below stays inside the block or the rows.
+    unsafe {
+        if STREAM {
+            // 4 steps of 14 lines cover the 54-line block. (A line per chunk instead, as decode
+            // attention asks, streamed ~5% slower and computed 16% slower in cache.)
+            prefetch::ahead(blk, 64 * 14 * T, 14);
+        }
+        let planes = blk.add(4 * col_off);
+        let low4 = S::splat8(0x0F);
+        let bits45 = S::splat8(0x30);
+        for s in 0..4 {
+            let g = 4 * T + s;
+            let mut acc = [S::zero(); R];
+            for j in 0..4 {
+                let i = 4 * s + j;
+                let c = 16 * T + i;
+                let v = S::load(planes.add(LO + 4 * GROUP * (16 * (T % 2) + i)));
+                let nib = if T < 2 { v } else { S::shr16::<4>(v) };
+                let h = S::load(planes.add(HI + 4 * GROUP * i));
+                let u = S::or(S::and(nib, low4), S::and(high_bits::<S>(h, T), bits45));
+                for (a, row) in acc.iter_mut().zip(rows) {
+                    *a = S::dot_u6(*a, u, S::bcast4(row.qs.add(4 * c)));
+                }
+            }
+            let sc = S::i8_i32(blk.add(SC + GROUP * g + col_off));
+            for ((t, a), row) in isum.iter_mut().zip(acc).zip(rows) {
+                let a = S::sub32(a, S::splat32(32 * *row.sums.add(g)));
+                *t = S::add32(*t, S::mullo32(a, sc));
+            }
+        }
     }
 }
 
