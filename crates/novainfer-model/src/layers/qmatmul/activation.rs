@@ -81,7 +81,8 @@ impl QuantizedActs {
         let dst = BlockDst::new(self);
         for_blocks(m * self.nb, x.len(), |b| {
             let xb = &x[b * QK8_0..(b + 1) * QK8_0];
-            let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+            // SAFETY: AVX2 was detected before any packed matrix (the only caller) was built.
+            let amax = unsafe { abs_max_avx2(xb) };
             let scale = amax / 127.0;
             let inv = if scale != 0.0 { 1.0 / scale } else { 0.0 };
             // SAFETY: block `b` owns these parts of the buffers (`BlockDst`); the slice holds
@@ -103,13 +104,8 @@ impl QuantizedActs {
             // SAFETY: block `b` owns these parts of the buffers (`BlockDst`).
             let (qb, sums, d) = unsafe { (dst.qs(b * QK_K, QK_K), dst.sums(b, K_SUMS), dst.d(b)) };
             // The signed value of largest magnitude (first one on ties), as ggml picks it.
-            let (mut amax, mut max) = (0f32, 0f32);
-            for &v in xb {
-                if amax < v.abs() {
-                    amax = v.abs();
-                    max = v;
-                }
-            }
+            // SAFETY: AVX2 was detected before any packed matrix was built.
+            let (amax, max) = unsafe { signed_abs_max_avx2(xb) };
             if amax == 0.0 {
                 qb.fill(0);
                 sums.fill(0);
@@ -216,6 +212,61 @@ impl BlockDst {
 /// One i32 holding `lo` in its low and `hi` in its high 16 bits (a `madd_epi16` operand).
 fn i16_pair(lo: i16, hi: i16) -> i32 {
     i32::from(lo as u16) | (i32::from(hi) << 16)
+}
+
+/// `max |v|` over `x` (a multiple of 8 values), skipping NaNs: what
+/// `x.iter().fold(0.0, |a, v| a.max(v.abs()))` gives (a maximum is exact in any order, and
+/// `max_ps` returns its second operand, the running maximum, when the first is NaN). The
+/// scalar fold is a chain of dependent `max`es that the compiler may not reorder: on a
+/// decode row it took longer than a small matrix's whole product.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+unsafe fn abs_max_avx2(x: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    debug_assert!(x.len() % 8 == 0);
+    // SAFETY: the caller guarantees AVX2; every load reads 8 of `x`'s values.
+    unsafe {
+        let sign = _mm256_set1_ps(-0.0);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for (i, v) in x.chunks_exact(8).enumerate() {
+            let abs = _mm256_andnot_ps(sign, _mm256_loadu_ps(v.as_ptr()));
+            acc[i % 4] = _mm256_max_ps(abs, acc[i % 4]);
+        }
+        let m = _mm256_max_ps(_mm256_max_ps(acc[0], acc[1]), _mm256_max_ps(acc[2], acc[3]));
+        let lanes: [f32; 8] = std::mem::transmute(m);
+        lanes.into_iter().fold(0f32, f32::max)
+    }
+}
+
+/// `(max |v|, v)` for the first `v` of `x` (a multiple of 8 values) of largest magnitude,
+/// NaNs skipped, `(0, 0)` when there is none: the scalar scan
+/// `if amax < v.abs() { amax = v.abs(); max = v }`, from [`abs_max_avx2`] and a search for
+/// the first value that reaches it.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+unsafe fn signed_abs_max_avx2(x: &[f32]) -> (f32, f32) {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller guarantees AVX2; every load reads 8 of `x`'s values.
+    unsafe {
+        let amax = abs_max_avx2(x);
+        if amax == 0.0 {
+            return (0.0, 0.0);
+        }
+        let sign = _mm256_set1_ps(-0.0);
+        let target = _mm256_set1_ps(amax);
+        for (i, v) in x.chunks_exact(8).enumerate() {
+            let abs = _mm256_andnot_ps(sign, _mm256_loadu_ps(v.as_ptr()));
+            let hits = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(abs, target));
+            if hits != 0 {
+                return (amax, x[8 * i + hits.trailing_zeros() as usize]);
+            }
+        }
+        unreachable!("the maximum of the values is one of them")
+    }
 }
 
 /// `q = round(x·inv)` (ties away from zero, like `f32::round`) for one 32-value
@@ -349,6 +400,51 @@ mod tests {
             assert_eq!(reused.qs_u8, fresh.qs_u8, "{kind:?}");
             assert_eq!(reused.d, fresh.d, "{kind:?}");
             assert_eq!(reused.sums, fresh.sums, "{kind:?}");
+        }
+    }
+
+    /// The SIMD maxima equal the scalar scans they replace: NaNs skipped, the first of equal
+    /// magnitudes (of either sign) kept, zeros and negative zeros giving (0, 0).
+    #[test]
+    fn abs_maxima_match_the_scalar_scans() {
+        if !is_x86_feature_detected!("avx2") {
+            return;
+        }
+        let scalar = |x: &[f32]| {
+            let (mut amax, mut max) = (0f32, 0f32);
+            for &v in x {
+                if amax < v.abs() {
+                    amax = v.abs();
+                    max = v;
+                }
+            }
+            (amax, max, x.iter().fold(0f32, |a, v| a.max(v.abs())))
+        };
+        let mut cases: Vec<Vec<f32>> = vec![vec![0.0; 32], vec![-0.0; 256], vec![f32::NAN; 32]];
+        let mut ties = vec![0.5f32; 256];
+        (ties[17], ties[40], ties[200]) = (-3.0, 3.0, -3.0);
+        cases.push(ties);
+        let mut nans: Vec<f32> = (0..256).map(|i| (i as f32 - 100.0) / 7.0).collect();
+        (nans[0], nans[9], nans[255]) = (f32::NAN, -f32::NAN, -200.0);
+        cases.push(nans);
+        for seed in 0..20u32 {
+            let x: Vec<f32> = (0..256u32)
+                .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 97) % 4001) as f32)
+                .map(|v| (v - 2000.0) / 13.0)
+                .collect();
+            cases.push(x);
+        }
+        for (i, x) in cases.iter().enumerate() {
+            let (amax, max, folded) = scalar(x);
+            // SAFETY: AVX2 was detected above.
+            let (got_amax, got_max) = unsafe { signed_abs_max_avx2(x) };
+            assert_eq!(
+                (got_amax.to_bits(), got_max.to_bits()),
+                (amax.to_bits(), max.to_bits()),
+                "case {i}"
+            );
+            // SAFETY: as above.
+            assert_eq!(unsafe { abs_max_avx2(x) }.to_bits(), folded.to_bits(), "case {i}");
         }
     }
 
