@@ -30,9 +30,9 @@ pub(crate) fn execute_contiguous<F: Fn(Range<usize>) + Sync>(n_items: usize, f: 
     // Claims of an eighth of a share: few enough to cost nothing, small enough that a
     // thief's last chunk is short.
     let chunk = (per / 8).max(1);
-    let ranges: [AtomicU64; MAX_OWNERS] = std::array::from_fn(|o| {
+    let ranges: [Share; MAX_OWNERS] = std::array::from_fn(|o| {
         let (front, back) = ((o * per).min(n_items), ((o + 1) * per).min(n_items));
-        AtomicU64::new(pack(front, back))
+        Share(AtomicU64::new(pack(front, back)))
     });
     let ranges = &ranges[..owners];
     // One slot per share, handed out like any chunked work: a thread runs its slot's share
@@ -40,17 +40,23 @@ pub(crate) fn execute_contiguous<F: Fn(Range<usize>) + Sync>(n_items: usize, f: 
     // other, which still covers every item.
     pool.execute_chunked(owners, |slots| {
         for own in slots {
-            while let Some(r) = claim(&ranges[own], chunk, End::Front) {
+            while let Some(r) = claim(&ranges[own].0, chunk, End::Front) {
                 f(r);
             }
             for other in (1..owners).map(|d| (own + d) % owners) {
-                while let Some(r) = claim(&ranges[other], chunk, End::Back) {
+                while let Some(r) = claim(&ranges[other].0, chunk, End::Back) {
                     f(r);
                 }
             }
         }
     });
 }
+
+/// One thread's share, on a cache line of its own: the owner claims from it while the
+/// others' claims hit theirs, where adjacent shares made every claim of a small product
+/// (a decode row's K or V) pull the line from the other core.
+#[repr(align(64))]
+struct Share(AtomicU64);
 
 enum End {
     Front,
