@@ -19,7 +19,9 @@
 //!   8-15% faster with AVX-512 than with the AVX2 that the ties used to keep (an Emerald
 //!   Rapids VM had decoded ~4% slower on AVX-512, before its 1-8-row products streamed with
 //!   prefetches spread over a block). Flushing the matrix before each run was tried: ~180 ns
-//!   a line in a VM, and it showed ties where the model decoded 14% slower;
+//!   a line in a VM, and it showed ties where the model decoded 14% slower. For the same
+//!   reason an ISA without a streaming few-row path (VNNI-256) is timed for these two only
+//!   where the problem reads memory ([`is_candidate`]);
 //! * batch (a decode step of [`super::BATCH_ROWS`] sequences or fewer) and prefill:
 //!   [`BATCH_PROBLEM_ROWS`] and [`PREFILL_ROWS`] rows against a small matrix that stays in
 //!   cache. They differ where AMX is among the candidates: it unpacks a group's weights once
@@ -238,6 +240,21 @@ fn parse_cache_size(size: &str) -> Option<usize> {
     digits.parse::<usize>().ok()?.checked_mul(scale)
 }
 
+/// Whether `isa` is timed for `regime` of `format` (unless forced). AMX runs only whole 16-row
+/// tiles (fewer rows run the AVX-512 code), so it is a candidate for the batch and prefill
+/// problems of a format that has an AMX form. An ISA whose few-row products do not stream
+/// ([`IsaChoice::streams_few_rows`]) is a candidate for decode and verify only where their
+/// problem reads memory (`from_memory`), where that shows: in a cache that holds the problem
+/// (an Emerald Rapids VM's 260 MiB L3) VNNI-256's 1-row Q8_0 won by 7% and chose itself for
+/// the 0.5B's `lm_head`, which then streamed from memory at 80% of the probe where AVX-512's
+/// path read 93%.
+fn is_candidate(isa: IsaChoice, format: Format, regime: Regime, from_memory: bool) -> bool {
+    match isa {
+        IsaChoice::Amx => regime.tiled() && format.has_amx(),
+        _ => regime.tiled() || from_memory || isa.streams_few_rows(),
+    }
+}
+
 /// Runs [`kernel_select::select`] for one regime; every candidate multiplies the problem's
 /// packed matrix, switched to its ISA for its run.
 fn time_regime(
@@ -259,13 +276,10 @@ fn time_regime(
     // about as long as a 256-column product of them, and hid AMX's gain over AVX-512).
     let mut acts = QuantizedActs::default();
     acts.fill(problem.mat().borrow().act_kind(), &x, m, K);
-    // AMX runs only whole 16-row tiles (fewer rows run the AVX-512 code), so it is a
-    // candidate for the batch and prefill problems of a format that has an AMX form, or when
-    // forced.
-    let amx_forced = forced.is_some_and(|(_, v)| v == IsaChoice::Amx.name());
+    let is_forced = |isa: IsaChoice| forced.is_some_and(|(_, v)| v == isa.name());
     let candidates = available
         .iter()
-        .filter(|&&isa| isa != IsaChoice::Amx || amx_forced || (regime.tiled() && format.has_amx()))
+        .filter(|&&isa| is_candidate(isa, format, regime, streams_from_memory()) || is_forced(isa))
         .map(|&isa| {
             let acts = &acts;
             Candidate::new(isa, isa.name(), move || {
@@ -327,9 +341,15 @@ mod tests {
             );
             // AMX is timed for batch and prefill only (fewer rows than a tile run the AVX-512
             // code).
+            let timed_regime = match regime {
+                "decode" => Regime::Decode,
+                "verify" => Regime::Verify,
+                "batch" => Regime::Batch,
+                _ => Regime::Prefill,
+            };
             let names: Vec<_> = available
                 .iter()
-                .filter(|&&i| i != IsaChoice::Amx || regime == "batch" || regime == "prefill")
+                .filter(|&&i| is_candidate(i, Format::Q8_0, timed_regime, streams_from_memory()))
                 .map(|i| i.name())
                 .collect();
             if names.len() > 1 {
@@ -378,6 +398,24 @@ mod tests {
             for regime in [Regime::Batch, Regime::Prefill] {
                 let (_, s) = time_regime(format, &available, None, &prefill, regime, None);
                 println!("{s}");
+            }
+        }
+    }
+
+    #[test]
+    fn few_row_regimes_time_only_streaming_isas_unless_the_problem_reads_memory() {
+        use IsaChoice::{Amx, Avx2, Avx512, Vnni256};
+        for from_memory in [false, true] {
+            for regime in [Regime::Decode, Regime::Verify] {
+                assert!(is_candidate(Avx2, Format::Q8_0, regime, from_memory));
+                assert!(is_candidate(Avx512, Format::Q8_0, regime, from_memory));
+                assert_eq!(is_candidate(Vnni256, Format::Q8_0, regime, from_memory), from_memory);
+                assert!(!is_candidate(Amx, Format::Q4K, regime, from_memory));
+            }
+            for regime in [Regime::Batch, Regime::Prefill] {
+                assert!(is_candidate(Vnni256, Format::Q8_0, regime, from_memory));
+                assert!(is_candidate(Amx, Format::Q4K, regime, from_memory));
+                assert!(!is_candidate(Amx, Format::Int4, regime, from_memory));
             }
         }
     }

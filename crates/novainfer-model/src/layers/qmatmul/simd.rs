@@ -388,6 +388,14 @@ impl IsaChoice {
             Self::Amx => "amx",
         }
     }
+
+    /// Whether its few-row products (decode, verify) stream the weights with software
+    /// prefetches: AVX2's row and few-row paths and AVX-512's few-row path do (AMX runs few
+    /// rows on the latter); VNNI-256 runs them through the prefill driver, whose reads go at
+    /// the hardware prefetchers' pace.
+    pub(super) fn streams_few_rows(self) -> bool {
+        !matches!(self, Self::Vnni256)
+    }
 }
 
 /// The implementations this CPU can run, AVX2 (the baseline) first; empty when even
