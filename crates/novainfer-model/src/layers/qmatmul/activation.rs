@@ -214,7 +214,7 @@ fn i16_pair(lo: i16, hi: i16) -> i32 {
     i32::from(lo as u16) | (i32::from(hi) << 16)
 }
 
-/// `max |v|` over `x` (a multiple of 8 values), skipping NaNs: what
+/// `max |v|` over `x`, skipping NaNs: what
 /// `x.iter().fold(0.0, |a, v| a.max(v.abs()))` gives (a maximum is exact in any order, and
 /// `max_ps` returns its second operand, the running maximum, when the first is NaN). The
 /// scalar fold is a chain of dependent `max`es that the compiler may not reorder: on a
@@ -225,22 +225,23 @@ fn i16_pair(lo: i16, hi: i16) -> i32 {
 #[target_feature(enable = "avx2")]
 unsafe fn abs_max_avx2(x: &[f32]) -> f32 {
     use std::arch::x86_64::*;
-    debug_assert!(x.len() % 8 == 0);
     // SAFETY: the caller guarantees AVX2; every load reads 8 of `x`'s values.
     unsafe {
         let sign = _mm256_set1_ps(-0.0);
         let mut acc = [_mm256_setzero_ps(); 4];
-        for (i, v) in x.chunks_exact(8).enumerate() {
+        let eights = x.chunks_exact(8);
+        let rest = eights.remainder();
+        for (i, v) in eights.enumerate() {
             let abs = _mm256_andnot_ps(sign, _mm256_loadu_ps(v.as_ptr()));
             acc[i % 4] = _mm256_max_ps(abs, acc[i % 4]);
         }
         let m = _mm256_max_ps(_mm256_max_ps(acc[0], acc[1]), _mm256_max_ps(acc[2], acc[3]));
         let lanes: [f32; 8] = std::mem::transmute(m);
-        lanes.into_iter().fold(0f32, f32::max)
+        lanes.iter().chain(rest).fold(0f32, |a, v| a.max(v.abs()))
     }
 }
 
-/// `(max |v|, v)` for the first `v` of `x` (a multiple of 8 values) of largest magnitude,
+/// `(max |v|, v)` for the first `v` of `x` of largest magnitude,
 /// NaNs skipped, `(0, 0)` when there is none: the scalar scan
 /// `if amax < v.abs() { amax = v.abs(); max = v }`, from [`abs_max_avx2`] and a search for
 /// the first value that reaches it.
@@ -258,14 +259,20 @@ unsafe fn signed_abs_max_avx2(x: &[f32]) -> (f32, f32) {
         }
         let sign = _mm256_set1_ps(-0.0);
         let target = _mm256_set1_ps(amax);
-        for (i, v) in x.chunks_exact(8).enumerate() {
+        let eights = x.chunks_exact(8);
+        let rest = eights.remainder();
+        for (i, v) in eights.enumerate() {
             let abs = _mm256_andnot_ps(sign, _mm256_loadu_ps(v.as_ptr()));
             let hits = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(abs, target));
             if hits != 0 {
                 return (amax, x[8 * i + hits.trailing_zeros() as usize]);
             }
         }
-        unreachable!("the maximum of the values is one of them")
+        let found = rest.iter().find(|v| v.abs() == amax);
+        (
+            amax,
+            *found.expect("the maximum of the values is one of them"),
+        )
     }
 }
 
@@ -427,6 +434,11 @@ mod tests {
         let mut nans: Vec<f32> = (0..256).map(|i| (i as f32 - 100.0) / 7.0).collect();
         (nans[0], nans[9], nans[255]) = (f32::NAN, -f32::NAN, -200.0);
         cases.push(nans);
+        // Lengths past the last 8: the largest in the tail, and a tie the tail does not win.
+        cases.push((0..13).map(|i| i as f32 - 2.0).collect());
+        cases.push(vec![
+            1.0, -9.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 9.0, -9.0, 3.0,
+        ]);
         for seed in 0..20u32 {
             let x: Vec<f32> = (0..256u32)
                 .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 97) % 4001) as f32)
@@ -444,7 +456,11 @@ mod tests {
                 "case {i}"
             );
             // SAFETY: as above.
-            assert_eq!(unsafe { abs_max_avx2(x) }.to_bits(), folded.to_bits(), "case {i}");
+            assert_eq!(
+                unsafe { abs_max_avx2(x) }.to_bits(),
+                folded.to_bits(),
+                "case {i}"
+            );
         }
     }
 

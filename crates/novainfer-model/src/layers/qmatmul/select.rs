@@ -244,10 +244,10 @@ fn parse_cache_size(size: &str) -> Option<usize> {
 /// tiles (fewer rows run the AVX-512 code), so it is a candidate for the batch and prefill
 /// problems of a format that has an AMX form. An ISA whose few-row products do not stream
 /// ([`IsaChoice::streams_few_rows`]) is a candidate for decode and verify only where their
-/// problem reads memory (`from_memory`), where that shows: in a cache that holds the problem
-/// (an Emerald Rapids VM's 260 MiB L3) VNNI-256's 1-row Q8_0 won by 7% and chose itself for
-/// the 0.5B's `lm_head`, which then streamed from memory at 80% of the probe where AVX-512's
-/// path read 93%.
+/// problem reads memory (`from_memory`), where the timing shows that lack: in a cache that
+/// holds the problem (an Emerald Rapids VM's 260 MiB L3) VNNI-256's 1-row Q8_0 won by 7% and
+/// chose itself for the 0.5B's `lm_head`, which then streamed from memory at 80% of the probe
+/// where AVX-512's path read 93%.
 fn is_candidate(isa: IsaChoice, format: Format, regime: Regime, from_memory: bool) -> bool {
     match isa {
         IsaChoice::Amx => regime.tiled() && format.has_amx(),
@@ -339,8 +339,8 @@ mod tests {
                 s.rejected.is_empty(),
                 "an ISA disagreed with AVX2 on this CPU: {s}"
             );
-            // AMX is timed for batch and prefill only (fewer rows than a tile run the AVX-512
-            // code).
+            // Every candidate the rule names for the regime was timed (AMX for batch and prefill
+            // only; VNNI-256 for decode and verify only where their problem reads memory).
             let timed_regime = match regime {
                 "decode" => Regime::Decode,
                 "verify" => Regime::Verify,
@@ -409,7 +409,10 @@ mod tests {
             for regime in [Regime::Decode, Regime::Verify] {
                 assert!(is_candidate(Avx2, Format::Q8_0, regime, from_memory));
                 assert!(is_candidate(Avx512, Format::Q8_0, regime, from_memory));
-                assert_eq!(is_candidate(Vnni256, Format::Q8_0, regime, from_memory), from_memory);
+                assert_eq!(
+                    is_candidate(Vnni256, Format::Q8_0, regime, from_memory),
+                    from_memory
+                );
                 assert!(!is_candidate(Amx, Format::Q4K, regime, from_memory));
             }
             for regime in [Regime::Batch, Regime::Prefill] {
